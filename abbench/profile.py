@@ -1,0 +1,276 @@
+"""Experiment profiles: the TOML files in ``profiles/``, validated into :class:`Profile`.
+
+A profile says everything a run needs and nothing is decided after looking at numbers: the tokenizer, the
+prompt sets, how to launch or reach the engine, the arms, the rounds, which samples are excluded (the
+pre-registered rule), the request parameters and the gate's checks. ``abbench run`` flags may override the
+arms (subset and order), the rounds and the fresh-prompt lengths; the effective profile is what the run
+records.
+
+Errors name the file, the field (dotted path) and what is allowed: they are raised as
+:class:`abbench.errors.ConfigError`. Placeholders in commands: ``{python}`` (this interpreter), ``{port}``
+(a free loopback port chosen per service), ``{profile_dir}`` (the profile file's folder).
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from abbench.errors import ConfigError
+
+PROFILES_DIR = Path(__file__).resolve().parent.parent / "profiles"
+DEFAULT_PROFILE = "cpu-tiny"
+
+PositiveInt = Annotated[int, Field(gt=0)]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=False)
+
+
+class TokenizerSpec(_Model):
+    source: str = Field(
+        "qwen3",
+        description="Built-in vocabulary name ('qwen3' = Qwen2/Qwen3, 'qwen3.6' = Qwen3.5/3.6) or the path "
+        "of a local Hugging Face tokenizer directory (relative paths are relative to the profile).",
+    )
+
+
+class PairSpec(_Model):
+    cold: PositiveInt = Field(description="Token count of the cold prompt.")
+    extend: PositiveInt = Field(description="Tokens the continuation adds to the cold prompt.")
+
+
+class PromptsSpec(_Model):
+    lengths: list[PositiveInt] = Field(
+        default_factory=lambda: [512], description="Token counts of the fresh (cold, unrelated) prompts."
+    )
+    per_length: PositiveInt = Field(1, description="Distinct fresh prompts at each length.")
+    corpora: list[str] = Field(
+        default_factory=lambda: ["essays", "science", "history", "fiction"],
+        description="Text bodies the prompts are cut from: built-in corpus names or paths to UTF-8 .txt "
+        "files. Prompts rotate through them so no two prompts share a prefix.",
+    )
+    pairs: list[PairSpec] = Field(
+        default_factory=list,
+        description="Cold/continuation pairs: the continuation extends the cold prompt token for token, so "
+        "a prefix cache can reuse it. Always run back to back on the same arm.",
+    )
+    warmup: int = Field(2, ge=0, description="Short warm-up prompts per arm and service (excluded).")
+    warmup_tokens: PositiveInt = Field(32, description="Token count of each warm-up prompt.")
+    jit_warmup_tokens: int = Field(
+        0,
+        ge=0,
+        description="If > 0, one long prompt of this many tokens runs per arm and service after the "
+        "warm-ups, to warm JIT and allocator caches (excluded). 0 = none.",
+    )
+    seed: int = Field(0, description="Seed of the corpus rotation; same seed, same prompts.")
+
+    @field_validator("lengths")
+    @classmethod
+    def _distinct(cls, v: list[int]) -> list[int]:
+        if len(set(v)) != len(v):
+            raise ValueError("lengths must be distinct")
+        return v
+
+
+class RequestSpec(_Model):
+    max_tokens: PositiveInt = Field(16, description="Tokens generated per request.")
+    temperature: float = Field(0.0, ge=0.0, description="0 = greedy (parity needs greedy).")
+    ignore_eos: bool = Field(True, description="Generate exactly max_tokens even past EOS.")
+    logprobs: int | None = Field(
+        2, ge=0, le=20, description="Top-k logprobs per output token, for divergence margins; null = none."
+    )
+    stream: bool = Field(True, description="Stream (SSE); TTFT needs it.")
+    timeout_s: float = Field(300.0, gt=0, description="Per-request timeout (seconds, whole response).")
+    extra: dict[str, Any] = Field(default_factory=dict, description="Extra body fields for every request.")
+
+
+class EngineSpec(_Model):
+    adapter: Literal["openai", "vllm", "sglang", "llamacpp"] = Field(
+        "openai",
+        description="Wire format: 'openai' (/v1/completions with token_ids, the vendored engine and "
+        "vLLM-compatible servers), or an engine-specific adapter.",
+    )
+    command: list[str] = Field(
+        default_factory=list, description="argv of the service (no shell); arms append their args."
+    )
+    env: dict[str, str] = Field(default_factory=dict, description="Extra environment of the service.")
+    base_url: str | None = Field(None, description="URL of an already running server (no launch).")
+    model: str | None = Field(None, description="'model' field sent with each request, if the server needs it.")
+    shared_service: bool = Field(
+        False,
+        description="All arms share one service; each request carries its arm's fields and the service "
+        "is reset before each sample group.",
+    )
+    health_path: str = "/health"
+    health_timeout_s: float = Field(180.0, gt=0)
+    reset_path: str | None = Field("/reset", description="POSTed to flush caches before each cold sample.")
+    metrics_path: str | None = Field("/metrics", description="Prometheus text endpoint scraped around requests.")
+    stop_timeout_s: float = Field(15.0, gt=0, description="Grace period after SIGTERM before SIGKILL.")
+
+
+class ArmSpec(_Model):
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$", description="Arm name (used in files).")
+    args: list[str] = Field(default_factory=list, description="Appended to engine.command.")
+    command: list[str] | None = Field(None, description="Replaces engine.command for this arm.")
+    env: dict[str, str] = Field(default_factory=dict)
+    base_url: str | None = Field(None, description="A running server for this arm (no launch).")
+    request: dict[str, Any] = Field(default_factory=dict, description="Extra request body fields.")
+    expect_path: str | None = Field(
+        None, description="The engine must report this prefill path (abbench.prefill_path) when eligible."
+    )
+
+
+class RunSpec(_Model):
+    rounds: PositiveInt = Field(2, description="Interleaved rounds; arm order reverses every round (ABBA).")
+    reference: str | None = Field(None, description="Reference arm for parity and ratios (default: first).")
+    exclude_kinds: list[Literal["warmup", "jit", "fresh", "cold", "continuation"]] = Field(
+        default_factory=lambda: ["warmup", "jit"],
+        description="Pre-registered exclusion rule: samples of these kinds are run but excluded.",
+    )
+    reset_between_samples: bool = Field(
+        True, description="POST engine.reset_path before every fresh prompt and every pair."
+    )
+    on_service_failure: Literal["stop", "skip-arm"] = "stop"
+    on_request_failure: Literal["continue", "restart", "stop"] = Field(
+        "continue",
+        description="After a failed request: carry on, restart the service first, or stop the run.",
+    )
+
+
+class GateSpec(_Model):
+    parity_tokens: PositiveInt = Field(8, description="First K greedy ids that must match the reference.")
+    require_active_path: bool = Field(True, description="Arms with expect_path must report that path.")
+    allow_fallback: list[str] = Field(default_factory=list, description="Arms allowed to fall back.")
+    max_failed_samples: int = Field(0, ge=0, description="Failed measured samples tolerated.")
+
+
+class Profile(_Model):
+    name: str
+    description: str = ""
+    tokenizer: TokenizerSpec = Field(default_factory=TokenizerSpec)
+    prompts: PromptsSpec = Field(default_factory=PromptsSpec)
+    request: RequestSpec = Field(default_factory=RequestSpec)
+    engine: EngineSpec = Field(default_factory=EngineSpec)
+    arms: list[ArmSpec] = Field(min_length=1)
+    run: RunSpec = Field(default_factory=RunSpec)
+    gate: GateSpec = Field(default_factory=GateSpec)
+    # Where the profile came from; not a TOML field (set by load_profile).
+    source_path: str | None = Field(None, exclude=False)
+
+    @model_validator(mode="after")
+    def _check(self) -> Profile:
+        names = [a.name for a in self.arms]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"arm names must be unique; repeated: {', '.join(dupes)}")
+        if self.run.reference is not None and self.run.reference not in names:
+            raise ValueError(f"run.reference {self.run.reference!r} is not an arm; arms are {', '.join(names)}")
+        for arm in self.arms:
+            launch = arm.command or self.engine.command
+            if not (arm.base_url or self.engine.base_url or launch):
+                raise ValueError(
+                    f"arm {arm.name!r} has no way to reach an engine: set engine.command, engine.base_url, "
+                    "or the arm's command/base_url"
+                )
+        for name in self.gate.allow_fallback:
+            if name not in names:
+                raise ValueError(f"gate.allow_fallback names {name!r}, which is not an arm")
+        return self
+
+    @property
+    def reference_arm(self) -> str:
+        return self.run.reference or self.arms[0].name
+
+    def arm(self, name: str) -> ArmSpec:
+        for a in self.arms:
+            if a.name == name:
+                return a
+        raise KeyError(name)
+
+    def with_overrides(
+        self, *, arms: list[str] | None = None, rounds: int | None = None, lengths: list[int] | None = None
+    ) -> Profile:
+        """The profile with ``abbench run`` flag overrides applied (validated again)."""
+        data = self.model_dump()
+        where = "--arms"
+        if arms is not None:
+            known = {a["name"]: a for a in data["arms"]}
+            unknown = [a for a in arms if a not in known]
+            if unknown:
+                raise ConfigError(
+                    f"{where}: unknown arm(s) {', '.join(unknown)}; this profile has {', '.join(known)}"
+                )
+            if len(set(arms)) != len(arms):
+                raise ConfigError(f"{where}: an arm is named twice")
+            data["arms"] = [known[a] for a in arms]
+            if data["run"]["reference"] not in arms:
+                data["run"]["reference"] = None
+            data["gate"]["allow_fallback"] = [a for a in data["gate"]["allow_fallback"] if a in arms]
+        if rounds is not None:
+            data["run"]["rounds"] = rounds
+        if lengths is not None:
+            data["prompts"]["lengths"] = lengths
+        return _validate(data, self.source_path or "<overrides>")
+
+
+def _format_validation_error(err: ValidationError, path: str) -> str:
+    lines = [f"{path}: invalid profile"]
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        msg = e["msg"]
+        if e["type"] == "extra_forbidden":
+            msg = "unknown field (check the spelling; see the profile reference in the README)"
+        elif e["type"] == "missing":
+            msg = "required field is missing"
+        lines.append(f"  {loc}: {msg}")
+    return "\n".join(lines)
+
+
+def _validate(data: dict[str, Any], path: str) -> Profile:
+    try:
+        return Profile.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_format_validation_error(e, path)) from None
+
+
+def resolve_profile_path(name_or_path: str | None) -> Path:
+    """A profile name (``cpu-tiny``: looked up in ``profiles/``) or a path to a TOML file."""
+    if name_or_path is None:
+        name_or_path = DEFAULT_PROFILE
+    p = Path(name_or_path)
+    if p.suffix == ".toml" or p.exists():
+        if not p.is_file():
+            raise ConfigError(f"profile file {p} does not exist")
+        return p
+    candidate = PROFILES_DIR / f"{name_or_path}.toml"
+    if candidate.is_file():
+        return candidate
+    known = sorted(q.stem for q in PROFILES_DIR.glob("*.toml"))
+    raise ConfigError(
+        f"no profile named {name_or_path!r}: pass a path to a .toml file or one of: {', '.join(known) or '(none)'}"
+    )
+
+
+def load_profile(name_or_path: str | None = None) -> Profile:
+    """Load and validate a profile; every error is a :class:`ConfigError` naming the file and field."""
+    path = resolve_profile_path(name_or_path)
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML: {e}") from None
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read: {e}") from None
+    if "source_path" in data:
+        raise ConfigError(f"{path}: source_path: unknown field (it is set by abbench, not by the profile)")
+    data["source_path"] = str(path.resolve())
+    return _validate(data, str(path))
+
+
+def profile_from_dict(data: dict[str, Any], where: str = "<profile>") -> Profile:
+    """Validate a profile given as a dict (e.g. read back from run.json)."""
+    return _validate(dict(data), where)

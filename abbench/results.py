@@ -1,0 +1,255 @@
+"""The result schema of a run, and reading/writing it.
+
+A run directory holds:
+
+* ``run.json``       — one :class:`RunRecord` (versioned; rewritten atomically at every service boundary and
+                        at the end, with ``status`` "running", "partial" or "complete");
+* ``requests.jsonl`` — one :class:`Sample` per line, appended and flushed as each request finishes, so a
+                        crash loses nothing that finished;
+* ``logs/``          — one log file per service instance (stdout and stderr together).
+
+Only raw observations are stored (timestamps, ids, counters); derived metrics (ratios, tokens/s, medians)
+are computed by :mod:`abbench.analysis` and never stored twice. ``report`` and ``gate`` read these files only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Iterator, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from abbench.errors import ResultsError
+
+SCHEMA_VERSION = 1
+RUN_FILE = "run.json"
+SAMPLES_FILE = "requests.jsonl"
+LOGS_DIR = "logs"
+
+PromptKind = Literal["warmup", "jit", "fresh", "cold", "continuation"]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class PromptRecord(_Model):
+    """One exact-length prompt. The text is not stored (it is rebuilt deterministically); its hash is."""
+
+    id: str = Field(description="Stable id, e.g. 'fresh-1024-0', 'pair0-cold', 'pair0-cont', 'warmup-1'.")
+    kind: PromptKind
+    target_tokens: int = Field(description="Exact token count the prompt was built to.")
+    token_count: int = Field(description="Token count measured by re-encoding the text (== target).")
+    sha256: str = Field(description="sha256 of the UTF-8 prompt text.")
+    corpus: str = Field(description="Corpus the text was cut from.")
+    parent: str | None = Field(None, description="For a continuation: the id of the cold prompt it extends.")
+    preview: str = Field("", description="The first characters of the text, for humans.")
+
+
+class Step(_Model):
+    """One planned request."""
+
+    index: int = Field(description="Position in the plan (execution order).")
+    round: int = Field(description="Round number, from 1. Warm-up steps carry the round of their service.")
+    arm: str
+    position: int = Field(description="Index of the arm in this round's arm order (0 = ran first).")
+    prompt_id: str
+    kind: PromptKind
+    group: str = Field(description="Sample group: a fresh prompt alone, or a cold/continuation pair.")
+    service: str = Field(description="Key of the service instance that serves this step.")
+    reset_before: bool = Field(description="POST the engine's reset path before this step.")
+    excluded: bool = Field(description="Excluded by the profile's pre-registered rule (still run).")
+
+
+class Telemetry(_Model):
+    """Per-request telemetry gathered around one request."""
+
+    metrics_before: dict[str, float] | None = Field(None, description="Engine /metrics scrape before.")
+    metrics_after: dict[str, float] | None = Field(None, description="Engine /metrics scrape after.")
+    nvml_pcie_rx_bytes: float | None = Field(
+        None, description="Host->device bytes estimated from NVML PCIe RX throughput samples over the request."
+    )
+    gpu_mem_used_peak: int | None = None
+    proc_gpu_mem_peak: int | None = None
+    host_rss_peak: int | None = Field(None, description="Peak RSS of the service's process tree (bytes).")
+
+
+class Sample(_Model):
+    """One finished (or failed) request. Appended to requests.jsonl when it finishes."""
+
+    step: int
+    arm: str
+    round: int
+    position: int
+    prompt_id: str
+    kind: PromptKind
+    excluded: bool
+    service: str
+    ok: bool = Field(description="False if the request failed; then error_kind/error say why.")
+    error_kind: str | None = None
+    error: str | None = None
+    started_at: float = Field(description="Wall-clock time (unix seconds) just before the request.")
+    ttft_s: float | None = Field(None, description="perf_counter from before the request to the first event with text.")
+    total_s: float | None = Field(None, description="perf_counter from before the request to the end of the response.")
+    output_ids: list[int] = Field(default_factory=list)
+    ids_source: Literal["native", "retokenized", "none"] = "none"
+    text: str = ""
+    finish_reason: str | None = None
+    prompt_tokens: int | None = Field(None, description="usage.prompt_tokens reported by the server.")
+    completion_tokens: int | None = None
+    saw_done: bool = False
+    logprobs: list[list[tuple[int, float]]] | None = Field(
+        None, description="Per output position: top-k (id, logprob), best first, when captured."
+    )
+    engine: dict[str, Any] | None = Field(None, description="The engine's own per-request object (abbench).")
+    telemetry: Telemetry = Field(default_factory=Telemetry)
+
+
+class ServiceRecord(_Model):
+    key: str
+    arms: list[str]
+    round: int | None
+    command: list[str] | None = Field(None, description="argv as launched (None: an existing base_url).")
+    env: dict[str, str] = Field(default_factory=dict, description="Environment the profile added.")
+    base_url: str
+    log: str | None = Field(None, description="Log file, relative to the run directory.")
+    started_at: float | None = None
+    ready_s: float | None = Field(None, description="Seconds from launch to healthy.")
+    stopped_at: float | None = None
+    exit_code: int | None = None
+    gpu_idle_before: bool | None = None
+    gpu_idle_after: bool | None = None
+    error: str | None = None
+
+
+class MemoryPoint(_Model):
+    t: float = Field(description="Wall-clock time (unix seconds).")
+    service: str
+    gpu_mem_used: int | None = None
+    proc_gpu_mem: int | None = None
+    host_rss: int | None = None
+    pcie_rx_bytes_per_s: float | None = None
+    pcie_tx_bytes_per_s: float | None = None
+
+
+class RunRecord(_Model):
+    schema_version: int = SCHEMA_VERSION
+    run_id: str
+    status: Literal["running", "partial", "complete"]
+    status_reason: str | None = Field(None, description="Why a run is partial (interrupt, stop on failure).")
+    created_at: float
+    finished_at: float | None = None
+    abbench_version: str
+    profile: dict[str, Any] = Field(description="The effective profile (after CLI overrides).")
+    environment: dict[str, Any] = Field(default_factory=dict, description="Fingerprint: GPU, driver, versions...")
+    prompts: list[PromptRecord] = Field(default_factory=list)
+    plan: list[Step] = Field(default_factory=list)
+    samples: list[Sample] = Field(default_factory=list)
+    services: list[ServiceRecord] = Field(default_factory=list)
+    memory: list[MemoryPoint] = Field(default_factory=list, description="Background samples over time.")
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def save_run(run_dir: Path, record: RunRecord) -> Path:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / RUN_FILE
+    _atomic_write(path, record.model_dump_json(indent=1))
+    return path
+
+
+class SampleLog:
+    """Append-only JSONL of samples; each line is flushed and fsynced as it is written."""
+
+    def __init__(self, run_dir: Path) -> None:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.path = run_dir / SAMPLES_FILE
+        self._f = open(self.path, "a", encoding="utf-8")
+
+    def append(self, sample: Sample) -> None:
+        self._f.write(sample.model_dump_json() + "\n")
+        self._f.flush()
+        os.fsync(self._f.fileno())
+
+    def close(self) -> None:
+        if not self._f.closed:
+            self._f.close()
+
+    def __enter__(self) -> SampleLog:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def read_samples(path: Path) -> tuple[list[Sample], list[str]]:
+    """Samples from a JSONL file, and a list of problems (a torn last line after a crash is reported, not
+    fatal; a corrupt line in the middle is reported too)."""
+    samples: list[Sample] = []
+    problems: list[str] = []
+    if not path.exists():
+        return samples, [f"{path.name} is missing"]
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                samples.append(Sample.model_validate_json(line))
+            except ValidationError as e:
+                problems.append(f"{path.name} line {n}: unreadable sample ({e.error_count()} errors); skipped")
+    return samples, problems
+
+
+def resolve_run_dir(run: str | Path, results_root: Path | None = None) -> Path:
+    """A run directory, a run.json path, or a run id under ``results/``."""
+    p = Path(run)
+    if p.is_file() and p.name == RUN_FILE:
+        return p.parent
+    if p.is_dir():
+        return p
+    if results_root is not None and (results_root / str(run)).is_dir():
+        return results_root / str(run)
+    raise ResultsError(f"no run at {run}: pass a run directory (holding {RUN_FILE}) or a run id under results/")
+
+
+def load_run(run: str | Path, results_root: Path | None = None) -> tuple[RunRecord, list[str]]:
+    """Load a run. Samples come from requests.jsonl when it holds more than run.json (a crash between the
+    two). Returns the record and a list of problems found (for the report to state)."""
+    run_dir = resolve_run_dir(run, results_root)
+    path = run_dir / RUN_FILE
+    if not path.exists():
+        raise ResultsError(f"{run_dir}: no {RUN_FILE}; this is not an abbench run directory")
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ResultsError(f"{path}: corrupt JSON ({e}); requests.jsonl may still hold the samples") from None
+    version = raw.get("schema_version") if isinstance(raw, dict) else None
+    if version != SCHEMA_VERSION:
+        raise ResultsError(f"{path}: schema_version {version!r}, this abbench reads {SCHEMA_VERSION}")
+    try:
+        record = RunRecord.model_validate(raw)
+    except ValidationError as e:
+        first = e.errors()[0]
+        loc = ".".join(str(p) for p in first["loc"])
+        raise ResultsError(f"{path}: does not match the run schema at {loc}: {first['msg']}") from None
+    jsonl, problems = read_samples(run_dir / SAMPLES_FILE)
+    if len(jsonl) > len(record.samples):
+        problems.append(
+            f"run.json holds {len(record.samples)} samples, requests.jsonl {len(jsonl)}: using requests.jsonl"
+        )
+        record.samples = jsonl
+    return record, problems
+
+
+def iter_measured(samples: list[Sample]) -> Iterator[Sample]:
+    """Samples that count: not excluded by the pre-registered rule."""
+    return (s for s in samples if not s.excluded)
