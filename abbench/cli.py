@@ -1,0 +1,280 @@
+"""The ``abbench`` command line (Typer). Thin: parse, load, call the core, show progress, map errors to exit
+codes (0 ok, 1 gate failed, 2 usage/config/results error, 130 interrupted).
+
+Commands: ``run``, ``report``, ``gate``, ``prompts``, ``profiles``, ``serve`` (the vendored engine).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from abbench.errors import AbbenchError, ConfigError
+
+app = typer.Typer(
+    help="abbench: rigorous A/B validation of inference-engine changes (exact prompts, ABBA rounds, greedy "
+    "parity, TTFT/H2D/VRAM telemetry, reports, a CI gate).",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+console = Console(stderr=True)
+out = Console()
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+RESULTS_ROOT = Path("results")
+REPORTS_ROOT = Path("reports")
+
+
+def _fail(e: AbbenchError) -> None:
+    from rich.markup import escape
+
+    console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False)
+    raise typer.Exit(e.exit_code)
+
+
+def _parse_csv(value: Optional[str], flag: str) -> Optional[list[str]]:
+    if value is None:
+        return None
+    items = [v.strip() for v in value.split(",") if v.strip()]
+    if not items:
+        raise ConfigError(f"{flag}: give a comma-separated list")
+    return items
+
+
+def _parse_lengths(value: Optional[str]) -> Optional[list[int]]:
+    items = _parse_csv(value, "--lengths")
+    if items is None:
+        return None
+    out_: list[int] = []
+    for it in items:
+        mult = 1
+        s = it.lower()
+        if s.endswith("k"):
+            mult, s = 1024, s[:-1]
+        try:
+            n = int(s) * mult
+        except ValueError:
+            raise ConfigError(f"--lengths: {it!r} is not a token count (e.g. 512, 4k, 32768)") from None
+        if n <= 0:
+            raise ConfigError(f"--lengths: {it!r} must be positive")
+        out_.append(n)
+    return out_
+
+
+ProfileOpt = Annotated[
+    Optional[str],
+    typer.Option("--profile", "-p", help="Profile name in profiles/ or a path to a .toml file. Default: cpu-tiny."),
+]
+
+
+@app.command()
+def run(
+    profile: ProfileOpt = None,
+    arms: Annotated[Optional[str], typer.Option(help="Comma-separated arms to run, in order (A,B). Default: all.")] = None,
+    rounds: Annotated[Optional[int], typer.Option(min=1, help="Rounds; arm order reverses every round.")] = None,
+    lengths: Annotated[Optional[str], typer.Option(help="Fresh prompt lengths, e.g. 512,2k,4k.")] = None,
+    out_dir: Annotated[Optional[Path], typer.Option("--out", help="Run directory. Default: results/<run-id>.")] = None,
+    resume: Annotated[Optional[Path], typer.Option(help="Finish an interrupted run in this directory.")] = None,
+    report: Annotated[bool, typer.Option(help="Render the Markdown report when the run ends.")] = True,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress display.")] = False,
+) -> None:
+    """Run an A/B experiment: build exact prompts, drive every arm in ABBA rounds, record every sample."""
+    from abbench import runner
+    from abbench.profile import load_profile
+
+    try:
+        if resume is not None:
+            if any(v is not None for v in (profile, arms, rounds, lengths, out_dir)):
+                raise ConfigError("--resume continues a run with its recorded profile; drop the other options")
+            prof = None
+            run_dir = resume
+        else:
+            prof = load_profile(profile).with_overrides(arms=_parse_csv(arms, "--arms"), rounds=rounds,
+                                                        lengths=_parse_lengths(lengths))
+            run_dir = out_dir or RESULTS_ROOT / runner.new_run_id(prof)
+            runner.check_run_dir_free(run_dir)
+        t0 = time.perf_counter()
+        record = _run_with_progress(runner, prof, run_dir, resume=resume is not None, quiet=quiet)
+        ok = sum(1 for s in record.samples if s.ok)
+        console.print(f"run {record.status}: {len(record.samples)} samples ({ok} ok) in "
+                      f"{time.perf_counter() - t0:.1f} s -> {run_dir}")
+        if report:
+            _render_report(run_dir)
+    except AbbenchError as e:
+        _fail(e)
+
+
+def _run_with_progress(runner, prof, run_dir: Path, *, resume: bool, quiet: bool):  # type: ignore[no-untyped-def]
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    if prof is None:  # resume: the runner loads the recorded profile
+        from abbench.profile import profile_from_dict
+        from abbench.results import load_run
+
+        rec, _ = load_run(run_dir)
+        prof = profile_from_dict(rec.profile, where=f"{run_dir}/run.json")
+    argv = sys.argv[:]
+    if quiet:
+        return runner.execute(prof, run_dir, resume=resume, argv=argv)
+    progress = Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("eta"),
+        TimeRemainingColumn(),
+        TextColumn("{task.fields[last]}"),
+        console=console,
+        transient=False,
+    )
+    task = progress.add_task("preparing", total=None, last="")
+
+    def observe(ev) -> None:  # type: ignore[no-untyped-def]
+        if ev.kind == "sample" and ev.sample is not None:
+            s = ev.sample
+            last = (f"{s.arm} {s.prompt_id} ttft={s.ttft_s * 1e3:.1f} ms" if s.ok and s.ttft_s is not None
+                    else f"{s.arm} {s.prompt_id} FAILED ({s.error_kind})")
+            progress.update(task, completed=ev.done, total=ev.total, description="running", last=last)
+        elif ev.kind == "service":
+            progress.update(task, description=ev.message, completed=ev.done, total=ev.total or None)
+        elif ev.kind == "prompts":
+            progress.update(task, description=ev.message)
+
+    with progress:
+        return runner.execute(prof, run_dir, resume=resume, observer=observe, argv=argv)
+
+
+def _render_report(run: Path, out: Optional[Path] = None) -> Path:
+    from abbench.report import write_report
+    from abbench.results import load_run
+
+    record, problems = load_run(run, RESULTS_ROOT)
+    root = out or REPORTS_ROOT
+    md = write_report(record, problems, root / f"{record.run_id}.md", root / record.run_id)
+    console.print(f"report -> {md}")
+    return md
+
+
+@app.command()
+def report(
+    run: Annotated[Path, typer.Argument(help="Run directory (or run id under results/).")],
+    out: Annotated[Optional[Path], typer.Option(help="Reports folder. Default: reports/.")] = None,
+) -> None:
+    """Render reports/<run-id>.md and its PNG plots from a run directory."""
+    try:
+        _render_report(run, out)
+    except AbbenchError as e:
+        _fail(e)
+
+
+@app.command()
+def gate(
+    run: Annotated[Path, typer.Argument(help="Run directory (or run id under results/).")],
+    parity_tokens: Annotated[
+        Optional[int], typer.Option(min=1, help="First K greedy ids that must match. Default: the profile's.")
+    ] = None,
+) -> None:
+    """Exit 0 when every prompt's first K ids match the reference arm and the declared checks hold; 1 when
+    not (naming prompt, arm and position); 2 on a usage or results error."""
+    from abbench.analysis import gate as judge
+    from abbench.results import load_run
+
+    try:
+        record, problems = load_run(run, RESULTS_ROOT)
+        verdict = judge(record, parity_tokens=parity_tokens)
+    except AbbenchError as e:
+        _fail(e)
+        return
+    for p in problems:
+        console.print(f"[yellow]note:[/] {p}")
+    table = Table(title=f"gate: {record.run_id}")
+    table.add_column("check")
+    table.add_column("result")
+    table.add_column("detail")
+    for name, passed, detail in verdict.checks:
+        table.add_row(name, "[green]pass[/]" if passed else "[red]FAIL[/]", detail)
+    out.print(table)
+    for f in verdict.failures:
+        out.print(f"[red]FAIL[/] {f}", highlight=False)
+    if not verdict.passed:
+        out.print("[bold red]gate: FAIL[/]")
+        raise typer.Exit(1)
+    out.print("[bold green]gate: PASS[/]")
+
+
+@app.command()
+def prompts(
+    profile: ProfileOpt = None,
+    lengths: Annotated[Optional[str], typer.Option(help="Fresh prompt lengths, e.g. 512,2k.")] = None,
+    show: Annotated[Optional[str], typer.Option(help="Print the full text of this prompt id.")] = None,
+) -> None:
+    """Build the profile's prompts and print their ids, token counts and sha256 (for inspection)."""
+    from abbench.profile import load_profile
+    from abbench.runner import prepare
+
+    try:
+        prof = load_profile(profile).with_overrides(lengths=_parse_lengths(lengths))
+        t0 = time.perf_counter()
+        _, built = prepare(prof)
+        elapsed = time.perf_counter() - t0
+    except AbbenchError as e:
+        _fail(e)
+        return
+    if show:
+        match = [b for b in built if b.record.id == show]
+        if not match:
+            _fail(ConfigError(f"--show: no prompt {show!r}; ids are {', '.join(b.record.id for b in built)}"))
+        sys.stdout.write(match[0].text)
+        return
+    table = Table(title=f"{prof.name}: {len(built)} prompts (built and checked in {elapsed:.2f} s)")
+    for col in ("id", "kind", "tokens", "corpus", "sha256", "preview"):
+        table.add_column(col)
+    for b in built:
+        r = b.record
+        table.add_row(r.id, r.kind, str(r.token_count), r.corpus, r.sha256[:16], r.preview[:40])
+    out.print(table)
+
+
+@app.command()
+def profiles() -> None:
+    """List the bundled profiles."""
+    from abbench.profile import PROFILES_DIR, load_profile
+
+    table = Table(title=str(PROFILES_DIR))
+    table.add_column("name")
+    table.add_column("arms")
+    table.add_column("description")
+    for p in sorted(PROFILES_DIR.glob("*.toml")):
+        try:
+            prof = load_profile(str(p))
+            table.add_row(p.stem, ",".join(a.name for a in prof.arms), prof.description)
+        except AbbenchError as e:
+            table.add_row(p.stem, "[red]invalid[/]", str(e).splitlines()[-1])
+    out.print(table)
+
+
+@app.command(
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []},
+    add_help_option=False,
+)
+def serve(ctx: typer.Context) -> None:
+    """Serve the vendored offloaded-MoE engine (OpenAI-compatible). All options pass through; see
+    `abbench serve --help`."""
+    from abbench.engine.server import main as engine_main
+
+    engine_main(list(ctx.args))
+
+
+def main() -> None:  # pragma: no cover - console entry
+    app()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    app()
