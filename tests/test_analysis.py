@@ -1,0 +1,533 @@
+"""abbench.analysis: paired statistics, parity, active path, completeness and the gate, on small explicit
+RunRecords built here (no engine, no files)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import pandas as pd
+import pytest
+
+from abbench import analysis as an
+from abbench.results import MemoryPoint, PromptRecord, RunRecord, Sample, ServiceRecord
+from abbench.schedule import build_plan
+
+GB = 1_000_000_000
+BANK = 58 * GB
+MAX_TOKENS = 16
+ENVIRONMENT = {  # the shape abbench.telemetry.environment_fingerprint records (abridged)
+    "hostname": "h200-box", "driver_version": "570.86", "cuda_driver_version": "12.8",
+    "gpus": [{"index": 0, "name": "NVIDIA H200", "pcie": {"gen_current": 5, "width_current": 16}}],
+    "packages": {"torch": "2.13.0", "transformers": "4.51.0"}, "engine_commit": "0123abcd",
+    "python": {"version": "3.11.7"}, "argv": ["abbench", "run", "test"],
+}
+
+
+def ref_ids(prompt_id: str) -> list[int]:
+    base = sum(map(ord, prompt_id)) * 7
+    return [base + i for i in range(MAX_TOKENS)]
+
+
+def default_ttft(arm: str, prompt: PromptRecord, rnd: int) -> float:
+    """The reference 'A' takes tokens/1000 s; 'B' half of it (+ a little round noise); others equal to A."""
+    base = prompt.target_tokens / 1000.0
+    if arm == "B":
+        return base * (0.5 + 0.01 * rnd)
+    return base * (1.0 + 0.001 * rnd)
+
+
+def make_run(
+    *,
+    arms: tuple[str, ...] = ("A", "B"),
+    rounds: int = 2,
+    lengths: tuple[int, ...] = (1024, 4096),
+    per_length: int = 1,
+    pairs: bool = False,
+    warmup: int = 1,
+    engine: bool = True,
+    nvml: bool = True,
+    memory: bool = True,
+    gpu: bool = True,
+    logprobs: bool = True,
+    expect_path: dict[str, str] | None = None,
+    paths: dict[str, str] | None = None,
+    gate: dict[str, Any] | None = None,
+    ttft: Callable[[str, PromptRecord, int], float] = default_ttft,
+    status: str = "complete",
+    environment: dict[str, Any] | None = None,
+) -> RunRecord:
+    """A complete, clean run: every arm emits the reference ids, logprob margins of 1 nat, the engine
+    reports its path (B: layer-major, others: chunked) and counters."""
+    prompts: list[PromptRecord] = []
+    for w in range(warmup):
+        prompts.append(PromptRecord(id=f"warmup-{w}", kind="warmup", target_tokens=32, token_count=32,
+                                    sha256="0" * 64, corpus="essays"))
+    for n in lengths:
+        for i in range(per_length):
+            prompts.append(PromptRecord(id=f"fresh-{n}-{i}", kind="fresh", target_tokens=n, token_count=n,
+                                        sha256=f"{n:064d}", corpus="essays", preview="Once upon"))
+    if pairs:
+        prompts.append(PromptRecord(id="pair0-cold", kind="cold", target_tokens=2048, token_count=2048,
+                                    sha256="1" * 64, corpus="science"))
+        prompts.append(PromptRecord(id="pair0-cont", kind="continuation", target_tokens=2560,
+                                    token_count=2560, sha256="2" * 64, corpus="science", parent="pair0-cold"))
+    expect = {"B": "layer-major"} if expect_path is None else expect_path
+    reported = {"B": "layer-major"} if paths is None else paths
+    profile = {
+        "name": "test-profile",
+        "arms": [{"name": a, "expect_path": expect.get(a)} for a in arms],
+        "run": {"rounds": rounds, "reference": None},
+        "request": {"max_tokens": MAX_TOKENS},
+        "gate": {"parity_tokens": 8, "require_active_path": True, "allow_fallback": [], "max_failed_samples": 0,
+                 **(gate or {})},
+    }
+    plan = build_plan(prompts, list(arms), rounds, shared_service=False, reset_between_samples=True,
+                      exclude_kinds=["warmup", "jit"])
+    by_id = {p.id: p for p in prompts}
+    samples: list[Sample] = []
+    t0 = 1_700_000_000.0
+    for st in plan:
+        p = by_id[st.prompt_id]
+        t = ttft(st.arm, p, st.round)
+        ids = ref_ids(p.id)
+        eng = None
+        if engine:
+            n_chunks = max(1, math.ceil(p.target_tokens / 2048))
+            path = reported.get(st.arm, "chunked")
+            eng = {
+                "prefill_path": path, "fallback_reason": None,
+                "h2d_bytes": BANK * (1 if path == "layer-major" else n_chunks) + GB,
+                "prefill_h2d_bytes": BANK * (1 if path == "layer-major" else n_chunks),
+                "decode_h2d_bytes": GB, "d2d_bytes": 0, "bank_bytes": BANK, "expert_copies": 0,
+                "cached_prompt_tokens": 0, "n_chunks": n_chunks, "n_windows": 1, "measured_h2d_gbps": 55.0,
+                "timings": {"received": 0.0, "prefill_start": 0.001, "prefill_end": t - 0.004,
+                            "first_token": t - 0.002, "finished": t + 0.3},
+                "queue_wait_s": 0.0005,
+            }
+        tel: dict[str, Any] = {}
+        if nvml:
+            tel["nvml_pcie_rx_bytes"] = (eng["h2d_bytes"] * 1.02) if eng else 50 * GB
+        if gpu:
+            tel.update(gpu_mem_used_peak=20 * 2**30 + st.index, proc_gpu_mem_peak=18 * 2**30, host_rss_peak=70 * 2**30)
+        samples.append(
+            Sample(
+                step=st.index, arm=st.arm, round=st.round, position=st.position, prompt_id=st.prompt_id,
+                kind=st.kind, excluded=st.excluded, service=st.service, ok=True, started_at=t0 + st.index,
+                ttft_s=t, total_s=t + 0.3, output_ids=ids, ids_source="native", finish_reason="length",
+                prompt_tokens=p.target_tokens, completion_tokens=MAX_TOKENS, saw_done=True,
+                logprobs=[[(i, -0.1), (i + 1, -1.1)] for i in ids] if logprobs else None,
+                engine=eng, telemetry=tel,
+            )
+        )
+    services = [ServiceRecord(key=f"{a}@r{r}", arms=[a], round=r, command=["python", "-m", "engine", a],
+                              base_url="http://127.0.0.1:8000") for r in range(1, rounds + 1) for a in arms]
+    mem: list[MemoryPoint] = []
+    if memory:
+        for i, svc in enumerate(services):
+            for j in range(3):
+                mem.append(MemoryPoint(t=t0 + 10 * i + j, service=svc.key,
+                                       gpu_mem_used=(20 * 2**30 + j * 2**28) if gpu else None,
+                                       proc_gpu_mem=(18 * 2**30) if gpu else None, host_rss=(60 + j) * 2**30))
+    return RunRecord(
+        run_id="20260101-000000-test", status=status, created_at=t0, finished_at=t0 + 100,
+        abbench_version="0.1.0", profile=profile,
+        environment=environment if environment is not None else ENVIRONMENT,
+        prompts=prompts, plan=plan, samples=samples, services=services, memory=mem,
+    )
+
+
+def find(record: RunRecord, arm: str, prompt_id: str, rnd: int) -> Sample:
+    return next(s for s in record.samples if s.arm == arm and s.prompt_id == prompt_id and s.round == rnd)
+
+
+# ------------------------------------------------------------------------------------- frames
+
+
+def test_samples_frame_derives_decode_rate_and_overhead() -> None:
+    rec = make_run(rounds=1, lengths=(1024,))
+    df = an.samples_frame(rec)
+    assert len(df) == len(rec.samples)
+    row = df[(df["arm"] == "A") & (df["prompt_id"] == "fresh-1024-0")].iloc[0]
+    assert row["measured"] and row["target_tokens"] == 1024
+    assert row["decode_tok_s"] == pytest.approx((MAX_TOKENS - 1) / 0.3)
+    assert row["client_overhead_s"] == pytest.approx(0.002)
+    assert not df[df["kind"] == "warmup"]["measured"].any()
+
+
+def test_ttft_table_uses_measured_ok_samples_only() -> None:
+    rec = make_run(rounds=2, lengths=(1024,))
+    find(rec, "A", "fresh-1024-0", 2).ok = False
+    t = an.ttft_table(rec)
+    a = t[(t["arm"] == "A")].iloc[0]
+    assert a["n"] == 1 and a["median_s"] == pytest.approx(1.024 * 1.001)
+    assert set(t["kind"]) == {"fresh"}  # warm-ups excluded
+
+
+# ------------------------------------------------------------------------------------- ratios
+
+
+def test_paired_ratio_pairs_within_the_same_round() -> None:
+    rec = make_run(rounds=2, lengths=(1024,))
+    pairs = an.paired_ratios(rec)
+    assert list(pairs["round"]) == [1, 2]
+    for r in pairs.itertuples():
+        assert r.ratio == pytest.approx((0.5 + 0.01 * r.round) / (1.0 + 0.001 * r.round))
+        assert r.arm == "B" and r.reference == "A"
+    # ABBA: the positions swap between rounds
+    assert list(pairs["arm_position"]) == [1, 0] and list(pairs["ref_position"]) == [0, 1]
+
+
+def test_paired_ratio_skips_a_round_without_reference() -> None:
+    rec = make_run(rounds=2, lengths=(1024,))
+    find(rec, "A", "fresh-1024-0", 1).ok = False
+    pairs = an.paired_ratios(rec)
+    assert list(pairs["round"]) == [2]
+
+
+def test_bootstrap_ci_absent_for_one_pair_present_for_more() -> None:
+    one = an.ratio_summary(make_run(rounds=1, lengths=(1024,)))
+    assert one.iloc[0]["n"] == 1
+    assert one.iloc[0]["ci_low"] is None or math.isnan(one.iloc[0]["ci_low"])
+    assert one.iloc[0]["verdict"] == "undetermined"
+    assert "n=1" in one.iloc[0]["note"]
+
+    six = an.ratio_summary(make_run(rounds=6, lengths=(1024,)))
+    r = six.iloc[0]
+    assert r["n"] == 6 and r["ci_low"] <= r["median_ratio"] <= r["ci_high"]
+    assert r["ci_high"] < 1.0 and r["verdict"] == "faster"
+    assert r["note"] is None or (isinstance(r["note"], float) and math.isnan(r["note"]))
+
+
+def test_small_n_note_and_fixed_seed() -> None:
+    s1 = an.ratio_summary(make_run(rounds=3, lengths=(1024,)))
+    s2 = an.ratio_summary(make_run(rounds=3, lengths=(1024,)))
+    assert s1.iloc[0]["note"] == "n=3: too few pairs for a reliable interval"
+    assert s1.iloc[0]["ci_low"] == s2.iloc[0]["ci_low"] and s1.iloc[0]["ci_high"] == s2.iloc[0]["ci_high"]
+    notes = an.small_n_notes(make_run(rounds=3, lengths=(1024,)))
+    assert any("B vs A, fresh 1024 tokens: n=3" in n for n in notes)
+
+
+def test_not_significant_when_the_interval_spans_one() -> None:
+    noise = {1: 0.9, 2: 1.1, 3: 0.95, 4: 1.05, 5: 1.0, 6: 1.02}
+
+    def ttft(arm: str, p: PromptRecord, rnd: int) -> float:
+        return 1.0 * (noise[rnd] if arm == "B" else 1.0)
+
+    s = an.ratio_summary(make_run(rounds=6, lengths=(1024,), ttft=ttft)).iloc[0]
+    assert s["ci_low"] < 1.0 < s["ci_high"]
+    assert s["verdict"] == "not significant"
+    assert an.verdict(1.1, 1.3) == "slower" and an.verdict(0.5, 0.9) == "faster"
+    assert an.verdict(None, None) == "undetermined"
+
+
+def test_median_ci_direct() -> None:
+    ci = an.median_ci([2.0, 2.0, 2.0])
+    assert (ci.median, ci.low, ci.high) == (2.0, 2.0, 2.0)
+    with pytest.raises(ValueError):
+        an.median_ci([])
+
+
+# ------------------------------------------------------------------------------------- parity
+
+
+def test_clean_run_parity_all_identical() -> None:
+    rec = make_run()
+    p = an.parity_frame(rec)
+    par = p[p["check"] == "parity"]
+    assert len(par) == 4  # B: 2 prompts x 2 rounds
+    assert par["match"].all() and set(par["classification"]) == {"identical"}
+    assert (par["agree"] == MAX_TOKENS).all() and (par["max_tokens"] == MAX_TOKENS).all()
+    stab = p[p["check"] == "stability"]
+    assert len(stab) == 2 and stab["match"].all()  # A round 2 vs A round 1, per prompt
+
+
+def test_parity_first_divergence_and_clear_margin() -> None:
+    rec = make_run()
+    s = find(rec, "B", "fresh-4096-0", 2)
+    s.output_ids[3] += 1
+    p = an.parity_frame(rec)
+    row = p[(p["check"] == "parity") & (p["arm"] == "B") & (p["prompt_id"] == "fresh-4096-0") & (p["round"] == 2)].iloc[0]
+    assert not row["match"] and row["first_diverging"] == 3 and row["agree"] == 3
+    assert row["margin"] == pytest.approx(1.0) and row["margin_against"] == pytest.approx(1.0)
+    assert row["classification"] == "divergence"
+    assert row["against_arm"] == "A" and row["against_round"] == 2
+
+
+def test_parity_near_tie_from_logprobs_in_either_arm() -> None:
+    rec = make_run()
+    s = find(rec, "B", "fresh-1024-0", 1)
+    s.output_ids[5] += 1
+    r = find(rec, "A", "fresh-1024-0", 1)
+    assert r.logprobs is not None
+    r.logprobs[5] = [(r.output_ids[5], -0.70), (r.output_ids[5] + 1, -0.72)]  # reference nearly tied
+    row = an.parity_frame(rec).query("check == 'parity' and arm == 'B' and round == 1 and prompt_id == 'fresh-1024-0'").iloc[0]
+    assert row["first_diverging"] == 5
+    assert row["margin_against"] == pytest.approx(0.02)
+    assert row["classification"] == "near-tie"
+    # the threshold is a parameter
+    row = an.parity_frame(rec, near_tie_nats=0.01).query("check == 'parity' and arm == 'B' and round == 1 and prompt_id == 'fresh-1024-0'").iloc[0]
+    assert row["classification"] == "divergence"
+
+
+def test_parity_divergence_beyond_k_matches_but_is_reported() -> None:
+    rec = make_run()
+    find(rec, "B", "fresh-1024-0", 1).output_ids[12] += 1
+    row = an.parity_frame(rec).query("check == 'parity' and arm == 'B' and round == 1 and prompt_id == 'fresh-1024-0'").iloc[0]
+    assert row["match"] and row["first_diverging"] == 12 and row["agree"] == 12
+    assert an.gate(rec).passed
+    assert not an.gate(rec, parity_tokens=16).passed
+
+
+def test_parity_without_logprobs_is_margin_unknown() -> None:
+    rec = make_run(logprobs=False)
+    find(rec, "B", "fresh-1024-0", 1).output_ids[0] += 1
+    row = an.parity_frame(rec).query("check == 'parity' and arm == 'B' and round == 1 and prompt_id == 'fresh-1024-0'").iloc[0]
+    assert row["classification"] == "margin unknown" and row["first_diverging"] == 0
+
+
+def test_parity_falls_back_to_another_reference_round_and_says_so() -> None:
+    rec = make_run(rounds=3, lengths=(1024,))
+    find(rec, "A", "fresh-1024-0", 2).ok = False
+    row = an.parity_frame(rec).query("check == 'parity' and round == 2").iloc[0]
+    assert row["match"] and row["other_round"] and row["against_round"] == 1
+    assert "reference round 2 missing or failed" in row["note"]
+
+
+def test_reference_stability_across_rounds() -> None:
+    rec = make_run(rounds=3, lengths=(1024,))
+    find(rec, "A", "fresh-1024-0", 3).output_ids[2] += 1
+    p = an.parity_frame(rec)
+    stab = p[p["check"] == "stability"]
+    assert list(stab["round"]) == [2, 3] and list(stab["match"]) == [True, False]
+    assert stab.iloc[1]["against_round"] == 1 and stab.iloc[1]["first_diverging"] == 2
+    v = an.gate(rec)
+    assert not v.passed
+    assert {c.name: c.passed for c in v.checks}["reference-stable"] is False
+    assert any(f.startswith("reference-stable: prompt fresh-1024-0, arm A, round 3") for f in v.failures)
+
+
+def test_retokenized_flagged_and_none_unchecked() -> None:
+    rec = make_run(rounds=1, lengths=(1024, 4096))
+    find(rec, "B", "fresh-1024-0", 1).ids_source = "retokenized"
+    b = find(rec, "B", "fresh-4096-0", 1)
+    b.ids_source, b.output_ids = "none", []
+    p = an.parity_frame(rec).set_index("prompt_id")
+    assert "retokenized" in p.loc["fresh-1024-0", "note"] and p.loc["fresh-1024-0", "match"]
+    assert p.loc["fresh-4096-0", "classification"] == "unchecked"
+    v = an.gate(rec)
+    assert not v.passed
+    assert any("token ids: prompt fresh-4096-0, arm B, round 1" in f for f in v.failures)
+    assert any("retokenized" in n for n in v.notes)
+
+
+def test_compare_ids_lengths() -> None:
+    assert an.compare_ids([1, 2, 3], [1, 2, 3], 8) == (True, None, 3)
+    assert an.compare_ids([1, 2], [1, 2, 3], 8) == (False, 2, 2)
+    assert an.compare_ids([1, 2, 9], [1, 2, 3], 2) == (True, 2, 2)
+
+
+# -------------------------------------------------------------------------------- active path
+
+
+def test_active_path_counts_and_statuses() -> None:
+    rec = make_run(rounds=2, lengths=(1024, 4096), paths={"B": "layer-major"})
+    # B falls back on the one-chunk 1024 prompt with a reason; silently on 4096 round 2
+    for s in rec.samples:
+        if s.arm == "B" and s.prompt_id == "fresh-1024-0" and not s.excluded:
+            s.engine = {**(s.engine or {}), "prefill_path": "chunked", "fallback_reason": "single chunk"}
+    silent = find(rec, "B", "fresh-4096-0", 2)
+    silent.engine = {**(silent.engine or {}), "prefill_path": "chunked", "fallback_reason": None}
+    summ = an.active_path_summary(rec).set_index("arm")
+    b = summ.loc["B"]
+    assert b["expect_path"] == "layer-major" and b["n"] == 4
+    assert b["paths"] == {"layer-major": 1, "chunked": 3}
+    assert b["fallback_reasons"] == {"single chunk": 2}
+    assert (b["active"], b["fallback"], b["fallback_ineligible"], b["silent"]) == (1, 2, 2, 1)
+    assert not b["passed"]
+    assert pd.isna(summ.loc["A"]["expect_path"]) and summ.loc["A"]["passed"]
+
+
+# --------------------------------------------------------------------------------------- gate
+
+
+def checks(v: an.GateVerdict) -> dict[str, bool]:
+    return {c.name: c.passed for c in v.checks}
+
+
+def test_gate_passes_a_clean_run() -> None:
+    v = an.gate(make_run(pairs=True))
+    assert v.passed, v.failures
+    assert v.failures == [] and v.parity_tokens == 8
+    assert set(checks(v)) == {"run-complete", "samples", "reference", "token-ids", "parity",
+                              "reference-stable", "active-path"}
+
+
+def test_gate_fails_on_a_changed_id_naming_prompt_arm_round_position() -> None:
+    rec = make_run()
+    find(rec, "B", "fresh-4096-0", 2).output_ids[6] = 4242
+    v = an.gate(rec)
+    assert not v.passed and checks(v)["parity"] is False
+    assert len(v.failures) == 1
+    f = v.failures[0]
+    assert "prompt fresh-4096-0" in f and "arm B" in f and "round 2" in f and "position 0" in f
+    assert "token 6 differs" in f and "4242" in f and "divergence" in f
+
+
+def test_gate_fails_on_a_missing_measured_step() -> None:
+    rec = make_run()
+    gone = find(rec, "B", "fresh-1024-0", 1)
+    rec.samples.remove(gone)
+    v = an.gate(rec)
+    assert not v.passed and checks(v)["samples"] is False
+    assert any(f.startswith("missing: prompt fresh-1024-0, arm B, round 1 (position 1)") for f in v.failures)
+    # tolerance for failed samples does not cover missing data
+    rec.profile["gate"]["max_failed_samples"] = 5
+    assert not an.gate(rec).passed
+
+
+def test_gate_tolerates_failed_samples_up_to_the_limit() -> None:
+    rec = make_run()
+    s = find(rec, "B", "fresh-1024-0", 1)
+    s.ok, s.error_kind, s.error = False, "http", "500 Internal Server Error"
+    v = an.gate(rec)
+    assert not v.passed
+    assert any("failed: prompt fresh-1024-0, arm B, round 1" in f and "http" in f for f in v.failures)
+    rec.profile["gate"]["max_failed_samples"] = 1
+    v = an.gate(rec)
+    assert v.passed, v.failures
+    assert any("tolerated" in n for n in v.notes)
+
+
+def test_gate_fails_a_partial_run_and_an_empty_run() -> None:
+    rec = make_run(status="partial")
+    rec.status_reason = "interrupted"
+    rec.samples = rec.samples[: len(rec.samples) // 2]
+    v = an.gate(rec)
+    assert not v.passed and checks(v)["run-complete"] is False and checks(v)["samples"] is False
+    assert any("interrupted" in f for f in v.failures)
+
+    empty = make_run()
+    empty.samples = []
+    v = an.gate(empty)
+    assert not v.passed and checks(v)["reference"] is False
+    assert any("no measured step has an ok sample" in f for f in v.failures)
+
+    no_plan = make_run()
+    no_plan.plan = []
+    assert not an.gate(no_plan).passed
+
+
+def test_gate_fails_when_reference_missing() -> None:
+    rec = make_run()
+    rec.samples = [s for s in rec.samples if s.arm != "A" or s.excluded]
+    rec.plan = [st for st in rec.plan if st.arm != "A" or st.excluded]
+    v = an.gate(rec)
+    assert not v.passed and checks(v)["reference"] is False and checks(v)["parity"] is False
+    assert any("no usable A sample" in f for f in v.failures)
+
+
+def test_gate_fails_on_a_silent_fallback() -> None:
+    rec = make_run(gate={"allow_fallback": ["B"]})
+    s = find(rec, "B", "fresh-4096-0", 1)
+    s.engine = {**(s.engine or {}), "prefill_path": "chunked", "fallback_reason": None}
+    v = an.gate(rec)
+    assert not v.passed and checks(v)["active-path"] is False
+    assert any("active path: prompt fresh-4096-0, arm B, round 1" in f and "silent" in f for f in v.failures)
+
+
+def test_gate_fails_an_undeclared_fallback_and_passes_an_allowed_one() -> None:
+    rec = make_run()
+    s = find(rec, "B", "fresh-4096-0", 1)  # two chunks: eligible for layer-major
+    s.engine = {**(s.engine or {}), "prefill_path": "chunked", "fallback_reason": "activation budget"}
+    v = an.gate(rec)
+    assert not v.passed and checks(v)["active-path"] is False
+    assert any(f.startswith("active path: prompt fresh-4096-0, arm B, round 1 (position 1)")
+               and "multi-chunk prompt" in f and "gate.allow_fallback" in f for f in v.failures)
+    rec.profile["gate"]["allow_fallback"] = ["B"]
+    v = an.gate(rec)
+    assert v.passed, v.failures
+    assert any("allowed fallback" in n and "activation budget (gate.allow_fallback)" in n for n in v.notes)
+
+
+def test_gate_passes_a_fallback_with_reason_on_a_one_chunk_prompt() -> None:
+    rec = make_run()
+    s = find(rec, "B", "fresh-1024-0", 2)  # one chunk: layer-major has nothing to reorder
+    s.engine = {**(s.engine or {}), "prefill_path": "chunked", "fallback_reason": "single chunk"}
+    v = an.gate(rec)
+    assert v.passed, v.failures
+    assert any("single chunk (one-chunk prompt)" in n for n in v.notes)
+    # without n_chunks the engine does not show the prompt ineligible: the fallback must be declared
+    s.engine = {k: v for k, v in s.engine.items() if k != "n_chunks"}
+    v = an.gate(rec)
+    assert not v.passed and any("unknown eligibility" in f for f in v.failures)
+
+
+def test_gate_fails_an_arm_that_never_ran_its_path_even_when_allowed() -> None:
+    rec = make_run(gate={"allow_fallback": ["B"]})
+    for s in rec.samples:
+        if s.arm == "B":
+            s.engine = {**(s.engine or {}), "prefill_path": "chunked", "fallback_reason": "disabled"}
+    v = an.gate(rec)
+    assert not v.passed and checks(v)["active-path"] is False
+    assert any("arm B never reported layer-major on any of its 4 measured sample(s)" in f for f in v.failures)
+
+
+def test_gate_fails_when_an_expected_path_is_unreported_unless_not_required() -> None:
+    rec = make_run(engine=False)
+    v = an.gate(rec)
+    assert not v.passed and any("reported no prefill path" in f for f in v.failures)
+    rec.profile["gate"]["require_active_path"] = False
+    assert an.gate(rec).passed
+
+
+# ------------------------------------------------------------------------- telemetry frames
+
+
+def test_h2d_banks_nvml_and_floor() -> None:
+    rec = make_run(rounds=2, lengths=(4096,))
+    h = an.h2d_table(rec).set_index("arm")
+    a, b = h.loc["A"], h.loc["B"]
+    assert a["banks"] == pytest.approx(2.0)  # chunked: 2 chunks -> the bank crosses twice
+    assert b["banks"] == pytest.approx(1.0)  # layer-major: once per prompt
+    assert a["h2d_bytes"] == 2 * BANK + GB  # the whole request, decode included
+    assert a["engine_over_nvml"] == pytest.approx(1 / 1.02)
+    assert b["floor_s"] == pytest.approx(BANK / 55e9)
+    assert b["ttft_over_floor"] == pytest.approx(b["ttft_s"] / b["floor_s"])
+    assert an.h2d_table(make_run(engine=False, nvml=False)).empty
+    cont = an.h2d_table(make_run(rounds=1, lengths=(), pairs=True)).set_index(["arm", "kind"])
+    assert cont.loc[("A", "cold")]["floor_s"] > 0 and pd.isna(cont.loc[("A", "continuation")]["floor_s"])
+
+
+def test_overhead_and_memory() -> None:
+    rec = make_run()
+    o = an.overhead_table(rec).set_index("arm")
+    assert o.loc["A"]["median_s"] == pytest.approx(0.002) and o.loc["B"]["n"] == 4
+    assert an.overhead_table(make_run(engine=False)).empty
+    m = an.memory_table(rec).set_index("arms")
+    assert list(m.index) == ["A", "B"] and m.loc["A"]["services"] == 2
+    assert m.loc["A"]["gpu_mem_used_peak"] >= 20 * 2**30 + 2**29
+    assert m.loc["A"]["host_rss_peak"] == 70 * 2**30
+    cpu = an.memory_table(make_run(gpu=False, nvml=False)).set_index("arms")
+    assert cpu.loc["A"]["host_rss_peak"] == 62 * 2**30 and cpu["gpu_mem_used_peak"].isna().all()
+
+
+def test_completeness_counts() -> None:
+    rec = make_run()
+    c = an.completeness(rec)
+    assert (c.planned, c.present, c.ok) == (8, 8, 8) and c.excluded_planned == 4
+    rec.samples.remove(find(rec, "A", "fresh-4096-0", 2))
+    find(rec, "B", "fresh-4096-0", 2).ok = False
+    c = an.completeness(rec)
+    assert (c.planned, c.present, c.ok) == (8, 7, 6)
+    assert [(st.arm, st.prompt_id, st.round) for st in c.missing] == [("A", "fresh-4096-0", 2)]
+    assert [(s.arm, s.round) for s in c.failed] == [("B", 2)]
+
+
+def test_analyze_bundles_everything() -> None:
+    a = an.analyze(make_run(pairs=True, arms=("A", "B", "C")))
+    assert a.reference == "A" and a.arms == ["A", "B", "C"]
+    assert set(a.ratios["arm"]) == {"B", "C"}
+    assert set(a.ratios["kind"]) == {"fresh", "cold", "continuation"}
+    assert a.gate.passed, a.gate.failures
