@@ -1,0 +1,913 @@
+"""NVML and host telemetry, Prometheus scrapes, and the environment fingerprint.
+
+Contract
+--------
+Telemetry never stops a run. Without NVML (no driver, no GPU, no ``pynvml``) :func:`nvml_available` is
+False, one warning says so, every GPU field is ``None`` and host figures still work. NVML errors during a
+run (``NVMLError`` of any kind) turn the affected field into ``None`` and are logged once.
+
+* **NVML session**: ``nvmlInit`` once per process (lazily, thread-safe), ``nvmlShutdown`` at exit.
+* :class:`Sampler` (background threads, a context manager) samples one service (root pid + key) every
+  ``interval_s`` (default 0.2 s) into :class:`~abbench.results.MemoryPoint` s:
+
+  - ``gpu_mem_used``: ``nvmlDeviceGetMemoryInfo(h).used`` summed over the sampled devices (whole GPUs:
+    every process, plus the driver's reservation);
+  - ``proc_gpu_mem``: ``usedGpuMemory`` of ``nvmlDeviceGetComputeRunningProcesses`` entries whose pid is in
+    the service's process tree (root + psutil recursive children), summed. ``None`` when NVML lists
+    processes but none of their pids exists here (abbench runs in another PID namespace than the driver
+    sees, e.g. a container without ``--pid=host``); ``0`` when the tree simply has no GPU context;
+  - ``host_rss``: RSS of the process tree summed (pages shared between the processes count once per
+    process, so this is an upper bound of the tree's resident memory);
+  - ``pcie_rx_bytes_per_s`` / ``pcie_tx_bytes_per_s``: the latest ``nvmlDeviceGetPcieThroughput`` values
+    (``NVML_PCIE_UTIL_RX_BYTES``/``TX_BYTES``, RX = into the GPU = host->device), summed over devices.
+
+  **Devices**: the sampled devices are the NVML indices given (``devices=``), by default every GPU NVML
+  sees; :func:`devices_for_env` maps a service's ``CUDA_VISIBLE_DEVICES`` to NVML indices so a run on a
+  shared multi-GPU host only counts the service's GPUs. Fields are sums over those devices.
+
+* **Per-request windows**: ``m = sampler.mark()`` just before a request and ``sampler.window(m)`` just after
+  it return a dict that fits :class:`~abbench.results.Telemetry` (``nvml_pcie_rx_bytes``,
+  ``gpu_mem_used_peak``, ``proc_gpu_mem_peak``, ``host_rss_peak``). Peaks are over the memory samples
+  taken inside the window plus one taken synchronously when ``window`` is called (so a short request has
+  at least one). ``nvml_pcie_rx_bytes`` is the trapezoid integral of RX bytes/s over [mark, window],
+  per device, summed.
+
+  *Accuracy of* ``nvml_pcie_rx_bytes``. NVML offers no cumulative PCIe byte counter, only a rate in KB/s
+  measured by the driver over a ~20 ms interval (:data:`PCIE_COUNTER_WINDOW_S`; the call typically blocks
+  for that interval). A rate sampled every 200 ms would miss 90 % of the time, so while any window is open
+  each device gets its own thread that reads RX with a period of about 20 ms: back to back when the call
+  blocks for its interval, else pausing ``20 ms - call time`` (no busy spinning). Each reading is stamped
+  at the middle of the interval it most likely covers (return time - 10 ms). When the reads tile the
+  request, the integral is within a few per cent of the bytes the counter saw, plus an edge error of up
+  to about rate x 10-20 ms at each end of the window; traffic bursts shorter than the gaps between reads
+  (when the driver answers instantly from its own sampling, whose phase abbench cannot see) are missed or
+  over-weighted. The KB unit is taken as 1024 bytes (:data:`PCIE_KB`; if NVIDIA means 1000 the figures
+  are 2.4 % high). The counter sees all traffic into the GPU (other processes, page migrations, possibly
+  protocol overhead), and overlapping windows of concurrent requests all see the same traffic. Use it as
+  a cross-check of the engine's own H2D counter, never as the primary measure. TX is read only outside
+  windows (every ``interval_s``) so that RX readings tile the window. Without an RX reading within
+  ``max(2 * interval_s, 0.5)`` s of both window ends the value is ``None``.
+
+* :func:`gpu_idle` is ``None`` without NVML; otherwise True when no compute process runs on the sampled
+  GPUs and each one's used memory is below ``threshold_bytes``.
+* :func:`parse_prometheus` flattens Prometheus text into ``name{label="v",...}`` keys (labels sorted,
+  values escaped as in the exposition format) -> float, via ``prometheus_client``. Text that is not the
+  exposition format raises :class:`ValueError` naming the problem (strict, the default) or, with
+  ``strict=False``, yields the samples of every line that parses on its own. :func:`metrics_delta` gives
+  counter deltas between two scrapes.
+* :func:`environment_fingerprint` records what a comparison depends on; :data:`KEY_FIELDS` and
+  :func:`comparable` say which key fields of two runs differ, so two runs are never compared silently.
+  torch is never imported (versions come from ``importlib.metadata``).
+"""
+
+from __future__ import annotations
+
+import atexit
+import bisect
+import hashlib
+import importlib.metadata
+import logging
+import math
+import os
+import platform
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import psutil
+
+from abbench.results import MemoryPoint
+
+log = logging.getLogger(__name__)
+
+DEFAULT_INTERVAL_S = 0.2
+PCIE_COUNTER_WINDOW_S = 0.020
+PCIE_KB = 1024
+FAST_PCIE_MIN_GAP_S = 0.0005
+GPU_IDLE_THRESHOLD_BYTES = 2 * 1024**3
+_PCIE_KEEP_S = 120.0
+
+# ================================================================================================= NVML
+
+
+class _NvmlSession:
+    """``nvmlInit`` once; remembers why NVML is unavailable."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.ok: bool | None = None
+        self.reason: str | None = None
+        self.module: Any = None
+
+    def ensure(self) -> bool:
+        if self.ok is not None:
+            return self.ok
+        with self._lock:
+            if self.ok is None:
+                try:
+                    import pynvml
+
+                    pynvml.nvmlInit()
+                    self.module = pynvml
+                    self.ok = True
+                    atexit.register(self._shutdown)
+                except ImportError:
+                    self.reason = "nvidia-ml-py (module pynvml) is not installed"
+                    self.ok = False
+                except Exception as e:  # noqa: BLE001 - NVMLError_LibraryNotFound, DriverNotLoaded, OSError
+                    self.reason = f"NVML could not be initialised ({type(e).__name__}: {e})"
+                    self.ok = False
+                if not self.ok:
+                    log.warning("NVML not available: %s; GPU telemetry will be empty (None)", self.reason)
+        return bool(self.ok)
+
+    def _shutdown(self) -> None:
+        try:
+            self.module.nvmlShutdown()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+_NVML = _NvmlSession()
+
+
+def nvml_available() -> bool:
+    """True when NVML initialised (done once, lazily)."""
+    return _NVML.ensure()
+
+
+def nvml_unavailable_reason() -> str | None:
+    """Why NVML is not available (None when it is, or before the first check)."""
+    _NVML.ensure()
+    return _NVML.reason
+
+
+def _nvml() -> Any:
+    """The initialised ``pynvml`` module, or None."""
+    return _NVML.module if _NVML.ensure() else None
+
+
+def _nvml_errors() -> tuple[type[BaseException], ...]:
+    m = _NVML.module
+    return (m.NVMLError, OSError) if m is not None else (OSError,)
+
+
+def _err_code(e: BaseException) -> int | None:
+    return getattr(e, "value", None)
+
+
+def _device_indices(devices: list[int] | None) -> list[int]:
+    m = _nvml()
+    if m is None:
+        return []
+    try:
+        count = int(m.nvmlDeviceGetCount())
+    except _nvml_errors() as e:
+        log.warning("nvmlDeviceGetCount failed: %s", e)
+        return []
+    if devices is None:
+        return list(range(count))
+    bad = [d for d in devices if not 0 <= d < count]
+    if bad:
+        log.warning("NVML sees %d GPU(s); ignoring device indices %s", count, bad)
+    return [d for d in devices if 0 <= d < count]
+
+
+def devices_for_env(env: dict[str, str] | None = None) -> list[int] | None:
+    """NVML indices of the GPUs a service may use, from ``CUDA_VISIBLE_DEVICES`` in ``env`` (falling back
+    to ``os.environ``). None = all (unset, or entries abbench cannot map, such as MIG instances).
+
+    Integer entries are taken as NVML indices, which match CUDA's only with ``CUDA_DEVICE_ORDER=PCI_BUS_ID``
+    (NVML enumerates by PCI bus id); ``GPU-...`` UUID entries (or their prefixes) are matched exactly."""
+    value = (env or {}).get("CUDA_VISIBLE_DEVICES", os.environ.get("CUDA_VISIBLE_DEVICES"))
+    if value is None or value.strip() == "":
+        return None if value is None else []
+    m = _nvml()
+    out: list[int] = []
+    for item in (x.strip() for x in value.split(",")):
+        if not item:
+            continue
+        if item.lstrip("-").isdigit():
+            if int(item) < 0:
+                break  # CUDA stops at the first invalid entry
+            out.append(int(item))
+            continue
+        if item.startswith("MIG-") or m is None:
+            return None
+        found = None
+        for i in _device_indices(None):
+            try:
+                uuid = str(m.nvmlDeviceGetUUID(m.nvmlDeviceGetHandleByIndex(i)))
+            except _nvml_errors():
+                continue
+            if uuid.startswith(item):
+                found = i
+                break
+        if found is None:
+            return None
+        out.append(found)
+    return out
+
+
+def _compute_processes(m: Any, handle: Any) -> list[Any]:
+    try:
+        return list(m.nvmlDeviceGetComputeRunningProcesses(handle))  # _v3 in nvidia-ml-py >= 11.515
+    except m.NVMLError as e:
+        if _err_code(e) != m.NVML_ERROR_FUNCTION_NOT_FOUND:
+            raise
+        return list(m.nvmlDeviceGetComputeRunningProcesses_v2(handle))  # older drivers
+
+
+class GpuSource(Protocol):
+    """What :class:`Sampler` reads from the GPUs; :class:`NvmlSource` is the real one (tests use fakes).
+    Every method returns None when the value cannot be read."""
+
+    def devices(self) -> list[int]: ...
+
+    def memory_used(self) -> int | None: ...
+
+    def processes(self) -> list[tuple[int, int | None]] | None: ...
+
+    def pcie_rx(self, device: int) -> float | None: ...
+
+    def pcie_tx(self, device: int) -> float | None: ...
+
+
+class NvmlSource:
+    """:class:`GpuSource` over NVML for the given NVML device indices (None = all)."""
+
+    def __init__(self, devices: list[int] | None = None) -> None:
+        self._m = _nvml()
+        if self._m is None:
+            raise RuntimeError(f"NVML is not available: {_NVML.reason}")
+        self._handles = {i: self._m.nvmlDeviceGetHandleByIndex(i) for i in _device_indices(devices)}
+        self._broken: set[str] = set()
+        self._lock = threading.Lock()
+
+    def _fail(self, what: str, e: BaseException) -> None:
+        with self._lock:
+            if what in self._broken:
+                return
+            self._broken.add(what)
+        log.warning("NVML %s failed (%s); that field will be None", what, e)
+
+    def devices(self) -> list[int]:
+        return list(self._handles)
+
+    def memory_used(self) -> int | None:
+        if "memory" in self._broken or not self._handles:
+            return None
+        try:
+            return sum(int(self._m.nvmlDeviceGetMemoryInfo(h).used) for h in self._handles.values())
+        except _nvml_errors() as e:
+            self._fail("memory", e)
+            return None
+
+    def processes(self) -> list[tuple[int, int | None]] | None:
+        if "processes" in self._broken or not self._handles:
+            return None
+        out: list[tuple[int, int | None]] = []
+        try:
+            for h in self._handles.values():
+                for p in _compute_processes(self._m, h):
+                    used = p.usedGpuMemory
+                    out.append((int(p.pid), int(used) if used is not None else None))
+        except _nvml_errors() as e:
+            self._fail("processes", e)
+            return None
+        return out
+
+    def _pcie(self, device: int, counter: int, what: str) -> float | None:
+        key = f"{what}:{device}"
+        if key in self._broken or device not in self._handles:
+            return None
+        try:
+            kb_s = self._m.nvmlDeviceGetPcieThroughput(self._handles[device], counter)
+        except _nvml_errors() as e:
+            self._fail(key, e)
+            return None
+        return float(kb_s) * PCIE_KB
+
+    def pcie_rx(self, device: int) -> float | None:
+        return self._pcie(device, self._m.NVML_PCIE_UTIL_RX_BYTES, "PCIe RX throughput")
+
+    def pcie_tx(self, device: int) -> float | None:
+        return self._pcie(device, self._m.NVML_PCIE_UTIL_TX_BYTES, "PCIe TX throughput")
+
+
+def gpu_snapshot(devices: list[int] | None = None) -> list[dict[str, Any]] | None:
+    """Per GPU: index, name, memory used/total and compute processes ``[(pid, bytes|None)]``. None
+    without NVML. For messages such as "GPU 0 is not idle: pid 123 holds 40 GiB"."""
+    m = _nvml()
+    if m is None:
+        return None
+    out: list[dict[str, Any]] = []
+    for i in _device_indices(devices):
+        d: dict[str, Any] = {"index": i}
+        try:
+            h = m.nvmlDeviceGetHandleByIndex(i)
+            d["name"] = str(m.nvmlDeviceGetName(h))
+            mem = m.nvmlDeviceGetMemoryInfo(h)
+            d["memory_used"], d["memory_total"] = int(mem.used), int(mem.total)
+            d["processes"] = [(int(p.pid), p.usedGpuMemory) for p in _compute_processes(m, h)]
+        except _nvml_errors() as e:
+            d["error"] = str(e)
+        out.append(d)
+    return out
+
+
+def gpu_idle(threshold_bytes: int = GPU_IDLE_THRESHOLD_BYTES, devices: list[int] | None = None) -> bool | None:
+    """None without NVML (or when NVML cannot answer); else True when no compute process runs on the GPUs
+    and each GPU's used memory is below ``threshold_bytes`` (the driver reserves some memory even when
+    idle, hence a threshold rather than zero)."""
+    snap = gpu_snapshot(devices)
+    if snap is None or not snap or any("error" in d for d in snap):
+        return None
+    return all(not d["processes"] and d["memory_used"] < threshold_bytes for d in snap)
+
+
+# ============================================================================================== sampling
+
+
+def integrate_rate(times: list[float], rates: list[float], start: float, end: float) -> float | None:
+    """Trapezoid integral of a sampled rate over [start, end]. Between samples the rate is linear; beyond
+    the first/last sample it is held. None when there are no samples."""
+    if end <= start:
+        return 0.0
+    if not times:
+        return None
+
+    def at(t: float) -> float:
+        i = bisect.bisect_left(times, t)
+        if i == 0:
+            return rates[0]
+        if i == len(times):
+            return rates[-1]
+        t0, t1 = times[i - 1], times[i]
+        if t1 == t0:
+            return rates[i]
+        return rates[i - 1] + (rates[i] - rates[i - 1]) * (t - t0) / (t1 - t0)
+
+    lo = bisect.bisect_right(times, start)
+    hi = bisect.bisect_left(times, end)
+    pts = [(start, at(start)), *zip(times[lo:hi], rates[lo:hi]), (end, at(end))]
+    return sum((t1 - t0) * (r0 + r1) / 2 for (t0, r0), (t1, r1) in zip(pts, pts[1:]))
+
+
+@dataclass
+class _MemSample:
+    mono: float
+    wall: float
+    gpu_mem_used: int | None
+    proc_gpu_mem: int | None
+    host_rss: int | None
+    rx: float | None
+    tx: float | None
+
+
+class _PcieSeries:
+    def __init__(self) -> None:
+        self.t: list[float] = []
+        self.rx: list[float] = []
+        self.tx: float | None = None
+
+
+def process_tree(pid: int) -> list[psutil.Process]:
+    """The process ``pid`` and its recursive children (empty when it is gone)."""
+    try:
+        root = psutil.Process(pid)
+        return [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return []
+
+
+def tree_rss(procs: list[psutil.Process]) -> int | None:
+    total, seen = 0, False
+    for p in procs:
+        try:
+            total += p.memory_info().rss
+            seen = True
+        except psutil.Error:
+            continue
+    return total if seen else None
+
+
+class Sampler:
+    """Background sampling of one service; see the module docstring for what and how accurately.
+
+    ``gpu="auto"`` reads NVML when it is available (else GPU fields are None); pass a :class:`GpuSource`
+    to substitute one, or None for host-only sampling."""
+
+    def __init__(
+        self,
+        service: str,
+        pid: int | None,
+        *,
+        interval_s: float = DEFAULT_INTERVAL_S,
+        devices: list[int] | None = None,
+        gpu: GpuSource | None | str = "auto",
+        fast_pcie: bool = True,
+    ) -> None:
+        self.service = service
+        self.pid = pid
+        self.interval_s = interval_s
+        self.fast_pcie = fast_pcie
+        if gpu == "auto":
+            gpu = None
+            if nvml_available():
+                try:
+                    gpu = NvmlSource(devices)
+                except Exception as e:  # noqa: BLE001 - a lost GPU must not stop the run
+                    log.warning("NVML sampling disabled for %s: %s", service, e)
+        assert gpu is None or not isinstance(gpu, str), f"gpu must be 'auto', None or a GpuSource, not {gpu!r}"
+        self.gpu: GpuSource | None = gpu
+        self._lock = threading.Lock()
+        self._mem: list[_MemSample] = []
+        self._pcie: dict[int, _PcieSeries] = {d: _PcieSeries() for d in (gpu.devices() if gpu else [])}
+        self._marks: dict[int, float] = {}
+        self._next_mark = 0
+        self._stop = threading.Event()
+        self._wake = {d: threading.Event() for d in self._pcie}
+        self._threads: list[threading.Thread] = []
+        self._failed_once = False
+        self._pcie_dead: set[int] = set()
+
+    # -- lifecycle --------------------------------------------------------------------------------
+
+    def start(self) -> Sampler:
+        if self._threads:
+            return self
+        self._stop.clear()
+        t = threading.Thread(target=self._mem_loop, name=f"abbench-sampler-{self.service}", daemon=True)
+        self._threads.append(t)
+        for d in self._pcie:
+            self._threads.append(
+                threading.Thread(target=self._pcie_loop, args=(d,), name=f"abbench-pcie{d}-{self.service}",
+                                 daemon=True)
+            )
+        for t in self._threads:
+            t.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        for e in self._wake.values():
+            e.set()
+        for t in self._threads:
+            t.join(timeout=max(2.0, 3 * self.interval_s))
+        self._threads = []
+
+    def __enter__(self) -> Sampler:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # -- sampling ---------------------------------------------------------------------------------
+
+    def _latest_pcie(self) -> tuple[float | None, float | None]:
+        rx = [s.rx[-1] for s in self._pcie.values() if s.rx]
+        tx = [s.tx for s in self._pcie.values() if s.tx is not None]
+        return (sum(rx) if rx else None), (sum(tx) if tx else None)
+
+    def sample_now(self) -> MemoryPoint:
+        """Take one memory sample now (it joins the series) and return it."""
+        procs = process_tree(self.pid) if self.pid is not None else []
+        rss = tree_rss(procs)
+        gpu_used = proc_gpu = None
+        if self.gpu is not None:
+            gpu_used = self.gpu.memory_used()
+            gprocs = self.gpu.processes()
+            if gprocs is not None and self.pid is not None:
+                pids = {p.pid for p in procs}
+                mine = [used for pid, used in gprocs if pid in pids]
+                if mine:
+                    known = [u for u in mine if u is not None]
+                    proc_gpu = sum(known) if known else None  # None: the driver does not say (WDDM, MIG)
+                elif gprocs and not any(psutil.pid_exists(pid) for pid, _ in gprocs):
+                    proc_gpu = None  # another PID namespace: cannot attribute
+                else:
+                    proc_gpu = 0
+        with self._lock:
+            rx, tx = self._latest_pcie()
+            s = _MemSample(time.monotonic(), time.time(), gpu_used, proc_gpu, rss, rx, tx)
+            if not self._mem or self._mem[-1].mono <= s.mono:
+                self._mem.append(s)
+            else:
+                bisect.insort(self._mem, s, key=lambda x: x.mono)
+        return self._point(s)
+
+    def _point(self, s: _MemSample) -> MemoryPoint:
+        return MemoryPoint(
+            t=s.wall,
+            service=self.service,
+            gpu_mem_used=s.gpu_mem_used,
+            proc_gpu_mem=s.proc_gpu_mem,
+            host_rss=s.host_rss,
+            pcie_rx_bytes_per_s=s.rx,
+            pcie_tx_bytes_per_s=s.tx,
+        )
+
+    def _mem_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.sample_now()
+            except Exception:  # noqa: BLE001 - telemetry never crashes the run
+                if not self._failed_once:
+                    self._failed_once = True
+                    log.exception("telemetry sample of %s failed; sampling goes on", self.service)
+            self._stop.wait(self.interval_s)
+
+    def _pcie_loop(self, device: int) -> None:
+        assert self.gpu is not None
+        series = self._pcie[device]
+        wake = self._wake[device]
+        try:
+            self._pcie_reads(device, series, wake)
+        finally:
+            self._pcie_dead.add(device)
+
+    def _pcie_reads(self, device: int, series: _PcieSeries, wake: threading.Event) -> None:
+        assert self.gpu is not None
+        # Outside windows: RX and TX every interval_s. Inside (a mark is open): RX only, period ~20 ms.
+        next_tx = 0.0
+        n = 0
+        while not self._stop.is_set():
+            fast = self.fast_pcie and bool(self._marks)
+            try:
+                t0 = time.monotonic()
+                rx = self.gpu.pcie_rx(device)
+                t1 = time.monotonic()
+                t = t1 - PCIE_COUNTER_WINDOW_S / 2
+                if rx is None:
+                    return  # unsupported: the source logged why
+                with self._lock:
+                    series.t.append(t)
+                    series.rx.append(rx)
+                n += 1
+                if not fast and time.monotonic() >= next_tx:
+                    series.tx = self.gpu.pcie_tx(device)
+                    next_tx = time.monotonic() + self.interval_s
+                if n % 512 == 0:
+                    self._prune(series)
+            except Exception:  # noqa: BLE001
+                if not self._failed_once:
+                    self._failed_once = True
+                    log.exception("PCIe sampling of GPU %d failed; it stops", device)
+                return
+            if fast:
+                self._stop.wait(max(FAST_PCIE_MIN_GAP_S, PCIE_COUNTER_WINDOW_S - (t1 - t0)))
+            else:
+                wake.wait(self.interval_s)
+                wake.clear()
+
+    def _prune(self, series: _PcieSeries) -> None:
+        with self._lock:
+            keep_from = time.monotonic() - _PCIE_KEEP_S
+            if self._marks:
+                keep_from = min(keep_from, min(self._marks.values()) - 1.0)
+            i = bisect.bisect_left(series.t, keep_from)
+            if i > 0:
+                del series.t[:i]
+                del series.rx[:i]
+
+    # -- results ----------------------------------------------------------------------------------
+
+    def points(self, since: int = 0) -> list[MemoryPoint]:
+        """The memory samples so far (from index ``since``), as :class:`MemoryPoint` s."""
+        with self._lock:
+            mem = self._mem[since:]
+        return [self._point(s) for s in mem]
+
+    def __len__(self) -> int:
+        return len(self._mem)
+
+    def mark(self) -> int:
+        """Open a window now (cheap: no sampling here) and return its handle for :meth:`window`. While a
+        window is open, PCIe RX is read about every 20 ms on each device."""
+        with self._lock:
+            m = self._next_mark
+            self._next_mark += 1
+            self._marks[m] = time.monotonic()
+        for e in self._wake.values():
+            e.set()
+        return m
+
+    def window(self, start_mark: int, *, settle_s: float = 0.1) -> dict[str, Any]:
+        """Close the window opened by :meth:`mark` and return Telemetry fields over it (see the module
+        docstring). Waits up to ``settle_s`` for a PCIe reading after the end so the last ~20 ms count."""
+        with self._lock:
+            if start_mark not in self._marks:
+                raise KeyError(f"unknown or already closed telemetry mark {start_mark}")
+            start = self._marks[start_mark]
+        end = time.monotonic()
+        if self._threads and not self._stop.is_set():
+            deadline = end + settle_s
+            while time.monotonic() < deadline:
+                with self._lock:
+                    done = all(
+                        s.t and s.t[-1] >= end for d, s in self._pcie.items() if d not in self._pcie_dead
+                    )
+                if done:
+                    break
+                time.sleep(0.002)
+        self.sample_now()  # the state at the end: a short request gets at least one memory sample
+        with self._lock:
+            del self._marks[start_mark]
+            mem = self._mem[bisect.bisect_left(self._mem, start, key=lambda s: s.mono):]
+            rx_total: float | None = None
+            max_gap = max(2 * self.interval_s, 0.5)
+            for series in self._pcie.values():
+                lo = bisect.bisect_left(series.t, start - max_gap)
+                hi = bisect.bisect_right(series.t, end + max_gap)
+                ts, rs = series.t[lo:hi], series.rx[lo:hi]
+                if not ts or ts[0] > start + max_gap or ts[-1] < end - max_gap:
+                    continue
+                v = integrate_rate(ts, rs, start, end)
+                if v is not None:
+                    rx_total = (rx_total or 0.0) + v
+
+        def peak(vals: list[int | None]) -> int | None:
+            got = [v for v in vals if v is not None]
+            return max(got) if got else None
+
+        return {
+            "nvml_pcie_rx_bytes": None if rx_total is None or math.isnan(rx_total) else rx_total,
+            "gpu_mem_used_peak": peak([s.gpu_mem_used for s in mem]),
+            "proc_gpu_mem_peak": peak([s.proc_gpu_mem for s in mem]),
+            "host_rss_peak": peak([s.host_rss for s in mem]),
+        }
+
+
+# ============================================================================================ Prometheus
+
+
+def _escape_label(v: str) -> str:
+    return v.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def _sample_key(name: str, labels: dict[str, str]) -> str:
+    if not labels:
+        return name
+    inner = ",".join(f'{k}="{_escape_label(str(labels[k]))}"' for k in sorted(labels))
+    return f"{name}{{{inner}}}"
+
+
+def parse_prometheus(text: str, *, strict: bool = True) -> dict[str, float]:
+    """Flatten Prometheus text exposition into ``{'name{a="x",b="y"}': value}`` (labels sorted).
+
+    ``strict=True`` (default): text that does not parse raises ValueError ("not Prometheus text: ...");
+    the caller decides (the runner records the scrape as missing). ``strict=False``: lines that do not
+    parse are skipped and the rest is returned. Empty text gives {}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    try:
+        for fam in text_string_to_metric_families(text):
+            for s in fam.samples:
+                out[_sample_key(s.name, s.labels)] = float(s.value)
+        return out
+    except Exception as e:  # noqa: BLE001 - the parser raises ValueError, IndexError, ...
+        if strict:
+            first = next((ln for ln in text.splitlines() if ln.strip() and not ln.startswith("#")), "")
+            raise ValueError(
+                f"not Prometheus text exposition format ({type(e).__name__}: {e}); "
+                f"first sample line: {first[:120]!r}"
+            ) from None
+    out = {}
+    for line in text.splitlines():
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        try:
+            for fam in text_string_to_metric_families(line + "\n"):
+                for s in fam.samples:
+                    out[_sample_key(s.name, s.labels)] = float(s.value)
+        except Exception:  # noqa: BLE001
+            continue
+    return out
+
+
+def metrics_delta(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, float]:
+    """``after - before`` per key, for counters. A key only in ``after`` counts from 0 (prometheus_client
+    creates labelled counters on first use); keys only in ``before`` are dropped; ``*_created`` keys
+    (timestamps) are skipped. A negative delta means the counter reset (the service restarted). Deltas
+    of gauges are returned too but mean little; pick the counters you need."""
+    if after is None:
+        return {}
+    before = before or {}
+    out: dict[str, float] = {}
+    for k, v in after.items():
+        name = k.split("{", 1)[0]
+        if name.endswith("_created"):
+            continue
+        out[k] = v - before.get(k, 0.0)
+    return out
+
+
+# ============================================================================================ fingerprint
+
+FINGERPRINT_VERSION = 1
+PACKAGES = ("abbench", "torch", "transformers", "tokenizers", "httpx", "numpy", "pandas", "nvidia-ml-py",
+            "pydantic", "safetensors", "vllm", "sglang")
+ENV_VARS = ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "NVIDIA_VISIBLE_DEVICES", "PYTORCH_CUDA_ALLOC_CONF",
+            "CUDA_LAUNCH_BLOCKING", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "TOKENIZERS_PARALLELISM")
+#: Fields that must match before two runs are compared (dotted paths into the fingerprint; ``gpu_models``
+#: is the list of GPU names).
+KEY_FIELDS: tuple[str, ...] = (
+    "gpu_models",
+    "driver_version",
+    "cuda_driver_version",
+    "packages.torch",
+    "packages.transformers",
+    "engine_commit",
+)
+
+
+def _pkg_version(name: str) -> str | None:
+    if name == "abbench":
+        from abbench import __version__
+
+        return _metadata_version(name) or __version__
+    return _metadata_version(name)
+
+
+def _metadata_version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    except Exception:  # noqa: BLE001 - a broken distribution must not break the fingerprint
+        return None
+
+
+def _cpu_model() -> str | None:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.lower().startswith(("model name", "hardware", "cpu model")):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or None
+
+
+def _git(repo: Path, *args: str) -> str | None:
+    try:
+        r = subprocess.run(
+            ["git", "-C", str(repo), *args], capture_output=True, text=True, timeout=10, check=False
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return r.stdout if r.returncode == 0 else None
+
+
+def git_state(repo_dir: Path | None = None) -> dict[str, Any] | None:
+    """Commit, dirty flag and a hash of the local changes of the git checkout abbench runs from (or
+    ``repo_dir``). None when there is no git or no checkout. ``changes_sha256`` covers ``git diff HEAD``
+    and the untracked, not ignored files (content up to 4 MiB each, else name and size)."""
+    repo = Path(repo_dir) if repo_dir is not None else Path(__file__).resolve().parent.parent
+    top = _git(repo, "rev-parse", "--show-toplevel")
+    commit = _git(repo, "rev-parse", "HEAD")
+    if top is None or commit is None:
+        return None
+    status = _git(repo, "status", "--porcelain", "--untracked-files=normal") or ""
+    dirty = bool(status.strip())
+    state: dict[str, Any] = {"repo": top.strip(), "commit": commit.strip(), "dirty": dirty}
+    branch = _git(repo, "rev-parse", "--abbrev-ref", "HEAD")
+    state["branch"] = branch.strip() if branch else None
+    if dirty:
+        h = hashlib.sha256()
+        h.update((_git(repo, "diff", "HEAD", "--no-ext-diff", "--binary") or "").encode())
+        root = Path(top.strip())
+        for name in sorted((_git(repo, "ls-files", "--others", "--exclude-standard", "-z") or "").split("\0")):
+            if not name:
+                continue
+            h.update(b"\0untracked\0" + name.encode())
+            p = root / name
+            try:
+                size = p.stat().st_size
+                h.update(p.read_bytes() if size <= 4 * 1024**2 else str(size).encode())
+            except OSError:
+                continue
+        state["changes_sha256"] = h.hexdigest()
+    return state
+
+
+def _cuda_version_str(v: int) -> str:
+    return f"{v // 1000}.{(v % 1000) // 10}"
+
+
+def _nvml_fingerprint() -> dict[str, Any]:
+    fp: dict[str, Any] = {"driver_version": None, "cuda_driver_version": None, "gpus": []}
+    m = _nvml()
+    fp["nvml"] = {"available": m is not None, "reason": _NVML.reason}
+    if m is None:
+        return fp
+    errs = _nvml_errors()
+
+    def get(fn: str, *args: Any) -> Any:
+        try:
+            v = getattr(m, fn)(*args)
+        except (*errs, AttributeError):
+            return None
+        return v
+
+    fp["driver_version"] = get("nvmlSystemGetDriverVersion")
+    cuda = get("nvmlSystemGetCudaDriverVersion")
+    fp["cuda_driver_version"] = _cuda_version_str(int(cuda)) if cuda else None
+    fp["nvml"]["version"] = get("nvmlSystemGetNVMLVersion")
+    for i in _device_indices(None):
+        h = get("nvmlDeviceGetHandleByIndex", i)
+        if h is None:
+            fp["gpus"].append({"index": i, "error": "no handle"})
+            continue
+        mem = get("nvmlDeviceGetMemoryInfo", h)
+        pci = get("nvmlDeviceGetPciInfo", h)
+        fp["gpus"].append({
+            "index": i,
+            "name": get("nvmlDeviceGetName", h),
+            "uuid": get("nvmlDeviceGetUUID", h),
+            "pci_bus_id": (pci.busId.decode() if isinstance(pci.busId, bytes) else pci.busId) if pci else None,
+            "memory_total": int(mem.total) if mem is not None else None,
+            "vbios": get("nvmlDeviceGetVbiosVersion", h),
+            # Current link gen/width may drop at idle (power saving); max = what the slot negotiates.
+            "pcie": {
+                "gen_max": get("nvmlDeviceGetMaxPcieLinkGeneration", h),
+                "width_max": get("nvmlDeviceGetMaxPcieLinkWidth", h),
+                "gen_current": get("nvmlDeviceGetCurrPcieLinkGeneration", h),
+                "width_current": get("nvmlDeviceGetCurrPcieLinkWidth", h),
+                "gpu_gen_max": get("nvmlDeviceGetGpuMaxPcieLinkGeneration", h),
+            },
+        })
+    return fp
+
+
+def environment_fingerprint(
+    commands: list[list[str]] | None = None,
+    *,
+    engine_commit: str | None = None,
+    repo_dir: Path | None = None,
+) -> dict[str, Any]:
+    """What a comparison depends on: host, GPUs, driver, CUDA, package versions, git state, commands.
+
+    ``engine_commit`` defaults to the git commit of the checkout abbench runs from (the vendored engine's
+    commit), suffixed ``+dirty.<12 hex of changes_sha256>`` when the tree has local changes; pass the
+    commit/version of an external engine instead. Never raises for a missing piece: it is None."""
+    vm = psutil.virtual_memory()
+    git = git_state(repo_dir)
+    if engine_commit is None and git is not None:
+        engine_commit = git["commit"] + (f"+dirty.{git['changes_sha256'][:12]}" if git["dirty"] else "")
+    fp: dict[str, Any] = {
+        "fingerprint_version": FINGERPRINT_VERSION,
+        "created_at": time.time(),
+        "hostname": socket.gethostname(),
+        "python": {
+            "version": platform.python_version(),
+            "implementation": platform.python_implementation(),
+            "executable": sys.executable,
+        },
+        "platform": {
+            "system": platform.system(),
+            "release": platform.release(),
+            "machine": platform.machine(),
+            "platform": platform.platform(),
+        },
+        "cpu": {"model": _cpu_model(), "logical": os.cpu_count(), "physical": psutil.cpu_count(logical=False)},
+        "ram_total": int(vm.total),
+        **_nvml_fingerprint(),
+        "packages": {name: _pkg_version(name) for name in PACKAGES},
+        "git": git,
+        "engine_commit": engine_commit,
+        "env": {k: os.environ[k] for k in ENV_VARS if k in os.environ},
+        "commands": [list(c) for c in commands] if commands is not None else [],
+    }
+    return fp
+
+
+def key_value(fp: dict[str, Any], field: str) -> Any:
+    """The value of a :data:`KEY_FIELDS` entry (dotted path) in a fingerprint; None when absent."""
+    if field == "gpu_models":
+        gpus = fp.get("gpus")
+        return [g.get("name") for g in gpus] if isinstance(gpus, list) else None
+    cur: Any = fp
+    for part in field.split("."):
+        if not isinstance(cur, dict):
+            return None
+        cur = cur.get(part)
+    return cur
+
+
+def comparable(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
+    """The :data:`KEY_FIELDS` whose values differ between two fingerprints ([] = comparable). A field
+    missing on one side differs from a present one; missing on both sides is equal."""
+    return [f for f in KEY_FIELDS if key_value(a, f) != key_value(b, f)]
+
+
+def differences(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
+    """Human-readable lines for :func:`comparable`: ``'driver_version: 550.54 != 560.28'``."""
+    return [f"{f}: {key_value(a, f)!r} != {key_value(b, f)!r}" for f in comparable(a, b)]
