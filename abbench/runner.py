@@ -42,7 +42,7 @@ from abbench.results import (
     save_run,
 )
 from abbench.schedule import build_plan
-from abbench.services import Service, expand_command, stop_all
+from abbench.services import Service, stop_all
 from abbench.telemetry import Sampler, environment_fingerprint, gpu_idle, parse_prometheus
 from abbench.tokenizers import describe_tokenizer, load_tokenizer
 
@@ -123,57 +123,43 @@ class _ServiceSlot:
         argv, env, base_url = self._argv_env(arm)
         n = self.launches.get(key, 0)
         self.launches[key] = n + 1
-        log_name = f"{key}.log" if n == 0 else f"{key}.restart{n}.log"
-        log_rel = f"{LOGS_DIR}/{log_name.replace('@', '_')}"
+        log_name = (f"{key}.log" if n == 0 else f"{key}.restart{n}.log").replace("@", "_")
         arms = [a.name for a in self.profile.arms] if eng.shared_service else [arm.name if arm else key]
         idle_before = gpu_idle()
-        rec = ServiceRecord(key=key, arms=arms, round=round_no, command=None, env=env, base_url=base_url or "",
-                            log=None, gpu_idle_before=idle_before)
-        self.record.services.append(rec)
         try:
             if base_url:
                 svc = Service.attach(key, base_url, health_path=eng.health_path,
-                                     health_timeout_s=eng.health_timeout_s, health_check=self.client.health)
+                                     health_timeout_s=eng.health_timeout_s, health_check=self.client.health,
+                                     arms=arms, round=round_no)
             else:
                 assert argv is not None
-                port_argv = argv
-                svc = Service.launch(
-                    key,
-                    port_argv,
-                    env=env,
-                    log_path=self.run_dir / log_rel,
-                    health_path=eng.health_path,
-                    health_timeout_s=eng.health_timeout_s,
-                    stop_timeout_s=eng.stop_timeout_s,
-                    profile_dir=_profile_dir(self.profile),
-                    health_check=self.client.health,
-                )
+                svc = Service.launch(key, argv, env=env, log_path=self.run_dir / LOGS_DIR / log_name,
+                                     health_path=eng.health_path, health_timeout_s=eng.health_timeout_s,
+                                     stop_timeout_s=eng.stop_timeout_s, health_check=self.client.health,
+                                     profile_dir=_profile_dir(self.profile), arms=arms, round=round_no)
         except ServiceError as e:
-            rec.error = str(e)
-            rec.log = log_rel if not base_url else None
+            self.record.services.append(ServiceRecord(
+                key=key, arms=arms, round=round_no, command=argv, env=env, base_url=base_url or "",
+                log=None if base_url else f"{LOGS_DIR}/{log_name}", gpu_idle_before=idle_before,
+                error=str(e).splitlines()[0]))
             raise
+        svc.gpu_idle_before = idle_before
         self.service = svc
         self.key = key
-        self.record.services[-1] = svc.record(self.run_dir, round_no=round_no, arms=arms, env=env,
-                                              gpu_idle_before=idle_before)
-        self.sampler = Sampler(svc.pid, key)
-        self.sampler.start()
+        self.record.services.append(svc.record(self.run_dir))
+        self.sampler = Sampler(key, svc.pid).start()
         return svc
 
     def stop(self) -> None:
         if self.sampler is not None:
             self.sampler.stop()
-            self.record.memory.extend(self.sampler.points)
+            self.record.memory.extend(self.sampler.points())
             self.sampler = None
         if self.service is not None:
-            self.service.stop()
-            rec = self.service.record(self.run_dir)
-            last = self.record.services[-1]
-            last.stopped_at = rec.stopped_at
-            last.exit_code = rec.exit_code
-            last.gpu_idle_after = gpu_idle()
-            self.service = None
-            self.key = None
+            svc, self.service, self.key = self.service, None, None
+            svc.stop()
+            svc.gpu_idle_after = gpu_idle()
+            self.record.services[-1] = svc.record(self.run_dir)
 
 
 def _scrape(client: EngineClient, base_url: str, path: str | None) -> dict[str, float] | None:
