@@ -248,6 +248,8 @@ def execute(
     log = SampleLog(run_dir)
     req = profile.request
     retok = lambda text: tok.encode(text, add_special_tokens=False)  # noqa: E731
+    # A server that tokenizes with special tokens (a BOS) counts them in usage.prompt_tokens.
+    added = int(record.environment.get("tokenizer", {}).get("special_tokens_added") or 0)
 
     def record_sample(sample: Sample) -> None:
         record.samples.append(sample)
@@ -285,8 +287,8 @@ def execute(
                     before = _scrape(client, svc.base_url, profile.engine.metrics_path)
                     mark = slot.sampler.mark() if slot.sampler else 0
                     c = client.complete(svc.base_url, bp.text, request=req, extra=extra,
-                                        target_prompt_tokens=bp.record.target_tokens, model=profile.engine.model,
-                                        retokenize=retok)
+                                        target_prompt_tokens=bp.record.target_tokens + added, model=profile.engine.model,
+                                        retokenize=retok, adapter=profile.engine.adapter)
                     window = slot.sampler.window(mark) if slot.sampler else {}
                     after = _scrape(client, svc.base_url, profile.engine.metrics_path)
                     sample = Sample(step=step.index, arm=step.arm, round=step.round, position=step.position,

@@ -1,0 +1,885 @@
+"""OpenAI-compatible streaming client: one pooled HTTP client, exact TTFT, native token ids, loud failures.
+
+Contract
+--------
+:class:`EngineClient` owns ONE pooled ``httpx.Client`` for the whole run (keep-alive, ``trust_env=False`` so
+no proxy or ``.netrc`` from the environment is used). ``complete()`` sends one request and returns a
+:class:`Completion` only when the response is complete and correct; anything else raises
+:class:`abbench.errors.RequestError` whose ``kind`` says what went wrong:
+
+* ``http``          the server answered 3xx/4xx/5xx (``status`` is set; the message holds the server's own
+                    error text), or sent an ``{"error": ...}`` event inside the stream;
+* ``connect``       connection refused, reset, or dropped before the response was complete;
+* ``timeout``       no complete response within ``RequestSpec.timeout_s`` (whole response, enforced by a
+                    watchdog that closes the socket, not only per read), or no connection within
+                    ``connect_timeout_s``;
+* ``sse``           the event stream is malformed: a line that is no SSE field, bytes that are not UTF-8,
+                    ``data`` that is not JSON, data after ``[DONE]``, or a last event cut off mid-way;
+* ``no-done``       the stream ended cleanly but without ``data: [DONE]``;
+* ``finish-reason`` ``finish_reason`` is missing, not ``length`` when ``ignore_eos`` is set, or not one of
+                    ``length``/``stop`` otherwise;
+* ``usage``         ``usage.prompt_tokens`` differs from the exact length the prompt was built to;
+* ``protocol``      no ``usage``; ``usage.completion_tokens`` differs from the number of native ids; a body
+                    or event of the wrong shape; no event carried text (TTFT undefined).
+
+Timing (DESIGN §2): the request body is serialised first; then ``started_at = time.time()`` and the
+``perf_counter`` clock starts immediately before the request is sent. ``ttft_s`` is taken when the network
+chunk that completes the first SSE event with non-empty text arrives (it is stamped before that chunk is
+parsed); ``total_s`` when the response body has ended. SSE is parsed incrementally from the raw bytes
+(events split across chunks, ``\\r\\n``/``\\n``/``\\r`` line ends, comments, multi-line data). Until the first
+text event each event is decoded (a small ``json.loads``) to test for text; after it, events are only
+collected and decoded once the stream has ended, so the client does no heavy work per event.
+
+Wire formats are :class:`Adapter` subclasses, looked up by ``EngineSpec.adapter`` in :data:`ADAPTERS`. An
+adapter builds the request (path and JSON body), says whether a decoded event carries text, and turns one
+event into :class:`EventParts` (text, ids, finish reason, usage, logprobs, the engine's own object); the
+client merges the parts and checks them. ``openai`` is the vendored engine and any server with OpenAI's
+``/v1/completions`` (native ids in ``choices[].token_ids``); ``vllm`` is the same with vLLM's
+``return_token_ids``/``return_tokens_as_token_ids`` switched on.
+
+Native token ids are used whenever the engine sends them (``ids_source='native'``, and their count must
+equal ``usage.completion_tokens``); otherwise the text is re-tokenized with the caller's ``retokenize``
+(``'retokenized'``), or no ids are recorded (``'none'``). Logprobs are kept only with token ids (the
+vendored engine's ``top_logprob_ids``, or vLLM's ``token_id:N`` keys), best first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import socket
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any, ClassVar, Literal
+
+import httpx
+
+from abbench.errors import ConfigError, RequestError
+from abbench.profile import RequestSpec
+
+__all__ = [
+    "ADAPTERS",
+    "Adapter",
+    "Completion",
+    "EngineClient",
+    "EventParts",
+    "OpenAIAdapter",
+    "SSEEvent",
+    "SSEParser",
+    "VLLMAdapter",
+    "get_adapter",
+]
+
+IdsSource = Literal["native", "retokenized", "none"]
+TopLogprobs = list[tuple[int, float]]
+
+_ERROR_BODY_LIMIT = 64 * 1024  # bytes of an error body read for its message
+_SNIPPET = 200  # characters of offending data quoted in a message
+
+
+# --------------------------------------------------------------------------------------------- SSE parser
+
+
+@dataclass(frozen=True, slots=True)
+class SSEEvent:
+    """One dispatched server-sent event: its ``data`` lines joined with ``\\n``."""
+
+    data: str
+    event: str | None = None
+    id: str | None = None
+
+
+class SSEParser:
+    """Incremental ``text/event-stream`` parser (WHATWG HTML, "Parsing an event stream"), strict about junk.
+
+    ``feed(chunk)`` takes raw bytes as they arrive and returns the events completed by them. Lines end with
+    ``\\r\\n``, ``\\n`` or ``\\r``; a ``\\r`` at the end of a chunk ends its line at once (a ``\\n`` opening the
+    next chunk is then skipped), so no event waits for the next chunk. Comments (``:...``), ``id``, ``event``
+    and ``retry`` lines are accepted; any other line raises ``RequestError('sse')`` (OpenAI-compatible servers
+    send nothing else, so anything else is a broken stream). After the stream, :meth:`close` raises
+    ``RequestError('sse')`` when a last event was cut off before its blank line.
+    """
+
+    __slots__ = ("_pending", "_skip_lf", "_data", "_event", "_id", "_at_start", "events")
+
+    def __init__(self) -> None:
+        self._pending: list[bytes] = []  # bytes of an unfinished line
+        self._skip_lf = False  # the previous chunk ended with a lone \r
+        self._data: list[str] = []
+        self._event: str | None = None
+        self._id: str | None = None
+        self._at_start = True  # a UTF-8 BOM may open the stream
+        self.events = 0  # events dispatched so far
+
+    def feed(self, chunk: bytes) -> list[SSEEvent]:
+        if self._skip_lf:
+            self._skip_lf = False
+            if chunk[:1] == b"\n":
+                chunk = chunk[1:]
+        if not chunk:
+            return []
+        if b"\n" not in chunk and b"\r" not in chunk:
+            self._pending.append(chunk)
+            return []
+        if self._pending:
+            self._pending.append(chunk)
+            chunk = b"".join(self._pending)
+            self._pending = []
+        if self._at_start:
+            self._at_start = False
+            if chunk.startswith(b"\xef\xbb\xbf"):
+                chunk = chunk[3:]
+        lines = chunk.splitlines(keepends=True)  # bytes.splitlines splits on \r\n, \n and \r only
+        last = lines[-1]
+        if last.endswith(b"\r"):
+            self._skip_lf = True
+        elif not last.endswith(b"\n"):
+            self._pending.append(lines.pop())
+        out: list[SSEEvent] = []
+        for raw in lines:
+            self._line(raw.rstrip(b"\r\n"), out)
+        return out
+
+    def close(self) -> None:
+        """Call at the end of the stream: raises if an event was left without its terminating blank line."""
+        leftover = b"".join(self._pending)
+        if leftover or self._data:
+            cut = leftover.decode("utf-8", "replace") if leftover else "data: " + "\n".join(self._data)
+            raise RequestError(
+                "sse", f"the stream ended in the middle of an event (no blank line after it): {cut[:_SNIPPET]!r}"
+            )
+
+    def _line(self, line: bytes, out: list[SSEEvent]) -> None:
+        if not line:
+            if self._data:
+                out.append(SSEEvent("\n".join(self._data), self._event, self._id))
+                self.events += 1
+                self._data = []
+            self._event = None
+            return
+        if line[0] == 0x3A:  # ":" comment (keep-alive)
+            return
+        try:
+            text = line.decode("utf-8")
+        except UnicodeDecodeError:
+            raise RequestError("sse", f"a line of the event stream is not UTF-8: {line[:_SNIPPET]!r}") from None
+        name, _, value = text.partition(":")
+        if value[:1] == " ":
+            value = value[1:]
+        if name == "data":
+            self._data.append(value)
+        elif name == "event":
+            self._event = value
+        elif name == "id":
+            self._id = value
+        elif name != "retry":
+            raise RequestError("sse", f"unexpected line in the event stream: {text[:_SNIPPET]!r}")
+
+
+# ------------------------------------------------------------------------------------------------ adapters
+
+
+@dataclass(slots=True)
+class EventParts:
+    """What one stream event (or a whole non-streamed body) says. ``None`` = the event did not say it."""
+
+    text: str = ""
+    token_ids: list[int] | None = None  # None: no ids field at all (not "zero ids")
+    finish_reason: str | None = None
+    usage: dict[str, Any] | None = None
+    logprobs: list[TopLogprobs] | None = None  # per output position, best first
+    engine: dict[str, Any] | None = None  # the engine's own per-request object
+    final: bool = False  # this event ends the stream (for formats without a done marker)
+
+
+class Adapter:
+    """One wire format. Subclass it, set the class attributes, implement the three methods, and add an
+    instance to :data:`ADAPTERS` under the ``EngineSpec.adapter`` name. ``build_body`` sends the
+    RequestSpec's fields in the engine's own names (``merge_extra`` adds the profile's and arm's fields);
+    ``has_text`` runs on each event as it arrives until the first text (keep it cheap); ``parse_event`` runs
+    after the stream, reports ``finish_reason`` in OpenAI's words (``length``/``stop``), and may raise
+    ``RequestError`` or let ``KeyError``/``TypeError``/``ValueError`` escape (reported as ``protocol``). A
+    format whose stream has no done marker sets ``done_marker = None`` and marks its last event ``final``."""
+
+    name: ClassVar[str] = ""
+    completion_path: ClassVar[str] = "/v1/completions"
+    health_path: ClassVar[str] = "/health"
+    reset_path: ClassVar[str | None] = "/reset"
+    metrics_path: ClassVar[str | None] = "/metrics"
+    done_marker: ClassVar[str | None] = "[DONE]"  # data payload ending the stream; None: see EventParts.final
+    protected_fields: ClassVar[frozenset[str]] = frozenset({"prompt", "stream", "stream_options"})
+
+    def build_body(
+        self, prompt: str, *, request: RequestSpec, extra: Mapping[str, Any], model: str | None
+    ) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def has_text(self, event: Any) -> bool:
+        raise NotImplementedError
+
+    def parse_event(self, event: Any) -> EventParts:
+        raise NotImplementedError
+
+    def merge_extra(self, body: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
+        """Add profile/arm request fields to ``body``; fields the protocol depends on cannot be overridden."""
+        clash = sorted(set(extra) & self.protected_fields)
+        if clash:
+            raise ConfigError(
+                f"request field(s) {', '.join(clash)} cannot be set through request.extra or an arm's request: "
+                "the client sets them itself"
+            )
+        body.update(extra)
+        return body
+
+
+@dataclass(frozen=True)
+class OpenAIAdapter(Adapter):
+    """``POST /v1/completions`` with OpenAI's streamed ``text_completion`` chunks.
+
+    Native ids are read from ``choices[0].token_ids`` (the vendored engine always sends them; vLLM does when
+    the request has ``return_token_ids: true``, which ``return_token_ids=True`` adds). Logprobs with ids come
+    from ``top_logprob_ids`` ([[id, logprob], ...] per position, in ``logprobs`` or in the choice), or, with
+    ``tokens_as_ids=True`` (vLLM's ``return_tokens_as_token_ids``), from ``top_logprobs`` keys
+    ``"token_id:N"``. The engine's own object is the event's top-level ``abbench`` field."""
+
+    name: ClassVar[str] = "openai"
+    return_token_ids: bool = False
+    tokens_as_ids: bool = False
+
+    def build_body(
+        self, prompt: str, *, request: RequestSpec, extra: Mapping[str, Any], model: str | None
+    ) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "prompt": prompt,
+            "max_tokens": request.max_tokens,
+            "temperature": request.temperature,
+            "ignore_eos": request.ignore_eos,
+            "stream": request.stream,
+        }
+        if request.stream:
+            body["stream_options"] = {"include_usage": True}
+        if request.logprobs is not None:
+            body["logprobs"] = request.logprobs
+        if model is not None:
+            body["model"] = model
+        if self.return_token_ids:
+            body["return_token_ids"] = True
+        if self.tokens_as_ids:
+            body["return_tokens_as_token_ids"] = True
+        return self.merge_extra(body, {**request.extra, **extra})
+
+    def has_text(self, event: Any) -> bool:
+        choices = event.get("choices") if isinstance(event, dict) else None
+        if not choices:
+            return False
+        for c in choices:
+            if isinstance(c, dict) and c.get("text"):
+                return True
+        return False
+
+    def parse_event(self, event: Any) -> EventParts:
+        if not isinstance(event, dict):
+            raise TypeError(f"an event is a JSON object, got {type(event).__name__}")
+        error = event.get("error")
+        if error is not None:
+            raise _error_event(error)
+        parts = EventParts(usage=event.get("usage"), engine=event.get("abbench"))
+        choices = event.get("choices") or []
+        if len(choices) > 1 or any(c.get("index", 0) != 0 for c in choices):
+            raise ValueError(f"expected one choice with index 0, got {len(choices)}")
+        if not choices:
+            return parts
+        c = choices[0]
+        parts.text = c.get("text") or ""
+        parts.finish_reason = c.get("finish_reason")
+        ids = c.get("token_ids")
+        if ids is not None:
+            parts.token_ids = [int(i) for i in ids]
+        parts.logprobs = self._logprobs(c)
+        return parts
+
+    def _logprobs(self, choice: dict[str, Any]) -> list[TopLogprobs] | None:
+        lp = choice.get("logprobs")
+        by_id = choice.get("top_logprob_ids")
+        if by_id is None and isinstance(lp, dict):
+            by_id = lp.get("top_logprob_ids")
+        if by_id is not None:
+            return [_best_first((int(i), v) for i, v in pos) for pos in by_id]
+        if self.tokens_as_ids and isinstance(lp, dict) and lp.get("top_logprobs") is not None:
+            return [
+                _best_first((int(k.removeprefix("token_id:")), v) for k, v in (pos or {}).items())
+                for pos in lp["top_logprobs"]
+            ]
+        return None
+
+
+def _best_first(pairs: Any) -> TopLogprobs:
+    """(id, logprob) pairs sorted best first; a null logprob (the engines send -inf as null) is dropped."""
+    return sorted(((i, float(v)) for i, v in pairs if v is not None), key=lambda p: -p[1])
+
+
+def _error_event(error: Any) -> RequestError:
+    status = None
+    message = error
+    if isinstance(error, dict):
+        message = error.get("message", error)
+        code = error.get("code")
+        status = code if isinstance(code, int) else None
+    return RequestError("http", f"the server reported an error inside the stream: {message}", status=status)
+
+
+@dataclass(frozen=True)
+class VLLMAdapter(OpenAIAdapter):
+    """vLLM's OpenAI server: token ids and id-keyed logprobs only on request; its cache reset is
+    ``POST /reset_prefix_cache`` (served with ``VLLM_SERVER_DEV_MODE=1``). Not yet run against a live vLLM."""
+
+    name: ClassVar[str] = "vllm"
+    reset_path: ClassVar[str | None] = "/reset_prefix_cache"
+    return_token_ids: bool = True
+    tokens_as_ids: bool = True
+
+
+ADAPTERS: Mapping[str, Adapter] = MappingProxyType(
+    {
+        "openai": OpenAIAdapter(),
+        "vllm": VLLMAdapter(),
+        # "sglang" (SGLang /generate, output_ids) and "llamacpp" (llama.cpp /completion, tokens): to be added.
+    }
+)
+
+
+def get_adapter(name: str | Adapter) -> Adapter:
+    """The adapter registered under ``name`` (``EngineSpec.adapter``); an instance is returned as is."""
+    if isinstance(name, Adapter):
+        return name
+    try:
+        return ADAPTERS[name]
+    except KeyError:
+        raise ConfigError(
+            f"engine.adapter {name!r} has no client adapter yet; available: {', '.join(ADAPTERS)}"
+        ) from None
+
+
+# ---------------------------------------------------------------------------------------------- the client
+
+
+@dataclass(slots=True)
+class Completion:
+    """One complete, verified response: the fields a :class:`abbench.results.Sample` takes from it."""
+
+    started_at: float  # time.time() just before the request
+    ttft_s: float | None  # None only for a non-streamed request
+    total_s: float
+    output_ids: list[int]
+    ids_source: IdsSource
+    text: str
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    saw_done: bool
+    logprobs: list[TopLogprobs] | None
+    engine: dict[str, Any] | None
+
+    def sample_fields(self) -> dict[str, Any]:
+        """The fields as keyword arguments for ``Sample(...)``."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+class _Deadline:
+    """The whole-response deadline of one request, enforced by the client's :class:`_Watchdog`."""
+
+    __slots__ = ("seconds", "when", "fired", "done", "sock")
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.when = time.monotonic() + seconds
+        self.fired = False
+        self.done = False
+        self.sock: socket.socket | None = None
+
+
+class _Watchdog:
+    """One thread per client that shuts a response's socket down when its whole-response deadline passes
+    (httpx's timeouts apply per read, so a server that keeps trickling bytes would never trip them; a
+    shutdown wakes the blocked read). :meth:`arm` returns only once the thread has taken the new deadline and
+    is asleep again, so the thread never runs inside a timed window except when a deadline fires.
+    :meth:`disarm` must run before the connection can go back to the pool."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._armed: set[_Deadline] = set()
+        self._asked = 0  # arm() requests
+        self._seen = 0  # requests the thread has taken
+        self._closed = False
+        self._thread: threading.Thread | None = None
+
+    def arm(self, seconds: float) -> _Deadline:
+        d = _Deadline(seconds)
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("the EngineClient is closed")
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="abbench-request-watchdog", daemon=True)
+                self._thread.start()
+            self._armed.add(d)
+            self._asked += 1
+            asked = self._asked
+            self._cond.notify_all()
+            while self._seen < asked:
+                if not self._cond.wait(5.0) and not self._thread.is_alive():
+                    raise RuntimeError("the request watchdog thread died")
+        return d
+
+    def attach(self, d: _Deadline, response: httpx.Response) -> None:
+        stream = response.extensions.get("network_stream")
+        sock = stream.get_extra_info("socket") if stream is not None else None
+        with self._cond:
+            d.sock = sock
+            if d.fired:
+                _shutdown(sock)
+
+    def disarm(self, d: _Deadline) -> None:
+        with self._cond:
+            d.done = True
+            d.sock = None
+            self._armed.discard(d)
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(5)
+
+    def _run(self) -> None:
+        with self._cond:
+            while not self._closed:
+                now = time.monotonic()
+                for d in [d for d in self._armed if d.when <= now]:
+                    self._armed.discard(d)
+                    if not d.done:
+                        d.fired = True
+                        _shutdown(d.sock)
+                if self._seen != self._asked:
+                    self._seen = self._asked
+                    self._cond.notify_all()
+                wait = min(d.when for d in self._armed) - now if self._armed else None
+                self._cond.wait(wait)
+
+
+def _shutdown(sock: socket.socket | None) -> None:
+    if sock is None:
+        return
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+
+
+class EngineClient:
+    """The one HTTP client of a run. Use as a context manager or call :meth:`close`.
+
+    ``base_url`` arguments are the server root (``http://127.0.0.1:8000``); paths are appended to it.
+    """
+
+    def __init__(
+        self,
+        *,
+        connect_timeout_s: float = 10.0,
+        health_timeout_s: float = 2.0,
+        control_timeout_s: float = 60.0,
+        max_connections: int = 64,
+    ) -> None:
+        self.connect_timeout_s = connect_timeout_s
+        self.health_timeout_s = health_timeout_s
+        self.control_timeout_s = control_timeout_s
+        self._http = httpx.Client(
+            trust_env=False,
+            follow_redirects=False,
+            limits=httpx.Limits(
+                max_connections=max_connections,
+                max_keepalive_connections=max_connections,
+                keepalive_expiry=600.0,
+            ),
+            timeout=httpx.Timeout(control_timeout_s, connect=connect_timeout_s),
+            headers={"accept-encoding": "identity"},
+        )
+        self._watchdog = _Watchdog()
+
+    def close(self) -> None:
+        self._watchdog.close()
+        self._http.close()
+
+    def __enter__(self) -> EngineClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -------------------------------------------------------------------------------- control endpoints
+
+    def health(self, base_url: str, path: str = "/health") -> bool:
+        """True when ``GET path`` answers 2xx within ``health_timeout_s``; False otherwise, never raises for
+        connection errors or timeouts."""
+        try:
+            r = self._http.get(_url(base_url, path), timeout=self.health_timeout_s)
+        except httpx.HTTPError:
+            return False
+        return 200 <= r.status_code < 300
+
+    def reset(self, base_url: str, path: str) -> None:
+        """``POST path`` (flush the engine's caches). ``RequestError`` unless it answers 2xx."""
+        url = _url(base_url, path)
+        try:
+            r = self._http.post(url, timeout=self.control_timeout_s)
+        except httpx.HTTPError as e:
+            raise _transport_error(e, f"POST {url}", self.control_timeout_s) from None
+        if not 200 <= r.status_code < 300:
+            raise RequestError(
+                "http", f"POST {url}: HTTP {r.status_code}: {_error_message(r.content)}", status=r.status_code
+            )
+
+    def metrics_text(self, base_url: str, path: str | None) -> str | None:
+        """The Prometheus text of ``GET path``; None when ``path`` is None or the server has no such page
+        (404). ``RequestError`` for other failures (the caller decides whether telemetry may fail)."""
+        if path is None:
+            return None
+        url = _url(base_url, path)
+        try:
+            r = self._http.get(url, timeout=self.control_timeout_s)
+        except httpx.HTTPError as e:
+            raise _transport_error(e, f"GET {url}", self.control_timeout_s) from None
+        if r.status_code == 404:
+            return None
+        if not 200 <= r.status_code < 300:
+            raise RequestError(
+                "http", f"GET {url}: HTTP {r.status_code}: {_error_message(r.content)}", status=r.status_code
+            )
+        return r.text
+
+    # ------------------------------------------------------------------------------------------ requests
+
+    def complete(
+        self,
+        base_url: str,
+        prompt: str,
+        *,
+        request: RequestSpec,
+        extra: Mapping[str, Any],
+        target_prompt_tokens: int,
+        model: str | None = None,
+        retokenize: Callable[[str], list[int]] | None = None,
+        adapter: str | Adapter = "openai",
+        headers: Mapping[str, str] | None = None,
+    ) -> Completion:
+        """Send one completion request and return it verified (see the module docstring for the checks).
+
+        ``extra`` (an arm's request fields) is merged over ``request.extra`` (``prompt``, ``stream`` and
+        ``stream_options`` cannot be overridden: ConfigError); an arm that overrides ``ignore_eos`` is judged
+        by what it sent. ``adapter`` is an ``EngineSpec.adapter`` name or an :class:`Adapter`; ``headers`` are
+        added to the request (e.g. an API key). ``retokenize`` is used only when the engine sends no ids."""
+        ad = get_adapter(adapter)
+        body = ad.build_body(prompt, request=request, extra=extra, model=model)
+        ignore_eos = bool({**request.extra, **extra}.get("ignore_eos", request.ignore_eos))
+        stream = bool(body.get("stream"))
+        url = _url(base_url, ad.completion_path)
+        what = f"POST {url}"
+        timeout = request.timeout_s
+        http_request = self._http.build_request(
+            "POST",
+            url,
+            content=json.dumps(body, ensure_ascii=False).encode("utf-8"),
+            headers={
+                "content-type": "application/json",
+                "accept": "text/event-stream" if stream else "application/json",
+                **(headers or {}),
+            },
+            timeout=httpx.Timeout(timeout, connect=min(self.connect_timeout_s, timeout)),
+        )
+        deadline = self._watchdog.arm(timeout)
+        try:
+            started_at = time.time()
+            t0 = time.perf_counter()
+            try:
+                response = self._http.send(http_request, stream=True)
+            except httpx.HTTPError as e:
+                raise _transport_error(e, what, timeout, deadline, "before the response headers") from None
+            try:
+                self._watchdog.attach(deadline, response)
+                _check_status(response, what, deadline)
+                if stream:
+                    raw = self._read_stream(response, ad, t0, what, deadline)
+                else:
+                    raw = self._read_body(response, t0, what, deadline)
+            finally:
+                self._watchdog.disarm(deadline)
+                response.close()
+        finally:
+            self._watchdog.disarm(deadline)
+        return _finish(raw, ad, ignore_eos, started_at, target_prompt_tokens, retokenize, what)
+
+    def _read_stream(
+        self, response: httpx.Response, ad: Adapter, t0: float, what: str, deadline: _Deadline
+    ) -> _Raw:
+        _check_content_type(response, "text/event-stream", what, deadline)
+        parser = SSEParser()
+        has_text = ad.has_text
+        marker = ad.done_marker
+        decoded: list[Any] = []  # events decoded on arrival, up to the first with text
+        later: list[str] = []  # data of the events after it, decoded once the stream has ended
+        ttft: float | None = None
+        saw_done = False
+        nbytes = 0
+        perf = time.perf_counter
+        try:
+            for chunk in response.iter_bytes():
+                t = perf()
+                nbytes += len(chunk)
+                for ev in parser.feed(chunk):
+                    data = ev.data
+                    if saw_done:
+                        raise RequestError("sse", f"data after [DONE]: {data[:_SNIPPET]!r}")
+                    if data == marker:
+                        saw_done = True
+                    elif ttft is None:
+                        obj = _loads(data, len(decoded))
+                        decoded.append(obj)
+                        if has_text(obj):
+                            ttft = t - t0
+                    else:
+                        later.append(data)
+            total = perf() - t0
+            parser.close()
+            offset = len(decoded)
+            events = decoded + [_loads(d, offset + i) for i, d in enumerate(later)]
+        except httpx.HTTPError as e:
+            n = len(decoded) + len(later)
+            raise _transport_error(
+                e, what, deadline.seconds, deadline, f"after {n} events ({nbytes} bytes)"
+            ) from None
+        except RequestError as e:
+            if deadline.fired:
+                raise _timeout(what, deadline.seconds) from None
+            raise RequestError(e.kind, f"{what}: {e.detail}", status=e.status) from None
+        if deadline.fired:
+            raise _timeout(what, deadline.seconds)
+        return _Raw(events=events, ttft=ttft, total=total, saw_done=saw_done, streamed=True)
+
+    def _read_body(self, response: httpx.Response, t0: float, what: str, deadline: _Deadline) -> _Raw:
+        _check_content_type(response, "application/json", what, deadline)
+        try:
+            content = response.read()
+            total = time.perf_counter() - t0
+        except httpx.HTTPError as e:
+            raise _transport_error(e, what, deadline.seconds, deadline, "while reading the body") from None
+        if deadline.fired:
+            raise _timeout(what, deadline.seconds)
+        try:
+            obj = json.loads(content)
+        except ValueError:
+            raise RequestError("protocol", f"{what}: the body is not JSON: {content[:_SNIPPET]!r}") from None
+        return _Raw(events=[obj], ttft=None, total=total, saw_done=False, streamed=False)
+
+
+@dataclass(slots=True)
+class _Raw:
+    events: list[Any]
+    ttft: float | None
+    total: float
+    saw_done: bool
+    streamed: bool
+
+
+def _finish(
+    raw: _Raw,
+    ad: Adapter,
+    ignore_eos: bool,
+    started_at: float,
+    target_prompt_tokens: int,
+    retokenize: Callable[[str], list[int]] | None,
+    what: str,
+) -> Completion:
+    """Merge the events' parts and check them; the order of the checks is the order of the kinds' priority."""
+    text: list[str] = []
+    ids: list[int] = []
+    native = False
+    finish: str | None = None
+    usage: dict[str, Any] | None = None
+    logprobs: list[TopLogprobs] = []
+    have_logprobs = False
+    engine: dict[str, Any] | None = None
+    saw_done = raw.saw_done
+    for n, obj in enumerate(raw.events):
+        try:
+            p = ad.parse_event(obj)
+        except RequestError as e:
+            raise RequestError(e.kind, f"{what}: {e.detail}", status=e.status) from None
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise RequestError(
+                "protocol", f"{what}: event {n} has an unexpected shape ({e}): {json.dumps(obj)[:_SNIPPET]}"
+            ) from None
+        if p.text:
+            text.append(p.text)
+        if p.token_ids is not None:
+            native = True
+            ids.extend(p.token_ids)
+        if p.finish_reason is not None:
+            finish = p.finish_reason
+        if p.usage is not None:
+            usage = p.usage
+        if p.logprobs is not None:
+            have_logprobs = True
+            logprobs.extend(p.logprobs)
+        if p.engine is not None:
+            engine = {**engine, **p.engine} if engine else dict(p.engine)
+        saw_done = saw_done or p.final
+
+    if raw.streamed and not saw_done:
+        raise RequestError("no-done", f"{what}: the stream ended after {len(raw.events)} events without [DONE]")
+    if usage is None:
+        raise RequestError("protocol", f"{what}: the response has no usage (stream_options.include_usage)")
+    prompt_tokens = usage.get("prompt_tokens")
+    completion_tokens = usage.get("completion_tokens")
+    if not isinstance(prompt_tokens, int) or not isinstance(completion_tokens, int):
+        raise RequestError("protocol", f"{what}: usage lacks integer prompt_tokens/completion_tokens: {usage}")
+    if prompt_tokens != target_prompt_tokens:
+        raise RequestError(
+            "usage",
+            f"{what}: the server counted usage.prompt_tokens={prompt_tokens}, the prompt was built to "
+            f"{target_prompt_tokens} tokens (a tokenizer or chat-template mismatch?)",
+        )
+    if ignore_eos:
+        if finish != "length":
+            raise RequestError(
+                "finish-reason", f"{what}: finish_reason={finish!r} with ignore_eos set; expected 'length'"
+            )
+    elif finish not in ("length", "stop"):
+        raise RequestError("finish-reason", f"{what}: finish_reason={finish!r}; expected 'length' or 'stop'")
+    if native and completion_tokens != len(ids):
+        raise RequestError(
+            "protocol",
+            f"{what}: usage.completion_tokens={completion_tokens} but the stream carried {len(ids)} token ids",
+        )
+    if native and have_logprobs and len(logprobs) != len(ids):
+        raise RequestError(
+            "protocol", f"{what}: logprobs for {len(logprobs)} positions but {len(ids)} token ids"
+        )
+    full_text = "".join(text)
+    if raw.streamed and raw.ttft is None:
+        raise RequestError("protocol", f"{what}: no event carried text, so there is no time to first token")
+
+    source: IdsSource = "native"
+    if not native:
+        if retokenize is not None:
+            ids, source = list(retokenize(full_text)), "retokenized"
+        else:
+            source = "none"
+    return Completion(
+        started_at=started_at,
+        ttft_s=raw.ttft,
+        total_s=raw.total,
+        output_ids=ids,
+        ids_source=source,
+        text=full_text,
+        finish_reason=finish,
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        saw_done=saw_done,
+        logprobs=logprobs if have_logprobs and native else None,
+        engine=engine,
+    )
+
+
+# --------------------------------------------------------------------------------------------- helpers
+
+
+def _url(base_url: str, path: str) -> str:
+    return base_url.rstrip("/") + "/" + path.lstrip("/")
+
+
+def _loads(data: str, n: int) -> Any:
+    try:
+        return json.loads(data)
+    except ValueError:
+        raise RequestError("sse", f"event {n} is not JSON: {data[:_SNIPPET]!r}") from None
+
+
+def _timeout(what: str, seconds: float) -> RequestError:
+    return RequestError("timeout", f"{what}: no complete response within {seconds:g} s (request.timeout_s)")
+
+
+def _transport_error(
+    e: httpx.HTTPError, what: str, seconds: float, deadline: _Deadline | None = None, where: str = ""
+) -> RequestError:
+    """Map an httpx error (or the watchdog's shutdown) to a RequestError kind."""
+    at = f" {where}" if where else ""
+    if deadline is not None and deadline.fired:
+        return RequestError("timeout", f"{what}: no complete response within {seconds:g} s (request.timeout_s){at}")
+    if isinstance(e, httpx.ConnectTimeout):
+        return RequestError("timeout", f"{what}: could not connect within the connect timeout ({e})")
+    if isinstance(e, httpx.TimeoutException):
+        return RequestError("timeout", f"{what}: timed out{at} ({type(e).__name__}, limit {seconds:g} s)")
+    if isinstance(e, httpx.ConnectError):
+        return RequestError("connect", f"{what}: cannot connect: {e}")
+    if isinstance(e, (httpx.ReadError, httpx.WriteError, httpx.CloseError)):
+        return RequestError("connect", f"{what}: the connection failed{at}: {e or type(e).__name__}")
+    if isinstance(e, httpx.RemoteProtocolError):
+        msg = str(e)
+        if "disconnected" in msg or "peer closed" in msg or "incomplete" in msg:
+            return RequestError("connect", f"{what}: the connection was dropped{at}: {msg}")
+        return RequestError("protocol", f"{what}: invalid HTTP from the server{at}: {msg}")
+    return RequestError("connect", f"{what}: {type(e).__name__}{at}: {e}")
+
+
+def _read_limited(response: httpx.Response, deadline: _Deadline, what: str) -> bytes:
+    buf = bytearray()
+    try:
+        for chunk in response.iter_bytes():
+            buf += chunk
+            if len(buf) >= _ERROR_BODY_LIMIT:
+                break
+    except httpx.HTTPError as e:
+        if deadline.fired:
+            raise _timeout(what, deadline.seconds) from None
+        buf += f" [body cut off: {type(e).__name__}]".encode()
+    return bytes(buf)
+
+
+def _check_status(response: httpx.Response, what: str, deadline: _Deadline) -> None:
+    status = response.status_code
+    if 200 <= status < 300:
+        return
+    message = _error_message(_read_limited(response, deadline, what))
+    raise RequestError("http", f"{what}: HTTP {status} {response.reason_phrase}: {message}", status=status)
+
+
+def _check_content_type(response: httpx.Response, expected: str, what: str, deadline: _Deadline) -> None:
+    ctype = response.headers.get("content-type", "")
+    if ctype.split(";", 1)[0].strip().lower() == expected:
+        encoding = response.headers.get("content-encoding", "identity").lower()
+        if encoding != "identity":
+            raise RequestError("protocol", f"{what}: compressed response ({encoding}) although identity was asked")
+        return
+    snippet = _read_limited(response, deadline, what)[:_SNIPPET]
+    raise RequestError("protocol", f"{what}: content-type {ctype!r}, expected {expected}: {snippet!r}")
+
+
+def _error_message(content: bytes) -> str:
+    """The server's own error text: OpenAI/vLLM ``{"error": {"message"}}``, FastAPI ``{"detail"}``, or text."""
+    text = content.decode("utf-8", "replace").strip()
+    try:
+        obj = json.loads(text)
+    except ValueError:
+        return text[:500] or "(empty body)"
+    if isinstance(obj, dict):
+        err = obj.get("error")
+        if isinstance(err, dict) and "message" in err:
+            return str(err["message"])
+        for key in ("error", "detail", "message"):
+            if obj.get(key):
+                return str(obj[key])
+    return text[:500]
