@@ -183,6 +183,8 @@ def gate(
 ) -> None:
     """Exit 0 when every prompt's first K ids match the reference arm and the declared checks hold; 1 when
     not (naming prompt, arm and position); 2 on a usage or results error."""
+    from rich.markup import escape
+
     from abbench.analysis import gate as judge
     from abbench.results import load_run
 
@@ -202,7 +204,9 @@ def gate(
         table.add_row(name, "[green]pass[/]" if passed else "[red]FAIL[/]", detail)
     out.print(table)
     for f in verdict.failures:
-        out.print(f"[red]FAIL[/] {f}", highlight=False)
+        out.print(f"[red]FAIL[/] {escape(f)}", highlight=False, soft_wrap=True)
+    for n in verdict.notes:
+        out.print(f"[yellow]note:[/] {escape(n)}", highlight=False, soft_wrap=True)
     if not verdict.passed:
         out.print("[bold red]gate: FAIL[/]")
         raise typer.Exit(1)

@@ -1,0 +1,206 @@
+"""Prefill in four modes behind one call, with explicit eligibility and per-prompt statistics.
+
+``prefill(model, store, kv, ids, start, mode, ...) -> (last_logits [V] float32, PrefillStats)`` prefills
+the tokens ``ids`` [T] at positions [start, start+T) (``start`` > 0 after a prefix-cache hit), writing the
+KV cache, in chunks of ``chunk_tokens`` that start at ``start``. Every mode runs the same chunk shapes
+through the same ``Model.attn_block``/``Model.moe_block`` calls; only the loop order and where the experts
+come from differ, so logits and KV are bitwise equal across modes on one device:
+
+- ``chunked``: chunk-major; every chunk runs through every layer, and every layer visit streams that layer's
+  whole bank (double buffer, next layer prefetched): n_chunks x bank_bytes.
+- ``layer-major``: layer-major within a window of chunks; the layer's bank is streamed once per window and
+  every chunk of the window runs through it in order (each chunk's attention sees the KV that the chunks
+  before it wrote at this layer), activations of all chunks parked: n_windows x bank_bytes. A window holds
+  ``window_tokens // chunk_tokens`` chunks (the parked-activation budget).
+- ``demand``: chunk-major; a chunk of at most ``demand_max_tokens`` tokens copies only the experts its
+  tokens are routed to (read back from the router: one host sync per layer), into the layer buffer at their
+  expert index; longer chunks stream the whole bank as in ``chunked``.
+- ``resident``: chunk-major over experts that are on the device from the start; nothing is streamed.
+
+When an optimised mode does not apply (layer-major with one chunk, or a window budget of one chunk; demand
+with every chunk longer than demand_max_tokens) the chunked path runs, and ``PrefillStats.path`` and
+``fallback_reason`` say so. ``cancel`` (a ``threading.Event``-like object or a callable) is checked before
+every chunk-layer step; when set, ``Cancelled`` is raised and the KV beyond ``start`` is garbage.
+No host synchronisation happens in the chunked, layer-major and resident loops.
+
+Measured on one H200 (PCIe Gen5, 54.7 GB/s pinned H2D), Qwen3-30B-A3B shape, bf16, random weights,
+2048-token chunks, time to first token: 4K tokens chunked 2.11 s / layer-major 1.07 s / resident 0.18 s;
+16K 8.43 / 1.07 / 0.91 s; 32K 16.99 / 2.47 / 2.44 s, with identical output tokens and logprobs in every
+mode. Layer-major is copy-bound (58 GB / 54.7 GB/s = 1.06 s) until resident compute exceeds it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from .experts import ExpertStore
+from .model import KVCache, Model, attention_backends
+
+CancelLike = threading.Event | Callable[[], bool] | None
+
+
+class Cancelled(Exception):
+    """The request was cancelled (checked at every layer step of prefill and decode)."""
+
+
+def check_cancel(cancel: CancelLike) -> None:
+    if cancel is None:
+        return
+    is_set = cancel.is_set() if hasattr(cancel, "is_set") else cancel()
+    if is_set:
+        raise Cancelled("request cancelled")
+
+
+@dataclass
+class PrefillStats:
+    requested_mode: str
+    path: str  # what ran: chunked | layer-major | demand | resident
+    fallback_reason: str | None
+    n_tokens: int
+    n_chunks: int
+    n_windows: int  # layer-major windows; 0 for the other paths
+    h2d_bytes: int = 0
+    d2d_bytes: int = 0
+    expert_copies: int = 0
+
+
+def plan_chunks(start: int, end: int, chunk_tokens: int) -> list[tuple[int, int]]:
+    """Chunk boundaries [(a, b)) covering [start, end), starting at ``start``."""
+    return [(a, min(a + chunk_tokens, end)) for a in range(start, end, chunk_tokens)]
+
+
+def choose_path(mode: str, chunks: list[tuple[int, int]], chunk_tokens: int, window_tokens: int,
+                demand_max_tokens: int) -> tuple[str, str | None]:
+    """(path that will run, fallback reason or None)."""
+    if mode == "layer-major":
+        if len(chunks) <= 1:
+            return "chunked", "layer-major: prompt fits in one chunk"
+        if window_tokens // chunk_tokens <= 1:
+            return "chunked", (f"layer-major: window budget {window_tokens} tokens holds one chunk of "
+                               f"{chunk_tokens}")
+        return "layer-major", None
+    if mode == "demand":
+        if all(b - a > demand_max_tokens for a, b in chunks):
+            return "chunked", f"demand: every chunk is longer than demand_max_tokens={demand_max_tokens}"
+        return "demand", None
+    if mode in ("chunked", "resident"):
+        return mode, None
+    raise ValueError(f"unknown prefill mode {mode!r}")
+
+
+def _layer(model: Model, layer: int, x: torch.Tensor, kv: KVCache, start: int, gate_up: torch.Tensor,
+           down: torch.Tensor) -> torch.Tensor:
+    x, h, top_w, top_ids = model.attn_block(layer, x, kv, start)  # [T, H], [T, H], [T, k], [T, k]
+    return model.moe_block(x, h, top_w, top_ids, gate_up, down)  # [T, H]
+
+
+def _streamed_chunks(model: Model, store: ExpertStore, kv: KVCache, ids: torch.Tensor, start: int,
+                     chunks: list[tuple[int, int]], cancel: CancelLike) -> torch.Tensor:
+    """Chunk-major with every layer visit streaming the whole layer bank; returns the last chunk's x."""
+    n_layers = model.cfg.num_hidden_layers
+    stream = store.stream_layers([layer for _ in chunks for layer in range(n_layers)])
+    x = None
+    for a, b in chunks:
+        x = model.embed(ids[a - start:b - start])  # [T, H]
+        for layer in range(n_layers):
+            check_cancel(cancel)
+            _, gate_up, down = next(stream)
+            x = _layer(model, layer, x, kv, a, gate_up, down)  # [T, H]
+    return x
+
+
+def _layer_major(model: Model, store: ExpertStore, kv: KVCache, ids: torch.Tensor, start: int,
+                 windows: list[list[tuple[int, int]]], cancel: CancelLike) -> torch.Tensor:
+    n_layers = model.cfg.num_hidden_layers
+    stream = store.stream_layers([layer for _ in windows for layer in range(n_layers)])
+    acts: list[torch.Tensor] = []
+    for window in windows:
+        acts = [model.embed(ids[a - start:b - start]) for a, b in window]  # parked, [T_c, H] each
+        for layer in range(n_layers):
+            check_cancel(cancel)
+            _, gate_up, down = next(stream)
+            for c, (a, _b) in enumerate(window):  # in order: chunk c sees chunks < c at this layer
+                if c:
+                    check_cancel(cancel)
+                acts[c] = _layer(model, layer, acts[c], kv, a, gate_up, down)  # [T_c, H]
+    return acts[-1]
+
+
+def _demand_chunk(model: Model, store: ExpertStore, kv: KVCache, x: torch.Tensor, a: int,
+                  cancel: CancelLike) -> torch.Tensor:
+    for layer in range(model.cfg.num_hidden_layers):
+        check_cancel(cancel)
+        x, h, top_w, top_ids = model.attn_block(layer, x, kv, a)  # [T, H], [T, H], [T, k], [T, k]
+        gate_up, down = store.load_experts(layer, torch.unique(top_ids).tolist())  # host sync: which experts
+        x = model.moe_block(x, h, top_w, top_ids, gate_up, down)  # [T, H]
+    return x
+
+
+def _resident_chunks(model: Model, store: ExpertStore, kv: KVCache, ids: torch.Tensor, start: int,
+                     chunks: list[tuple[int, int]], cancel: CancelLike) -> torch.Tensor:
+    assert store.resident is not None
+    x = None
+    for a, b in chunks:
+        x = model.embed(ids[a - start:b - start])  # [T, H]
+        for layer in range(model.cfg.num_hidden_layers):
+            check_cancel(cancel)
+            gate_up, down = store.resident[layer]
+            x = _layer(model, layer, x, kv, a, gate_up, down)  # [T, H]
+    return x
+
+
+def _run(model: Model, store: ExpertStore, kv: KVCache, ids: torch.Tensor, start: int,
+         chunks: list[tuple[int, int]], path: str, chunks_per_window: int, demand_max_tokens: int,
+         cancel: CancelLike) -> tuple[torch.Tensor, int]:
+    """Run ``path``; returns (the last chunk's hidden states [T, H], number of layer-major windows)."""
+    if path == "chunked":
+        return _streamed_chunks(model, store, kv, ids, start, chunks, cancel), 0
+    if path == "resident":
+        return _resident_chunks(model, store, kv, ids, start, chunks, cancel), 0
+    if path == "layer-major":
+        windows = [chunks[i:i + chunks_per_window] for i in range(0, len(chunks), chunks_per_window)]
+        return _layer_major(model, store, kv, ids, start, windows, cancel), len(windows)
+    # demand: runs of long chunks stream whole banks, short chunks load only their routed experts
+    i, x = 0, None
+    while i < len(chunks):
+        a, b = chunks[i]
+        if b - a <= demand_max_tokens:
+            x = _demand_chunk(model, store, kv, model.embed(ids[a - start:b - start]), a, cancel)
+            i += 1
+            continue
+        j = i
+        while j < len(chunks) and chunks[j][1] - chunks[j][0] > demand_max_tokens:
+            j += 1
+        x = _streamed_chunks(model, store, kv, ids, start, chunks[i:j], cancel)
+        i = j
+    return x, 0
+
+
+@torch.no_grad()
+def prefill(model: Model, store: ExpertStore, kv: KVCache, ids: torch.Tensor, start: int, mode: str, *,
+            chunk_tokens: int, window_tokens: int, demand_max_tokens: int,
+            cancel: CancelLike = None) -> tuple[torch.Tensor, PrefillStats]:
+    """Prefill ``ids`` [T] (on the compute device) at positions [start, start+T); see the module docstring."""
+    n = int(ids.shape[0])
+    if n < 1:
+        raise ValueError("prefill needs at least one token")
+    if start + n > kv.max_context:
+        raise ValueError(f"prefill to position {start + n} > KV cache length {kv.max_context}")
+    if mode == "resident" and store.resident is None:
+        raise ValueError("resident prefill needs an engine started with prefill_mode='resident'")
+    chunks = plan_chunks(start, start + n, chunk_tokens)
+    path, reason = choose_path(mode, chunks, chunk_tokens, window_tokens, demand_max_tokens)
+    before = store.request.snapshot()
+    with attention_backends():
+        x, n_windows = _run(model, store, kv, ids, start, chunks, path, window_tokens // chunk_tokens,
+                            demand_max_tokens, cancel)
+        logits = model.logits(x[-1:])  # [V]
+    moved = store.request.minus(before)
+    stats = PrefillStats(requested_mode=mode, path=path, fallback_reason=reason, n_tokens=n,
+                         n_chunks=len(chunks), n_windows=n_windows, h2d_bytes=moved.h2d_bytes,
+                         d2d_bytes=moved.d2d_bytes, expert_copies=moved.expert_copies)
+    return logits, stats

@@ -1,0 +1,261 @@
+"""``Engine``: what the HTTP server drives. One request at a time; a prefix cache of the previous request.
+
+Contract (the server relies on it):
+- ``Engine(config)`` builds the model, the host expert bank and the device buffers, loads or draws the
+  weights and measures host->device bandwidth (``measured_h2d_gbps``); ``startup_s`` says how long it took.
+- ``generate(prompt_ids, max_tokens, ...)`` validates eagerly (``ValueError``; ``ContextOverflow`` when
+  prompt + max_tokens > max_context) and returns a generator of ``TokenEvent``, one per output token; the
+  generator's return value (``StopIteration.value``) is the ``RequestStats``. ``Cancelled`` is raised from
+  the generator when ``cancel`` is set (checked at every layer step of prefill and decode). A second
+  request while one is running raises ``RuntimeError`` (the server serialises requests). On CUDA
+  out-of-memory, request-local tensors are released (the traceback's frames are cleared) and
+  ``torch.OutOfMemoryError`` propagates unchanged; the engine stays usable.
+- The EOS token, when generated and ``ignore_eos`` is false, is yielded and counted (finish_reason "stop").
+- Prefix cache: the KV of the previous request's prompt and generated tokens stays valid; a new prompt
+  sharing a prefix with those tokens reuses it (at most len(prompt) - 1 tokens, so at least one token is
+  prefilled) and prefills the rest in chunks starting at the reuse point. ``reset()`` flushes the prefix
+  cache and the decode slot cache.
+- Byte accounting per request (``RequestStats``) and for the engine's lifetime (``counters``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+import traceback
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from .config import PREFILL_MODES, EngineConfig, ModelConfig
+from .decode import Sampler, decode_step
+from .experts import ExpertBank, ExpertStore
+from .model import KVCache, Model
+from .prefill import CancelLike, Cancelled, PrefillStats, check_cancel, prefill
+from .weights import load_checkpoint, random_weights
+
+__all__ = ["Cancelled", "ContextOverflow", "Engine", "RequestStats", "TokenEvent"]
+
+
+class ContextOverflow(ValueError):
+    """prompt + max_tokens exceeds the engine's max_context."""
+
+
+@dataclass
+class TokenEvent:
+    token_id: int
+    logprob: float | None  # logprob of the chosen token when logprobs requested
+    top_logprobs: list[tuple[int, float]] | None  # top-k (id, logprob) when requested
+
+
+@dataclass
+class RequestStats:
+    prefill_path: str  # chunked|layer-major|demand|resident (what ran)
+    fallback_reason: str | None
+    h2d_bytes: int  # prefill + decode of this request
+    d2d_bytes: int
+    prefill_h2d_bytes: int
+    decode_h2d_bytes: int
+    bank_bytes: int  # all layers' experts, one full pass
+    expert_copies: int
+    cached_prompt_tokens: int  # prefix-cache reuse
+    prompt_tokens: int
+    completion_tokens: int
+    n_chunks: int
+    n_windows: int
+    prefill_start: float  # time.perf_counter() values
+    prefill_end: float
+    first_token: float
+    finish_reason: str  # "length" | "stop"
+
+
+def _resolve_device(name: str) -> torch.device:
+    if name == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise RuntimeError(f"device {name!r} requested but torch.cuda.is_available() is false "
+                           f"(torch {torch.__version__})")
+    dev = torch.device(name)
+    return torch.device("cuda", torch.cuda.current_device() if dev.index is None else dev.index)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class Engine:
+    def __init__(self, config: EngineConfig):
+        t0 = time.perf_counter()
+        self.config = cfg = config.resolved()
+        self.model_config: ModelConfig = cfg.model  # type: ignore[assignment]
+        self.device = _resolve_device(cfg.device)
+        self.dtype = getattr(torch, cfg.dtype)
+        if cfg.deterministic:
+            if self.device.type == "cuda":
+                os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+            torch.use_deterministic_algorithms(True, warn_only=True)
+        mc = self.model_config
+        with self._on_device():
+            bank = ExpertBank(mc, self.dtype, pin=self.device.type == "cuda")
+            if cfg.weights.startswith("random:"):
+                dense = random_weights(mc, int(cfg.weights.split(":", 1)[1]), bank, self.device, self.dtype)
+            else:
+                dense = load_checkpoint(cfg.weights, mc, bank, self.device, self.dtype)
+            self.model = Model(mc, dense, cfg.max_context, self.device, self.dtype)
+            self.kv = KVCache(mc, cfg.max_context, self.device, self.dtype)
+            self.store = ExpertStore(bank, self.device, cfg.gpu_expert_slots, cfg.prefill_mode == "resident",
+                                     cfg.d2d_from_slot_cache)
+            self.measured_h2d_gbps = self.store.measure_h2d_gbps(cfg.bandwidth_probe_bytes)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+        self.bank_bytes = bank.bank_bytes
+        self.counters: dict = {
+            "requests_total": 0, "requests_cancelled": 0, "h2d_bytes_total": 0, "d2d_bytes_total": 0,
+            "expert_copies_total": 0, "startup_h2d_bytes": self.store.startup_h2d_bytes,
+            "cached_prompt_tokens_total": 0,
+            "requests_by_path": {m: 0 for m in PREFILL_MODES},
+            "prefill_tokens_by_path": {m: 0 for m in PREFILL_MODES},
+        }
+        self._kv_tokens: list[int] = []  # tokens whose KV is valid at positions [0, len) in every layer
+        self._lock = threading.Lock()
+        self.startup_s = time.perf_counter() - t0
+
+    def _on_device(self):
+        return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
+
+    # -- public API -------------------------------------------------------------------------------------
+    def generate(self, prompt_ids: list[int], max_tokens: int, *, temperature: float = 0.0,
+                 seed: int | None = None, ignore_eos: bool = False, logprobs: int | None = None,
+                 prefill_mode: str | None = None, cancel: threading.Event | None = None) -> Iterator[TokenEvent]:
+        """Generator; yields one TokenEvent per output token; its return value (StopIteration.value) is
+        RequestStats. Raises Cancelled (checked every layer step and every decode step), ContextOverflow
+        before any work."""
+        prompt = [int(t) for t in prompt_ids]
+        mode = prefill_mode or self.config.prefill_mode
+        vocab, ctx = self.model_config.vocab_size, self.config.max_context
+        if not prompt:
+            raise ValueError("prompt_ids is empty")
+        if min(prompt) < 0 or max(prompt) >= vocab:
+            raise ValueError(f"prompt token ids must be in [0, {vocab}); got {min(prompt)}..{max(prompt)}")
+        if int(max_tokens) < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        if len(prompt) + int(max_tokens) > ctx:
+            raise ContextOverflow(f"prompt of {len(prompt)} tokens + max_tokens {max_tokens} = "
+                                  f"{len(prompt) + int(max_tokens)} tokens exceeds max_context {ctx}")
+        if mode not in PREFILL_MODES:
+            raise ValueError(f"prefill_mode must be one of {PREFILL_MODES}, got {mode!r}")
+        if mode == "resident" and self.store.resident is None:
+            raise ValueError("prefill_mode 'resident' needs an engine started with prefill_mode='resident'")
+        if logprobs is not None and not 0 <= int(logprobs) <= vocab:
+            raise ValueError(f"logprobs must be in [0, {vocab}], got {logprobs}")
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        return self._generate(prompt, int(max_tokens), float(temperature), seed, ignore_eos,
+                              None if logprobs is None else int(logprobs), mode, cancel)
+
+    def run(self, prompt_ids: list[int], max_tokens: int, **kwargs) -> tuple[list[TokenEvent], RequestStats]:
+        """Drain ``generate``: (events, stats)."""
+        gen = self.generate(prompt_ids, max_tokens, **kwargs)
+        events: list[TokenEvent] = []
+        while True:
+            try:
+                events.append(next(gen))
+            except StopIteration as stop:
+                return events, stop.value
+
+    def reset(self) -> None:
+        """Flush the prefix cache and the decode slot cache."""
+        if not self._lock.acquire(blocking=False):
+            raise RuntimeError("Engine.reset() while a request is running")
+        try:
+            self._kv_tokens = []
+            self.store.flush_slots()
+        finally:
+            self._lock.release()
+
+    # -- internals --------------------------------------------------------------------------------------
+    def _prefill(self, ids: list[int], start: int, mode: str, cancel: CancelLike) -> tuple[torch.Tensor,
+                                                                                            PrefillStats]:
+        cfg = self.config
+        with self._on_device():
+            t = torch.tensor(ids, dtype=torch.long, device=self.device)  # [T]
+            logits, stats = prefill(self.model, self.store, self.kv, t, start, mode,
+                                    chunk_tokens=cfg.chunk_tokens, window_tokens=cfg.layer_major_window_tokens,
+                                    demand_max_tokens=cfg.demand_max_tokens, cancel=cancel)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            return logits, stats
+
+    def _decode(self, token: int, pos: int, cancel: CancelLike) -> torch.Tensor:
+        with self._on_device():
+            return decode_step(self.model, self.store, self.kv, token, pos, cancel)
+
+    def _sample(self, sampler: Sampler, logits: torch.Tensor) -> TokenEvent:
+        with self._on_device():
+            return TokenEvent(*sampler(logits))
+
+    def _generate(self, prompt: list[int], max_tokens: int, temperature: float, seed: int | None,
+                  ignore_eos: bool, logprobs: int | None, mode: str, cancel: CancelLike):
+        if not self._lock.acquire(blocking=False):
+            raise RuntimeError("Engine.generate() while another request is running (one at a time)")
+        store, counters = self.store, self.counters
+        before = store.lifetime.snapshot()
+        try:
+            store.begin_request()
+            reuse = min(_common_prefix(self._kv_tokens, prompt), len(prompt) - 1)
+            self._kv_tokens = self._kv_tokens[:reuse]  # only the shared prefix stays valid from here on
+            prefill_start = time.perf_counter()
+            logits, pstats = self._prefill(prompt[reuse:], reuse, mode, cancel)
+            prefill_end = time.perf_counter()
+            self._kv_tokens = list(prompt)
+            counters["requests_by_path"][pstats.path] += 1
+            counters["prefill_tokens_by_path"][pstats.path] += pstats.n_tokens
+            counters["cached_prompt_tokens_total"] += reuse
+            sampler = Sampler(temperature, seed, self.device, logprobs)
+            event = self._sample(sampler, logits)
+            first_token = time.perf_counter()
+            eos = frozenset() if ignore_eos else self.model_config.eos_ids
+            n_out, pos, finish = 1, len(prompt), "length"
+            yield event
+            while event.token_id not in eos and n_out < max_tokens:
+                check_cancel(cancel)
+                logits = self._decode(event.token_id, pos, cancel)
+                self._kv_tokens.append(event.token_id)
+                pos += 1
+                event = self._sample(sampler, logits)
+                n_out += 1
+                yield event
+            if event.token_id in eos:
+                finish = "stop"
+            req = store.request
+            return RequestStats(
+                prefill_path=pstats.path, fallback_reason=pstats.fallback_reason,
+                h2d_bytes=req.h2d_bytes, d2d_bytes=req.d2d_bytes, prefill_h2d_bytes=pstats.h2d_bytes,
+                decode_h2d_bytes=req.h2d_bytes - pstats.h2d_bytes, bank_bytes=self.bank_bytes,
+                expert_copies=req.expert_copies, cached_prompt_tokens=reuse, prompt_tokens=len(prompt),
+                completion_tokens=n_out, n_chunks=pstats.n_chunks, n_windows=pstats.n_windows,
+                prefill_start=prefill_start, prefill_end=prefill_end, first_token=first_token,
+                finish_reason=finish)
+        except Cancelled:
+            counters["requests_cancelled"] += 1
+            raise
+        except torch.OutOfMemoryError as exc:
+            logits = None  # noqa: F841  (drop request-local tensors, including the frames' locals)
+            traceback.clear_frames(exc.__traceback__)
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            raise
+        finally:
+            counters["requests_total"] += 1
+            moved = store.lifetime.minus(before)
+            counters["h2d_bytes_total"] += moved.h2d_bytes
+            counters["d2d_bytes_total"] += moved.d2d_bytes
+            counters["expert_copies_total"] += moved.expert_copies
+            self._lock.release()

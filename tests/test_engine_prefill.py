@@ -1,0 +1,254 @@
+"""The vendored engine's prefill modes, byte accounting, prefix cache, slot cache and cancellation.
+
+What users of the engine rely on: chunked, layer-major, demand and resident prefill give bitwise-identical
+logits, KV and tokens on one device (so an A/B of prefill modes measures speed only); the H2D byte counters
+say how many banks crossed PCIe; the optimised modes say when they fell back; a cancelled request stops at
+once and leaves the engine correct for the next one.
+
+Everything runs with a small random model (3 layers, 16 experts top-2) and 32-token chunks, on CPU; set
+ABBENCH_ENGINE_TEST_DEVICE=cuda to run the same assertions on a GPU (bfloat16 there).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from abbench.engine import PRESETS, EngineConfig, ModelConfig  # noqa: E402
+from abbench.engine.prefill import prefill  # noqa: E402
+from abbench.engine.runtime import Cancelled, Engine  # noqa: E402
+
+MINI = ModelConfig(vocab_size=1024, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                   head_dim=16, moe_intermediate_size=32, num_experts=16, num_experts_per_tok=2,
+                   max_position_embeddings=4096, eos_token_id=None, name="mini")
+MODES = ("chunked", "layer-major", "demand", "resident")
+KNOBS = dict(chunk_tokens=32, layer_major_window_tokens=64, demand_max_tokens=32, max_context=512,
+             bandwidth_probe_bytes=0, device=os.environ.get("ABBENCH_ENGINE_TEST_DEVICE", "cpu"))
+
+
+def _engine(**overrides) -> Engine:
+    return Engine(EngineConfig(**{"model": MINI, "weights": "random:1", **KNOBS, **overrides}))
+
+
+@pytest.fixture(scope="module")
+def resident():
+    """Started resident, so it can also run every streamed mode per request (its bank stays in host memory)."""
+    return _engine(prefill_mode="resident")
+
+
+@pytest.fixture(scope="module")
+def streamed():
+    """Started chunked with the smallest legal slot cache (top_k experts): decode evicts constantly."""
+    return _engine(gpu_expert_slots=MINI.num_experts_per_tok)
+
+
+def _prompt(n: int, seed: int = 0, lo: int = 0) -> list[int]:
+    return torch.randint(lo, MINI.vocab_size, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _kv(engine: Engine, n: int) -> list[torch.Tensor]:
+    return [t[:, :n].clone() for t in engine.kv.k + engine.kv.v]
+
+
+def _raw_prefill(engine: Engine, ids: list[int], mode: str):
+    """One fresh prefill through the module API: (logits, stats, KV of every layer)."""
+    engine.reset()  # the prefix cache must not claim KV that this call overwrites
+    engine.store.begin_request()
+    logits, stats = prefill(engine.model, engine.store, engine.kv, torch.tensor(ids, device=engine.device), 0, mode,
+                            chunk_tokens=engine.config.chunk_tokens,
+                            window_tokens=engine.config.layer_major_window_tokens,
+                            demand_max_tokens=engine.config.demand_max_tokens)
+    out = (logits.clone(), stats, _kv(engine, len(ids)))
+    engine.reset()
+    return out
+
+
+@pytest.mark.parametrize("n", [1, 7, 31, 32, 33, 64, 95, 150])
+def test_all_modes_give_bitwise_identical_logits_and_kv(resident, n):
+    ids = _prompt(n, seed=n)
+    ref_logits, ref_stats, ref_kv = _raw_prefill(resident, ids, "chunked")
+    assert ref_stats.n_chunks == -(-n // 32)
+    for mode in MODES[1:]:
+        logits, stats, kv = _raw_prefill(resident, ids, mode)
+        assert torch.equal(logits, ref_logits), mode
+        assert all(torch.equal(a, b) for a, b in zip(kv, ref_kv, strict=True)), mode
+        if mode == "layer-major" and n <= 32:
+            assert stats.path == "chunked" and "one chunk" in stats.fallback_reason
+        else:
+            assert (stats.path, stats.fallback_reason) == (mode, None)
+    if n == 150:  # 5 chunks, 2 per 64-token window: 3 windows
+        assert _raw_prefill(resident, ids, "layer-major")[1].n_windows == 3
+
+
+def _serve(engine: Engine, prompts: list[list[int]], mode: str, max_tokens: int = 5):
+    """Serve prompts in order from a flushed engine; per request: (ids, logprobs, stats, KV)."""
+    engine.reset()
+    out = []
+    for p in prompts:
+        events, stats = engine.run(p, max_tokens, prefill_mode=mode, logprobs=4)
+        kv = _kv(engine, len(p) + max_tokens - 1)
+        out.append(([e.token_id for e in events], [e.top_logprobs for e in events], stats, kv))
+    return out
+
+
+def test_prefix_cache_continuation_is_identical_across_modes(resident, streamed):
+    cold = _prompt(70, seed=1)
+    cont = cold + _prompt(40, seed=2)  # the continuation extends the cold prompt
+    runs = {mode: _serve(resident, [cold, cont], mode) for mode in MODES}
+    runs["slot-cache engine"] = _serve(streamed, [cold, cont], "chunked")  # decode through an evicting cache
+    ref = runs["chunked"]
+    for name, run in runs.items():
+        for (ids, lps, stats, kv), (rids, rlps, _, rkv) in zip(run, ref, strict=True):
+            assert ids == rids and lps == rlps, name  # logprobs compared as exact floats
+            assert all(torch.equal(a, b) for a, b in zip(kv, rkv, strict=True)), name
+        stats = run[1][2]
+        assert stats.cached_prompt_tokens == 70 and stats.prompt_tokens == 110
+        assert stats.n_chunks == 2  # chunks start at the reuse point: [70, 102), [102, 110)
+    assert runs["layer-major"][1][2].prefill_path == "layer-major"
+    # the reused prefix is right: a cold prefill of the whole continuation agrees (other chunk boundaries,
+    # so not bitwise: within float32 rounding)
+    cold_ids, cold_lps, cold_stats, _ = _serve(resident, [cont], "chunked")[0]
+    assert cold_stats.cached_prompt_tokens == 0 and cold_ids == ref[1][0]
+    for a, b in zip(cold_lps, ref[1][1], strict=True):
+        torch.testing.assert_close(torch.tensor([v for _, v in a]), torch.tensor([v for _, v in b]), atol=1e-4,
+                                   rtol=0)
+
+
+def test_h2d_bytes_count_banks_per_mode(resident, streamed):
+    bank = resident.bank_bytes
+    assert bank == MINI.bank_bytes(resident.dtype.itemsize)  # float32 on CPU
+    long_prompt, two_chunks, short = _prompt(150, seed=3), _prompt(64, seed=4), _prompt(5, seed=5)
+    by_mode = {m: _serve(resident, [long_prompt], m)[0][2] for m in MODES}
+    assert by_mode["chunked"].prefill_h2d_bytes == 5 * bank  # one bank per chunk
+    assert by_mode["chunked"].expert_copies == 5 * MINI.num_hidden_layers * MINI.num_experts
+    assert by_mode["layer-major"].prefill_h2d_bytes == 3 * bank and by_mode["layer-major"].n_windows == 3
+    assert _serve(resident, [two_chunks], "layer-major")[0][2].prefill_h2d_bytes == bank  # one window: one bank
+    assert by_mode["demand"].prefill_h2d_bytes <= 5 * bank
+    assert by_mode["resident"].h2d_bytes == 0 and by_mode["resident"].expert_copies == 0
+    demand = _serve(resident, [short], "demand")[0][2]
+    assert 0 < demand.prefill_h2d_bytes < bank  # 5 tokens x top-2 reach at most 10 of 16 experts a layer
+    assert demand.prefill_h2d_bytes == demand.expert_copies * (bank // (3 * 16))
+    assert demand.decode_h2d_bytes == 0  # the resident engine decodes from resident experts
+    # decode through the slot cache: misses are copied one expert at a time and counted
+    _, _, stats, _ = _serve(streamed, [long_prompt], "chunked", max_tokens=6)[0]
+    expert_bytes = bank // (MINI.num_hidden_layers * MINI.num_experts)
+    assert stats.h2d_bytes == stats.prefill_h2d_bytes + stats.decode_h2d_bytes
+    assert 0 < stats.decode_h2d_bytes <= 5 * 3 * 2 * expert_bytes  # 5 decode steps x 3 layers x top-2
+    assert stats.expert_copies == 5 * 3 * 16 + stats.decode_h2d_bytes // expert_bytes
+    counters = resident.counters
+    assert counters["requests_by_path"]["layer-major"] >= 2 and counters["h2d_bytes_total"] >= 9 * bank
+
+
+def test_slot_cache_size_changes_bytes_not_tokens(streamed):
+    big = _engine(gpu_expert_slots=MINI.num_hidden_layers * MINI.num_experts)
+    p = _prompt(40, seed=6)
+    small_run = _serve(streamed, [p, p], "chunked", max_tokens=8)
+    big_run = _serve(big, [p, p], "chunked", max_tokens=8)
+    assert [r[0] for r in small_run] == [r[0] for r in big_run]
+    assert big_run[0][2].decode_h2d_bytes <= small_run[0][2].decode_h2d_bytes
+    assert big_run[1][2].decode_h2d_bytes < big_run[0][2].decode_h2d_bytes  # second pass: warm cache
+
+
+def test_d2d_from_slot_cache_moves_cached_experts_on_device(resident):
+    engine = _engine(d2d_from_slot_cache=True, gpu_expert_slots=MINI.num_hidden_layers * MINI.num_experts)
+    warm, fresh = _prompt(30, seed=7, lo=1), [0] + _prompt(99, seed=8, lo=1)  # no shared prefix
+    engine.reset()
+    engine.run(warm, 8)  # decode fills the slot cache
+    events, stats = engine.run(fresh, 4)
+    assert stats.cached_prompt_tokens == 0 and stats.d2d_bytes > 0
+    assert stats.prefill_h2d_bytes + stats.d2d_bytes == stats.n_chunks * engine.bank_bytes
+    kv = _kv(engine, len(fresh) + 3)
+    ref_ids, _, _, ref_kv = _serve(resident, [fresh], "chunked", max_tokens=4)[0]
+    assert [e.token_id for e in events] == ref_ids
+    assert all(torch.equal(a, b) for a, b in zip(kv, ref_kv, strict=True))
+
+
+def test_optimised_modes_report_their_fallbacks():
+    engine = _engine(demand_max_tokens=8, layer_major_window_tokens=32)
+    _, stats = engine.run(_prompt(100, seed=9), 1, prefill_mode="demand")  # chunks 32, 32, 32, 4: mixed
+    assert (stats.prefill_path, stats.fallback_reason) == ("demand", None)
+    assert 3 * engine.bank_bytes < stats.prefill_h2d_bytes < 4 * engine.bank_bytes
+    _, stats = engine.run(_prompt(96, seed=10), 1, prefill_mode="demand")  # every chunk > 8 tokens
+    assert stats.prefill_path == "chunked" and "demand_max_tokens=8" in stats.fallback_reason
+    _, stats = engine.run(_prompt(96, seed=11), 1, prefill_mode="layer-major")  # window of one chunk
+    assert stats.prefill_path == "chunked" and "window" in stats.fallback_reason
+    assert stats.prefill_h2d_bytes == 3 * engine.bank_bytes
+    with pytest.raises(ValueError, match="resident"):
+        engine.generate(_prompt(10), 1, prefill_mode="resident")  # not started resident
+    assert engine.counters["requests_by_path"]["chunked"] == 2
+    assert engine.counters["requests_by_path"]["demand"] == 1
+
+
+class CancelAfter:
+    """A cancel flag that reads 'set' from its n-th check on (the engine checks once per layer step)."""
+
+    def __init__(self, n: int):
+        self.n, self.checks = n, 0
+
+    def is_set(self) -> bool:
+        self.checks += 1
+        return self.checks >= self.n
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_cancellation_is_prompt_and_leaves_the_engine_correct(resident, mode):
+    p = _prompt(150, seed=12)
+    ref = _serve(resident, [p], mode)[0]
+    counting = CancelAfter(10**9)
+    resident.reset()
+    resident.run(p, 5, prefill_mode=mode, cancel=counting)  # how many checks a whole cold request makes
+    for n in (7, counting.checks - 4):  # mid-prefill, then mid-decode
+        cancel, seen = CancelAfter(n), []
+        resident.reset()
+        with pytest.raises(Cancelled):
+            for event in resident.generate(p, 5, prefill_mode=mode, cancel=cancel):
+                seen.append(event.token_id)
+        assert cancel.checks == n  # stopped at the first check that saw the flag
+        assert seen == ref[0][: len(seen)] and (len(seen) > 0) == (n > 7)
+        events, stats = resident.run(p, 5, prefill_mode=mode)  # the next request, on whatever cache is left
+        assert [e.token_id for e in events] == ref[0]
+        assert stats.cached_prompt_tokens == (0 if n == 7 else 149)  # a cancelled prefill leaves no prefix
+    event = threading.Event()
+    event.set()
+    with pytest.raises(Cancelled):
+        resident.run(p, 5, prefill_mode=mode, cancel=event)
+    assert resident.counters["requests_cancelled"] >= 3
+
+
+def test_generate_from_a_worker_thread_and_one_request_at_a_time(resident):
+    p = _prompt(50, seed=13)
+    resident.reset()
+    ref, _ = resident.run(p, 4)
+    resident.reset()
+    box = {}
+    worker = threading.Thread(target=lambda: box.update(out=resident.run(p, 4)))
+    worker.start()
+    worker.join()
+    assert [e.token_id for e in box["out"][0]] == [e.token_id for e in ref]
+    first = resident.generate(p, 4)
+    next(first)
+    with pytest.raises(RuntimeError, match="one at a time"):
+        next(resident.generate(p, 4))
+    first.close()  # an abandoned request releases the engine
+    assert len(resident.run(p, 2)[0]) == 2
+
+
+def test_tiny_preset_end_to_end_in_every_mode():
+    """The preset the harness's CPU smoke runs use (Qwen3 vocabulary), through the public API only."""
+    tiny = PRESETS["tiny"]
+    engine = Engine(EngineConfig(model="tiny", prefill_mode="resident", **KNOBS))
+    prompt = torch.randint(0, tiny.vocab_size, (100,), generator=torch.Generator().manual_seed(14)).tolist()
+    results = {m: _serve(engine, [prompt], m, max_tokens=4)[0] for m in MODES}
+    for m in MODES:
+        assert results[m][0] == results["chunked"][0] and results[m][1] == results["chunked"][1], m
+        assert results[m][2].prefill_path == m and results[m][2].completion_tokens == 4
+    bank = engine.bank_bytes
+    assert bank == tiny.bank_bytes(engine.dtype.itemsize)
+    assert results["chunked"][2].prefill_h2d_bytes == 4 * bank  # 100 tokens = 4 chunks of 32
+    assert results["layer-major"][2].prefill_h2d_bytes == 2 * bank  # 2 windows of 2 chunks
+    assert results["resident"][2].h2d_bytes == 0
+    assert engine.measured_h2d_gbps != engine.measured_h2d_gbps  # probe disabled: NaN
