@@ -220,7 +220,7 @@ SAMPLE_COLUMNS = [
     "prompt_tokens", "completion_tokens", "n_output_ids", "ids_source", "finish_reason", "has_logprobs",
     "prefill_path", "fallback_reason", "n_chunks", "n_windows", "cached_prompt_tokens", "h2d_bytes",
     "prefill_h2d_bytes", "decode_h2d_bytes", "d2d_bytes", "bank_bytes", "expert_copies", "measured_h2d_gbps",
-    "engine_ttft_s", "engine_prefill_s", "queue_wait_s", "client_overhead_s", "nvml_pcie_rx_bytes",
+    "engine_ttft_s", "engine_prefill_s", "queue_wait_s", "client_overhead_s", "after_write_s", "nvml_pcie_rx_bytes",
     "gpu_mem_used_peak", "proc_gpu_mem_peak", "host_rss_peak",
 ]
 
@@ -251,6 +251,7 @@ def _sample_frame(record: RunRecord, samples: list[Sample]) -> pd.DataFrame:
         if decode_s and decode_s > 0 and s.completion_tokens and s.completion_tokens > 1:
             tok_s = (s.completion_tokens - 1) / decode_s
         eng_ttft = _engine_ttft(s.engine)
+        first_event = _num(t.get("first_event"))
         pf_start, pf_end = _num(t.get("prefill_start")), _num(t.get("prefill_end"))
         rows.append(
             {
@@ -274,6 +275,7 @@ def _sample_frame(record: RunRecord, samples: list[Sample]) -> pd.DataFrame:
                 "engine_prefill_s": pf_end - pf_start if pf_start is not None and pf_end is not None else None,
                 "queue_wait_s": _num(e.get("queue_wait_s")),
                 "client_overhead_s": s.ttft_s - eng_ttft if s.ttft_s is not None and eng_ttft is not None else None,
+                "after_write_s": s.ttft_s - first_event if s.ttft_s is not None and first_event is not None else None,
                 "nvml_pcie_rx_bytes": s.telemetry.nvml_pcie_rx_bytes,
                 "gpu_mem_used_peak": s.telemetry.gpu_mem_used_peak,
                 "proc_gpu_mem_peak": s.telemetry.proc_gpu_mem_peak,
@@ -673,15 +675,18 @@ def h2d_table(record: RunRecord) -> pd.DataFrame:
 
 def overhead_table(record: RunRecord) -> pd.DataFrame:
     """Per arm: harness TTFT minus the engine's own (first_token - received), in seconds: n, median, min,
-    max. Only samples whose engine reports timings."""
+    max; and the median of harness TTFT minus the engine's ``first_event`` (when the server handed the first
+    event to the transport): the share of the socket and the client alone. Only samples whose engine
+    reports timings."""
     df = _measured_ok_frame(record)
     df = df[df["client_overhead_s"].notna()]
     rows = []
     for arm, g in df.groupby("arm", sort=False):
         o = g["client_overhead_s"].astype(float)
         rows.append({"arm": arm, "n": len(o), "median_s": float(o.median()), "min_s": float(o.min()),
-                     "max_s": float(o.max()), "queue_wait_s": _median(g["queue_wait_s"])})
-    out = _frame(rows, ["arm", "n", "median_s", "min_s", "max_s", "queue_wait_s"])
+                     "max_s": float(o.max()), "after_write_s": _median(g["after_write_s"]),
+                     "queue_wait_s": _median(g["queue_wait_s"])})
+    out = _frame(rows, ["arm", "n", "median_s", "min_s", "max_s", "after_write_s", "queue_wait_s"])
     return _sort(out, record, ["arm"])
 
 

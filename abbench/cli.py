@@ -1,7 +1,8 @@
 """The ``abbench`` command line (Typer). Thin: parse, load, call the core, show progress, map errors to exit
 codes (0 ok, 1 gate failed, 2 usage/config/results error, 130 interrupted).
 
-Commands: ``run``, ``report``, ``gate``, ``prompts``, ``profiles``, ``serve`` (the vendored engine).
+Commands: ``run``, ``report``, ``gate``, ``diff`` and ``probe`` (divergence diagnostics), ``prompts``,
+``profiles``, ``serve`` (the vendored engine).
 """
 
 from __future__ import annotations
@@ -211,6 +212,65 @@ def gate(
         out.print("[bold red]gate: FAIL[/]")
         raise typer.Exit(1)
     out.print("[bold green]gate: PASS[/]")
+
+
+@app.command()
+def diff(
+    run: Annotated[Path, typer.Argument(help="Run directory (or run id under results/).")],
+    prompt: Annotated[str, typer.Option("--prompt", help="Prompt id (see the report or `abbench prompts`).")],
+    arm: Annotated[Optional[str], typer.Option(help="Arm to compare with the reference. Default: the first that differs.")] = None,
+    round_: Annotated[Optional[int], typer.Option("--round", min=1, help="Round. Default: the lowest where they differ.")] = None,
+    context: Annotated[Optional[int], typer.Option(min=0, help="Show only this many positions either side of the divergence.")] = None,
+) -> None:
+    """Print the reference arm's and another arm's ids for one prompt side by side (token text, top-2
+    logprobs), the first divergence marked and classified (near-tie or not)."""
+    from abbench.diff import diff_prompt, format_diff, load_run_tokenizer
+    from abbench.results import load_run
+
+    try:
+        record, _ = load_run(run, RESULTS_ROOT)
+        diff_prompt(record, prompt, arm=arm, round=round_)  # a wrong --prompt/--arm fails before the tokenizer loads
+        try:
+            tok = load_run_tokenizer(record)
+        except AbbenchError as e:
+            console.print(f"[yellow]note:[/] token texts not shown: {e}")
+            tok = None
+        d = diff_prompt(record, prompt, arm=arm, round=round_, tokenizer=tok)
+    except AbbenchError as e:
+        _fail(e)
+        return
+    sys.stdout.write(format_diff(d, tokenizer=tok, context=context))
+
+
+@app.command()
+def probe(
+    run: Annotated[Path, typer.Argument(help="Run directory (or run id under results/).")],
+    prompt: Annotated[str, typer.Option("--prompt", help="Prompt id.")],
+    arm: Annotated[str, typer.Option("--arm", help="Arm to probe (fed the reference's ids).")],
+    base_url: Annotated[Optional[str], typer.Option(help="A running server with the arm's configuration. Default: launch the arm's service from the recorded profile.")] = None,
+    round_: Annotated[Optional[int], typer.Option("--round", min=1, help="Reference round. Default: its lowest.")] = None,
+    positions: Annotated[Optional[int], typer.Option(min=1, help="Probe only the first N positions.")] = None,
+    threshold: Annotated[float, typer.Option(min=0.0, help="Nats: logprob difference reported as the first difference.")] = 0.01,
+    reset_each: Annotated[bool, typer.Option(help="Reset the engine's cache before every step (each step prefills the whole history).")] = False,
+) -> None:
+    """Forced-continuation probe: feed the arm the prompt plus the reference's own ids, one position at a
+    time, and compare its logprobs and choices with what the reference captured."""
+    from abbench.diff import format_probe, load_run_tokenizer, probe_prompt
+    from abbench.results import load_run
+
+    try:
+        record, _ = load_run(run, RESULTS_ROOT)
+        console.print(f"probing arm {arm} on prompt {prompt}" + (f" at {base_url}" if base_url else " (launching its service)"))
+        result = probe_prompt(record, prompt, arm, base_url=base_url, round=round_, positions=positions,
+                              threshold=threshold, reset_each=reset_each)
+        try:
+            tok = load_run_tokenizer(record)
+        except AbbenchError:
+            tok = None
+    except AbbenchError as e:
+        _fail(e)
+        return
+    sys.stdout.write(format_probe(result, tokenizer=tok))
 
 
 @app.command()

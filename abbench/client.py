@@ -1,4 +1,5 @@
-"""OpenAI-compatible streaming client: one pooled HTTP client, exact TTFT, native token ids, loud failures.
+"""Streaming client for OpenAI-compatible, vLLM, SGLang and llama.cpp servers: one pooled HTTP client, exact
+TTFT, native token ids, loud failures.
 
 Contract
 --------
@@ -14,8 +15,10 @@ no proxy or ``.netrc`` from the environment is used). ``complete()`` sends one r
                     watchdog that closes the socket, not only per read), or no connection within
                     ``connect_timeout_s``;
 * ``sse``           the event stream is malformed: a line that is no SSE field, bytes that are not UTF-8,
-                    ``data`` that is not JSON, data after ``[DONE]``, or a last event cut off mid-way;
-* ``no-done``       the stream ended cleanly but without ``data: [DONE]``;
+                    ``data`` that is not JSON, data after ``[DONE]`` (or after the final event of a
+                    format without a done marker), or a last event cut off mid-way;
+* ``no-done``       the stream ended cleanly but without ``data: [DONE]`` (llama.cpp: without its final
+                    ``stop: true`` event);
 * ``finish-reason`` ``finish_reason`` is missing, not ``length`` when ``ignore_eos`` is set, or not one of
                     ``length``/``stop`` otherwise;
 * ``usage``         ``usage.prompt_tokens`` differs from the exact length the prompt was built to;
@@ -35,18 +38,23 @@ adapter builds the request (path and JSON body), says whether a decoded event ca
 event into :class:`EventParts` (text, ids, finish reason, usage, logprobs, the engine's own object); the
 client merges the parts and checks them. ``openai`` is the vendored engine and any server with OpenAI's
 ``/v1/completions`` (native ids in ``choices[].token_ids``); ``vllm`` is the same with vLLM's
-``return_token_ids``/``return_tokens_as_token_ids`` switched on.
+``return_token_ids``/``return_tokens_as_token_ids`` switched on; ``sglang`` is SGLang's native ``/generate``
+(cumulative events: ``EventParts.cumulative``); ``llamacpp`` is llama.cpp's native ``/completion`` (no done
+marker: its last event says ``stop: true``). Each adapter's docstring names the documents it follows, its
+cache-reset and metrics paths, and the engine counters it maps to the common keys of the report.
 
 Native token ids are used whenever the engine sends them (``ids_source='native'``, and their count must
 equal ``usage.completion_tokens``); otherwise the text is re-tokenized with the caller's ``retokenize``
 (``'retokenized'``), or no ids are recorded (``'none'``). Logprobs are kept only with token ids (the
-vendored engine's ``top_logprob_ids``, or vLLM's ``token_id:N`` keys), best first.
+vendored engine's ``top_logprob_ids``, vLLM's ``token_id:N`` keys, SGLang's ``[logprob, id, text]`` and
+llama.cpp's ``{"id", "logprob"}`` entries), best first.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import socket
 import threading
 import time
@@ -58,7 +66,7 @@ from typing import Any, ClassVar, Literal
 import httpx
 
 from abbench.errors import ConfigError, RequestError
-from abbench.profile import RequestSpec
+from abbench.profile import ADAPTER_PATHS, RequestSpec
 
 __all__ = [
     "ADAPTERS",
@@ -66,15 +74,19 @@ __all__ = [
     "Completion",
     "EngineClient",
     "EventParts",
+    "LlamaCppAdapter",
     "OpenAIAdapter",
+    "SGLangAdapter",
     "SSEEvent",
     "SSEParser",
     "VLLMAdapter",
+    "engine_counters",
     "get_adapter",
 ]
 
 IdsSource = Literal["native", "retokenized", "none"]
 TopLogprobs = list[tuple[int, float]]
+Prompt = str | list[int]  # text, or token ids (an engine that takes them: all four adapters' engines do)
 
 _ERROR_BODY_LIMIT = 64 * 1024  # bytes of an error body read for its message
 _SNIPPET = 200  # characters of offending data quoted in a message
@@ -193,6 +205,7 @@ class EventParts:
     logprobs: list[TopLogprobs] | None = None  # per output position, best first
     engine: dict[str, Any] | None = None  # the engine's own per-request object
     final: bool = False  # this event ends the stream (for formats without a done marker)
+    cumulative: bool = False  # text, token_ids and logprobs are the whole output so far, not an addition
 
 
 class Adapter:
@@ -202,20 +215,35 @@ class Adapter:
     ``has_text`` runs on each event as it arrives until the first text (keep it cheap); ``parse_event`` runs
     after the stream, reports ``finish_reason`` in OpenAI's words (``length``/``stop``), and may raise
     ``RequestError`` or let ``KeyError``/``TypeError``/``ValueError`` escape (reported as ``protocol``). A
-    format whose stream has no done marker sets ``done_marker = None`` and marks its last event ``final``."""
+    format whose stream has no done marker sets ``done_marker = None`` and marks its last event ``final``
+    (the client then refuses any event after it); a format whose events repeat the whole output so far sets
+    ``EventParts.cumulative``.
+
+    ``reset_path``/``metrics_path`` are the engine's own defaults (:data:`abbench.profile.ADAPTER_PATHS`,
+    which ``EngineSpec`` fills in when a profile leaves them out). ``counters`` names the engine's Prometheus
+    counters behind the report's common keys (``prompt_tokens``: prompt tokens the engine processed or
+    looked up; ``cached_prompt_tokens``: prompt tokens served from its prefix cache); the per-request
+    ``engine`` dict uses the keys ``cached_prompt_tokens`` and ``engine_prompt_tokens`` where the engine
+    reports them."""
 
     name: ClassVar[str] = ""
     completion_path: ClassVar[str] = "/v1/completions"
     health_path: ClassVar[str] = "/health"
-    reset_path: ClassVar[str | None] = "/reset"
-    metrics_path: ClassVar[str | None] = "/metrics"
+    reset_path: ClassVar[str | None] = ADAPTER_PATHS["openai"]["reset_path"]
+    metrics_path: ClassVar[str | None] = ADAPTER_PATHS["openai"]["metrics_path"]
     done_marker: ClassVar[str | None] = "[DONE]"  # data payload ending the stream; None: see EventParts.final
     protected_fields: ClassVar[frozenset[str]] = frozenset({"prompt", "stream", "stream_options"})
+    counters: ClassVar[Mapping[str, tuple[str, ...]]] = MappingProxyType({})
 
     def build_body(
-        self, prompt: str, *, request: RequestSpec, extra: Mapping[str, Any], model: str | None
+        self, prompt: Prompt, *, request: RequestSpec, extra: Mapping[str, Any], model: str | None
     ) -> dict[str, Any]:
         raise NotImplementedError
+
+    def ignore_eos_sent(self, body: Mapping[str, Any]) -> bool:
+        """Whether the body built by :meth:`build_body` asks the engine to ignore EOS (the finish reason is
+        judged by what was sent, arm overrides included)."""
+        return bool(body.get("ignore_eos", False))
 
     def has_text(self, event: Any) -> bool:
         raise NotImplementedError
@@ -246,11 +274,15 @@ class OpenAIAdapter(Adapter):
     ``"token_id:N"``. The engine's own object is the event's top-level ``abbench`` field."""
 
     name: ClassVar[str] = "openai"
+    counters: ClassVar[Mapping[str, tuple[str, ...]]] = MappingProxyType({
+        "prompt_tokens": ("abbench_engine_prompt_tokens_total",),
+        "cached_prompt_tokens": ("abbench_engine_cached_prompt_tokens_total",),
+    })
     return_token_ids: bool = False
     tokens_as_ids: bool = False
 
     def build_body(
-        self, prompt: str, *, request: RequestSpec, extra: Mapping[str, Any], model: str | None
+        self, prompt: Prompt, *, request: RequestSpec, extra: Mapping[str, Any], model: str | None
     ) -> dict[str, Any]:
         body: dict[str, Any] = {
             "prompt": prompt,
@@ -333,22 +365,309 @@ def _error_event(error: Any) -> RequestError:
 
 @dataclass(frozen=True)
 class VLLMAdapter(OpenAIAdapter):
-    """vLLM's OpenAI server: token ids and id-keyed logprobs only on request; its cache reset is
-    ``POST /reset_prefix_cache`` (served with ``VLLM_SERVER_DEV_MODE=1``). Not yet run against a live vLLM."""
+    """vLLM's OpenAI server, ``POST /v1/completions``.
+
+    Followed: vllm ``vllm/entrypoints/openai/completion/serving.py`` (``completion_stream_generator``,
+    ``_create_completion_logprobs``) and ``vllm/entrypoints/serve/cache/api_router.py``
+    (``reset_prefix_cache``); docs.vllm.ai "OpenAI-Compatible Server" (extra parameters) and "Metrics".
+
+    * ``return_token_ids: true`` makes every streamed choice carry ``token_ids`` (this chunk's output ids;
+      the first chunk also ``prompt_token_ids``), so ids are native; ``ignore_eos`` is one of vLLM's extra
+      sampling parameters; ``stream_options.include_usage`` adds a last ``choices: []`` chunk with
+      ``usage`` before ``data: [DONE]``; an error after the stream started is ``data: {"error": ...}``.
+    * ``logprobs: k`` with ``return_tokens_as_token_ids: true`` keys each position's ``top_logprobs`` by
+      ``"token_id:N"`` (k+1 entries: the top k and the sampled token), so candidates are ids, not texts.
+    * ``usage.prompt_tokens_details.cached_tokens`` (prefix-cache hits of this request) is sent only when
+      the server runs with ``--enable-prompt-tokens-details``; it becomes ``engine.cached_prompt_tokens``.
+    * Reset: ``POST /reset_prefix_cache``, served only with ``VLLM_SERVER_DEV_MODE=1`` in the server's
+      environment. Metrics (``/metrics``, always on): ``vllm:prompt_tokens_total``,
+      ``vllm:prefix_cache_queries_total``/``vllm:prefix_cache_hits_total`` (V1 engine; tokens), or
+      ``vllm:gpu_prefix_cache_*`` in releases before them.
+    """
 
     name: ClassVar[str] = "vllm"
-    reset_path: ClassVar[str | None] = "/reset_prefix_cache"
+    reset_path: ClassVar[str | None] = ADAPTER_PATHS["vllm"]["reset_path"]
+    metrics_path: ClassVar[str | None] = ADAPTER_PATHS["vllm"]["metrics_path"]
+    counters: ClassVar[Mapping[str, tuple[str, ...]]] = MappingProxyType({
+        "prompt_tokens": ("vllm:prompt_tokens_total",),
+        "cached_prompt_tokens": ("vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total"),
+        "prefix_cache_queries": ("vllm:prefix_cache_queries_total", "vllm:gpu_prefix_cache_queries_total"),
+    })
     return_token_ids: bool = True
     tokens_as_ids: bool = True
+
+    def parse_event(self, event: Any) -> EventParts:
+        parts = super().parse_event(event)
+        usage = parts.usage
+        if isinstance(usage, dict) and isinstance(usage.get("prompt_tokens"), int):
+            engine: dict[str, Any] = {"engine_prompt_tokens": usage["prompt_tokens"]}
+            details = usage.get("prompt_tokens_details")
+            if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+                engine["cached_prompt_tokens"] = details["cached_tokens"]
+            parts.engine = {**(parts.engine or {}), **engine}
+        return parts
+
+
+@dataclass(frozen=True)
+class SGLangAdapter(Adapter):
+    """SGLang's native ``POST /generate``.
+
+    Followed: sglang ``docs/sampling_params.md`` (the ``/generate`` arguments and streaming example) and
+    ``python/sglang/srt/entrypoints/http_server.py`` (``generate_request``: each output is one
+    ``data: {...}`` event, an error is ``data: {"error": {"message"}}``, the stream ends with
+    ``data: [DONE]``; ``flush_cache``: ``GET``/``POST /flush_cache``, 400 while requests run), and the
+    tokenizer manager's output handler (``meta_info``: ``prompt_tokens``, ``completion_tokens``,
+    ``cached_tokens``, ``finish_reason`` as ``{"type": "length"|"stop"|"abort", ...}``,
+    ``output_token_logprobs``/``output_top_logprobs`` as ``[logprob, token_id, text]``).
+
+    Request: ``{"text" (or "input_ids" for an id prompt), "sampling_params": {"temperature",
+    "max_new_tokens", "ignore_eos"}, "stream": true}`` plus ``"return_logprob": true, "top_logprobs_num": k``
+    when logprobs are asked for. A profile's or arm's ``sampling_params`` table is merged into the sampling
+    parameters; its other fields go to the top level.
+
+    Streams are **cumulative** by default: every event repeats the whole text, ``output_ids`` and logprobs
+    so far (``--incremental-streaming-output`` makes them deltas). The adapter tells the two apart per event
+    (cumulative when ``len(output_ids) == meta_info.completion_tokens``; with ``incremental`` set, it is not
+    guessed) and marks cumulative events, so the client keeps the last one instead of concatenating.
+    ``has_text`` needs no delta: the first event whose cumulative text is non-empty is the first with new
+    text. Engine extras: ``cached_prompt_tokens`` (``meta_info.cached_tokens``), ``engine_prompt_tokens``,
+    and the rest of the last ``meta_info`` (logprob arrays left out) under ``sglang``.
+
+    Metrics need ``--enable-metrics``: ``sglang:prompt_tokens_total``, ``sglang:cached_tokens_total``."""
+
+    name: ClassVar[str] = "sglang"
+    completion_path: ClassVar[str] = "/generate"
+    reset_path: ClassVar[str | None] = ADAPTER_PATHS["sglang"]["reset_path"]
+    metrics_path: ClassVar[str | None] = ADAPTER_PATHS["sglang"]["metrics_path"]
+    protected_fields: ClassVar[frozenset[str]] = frozenset({"text", "input_ids", "stream"})
+    counters: ClassVar[Mapping[str, tuple[str, ...]]] = MappingProxyType({
+        "prompt_tokens": ("sglang:prompt_tokens_total",),
+        "cached_prompt_tokens": ("sglang:cached_tokens_total",),
+    })
+    incremental: bool | None = None  # None: detect per event; True/False: the server's streaming mode
+
+    def build_body(
+        self, prompt: Prompt, *, request: RequestSpec, extra: Mapping[str, Any], model: str | None
+    ) -> dict[str, Any]:
+        sampling: dict[str, Any] = {
+            "temperature": request.temperature,
+            "max_new_tokens": request.max_tokens,
+            "ignore_eos": request.ignore_eos,
+        }
+        body: dict[str, Any] = {"input_ids" if isinstance(prompt, list) else "text": prompt,
+                                "sampling_params": sampling, "stream": request.stream}
+        if request.logprobs is not None:
+            body["return_logprob"] = True
+            body["top_logprobs_num"] = request.logprobs
+        merged = {**request.extra, **extra}
+        merged.pop("sampling_params", None)
+        for fields in (request.extra, extra):  # the profile's sampling parameters, then the arm's
+            more = fields.get("sampling_params")
+            if more is not None:
+                if not isinstance(more, Mapping):
+                    raise ConfigError("request field sampling_params must be a table (SGLang's sampling parameters)")
+                sampling.update(more)
+        return self.merge_extra(body, merged)
+
+    def ignore_eos_sent(self, body: Mapping[str, Any]) -> bool:
+        return bool((body.get("sampling_params") or {}).get("ignore_eos", False))
+
+    def has_text(self, event: Any) -> bool:
+        return isinstance(event, dict) and bool(event.get("text"))
+
+    def parse_event(self, event: Any) -> EventParts:
+        if not isinstance(event, dict):
+            raise TypeError(f"an event is a JSON object, got {type(event).__name__}")
+        if event.get("error") is not None:
+            raise _error_event(event["error"])
+        meta = event["meta_info"]
+        if not isinstance(meta, dict):
+            raise TypeError("meta_info is not an object")
+        ids = event.get("output_ids")
+        completion = meta.get("completion_tokens")
+        if self.incremental is not None:
+            cumulative = not self.incremental
+        elif ids is not None and isinstance(completion, int):
+            cumulative = len(ids) == completion
+        else:
+            cumulative = True  # SGLang's default streaming mode
+        parts = EventParts(text=event.get("text") or "", cumulative=cumulative)
+        if ids is not None:
+            parts.token_ids = [int(i) for i in ids]
+        prompt_tokens = meta.get("prompt_tokens")
+        if isinstance(prompt_tokens, int) and isinstance(completion, int):
+            parts.usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion}
+        parts.finish_reason = self._finish_reason(meta.get("finish_reason"))
+        parts.logprobs = self._logprobs(meta)
+        if parts.finish_reason is not None:
+            parts.engine = {
+                "engine_prompt_tokens": prompt_tokens,
+                "cached_prompt_tokens": meta.get("cached_tokens"),
+                "sglang": {k: v for k, v in meta.items()
+                           if not k.startswith(("input_", "output_")) and k not in ("hidden_states", "routed_experts")},
+            }
+        return parts
+
+    @staticmethod
+    def _finish_reason(reason: Any) -> str | None:
+        if reason is None:
+            return None
+        if isinstance(reason, str):
+            return reason
+        kind = reason.get("type")
+        if kind == "abort":
+            code = reason.get("status_code")
+            raise RequestError("http", f"the server aborted the request: {reason.get('message', reason)}",
+                               status=code if isinstance(code, int) else None)
+        return "length" if kind == "length" else "stop" if kind == "stop" else str(kind)
+
+    @staticmethod
+    def _logprobs(meta: dict[str, Any]) -> list[TopLogprobs] | None:
+        top = meta.get("output_top_logprobs")
+        chosen = meta.get("output_token_logprobs")
+        if top is None and chosen is None:
+            return None
+        n = len(top) if top is not None else len(chosen)
+        out: list[TopLogprobs] = []
+        for j in range(n):
+            pos = top[j] if top is not None else None
+            if not pos and chosen is not None and j < len(chosen) and chosen[j] is not None:
+                pos = [chosen[j]]
+            out.append(_best_first((int(e[1]), e[0]) for e in (pos or [])))
+        return out
+
+
+@dataclass(frozen=True)
+class LlamaCppAdapter(Adapter):
+    """llama.cpp's server, native ``POST /completion`` (not its OpenAI ``/v1/completions``).
+
+    Followed: llama.cpp ``tools/server/README.md`` ("POST /completion", "GET /metrics",
+    "POST /slots/{id_slot}?action=erase") and ``tools/server/server-task.cpp``
+    (``server_task_result_cmpl_partial::to_json_non_oaicompat``, ``..._final::to_json_non_oaicompat``,
+    ``completion_token_output::probs_vector_to_json``) with ``server-context.cpp`` (the stream handler writes
+    no ``[DONE]`` for the native endpoint; an error is ``data: {"error": {...}}``).
+
+    Request: ``{"prompt" (text or token ids), "n_predict", "temperature", "ignore_eos", "stream": true,
+    "return_tokens": true}`` plus ``"n_probs": max(k, 1)`` when logprobs are asked for.
+
+    Stream: one event per token, ``{"content" (this token's text, possibly "" while a UTF-8 character is
+    incomplete), "tokens": [id], "stop": false, "completion_probabilities": [{"id", "logprob",
+    "top_logprobs": [{"id", "logprob"}, ...]}]}``, then a final event with ``"stop": true`` (its ``content``
+    and ``tokens`` are empty when streaming), ``stop_type`` (``limit`` -> "length"; ``eos``/``word`` ->
+    "stop"; older servers: ``stopped_limit``/``stopped_eos``/``stopped_word``), ``tokens_evaluated``
+    (prompt tokens) and ``tokens_predicted``, ``timings`` (``cache_n``: prompt tokens reused from the
+    cache, ``prompt_n``, ``prompt_ms``, ``predicted_ms``...). There is no done marker: ``done_marker`` is
+    None and that final event is marked ``final``. Usage is read from it. With ``post_sampling_probs``
+    the server sends ``prob``/``top_probs`` instead; they are turned into logprobs.
+
+    Cold samples: the default reset is ``POST /slots/0?action=erase`` (slot 0's KV cache). The server
+    serves slot actions only with ``--slot-save-path DIR`` (even erase), the erase covers every slot only
+    with ``-np 1``, and ``--cache-ram 0`` keeps it from restoring the prompt from its host-memory prompt
+    cache. The alternative, ``cache_prompt: false``, would also stop continuations from reusing the cold
+    prompt, which the pairs exist to measure, so it is not used. Metrics need ``--metrics``:
+    ``llamacpp:prompt_tokens_total`` counts prompt tokens actually processed (cache hits excluded)."""
+
+    name: ClassVar[str] = "llamacpp"
+    completion_path: ClassVar[str] = "/completion"
+    reset_path: ClassVar[str | None] = ADAPTER_PATHS["llamacpp"]["reset_path"]
+    metrics_path: ClassVar[str | None] = ADAPTER_PATHS["llamacpp"]["metrics_path"]
+    done_marker: ClassVar[str | None] = None
+    protected_fields: ClassVar[frozenset[str]] = frozenset({"prompt", "stream"})
+    counters: ClassVar[Mapping[str, tuple[str, ...]]] = MappingProxyType({
+        "prompt_tokens": ("llamacpp:prompt_tokens_total",),
+    })
+
+    def build_body(
+        self, prompt: Prompt, *, request: RequestSpec, extra: Mapping[str, Any], model: str | None
+    ) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "prompt": prompt,
+            "n_predict": request.max_tokens,
+            "temperature": request.temperature,
+            "ignore_eos": request.ignore_eos,
+            "stream": request.stream,
+            "return_tokens": True,
+        }
+        if request.logprobs is not None:
+            body["n_probs"] = max(request.logprobs, 1)
+        if model is not None:
+            body["model"] = model  # used by the server's router mode only
+        return self.merge_extra(body, {**request.extra, **extra})
+
+    def has_text(self, event: Any) -> bool:
+        return isinstance(event, dict) and bool(event.get("content"))
+
+    def parse_event(self, event: Any) -> EventParts:
+        if not isinstance(event, dict):
+            raise TypeError(f"an event is a JSON object, got {type(event).__name__}")
+        if event.get("error") is not None:
+            raise _error_event(event["error"])
+        parts = EventParts(text=event.get("content") or "")
+        tokens = event.get("tokens")
+        if tokens is not None:
+            parts.token_ids = [int(i) for i in tokens]
+        probs = event.get("completion_probabilities")
+        if probs is not None:
+            parts.logprobs = [self._position(p) for p in probs]
+        if event.get("stop") is True:
+            parts.final = True
+            parts.finish_reason = self._finish_reason(event)
+            evaluated, predicted = event.get("tokens_evaluated"), event.get("tokens_predicted")
+            if isinstance(evaluated, int) and isinstance(predicted, int):
+                parts.usage = {"prompt_tokens": evaluated, "completion_tokens": predicted}
+            timings = event.get("timings") if isinstance(event.get("timings"), dict) else {}
+            parts.engine = {
+                "engine_prompt_tokens": evaluated,
+                "cached_prompt_tokens": timings.get("cache_n"),
+                "llamacpp": {k: event.get(k) for k in ("stop_type", "stopping_word", "tokens_cached", "truncated",
+                                                       "id_slot", "timings") if k in event},
+            }
+        return parts
+
+    @staticmethod
+    def _finish_reason(event: dict[str, Any]) -> str | None:
+        kind = event.get("stop_type")
+        if kind is None:  # servers before stop_type (late 2024)
+            kind = ("limit" if event.get("stopped_limit") else "eos" if event.get("stopped_eos")
+                    else "word" if event.get("stopped_word") else None)
+        return {"limit": "length", "eos": "stop", "word": "stop"}.get(kind) if kind else None
+
+    @staticmethod
+    def _position(p: dict[str, Any]) -> TopLogprobs:
+        if "top_logprobs" in p:
+            return _best_first((int(c["id"]), c.get("logprob")) for c in p["top_logprobs"] or [])
+        if "top_probs" in p:  # post_sampling_probs: probabilities
+            return _best_first((int(c["id"]), math.log(c["prob"]) if c.get("prob") else None)
+                               for c in p["top_probs"] or [])
+        return []
 
 
 ADAPTERS: Mapping[str, Adapter] = MappingProxyType(
     {
         "openai": OpenAIAdapter(),
         "vllm": VLLMAdapter(),
-        # "sglang" (SGLang /generate, output_ids) and "llamacpp" (llama.cpp /completion, tokens): to be added.
+        "sglang": SGLangAdapter(),
+        "llamacpp": LlamaCppAdapter(),
     }
 )
+
+
+def engine_counters(adapter: str | Adapter, metrics: Mapping[str, float] | None) -> dict[str, float]:
+    """The adapter's common counters (``Adapter.counters``) read from parsed Prometheus text
+    (:func:`abbench.telemetry.parse_prometheus`, or a :func:`~abbench.telemetry.metrics_delta`): each key's
+    value is the sum over the label sets of the first of its metric names that is present; keys the
+    engine does not expose are left out."""
+    ad = get_adapter(adapter)
+    out: dict[str, float] = {}
+    if not metrics:
+        return out
+    for key, names in ad.counters.items():
+        for name in names:
+            values = [v for k, v in metrics.items() if k == name or k.startswith(name + "{")]
+            if values:
+                out[key] = float(sum(values))
+                break
+    return out
 
 
 def get_adapter(name: str | Adapter) -> Adapter:
@@ -566,7 +885,7 @@ class EngineClient:
     def complete(
         self,
         base_url: str,
-        prompt: str,
+        prompt: Prompt,
         *,
         request: RequestSpec,
         extra: Mapping[str, Any],
@@ -578,13 +897,15 @@ class EngineClient:
     ) -> Completion:
         """Send one completion request and return it verified (see the module docstring for the checks).
 
-        ``extra`` (an arm's request fields) is merged over ``request.extra`` (``prompt``, ``stream`` and
-        ``stream_options`` cannot be overridden: ConfigError); an arm that overrides ``ignore_eos`` is judged
+        ``prompt`` is text, or token ids (sent as the engine takes them: ``prompt`` for OpenAI servers and
+        llama.cpp, ``input_ids`` for SGLang). ``extra`` (an arm's request fields) is merged over
+        ``request.extra`` (the fields the protocol depends on, e.g. ``prompt``, ``stream`` and
+        ``stream_options``, cannot be overridden: ConfigError); an arm that overrides ``ignore_eos`` is judged
         by what it sent. ``adapter`` is an ``EngineSpec.adapter`` name or an :class:`Adapter`; ``headers`` are
         added to the request (e.g. an API key). ``retokenize`` is used only when the engine sends no ids."""
         ad = get_adapter(adapter)
         body = ad.build_body(prompt, request=request, extra=extra, model=model)
-        ignore_eos = bool({**request.extra, **extra}.get("ignore_eos", request.ignore_eos))
+        ignore_eos = ad.ignore_eos_sent(body)
         stream = bool(body.get("stream"))
         url = _url(base_url, ad.completion_path)
         what = f"POST {url}"
@@ -713,7 +1034,12 @@ def _finish(
     have_logprobs = False
     engine: dict[str, Any] | None = None
     saw_done = raw.saw_done
+    final_at: int | None = None  # the event that ended a stream without a done marker
     for n, obj in enumerate(raw.events):
+        if final_at is not None:
+            raise RequestError(
+                "sse", f"{what}: data after the final event (event {final_at}): {json.dumps(obj)[:_SNIPPET]}"
+            )
         try:
             p = ad.parse_event(obj)
         except RequestError as e:
@@ -722,24 +1048,38 @@ def _finish(
             raise RequestError(
                 "protocol", f"{what}: event {n} has an unexpected shape ({e}): {json.dumps(obj)[:_SNIPPET]}"
             ) from None
-        if p.text:
-            text.append(p.text)
-        if p.token_ids is not None:
-            native = True
-            ids.extend(p.token_ids)
+        if p.cumulative:  # the whole output so far: replaces what earlier events said
+            if p.text:
+                text = [p.text]
+            if p.token_ids is not None:
+                native = True
+                ids = list(p.token_ids)
+            if p.logprobs is not None:
+                have_logprobs = True
+                logprobs = list(p.logprobs)
+        else:
+            if p.text:
+                text.append(p.text)
+            if p.token_ids is not None:
+                native = True
+                ids.extend(p.token_ids)
+            if p.logprobs is not None:
+                have_logprobs = True
+                logprobs.extend(p.logprobs)
         if p.finish_reason is not None:
             finish = p.finish_reason
         if p.usage is not None:
             usage = p.usage
-        if p.logprobs is not None:
-            have_logprobs = True
-            logprobs.extend(p.logprobs)
         if p.engine is not None:
             engine = {**engine, **p.engine} if engine else dict(p.engine)
-        saw_done = saw_done or p.final
+        if p.final and raw.streamed:  # a body is complete by itself: saw_done speaks of streams only
+            saw_done = True
+            final_at = n
 
     if raw.streamed and not saw_done:
-        raise RequestError("no-done", f"{what}: the stream ended after {len(raw.events)} events without [DONE]")
+        end = "[DONE]" if ad.done_marker == "[DONE]" else (
+            f"data: {ad.done_marker}" if ad.done_marker else "its final event")
+        raise RequestError("no-done", f"{what}: the stream ended after {len(raw.events)} events without {end}")
     if usage is None:
         raise RequestError("protocol", f"{what}: the response has no usage (stream_options.include_usage)")
     prompt_tokens = usage.get("prompt_tokens")

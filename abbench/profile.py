@@ -89,6 +89,17 @@ class RequestSpec(_Model):
     extra: dict[str, Any] = Field(default_factory=dict, description="Extra body fields for every request.")
 
 
+ADAPTER_PATHS: dict[str, dict[str, str]] = {
+    # The engine's own cache-reset and Prometheus paths (see abbench.client for the documents followed).
+    "openai": {"reset_path": "/reset", "metrics_path": "/metrics"},  # the vendored engine
+    "vllm": {"reset_path": "/reset_prefix_cache", "metrics_path": "/metrics"},  # reset needs VLLM_SERVER_DEV_MODE=1
+    "sglang": {"reset_path": "/flush_cache", "metrics_path": "/metrics"},  # metrics need --enable-metrics
+    # erase slot 0's KV: needs --slot-save-path and one slot (-np 1); metrics need --metrics
+    "llamacpp": {"reset_path": "/slots/0?action=erase", "metrics_path": "/metrics"},
+}
+"""Default ``engine.reset_path``/``metrics_path`` per ``engine.adapter``; an empty string means none."""
+
+
 class EngineSpec(_Model):
     adapter: Literal["openai", "vllm", "sglang", "llamacpp"] = Field(
         "openai",
@@ -108,9 +119,27 @@ class EngineSpec(_Model):
     )
     health_path: str = "/health"
     health_timeout_s: float = Field(180.0, gt=0)
-    reset_path: str | None = Field("/reset", description="POSTed to flush caches before each cold sample.")
-    metrics_path: str | None = Field("/metrics", description="Prometheus text endpoint scraped around requests.")
+    reset_path: str | None = Field(
+        None,
+        description="POSTed to flush caches before each cold sample. Omitted: the adapter's default "
+        "(ADAPTER_PATHS; filled in when the profile is validated, so the run records the path it used); "
+        "\"\" = the engine has none (no reset is sent).",
+    )
+    metrics_path: str | None = Field(
+        None,
+        description="Prometheus text endpoint scraped around requests. Omitted: the adapter's default; "
+        "\"\" = none.",
+    )
     stop_timeout_s: float = Field(15.0, gt=0, description="Grace period after SIGTERM before SIGKILL.")
+
+    @model_validator(mode="after")
+    def _adapter_paths(self) -> EngineSpec:
+        defaults = ADAPTER_PATHS[self.adapter]
+        if self.reset_path is None:
+            self.reset_path = defaults["reset_path"]
+        if self.metrics_path is None:
+            self.metrics_path = defaults["metrics_path"]
+        return self
 
 
 class ArmSpec(_Model):

@@ -335,6 +335,69 @@ def _h2d(a: an.Analysis, plots: dict[str, str | None]) -> list[str]:
     return lines + _plot_link(plots, "h2d", "H2D bytes per arm and length")
 
 
+ENGINE_COUNTER_COLUMNS = ["arm", "kind", "target_tokens", "n", "prompt_tokens", "engine_cached",
+                          "metrics_prompt", "metrics_cached"]
+
+
+def engine_counter_table(record: RunRecord) -> pd.DataFrame:
+    """Per arm, kind and length (medians over measured ok samples): the prompt tokens the server counted
+    (usage), the prompt tokens the engine says it served from its prefix cache (``engine.cached_prompt_tokens``
+    of the response), and the same two read from its Prometheus counters around the request (the adapter's
+    ``counters``: after - before). Rows only where the engine gave a cache or counter number."""
+    from abbench.client import engine_counters
+    from abbench.errors import ConfigError
+    from abbench.telemetry import metrics_delta
+
+    adapter = str((record.profile.get("engine") or {}).get("adapter") or "openai")
+    rows: list[dict[str, Any]] = []
+    targets = {pr.id: pr.target_tokens for pr in record.prompts}
+    groups: dict[tuple[str, str, int | None], list[dict[str, Any]]] = {}
+    for smp in sorted(an.measured_ok(record), key=lambda x: x.step):
+        e = smp.engine or {}
+        try:
+            c = engine_counters(adapter, metrics_delta(smp.telemetry.metrics_before, smp.telemetry.metrics_after)
+                                if smp.telemetry.metrics_after else None)
+        except ConfigError:
+            c = {}
+        groups.setdefault((smp.arm, smp.kind, targets.get(smp.prompt_id, smp.prompt_tokens)), []).append(
+            {"prompt": e.get("engine_prompt_tokens", smp.prompt_tokens), "cached": e.get("cached_prompt_tokens"),
+             "m_prompt": c.get("prompt_tokens"), "m_cached": c.get("cached_prompt_tokens")})
+    for (arm, kind, tokens), g in groups.items():
+        med = {k: an._median(x[k] for x in g) for k in ("prompt", "cached", "m_prompt", "m_cached")}
+        if med["cached"] is None and med["m_prompt"] is None and med["m_cached"] is None:
+            continue
+        rows.append({"arm": arm, "kind": kind, "target_tokens": tokens, "n": len(g), "prompt_tokens": med["prompt"],
+                     "engine_cached": med["cached"], "metrics_prompt": med["m_prompt"],
+                     "metrics_cached": med["m_cached"]})
+    out = an._frame(rows, ENGINE_COUNTER_COLUMNS, ints=["target_tokens"])
+    return an._sort(out, record, ["arm", "kind", "target_tokens"])
+
+
+def _engine_counters(record: RunRecord) -> list[str]:
+    lines = ["## Engine counters", ""]
+    df = engine_counter_table(record)
+    if df.empty:
+        return lines + ["The engine reported no prefix-cache numbers in its responses and no prompt counters "
+                        "on its metrics endpoint (or the profile scrapes none)."]
+    adapter = (record.profile.get("engine") or {}).get("adapter") or "openai"
+    lines += [
+        (f"Medians per request (adapter `{adapter}`). Prompt tokens: as the server counted them. Cached: "
+         "prompt tokens the engine reports serving from its prefix cache in the response (vLLM needs "
+         "`--enable-prompt-tokens-details`; SGLang `meta_info.cached_tokens`; llama.cpp `timings.cache_n`). "
+         "/metrics: the engine's Prometheus counters after minus before the request (llama.cpp counts only "
+         "the prompt tokens it computed). A cold prompt should show 0 cached: more means the cache reset did "
+         "not take."), "",
+        table(df, [Col("arm", "Arm", descriptive=True, right=False), Col("kind", "Kind", descriptive=True, right=False),
+                   Col("target_tokens", "Prompt tokens", fmt_int, descriptive=True),
+                   Col("n", "n", fmt_int, descriptive=True),
+                   Col("prompt_tokens", "Server prompt tokens", fmt_num),
+                   Col("engine_cached", "Cached (response)", fmt_num),
+                   Col("metrics_prompt", "Prompt tokens (/metrics)", fmt_num),
+                   Col("metrics_cached", "Cached (/metrics)", fmt_num)]),
+    ]
+    return lines
+
+
 def _memory(a: an.Analysis, record: RunRecord, plots: dict[str, str | None]) -> list[str]:
     lines = ["## Memory", ""]
     if a.memory.empty:
@@ -446,10 +509,14 @@ def _overhead(a: an.Analysis) -> list[str]:
     if a.overhead.empty:
         return lines + ["The engine reported no timings (first_token - received): client overhead is not measured."]
     return lines + [
-        ("Harness TTFT minus the engine's own time from receiving the request to its first token: HTTP, "
-        "SSE framing and the client's share."), "",
+        ("Harness TTFT minus the engine's own time from receiving the request to its first token: the "
+        "server's HTTP stack and SSE framing, the socket and the client. 'After server write' (median): "
+        "harness TTFT minus the server's span from receiving the request to handing the first event to the "
+        "transport, i.e. the client, the socket and the server's HTTP parsing before the app sees the "
+        "request."), "",
         table(a.overhead, [Col("arm", "Arm", descriptive=True, right=False), Col("n", "n", fmt_int, descriptive=True),
                            Col("median_s", "Median", fmt_s), Col("min_s", "Min", fmt_s), Col("max_s", "Max", fmt_s),
+                           Col("after_write_s", "After server write", fmt_s),
                            Col("queue_wait_s", "Engine queue wait", fmt_s, descriptive=True)]),
     ]
 
@@ -751,7 +818,8 @@ def render_markdown(record: RunRecord, problems: list[str], a: an.Analysis, plot
     """The report's Markdown, given the analysis and the plots' relative links (pure)."""
     links: dict[str, str | None] = dict(plot_links)
     sections = [
-        _header(record, a), _verdict(a), _ttft(a, links), _ratios(a, links), _h2d(a, links), _memory(a, record, links),
+        _header(record, a), _verdict(a), _ttft(a, links), _ratios(a, links), _h2d(a, links), _engine_counters(record),
+        _memory(a, record, links),
         _parity(a), _active_path(a, record), _overhead(a), _environment(record),
         ["## Small-n notes", "", _bullets(a.notes) if a.notes else "None."],
         _problems(record, a, problems, plot_missing),

@@ -219,13 +219,35 @@ class _Finished:
     finished: float  # perf_counter when the generator returned
 
 
+class _ReceivedAt:
+    """Pure ASGI middleware: stamps ``scope['abbench_received']`` (perf_counter) as the request reaches the
+    application, before routing and body parsing, so the engine's timings start where the server got it."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            scope["abbench_received"] = time.perf_counter()
+        await self.app(scope, receive, send)
+
+
+_FIRST_EVENT_HOLD_S = 0.05  # the longest the worker waits for the first event to be written
+
+
 class _Job:
     """One request on the engine: events flow worker thread -> ``queue``; ``cancel`` flows back."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop):
+    def __init__(self, loop: asyncio.AbstractEventLoop, hold_first: bool = False):
         self.loop = loop
         self.queue: asyncio.Queue[Any] = asyncio.Queue()
         self.cancel = threading.Event()
+        # Streamed requests: the worker pauses after the first token until the event loop has written it
+        # (bounded), so the next decode step does not hold the GIL while the first event goes out.
+        # Without this, the first SSE event waited ~2 ms (a GIL switch interval) behind token two.
+        self.delivered = threading.Event()
+        if not hold_first:
+            self.delivered.set()
 
     def put(self, item: Any) -> None:
         try:
@@ -265,10 +287,10 @@ class EngineService:
         finally:
             self.waiting -= 1
 
-    def start(self, gen_kwargs: dict[str, Any]) -> _Job:
+    def start(self, gen_kwargs: dict[str, Any], *, hold_first: bool = False) -> _Job:
         """Run one ``engine.generate`` in the worker thread (the caller holds the gate). The gate is
         released when the generator has returned or raised, whatever the HTTP side does."""
-        job = _Job(asyncio.get_running_loop())
+        job = _Job(asyncio.get_running_loop(), hold_first)
         self.running = job
         fut = job.loop.run_in_executor(self._executor, self._run, job, gen_kwargs)
         fut.add_done_callback(lambda _f: self._finish(job))
@@ -289,6 +311,9 @@ class EngineService:
                     job.put(_Finished(stop.value, time.perf_counter()))
                     return
                 job.put(event)
+                if not job.delivered.is_set():
+                    job.delivered.wait(_FIRST_EVENT_HOLD_S)
+                    job.delivered.set()
         except BaseException as exc:  # Cancelled, ContextOverflow, OOM, bugs: the consumer decides
             job.put(exc)
 
@@ -402,6 +427,8 @@ class _Ctx:
     received: float
     queue_wait_s: float = 0.0
     logprobs: int | None = None
+    first_event: float | None = None  # streamed: perf_counter when the first event reached the transport
+    first_item: float | None = None  # perf_counter when the event loop got the first token from the worker
 
 
 def _abbench_object(ctx: _Ctx, stats: Any, finished: float, engine: Any) -> dict[str, Any]:
@@ -417,7 +444,8 @@ def _abbench_object(ctx: _Ctx, stats: Any, finished: float, engine: Any) -> dict
         "n_windows": stats.n_windows, "measured_h2d_gbps": _finite(engine.measured_h2d_gbps),
         "timings": {"received": 0.0, "prefill_start": rel(stats.prefill_start),
                     "prefill_end": rel(stats.prefill_end), "first_token": rel(stats.first_token),
-                    "finished": rel(finished)},
+                    "finished": rel(finished), "first_item": rel(ctx.first_item),
+                    "first_event": rel(ctx.first_event)},
         "queue_wait_s": round(ctx.queue_wait_s, 6),
     }
 
@@ -478,6 +506,7 @@ def create_app(engine: Any, tokenizer: Any, *, served_model_name: str | None = N
         svc.shutdown()
 
     app = FastAPI(title="abbench engine", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(_ReceivedAt)
     app.state.engine = engine
     app.state.tokenizer = tokenizer
     app.state.service = svc
@@ -544,7 +573,7 @@ def create_app(engine: Any, tokenizer: Any, *, served_model_name: str | None = N
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        received = time.perf_counter()
+        received = request.scope.get("abbench_received", time.perf_counter())
         req = await parse(request)
         if req.model is not None and req.model != name:
             raise APIError(404, f"the model '{req.model}' does not exist; this server serves '{name}'",
@@ -569,9 +598,10 @@ def create_app(engine: Any, tokenizer: Any, *, served_model_name: str | None = N
             stats_metrics.outcomes.labels("client_gone").inc()
             return Response(status_code=499)
         ctx.queue_wait_s = time.perf_counter() - queued
-        job = svc.start(gen_kwargs)
+        job = svc.start(gen_kwargs, hold_first=bool(req.stream))
         try:
             first = await _next_item(job, request)
+            ctx.first_item = time.perf_counter()
         except ClientGone:
             log.info("%s: client left before the first token; cancelled", ctx.rid)
             stats_metrics.outcomes.labels("client_gone").inc()
@@ -581,7 +611,8 @@ def create_app(engine: Any, tokenizer: Any, *, served_model_name: str | None = N
             raise _engine_error(first)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(stream(job, first, ctx, include_usage, request), media_type="text/event-stream",
+            return StreamingResponse(stream(job, first, ctx, include_usage, request),
+                                            media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         return await complete(job, first, ctx, request)
 
@@ -625,6 +656,9 @@ def create_app(engine: Any, tokenizer: Any, *, served_model_name: str | None = N
                     offset += len(lp["tokens"][0])
                 yield _sse({**head, "choices": [{"index": 0, "text": piece, "finish_reason": None,
                                                  "logprobs": lp, "token_ids": [int(item.token_id)]}]})
+                if ctx.first_event is None:
+                    ctx.first_event = time.perf_counter()
+                job.delivered.set()  # resumed: the event has been handed to the transport
                 item = await _next_item(job, request)
             if isinstance(item, BaseException):
                 stats_metrics.outcomes.labels("error").inc()
@@ -647,6 +681,7 @@ def create_app(engine: Any, tokenizer: Any, *, served_model_name: str | None = N
         except ClientGone:
             log.info("%s: client left mid-stream; cancelled", ctx.rid)
         finally:
+            job.delivered.set()
             if not finished_ok:
                 job.cancel.set()  # Starlette cancels this generator when the client disconnects
                 if not isinstance(item, BaseException):

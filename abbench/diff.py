@@ -1,0 +1,473 @@
+"""Divergence diagnostics: where two arms' greedy outputs part, and why.
+
+Contract
+--------
+* :func:`diff_prompt` reads a :class:`~abbench.results.RunRecord` (no I/O beyond the tokenizer) and pairs the
+  reference arm's sample of one prompt with another arm's sample of it (same round; by default the first
+  arm and lowest round where the two differ, else the lowest round where both have an ok sample; measured
+  samples before excluded ones), aligning their id streams
+  position by position: id, token text (the run's tokenizer, no clean-up), top-2 logprobs and their margin
+  when captured. The first diverging position and its classification (identical / near-tie / divergence /
+  margin unknown) follow :mod:`abbench.analysis` exactly (:func:`~abbench.analysis.compare_ids`,
+  :data:`~abbench.analysis.NEAR_TIE_NATS`). :func:`format_diff` renders it as plain text.
+* :func:`probe_prompt` is the forced-continuation probe: it feeds an engine the prompt followed by the
+  reference's own ids, one position at a time (prompt + ref[:i] -> 1 token with top-k logprobs, i = 0..N-1;
+  no engine here returns logprobs for echoed prompt tokens in a form all adapters share, so it is step by
+  step), and compares the logprobs the engine gives at each position with the ones the reference captured.
+  It reports the first position where they differ by more than a threshold and the first position where
+  the probed engine, given the reference's history, would choose another token, with both top-2 margins.
+  Because the history is the reference's, a difference can only come from the arm's arithmetic, not from
+  an earlier different token. The caller supplies a running server (``base_url``) or lets
+  :func:`probe_prompt` launch the arm's service as the runner would (:class:`abbench.services.Service`).
+  The service's prefix cache is reset once before the probe and then left alone, so step i reuses the KV
+  of prompt + ref[:i-1] and computes one new position, as in the arm's own decode (``reset_each=True``
+  resets before every step: each step then prefills the whole history).
+
+Errors are :class:`~abbench.errors.ConfigError` (unknown prompt, arm, round; nothing to compare) or the
+service/request errors of the layers below.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import tempfile
+import unicodedata
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from abbench import analysis as an
+from abbench.errors import ConfigError
+from abbench.results import RunRecord, Sample
+
+TopLogprobs = list[tuple[int, float]]
+DEFAULT_PROBE_THRESHOLD = 0.01
+"""Nats: a probed logprob further than this from the reference's own counts as a difference."""
+
+
+# ------------------------------------------------------------------------------------------------- diff
+
+
+@dataclass(frozen=True)
+class Side:
+    """One arm's view of a position: its id, the token's text, and its captured top logprobs."""
+
+    id: int | None
+    text: str | None
+    top: TopLogprobs | None
+
+    @property
+    def margin(self) -> float | None:
+        if not self.top or len(self.top) < 2:
+            return None
+        return self.top[0][1] - self.top[1][1]
+
+
+@dataclass(frozen=True)
+class Position:
+    index: int
+    ref: Side
+    arm: Side
+
+    @property
+    def same(self) -> bool:
+        return self.ref.id is not None and self.ref.id == self.arm.id
+
+
+@dataclass
+class PromptDiff:
+    prompt_id: str
+    kind: str
+    target_tokens: int | None
+    reference: str
+    arm: str
+    ref_round: int
+    arm_round: int
+    first_diverging: int | None
+    agree: int
+    classification: str
+    positions: list[Position]
+    notes: list[str] = field(default_factory=list)
+
+
+def _usable(s: Sample) -> bool:
+    return s.ok and s.ids_source != "none"
+
+
+def _pick(samples: list[Sample], round_no: int | None) -> dict[int, Sample]:
+    """Per round, the sample to use: measured before excluded, the last one of a retried step."""
+    out: dict[int, Sample] = {}
+    for s in sorted(samples, key=lambda x: (not x.excluded, x.step)):  # excluded first, so measured win
+        if round_no is None or s.round == round_no:
+            out[s.round] = s
+    return out
+
+
+def _decode(tokenizer: Any, token_id: int | None) -> str | None:
+    if tokenizer is None or token_id is None:
+        return None
+    from abbench.tokenizers import decode_ids
+
+    try:
+        return decode_ids(tokenizer, [token_id])
+    except Exception:  # noqa: BLE001 - an id the tokenizer does not know (a padded embedding row)
+        return None
+
+
+def diff_prompt(record: RunRecord, prompt_id: str, *, arm: str | None = None, round: int | None = None,
+                tokenizer: Any = None, near_tie_nats: float = an.NEAR_TIE_NATS) -> PromptDiff:
+    """Align the reference arm's and ``arm``'s outputs for ``prompt_id`` (see the module docstring)."""
+    prompts = {p.id: p for p in record.prompts}
+    if prompt_id not in prompts:
+        listed = ", ".join(p.id for p in record.prompts) or "(none)"
+        raise ConfigError(f"--prompt: run {record.run_id} has no prompt {prompt_id!r}; its prompts are {listed}")
+    ref = an.reference_arm(record)
+    arms = an.arm_names(record)
+    if ref is None:
+        raise ConfigError(f"run {record.run_id} has no arms")
+    if arm is not None and arm not in arms:
+        raise ConfigError(f"--arm: run {record.run_id} has no arm {arm!r}; its arms are {', '.join(arms)}")
+    if arm == ref:
+        raise ConfigError(f"--arm {arm} is the reference arm; name another arm to compare with it")
+    of_prompt = [s for s in record.samples if s.prompt_id == prompt_id and _usable(s)]
+    ref_by = _pick([s for s in of_prompt if s.arm == ref], round)
+    if not ref_by:
+        where = f" in round {round}" if round is not None else ""
+        raise ConfigError(f"the reference arm {ref} has no ok sample with token ids of prompt {prompt_id}{where}")
+    candidates = [arm] if arm is not None else [a for a in arms if a != ref]
+    best: tuple[int, str, int] | None = None  # (diverges? 0 first, arm order, round)
+    for rank, a in enumerate(candidates):
+        arm_by = _pick([s for s in of_prompt if s.arm == a], round)
+        for r in sorted(set(arm_by) & set(ref_by)):
+            _, first, _ = an.compare_ids(arm_by[r].output_ids, ref_by[r].output_ids, 1)
+            key = (0 if first is not None else 1, rank, r)
+            if best is None or key < best:
+                best = key
+    if best is None:
+        which = f"arm {arm}" if arm is not None else "no other arm"
+        where = f" in round {round}" if round is not None else " in a round where the reference has one"
+        raise ConfigError(f"{which} has no ok sample with token ids of prompt {prompt_id}{where}")
+    other = candidates[best[1]]
+    r = best[2]
+    s_ref = ref_by[r]
+    s_arm = _pick([s for s in of_prompt if s.arm == other], r)[r]
+    _, first, agree = an.compare_ids(s_arm.output_ids, s_ref.output_ids, 1)
+    positions = []
+    for i in range(max(len(s_ref.output_ids), len(s_arm.output_ids))):
+        def side(s: Sample) -> Side:
+            tid = s.output_ids[i] if i < len(s.output_ids) else None
+            top = [(int(t), float(v)) for t, v in s.logprobs[i]] if s.logprobs and i < len(s.logprobs) else None
+            return Side(tid, _decode(tokenizer, tid), top)
+
+        positions.append(Position(i, side(s_ref), side(s_arm)))
+    margins = [positions[first].arm.margin, positions[first].ref.margin] if first is not None else []
+    notes = []
+    for s in (s_ref, s_arm):
+        if s.excluded:
+            notes.append(f"{s.arm} round {s.round}: only an excluded ({s.kind}) sample of this prompt")
+        if s.ids_source == "retokenized":
+            notes.append(f"{s.arm} ids were retokenized from text, not the engine's own")
+        if not s.logprobs:
+            notes.append(f"{s.arm} captured no logprobs (request.logprobs)")
+    return PromptDiff(
+        prompt_id=prompt_id, kind=prompts[prompt_id].kind, target_tokens=prompts[prompt_id].target_tokens,
+        reference=ref, arm=other, ref_round=r, arm_round=r, first_diverging=first, agree=agree,
+        classification=an._classify(first, margins, near_tie_nats), positions=positions, notes=notes,
+    )
+
+
+def _fmt_text(t: str | None, width: int = 14) -> str:
+    if t is None:
+        return ""
+    s = json.dumps(t, ensure_ascii=False)
+    return s if len(s) <= width else s[: width - 1] + "…"
+
+
+def _fmt_top(top: TopLogprobs | None, tokenizer: Any, n: int = 2) -> str:
+    if not top:
+        return ""
+    parts = [f"{i} {_fmt_text(_decode(tokenizer, i), 10)} {lp:.4f}" for i, lp in top[:n]]
+    return " | ".join(parts)
+
+
+def _display_width(text: str) -> int:
+    """Terminal columns of ``text``: East Asian wide characters take two, combining marks none."""
+    w = 0
+    for ch in text:
+        if unicodedata.combining(ch) or unicodedata.category(ch) in ("Mn", "Me", "Cf"):
+            continue
+        w += 2 if unicodedata.east_asian_width(ch) in ("W", "F") else 1
+    return w
+
+
+def _columns(rows: list[list[str]]) -> list[str]:
+    """Rows of cells as left-aligned text columns (two spaces apart), padded by display width."""
+    widths = [max(_display_width(r[c]) for r in rows) for c in range(len(rows[0]))]
+    return ["  ".join(cell + " " * (w - _display_width(cell)) for cell, w in zip(r, widths)).rstrip()
+            for r in rows]
+
+
+def _fmt_margin(m: float | None) -> str:
+    return "" if m is None else f"{m:.4f}"
+
+
+def format_diff(d: PromptDiff, *, tokenizer: Any = None, context: int | None = None) -> str:
+    """Plain-text rendering: a header, the verdict line, and one row per position (``context`` rows either
+    side of the first divergence only, when given); ``>>`` marks the first divergence, ``!`` later
+    differences."""
+    head = [
+        f"prompt {d.prompt_id} ({d.kind}, {d.target_tokens} tokens): {d.reference} (reference) round {d.ref_round}"
+        f" vs {d.arm} round {d.arm_round}",
+    ]
+    n = len(d.positions)
+    if d.first_diverging is None:
+        head.append(f"identical over all {n} ids")
+    else:
+        p = d.positions[d.first_diverging]
+        head.append(
+            f"first divergence at position {d.first_diverging} (agree {d.agree}/{n}): {d.reference} "
+            f"{p.ref.id} {_fmt_text(p.ref.text, 30)} vs {d.arm} {p.arm.id} {_fmt_text(p.arm.text, 30)}; "
+            f"top-2 margin {_fmt_margin(p.ref.margin) or 'n/a'} ({d.reference}) / "
+            f"{_fmt_margin(p.arm.margin) or 'n/a'} ({d.arm}) nats: {d.classification}"
+        )
+    head += [f"note: {x}" for x in d.notes]
+    lo, hi = 0, n
+    if context is not None and d.first_diverging is not None:
+        lo, hi = max(0, d.first_diverging - context), min(n, d.first_diverging + context + 1)
+    rows = [["", "pos", f"{d.reference} id", "token", "top-2 (id token logprob)", "margin",
+             f"{d.arm} id", "token", "top-2 (id token logprob)", "margin"]]
+    for p in d.positions[lo:hi]:
+        mark = ">>" if p.index == d.first_diverging else ("!" if not p.same else "")
+        rows.append([mark, str(p.index), "" if p.ref.id is None else str(p.ref.id), _fmt_text(p.ref.text),
+                     _fmt_top(p.ref.top, tokenizer), _fmt_margin(p.ref.margin),
+                     "" if p.arm.id is None else str(p.arm.id), _fmt_text(p.arm.text),
+                     _fmt_top(p.arm.top, tokenizer), _fmt_margin(p.arm.margin)])
+    body = _columns(rows)
+    if lo > 0 or hi < n:
+        body.append(f"(positions {lo}..{hi - 1} of 0..{n - 1}; --context to widen)")
+    return "\n".join(head + [""] + body) + "\n"
+
+
+# ------------------------------------------------------------------------------------------------ probe
+
+
+@dataclass(frozen=True)
+class ProbeStep:
+    index: int
+    ref_id: int
+    ref_top: TopLogprobs | None  # what the reference captured at this position in its own run
+    probe_id: int  # what the probed engine chooses, given prompt + ref[:index]
+    probe_top: TopLogprobs | None
+    delta: float | None  # max |logprob difference| over the ids both top lists hold; inf: none in common
+
+    @property
+    def same(self) -> bool:
+        return self.ref_id == self.probe_id
+
+    @property
+    def probe_margin(self) -> float | None:
+        return Side(None, None, self.probe_top).margin
+
+    @property
+    def ref_margin(self) -> float | None:
+        return Side(None, None, self.ref_top).margin
+
+
+@dataclass
+class ProbeResult:
+    prompt_id: str
+    arm: str
+    reference: str
+    ref_round: int
+    base_url: str
+    threshold: float
+    steps: list[ProbeStep]
+    free_run_divergence: int | None  # where the arm's own free-running output left the reference's (if known)
+    free_run_arm_id: int | None
+    reset_each: bool
+
+    @property
+    def first_over_threshold(self) -> ProbeStep | None:
+        return next((s for s in self.steps if s.delta is not None and s.delta > self.threshold), None)
+
+    @property
+    def first_choice_change(self) -> ProbeStep | None:
+        return next((s for s in self.steps if not s.same), None)
+
+
+def logprob_delta(a: TopLogprobs | None, b: TopLogprobs | None) -> float | None:
+    """Max |logprob(a) - logprob(b)| over the ids both lists hold (inf when they share none, None when
+    either is missing)."""
+    if not a or not b:
+        return None
+    da, db = dict(a), dict(b)
+    common = set(da) & set(db)
+    if not common:
+        return math.inf
+    return max(abs(da[i] - db[i]) for i in common)
+
+
+def _arm_launch(profile: Any, arm_name: str) -> tuple[list[str] | None, dict[str, str], str | None]:
+    """argv, env and base_url of an arm's service, as the runner builds them."""
+    eng = profile.engine
+    arm = profile.arm(arm_name)
+    if eng.shared_service:
+        return (list(eng.command) or None), dict(eng.env), eng.base_url
+    base_url = arm.base_url or (None if arm.command else eng.base_url)
+    argv = list(arm.command) if arm.command else (list(eng.command) + list(arm.args) if eng.command else None)
+    return argv, {**eng.env, **arm.env}, base_url
+
+
+def probe_prompt(
+    record: RunRecord,
+    prompt_id: str,
+    arm: str,
+    *,
+    base_url: str | None = None,
+    round: int | None = None,
+    positions: int | None = None,
+    threshold: float = DEFAULT_PROBE_THRESHOLD,
+    reset_each: bool = False,
+    progress: Callable[[int, int], None] | None = None,
+) -> ProbeResult:
+    """Forced-continuation probe of ``arm`` on ``prompt_id`` against the reference's own output (module
+    docstring). ``base_url``: a server already running the arm's configuration; None launches the arm's
+    service from the recorded profile and stops it afterwards. ``positions``: probe only the first N."""
+    from abbench.client import EngineClient
+    from abbench.profile import RequestSpec, profile_from_dict
+    from abbench.runner import prepare
+    from abbench.services import Service
+
+    profile = profile_from_dict(record.profile, where=f"run {record.run_id} profile")
+    names = [a.name for a in profile.arms]
+    if arm not in names:
+        raise ConfigError(f"--arm: run {record.run_id} has no arm {arm!r}; its arms are {', '.join(names)}")
+    ref = profile.reference_arm
+    ref_samples = _pick([s for s in record.samples if s.prompt_id == prompt_id and s.arm == ref and _usable(s)],
+                        round)
+    if prompt_id not in {p.id for p in record.prompts}:
+        raise ConfigError(f"--prompt: run {record.run_id} has no prompt {prompt_id!r}; its prompts are "
+                          f"{', '.join(p.id for p in record.prompts)}")
+    if not ref_samples:
+        raise ConfigError(f"the reference arm {ref} has no ok sample with token ids of prompt {prompt_id}")
+    r = min(ref_samples)
+    s_ref = ref_samples[r]
+    if not s_ref.logprobs:
+        raise ConfigError(f"the reference's sample of {prompt_id} captured no logprobs (request.logprobs): "
+                          "nothing to compare the probe with")
+    free_first = free_id = None
+    arm_sample = _pick([s for s in record.samples if s.prompt_id == prompt_id and s.arm == arm and _usable(s)], r)
+    if r in arm_sample:
+        _, free_first, _ = an.compare_ids(arm_sample[r].output_ids, s_ref.output_ids, 1)
+        if free_first is not None and free_first < len(arm_sample[r].output_ids):
+            free_id = arm_sample[r].output_ids[free_first]
+
+    tok, built = prepare(profile)
+    prompt = next(b for b in built if b.record.id == prompt_id)
+    recorded = next(p for p in record.prompts if p.id == prompt_id)
+    if prompt.record.sha256 != recorded.sha256:
+        raise ConfigError(f"prompt {prompt_id} rebuilt now differs from the run's (sha256 {prompt.record.sha256[:12]} "
+                          f"vs {recorded.sha256[:12]}): tokenizer or corpus changed")
+    prompt_ids = list(tok.encode(prompt.text, add_special_tokens=True))
+    ref_ids = list(s_ref.output_ids)
+    n = len(ref_ids) if positions is None else min(positions, len(ref_ids))
+    k = max(2, profile.request.logprobs or 2)
+    request = RequestSpec(max_tokens=1, temperature=0.0, ignore_eos=True, logprobs=k, stream=False,
+                          timeout_s=profile.request.timeout_s, extra=dict(profile.request.extra))
+    extra = dict(profile.arm(arm).request)
+
+    argv, env, attach = _arm_launch(profile, arm)
+    svc: Service | None = None
+    steps: list[ProbeStep] = []
+    with EngineClient() as client:
+        try:
+            if base_url is None:
+                if attach:
+                    base_url = attach
+                else:
+                    if not argv:
+                        raise ConfigError(f"arm {arm} has no command to launch; pass --base-url")
+                    log_dir = Path(tempfile.mkdtemp(prefix="abbench-probe-"))
+                    svc = Service.launch(f"probe-{arm}", argv, env=env, log_path=log_dir / f"{arm}.log",
+                                         health_path=profile.engine.health_path,
+                                         health_timeout_s=profile.engine.health_timeout_s,
+                                         stop_timeout_s=profile.engine.stop_timeout_s, health_check=client.health,
+                                         profile_dir=Path(profile.source_path).parent if profile.source_path else None,
+                                         arms=[arm])
+                    base_url = svc.base_url
+            reset = profile.engine.reset_path
+            for i in range(n):
+                if reset and (i == 0 or reset_each):
+                    client.reset(base_url, reset)
+                history = prompt_ids + ref_ids[:i]
+                c = client.complete(base_url, history, request=request, extra=extra,
+                                    target_prompt_tokens=len(history), model=profile.engine.model,
+                                    adapter=profile.engine.adapter)
+                top = c.logprobs[0] if c.logprobs else None
+                ref_top = [(int(t), float(v)) for t, v in s_ref.logprobs[i]] if i < len(s_ref.logprobs) else None
+                steps.append(ProbeStep(i, ref_ids[i], ref_top, c.output_ids[0], top, logprob_delta(top, ref_top)))
+                if progress is not None:
+                    progress(i + 1, n)
+        finally:
+            if svc is not None:
+                svc.stop()
+    return ProbeResult(prompt_id=prompt_id, arm=arm, reference=ref, ref_round=r, base_url=base_url or "",
+                       threshold=threshold, steps=steps, free_run_divergence=free_first, free_run_arm_id=free_id,
+                       reset_each=reset_each)
+
+
+def format_probe(p: ProbeResult, *, tokenizer: Any = None) -> str:
+    """Plain-text rendering of a probe: the verdict lines, then one row per probed position."""
+    lines = [
+        f"probe: prompt {p.prompt_id}, arm {p.arm} fed the reference's ({p.reference} round {p.ref_round}) ids one "
+        f"position at a time ({len(p.steps)} positions, {'reset before every step' if p.reset_each else 'prefix cache kept between steps'})",
+    ]
+    over, change = p.first_over_threshold, p.first_choice_change
+    lines.append(
+        f"first logprob difference over {p.threshold:g} nats: "
+        + (f"position {over.index} (max |delta| {over.delta:.4g})" if over else "none")
+    )
+    if change is None:
+        lines.append(f"{p.arm} chooses the reference's token at every probed position")
+    else:
+        cls = an._classify(change.index, [change.probe_margin, change.ref_margin], an.NEAR_TIE_NATS)
+        lines.append(
+            f"first position where {p.arm}, given the reference's history, chooses another token: {change.index} "
+            f"({p.arm} {change.probe_id} {_fmt_text(_decode(tokenizer, change.probe_id), 30)} vs {p.reference} "
+            f"{change.ref_id} {_fmt_text(_decode(tokenizer, change.ref_id), 30)}; top-2 margin "
+            f"{_fmt_margin(change.probe_margin) or 'n/a'} ({p.arm}) / {_fmt_margin(change.ref_margin) or 'n/a'} "
+            f"({p.reference}) nats: {cls})"
+        )
+    if p.free_run_divergence is not None:
+        agrees = change is not None and change.index == p.free_run_divergence and change.probe_id == p.free_run_arm_id
+        lines.append(
+            f"in the run, {p.arm}'s own output left the reference's at position {p.free_run_divergence} "
+            f"(id {p.free_run_arm_id}): " + ("the probe reproduces it" if agrees else
+                                              "the probe does not reproduce it at that position")
+        )
+    rows = [["", "pos", "ref id", "token", f"{p.reference} top-2 (run)", "margin", f"{p.arm} choice",
+             f"{p.arm} top-2 (probe)", "margin", "max|delta|"]]
+    for s in p.steps:
+        mark = ">>" if change is not None and s.index == change.index else ("!" if not s.same else "")
+        if over is not None and s.index == over.index and not mark:
+            mark = "~"
+        rows.append([mark, str(s.index), str(s.ref_id), _fmt_text(_decode(tokenizer, s.ref_id)),
+                     _fmt_top(s.ref_top, tokenizer), _fmt_margin(s.ref_margin), str(s.probe_id),
+                     _fmt_top(s.probe_top, tokenizer), _fmt_margin(s.probe_margin),
+                     "" if s.delta is None else f"{s.delta:.4g}"])
+    body = _columns(rows)
+    return "\n".join(lines + [""] + body + ["", ">> first changed choice, ! other changed choices, "
+                                               "~ first difference over the threshold"]) + "\n"
+
+
+def load_run_tokenizer(record: RunRecord) -> Any:
+    """The run's tokenizer (``profile.tokenizer.source``, relative to the profile's folder); None when it
+    cannot be loaded (the diff then shows ids only)."""
+    from abbench.tokenizers import load_tokenizer
+
+    source = (record.profile.get("tokenizer") or {}).get("source") or "qwen3"
+    src_path = record.profile.get("source_path")
+    base = Path(src_path).parent if src_path else None
+    return load_tokenizer(source, base_dir=base)
