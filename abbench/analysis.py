@@ -670,6 +670,42 @@ def h2d_table(record: RunRecord) -> pd.DataFrame:
     return _sort(out, record, ["arm", "kind", "target_tokens"])
 
 
+def floor_table(record: RunRecord) -> pd.DataFrame:
+    """The physical floor of a fresh prompt's TTFT, per kind and length (prompts that start from an empty
+    cache): max(compute floor, copy floor), where the compute floor is the median TTFT of the arm(s) whose
+    expected path is ``resident`` (nothing streamed) and the copy floor is one bank over the measured H2D
+    bandwidth. Each arm's median TTFT over that floor says how close it gets (1.0 = at the floor). Empty
+    when the run has neither a resident arm nor engine bank/bandwidth numbers."""
+    df = _measured_ok_frame(record)
+    if df.empty:
+        return _frame([], FLOOR_COLUMNS)
+    df = df[df["kind"].isin(FLOOR_KINDS)]
+    resident_arms = [a for a, p in expected_paths(record).items() if p == "resident"]
+    rows = []
+    for (kind, tokens), g in df.groupby(["kind", "target_tokens"], sort=False, dropna=False):
+        gbps = g["measured_h2d_gbps"]
+        copy = (g["bank_bytes"] / (gbps.where(gbps > 0) * 1e9)).dropna()
+        copy_s = _median(copy)
+        compute_s = _median(g[g["arm"].isin(resident_arms)]["ttft_s"]) if resident_arms else None
+        known = [v for v in (copy_s, compute_s) if v is not None]
+        if not known:
+            continue
+        floor_s = max(known)
+        bound = "copy" if copy_s is not None and floor_s == copy_s else "compute"
+        for arm, ga in g.groupby("arm", sort=False):
+            ttft = _median(ga["ttft_s"])
+            rows.append({"arm": arm, "kind": kind, "target_tokens": _int_or_none(tokens), "n": len(ga),
+                         "ttft_s": ttft, "compute_floor_s": compute_s, "copy_floor_s": copy_s,
+                         "floor_s": floor_s, "bound": bound,
+                         "over_floor": ttft / floor_s if ttft and floor_s else None})
+    out = _frame(rows, FLOOR_COLUMNS, ints=["target_tokens"])
+    return _sort(out, record, ["arm", "kind", "target_tokens"])
+
+
+FLOOR_COLUMNS = ["arm", "kind", "target_tokens", "n", "ttft_s", "compute_floor_s", "copy_floor_s", "floor_s",
+                 "bound", "over_floor"]
+
+
 # --------------------------------------------------------------------------------- client overhead
 
 
@@ -878,6 +914,7 @@ class Analysis:
     path_samples: pd.DataFrame
     path_summary: pd.DataFrame
     h2d: pd.DataFrame
+    floor: pd.DataFrame
     overhead: pd.DataFrame
     memory: pd.DataFrame
     completeness: Completeness
@@ -898,7 +935,7 @@ def analyze(record: RunRecord, *, parity_tokens: int | None = None, near_tie_nat
         reference=reference_arm(record), arms=arm_names(record), parity_tokens=k,
         samples=samples_frame(record), ttft=ttft, pairs=pairs, ratios=ratios, parity=parity,
         path_samples=path_samples, path_summary=path_summary, h2d=h2d_table(record),
-        overhead=overhead_table(record), memory=memory_table(record), completeness=comp,
+        floor=floor_table(record), overhead=overhead_table(record), memory=memory_table(record), completeness=comp,
         notes=small_n_notes(record, ratios, ttft),
         gate=_gate(record, k, comp, parity, path_samples),
     )

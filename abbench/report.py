@@ -504,6 +504,26 @@ def _active_path(a: an.Analysis, record: RunRecord) -> list[str]:
     return lines
 
 
+def _floor(a: an.Analysis) -> list[str]:
+    if a.floor.empty:
+        return []
+    return [
+        "## Distance to the floor", "",
+        ("The physical floor of a fresh prompt's TTFT: max(compute floor, copy floor). Compute floor = median "
+         "TTFT of the resident arm (every expert on the device, nothing streamed); copy floor = one bank / the "
+         "engine's measured H2D bandwidth. 'x floor' = the arm's median TTFT over that floor (1.00x = at the "
+         "floor)."), "",
+        table(a.floor, [Col("arm", "Arm", descriptive=True, right=False),
+                        Col("kind", "Kind", descriptive=True, right=False),
+                        Col("target_tokens", "Prompt tokens", fmt_int, descriptive=True),
+                        Col("n", "n", fmt_int, descriptive=True), Col("ttft_s", "TTFT", fmt_s),
+                        Col("compute_floor_s", "Compute floor", fmt_s), Col("copy_floor_s", "Copy floor", fmt_s),
+                        Col("floor_s", "Floor", fmt_s), Col("bound", "Bound by", descriptive=True, right=False),
+                        Col("over_floor", "x floor", fmt_ratio)]),
+        "",
+    ]
+
+
 def _overhead(a: an.Analysis) -> list[str]:
     lines = ["## Client overhead", ""]
     if a.overhead.empty:
@@ -818,7 +838,7 @@ def render_markdown(record: RunRecord, problems: list[str], a: an.Analysis, plot
     """The report's Markdown, given the analysis and the plots' relative links (pure)."""
     links: dict[str, str | None] = dict(plot_links)
     sections = [
-        _header(record, a), _verdict(a), _ttft(a, links), _ratios(a, links), _h2d(a, links), _engine_counters(record),
+        _header(record, a), _verdict(a), _ttft(a, links), _ratios(a, links), _h2d(a, links), _floor(a), _engine_counters(record),
         _memory(a, record, links),
         _parity(a), _active_path(a, record), _overhead(a), _environment(record),
         ["## Small-n notes", "", _bullets(a.notes) if a.notes else "None."],
