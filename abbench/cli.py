@@ -281,13 +281,17 @@ def prompts(
 ) -> None:
     """Build the profile's prompts and print their ids, token counts and sha256 (for inspection)."""
     from abbench.profile import load_profile
-    from abbench.runner import prepare
+    from abbench.prompts import build_prompts
+    from abbench.runner import profile_dir
+    from abbench.tokenizers import load_tokenizer
 
     try:
         prof = load_profile(profile).with_overrides(lengths=_parse_lengths(lengths))
         t0 = time.perf_counter()
-        _, built = prepare(prof)
-        elapsed = time.perf_counter() - t0
+        tok = load_tokenizer(prof.tokenizer.source, base_dir=profile_dir(prof))
+        t1 = time.perf_counter()
+        built = build_prompts(tok, prof.prompts, base_dir=profile_dir(prof))
+        t2 = time.perf_counter()
     except AbbenchError as e:
         _fail(e)
         return
@@ -297,13 +301,17 @@ def prompts(
             _fail(ConfigError(f"--show: no prompt {show!r}; ids are {', '.join(b.record.id for b in built)}"))
         sys.stdout.write(match[0].text)
         return
-    table = Table(title=f"{prof.name}: {len(built)} prompts (built and checked in {elapsed:.2f} s)")
+    total = sum(b.record.token_count for b in built)
+    table = Table(title=f"{prof.name}: {len(built)} prompts, {total:,} tokens")
     for col in ("id", "kind", "tokens", "corpus", "sha256", "preview"):
-        table.add_column(col)
+        table.add_column(col, no_wrap=True, overflow="ellipsis", max_width=32 if col == "preview" else None)
     for b in built:
         r = b.record
-        table.add_row(r.id, r.kind, str(r.token_count), r.corpus, r.sha256[:16], r.preview[:40])
+        table.add_row(r.id, r.kind, str(r.token_count), r.corpus, r.sha256[:16],
+                      " ".join(r.preview.split())[:48])
     out.print(table)
+    console.print(f"tokenizer {prof.tokenizer.source!r} loaded in {t1 - t0:.2f} s; prompts built and "
+                  f"checked (exact length, re-encoded) in {t2 - t1:.2f} s")
 
 
 @app.command()

@@ -71,7 +71,8 @@ def new_run_id(profile: Profile) -> str:
     return f"{time.strftime('%Y%m%d-%H%M%S')}-{profile.name}"
 
 
-def _profile_dir(profile: Profile) -> Path | None:
+def profile_dir(profile: Profile) -> Path | None:
+    """The folder of the profile file (relative paths in a profile are relative to it)."""
     return Path(profile.source_path).parent if profile.source_path else None
 
 
@@ -136,7 +137,7 @@ class _ServiceSlot:
                 svc = Service.launch(key, argv, env=env, log_path=self.run_dir / LOGS_DIR / log_name,
                                      health_path=eng.health_path, health_timeout_s=eng.health_timeout_s,
                                      stop_timeout_s=eng.stop_timeout_s, health_check=self.client.health,
-                                     profile_dir=_profile_dir(self.profile), arms=arms, round=round_no)
+                                     profile_dir=profile_dir(self.profile), arms=arms, round=round_no)
         except ServiceError as e:
             self.record.services.append(ServiceRecord(
                 key=key, arms=arms, round=round_no, command=argv, env=env, base_url=base_url or "",
@@ -180,8 +181,8 @@ def _failed_sample(step: Step, service: str, kind: str, message: str) -> Sample:
 
 def prepare(profile: Profile, *, cache_dir: Path | None = None) -> tuple[object, list[BuiltPrompt]]:
     """Load the tokenizer and build every prompt of the profile (exact lengths, checked)."""
-    tok = load_tokenizer(profile.tokenizer.source, base_dir=_profile_dir(profile), cache_dir=cache_dir)
-    built = build_prompts(tok, profile.prompts, base_dir=_profile_dir(profile))
+    tok = load_tokenizer(profile.tokenizer.source, base_dir=profile_dir(profile), cache_dir=cache_dir)
+    built = build_prompts(tok, profile.prompts, base_dir=profile_dir(profile))
     return tok, built
 
 
