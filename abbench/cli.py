@@ -303,11 +303,12 @@ def prompts(
         return
     total = sum(b.record.token_count for b in built)
     table = Table(title=f"{prof.name}: {len(built)} prompts, {total:,} tokens")
-    for col in ("id", "kind", "tokens", "corpus", "sha256", "preview"):
-        table.add_column(col, no_wrap=True, overflow="ellipsis", max_width=32 if col == "preview" else None)
+    for col, width in (("id", 16), ("kind", 12), ("tokens", 7), ("corpus", 8), ("sha256", 12)):
+        table.add_column(col, no_wrap=True, min_width=width, justify="right" if col == "tokens" else "left")
+    table.add_column("preview", no_wrap=True, overflow="ellipsis")
     for b in built:
         r = b.record
-        table.add_row(r.id, r.kind, str(r.token_count), r.corpus, r.sha256[:16],
+        table.add_row(r.id, r.kind, str(r.token_count), r.corpus, r.sha256[:12],
                       " ".join(r.preview.split())[:48])
     out.print(table)
     console.print(f"tokenizer {prof.tokenizer.source!r} loaded in {t1 - t0:.2f} s; prompts built and "
