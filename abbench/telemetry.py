@@ -774,7 +774,9 @@ def git_state(repo_dir: Path | None = None) -> dict[str, Any] | None:
     top = _git(repo, "rev-parse", "--show-toplevel")
     commit = _git(repo, "rev-parse", "HEAD")
     if top is None or commit is None:
-        return None
+        # A copy of the tree without .git (a remote machine): the commit may be given by whoever copied it.
+        given = os.environ.get("ABBENCH_GIT_COMMIT")
+        return {"repo": str(repo), "commit": given, "dirty": False, "source": "ABBENCH_GIT_COMMIT"} if given else None
     status = _git(repo, "status", "--porcelain", "--untracked-files=normal") or ""
     dirty = bool(status.strip())
     state: dict[str, Any] = {"repo": top.strip(), "commit": commit.strip(), "dirty": dirty}
