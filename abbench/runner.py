@@ -286,11 +286,11 @@ def execute(
                     if step.reset_before and profile.engine.reset_path:
                         client.reset(svc.base_url, profile.engine.reset_path)
                     before = _scrape(client, svc.base_url, profile.engine.metrics_path)
-                    mark = slot.sampler.mark() if slot.sampler else 0
+                    mark = slot.sampler.mark() if slot.sampler is not None else 0
                     c = client.complete(svc.base_url, bp.text, request=req, extra=extra,
                                         target_prompt_tokens=bp.record.target_tokens + added, model=profile.engine.model,
                                         retokenize=retok, adapter=profile.engine.adapter)
-                    window = slot.sampler.window(mark) if slot.sampler else {}
+                    window = slot.sampler.window(mark) if slot.sampler is not None else {}
                     after = _scrape(client, svc.base_url, profile.engine.metrics_path)
                     sample = Sample(step=step.index, arm=step.arm, round=step.round, position=step.position,
                                     prompt_id=step.prompt_id, kind=step.kind, excluded=step.excluded,
