@@ -39,7 +39,8 @@ The gate passes only when every check passes; it never passes on missing data.
 
 * ``run-complete``: ``status`` is "complete" (a partial or still-running run fails).
 * ``samples``: the plan has measured steps and at least one ok sample; every measured planned step has a
-  sample (a missing step always fails), and at most ``gate.max_failed_samples`` steps have only failed
+  sample (a missing step always fails), no sample contradicts the plan (a step index that is not planned,
+  or planned for another arm or prompt), and at most ``gate.max_failed_samples`` steps have only failed
   samples.
 * ``reference``: the reference arm has ok measured samples.
 * ``token-ids``: no measured ok sample has ``ids_source`` 'none'.
@@ -975,6 +976,9 @@ def _gate(record: RunRecord, k: int, comp: Completeness, parity: pd.DataFrame, p
         fails.append("no measured step has an ok sample")
     for st in comp.missing:
         fails.append(f"missing: {where(st)}, step {st.index}: no sample")
+    if comp.has_plan:  # results that do not match their own plan are not trusted
+        for s in comp.unplanned:
+            fails.append(f"unplanned: the sample of step {s.step} ({where(s)}) matches no planned step")
     if len(comp.failed) > spec.max_failed_samples:
         for s in comp.failed:
             fails.append(f"failed: {where(s)}, step {s.step}: {s.error_kind or 'error'}: {s.error or ''}".rstrip(": "))
@@ -983,6 +987,8 @@ def _gate(record: RunRecord, k: int, comp: Completeness, parity: pd.DataFrame, p
                      f"(gate.max_failed_samples = {spec.max_failed_samples})")
     detail = (f"{comp.ok}/{comp.planned} measured steps ok, {len(comp.missing)} missing, "
               f"{len(comp.failed)} failed (tolerated: {spec.max_failed_samples})")
+    if comp.has_plan and comp.unplanned:
+        detail += f", {len(comp.unplanned)} unplanned"
     checks.append(Check("samples", not fails, detail))
     failures.extend(fails)
 

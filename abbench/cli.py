@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -106,10 +107,20 @@ def run(
         ok = sum(1 for s in record.samples if s.ok)
         console.print(f"run {record.status}: {len(record.samples)} samples ({ok} ok) in "
                       f"{time.perf_counter() - t0:.1f} s -> {run_dir}")
+        kinds = Counter(s.error_kind or "error" for s in record.samples if not s.ok)
+        if kinds:
+            console.print(f"[yellow]note:[/] {sum(kinds.values())} failed sample(s): "
+                          + ", ".join(f"{n} {k}" for k, n in kinds.most_common()), highlight=False)
         if report:
             _render_report(run_dir)
+        if record.status != "complete":  # stopped by run.on_request_failure = stop: not a finished run
+            raise AbbenchError(f"the run is {record.status}: {record.status_reason}; finish it with "
+                               f"`abbench run --resume {run_dir}`")
     except AbbenchError as e:
         _fail(e)
+    except KeyboardInterrupt:  # outside the runner (it maps its own): loading the profile, the report
+        console.print("[bold red]error:[/] interrupted", highlight=False)
+        raise typer.Exit(130) from None
 
 
 def _run_with_progress(runner, prof, run_dir: Path, *, resume: bool, quiet: bool):  # type: ignore[no-untyped-def]
@@ -122,8 +133,15 @@ def _run_with_progress(runner, prof, run_dir: Path, *, resume: bool, quiet: bool
         rec, _ = load_run(run_dir)
         prof = profile_from_dict(rec.profile, where=f"{run_dir}/run.json")
     argv = sys.argv[:]
-    if quiet:
-        return runner.execute(prof, run_dir, resume=resume, argv=argv)
+
+    def warn(ev) -> None:  # type: ignore[no-untyped-def]
+        from rich.markup import escape
+
+        console.print(f"[yellow]warning:[/] {escape(ev.message)}", highlight=False)
+
+    if quiet:  # no progress display, but warnings (a skipped arm, a restarted service) still show
+        return runner.execute(prof, run_dir, resume=resume, argv=argv,
+                              observer=lambda ev: warn(ev) if ev.kind == "warning" else None)
     progress = Progress(
         TextColumn("[bold]{task.description}"),
         BarColumn(),
@@ -147,6 +165,8 @@ def _run_with_progress(runner, prof, run_dir: Path, *, resume: bool, quiet: bool
             progress.update(task, description=ev.message, completed=ev.done, total=ev.total or None)
         elif ev.kind == "prompts":
             progress.update(task, description=ev.message)
+        elif ev.kind == "warning":
+            warn(ev)
 
     with progress:
         return runner.execute(prof, run_dir, resume=resume, observer=observe, argv=argv)
@@ -218,9 +238,12 @@ def gate(
 def diff(
     run: Annotated[Path, typer.Argument(help="Run directory (or run id under results/).")],
     prompt: Annotated[str, typer.Option("--prompt", help="Prompt id (see the report or `abbench prompts`).")],
-    arm: Annotated[Optional[str], typer.Option(help="Arm to compare with the reference. Default: the first that differs.")] = None,
-    round_: Annotated[Optional[int], typer.Option("--round", min=1, help="Round. Default: the lowest where they differ.")] = None,
-    context: Annotated[Optional[int], typer.Option(min=0, help="Show only this many positions either side of the divergence.")] = None,
+    arm: Annotated[Optional[str], typer.Option(
+        help="Arm to compare with the reference. Default: the first that differs.")] = None,
+    round_: Annotated[Optional[int], typer.Option(
+        "--round", min=1, help="Round. Default: the lowest where they differ.")] = None,
+    context: Annotated[Optional[int], typer.Option(
+        min=0, help="Show only this many positions either side of the divergence.")] = None,
 ) -> None:
     """Print the reference arm's and another arm's ids for one prompt side by side (token text, top-2
     logprobs), the first divergence marked and classified (near-tie or not)."""
@@ -229,7 +252,7 @@ def diff(
 
     try:
         record, _ = load_run(run, RESULTS_ROOT)
-        diff_prompt(record, prompt, arm=arm, round=round_)  # a wrong --prompt/--arm fails before the tokenizer loads
+        diff_prompt(record, prompt, arm=arm, round=round_)  # a wrong --prompt/--arm fails before loading it
         try:
             tok = load_run_tokenizer(record)
         except AbbenchError as e:
@@ -247,11 +270,16 @@ def probe(
     run: Annotated[Path, typer.Argument(help="Run directory (or run id under results/).")],
     prompt: Annotated[str, typer.Option("--prompt", help="Prompt id.")],
     arm: Annotated[str, typer.Option("--arm", help="Arm to probe (fed the reference's ids).")],
-    base_url: Annotated[Optional[str], typer.Option(help="A running server with the arm's configuration. Default: launch the arm's service from the recorded profile.")] = None,
-    round_: Annotated[Optional[int], typer.Option("--round", min=1, help="Reference round. Default: its lowest.")] = None,
+    base_url: Annotated[Optional[str], typer.Option(
+        help="A running server with the arm's configuration. Default: launch the arm's service from the "
+        "recorded profile.")] = None,
+    round_: Annotated[Optional[int], typer.Option(
+        "--round", min=1, help="Reference round. Default: its lowest.")] = None,
     positions: Annotated[Optional[int], typer.Option(min=1, help="Probe only the first N positions.")] = None,
-    threshold: Annotated[float, typer.Option(min=0.0, help="Nats: logprob difference reported as the first difference.")] = 0.01,
-    reset_each: Annotated[bool, typer.Option(help="Reset the engine's cache before every step (each step prefills the whole history).")] = False,
+    threshold: Annotated[float, typer.Option(
+        min=0.0, help="Nats: logprob difference reported as the first difference.")] = 0.01,
+    reset_each: Annotated[bool, typer.Option(
+        help="Reset the engine's cache before every step (each step prefills the whole history).")] = False,
 ) -> None:
     """Forced-continuation probe: feed the arm the prompt plus the reference's own ids, one position at a
     time, and compare its logprobs and choices with what the reference captured."""
@@ -260,7 +288,8 @@ def probe(
 
     try:
         record, _ = load_run(run, RESULTS_ROOT)
-        console.print(f"probing arm {arm} on prompt {prompt}" + (f" at {base_url}" if base_url else " (launching its service)"))
+        where = f" at {base_url}" if base_url else " (launching its service)"
+        console.print(f"probing arm {arm} on prompt {prompt}{where}")
         result = probe_prompt(record, prompt, arm, base_url=base_url, round=round_, positions=positions,
                               threshold=threshold, reset_each=reset_each)
         try:

@@ -146,9 +146,9 @@ def diff_prompt(record: RunRecord, prompt_id: str, *, arm: str | None = None, ro
             if best is None or key < best:
                 best = key
     if best is None:
-        which = f"arm {arm}" if arm is not None else "no other arm"
+        which = f"arm {arm} has" if arm is not None else "no arm but the reference has"
         where = f" in round {round}" if round is not None else " in a round where the reference has one"
-        raise ConfigError(f"{which} has no ok sample with token ids of prompt {prompt_id}{where}")
+        raise ConfigError(f"{which} no ok sample with token ids of prompt {prompt_id}{where}")
     other = candidates[best[1]]
     r = best[2]
     s_ref = ref_by[r]
@@ -420,9 +420,10 @@ def probe_prompt(
 
 def format_probe(p: ProbeResult, *, tokenizer: Any = None) -> str:
     """Plain-text rendering of a probe: the verdict lines, then one row per probed position."""
+    cache = "reset before every step" if p.reset_each else "prefix cache kept between steps"
     lines = [
         f"probe: prompt {p.prompt_id}, arm {p.arm} fed the reference's ({p.reference} round {p.ref_round}) ids one "
-        f"position at a time ({len(p.steps)} positions, {'reset before every step' if p.reset_each else 'prefix cache kept between steps'})",
+        f"position at a time ({len(p.steps)} positions, {cache})",
     ]
     over, change = p.first_over_threshold, p.first_choice_change
     lines.append(

@@ -168,11 +168,17 @@ def save_run(run_dir: Path, record: RunRecord) -> Path:
 
 
 class SampleLog:
-    """Append-only JSONL of samples; each line is flushed and fsynced as it is written."""
+    """Append-only JSONL of samples; each line is flushed and fsynced as it is written.
+
+    Opening an existing file (a resumed run) first repairs a torn last line, the trace of a crash in the
+    middle of a write: a last line without its newline is completed when it holds a whole sample and cut
+    off otherwise (it was never a sample), so the next sample starts on a line of its own. ``repaired``
+    says what was done (None when nothing was needed)."""
 
     def __init__(self, run_dir: Path) -> None:
         run_dir.mkdir(parents=True, exist_ok=True)
         self.path = run_dir / SAMPLES_FILE
+        self.repaired: str | None = _repair_tail(self.path)
         self._f = open(self.path, "a", encoding="utf-8")
 
     def append(self, sample: Sample) -> None:
@@ -191,6 +197,40 @@ class SampleLog:
         self.close()
 
 
+def _repair_tail(path: Path) -> str | None:
+    try:
+        with open(path, "rb+") as f:
+            size = f.seek(0, os.SEEK_END)
+            if size == 0:
+                return None
+            f.seek(size - 1)
+            if f.read(1) == b"\n":
+                return None
+            back = min(size, 64 * 1024 * 1024)  # one sample is far smaller
+            f.seek(size - back)
+            data = f.read(back)
+            cut = data.rfind(b"\n") + 1  # 0 when the file is one torn line
+            tail = data[cut:]
+            try:
+                Sample.model_validate_json(tail)
+            except ValidationError:
+                if cut == 0 and back < size:  # no line end in reach: isolate the tail instead of guessing
+                    f.write(b"\n")
+                    f.flush()
+                    os.fsync(f.fileno())
+                    return f"{path.name}: ended an unreadable last line of over {back} bytes"
+                f.truncate(size - back + cut)
+                what = f"cut off a torn last line of {len(tail)} bytes"
+            else:
+                f.write(b"\n")
+                what = "completed a last line that lacked its newline"
+            f.flush()
+            os.fsync(f.fileno())
+            return f"{path.name}: {what}"
+    except FileNotFoundError:
+        return None
+
+
 def read_samples(path: Path) -> tuple[list[Sample], list[str]]:
     """Samples from a JSONL file, and a list of problems (a torn last line after a crash is reported, not
     fatal; a corrupt line in the middle is reported too)."""
@@ -198,13 +238,22 @@ def read_samples(path: Path) -> tuple[list[Sample], list[str]]:
     problems: list[str] = []
     if not path.exists():
         return samples, [f"{path.name} is missing"]
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                samples.append(Sample.model_validate_json(line))
-            except ValidationError as e:
+    try:
+        f = open(path, "rb")  # bytes: a line that is not UTF-8 is one unreadable sample, not a crash
+    except OSError as e:
+        return samples, [f"{path.name} cannot be read: {e.strerror or e}"]
+    with f:
+        lines = f.read().split(b"\n")
+    torn = bool(lines) and lines[-1].strip() != b""  # the file does not end with a newline
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            samples.append(Sample.model_validate_json(line))
+        except ValidationError as e:
+            if torn and n == len(lines):
+                problems.append(f"{path.name} line {n}: torn last line (a write cut short by a crash); skipped")
+            else:
                 problems.append(f"{path.name} line {n}: unreadable sample ({e.error_count()} errors); skipped")
     return samples, problems
 
@@ -229,9 +278,13 @@ def load_run(run: str | Path, results_root: Path | None = None) -> tuple[RunReco
     if not path.exists():
         raise ResultsError(f"{run_dir}: no {RUN_FILE}; this is not an abbench run directory")
     try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
+        raw = json.loads(path.read_bytes())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ResultsError(f"{path}: corrupt JSON ({e}); requests.jsonl may still hold the samples") from None
+    except RecursionError:
+        raise ResultsError(f"{path}: corrupt JSON (nested too deeply)") from None
+    except OSError as e:
+        raise ResultsError(f"{path}: cannot be read: {e.strerror or e}") from None
     version = raw.get("schema_version") if isinstance(raw, dict) else None
     if version != SCHEMA_VERSION:
         raise ResultsError(f"{path}: schema_version {version!r}, this abbench reads {SCHEMA_VERSION}")

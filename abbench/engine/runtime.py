@@ -16,6 +16,12 @@ Contract (the server relies on it):
   prefilled) and prefills the rest in chunks starting at the reuse point. ``reset()`` flushes the prefix
   cache and the decode slot cache.
 - Byte accounting per request (``RequestStats``) and for the engine's lifetime (``counters``).
+
+Fault injection (tests only): the environment variable ``ABBENCH_ENGINE_FAULT``, read once when the Engine
+is built, arms one fault. ``oom-once``: the next prefill raises ``torch.OutOfMemoryError`` from inside its
+layer loop (at its second chunk-layer step, where the cancel check sits), the way a failed CUDA allocation
+surfaces, so the OOM path above runs for real on any device; the server answers 503 and serves the next
+request. Unset in normal use; an unknown value refuses to build the engine (``ValueError``).
 """
 
 from __future__ import annotations
@@ -38,6 +44,10 @@ from .prefill import CancelLike, Cancelled, PrefillStats, check_cancel, prefill
 from .weights import load_checkpoint, random_weights
 
 __all__ = ["Cancelled", "ContextOverflow", "Engine", "RequestStats", "TokenEvent"]
+
+
+FAULT_ENV = "ABBENCH_ENGINE_FAULT"
+FAULTS = ("oom-once",)
 
 
 class ContextOverflow(ValueError):
@@ -123,6 +133,10 @@ class Engine:
             "requests_by_path": {m: 0 for m in PREFILL_MODES},
             "prefill_tokens_by_path": {m: 0 for m in PREFILL_MODES},
         }
+        fault = os.environ.get(FAULT_ENV, "")
+        if fault and fault not in FAULTS:
+            raise ValueError(f"{FAULT_ENV}={fault!r}: unknown fault (known: {', '.join(FAULTS)}); unset it")
+        self._fault: str | None = fault or None  # test-only, see the module docstring
         self._kv_tokens: list[int] = []  # tokens whose KV is valid at positions [0, len) in every layer
         self._lock = threading.Lock()
         self.startup_s = time.perf_counter() - t0
@@ -184,6 +198,8 @@ class Engine:
     def _prefill(self, ids: list[int], start: int, mode: str, cancel: CancelLike) -> tuple[torch.Tensor,
                                                                                             PrefillStats]:
         cfg = self.config
+        if self._fault == "oom-once":
+            cancel = self._inject_oom(cancel)
         with self._on_device():
             t = torch.tensor(ids, dtype=torch.long, device=self.device)  # [T]
             logits, stats = prefill(self.model, self.store, self.kv, t, start, mode,
@@ -192,6 +208,23 @@ class Engine:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             return logits, stats
+
+    def _inject_oom(self, cancel: CancelLike) -> CancelLike:
+        """``cancel`` wrapped so that prefill's second layer-step check raises torch.OutOfMemoryError (once)."""
+        steps = 0
+
+        def check() -> bool:
+            nonlocal steps
+            steps += 1
+            if steps == 2 and self._fault == "oom-once":
+                self._fault = None
+                raise torch.OutOfMemoryError(f"CUDA out of memory (injected by {FAULT_ENV}=oom-once at prefill "
+                                             f"layer step {steps})")
+            if cancel is None:
+                return False
+            return cancel.is_set() if hasattr(cancel, "is_set") else bool(cancel())
+
+        return check
 
     def _decode(self, token: int, pos: int, cancel: CancelLike) -> torch.Tensor:
         with self._on_device():

@@ -29,6 +29,7 @@ unknown fields, bad values and prompts over the context, 404 for another model n
 body over the size cap, 429 when the wait queue is full, 503 when the device runs out of memory (the
 engine stays usable). An error after a stream started is sent as a ``data: {"error": ...}`` event followed
 by ``[DONE]``, as vLLM does. Nothing in a request names a file; the server reads none on its behalf.
+Device OOM can be injected for tests with ``ABBENCH_ENGINE_FAULT=oom-once`` (see ``runtime``).
 
 Scheduling: ONE request runs on the engine at a time, in a single worker thread. Others wait on an
 ``asyncio.Lock``, which is FIFO-fair (the first coroutine to wait is the first to proceed), so requests
@@ -76,6 +77,7 @@ __all__ = ["CompletionRequest", "create_app", "build_arg_parser", "main"]
 log = logging.getLogger("abbench.engine.server")
 
 DISCONNECT_POLL_S = 0.02
+MIN_TEMPERATURE = 1e-5  # below it (and above 0), logits / temperature overflows float32 to inf -> NaN probs
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
 
 
@@ -101,8 +103,10 @@ class CompletionRequest(BaseModel):
     )
     max_tokens: StrictInt | None = Field(16, gt=0, description="Output tokens to generate (null -> 16).")
     temperature: StrictFloat = Field(1.0, ge=0.0, allow_inf_nan=False,
-                                     description="0 = greedy; >0 seeded sampling (OpenAI's default is 1).")
-    seed: StrictInt | None = Field(None, description="Sampling seed (only used when temperature > 0).")
+                                     description="0 = greedy; >0 seeded sampling (OpenAI's default is 1). "
+                                     f"Between 0 and {MIN_TEMPERATURE:g}: refused (logits / t overflow).")
+    seed: StrictInt | None = Field(None, ge=-(2**63), le=2**64 - 1,
+                                   description="Sampling seed, a 64-bit integer (only used when temperature > 0).")
     ignore_eos: StrictBool = Field(False, description="Keep generating past the EOS token.")
     stream: StrictBool = Field(False, description="Stream SSE chunks, one per output token.")
     stream_options: StreamOptions | None = Field(None, description="OpenAI stream options.")
@@ -116,6 +120,14 @@ class CompletionRequest(BaseModel):
     stop: None = Field(None, description="Must be null.")
     echo: StrictBool | None = Field(None, description="Must be false.")
     user: str | None = Field(None, description="Ignored.")
+
+    @field_validator("temperature")
+    @classmethod
+    def _temperature_not_tiny(cls, v: float) -> float:
+        if 0.0 < v < MIN_TEMPERATURE:
+            raise ValueError(f"must be 0 (greedy) or at least {MIN_TEMPERATURE:g} (got {v:g}: logits / temperature "
+                             "would overflow)")
+        return v
 
     @field_validator("n")
     @classmethod
@@ -550,6 +562,8 @@ def create_app(engine: Any, tokenizer: Any, *, served_model_name: str | None = N
             obj = json.loads(body, parse_constant=_reject_constant)
         except (ValueError, UnicodeDecodeError) as exc:
             raise APIError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from None
+        except RecursionError:  # e.g. "[[[[..." a few thousand deep: valid JSON but too deep to decode
+            raise APIError(400, "request body is nested too deeply to decode", code="invalid_json") from None
         if not isinstance(obj, dict):
             raise APIError(400, "request body must be a JSON object", code="invalid_json")
         try:
