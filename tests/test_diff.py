@@ -123,12 +123,9 @@ def test_logprob_delta() -> None:
 def flip_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, RunRecord]]:
     """SGLang fakes: arm `b` flips a near-tied choice when the history is 99 tokens long, i.e. at output
     position 3 of the 96-token prompt (the shorter prompts never get there)."""
-    from abbench import runner, telemetry
+    from abbench import runner
     from abbench.profile import profile_from_dict
 
-    mp = pytest.MonkeyPatch()
-    # see tests/test_adapters.py: until runner.execute tests `slot.sampler is not None`
-    mp.setattr(telemetry.Sampler, "__bool__", lambda self: True, raising=False)
     command = [sys.executable, str(FAKE_ENGINES), "--engine", "sglang", "--port", "{port}", "--enable-metrics"]
     profile = profile_from_dict({
         "name": "flip", "tokenizer": {"source": "qwen3"},
@@ -139,10 +136,7 @@ def flip_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, R
         "run": {"rounds": 2},
     })
     run_dir = tmp_path_factory.mktemp("flip") / "run"
-    try:
-        rec = runner.execute(profile, run_dir)
-    finally:
-        mp.undo()
+    rec = runner.execute(profile, run_dir)
     assert rec.status == "complete"
     yield run_dir, rec
 
