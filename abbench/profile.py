@@ -247,6 +247,19 @@ class Profile(_Model):
         return _validate(data, self.source_path or "<overrides>")
 
 
+_MISSING_HINTS = {
+    "name": 'required: add name = "my-experiment" at the top of the file',
+    "arms": 'required: add at least one [[arms]] table, e.g. [[arms]] with name = "baseline"',
+}
+_SHAPE_HINTS = {
+    "command": ' (an argv list, e.g. command = ["{python}", "-m", "abbench.engine", "--port", "{port}"])',
+    "args": ' (a list of strings, e.g. args = ["--prefill-mode", "chunked"])',
+    "lengths": " (a list of token counts, e.g. lengths = [4096, 16384])",
+    "env": ' (a table of strings, e.g. env = { CUDA_VISIBLE_DEVICES = "0" })',
+    "request": ' (a table, e.g. request = { prefill_mode = "chunked" })',
+}
+
+
 def _format_validation_error(err: ValidationError, path: str) -> str:
     lines = [f"{path}: invalid profile"]
     for e in err.errors():
@@ -255,7 +268,9 @@ def _format_validation_error(err: ValidationError, path: str) -> str:
         if e["type"] == "extra_forbidden":
             msg = "unknown field (check the spelling; see the profile reference in the README)"
         elif e["type"] == "missing":
-            msg = "required field is missing"
+            msg = _MISSING_HINTS.get(loc, "required field is missing")
+        elif e["type"] in ("list_type", "dict_type"):
+            msg += _SHAPE_HINTS.get(e["loc"][-1] if e["loc"] else "", "")
         lines.append(f"  {loc}: {msg}")
     return "\n".join(lines)
 
