@@ -481,7 +481,7 @@ INVALID = [
     ("bad value", '[engine]\ncommand = ["x", "{port}"]\n[[arms]]\nname = "a"\n[run]\nrounds = 0\n'
      'on_service_failure = "explode"\n',
      ["run.rounds: Input should be greater than 0", "run.on_service_failure: Input should be 'stop' or 'skip-arm'"]),
-    ("no arms", "", ["arms: required field is missing"]),
+    ("no arms", "", ["arms: required: add at least one [[arms]] table"]),
     ("not TOML", 'name = "x\n', ["not valid TOML", "line 1"]),
     ("reference", '[engine]\ncommand = ["x", "{port}"]\n[[arms]]\nname = "a"\n[run]\nreference = "b"\n',
      ["run.reference 'b' is not an arm; arms are a"]),
