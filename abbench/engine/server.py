@@ -244,22 +244,13 @@ class _ReceivedAt:
         await self.app(scope, receive, send)
 
 
-_FIRST_EVENT_HOLD_S = 0.05  # the longest the worker waits for the first event to be written
-
-
 class _Job:
     """One request on the engine: events flow worker thread -> ``queue``; ``cancel`` flows back."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, hold_first: bool = False):
+    def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop = loop
         self.queue: asyncio.Queue[Any] = asyncio.Queue()
         self.cancel = threading.Event()
-        # Streamed requests: the worker pauses after the first token until the event loop has written it
-        # (bounded), so the next decode step does not hold the GIL while the first event goes out.
-        # Without this, the first SSE event waited ~2 ms (a GIL switch interval) behind token two.
-        self.delivered = threading.Event()
-        if not hold_first:
-            self.delivered.set()
 
     def put(self, item: Any) -> None:
         try:
@@ -299,10 +290,10 @@ class EngineService:
         finally:
             self.waiting -= 1
 
-    def start(self, gen_kwargs: dict[str, Any], *, hold_first: bool = False) -> _Job:
+    def start(self, gen_kwargs: dict[str, Any]) -> _Job:
         """Run one ``engine.generate`` in the worker thread (the caller holds the gate). The gate is
         released when the generator has returned or raised, whatever the HTTP side does."""
-        job = _Job(asyncio.get_running_loop(), hold_first)
+        job = _Job(asyncio.get_running_loop())
         self.running = job
         fut = job.loop.run_in_executor(self._executor, self._run, job, gen_kwargs)
         fut.add_done_callback(lambda _f: self._finish(job))
@@ -323,9 +314,6 @@ class EngineService:
                     job.put(_Finished(stop.value, time.perf_counter()))
                     return
                 job.put(event)
-                if not job.delivered.is_set():
-                    job.delivered.wait(_FIRST_EVENT_HOLD_S)
-                    job.delivered.set()
         except BaseException as exc:  # Cancelled, ContextOverflow, OOM, bugs: the consumer decides
             job.put(exc)
 
@@ -612,7 +600,7 @@ def create_app(engine: Any, tokenizer: Any, *, served_model_name: str | None = N
             stats_metrics.outcomes.labels("client_gone").inc()
             return Response(status_code=499)
         ctx.queue_wait_s = time.perf_counter() - queued
-        job = svc.start(gen_kwargs, hold_first=bool(req.stream))
+        job = svc.start(gen_kwargs)
         try:
             first = await _next_item(job, request)
             ctx.first_item = time.perf_counter()
@@ -672,7 +660,6 @@ def create_app(engine: Any, tokenizer: Any, *, served_model_name: str | None = N
                                                  "logprobs": lp, "token_ids": [int(item.token_id)]}]})
                 if ctx.first_event is None:
                     ctx.first_event = time.perf_counter()
-                job.delivered.set()  # resumed: the event has been handed to the transport
                 item = await _next_item(job, request)
             if isinstance(item, BaseException):
                 stats_metrics.outcomes.labels("error").inc()
@@ -695,7 +682,6 @@ def create_app(engine: Any, tokenizer: Any, *, served_model_name: str | None = N
         except ClientGone:
             log.info("%s: client left mid-stream; cancelled", ctx.rid)
         finally:
-            job.delivered.set()
             if not finished_ok:
                 job.cancel.set()  # Starlette cancels this generator when the client disconnects
                 if not isinstance(item, BaseException):
