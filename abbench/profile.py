@@ -90,7 +90,7 @@ class RequestSpec(_Model):
 
 
 ADAPTER_PATHS: dict[str, dict[str, str]] = {
-    # The engine's own cache-reset and Prometheus paths (see abbench.client for the documents followed).
+    # The engine's own cache-reset and Prometheus paths (see abbench.adapters for the documents followed).
     "openai": {"reset_path": "/reset", "metrics_path": "/metrics"},  # the vendored engine
     "vllm": {"reset_path": "/reset_prefix_cache", "metrics_path": "/metrics"},  # reset needs VLLM_SERVER_DEV_MODE=1
     "sglang": {"reset_path": "/flush_cache", "metrics_path": "/metrics"},  # metrics need --enable-metrics

@@ -344,9 +344,9 @@ def engine_counter_table(record: RunRecord) -> pd.DataFrame:
     (usage), the prompt tokens the engine says it served from its prefix cache (``engine.cached_prompt_tokens``
     of the response), and the same two read from its Prometheus counters around the request (the adapter's
     ``counters``: after - before). Rows only where the engine gave a cache or counter number."""
-    from abbench.client import engine_counters
+    from abbench.adapters import engine_counters
     from abbench.errors import ConfigError
-    from abbench.telemetry import metrics_delta
+    from abbench.prometheus import metrics_delta
 
     adapter = str((record.profile.get("engine") or {}).get("adapter") or "openai")
     rows: list[dict[str, Any]] = []
@@ -550,7 +550,7 @@ def _dig(d: Any, path: str) -> Any:
 
 
 def key_environment(env: dict[str, Any]) -> list[tuple[str, Any]]:
-    """The fingerprint's key fields (the ones :mod:`abbench.telemetry` compares runs on, and what a reader
+    """The fingerprint's key fields (the ones :mod:`abbench.fingerprint` compares runs on, and what a reader
     looks for first), as (label, value) pairs; absent fields are left out."""
     gpus = env.get("gpus")
     names = [g.get("name") for g in gpus if isinstance(g, dict) and g.get("name")] if isinstance(gpus, list) else []

@@ -50,7 +50,9 @@ from typing import Iterator
 from abbench import __version__
 from abbench.client import EngineClient
 from abbench.errors import AbbenchError, ConfigError, RequestError, ResultsError, ServiceError
+from abbench.fingerprint import KEY_FIELDS, environment_fingerprint, key_value
 from abbench.profile import ArmSpec, Profile, profile_from_dict
+from abbench.prometheus import parse_prometheus
 from abbench.prompts import BuiltPrompt, build_prompts
 from abbench.results import (
     LOGS_DIR,
@@ -66,7 +68,7 @@ from abbench.results import (
 )
 from abbench.schedule import build_plan
 from abbench.services import Service, stop_all
-from abbench.telemetry import KEY_FIELDS, Sampler, environment_fingerprint, gpu_idle, key_value, parse_prometheus
+from abbench.telemetry import Sampler, gpu_idle
 from abbench.tokenizers import describe_tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)

@@ -1,4 +1,4 @@
-"""NVML and host telemetry, Prometheus scrapes, and the environment fingerprint.
+"""NVML and host telemetry: the NVML session, the sampler, GPU idleness and snapshots, process-tree RSS.
 
 Contract
 --------
@@ -50,37 +50,40 @@ run (``NVMLError`` of any kind) turn the affected field into ``None`` and are lo
 
 * :func:`gpu_idle` is ``None`` without NVML; otherwise True when no compute process runs on the sampled
   GPUs and each one's used memory is below ``threshold_bytes``.
-* :func:`parse_prometheus` flattens Prometheus text into ``name{label="v",...}`` keys (labels sorted,
-  values escaped as in the exposition format) -> float, via ``prometheus_client``. Text that is not the
-  exposition format raises :class:`ValueError` naming the problem (strict, the default) or, with
-  ``strict=False``, yields the samples of every line that parses on its own. :func:`metrics_delta` gives
-  counter deltas between two scrapes.
-* :func:`environment_fingerprint` records what a comparison depends on; :data:`KEY_FIELDS` and
-  :func:`comparable` say which key fields of two runs differ, so two runs are never compared silently.
-  torch is never imported (versions come from ``importlib.metadata``).
+
+Prometheus parsing (:func:`parse_prometheus`, :func:`metrics_delta`) lives in :mod:`abbench.prometheus`
+and the environment fingerprint (:func:`environment_fingerprint`, :func:`git_state`, :data:`KEY_FIELDS`,
+:func:`key_value`, :func:`comparable`, :func:`differences`) in :mod:`abbench.fingerprint`; both are
+re-exported here for existing imports.
 """
 
 from __future__ import annotations
 
 import atexit
 import bisect
-import hashlib
-import importlib.metadata
 import logging
 import math
 import os
-import platform
-import socket
-import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Protocol
 
 import psutil
 
+# Moved to their own modules; re-exported so ``from abbench.telemetry import ...`` keeps working.
+from abbench.fingerprint import (  # noqa: F401
+    ENV_VARS,
+    FINGERPRINT_VERSION,
+    KEY_FIELDS,
+    PACKAGES,
+    comparable,
+    differences,
+    environment_fingerprint,
+    git_state,
+    key_value,
+)
+from abbench.prometheus import metrics_delta, parse_prometheus  # noqa: F401
 from abbench.results import MemoryPoint
 
 log = logging.getLogger(__name__)
@@ -642,274 +645,3 @@ class Sampler:
             "proc_gpu_mem_peak": peak([s.proc_gpu_mem for s in mem]),
             "host_rss_peak": peak([s.host_rss for s in mem]),
         }
-
-
-# ============================================================================================ Prometheus
-
-
-def _escape_label(v: str) -> str:
-    return v.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
-
-
-def _sample_key(name: str, labels: dict[str, str]) -> str:
-    if not labels:
-        return name
-    inner = ",".join(f'{k}="{_escape_label(str(labels[k]))}"' for k in sorted(labels))
-    return f"{name}{{{inner}}}"
-
-
-def parse_prometheus(text: str, *, strict: bool = True) -> dict[str, float]:
-    """Flatten Prometheus text exposition into ``{'name{a="x",b="y"}': value}`` (labels sorted).
-
-    ``strict=True`` (default): text that does not parse raises ValueError ("not Prometheus text: ...");
-    the caller decides (the runner records the scrape as missing). ``strict=False``: lines that do not
-    parse are skipped and the rest is returned. Empty text gives {}."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    out: dict[str, float] = {}
-    try:
-        for fam in text_string_to_metric_families(text):
-            for s in fam.samples:
-                out[_sample_key(s.name, s.labels)] = float(s.value)
-        return out
-    except Exception as e:  # noqa: BLE001 - the parser raises ValueError, IndexError, ...
-        if strict:
-            first = next((ln for ln in text.splitlines() if ln.strip() and not ln.startswith("#")), "")
-            raise ValueError(
-                f"not Prometheus text exposition format ({type(e).__name__}: {e}); "
-                f"first sample line: {first[:120]!r}"
-            ) from None
-    out = {}
-    for line in text.splitlines():
-        if not line.strip() or line.lstrip().startswith("#"):
-            continue
-        try:
-            for fam in text_string_to_metric_families(line + "\n"):
-                for s in fam.samples:
-                    out[_sample_key(s.name, s.labels)] = float(s.value)
-        except Exception:  # noqa: BLE001
-            continue
-    return out
-
-
-def metrics_delta(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, float]:
-    """``after - before`` per key, for counters. A key only in ``after`` counts from 0 (prometheus_client
-    creates labelled counters on first use); keys only in ``before`` are dropped; ``*_created`` keys
-    (timestamps) are skipped. A negative delta means the counter reset (the service restarted). Deltas
-    of gauges are returned too but mean little; pick the counters you need."""
-    if after is None:
-        return {}
-    before = before or {}
-    out: dict[str, float] = {}
-    for k, v in after.items():
-        name = k.split("{", 1)[0]
-        if name.endswith("_created"):
-            continue
-        out[k] = v - before.get(k, 0.0)
-    return out
-
-
-# ============================================================================================ fingerprint
-
-FINGERPRINT_VERSION = 1
-PACKAGES = ("abbench", "torch", "transformers", "tokenizers", "httpx", "numpy", "pandas", "nvidia-ml-py",
-            "pydantic", "safetensors", "vllm", "sglang")
-ENV_VARS = ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "NVIDIA_VISIBLE_DEVICES", "PYTORCH_CUDA_ALLOC_CONF",
-            "CUDA_LAUNCH_BLOCKING", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "TOKENIZERS_PARALLELISM")
-#: Fields that must match before two runs are compared (dotted paths into the fingerprint; ``gpu_models``
-#: is the list of GPU names).
-KEY_FIELDS: tuple[str, ...] = (
-    "gpu_models",
-    "driver_version",
-    "cuda_driver_version",
-    "packages.torch",
-    "packages.transformers",
-    "engine_commit",
-)
-
-
-def _pkg_version(name: str) -> str | None:
-    if name == "abbench":
-        from abbench import __version__
-
-        return _metadata_version(name) or __version__
-    return _metadata_version(name)
-
-
-def _metadata_version(name: str) -> str | None:
-    try:
-        return importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-    except Exception:  # noqa: BLE001 - a broken distribution must not break the fingerprint
-        return None
-
-
-def _cpu_model() -> str | None:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                if line.lower().startswith(("model name", "hardware", "cpu model")):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or None
-
-
-def _git(repo: Path, *args: str) -> str | None:
-    try:
-        r = subprocess.run(
-            ["git", "-C", str(repo), *args], capture_output=True, text=True, timeout=10, check=False
-        )
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return r.stdout if r.returncode == 0 else None
-
-
-def git_state(repo_dir: Path | None = None) -> dict[str, Any] | None:
-    """Commit, dirty flag and a hash of the local changes of the git checkout abbench runs from (or
-    ``repo_dir``). None when there is no git or no checkout. ``changes_sha256`` covers ``git diff HEAD``
-    and the untracked, not ignored files (content up to 4 MiB each, else name and size)."""
-    repo = Path(repo_dir) if repo_dir is not None else Path(__file__).resolve().parent.parent
-    top = _git(repo, "rev-parse", "--show-toplevel")
-    commit = _git(repo, "rev-parse", "HEAD")
-    if top is None or commit is None:
-        # A copy of the tree without .git (a remote machine): the commit may be given by whoever copied it.
-        given = os.environ.get("ABBENCH_GIT_COMMIT")
-        return {"repo": str(repo), "commit": given, "dirty": False, "source": "ABBENCH_GIT_COMMIT"} if given else None
-    status = _git(repo, "status", "--porcelain", "--untracked-files=normal") or ""
-    dirty = bool(status.strip())
-    state: dict[str, Any] = {"repo": top.strip(), "commit": commit.strip(), "dirty": dirty}
-    branch = _git(repo, "rev-parse", "--abbrev-ref", "HEAD")
-    state["branch"] = branch.strip() if branch else None
-    if dirty:
-        h = hashlib.sha256()
-        h.update((_git(repo, "diff", "HEAD", "--no-ext-diff", "--binary") or "").encode())
-        root = Path(top.strip())
-        for name in sorted((_git(repo, "ls-files", "--others", "--exclude-standard", "-z") or "").split("\0")):
-            if not name:
-                continue
-            h.update(b"\0untracked\0" + name.encode())
-            p = root / name
-            try:
-                size = p.stat().st_size
-                h.update(p.read_bytes() if size <= 4 * 1024**2 else str(size).encode())
-            except OSError:
-                continue
-        state["changes_sha256"] = h.hexdigest()
-    return state
-
-
-def _cuda_version_str(v: int) -> str:
-    return f"{v // 1000}.{(v % 1000) // 10}"
-
-
-def _nvml_fingerprint() -> dict[str, Any]:
-    fp: dict[str, Any] = {"driver_version": None, "cuda_driver_version": None, "gpus": []}
-    m = _nvml()
-    fp["nvml"] = {"available": m is not None, "reason": _NVML.reason}
-    if m is None:
-        return fp
-    errs = _nvml_errors()
-
-    def get(fn: str, *args: Any) -> Any:
-        try:
-            v = getattr(m, fn)(*args)
-        except (*errs, AttributeError):
-            return None
-        return v
-
-    fp["driver_version"] = get("nvmlSystemGetDriverVersion")
-    cuda = get("nvmlSystemGetCudaDriverVersion")
-    fp["cuda_driver_version"] = _cuda_version_str(int(cuda)) if cuda else None
-    fp["nvml"]["version"] = get("nvmlSystemGetNVMLVersion")
-    for i in _device_indices(None):
-        h = get("nvmlDeviceGetHandleByIndex", i)
-        if h is None:
-            fp["gpus"].append({"index": i, "error": "no handle"})
-            continue
-        mem = get("nvmlDeviceGetMemoryInfo", h)
-        pci = get("nvmlDeviceGetPciInfo", h)
-        fp["gpus"].append({
-            "index": i,
-            "name": get("nvmlDeviceGetName", h),
-            "uuid": get("nvmlDeviceGetUUID", h),
-            "pci_bus_id": (pci.busId.decode() if isinstance(pci.busId, bytes) else pci.busId) if pci else None,
-            "memory_total": int(mem.total) if mem is not None else None,
-            "vbios": get("nvmlDeviceGetVbiosVersion", h),
-            # Current link gen/width may drop at idle (power saving); max = what the slot negotiates.
-            "pcie": {
-                "gen_max": get("nvmlDeviceGetMaxPcieLinkGeneration", h),
-                "width_max": get("nvmlDeviceGetMaxPcieLinkWidth", h),
-                "gen_current": get("nvmlDeviceGetCurrPcieLinkGeneration", h),
-                "width_current": get("nvmlDeviceGetCurrPcieLinkWidth", h),
-                "gpu_gen_max": get("nvmlDeviceGetGpuMaxPcieLinkGeneration", h),
-            },
-        })
-    return fp
-
-
-def environment_fingerprint(
-    commands: list[list[str]] | None = None,
-    *,
-    engine_commit: str | None = None,
-    repo_dir: Path | None = None,
-) -> dict[str, Any]:
-    """What a comparison depends on: host, GPUs, driver, CUDA, package versions, git state, commands.
-
-    ``engine_commit`` defaults to the git commit of the checkout abbench runs from (the vendored engine's
-    commit), suffixed ``+dirty.<12 hex of changes_sha256>`` when the tree has local changes; pass the
-    commit/version of an external engine instead. Never raises for a missing piece: it is None."""
-    vm = psutil.virtual_memory()
-    git = git_state(repo_dir)
-    if engine_commit is None and git is not None:
-        engine_commit = git["commit"] + (f"+dirty.{git['changes_sha256'][:12]}" if git["dirty"] else "")
-    fp: dict[str, Any] = {
-        "fingerprint_version": FINGERPRINT_VERSION,
-        "created_at": time.time(),
-        "hostname": socket.gethostname(),
-        "python": {
-            "version": platform.python_version(),
-            "implementation": platform.python_implementation(),
-            "executable": sys.executable,
-        },
-        "platform": {
-            "system": platform.system(),
-            "release": platform.release(),
-            "machine": platform.machine(),
-            "platform": platform.platform(),
-        },
-        "cpu": {"model": _cpu_model(), "logical": os.cpu_count(), "physical": psutil.cpu_count(logical=False)},
-        "ram_total": int(vm.total),
-        **_nvml_fingerprint(),
-        "packages": {name: _pkg_version(name) for name in PACKAGES},
-        "git": git,
-        "engine_commit": engine_commit,
-        "env": {k: os.environ[k] for k in ENV_VARS if k in os.environ},
-        "commands": [list(c) for c in commands] if commands is not None else [],
-    }
-    return fp
-
-
-def key_value(fp: dict[str, Any], field: str) -> Any:
-    """The value of a :data:`KEY_FIELDS` entry (dotted path) in a fingerprint; None when absent."""
-    if field == "gpu_models":
-        gpus = fp.get("gpus")
-        return [g.get("name") for g in gpus] if isinstance(gpus, list) else None
-    cur: Any = fp
-    for part in field.split("."):
-        if not isinstance(cur, dict):
-            return None
-        cur = cur.get(part)
-    return cur
-
-
-def comparable(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
-    """The :data:`KEY_FIELDS` whose values differ between two fingerprints ([] = comparable). A field
-    missing on one side differs from a present one; missing on both sides is equal."""
-    return [f for f in KEY_FIELDS if key_value(a, f) != key_value(b, f)]
-
-
-def differences(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
-    """Human-readable lines for :func:`comparable`: ``'driver_version: 550.54 != 560.28'``."""
-    return [f"{f}: {key_value(a, f)!r} != {key_value(b, f)!r}" for f in comparable(a, b)]

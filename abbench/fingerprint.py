@@ -1,0 +1,248 @@
+"""The environment fingerprint: what a comparison of two runs depends on, and whether two runs match.
+
+Contract
+--------
+* :func:`environment_fingerprint` records host, CPU, RAM, GPUs (names, UUIDs, PCIe links, via NVML when
+  available), driver and CUDA driver versions, package versions, the git state of the checkout
+  (:func:`git_state`), the engine commit, selected environment variables and the service commands. It
+  never raises for a missing piece: that field is ``None``. torch is never imported (versions come from
+  ``importlib.metadata``).
+* :data:`KEY_FIELDS` are the fields that must match before two runs are compared; :func:`key_value` reads
+  one from a fingerprint, :func:`comparable` lists the key fields of two fingerprints that differ
+  (``[]`` = comparable) and :func:`differences` says how, so two runs are never compared silently.
+
+The NVML session is :mod:`abbench.telemetry`'s; it is imported when a fingerprint is taken (telemetry
+re-exports this module's public names, so the import is not at module level).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import os
+import platform
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+__all__ = [
+    "ENV_VARS",
+    "FINGERPRINT_VERSION",
+    "KEY_FIELDS",
+    "PACKAGES",
+    "comparable",
+    "differences",
+    "environment_fingerprint",
+    "git_state",
+    "key_value",
+]
+
+FINGERPRINT_VERSION = 1
+PACKAGES = ("abbench", "torch", "transformers", "tokenizers", "httpx", "numpy", "pandas", "nvidia-ml-py",
+            "pydantic", "safetensors", "vllm", "sglang")
+ENV_VARS = ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "NVIDIA_VISIBLE_DEVICES", "PYTORCH_CUDA_ALLOC_CONF",
+            "CUDA_LAUNCH_BLOCKING", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "TOKENIZERS_PARALLELISM")
+#: Fields that must match before two runs are compared (dotted paths into the fingerprint; ``gpu_models``
+#: is the list of GPU names).
+KEY_FIELDS: tuple[str, ...] = (
+    "gpu_models",
+    "driver_version",
+    "cuda_driver_version",
+    "packages.torch",
+    "packages.transformers",
+    "engine_commit",
+)
+
+
+def _pkg_version(name: str) -> str | None:
+    if name == "abbench":
+        from abbench import __version__
+
+        return _metadata_version(name) or __version__
+    return _metadata_version(name)
+
+
+def _metadata_version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    except Exception:  # noqa: BLE001 - a broken distribution must not break the fingerprint
+        return None
+
+
+def _cpu_model() -> str | None:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.lower().startswith(("model name", "hardware", "cpu model")):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or None
+
+
+def _git(repo: Path, *args: str) -> str | None:
+    try:
+        r = subprocess.run(
+            ["git", "-C", str(repo), *args], capture_output=True, text=True, timeout=10, check=False
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return r.stdout if r.returncode == 0 else None
+
+
+def git_state(repo_dir: Path | None = None) -> dict[str, Any] | None:
+    """Commit, dirty flag and a hash of the local changes of the git checkout abbench runs from (or
+    ``repo_dir``). None when there is no git or no checkout. ``changes_sha256`` covers ``git diff HEAD``
+    and the untracked, not ignored files (content up to 4 MiB each, else name and size)."""
+    repo = Path(repo_dir) if repo_dir is not None else Path(__file__).resolve().parent.parent
+    top = _git(repo, "rev-parse", "--show-toplevel")
+    commit = _git(repo, "rev-parse", "HEAD")
+    if top is None or commit is None:
+        # A copy of the tree without .git (a remote machine): the commit may be given by whoever copied it.
+        given = os.environ.get("ABBENCH_GIT_COMMIT")
+        return {"repo": str(repo), "commit": given, "dirty": False, "source": "ABBENCH_GIT_COMMIT"} if given else None
+    status = _git(repo, "status", "--porcelain", "--untracked-files=normal") or ""
+    dirty = bool(status.strip())
+    state: dict[str, Any] = {"repo": top.strip(), "commit": commit.strip(), "dirty": dirty}
+    branch = _git(repo, "rev-parse", "--abbrev-ref", "HEAD")
+    state["branch"] = branch.strip() if branch else None
+    if dirty:
+        h = hashlib.sha256()
+        h.update((_git(repo, "diff", "HEAD", "--no-ext-diff", "--binary") or "").encode())
+        root = Path(top.strip())
+        for name in sorted((_git(repo, "ls-files", "--others", "--exclude-standard", "-z") or "").split("\0")):
+            if not name:
+                continue
+            h.update(b"\0untracked\0" + name.encode())
+            p = root / name
+            try:
+                size = p.stat().st_size
+                h.update(p.read_bytes() if size <= 4 * 1024**2 else str(size).encode())
+            except OSError:
+                continue
+        state["changes_sha256"] = h.hexdigest()
+    return state
+
+
+def _cuda_version_str(v: int) -> str:
+    return f"{v // 1000}.{(v % 1000) // 10}"
+
+
+def _nvml_fingerprint() -> dict[str, Any]:
+    from abbench import telemetry
+
+    fp: dict[str, Any] = {"driver_version": None, "cuda_driver_version": None, "gpus": []}
+    m = telemetry._nvml()
+    fp["nvml"] = {"available": m is not None, "reason": telemetry._NVML.reason}
+    if m is None:
+        return fp
+    errs = telemetry._nvml_errors()
+
+    def get(fn: str, *args: Any) -> Any:
+        try:
+            v = getattr(m, fn)(*args)
+        except (*errs, AttributeError):
+            return None
+        return v
+
+    fp["driver_version"] = get("nvmlSystemGetDriverVersion")
+    cuda = get("nvmlSystemGetCudaDriverVersion")
+    fp["cuda_driver_version"] = _cuda_version_str(int(cuda)) if cuda else None
+    fp["nvml"]["version"] = get("nvmlSystemGetNVMLVersion")
+    for i in telemetry._device_indices(None):
+        h = get("nvmlDeviceGetHandleByIndex", i)
+        if h is None:
+            fp["gpus"].append({"index": i, "error": "no handle"})
+            continue
+        mem = get("nvmlDeviceGetMemoryInfo", h)
+        pci = get("nvmlDeviceGetPciInfo", h)
+        fp["gpus"].append({
+            "index": i,
+            "name": get("nvmlDeviceGetName", h),
+            "uuid": get("nvmlDeviceGetUUID", h),
+            "pci_bus_id": (pci.busId.decode() if isinstance(pci.busId, bytes) else pci.busId) if pci else None,
+            "memory_total": int(mem.total) if mem is not None else None,
+            "vbios": get("nvmlDeviceGetVbiosVersion", h),
+            # Current link gen/width may drop at idle (power saving); max = what the slot negotiates.
+            "pcie": {
+                "gen_max": get("nvmlDeviceGetMaxPcieLinkGeneration", h),
+                "width_max": get("nvmlDeviceGetMaxPcieLinkWidth", h),
+                "gen_current": get("nvmlDeviceGetCurrPcieLinkGeneration", h),
+                "width_current": get("nvmlDeviceGetCurrPcieLinkWidth", h),
+                "gpu_gen_max": get("nvmlDeviceGetGpuMaxPcieLinkGeneration", h),
+            },
+        })
+    return fp
+
+
+def environment_fingerprint(
+    commands: list[list[str]] | None = None,
+    *,
+    engine_commit: str | None = None,
+    repo_dir: Path | None = None,
+) -> dict[str, Any]:
+    """What a comparison depends on: host, GPUs, driver, CUDA, package versions, git state, commands.
+
+    ``engine_commit`` defaults to the git commit of the checkout abbench runs from (the vendored engine's
+    commit), suffixed ``+dirty.<12 hex of changes_sha256>`` when the tree has local changes; pass the
+    commit/version of an external engine instead. Never raises for a missing piece: it is None."""
+    vm = psutil.virtual_memory()
+    git = git_state(repo_dir)
+    if engine_commit is None and git is not None:
+        engine_commit = git["commit"] + (f"+dirty.{git['changes_sha256'][:12]}" if git["dirty"] else "")
+    fp: dict[str, Any] = {
+        "fingerprint_version": FINGERPRINT_VERSION,
+        "created_at": time.time(),
+        "hostname": socket.gethostname(),
+        "python": {
+            "version": platform.python_version(),
+            "implementation": platform.python_implementation(),
+            "executable": sys.executable,
+        },
+        "platform": {
+            "system": platform.system(),
+            "release": platform.release(),
+            "machine": platform.machine(),
+            "platform": platform.platform(),
+        },
+        "cpu": {"model": _cpu_model(), "logical": os.cpu_count(), "physical": psutil.cpu_count(logical=False)},
+        "ram_total": int(vm.total),
+        **_nvml_fingerprint(),
+        "packages": {name: _pkg_version(name) for name in PACKAGES},
+        "git": git,
+        "engine_commit": engine_commit,
+        "env": {k: os.environ[k] for k in ENV_VARS if k in os.environ},
+        "commands": [list(c) for c in commands] if commands is not None else [],
+    }
+    return fp
+
+
+def key_value(fp: dict[str, Any], field: str) -> Any:
+    """The value of a :data:`KEY_FIELDS` entry (dotted path) in a fingerprint; None when absent."""
+    if field == "gpu_models":
+        gpus = fp.get("gpus")
+        return [g.get("name") for g in gpus] if isinstance(gpus, list) else None
+    cur: Any = fp
+    for part in field.split("."):
+        if not isinstance(cur, dict):
+            return None
+        cur = cur.get(part)
+    return cur
+
+
+def comparable(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
+    """The :data:`KEY_FIELDS` whose values differ between two fingerprints ([] = comparable). A field
+    missing on one side differs from a present one; missing on both sides is equal."""
+    return [f for f in KEY_FIELDS if key_value(a, f) != key_value(b, f)]
+
+
+def differences(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
+    """Human-readable lines for :func:`comparable`: ``'driver_version: 550.54 != 560.28'``."""
+    return [f"{f}: {key_value(a, f)!r} != {key_value(b, f)!r}" for f in comparable(a, b)]
