@@ -531,3 +531,42 @@ def test_analyze_bundles_everything() -> None:
     assert set(a.ratios["arm"]) == {"B", "C"}
     assert set(a.ratios["kind"]) == {"fresh", "cold", "continuation"}
     assert a.gate.passed, a.gate.failures
+
+
+def test_floor_is_the_larger_of_resident_compute_and_one_bank_over_bandwidth() -> None:
+    """Copy floor = 58 GB / 55 GB/s = 1.0545 s. With R (resident) taking tokens/1000 s x 0.25, the 1024-token
+    prompt is copy-bound and the 8192-token prompt compute-bound (2.048 s)."""
+
+    def ttft(arm: str, prompt: PromptRecord, rnd: int) -> float:
+        base = prompt.target_tokens / 1000.0
+        return {"A": base * 2, "B": 1.1 if prompt.target_tokens < 8192 else 2.1, "R": base * 0.25}[arm]
+
+    rec = make_run(arms=("A", "B", "R"), lengths=(1024, 8192), ttft=ttft,
+                   expect_path={"B": "layer-major", "R": "resident"}, paths={"B": "layer-major", "R": "resident"})
+    floor = an.floor_table(rec).set_index(["arm", "target_tokens"])
+    copy = BANK / 55e9
+    short, long_ = floor.loc[("B", 1024)], floor.loc[("B", 8192)]
+    assert short["bound"] == "copy" and short["floor_s"] == pytest.approx(copy)
+    assert short["compute_floor_s"] == pytest.approx(0.256)
+    assert short["over_floor"] == pytest.approx(1.1 / copy)
+    assert long_["bound"] == "compute" and long_["floor_s"] == pytest.approx(2.048)
+    assert long_["over_floor"] == pytest.approx(2.1 / 2.048)
+    assert floor.loc[("R", 8192)]["over_floor"] == pytest.approx(1.0)
+    assert floor.loc[("A", 1024)]["over_floor"] == pytest.approx(2.048 / copy)
+
+
+def test_floor_without_a_resident_arm_is_the_copy_floor_alone() -> None:
+    rec = make_run()
+    floor = an.floor_table(rec)
+    assert set(floor["bound"]) == {"copy"}
+    assert floor["compute_floor_s"].isna().all()
+    assert an.floor_table(make_run(engine=False)).empty
+
+
+def test_overhead_splits_out_what_happens_outside_the_server_application() -> None:
+    rec = make_run(arms=("A",), rounds=1, lengths=(1024,), warmup=0)
+    (s,) = rec.samples
+    s.engine["timings"]["first_event"] = s.engine["timings"]["first_token"] + 0.0004
+    row = an.overhead_table(rec).iloc[0]
+    assert row["median_s"] == pytest.approx(0.002)  # harness TTFT - engine first_token (make_run: 2 ms)
+    assert row["after_write_s"] == pytest.approx(0.0016)  # harness TTFT - engine first_event
