@@ -312,9 +312,7 @@ def logprob_delta(a: TopLogprobs | None, b: TopLogprobs | None) -> float | None:
 def _arm_launch(profile: Any, arm_name: str) -> tuple[list[str] | None, dict[str, str], str | None]:
     """argv, env and base_url of an arm's service, as the runner builds them."""
     eng = profile.engine
-    arm = profile.arm(arm_name)
-    if eng.shared_service:
-        return (list(eng.command) or None), dict(eng.env), eng.base_url
+    arm = profile.arm(arm_name)  # shared services: every arm of one service launches it the same way
     base_url = arm.base_url or (None if arm.command else eng.base_url)
     argv = list(arm.command) if arm.command else (list(eng.command) + list(arm.args) if eng.command else None)
     return argv, {**eng.env, **arm.env}, base_url

@@ -114,8 +114,9 @@ class EngineSpec(_Model):
     model: str | None = Field(None, description="'model' field sent with each request, if the server needs it.")
     shared_service: bool = Field(
         False,
-        description="All arms share one service; each request carries its arm's fields and the service "
-        "is reset before each sample group.",
+        description="Arms share services instead of getting a fresh one per round: each request carries its "
+        "arm's fields and the service is reset before each sample group. By default all arms share one; arms "
+        "that name a `service` share that one (e.g. offloaded arms on one, resident on its own).",
     )
     health_path: str = "/health"
     health_timeout_s: float = Field(180.0, gt=0)
@@ -148,6 +149,13 @@ class ArmSpec(_Model):
     command: list[str] | None = Field(None, description="Replaces engine.command for this arm.")
     env: dict[str, str] = Field(default_factory=dict)
     base_url: str | None = Field(None, description="A running server for this arm (no launch).")
+    service: str | None = Field(
+        None,
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$",
+        description="With engine.shared_service: the name of the service this arm shares with the arms that "
+        "name the same one (default 'shared'). Arms of one service must launch it the same way (the same "
+        "args, command, env and base_url).",
+    )
     request: dict[str, Any] = Field(default_factory=dict, description="Extra request body fields.")
     expect_path: str | None = Field(
         None, description="The engine must report this prefill path (abbench.prefill_path) when eligible."
@@ -209,7 +217,25 @@ class Profile(_Model):
         for name in self.gate.allow_fallback:
             if name not in names:
                 raise ValueError(f"gate.allow_fallback names {name!r}, which is not an arm")
+        named = [a.name for a in self.arms if a.service is not None]
+        if named and not self.engine.shared_service:
+            raise ValueError(f"arms {', '.join(named)} name a service but engine.shared_service is false; set "
+                             "engine.shared_service = true (arms naming the same service share it)")
+        for service, arms in (self.service_groups() if self.engine.shared_service else {}).items():
+            launch = {(tuple(a.args), tuple(a.command or ()), tuple(sorted(a.env.items())), a.base_url)
+                      for a in arms}
+            if len(launch) > 1:
+                raise ValueError(f"arms {', '.join(a.name for a in arms)} share service {service!r} but launch it "
+                                 "differently (args, command, env or base_url); give them the same, or "
+                                 "different services")
         return self
+
+    def service_groups(self) -> dict[str, list[ArmSpec]]:
+        """With engine.shared_service: service name -> its arms, in profile order ('shared' by default)."""
+        groups: dict[str, list[ArmSpec]] = {}
+        for a in self.arms:
+            groups.setdefault(a.service or "shared", []).append(a)
+        return groups
 
     @property
     def reference_arm(self) -> str:

@@ -192,8 +192,15 @@ def _launch_commands(profile: Profile) -> list[tuple[str, list[str]]]:
     eng = profile.engine
     out: list[tuple[str, list[str]]] = []
     if eng.shared_service:
-        if not eng.base_url and eng.command:
-            out.append(("engine.command", list(eng.command)))
+        for service, arms in profile.service_groups().items():
+            a = arms[0]
+            if a.base_url or (eng.base_url and not a.command):
+                continue
+            if a.command:
+                out.append((f"arms[{profile.arms.index(a)}].command (service {service})", list(a.command)))
+            elif eng.command:
+                field = "engine.command" if not a.args else f"engine.command + args of service {service}"
+                out.append((field, list(eng.command) + list(a.args)))
         return out
     for i, a in enumerate(profile.arms):
         if a.base_url or (eng.base_url and not a.command):
@@ -233,7 +240,7 @@ class _ServiceSlot:
 
     def _argv_env(self, arm: ArmSpec | None) -> tuple[list[str] | None, dict[str, str], str | None]:
         eng = self.profile.engine
-        if self.profile.engine.shared_service or arm is None:
+        if arm is None:
             base_url = eng.base_url
             argv = list(eng.command) if eng.command else None
             env = dict(eng.env)
@@ -250,7 +257,10 @@ class _ServiceSlot:
         n = self.launches.get(key, 0)
         self.launches[key] = n + 1
         log_name = (f"{key}.log" if n == 0 else f"{key}.restart{n}.log").replace("@", "_")
-        arms = [a.name for a in self.profile.arms] if eng.shared_service else [arm.name if arm else key]
+        if eng.shared_service:
+            arms = [a.name for a in self.profile.service_groups().get(key, self.profile.arms)]
+        else:
+            arms = [arm.name if arm else key]
         idle_before = gpu_idle()
         try:
             if base_url:
@@ -416,6 +426,7 @@ def _execute(
     prompt_records = [b.record for b in built]
     arms = [a.name for a in profile.arms]
     plan = build_plan(prompt_records, arms, profile.run.rounds, shared_service=profile.engine.shared_service,
+                      services={a.name: a.service for a in profile.arms if a.service},
                       reset_between_samples=profile.run.reset_between_samples,
                       exclude_kinds=list(profile.run.exclude_kinds))
     commands = [argv_ for _, argv_ in _launch_commands(profile)]
@@ -527,7 +538,7 @@ def _execute(
                 notify(ProgressEvent("service", f"{'restarting' if restarting else 'starting'} {step.service}",
                                      len(record.samples), total))
                 try:
-                    svc = slot.start(step.service, None if eng.shared_service else arm, step.round)
+                    svc = slot.start(step.service, arm, step.round)
                     save_run(run_dir, record)
                 except ServiceError as e:
                     save_run(run_dir, record)

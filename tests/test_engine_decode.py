@@ -1,5 +1,6 @@
 """Decode through the per-layer slot cache at shapes where CUDA's limits bite, and memory budgeting.
 
+Set ABBENCH_ENGINE_TEST_DEVICE=cuda to run them on a GPU (bfloat16, CUDA graphs), where the limit is real.
 The model here has 512 experts per layer (top-4) and tiny hidden sizes: 3 layers x 512 slots = 1,536 slots,
 more than CUDA's grouped GEMM takes (1,023 groups). A spy on ``torch._grouped_mm`` records every call's group
 count, so the class of bug that failed every offloaded request on the H200 fails here, on CPU.
@@ -8,6 +9,7 @@ count, so the class of bug that failed every offloaded request on the H200 fails
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import pytest
 import torch
@@ -23,7 +25,8 @@ WIDE = ModelConfig(vocab_size=512, hidden_size=32, num_hidden_layers=3, num_atte
                    num_key_value_heads=2, head_dim=8, moe_intermediate_size=16, num_experts=512,
                    num_experts_per_tok=4, max_position_embeddings=4096, name="wide-512")
 KNOBS = dict(model=WIDE, weights="random:3", chunk_tokens=16, layer_major_window_tokens=64,
-             bandwidth_probe_bytes=0, max_context=512)
+             bandwidth_probe_bytes=0, max_context=512,
+             device=os.environ.get("ABBENCH_ENGINE_TEST_DEVICE", "cpu"))  # cuda: the same tests on a GPU
 
 
 @pytest.fixture

@@ -67,7 +67,7 @@ class _Graphs:
                 fn()  # warm-up outside the graph (lazy inits, workspaces, autotuning)
             current.wait_stream(self.stream)
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=self.pool, stream=self.stream):
+            with torch.cuda.graph(g, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"):
                 fn()
             self.graphs[key] = g
         g.replay()
