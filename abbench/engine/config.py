@@ -5,10 +5,19 @@ Contract:
   ``ModelConfig.from_hf_config(path)`` reads a local ``config.json`` and rejects what this all-MoE engine
   cannot run (another model_type, dense-MLP layers, sliding-window attention, scaled RoPE) with a clear
   ``ValueError``.
+- ``HybridConfig`` (a ``ModelConfig``) adds the shape of a Qwen3.5/3.6-MoE text decoder (transformers'
+  ``Qwen3_5MoeTextConfig``): per-layer ``layer_types`` (Gated DeltaNet "linear_attention" or gated
+  "full_attention"), the DeltaNet head shapes, the shared expert and partial RoPE. ``from_hf_config`` reads
+  model_type ``qwen3_5_moe`` (its ``text_config``) or ``qwen3_5_moe_text``. ``ModelConfig.is_hybrid`` tells them
+  apart. The routed experts (``bank_bytes``) are the same [E, 2I, H] / [E, H, I] bank as for Qwen3-MoE; the
+  shared expert is a dense weight.
 - ``PRESETS`` names the shapes the harness uses: ``tiny`` (seconds on 2 CPU cores, Qwen3 vocabulary),
-  ``qwen3-30b-a3b`` (the real model's shape) and ``qwen3-30b-a3b-half`` (its first 24 layers).
+  ``qwen3-30b-a3b`` (the real model's shape), ``qwen3-30b-a3b-half`` (its first 24 layers), ``qwen3.5-tiny``
+  (a hybrid in seconds on CPU, Qwen3.5/3.6 vocabulary) and ``qwen3.5-35b-a3b`` (Qwen3.5/3.6-35B-A3B's text shape).
 - ``EngineConfig`` holds the engine's knobs; ``EngineConfig.resolved()`` fills the device-dependent
-  defaults (dtype, max_context, gpu_expert_slots) and validates everything before any tensor exists.
+  defaults (dtype, max_context, gpu_expert_slots) and validates everything before any tensor exists; for a
+  hybrid model ``chunk_tokens`` must be a multiple of ``GDN_BLOCK`` (64), so that the delta rule's internal
+  64-token blocks fall the same way whatever the chunking.
 
 This module imports no torch, so the harness can read presets on a machine without it.
 """
@@ -22,6 +31,9 @@ from pathlib import Path
 
 PREFILL_MODES = ("chunked", "layer-major", "demand", "resident")
 DTYPES = ("float32", "bfloat16", "float16")
+GDN_BLOCK = 64  # the gated delta rule's internal block length (fla's chunk size)
+LAYER_TYPES = ("linear_attention", "full_attention")
+HYBRID_MODEL_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text")
 
 
 @dataclass(frozen=True)
@@ -63,6 +75,11 @@ class ModelConfig:
             object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
 
     @property
+    def is_hybrid(self) -> bool:
+        """Whether some layers are linear attention (a ``HybridConfig``)."""
+        return False
+
+    @property
     def eos_ids(self) -> frozenset[int]:
         """The stop token ids (empty when the config names none)."""
         if self.eos_token_id is None:
@@ -97,9 +114,11 @@ class ModelConfig:
     @classmethod
     def from_hf_dict(cls, raw: dict, source: str = "config") -> ModelConfig:
         model_type = raw.get("model_type")
+        if model_type in HYBRID_MODEL_TYPES:
+            return HybridConfig.from_hf_text_dict(raw, source)
         if model_type != "qwen3_moe":
-            raise ValueError(f"{source}: model_type is {model_type!r}; this engine runs only 'qwen3_moe' "
-                             "(Qwen3MoeForCausalLM) checkpoints")
+            raise ValueError(f"{source}: model_type is {model_type!r}; this engine runs 'qwen3_moe' "
+                             "(Qwen3MoeForCausalLM) and 'qwen3_5_moe' / 'qwen3_5_moe_text' checkpoints")
         n_layers = int(raw["num_hidden_layers"])
         n_experts = raw.get("num_experts", raw.get("num_local_experts"))  # transformers 5 writes the latter
         if not n_experts:
@@ -143,6 +162,123 @@ class ModelConfig:
         )
 
 
+@dataclass(frozen=True)
+class HybridConfig(ModelConfig):
+    """Shape of a Qwen3.5/3.6-MoE text decoder: Gated DeltaNet and gated full-attention layers, every layer a
+    sparse MoE (softmax top-k, always renormalised) plus a gated shared expert. Field names as in
+    transformers' ``Qwen3_5MoeTextConfig``; ``head_dim`` etc. describe the full-attention layers."""
+
+    layer_types: tuple[str, ...] = ()
+    linear_num_key_heads: int = 16
+    linear_num_value_heads: int = 32
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
+    linear_conv_kernel_dim: int = 4
+    shared_expert_intermediate_size: int = 512
+    partial_rotary_factor: float = 0.25
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers")
+        bad = sorted(set(self.layer_types) - set(LAYER_TYPES))
+        if bad:
+            raise ValueError(f"layer_types {bad} are not supported (known: {LAYER_TYPES})")
+        for name in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                     "linear_value_head_dim", "linear_conv_kernel_dim", "shared_expert_intermediate_size"):
+            if int(getattr(self, name)) <= 0:
+                raise ValueError(f"HybridConfig.{name} must be positive, got {getattr(self, name)}")
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ValueError(f"linear_num_value_heads ({self.linear_num_value_heads}) must be a multiple of "
+                             f"linear_num_key_heads ({self.linear_num_key_heads})")
+        if self.rotary_dim <= 0 or self.rotary_dim % 2:
+            raise ValueError(f"head_dim {self.head_dim} x partial_rotary_factor {self.partial_rotary_factor} "
+                             f"= {self.rotary_dim} rotary dims; must be positive and even")
+        if not self.norm_topk_prob:
+            raise ValueError("Qwen3.5-MoE always renormalises the top-k router weights (norm_topk_prob=True)")
+
+    @property
+    def is_hybrid(self) -> bool:
+        return True
+
+    @property
+    def rotary_dim(self) -> int:
+        """The rotated leading part of each attention head (the rest passes through)."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t == "full_attention")
+
+    @property
+    def linear_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t == "linear_attention")
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the depthwise conv: q and k (key heads) then v (value heads)."""
+        return (2 * self.linear_num_key_heads * self.linear_key_head_dim
+                + self.linear_num_value_heads * self.linear_value_head_dim)
+
+    @classmethod
+    def from_hf_text_dict(cls, raw: dict, source: str = "config") -> HybridConfig:
+        """A ``qwen3_5_moe`` (multimodal: its ``text_config``) or ``qwen3_5_moe_text`` config dict."""
+        top = raw
+        if raw.get("model_type") == "qwen3_5_moe":
+            if not isinstance(raw.get("text_config"), dict):
+                raise ValueError(f"{source}: model_type 'qwen3_5_moe' without a text_config")
+            raw = raw["text_config"]
+        if raw.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"{source}: hidden_act {raw.get('hidden_act')!r} is not supported (silu only)")
+        if raw.get("attention_bias"):
+            raise ValueError(f"{source}: attention_bias=true is not supported")
+        n_layers = int(raw.get("num_hidden_layers", 40))
+        types = raw.get("layer_types")
+        if not types:
+            every = int(raw.get("full_attention_interval", 4))
+            types = ["linear_attention" if (i + 1) % every else "full_attention" for i in range(n_layers)]
+        rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+        rope_type = rope.get("rope_type") or rope.get("type") or "default"
+        if rope_type not in ("default", "mrope"):  # text-only positions make M-RoPE plain RoPE
+            raise ValueError(f"{source}: rope type {rope_type!r} is not supported (default RoPE only)")
+        theta = rope.get("rope_theta", raw.get("rope_theta", 10000.0))
+        partial = rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 0.25))
+        eos = raw.get("eos_token_id", top.get("eos_token_id"))
+        heads = int(raw.get("num_attention_heads", 16))
+        return cls(
+            vocab_size=int(raw.get("vocab_size", 248320)),
+            hidden_size=int(raw.get("hidden_size", 2048)),
+            num_hidden_layers=n_layers,
+            num_attention_heads=heads,
+            num_key_value_heads=int(raw.get("num_key_value_heads", 2)),
+            head_dim=int(raw.get("head_dim") or 256),
+            moe_intermediate_size=int(raw.get("moe_intermediate_size", 512)),
+            num_experts=int(raw.get("num_experts", raw.get("num_local_experts", 256))),
+            num_experts_per_tok=int(raw.get("num_experts_per_tok", 8)),
+            norm_topk_prob=True,
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(theta),
+            max_position_embeddings=int(raw.get("max_position_embeddings", 32768)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", top.get("tie_word_embeddings", False))),
+            eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
+            name=str(top.get("_name_or_path") or source),
+            layer_types=tuple(types),
+            linear_num_key_heads=int(raw.get("linear_num_key_heads", 16)),
+            linear_num_value_heads=int(raw.get("linear_num_value_heads", 32)),
+            linear_key_head_dim=int(raw.get("linear_key_head_dim", 128)),
+            linear_value_head_dim=int(raw.get("linear_value_head_dim", 128)),
+            linear_conv_kernel_dim=int(raw.get("linear_conv_kernel_dim", 4)),
+            shared_expert_intermediate_size=int(raw.get("shared_expert_intermediate_size", 512)),
+            partial_rotary_factor=float(partial),
+        )
+
+
+def _hybrid_types(n_layers: int, every: int = 4) -> tuple[str, ...]:
+    """Qwen3.5's layout: every ``every``-th layer full attention, the others Gated DeltaNet."""
+    return tuple("linear_attention" if (i + 1) % every else "full_attention" for i in range(n_layers))
+
+
 _QWEN3_30B_A3B = ModelConfig(
     # Qwen/Qwen3-30B-A3B config.json: 48 layers, 128 experts top-8 (normalised), hidden 2048, expert FFN 768,
     # 32 query / 4 KV heads of 128, vocabulary 151936, RoPE theta 1e6, RMS eps 1e-6, untied, 40960 positions.
@@ -162,6 +298,28 @@ PRESETS: dict[str, ModelConfig] = {
     ),
     "qwen3-30b-a3b": _QWEN3_30B_A3B,
     "qwen3-30b-a3b-half": dataclasses.replace(_QWEN3_30B_A3B, num_hidden_layers=24, name="qwen3-30b-a3b-half"),
+    # A hybrid for CPU tests and profiles: 3 DeltaNet + 1 gated attention layer, tiny heads and experts, the
+    # Qwen3.5/3.6 vocabulary (248,320 rows, the `qwen3.6` tokenizer's ids fit) and eos <|endoftext|>.
+    "qwen3.5-tiny": HybridConfig(
+        vocab_size=248320, hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=32, moe_intermediate_size=64, num_experts=16, num_experts_per_tok=4, norm_topk_prob=True,
+        rms_norm_eps=1e-6, rope_theta=10_000_000.0, max_position_embeddings=32768, tie_word_embeddings=False,
+        eos_token_id=248044, name="qwen3.5-tiny", layer_types=_hybrid_types(4), linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32, linear_conv_kernel_dim=4,
+        shared_expert_intermediate_size=64, partial_rotary_factor=0.25,
+    ),
+    # Qwen/Qwen3.5-35B-A3B (and Qwen3.6-35B-A3B) text_config: 40 layers (30 Gated DeltaNet, every 4th gated full
+    # attention), hidden 2048, 256 experts top-8 of FFN 512 plus a 512 shared expert, 16 query / 2 KV heads of
+    # 256 with RoPE on 64 dims (theta 1e7), DeltaNet 16 key / 32 value heads of 128, conv 4, vocabulary 248320,
+    # 262144 positions, untied. One bf16 bank: 40 x 256 x 3 x 2048 x 512 x 2 = 64.4 GB.
+    "qwen3.5-35b-a3b": HybridConfig(
+        vocab_size=248320, hidden_size=2048, num_hidden_layers=40, num_attention_heads=16, num_key_value_heads=2,
+        head_dim=256, moe_intermediate_size=512, num_experts=256, num_experts_per_tok=8, norm_topk_prob=True,
+        rms_norm_eps=1e-6, rope_theta=10_000_000.0, max_position_embeddings=262144, tie_word_embeddings=False,
+        eos_token_id=248044, name="qwen3.5-35b-a3b", layer_types=_hybrid_types(40), linear_num_key_heads=16,
+        linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
+        shared_expert_intermediate_size=512, partial_rotary_factor=0.25,
+    ),
 }
 
 
@@ -238,4 +396,8 @@ class EngineConfig:
         if slots < mc.num_experts_per_tok:
             raise ValueError(f"gpu_expert_slots ({slots}) must hold at least one token's experts "
                              f"(num_experts_per_tok={mc.num_experts_per_tok})")
+        if mc.is_hybrid and self.chunk_tokens % GDN_BLOCK:
+            raise ValueError(f"chunk_tokens must be a multiple of {GDN_BLOCK} for the hybrid model {mc.name!r} "
+                             f"(got {self.chunk_tokens}): the gated delta rule's {GDN_BLOCK}-token blocks must "
+                             "fall the same way in every prefill mode")
         return dataclasses.replace(self, model=mc, dtype=dtype, max_context=max_context, gpu_expert_slots=slots)
