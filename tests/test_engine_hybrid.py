@@ -353,3 +353,11 @@ def test_qwen3_5_tiny_preset_end_to_end_in_every_mode():
         assert stats.prefill_path == mode and stats.bank_bytes == engine.model_config.bank_bytes(4)
         outs[mode] = [(e.token_id, e.logprob) for e in events]
     assert all(v == outs["chunked"] for v in outs.values())
+
+
+def test_gpucheck_runs_on_cpu_at_the_tiny_shape(capsys):
+    from abbench.engine import gpucheck_hybrid
+
+    assert gpucheck_hybrid.main(["--device", "cpu", "--tokens", "200", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("bitwise equal") == 4 and "DeltaNet mixer / 64-token chunk" in out and "PASS" in out
