@@ -57,7 +57,8 @@ def run(argv: list[str] | None = None) -> tuple[bool, list[tuple[str, str]]]:
 
     p = argparse.ArgumentParser(prog="python -m abbench.engine.gpucheck_hybrid", description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--model", default=None, help="hybrid preset (default: qwen3.5-35b-a3b on cuda, qwen3.5-tiny on cpu)")
+    p.add_argument("--model", default=None,
+                   help="hybrid preset (default: qwen3.5-35b-a3b on cuda, qwen3.5-tiny on cpu)")
     p.add_argument("--layers", type=int, default=None, help="first N layers (default 8 on cuda, all of tiny on cpu)")
     p.add_argument("--tokens", type=int, default=None, help="prompt length (default 4096 on cuda, 300 on cpu)")
     p.add_argument("--chunk-tokens", type=int, default=None, help="a multiple of 64 (default 2048 on cuda, 64 on cpu)")
