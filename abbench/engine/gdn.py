@@ -17,7 +17,10 @@ Contract:
     sequence; callers keep their chunk lengths multiples of 64 (the engine enforces it for hybrid models).
   * On CUDA, when ``fla`` (flash-linear-attention / fla-core) imports, its ``chunk_gated_delta_rule`` and
     ``fused_recurrent_gated_delta_rule`` run instead (same arguments, fp32 state in and out); otherwise the
-    torch code below, which is the CPU path. ``BACKEND`` says which one a device gets.
+    torch code below, which is the CPU path. ``backend(device)`` says which one a device gets. In one
+    process Triton's autotuning settles once per shape, so every mode (same chunk shapes) gets the same
+    kernel configs after a warm-up; separate processes may autotune differently, which fla's
+    ``FLA_CACHE_MODE`` (configs from a cache file) pins.
 - Pure functions: nothing is written in place; the caller stores the returned states.
 """
 
@@ -119,11 +122,9 @@ def backend(device: torch.device) -> str:
 
 
 def _fla_rule(q, k, v, g, beta, state):
+    """fla-core >= 0.6 takes Hv > Hk itself (grouped value attention: value head h reads key head h // r, as
+    ``repeat_interleave`` above), the state as [N, Hv, Dk, Dv] float32 and scale Dk^-0.5 by default."""
     chunk, recurrent = _fla()
-    r = v.shape[1] // k.shape[1]
-    if r > 1:  # value heads share key heads: give every value head its own (copied) q/k head
-        q = q.repeat_interleave(r, dim=1)  # [T, Hv, Dk]
-        k = k.repeat_interleave(r, dim=1)  # [T, Hv, Dk]
     if state is None:
         state = torch.zeros(v.shape[1], k.shape[2], v.shape[2], dtype=torch.float32, device=v.device)
     fn = recurrent if v.shape[0] == 1 else chunk

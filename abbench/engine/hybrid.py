@@ -27,7 +27,9 @@ Contract:
   cache resumes a continuation bit for bit from the end of the cached prompt.
 - Chunks of one layer must run in position order (every prefill mode does), and chunk lengths must be
   multiples of ``gdn.BLOCK`` except the last (the engine validates ``chunk_tokens``); then chunked,
-  layer-major, demand and resident call the same functions with the same shapes and are bitwise equal.
+  layer-major, demand and resident call the same functions with the same shapes and are bitwise equal. A
+  prefill may start at any position (a prefix-cache hit): every mode plans its chunks from the same start,
+  and a cached prompt split at a multiple of 64 even equals the one-call prefill bit for bit.
 - Numerics follow transformers' ``Qwen3_5MoeForCausalLM``: zero-centred RMSNorm computes (x * rsqrt) * (1 + w)
   in float32 then casts; the gated RMSNorm applies its weight in the model dtype; RoPE tables are float32
   angles cast to the model dtype.
