@@ -233,6 +233,8 @@ class HybridConfig(ModelConfig):
             raise ValueError(f"{source}: hidden_act {raw.get('hidden_act')!r} is not supported (silu only)")
         if raw.get("attention_bias"):
             raise ValueError(f"{source}: attention_bias=true is not supported")
+        if raw.get("attn_output_gate", True) is False:
+            raise ValueError(f"{source}: attn_output_gate=false is not supported (gated attention only)")
         n_layers = int(raw.get("num_hidden_layers", 40))
         types = raw.get("layer_types")
         if not types:

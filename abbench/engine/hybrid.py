@@ -29,7 +29,8 @@ Contract:
   multiples of ``gdn.BLOCK`` except the last (the engine validates ``chunk_tokens``); then chunked,
   layer-major, demand and resident call the same functions with the same shapes and are bitwise equal. A
   prefill may start at any position (a prefix-cache hit): every mode plans its chunks from the same start,
-  and a cached prompt split at a multiple of 64 even equals the one-call prefill bit for bit.
+  and a prompt prefilled in two calls split at a multiple of ``chunk_tokens`` even equals the one-call
+  prefill bit for bit (the same chunks).
 - Numerics follow transformers' ``Qwen3_5MoeForCausalLM``: zero-centred RMSNorm computes (x * rsqrt) * (1 + w)
   in float32 then casts; the gated RMSNorm applies its weight in the model dtype; RoPE tables are float32
   angles cast to the model dtype.
