@@ -227,7 +227,12 @@ def test_all_modes_give_bitwise_identical_logits_kv_and_states(resident, n):
         else:
             assert (stats.path, stats.fallback_reason) == (mode, None)
     if n == 333:  # 6 chunks, 2 per 128-token window: 3 windows; 4 and 3 windows of other budgets agree too
-        assert _raw_prefill(resident, ids, "layer-major")[1].n_windows == 3
+        bank = resident.bank_bytes
+        assert bank == MINI.num_hidden_layers * MINI.num_experts * 3 * 64 * 32 * 4  # routed experts only
+        assert ref_stats.h2d_bytes == 6 * bank  # one bank per chunk; the shared experts never move
+        lm = _raw_prefill(resident, ids, "layer-major")[1]
+        assert (lm.n_windows, lm.h2d_bytes) == (3, 3 * bank)
+        assert _raw_prefill(resident, ids, "resident")[1].h2d_bytes == 0
         for window in (192, 256, 1024):
             logits, stats, cache = _raw_prefill(resident, ids, "layer-major", window_tokens=window)
             assert torch.equal(logits, ref_logits) and _same(cache, ref_cache), window
