@@ -1,4 +1,4 @@
-"""The vendored engine: an offloaded Mixture-of-Experts runtime for Qwen3-MoE models.
+"""The vendored engine: an offloaded Mixture-of-Experts runtime for Qwen3-MoE and Qwen3.5/3.6-MoE models.
 
 Every layer's experts live in host memory (page-locked on CUDA) and are streamed to the compute device;
 the dense weights, the KV cache, a double buffer of two layer banks and a decode slot cache live on the
@@ -12,8 +12,10 @@ only in how often the expert bank crosses PCIe:
 
 The same code runs on CPU (tests, CI) and CUDA. Modules: ``config`` (ModelConfig, PRESETS, EngineConfig;
 no torch), ``weights`` (random init and HF safetensors loading), ``experts`` (bank, buffers, slot cache,
-byte accounting), ``model`` (the decoder), ``prefill``, ``decode``, ``runtime`` (``Engine``, the API the
-HTTP server calls). It imports nothing from the rest of abbench.
+byte accounting), ``model`` (the decoder), ``hybrid`` and ``gdn`` (the Qwen3.5/3.6-MoE Gated DeltaNet hybrid
+and its delta-rule math), ``factory`` (the right model and cache for a config), ``prefill``, ``decode``,
+``runtime`` (``Engine``, the API the HTTP server calls), ``gpucheck_hybrid`` (a device self-check). It imports
+nothing from the rest of abbench.
 
 ``Engine`` is imported lazily so that ``abbench.engine.config`` works without torch.
 """

@@ -5,11 +5,21 @@ Contract:
   ``ModelConfig.from_hf_config(path)`` reads a local ``config.json`` and rejects what this all-MoE engine
   cannot run (another model_type, dense-MLP layers, sliding-window attention, scaled RoPE) with a clear
   ``ValueError``.
+- ``HybridConfig`` (a ``ModelConfig``) adds the shape of a Qwen3.5/3.6-MoE text decoder (transformers'
+  ``Qwen3_5MoeTextConfig``): per-layer ``layer_types`` (Gated DeltaNet "linear_attention" or gated
+  "full_attention"), the DeltaNet head shapes, the shared expert and partial RoPE. ``from_hf_config`` reads
+  model_type ``qwen3_5_moe`` (its ``text_config``) or ``qwen3_5_moe_text``. ``ModelConfig.is_hybrid`` tells them
+  apart. The routed experts (``bank_bytes``) are the same [E, 2I, H] / [E, H, I] bank as for Qwen3-MoE; the
+  shared expert is a dense weight.
 - ``PRESETS`` names the shapes the harness uses: ``tiny`` (seconds on 2 CPU cores, Qwen3 vocabulary),
-  ``qwen3-30b-a3b`` (the real model's shape), ``qwen3-30b-a3b-half`` (its first 24 layers) and
-  ``qwen3-30b-a3b-2507`` (the same shape with the 262,144-token context and RoPE theta 1e7 of the 2507 release).
+  ``qwen3-30b-a3b`` (the real model's shape), ``qwen3-30b-a3b-half`` (its first 24 layers),
+  ``qwen3-30b-a3b-2507`` (the same shape with the 262,144-token context and RoPE theta 1e7 of the 2507 release),
+  ``qwen3.5-tiny`` (a hybrid in seconds on CPU, Qwen3.5/3.6 vocabulary) and ``qwen3.5-35b-a3b``
+  (Qwen3.5/3.6-35B-A3B's text shape).
 - ``EngineConfig`` holds the engine's knobs; ``EngineConfig.resolved()`` fills the device-independent
-  defaults (dtype, max_context) and validates everything before any tensor exists.
+  defaults (dtype, max_context) and validates everything before any tensor exists; for a hybrid model
+  ``chunk_tokens`` must be a multiple of ``GDN_BLOCK`` (64), so that the delta rule's internal 64-token blocks
+  fall the same way whatever the chunking.
 - ``plan_device_memory`` sizes the decode slot cache from a device-memory budget: it adds up what the engine
   keeps on the device (dense weights, KV cache, the prefill double buffer, a workspace bound for one chunk
   and the parked layer-major activations, resident experts) and gives the rest to expert slots, the same
@@ -37,6 +47,9 @@ GIB = 2**30
 # What the budget sets aside beyond the engine's own tensors: the CUDA context, cuBLAS/CUTLASS workspaces,
 # decode graphs and allocator slack (the context alone is ~0.5 GiB on an H200 with torch 2.11).
 RUNTIME_RESERVE_BYTES = GIB
+GDN_BLOCK = 64  # the gated delta rule's internal block length (fla's chunk size)
+LAYER_TYPES = ("linear_attention", "full_attention")
+HYBRID_MODEL_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text")
 
 
 @dataclass(frozen=True)
@@ -78,6 +91,11 @@ class ModelConfig:
             object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
 
     @property
+    def is_hybrid(self) -> bool:
+        """Whether some layers are linear attention (a ``HybridConfig``)."""
+        return False
+
+    @property
     def eos_ids(self) -> frozenset[int]:
         """The stop token ids (empty when the config names none)."""
         if self.eos_token_id is None:
@@ -112,9 +130,11 @@ class ModelConfig:
     @classmethod
     def from_hf_dict(cls, raw: dict, source: str = "config") -> ModelConfig:
         model_type = raw.get("model_type")
+        if model_type in HYBRID_MODEL_TYPES:
+            return HybridConfig.from_hf_text_dict(raw, source)
         if model_type != "qwen3_moe":
-            raise ValueError(f"{source}: model_type is {model_type!r}; this engine runs only 'qwen3_moe' "
-                             "(Qwen3MoeForCausalLM) checkpoints")
+            raise ValueError(f"{source}: model_type is {model_type!r}; this engine runs 'qwen3_moe' "
+                             "(Qwen3MoeForCausalLM) and 'qwen3_5_moe' / 'qwen3_5_moe_text' checkpoints")
         n_layers = int(raw["num_hidden_layers"])
         n_experts = raw.get("num_experts", raw.get("num_local_experts"))  # transformers 5 writes the latter
         if not n_experts:
@@ -158,6 +178,125 @@ class ModelConfig:
         )
 
 
+@dataclass(frozen=True)
+class HybridConfig(ModelConfig):
+    """Shape of a Qwen3.5/3.6-MoE text decoder: Gated DeltaNet and gated full-attention layers, every layer a
+    sparse MoE (softmax top-k, always renormalised) plus a gated shared expert. Field names as in
+    transformers' ``Qwen3_5MoeTextConfig``; ``head_dim`` etc. describe the full-attention layers."""
+
+    layer_types: tuple[str, ...] = ()
+    linear_num_key_heads: int = 16
+    linear_num_value_heads: int = 32
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
+    linear_conv_kernel_dim: int = 4
+    shared_expert_intermediate_size: int = 512
+    partial_rotary_factor: float = 0.25
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers")
+        bad = sorted(set(self.layer_types) - set(LAYER_TYPES))
+        if bad:
+            raise ValueError(f"layer_types {bad} are not supported (known: {LAYER_TYPES})")
+        for name in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                     "linear_value_head_dim", "linear_conv_kernel_dim", "shared_expert_intermediate_size"):
+            if int(getattr(self, name)) <= 0:
+                raise ValueError(f"HybridConfig.{name} must be positive, got {getattr(self, name)}")
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ValueError(f"linear_num_value_heads ({self.linear_num_value_heads}) must be a multiple of "
+                             f"linear_num_key_heads ({self.linear_num_key_heads})")
+        if self.rotary_dim <= 0 or self.rotary_dim % 2:
+            raise ValueError(f"head_dim {self.head_dim} x partial_rotary_factor {self.partial_rotary_factor} "
+                             f"= {self.rotary_dim} rotary dims; must be positive and even")
+        if not self.norm_topk_prob:
+            raise ValueError("Qwen3.5-MoE always renormalises the top-k router weights (norm_topk_prob=True)")
+
+    @property
+    def is_hybrid(self) -> bool:
+        return True
+
+    @property
+    def rotary_dim(self) -> int:
+        """The rotated leading part of each attention head (the rest passes through)."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t == "full_attention")
+
+    @property
+    def linear_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t == "linear_attention")
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the depthwise conv: q and k (key heads) then v (value heads)."""
+        return (2 * self.linear_num_key_heads * self.linear_key_head_dim
+                + self.linear_num_value_heads * self.linear_value_head_dim)
+
+    @classmethod
+    def from_hf_text_dict(cls, raw: dict, source: str = "config") -> HybridConfig:
+        """A ``qwen3_5_moe`` (multimodal: its ``text_config``) or ``qwen3_5_moe_text`` config dict."""
+        top = raw
+        if raw.get("model_type") == "qwen3_5_moe":
+            if not isinstance(raw.get("text_config"), dict):
+                raise ValueError(f"{source}: model_type 'qwen3_5_moe' without a text_config")
+            raw = raw["text_config"]
+        if raw.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"{source}: hidden_act {raw.get('hidden_act')!r} is not supported (silu only)")
+        if raw.get("attention_bias"):
+            raise ValueError(f"{source}: attention_bias=true is not supported")
+        if raw.get("attn_output_gate", True) is False:
+            raise ValueError(f"{source}: attn_output_gate=false is not supported (gated attention only)")
+        n_layers = int(raw.get("num_hidden_layers", 40))
+        types = raw.get("layer_types")
+        if not types:
+            every = int(raw.get("full_attention_interval", 4))
+            types = ["linear_attention" if (i + 1) % every else "full_attention" for i in range(n_layers)]
+        rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+        rope_type = rope.get("rope_type") or rope.get("type") or "default"
+        if rope_type not in ("default", "mrope"):  # text-only positions make M-RoPE plain RoPE
+            raise ValueError(f"{source}: rope type {rope_type!r} is not supported (default RoPE only)")
+        theta = rope.get("rope_theta", raw.get("rope_theta", 10000.0))
+        partial = rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 0.25))
+        eos = raw.get("eos_token_id", top.get("eos_token_id"))
+        heads = int(raw.get("num_attention_heads", 16))
+        return cls(
+            vocab_size=int(raw.get("vocab_size", 248320)),
+            hidden_size=int(raw.get("hidden_size", 2048)),
+            num_hidden_layers=n_layers,
+            num_attention_heads=heads,
+            num_key_value_heads=int(raw.get("num_key_value_heads", 2)),
+            head_dim=int(raw.get("head_dim") or 256),
+            moe_intermediate_size=int(raw.get("moe_intermediate_size", 512)),
+            num_experts=int(raw.get("num_experts", raw.get("num_local_experts", 256))),
+            num_experts_per_tok=int(raw.get("num_experts_per_tok", 8)),
+            norm_topk_prob=True,
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(theta),
+            max_position_embeddings=int(raw.get("max_position_embeddings", 32768)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", top.get("tie_word_embeddings", False))),
+            eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
+            name=str(top.get("_name_or_path") or source),
+            layer_types=tuple(types),
+            linear_num_key_heads=int(raw.get("linear_num_key_heads", 16)),
+            linear_num_value_heads=int(raw.get("linear_num_value_heads", 32)),
+            linear_key_head_dim=int(raw.get("linear_key_head_dim", 128)),
+            linear_value_head_dim=int(raw.get("linear_value_head_dim", 128)),
+            linear_conv_kernel_dim=int(raw.get("linear_conv_kernel_dim", 4)),
+            shared_expert_intermediate_size=int(raw.get("shared_expert_intermediate_size", 512)),
+            partial_rotary_factor=float(partial),
+        )
+
+
+def _hybrid_types(n_layers: int, every: int = 4) -> tuple[str, ...]:
+    """Qwen3.5's layout: every ``every``-th layer full attention, the others Gated DeltaNet."""
+    return tuple("linear_attention" if (i + 1) % every else "full_attention" for i in range(n_layers))
+
+
 _QWEN3_30B_A3B = ModelConfig(
     # Qwen/Qwen3-30B-A3B config.json: 48 layers, 128 experts top-8 (normalised), hidden 2048, expert FFN 768,
     # 32 query / 4 KV heads of 128, vocabulary 151936, RoPE theta 1e6, RMS eps 1e-6, untied, 40960 positions.
@@ -180,6 +319,28 @@ PRESETS: dict[str, ModelConfig] = {
     # Qwen/Qwen3-30B-A3B-Instruct-2507 config.json: the same shape, 262,144 positions, RoPE theta 1e7.
     "qwen3-30b-a3b-2507": dataclasses.replace(_QWEN3_30B_A3B, max_position_embeddings=262_144,
                                               rope_theta=10_000_000.0, name="qwen3-30b-a3b-2507"),
+    # A hybrid for CPU tests and profiles: 3 DeltaNet + 1 gated attention layer, tiny heads and experts, the
+    # Qwen3.5/3.6 vocabulary (248,320 rows, the `qwen3.6` tokenizer's ids fit) and eos <|endoftext|>.
+    "qwen3.5-tiny": HybridConfig(
+        vocab_size=248320, hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=32, moe_intermediate_size=64, num_experts=16, num_experts_per_tok=4, norm_topk_prob=True,
+        rms_norm_eps=1e-6, rope_theta=10_000_000.0, max_position_embeddings=32768, tie_word_embeddings=False,
+        eos_token_id=248044, name="qwen3.5-tiny", layer_types=_hybrid_types(4), linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32, linear_conv_kernel_dim=4,
+        shared_expert_intermediate_size=64, partial_rotary_factor=0.25,
+    ),
+    # Qwen/Qwen3.5-35B-A3B (and Qwen3.6-35B-A3B) text_config: 40 layers (30 Gated DeltaNet, every 4th gated full
+    # attention), hidden 2048, 256 experts top-8 of FFN 512 plus a 512 shared expert, 16 query / 2 KV heads of
+    # 256 with RoPE on 64 dims (theta 1e7), DeltaNet 16 key / 32 value heads of 128, conv 4, vocabulary 248320,
+    # 262144 positions, untied. One bf16 bank: 40 x 256 x 3 x 2048 x 512 x 2 = 64.4 GB.
+    "qwen3.5-35b-a3b": HybridConfig(
+        vocab_size=248320, hidden_size=2048, num_hidden_layers=40, num_attention_heads=16, num_key_value_heads=2,
+        head_dim=256, moe_intermediate_size=512, num_experts=256, num_experts_per_tok=8, norm_topk_prob=True,
+        rms_norm_eps=1e-6, rope_theta=10_000_000.0, max_position_embeddings=262144, tie_word_embeddings=False,
+        eos_token_id=248044, name="qwen3.5-35b-a3b", layer_types=_hybrid_types(40), linear_num_key_heads=16,
+        linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
+        shared_expert_intermediate_size=512, partial_rotary_factor=0.25,
+    ),
 }
 
 
@@ -269,6 +430,10 @@ class EngineConfig:
             if slots < mc.num_experts_per_tok:
                 raise ValueError(f"expert_slots_per_layer ({slots}) must hold at least one token's experts "
                                  f"(num_experts_per_tok={mc.num_experts_per_tok})")
+        if mc.is_hybrid and self.chunk_tokens % GDN_BLOCK:
+            raise ValueError(f"chunk_tokens must be a multiple of {GDN_BLOCK} for the hybrid model {mc.name!r} "
+                             f"(got {self.chunk_tokens}): the gated delta rule's {GDN_BLOCK}-token blocks must "
+                             "fall the same way in every prefill mode")
         return dataclasses.replace(self, model=mc, dtype=dtype, max_context=max_context)
 
 
@@ -305,12 +470,36 @@ class MemoryPlan:
 
 
 def dense_params(mc: ModelConfig) -> int:
-    """Parameters of everything but the routed experts."""
+    """Parameters of everything but the routed experts (for a hybrid: DeltaNet and gated attention layers and
+    the shared experts too)."""
     h, d = mc.hidden_size, mc.head_dim
     attn = h * d * (2 * mc.num_attention_heads + 2 * mc.num_key_value_heads) + 2 * d  # q, o, k, v, q/k norms
-    per_layer = attn + mc.num_experts * h + 2 * h  # + router + the two norms
+    per_layer = mc.num_experts * h + 2 * h  # router + the two norms
     embeds = mc.vocab_size * h * (1 if mc.tie_word_embeddings else 2)
-    return mc.num_hidden_layers * per_layer + embeds + h
+    if not mc.is_hybrid:
+        return mc.num_hidden_layers * (per_layer + attn) + embeds + h
+    assert isinstance(mc, HybridConfig)
+    gated_attn = attn + h * d * mc.num_attention_heads  # q_proj also gives the output gate
+    vd = mc.linear_num_value_heads * mc.linear_value_head_dim
+    gdn = (h * mc.conv_dim + h * vd + 2 * h * mc.linear_num_value_heads + mc.conv_dim * mc.linear_conv_kernel_dim
+           + 2 * mc.linear_num_value_heads + mc.linear_value_head_dim + vd * h)  # qkv, z, b, a, conv, A, dt, norm, out
+    shared = 3 * h * mc.shared_expert_intermediate_size + h
+    n_attn = len(mc.attention_layers)
+    return (n_attn * gated_attn + (mc.num_hidden_layers - n_attn) * gdn
+            + mc.num_hidden_layers * (per_layer + shared) + embeds + h)
+
+
+def kv_cache_bytes(mc: ModelConfig, max_context: int, item: int) -> int:
+    """Bytes of the KV cache (attention layers only, for a hybrid) plus the DeltaNet conv and float32 recurrent
+    states."""
+    per_layer = 2 * mc.num_key_value_heads * max_context * mc.head_dim * item
+    if not mc.is_hybrid:
+        return mc.num_hidden_layers * per_layer
+    assert isinstance(mc, HybridConfig)
+    n_lin = len(mc.linear_layers)
+    states = n_lin * (mc.conv_dim * (mc.linear_conv_kernel_dim - 1) * item
+                      + mc.linear_num_value_heads * mc.linear_key_head_dim * mc.linear_value_head_dim * 4)
+    return len(mc.attention_layers) * per_layer + 2 * states  # states and their prefix-cache snapshot
 
 
 def plan_device_memory(config: EngineConfig, budget_bytes: int) -> MemoryPlan:
@@ -332,7 +521,7 @@ def plan_device_memory(config: EngineConfig, budget_bytes: int) -> MemoryPlan:
     parked = min(config.layer_major_window_tokens, config.max_context) * h * item
     plan = dict(
         budget_bytes=int(budget_bytes), dense_bytes=dense_params(mc) * item,
-        kv_bytes=2 * mc.num_hidden_layers * mc.num_key_value_heads * config.max_context * mc.head_dim * item,
+        kv_bytes=kv_cache_bytes(mc, config.max_context, item),
         prefill_buffer_bytes=2 * layer_bank, resident_bytes=mc.num_hidden_layers * layer_bank if resident else 0,
         workspace_bytes=chunk_ws + parked + 2 * mc.vocab_size * 4, reserve_bytes=RUNTIME_RESERVE_BYTES,
         slot_bytes=mc.num_hidden_layers * expert, slots_per_layer=0)

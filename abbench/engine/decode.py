@@ -50,25 +50,32 @@ def kv_len_for(pos: int, max_context: int) -> int:
 
 
 class _Graphs:
-    """CUDA graphs keyed by (piece, kv_len), captured on first use and sharing one memory pool."""
+    """CUDA graphs keyed by (piece, kv_len) sharing one memory pool. A piece runs eagerly the first time its key
+    is seen (that run is the step's real work and warms lazy initialisation, workspaces and autotuning), is
+    captured the second time (capture executes nothing) and replayed from then on. So every step executes
+    each piece exactly once, which matters for pieces that update state in place (a DeltaNet recurrent
+    state), and eager and replayed pieces run the same kernels."""
 
     def __init__(self, device: torch.device):
         self.device = device
         self.pool = torch.cuda.graph_pool_handle()
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self.seen: set[tuple] = set()
         self.stream = torch.cuda.Stream(device)
 
     def run(self, key: tuple, fn: Callable[[], None]) -> None:
         g = self.graphs.get(key)
         if g is None:
+            if key not in self.seen:
+                self.seen.add(key)
+                fn()
+                return
             current = torch.cuda.current_stream(self.device)
             self.stream.wait_stream(current)
-            with torch.cuda.stream(self.stream):
-                fn()  # warm-up outside the graph (lazy inits, workspaces, autotuning)
-            current.wait_stream(self.stream)
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"):
                 fn()
+            current.wait_stream(self.stream)
             self.graphs[key] = g
         g.replay()
 

@@ -13,8 +13,10 @@ Contract (the server relies on it):
 - The EOS token, when generated and ``ignore_eos`` is false, is yielded and counted (finish_reason "stop").
 - Prefix cache: the KV of the previous request's prompt and generated tokens stays valid; a new prompt
   sharing a prefix with those tokens reuses it (at most len(prompt) - 1 tokens, so at least one token is
-  prefilled) and prefills the rest in chunks starting at the reuse point. ``reset()`` flushes the prefix
-  cache and the decode slot cache.
+  prefilled) and prefills the rest in chunks starting at the reuse point. Hybrid models (linear-attention
+  states, valid only where snapshotted) reuse exactly the previous prompt when the new prompt extends it
+  (the states are snapshotted at the end of every prefill), else nothing. ``reset()`` flushes the prefix
+  cache (and the hybrid states) and the decode slot cache.
 - Byte accounting per request (``RequestStats``) and for the engine's lifetime (``counters``).
 
 Fault injection (tests only): the environment variable ``ABBENCH_ENGINE_FAULT``, read once when the Engine
@@ -39,9 +41,8 @@ import torch
 from .config import PREFILL_MODES, EngineConfig, MemoryPlan, ModelConfig, plan_device_memory
 from .decode import Decoder, Sampler
 from .experts import ExpertBank, ExpertStore
-from .model import KVCache, Model
+from .factory import build_model
 from .prefill import CancelLike, Cancelled, PrefillStats, check_cancel, prefill
-from .weights import load_checkpoint, random_weights
 
 __all__ = ["Cancelled", "ContextOverflow", "Engine", "RequestStats", "TokenEvent"]
 
@@ -120,12 +121,7 @@ class Engine:
         with self._on_device():
             self.memory_plan = self._plan_memory()
             bank = ExpertBank(mc, self.dtype, pin=self.device.type == "cuda", check_memory=cfg.host_memory_check)
-            if cfg.weights.startswith("random:"):
-                dense = random_weights(mc, int(cfg.weights.split(":", 1)[1]), bank, self.device, self.dtype)
-            else:
-                dense = load_checkpoint(cfg.weights, mc, bank, self.device, self.dtype)
-            self.model = Model(mc, dense, cfg.max_context, self.device, self.dtype)
-            self.kv = KVCache(mc, cfg.max_context, self.device, self.dtype)
+            self.model, self.kv = build_model(mc, cfg.weights, bank, cfg.max_context, self.device, self.dtype)
             self.slots_per_layer = self.memory_plan.slots_per_layer if self.memory_plan else (
                 cfg.expert_slots_per_layer or mc.num_experts)
             resident = cfg.prefill_mode == "resident"
@@ -147,6 +143,10 @@ class Engine:
             raise ValueError(f"{FAULT_ENV}={fault!r}: unknown fault (known: {', '.join(FAULTS)}); unset it")
         self._fault: str | None = fault or None  # test-only, see the module docstring
         self._kv_tokens: list[int] = []  # tokens whose KV is valid at positions [0, len) in every layer
+        # Hybrid models: the linear layers' states are valid only where they were snapshotted, at the end of
+        # the last prefilled prompt (0: no snapshot). A prompt reuses the prefix cache only up to that point.
+        self._hybrid = mc.is_hybrid
+        self._states_at = 0
         self._lock = threading.Lock()
         self.startup_s = time.perf_counter() - t0
 
@@ -213,6 +213,9 @@ class Engine:
             raise RuntimeError("Engine.reset() while a request is running")
         try:
             self._kv_tokens = []
+            self._states_at = 0
+            if self._hybrid:
+                self.kv.clear()
             self.store.flush_slots()
         finally:
             self._lock.release()
@@ -269,11 +272,20 @@ class Engine:
             if self.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(self.device)
             reuse = min(_common_prefix(self._kv_tokens, prompt), len(prompt) - 1)
+            if self._hybrid:  # resume exactly at the snapshot (a continuation of the last prompt) or not at all
+                reuse = self._states_at if 0 < self._states_at <= reuse else 0
+                if reuse:
+                    with self._on_device():
+                        self.kv.restore()
             self._kv_tokens = self._kv_tokens[:reuse]  # only the shared prefix stays valid from here on
             prefill_start = time.perf_counter()
             logits, pstats = self._prefill(prompt[reuse:], reuse, mode, cancel)
             prefill_end = time.perf_counter()
             self._kv_tokens = list(prompt)
+            if self._hybrid:
+                with self._on_device():
+                    self.kv.snapshot()
+                self._states_at = len(prompt)
             counters["requests_by_path"][pstats.path] += 1
             counters["prefill_tokens_by_path"][pstats.path] += pstats.n_tokens
             counters["cached_prompt_tokens_total"] += reuse

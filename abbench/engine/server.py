@@ -718,7 +718,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
                    "with config.json (default: tiny, or the checkpoint's config when --weights is a directory)")
     e.add_argument("--weights", default="random:0", help="'random:SEED' or an HF checkpoint directory")
     e.add_argument("--tokenizer", default=None, help="qwen3, qwen3.6 or a local HF tokenizer directory "
-                   "(default: qwen3 for presets, the model directory otherwise)")
+                   "(default: qwen3.6 for the qwen3.5-* presets, qwen3 for the other presets, the model "
+                   "directory otherwise)")
     e.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     e.add_argument("--dtype", default=None, choices=DTYPES, help="default: float32 on cpu, bfloat16 on cuda")
     e.add_argument("--prefill-mode", default="chunked", choices=PREFILL_MODES)
@@ -798,7 +799,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.model in PRESETS or not os.path.exists(args.model):
         model_dir = None
     try:
-        tokenizer = load_tokenizer(args.tokenizer or model_dir or "qwen3")
+        preset = PRESETS.get(args.model)
+        default_tokenizer = "qwen3.6" if preset is not None and preset.is_hybrid else "qwen3"
+        tokenizer = load_tokenizer(args.tokenizer or model_dir or default_tokenizer)
     except TokenizerSpecError as exc:
         parser.error(str(exc))
 

@@ -18,6 +18,14 @@ Contract:
   * fused (transformers 5.x in-memory ``state_dict``): ``model.layers.{l}.mlp.experts.gate_up_proj``
     [E, 2I, H] (gate rows first) and ``model.layers.{l}.mlp.experts.down_proj`` [E, H, I].
   Shapes are checked against the ModelConfig with errors that name the key.
+- Hybrid models (``HybridConfig``, Qwen3.5/3.6-MoE): ``random_hybrid_weights`` and ``load_hybrid_checkpoint``
+  have the same contracts and fill the same expert bank (routed experts only; the shared expert is a dense
+  weight). Random: matrices N(0, 1/fan_in), the conv N(0, 1/K), zero-centred norm weights zeros (scale 1),
+  the gated norm ones, dt_bias ones, A_log = log(U(1, 16)) (so g is O(-1..-16) per token: the state forgets
+  within a few tokens to a few hundred). Checkpoints: the keys of ``Qwen3_5MoeForCausalLM``
+  (``model.layers.{l}.linear_attn.*`` / ``self_attn.*`` / ``mlp.shared_expert*``) or of the multimodal
+  ``Qwen3_5MoeForConditionalGeneration`` (``model.language_model.`` prefix; vision and MTP tensors ignored),
+  routed experts per expert or fused as above.
 """
 
 from __future__ import annotations
@@ -29,11 +37,14 @@ import torch
 
 from .config import ModelConfig
 from .experts import ExpertBank
+from .config import HybridConfig
+from .hybrid import AttnWeights, HybridLayerWeights, HybridWeights, LinearWeights
 from .model import DenseWeights, LayerWeights
 
 
 # Tensor kinds for seeding (stable numbers: changing them changes every random model).
 _EMBED, _LM_HEAD, _Q, _K, _V, _O, _ROUTER, _GATE_UP, _DOWN = range(9)
+_QKV, _Z, _B, _A, _CONV, _ALOG, _OUT, _SH_GATE_UP, _SH_DOWN, _SH_GATE = range(9, 19)  # hybrid models
 
 
 def _seed(seed: int, layer: int, kind: int) -> int:
@@ -137,3 +148,106 @@ def load_checkpoint(path: str | Path, cfg: ModelConfig, bank: ExpertBank, device
     else:
         raise ValueError(f"{path}: lm_head.weight is missing and tie_word_embeddings is false")
     return DenseWeights(embed=embed, layers=layers, norm=dev("model.norm.weight", (h,)), lm_head=lm_head)
+
+
+def random_hybrid_weights(cfg: HybridConfig, seed: int, bank: ExpertBank, device: torch.device,
+                          dtype: torch.dtype) -> HybridWeights:
+    gen = torch.Generator(device=device)
+
+    def normal(shape: tuple[int, ...], layer: int, kind: int, std: float | None = None) -> torch.Tensor:
+        gen.manual_seed(_seed(seed, layer, kind))
+        t = torch.randn(shape, generator=gen, device=device, dtype=torch.float32)
+        return t.mul_(shape[-1] ** -0.5 if std is None else std).to(dtype)
+
+    def const(n: int, value: float) -> torch.Tensor:
+        return torch.full((n,), value, device=device, dtype=dtype)
+
+    h, d, e, i = cfg.hidden_size, cfg.head_dim, cfg.num_experts, cfg.moe_intermediate_size
+    hq, hkv, i_s = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.shared_expert_intermediate_size
+    hv, dv, c = cfg.linear_num_value_heads, cfg.linear_value_head_dim, cfg.conv_dim
+    layers = []
+    for l in range(cfg.num_hidden_layers):
+        if cfg.layer_types[l] == "full_attention":
+            mixer = AttnWeights(q_proj=normal((hq * 2 * d, h), l, _Q), k_proj=normal((hkv * d, h), l, _K),
+                                v_proj=normal((hkv * d, h), l, _V), o_proj=normal((h, hq * d), l, _O),
+                                q_norm=const(d, 0.0), k_norm=const(d, 0.0))
+        else:
+            gen.manual_seed(_seed(seed, l, _ALOG))
+            a = torch.rand(hv, generator=gen, device=device, dtype=torch.float32) * 15 + 1  # [Hv] U(1, 16)
+            mixer = LinearWeights(
+                in_proj_qkv=normal((c, h), l, _QKV), in_proj_z=normal((hv * dv, h), l, _Z),
+                in_proj_b=normal((hv, h), l, _B), in_proj_a=normal((hv, h), l, _A),
+                conv=normal((c, cfg.linear_conv_kernel_dim), l, _CONV), dt_bias=const(hv, 1.0),
+                A_log=a.log().to(dtype), norm=const(dv, 1.0), out_proj=normal((h, hv * dv), l, _OUT))
+        layers.append(HybridLayerWeights(
+            input_norm=const(h, 0.0), mixer=mixer, post_norm=const(h, 0.0), router=normal((e, h), l, _ROUTER),
+            shared_gate_up=normal((2 * i_s, h), l, _SH_GATE_UP), shared_down=normal((h, i_s), l, _SH_DOWN),
+            shared_gate=normal((1, h), l, _SH_GATE)))
+        bank.gate_up[l].copy_(normal((e, 2 * i, h), l, _GATE_UP))  # one layer at a time through the device
+        bank.down[l].copy_(normal((e, h, i), l, _DOWN))
+    embed = normal((cfg.vocab_size, h), -1, _EMBED, std=1.0)
+    lm_head = embed if cfg.tie_word_embeddings else normal((cfg.vocab_size, h), -1, _LM_HEAD)
+    return HybridWeights(embed=embed, layers=layers, norm=const(h, 0.0), lm_head=lm_head)
+
+
+def _load_experts(ck: _Checkpoint, p: str, l: int, cfg: ModelConfig, bank: ExpertBank) -> None:
+    """Layer ``l``'s routed experts (key prefix ``p``), fused or per expert, into the bank."""
+    h, e, i = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+    fused = p + "mlp.experts.gate_up_proj"
+    if fused in ck:
+        bank.gate_up[l].copy_(ck.get(fused, (e, 2 * i, h)))
+        bank.down[l].copy_(ck.get(p + "mlp.experts.down_proj", (e, h, i)))
+        return
+    for x in range(e):
+        q = f"{p}mlp.experts.{x}."
+        bank.gate_up[l][x, :i].copy_(ck.get(q + "gate_proj.weight", (i, h)))
+        bank.gate_up[l][x, i:].copy_(ck.get(q + "up_proj.weight", (i, h)))
+        bank.down[l][x].copy_(ck.get(q + "down_proj.weight", (h, i)))
+
+
+def load_hybrid_checkpoint(path: str | Path, cfg: HybridConfig, bank: ExpertBank, device: torch.device,
+                           dtype: torch.dtype) -> HybridWeights:
+    ck = _Checkpoint(Path(path))
+    root = "model.language_model." if "model.language_model.embed_tokens.weight" in ck else "model."
+    h, d = cfg.hidden_size, cfg.head_dim
+    hq, hkv, i_s = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.shared_expert_intermediate_size
+    hv, dv, c = cfg.linear_num_value_heads, cfg.linear_value_head_dim, cfg.conv_dim
+
+    def dev(key: str, shape: tuple[int, ...]) -> torch.Tensor:
+        return ck.get(key, shape).to(device=device, dtype=dtype)
+
+    layers = []
+    for l in range(cfg.num_hidden_layers):
+        p = f"{root}layers.{l}."
+        if cfg.layer_types[l] == "full_attention":
+            a = p + "self_attn."
+            mixer = AttnWeights(q_proj=dev(a + "q_proj.weight", (hq * 2 * d, h)),
+                                k_proj=dev(a + "k_proj.weight", (hkv * d, h)),
+                                v_proj=dev(a + "v_proj.weight", (hkv * d, h)),
+                                o_proj=dev(a + "o_proj.weight", (h, hq * d)),
+                                q_norm=dev(a + "q_norm.weight", (d,)), k_norm=dev(a + "k_norm.weight", (d,)))
+        else:
+            a = p + "linear_attn."
+            mixer = LinearWeights(
+                in_proj_qkv=dev(a + "in_proj_qkv.weight", (c, h)), in_proj_z=dev(a + "in_proj_z.weight", (hv * dv, h)),
+                in_proj_b=dev(a + "in_proj_b.weight", (hv, h)), in_proj_a=dev(a + "in_proj_a.weight", (hv, h)),
+                conv=dev(a + "conv1d.weight", (c, 1, cfg.linear_conv_kernel_dim))[:, 0].contiguous(),
+                dt_bias=dev(a + "dt_bias", (hv,)), A_log=dev(a + "A_log", (hv,)),
+                norm=dev(a + "norm.weight", (dv,)), out_proj=dev(a + "out_proj.weight", (h, hv * dv)))
+        s = p + "mlp.shared_expert."
+        layers.append(HybridLayerWeights(
+            input_norm=dev(p + "input_layernorm.weight", (h,)), mixer=mixer,
+            post_norm=dev(p + "post_attention_layernorm.weight", (h,)),
+            router=dev(p + "mlp.gate.weight", (cfg.num_experts, h)),
+            shared_gate_up=torch.cat([dev(s + "gate_proj.weight", (i_s, h)), dev(s + "up_proj.weight", (i_s, h))]),
+            shared_down=dev(s + "down_proj.weight", (h, i_s)),
+            shared_gate=dev(p + "mlp.shared_expert_gate.weight", (1, h))))
+        _load_experts(ck, p, l, cfg, bank)
+    embed = dev(root + "embed_tokens.weight", (cfg.vocab_size, h))
+    if cfg.tie_word_embeddings:
+        lm_head = embed
+    elif "lm_head.weight" in ck:
+        lm_head = dev("lm_head.weight", (cfg.vocab_size, h))
+    else:
+        raise ValueError(f"{path}: lm_head.weight is missing and tie_word_embeddings is false")
+    return HybridWeights(embed=embed, layers=layers, norm=dev(root + "norm.weight", (h,)), lm_head=lm_head)

@@ -1,0 +1,30 @@
+"""Builds the right decoder and cache for a ModelConfig: ``build_model(...) -> (model, cache)``.
+
+Contract: a plain ``ModelConfig`` gives ``model.Model`` with a ``model.KVCache``; a ``HybridConfig``
+(Qwen3.5/3.6-MoE) gives ``hybrid.HybridModel`` with a ``hybrid.HybridCache``. Both models have the methods
+``prefill`` and ``decode`` call; the routed experts go into ``bank`` either way. ``weights`` is
+"random:SEED" or a local checkpoint directory.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .config import ModelConfig
+from .experts import ExpertBank
+from .hybrid import HybridCache, HybridModel
+from .model import KVCache, Model
+from .weights import load_checkpoint, load_hybrid_checkpoint, random_hybrid_weights, random_weights
+
+
+def build_model(mc: ModelConfig, weights: str, bank: ExpertBank, max_context: int, device: torch.device,
+                dtype: torch.dtype) -> tuple[Model | HybridModel, KVCache | HybridCache]:
+    seed = int(weights.split(":", 1)[1]) if weights.startswith("random:") else None
+    if mc.is_hybrid:
+        dense = (random_hybrid_weights(mc, seed, bank, device, dtype) if seed is not None
+                 else load_hybrid_checkpoint(weights, mc, bank, device, dtype))
+        return (HybridModel(mc, dense, max_context, device, dtype),
+                HybridCache(mc, max_context, device, dtype))
+    dense = (random_weights(mc, seed, bank, device, dtype) if seed is not None
+             else load_checkpoint(weights, mc, bank, device, dtype))
+    return Model(mc, dense, max_context, device, dtype), KVCache(mc, max_context, device, dtype)

@@ -1,0 +1,145 @@
+"""Self-check of the hybrid (Qwen3.5/3.6-MoE) engine on one device: bitwise equality of the prefill modes and
+the time of one Gated DeltaNet layer per chunk.
+
+``python -m abbench.engine.gpucheck_hybrid [--layers N] [--tokens T] [--chunk-tokens C] [--device D]``
+
+On CUDA (the default when available) it builds the first ``--layers`` layers (default 8: 6 DeltaNet, 2 gated
+attention) of the full ``qwen3.5-35b-a3b`` shape with random bf16 weights, prefills one random ``--tokens``
+prompt (default 4096) in every mode (chunked, layer-major with windows of 2 chunks, demand, resident) after one
+warm-up prefill (kernels and Triton autotuning settle on the shapes every mode then uses), and checks that the
+logits, the attention layers' KV and the DeltaNet conv/recurrent states are bitwise equal to chunked. It then
+times, per ``--chunk-tokens`` chunk (default 2048): one DeltaNet mixer (projections, conv, delta rule, gated
+norm, out_proj), one whole DeltaNet layer with resident experts, and one gated-attention layer at the prompt's
+last chunk. It prints a short table and exits 1 on any mismatch. On CPU it runs the ``qwen3.5-tiny`` shape
+(default 300 tokens in 64-token chunks) in seconds, which is how the tests exercise it.
+
+It reports which delta-rule implementation ran (``fla`` when flash-linear-attention imports on CUDA, else the
+torch path) and the expert kernel.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+
+import torch
+
+from .config import PRESETS, EngineConfig
+from .model import attention_backends
+from .prefill import prefill
+
+MODES = ("chunked", "layer-major", "demand", "resident")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(fn, device: torch.device, repeats: int) -> float:
+    """Median seconds of ``fn()`` over ``repeats`` runs after one warm-up."""
+    fn()
+    _sync(device)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+def run(argv: list[str] | None = None) -> tuple[bool, list[tuple[str, str]]]:
+    """Run the check; returns (all modes bitwise equal, table rows (what, value))."""
+    from .runtime import Engine
+
+    p = argparse.ArgumentParser(prog="python -m abbench.engine.gpucheck_hybrid", description=__doc__.split("\n")[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--model", default=None,
+                   help="hybrid preset (default: qwen3.5-35b-a3b on cuda, qwen3.5-tiny on cpu)")
+    p.add_argument("--layers", type=int, default=None, help="first N layers (default 8 on cuda, all of tiny on cpu)")
+    p.add_argument("--tokens", type=int, default=None, help="prompt length (default 4096 on cuda, 300 on cpu)")
+    p.add_argument("--chunk-tokens", type=int, default=None, help="a multiple of 64 (default 2048 on cuda, 64 on cpu)")
+    p.add_argument("--repeats", type=int, default=5, help="timed repetitions (median)")
+    args = p.parse_args(argv)
+    cuda = args.device.startswith("cuda")
+    preset = PRESETS[args.model or ("qwen3.5-35b-a3b" if cuda else "qwen3.5-tiny")]
+    if not preset.is_hybrid:
+        p.error(f"{preset.name} is not a hybrid preset")
+    n_layers = min(args.layers or (8 if cuda else preset.num_hidden_layers), preset.num_hidden_layers)
+    tokens = args.tokens or (4096 if cuda else 300)
+    chunk = args.chunk_tokens or (2048 if cuda else 64)
+    mc = dataclasses.replace(preset, num_hidden_layers=n_layers, layer_types=preset.layer_types[:n_layers],
+                             name=f"{preset.name}[:{n_layers}]")
+    t0 = time.perf_counter()
+    engine = Engine(EngineConfig(model=mc, weights="random:0", device=args.device, prefill_mode="resident",
+                                 chunk_tokens=chunk, layer_major_window_tokens=2 * chunk, demand_max_tokens=chunk,
+                                 max_context=tokens + 64, bandwidth_probe_bytes=0))
+    build_s = time.perf_counter() - t0
+    dev, model, kv = engine.device, engine.model, engine.kv
+    ids = torch.randint(0, mc.vocab_size, (tokens,), generator=torch.Generator().manual_seed(0)).to(dev)
+
+    def prefill_mode(mode: str):
+        engine.reset()
+        engine.store.begin_request()
+        logits, stats = prefill(model, engine.store, kv, ids, 0, mode, chunk_tokens=chunk, window_tokens=2 * chunk,
+                                demand_max_tokens=chunk)
+        _sync(dev)
+        cache = [t[:, :tokens].clone() for t in kv.k + kv.v] + [t.clone() for t in kv.states()]
+        return logits.clone(), stats, cache
+
+    rows = [("device", f"{dev} ({torch.cuda.get_device_name(dev) if cuda else 'cpu'})"),
+            ("model", f"{mc.name}: {len(mc.linear_layers)} DeltaNet + {len(mc.attention_layers)} attention layers, "
+                      f"{engine.dtype}"),
+            ("kernels", f"delta rule {model.gdn_backend}, experts {model.moe_kernel}"),
+            ("build", f"{build_s:.1f} s (bank {engine.bank_bytes / 1e9:.2f} GB)")]
+    prefill_mode("chunked")  # warm-up: kernels, autotuning, allocator
+    ref_logits, _, ref_cache = prefill_mode("chunked")
+    ok = True
+    for mode in MODES:
+        t0 = time.perf_counter()
+        logits, stats, cache = prefill_mode(mode)
+        secs = time.perf_counter() - t0
+        same = torch.equal(logits, ref_logits) and all(torch.equal(a, b) for a, b in zip(cache, ref_cache, strict=True))
+        ok &= same
+        rows.append((f"prefill {mode}", f"{'bitwise equal' if same else 'DIFFERS'}; path {stats.path}, "
+                                        f"{stats.n_chunks} chunks, {stats.n_windows} windows, "
+                                        f"H2D {stats.h2d_bytes / 1e9:.2f} GB, {secs:.3f} s"))
+
+    # timings per chunk: DeltaNet mixer, a whole DeltaNet layer (resident experts), a gated-attention layer at
+    # the last chunk of the prompt (its KV prefix written by the prefills above)
+    lin, attn = mc.linear_layers[0], (mc.attention_layers[0] if mc.attention_layers else None)
+    g = torch.Generator(device=dev).manual_seed(1)
+    x = torch.randn(chunk, mc.hidden_size, generator=g, device=dev, dtype=engine.dtype)  # [C, H]
+    i = kv.slot[lin]
+    conv0, rec0 = kv.conv[i].clone(), kv.rec[i].clone()
+    gate_up, down = engine.store.resident[lin]
+    with torch.no_grad(), attention_backends():
+        mixer_s = _timed(lambda: model.linear_mixer(lin, x, conv0, rec0), dev, args.repeats)
+        layer_s = _timed(lambda: model.moe_block(*model.attn_block(lin, x, kv, chunk), gate_up, down), dev,
+                         args.repeats)
+        rows.append((f"DeltaNet mixer / {chunk}-token chunk", f"{mixer_s * 1e3:.2f} ms"))
+        rows.append((f"DeltaNet layer + MoE / {chunk}-token chunk", f"{layer_s * 1e3:.2f} ms"))
+        if attn is not None:
+            start = max(0, tokens - chunk) // 64 * 64
+            a_gu, a_dn = engine.store.resident[attn]
+            attn_s = _timed(lambda: model.moe_block(*model.attn_block(attn, x, kv, start), a_gu, a_dn), dev,
+                            args.repeats)
+            rows.append((f"attention layer + MoE / chunk at {start}", f"{attn_s * 1e3:.2f} ms"))
+    engine.reset()
+    return ok, rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ok, rows = run(argv)
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        print(f"{k:<{width}}  {v}")
+    print("PASS: every mode bitwise equal to chunked" if ok else "FAIL: some mode differs from chunked")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,309 @@
+"""The Qwen3.5/3.6-MoE text decoder (Gated DeltaNet + gated attention hybrid), one request at a time.
+
+Contract:
+- ``HybridModel`` has the interface of ``model.Model`` that ``prefill`` and ``decode`` drive:
+  ``embed(ids)``, ``attn_block(layer, x, cache, start) -> (x, h, top_w, top_ids)``,
+  ``moe_block(x, h, top_w, top_ids, gate_up, down)``, ``logits(x_last)``, plus the static-shape decode step
+  ``decode_attn_block(layer, x, cache, pos_t, kv_len)``. The layer type is dispatched inside ``attn_block``:
+  * "full_attention": gated attention. q_proj gives each head's query and gate ([Hq, 2D]: query then gate),
+    zero-centred RMSNorm on q and k, RoPE on the first ``rotary_dim`` dims of each head (partial RoPE; with
+    text-only positions transformers' M-RoPE is plain RoPE), SDPA over the KV cache with the same masks as
+    ``Model``, output times sigmoid(gate), o_proj. KV at positions [start, start+T).
+  * "linear_attention": Gated DeltaNet (``gdn``). in_proj_qkv / z / b / a, the causal conv (kernel K) with
+    SiLU on the pre-split qkv continuing from the layer's conv state, g = -exp(A_log) * softplus(a + dt_bias)
+    in float32, beta = sigmoid(b), the gated delta rule continuing from the layer's float32 recurrent state,
+    gated RMSNorm times silu(z), out_proj. Both states are rewritten for the position after the chunk.
+    At ``start == 0`` the states are taken as zeros (a sequence start), whatever the cache holds; at
+    ``start > 0`` the cache must hold the states at exactly ``start`` (the caller's job: the prefix cache
+    restores a snapshot).
+  Then zero-centred RMSNorm (scale 1 + w), the softmax top-k router (renormalised) and the shared expert:
+  ``attn_block`` returns x = (x + mixer(x)) + sigmoid(shared_expert_gate(h)) * shared_expert(h), and
+  ``moe_block`` adds the routed experts (``model.moe_experts``, the bank layout of ``ExpertBank``). So the
+  layer output is ((x + mixer) + shared) + routed in every mode and in decode: one fixed order. The shared
+  expert is a dense weight on the device; the routed experts are the only offloaded weights.
+- ``HybridCache``: KV per full-attention layer ([Hkv, S, D], as ``KVCache``), per linear layer a conv state
+  [C, K-1] in the model dtype and a recurrent state [Hv, Dk, Dv] in float32. ``snapshot()`` / ``restore()``
+  copy the states (not the KV, which stays valid per position) to/from a second set of buffers: the prefix
+  cache resumes a continuation bit for bit from the end of the cached prompt.
+- Chunks of one layer must run in position order (every prefill mode does), and chunk lengths must be
+  multiples of ``gdn.BLOCK`` except the last (the engine validates ``chunk_tokens``); then chunked,
+  layer-major, demand and resident call the same functions with the same shapes and are bitwise equal. A
+  prefill may start at any position (a prefix-cache hit): every mode plans its chunks from the same start,
+  and a prompt prefilled in two calls split at a multiple of ``chunk_tokens`` even equals the one-call
+  prefill bit for bit (the same chunks).
+- Numerics follow transformers' ``Qwen3_5MoeForCausalLM``: zero-centred RMSNorm computes (x * rsqrt) * (1 + w)
+  in float32 then casts; the gated RMSNorm applies its weight in the model dtype; RoPE tables are float32
+  angles cast to the model dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
+
+from . import gdn
+from .config import HybridConfig
+from .model import grouped_mm, looped_mm, moe_experts, probe_grouped_mm, rotate_half, route
+
+
+@dataclass
+class AttnWeights:
+    """Gated full attention (nn.Linear layout [out, in])."""
+
+    q_proj: torch.Tensor  # [Hq*2D, H] per head: D query rows then D gate rows
+    k_proj: torch.Tensor  # [Hkv*D, H]
+    v_proj: torch.Tensor  # [Hkv*D, H]
+    o_proj: torch.Tensor  # [H, Hq*D]
+    q_norm: torch.Tensor  # [D] zero-centred
+    k_norm: torch.Tensor  # [D] zero-centred
+
+
+@dataclass
+class LinearWeights:
+    """Gated DeltaNet."""
+
+    in_proj_qkv: torch.Tensor  # [C, H], C = 2*Hk*Dk + Hv*Dv (q, k, v)
+    in_proj_z: torch.Tensor  # [Hv*Dv, H]
+    in_proj_b: torch.Tensor  # [Hv, H]
+    in_proj_a: torch.Tensor  # [Hv, H]
+    conv: torch.Tensor  # [C, K] depthwise
+    dt_bias: torch.Tensor  # [Hv]
+    A_log: torch.Tensor  # [Hv]
+    norm: torch.Tensor  # [Dv] gated RMSNorm weight (not zero-centred)
+    out_proj: torch.Tensor  # [H, Hv*Dv]
+
+
+@dataclass
+class HybridLayerWeights:
+    input_norm: torch.Tensor  # [H] zero-centred
+    mixer: AttnWeights | LinearWeights
+    post_norm: torch.Tensor  # [H] zero-centred
+    router: torch.Tensor  # [E, H]
+    shared_gate_up: torch.Tensor  # [2Is, H] gate rows then up rows
+    shared_down: torch.Tensor  # [H, Is]
+    shared_gate: torch.Tensor  # [1, H]
+
+
+@dataclass
+class HybridWeights:
+    """Everything but the routed experts. ``lm_head`` is ``embed`` itself when tied."""
+
+    embed: torch.Tensor  # [V, H]
+    layers: list[HybridLayerWeights]
+    norm: torch.Tensor  # [H] zero-centred
+    lm_head: torch.Tensor  # [V, H]
+
+
+class HybridCache:
+    """KV of the full-attention layers and the conv/recurrent states of the linear layers (see the module
+    docstring). ``k``/``v`` list the attention layers in order; ``slot[layer]`` is a layer's index there
+    (attention layers) or in ``conv``/``rec`` (linear layers)."""
+
+    def __init__(self, cfg: HybridConfig, max_context: int, device: torch.device, dtype: torch.dtype):
+        self.max_context = max_context
+        self.slot = {l: i for i, l in enumerate(cfg.attention_layers)}
+        self.slot.update({l: i for i, l in enumerate(cfg.linear_layers)})
+        kv_shape = (cfg.num_key_value_heads, max_context, cfg.head_dim)
+        n_attn, n_lin = len(cfg.attention_layers), len(cfg.linear_layers)
+        self.k = [torch.zeros(kv_shape, device=device, dtype=dtype) for _ in range(n_attn)]
+        self.v = [torch.zeros(kv_shape, device=device, dtype=dtype) for _ in range(n_attn)]
+        conv_shape = (cfg.conv_dim, cfg.linear_conv_kernel_dim - 1)
+        rec_shape = (cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim)
+        self.conv = [torch.zeros(conv_shape, device=device, dtype=dtype) for _ in range(n_lin)]
+        self.rec = [torch.zeros(rec_shape, device=device, dtype=torch.float32) for _ in range(n_lin)]
+        self._saved_conv = [torch.zeros_like(t) for t in self.conv]
+        self._saved_rec = [torch.zeros_like(t) for t in self.rec]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v + self.conv + self.rec)
+
+    def states(self) -> list[torch.Tensor]:
+        """The live conv and recurrent states (for tests)."""
+        return self.conv + self.rec
+
+    def snapshot(self) -> None:
+        """Copy the live states into the snapshot buffers."""
+        for dst, src in zip(self._saved_conv + self._saved_rec, self.conv + self.rec, strict=True):
+            dst.copy_(src)
+
+    def restore(self) -> None:
+        """Copy the snapshot back into the live states."""
+        for dst, src in zip(self.conv + self.rec, self._saved_conv + self._saved_rec, strict=True):
+            dst.copy_(src)
+
+    def clear(self) -> None:
+        for t in self.conv + self.rec + self._saved_conv + self._saved_rec:
+            t.zero_()
+
+
+def zc_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Zero-centred RMSNorm: (x / rms(x)) * (1 + w) in float32, cast back to x's dtype."""
+    xf = x.float()  # [..., N]
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)  # [..., N]
+    return (xf * (1.0 + weight.float())).to(x.dtype)  # [..., N]
+
+
+class HybridModel:
+    """Dense weights, RoPE tables and the layer functions of a ``HybridConfig`` model; stateless between
+    calls except for the cache passed in."""
+
+    def __init__(self, cfg: HybridConfig, weights: HybridWeights, max_context: int, device: torch.device,
+                 dtype: torch.dtype):
+        self.cfg, self.w, self.device, self.dtype = cfg, weights, device, dtype
+        self.max_context = max_context
+        self.scale = cfg.head_dim**-0.5
+        rd = cfg.rotary_dim
+        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, rd, 2, dtype=torch.float) / rd))  # [R/2]
+        pos = torch.arange(max_context, dtype=torch.float)  # [S]
+        freqs = pos[:, None] * inv_freq[None, :]  # [S, R/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [S, R]
+        self.cos = emb.cos().to(device=device, dtype=dtype)  # [S, R]
+        self.sin = emb.sin().to(device=device, dtype=dtype)  # [S, R]
+        self.grouped = probe_grouped_mm(device, dtype)
+        self.moe_kernel = "torch._grouped_mm" if self.grouped else "per-expert loop (torch._grouped_mm failed)"
+        self._mm = grouped_mm if self.grouped else looped_mm
+        self.gdn_backend = gdn.backend(device)
+
+    def new_cache(self, max_context: int | None = None) -> HybridCache:
+        return HybridCache(self.cfg, max_context or self.max_context, self.device, self.dtype)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.w.embed)  # [T, H]
+
+    # -- gated attention ----------------------------------------------------------------------------------
+    def _qkv(self, aw: AttnWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x [T, H] (normed) -> q [Hq, T, D], k, v [Hkv, T, D] (q, k normed and rotated), gate [T, Hq*D]."""
+        cfg = self.cfg
+        T, hq, hkv, d, rd = x.shape[0], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rotary_dim
+        qg = F.linear(x, aw.q_proj).view(T, hq, 2 * d)  # [T, Hq, 2D]
+        q, gate = qg[..., :d], qg[..., d:].reshape(T, hq * d)  # [T, Hq, D], [T, Hq*D]
+        q = zc_rms_norm(q, aw.q_norm, cfg.rms_norm_eps).transpose(0, 1)  # [Hq, T, D]
+        k = F.linear(x, aw.k_proj).view(T, hkv, d)  # [T, Hkv, D]
+        k = zc_rms_norm(k, aw.k_norm, cfg.rms_norm_eps).transpose(0, 1)  # [Hkv, T, D]
+        v = F.linear(x, aw.v_proj).view(T, hkv, d).transpose(0, 1)  # [Hkv, T, D]
+        q = torch.cat((q[..., :rd] * cos + rotate_half(q[..., :rd]) * sin, q[..., rd:]), dim=-1)  # [Hq, T, D]
+        k = torch.cat((k[..., :rd] * cos + rotate_half(k[..., :rd]) * sin, k[..., rd:]), dim=-1)  # [Hkv, T, D]
+        return q, k, v, gate
+
+    def _attn_out(self, aw: AttnWeights, out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        T = gate.shape[0]
+        out = out[0].transpose(0, 1).reshape(T, -1)  # [T, Hq*D]
+        return F.linear(out * torch.sigmoid(gate), aw.o_proj)  # [T, H]
+
+    def attention(self, layer: int, x: torch.Tensor, cache: HybridCache, start: int) -> torch.Tensor:
+        """Gated attention of x [T, H] (normed) at positions [start, start+T); writes the KV cache."""
+        aw, i = self.w.layers[layer].mixer, cache.slot[layer]
+        T = x.shape[0]
+        end = start + T
+        q, k, v, gate = self._qkv(aw, x, self.cos[start:end], self.sin[start:end])
+        cache.k[i][:, start:end] = k
+        cache.v[i][:, start:end] = v
+        keys, values = cache.k[i][None, :, :end], cache.v[i][None, :, :end]  # [1, Hkv, end, D] x2
+        gqa = self.cfg.num_attention_heads != self.cfg.num_key_value_heads
+        if T == 1:  # one query sees the whole prefix
+            out = F.scaled_dot_product_attention(q[None], keys, values, scale=self.scale, enable_gqa=gqa)
+        elif start == 0:
+            out = F.scaled_dot_product_attention(q[None], keys, values, is_causal=True, scale=self.scale,
+                                                 enable_gqa=gqa)
+        else:
+            out = F.scaled_dot_product_attention(q[None], keys, values, attn_mask=causal_lower_right(T, end),
+                                                 scale=self.scale, enable_gqa=gqa)  # [1, Hq, T, D]
+        return self._attn_out(aw, out, gate)  # [T, H]
+
+    # -- Gated DeltaNet -----------------------------------------------------------------------------------
+    def linear_mixer(self, layer: int, x: torch.Tensor, conv_state: torch.Tensor,
+                     rec_state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Gated DeltaNet of x [T, H] (normed) from the given states -> (out [T, H], conv state, recurrent state)."""
+        cfg, lw = self.cfg, self.w.layers[layer].mixer
+        T = x.shape[0]
+        hk, hv, dk, dv = (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                          cfg.linear_value_head_dim)
+        qkv = F.linear(x, lw.in_proj_qkv)  # [T, C]
+        z = F.linear(x, lw.in_proj_z).view(T, hv, dv)  # [T, Hv, Dv]
+        b = F.linear(x, lw.in_proj_b)  # [T, Hv]
+        a = F.linear(x, lw.in_proj_a)  # [T, Hv]
+        qkv, conv_state = gdn.causal_conv(qkv, conv_state, lw.conv)  # [T, C], [C, K-1]
+        q, k, v = torch.split(qkv, [hk * dk, hk * dk, hv * dv], dim=-1)  # [T, Hk*Dk] x2, [T, Hv*Dv]
+        beta = torch.sigmoid(b)  # [T, Hv]
+        g = -lw.A_log.float().exp() * F.softplus(a.float() + lw.dt_bias.float())  # [T, Hv] float32
+        o, rec_state = gdn.gated_delta_rule(q.view(T, hk, dk), k.view(T, hk, dk), v.view(T, hv, dv), g, beta,
+                                            rec_state)  # [T, Hv, Dv], [Hv, Dk, Dv] float32
+        o = gdn.gated_rms_norm(o, z, lw.norm, cfg.rms_norm_eps)  # [T, Hv, Dv]
+        return F.linear(o.reshape(T, hv * dv), lw.out_proj), conv_state, rec_state  # [T, H]
+
+    def linear_attention(self, layer: int, x: torch.Tensor, cache: HybridCache, start: int) -> torch.Tensor:
+        i = cache.slot[layer]
+        if start == 0:  # a sequence start: no history, whatever the cache holds
+            conv0, rec0 = torch.zeros_like(cache.conv[i]), None
+        else:
+            conv0, rec0 = cache.conv[i], cache.rec[i]
+        out, conv, rec = self.linear_mixer(layer, x, conv0, rec0)  # [T, H]
+        cache.conv[i].copy_(conv)
+        cache.rec[i].copy_(rec)
+        return out
+
+    # -- the layer halves ---------------------------------------------------------------------------------
+    def _post_mixer(self, layer: int, x: torch.Tensor):
+        """x after the mixer residual [T, H] -> (x + shared expert [T, H], h [T, H], top_w [T, k], top_ids [T, k])."""
+        cfg, lw = self.cfg, self.w.layers[layer]
+        h = zc_rms_norm(x, lw.post_norm, cfg.rms_norm_eps)  # [T, H]
+        top_w, top_ids = route(h, lw.router, cfg.num_experts_per_tok, True)  # [T, k] x2
+        gu = F.linear(h, lw.shared_gate_up)  # [T, 2Is]
+        i_s = gu.shape[-1] // 2
+        shared = F.linear(F.silu(gu[:, :i_s]) * gu[:, i_s:], lw.shared_down)  # [T, H]
+        shared = torch.sigmoid(F.linear(h, lw.shared_gate)) * shared  # [T, H]
+        return x + shared, h, top_w, top_ids
+
+    def attn_block(self, layer: int, x: torch.Tensor, cache: HybridCache, start: int):
+        """First half of a layer: x [T, H] at positions [start, start+T) -> (x + mixer + shared expert [T, H],
+        MoE input h [T, H], router weights [T, k], router expert ids [T, k])."""
+        cfg, lw = self.cfg, self.w.layers[layer]
+        hn = zc_rms_norm(x, lw.input_norm, cfg.rms_norm_eps)  # [T, H]
+        if cfg.layer_types[layer] == "full_attention":
+            x = x + self.attention(layer, hn, cache, start)  # [T, H]
+        else:
+            x = x + self.linear_attention(layer, hn, cache, start)  # [T, H]
+        return self._post_mixer(layer, x)
+
+    def decode_attn_block(self, layer: int, x: torch.Tensor, cache: HybridCache, pos_t: torch.Tensor,
+                          kv_len: int):
+        """``attn_block`` for one token x [1, H] at the position held by ``pos_t`` (LongTensor [1] on the
+        device), with static shapes and no host sync: attention layers write KV at pos and attend over cache
+        positions [0, kv_len) with those > pos masked out (kv_len >= pos + 1); linear layers take one
+        recurrent step, updating their states in place. Same results as ``attn_block(layer, x, cache, pos)``
+        up to SDPA's handling of the masked tail."""
+        cfg, lw = self.cfg, self.w.layers[layer]
+        hn = zc_rms_norm(x, lw.input_norm, cfg.rms_norm_eps)  # [1, H]
+        i = cache.slot[layer]
+        if cfg.layer_types[layer] == "full_attention":
+            aw = lw.mixer
+            cos, sin = self.cos.index_select(0, pos_t), self.sin.index_select(0, pos_t)  # [1, R] x2
+            q, k, v, gate = self._qkv(aw, hn, cos, sin)  # [Hq, 1, D], [Hkv, 1, D] x2, [1, Hq*D]
+            cache.k[i].index_copy_(1, pos_t, k)
+            cache.v[i].index_copy_(1, pos_t, v)
+            keys, values = cache.k[i][None, :, :kv_len], cache.v[i][None, :, :kv_len]  # [1, Hkv, L, D] x2
+            visible = torch.arange(kv_len, device=x.device) <= pos_t  # [L]
+            gqa = cfg.num_attention_heads != cfg.num_key_value_heads
+            out = F.scaled_dot_product_attention(q[None], keys, values, attn_mask=visible.view(1, 1, 1, kv_len),
+                                                 scale=self.scale, enable_gqa=gqa)  # [1, Hq, 1, D]
+            x = x + self._attn_out(aw, out, gate)  # [1, H]
+        else:
+            out, conv, rec = self.linear_mixer(layer, hn, cache.conv[i], cache.rec[i])  # [1, H]
+            cache.conv[i].copy_(conv)
+            cache.rec[i].copy_(rec)
+            x = x + out  # [1, H]
+        return self._post_mixer(layer, x)
+
+    def moe_block(self, x: torch.Tensor, h: torch.Tensor, top_w: torch.Tensor, top_ids: torch.Tensor,
+                  gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+        """Second half of a layer: x (already + shared expert) + routed experts(h)."""
+        return x + moe_experts(h, top_w, top_ids, gate_up, down, self._mm)  # [T, H]
+
+    def logits(self, x_last: torch.Tensor) -> torch.Tensor:
+        """Final zero-centred norm and lm_head of x_last [1, H] -> float32 logits [V]."""
+        h = zc_rms_norm(x_last, self.w.norm, self.cfg.rms_norm_eps)  # [1, H]
+        return F.linear(h, self.w.lm_head)[0].float()  # [V]

@@ -1,0 +1,378 @@
+"""The vendored engine's Qwen3.5/3.6-MoE hybrid (Gated DeltaNet + gated attention): numerics against
+transformers, bitwise equality of the prefill modes, the linear layers' states across chunks, windows,
+prefix-cache continuations, decode and /reset.
+
+Reference: transformers' ``Qwen3_5MoeForCausalLM`` (installed in the venv), random-initialised at a tiny shape,
+saved with ``save_pretrained`` and loaded by ``abbench.engine.weights``. No network, no hub. Everything runs on
+CPU with 64-token chunks (the delta rule's block) in a few seconds; set ABBENCH_ENGINE_TEST_DEVICE=cuda to run
+the same assertions on a GPU (bfloat16 there, except the float32 comparison with transformers; the delta rule
+through fla when it imports).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from abbench.engine import PRESETS, EngineConfig, ModelConfig  # noqa: E402
+from abbench.engine.config import HybridConfig  # noqa: E402
+from abbench.engine.prefill import prefill  # noqa: E402
+from abbench.engine.runtime import Engine  # noqa: E402
+
+L, F = "linear_attention", "full_attention"
+MINI = HybridConfig(
+    vocab_size=1024, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+    moe_intermediate_size=32, num_experts=16, num_experts_per_tok=2, max_position_embeddings=4096, eos_token_id=None,
+    name="mini-hybrid", layer_types=(L, F, L, L), linear_num_key_heads=2, linear_num_value_heads=4,
+    linear_key_head_dim=16, linear_value_head_dim=8, shared_expert_intermediate_size=24)
+MODES = ("chunked", "layer-major", "demand", "resident")
+KNOBS = dict(chunk_tokens=64, layer_major_window_tokens=128, demand_max_tokens=64, max_context=1024,
+             bandwidth_probe_bytes=0, device=os.environ.get("ABBENCH_ENGINE_TEST_DEVICE", "cpu"))
+CPU = KNOBS["device"] == "cpu"
+
+HF_SHAPE = dict(vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                linear_value_head_dim=8, moe_intermediate_size=32, shared_expert_intermediate_size=24, num_experts=8,
+                num_experts_per_tok=2, max_position_embeddings=1024, eos_token_id=None)
+
+
+# -- fixtures and helpers ---------------------------------------------------------------------------------
+
+def _engine(model=MINI, **overrides) -> Engine:
+    return Engine(EngineConfig(**{"model": model, "weights": "random:1", **KNOBS, **overrides}))
+
+
+@pytest.fixture(scope="module")
+def resident():
+    """Started resident, so it also runs every streamed mode per request."""
+    return _engine(prefill_mode="resident")
+
+
+def _prompt(n: int, seed: int = 0, vocab: int = MINI.vocab_size) -> list[int]:
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _cache(engine: Engine, n: int) -> list[torch.Tensor]:
+    """KV of positions [0, n) of the attention layers and every linear layer's conv and recurrent state."""
+    kv = engine.kv
+    return [t[:, :n].clone() for t in kv.k + kv.v] + [t.clone() for t in kv.states()]
+
+
+def _raw_prefill(engine: Engine, ids: list[int], mode: str, start: int = 0, window_tokens: int | None = None):
+    """One prefill through the module API from whatever the cache holds: (logits, stats, cache)."""
+    engine.store.begin_request()
+    logits, stats = prefill(engine.model, engine.store, engine.kv, torch.tensor(ids[start:], device=engine.device), start, mode,
+                            chunk_tokens=engine.config.chunk_tokens,
+                            window_tokens=window_tokens or engine.config.layer_major_window_tokens,
+                            demand_max_tokens=engine.config.demand_max_tokens)
+    return logits.clone(), stats, _cache(engine, len(ids))
+
+
+def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def _hf_model(tmp: Path, seed: int = 0):
+    """A random transformers Qwen3_5MoeForCausalLM saved with save_pretrained into ``tmp``.
+
+    Every tensor redrawn so that it matters: matrices N(0, 1/fan_in), embeddings N(0, 1), the conv N(0, 0.25),
+    zero-centred norm weights N(0, 0.2^2), the gated norm and dt_bias 1 + N(0, 0.2^2), A_log = log U(1, 16)."""
+    cfg = transformers.Qwen3_5MoeTextConfig(**HF_SHAPE)
+    torch.manual_seed(seed)
+    model = transformers.Qwen3_5MoeForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "A_log" in name:
+                p.copy_(torch.empty_like(p).uniform_(1, 16).log())
+            elif p.dim() == 1:
+                centre = 1.0 if ("linear_attn.norm" in name or "dt_bias" in name) else 0.0
+                p.copy_(centre + 0.2 * torch.randn_like(p))
+            elif "embed_tokens" in name:
+                p.normal_(0, 1.0)
+            elif "conv1d" in name:
+                p.normal_(0, 0.5)
+            else:
+                p.normal_(0, p.shape[-1] ** -0.5)
+    model.save_pretrained(tmp)
+    return model
+
+
+@pytest.fixture(scope="module")
+def hf(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("hf_qwen3_5_moe")
+    model = _hf_model(tmp)
+    engine = Engine(EngineConfig(model=str(tmp), weights=str(tmp), **KNOBS, dtype="float32"))
+    return tmp, model, engine
+
+
+# -- configuration ----------------------------------------------------------------------------------------
+
+def test_from_hf_config_reads_text_and_multimodal_configs(hf, tmp_path):
+    tmp, _, _ = hf
+    mc = ModelConfig.from_hf_config(tmp)
+    assert isinstance(mc, HybridConfig) and mc.is_hybrid
+    assert mc.layer_types == (L, L, L, F) and mc.rotary_dim == 4 and mc.conv_dim == 2 * 2 * 16 + 4 * 8
+    assert (mc.linear_num_key_heads, mc.linear_num_value_heads, mc.shared_expert_intermediate_size) == (2, 4, 24)
+    raw = json.loads((tmp / "config.json").read_text())
+    assert raw["model_type"] == "qwen3_5_moe_text"
+    wrapped = {"model_type": "qwen3_5_moe", "text_config": raw | {"model_type": "qwen3_5_moe_text"},
+               "vision_config": {}, "tie_word_embeddings": False}
+    (tmp_path / "config.json").write_text(json.dumps(wrapped))
+    mm = ModelConfig.from_hf_config(tmp_path)
+    assert dataclasses.replace(mm, name=mc.name) == mc
+    with pytest.raises(ValueError, match="text_config"):
+        ModelConfig.from_hf_dict({"model_type": "qwen3_5_moe"})
+    with pytest.raises(ValueError, match="rope"):
+        ModelConfig.from_hf_dict(raw | {"rope_parameters": {"rope_type": "yarn", "factor": 4.0}})
+
+
+def test_presets_match_the_models_they_name():
+    big, tiny = PRESETS["qwen3.5-35b-a3b"], PRESETS["qwen3.5-tiny"]
+    assert big.is_hybrid and tiny.is_hybrid and not PRESETS["tiny"].is_hybrid
+    assert (big.num_hidden_layers, len(big.linear_layers), len(big.attention_layers)) == (40, 30, 10)
+    assert big.attention_layers == tuple(range(3, 40, 4))
+    assert (big.num_experts, big.num_experts_per_tok, big.hidden_size, big.moe_intermediate_size) == (256, 8, 2048, 512)
+    assert (big.shared_expert_intermediate_size, big.head_dim, big.rotary_dim) == (512, 256, 64)
+    assert (big.vocab_size, big.max_position_embeddings, big.rope_theta) == (248320, 262144, 1e7)
+    assert round(big.bank_bytes(2) / 1e9, 1) == 64.4  # routed experts only: the issue's "64.4 GB" bank
+    # the tiny preset's embedding holds every id of the Qwen3.5/3.6 tokenizer (248,044 ranks + 33 specials)
+    assert tiny.vocab_size == 248320 and tiny.eos_ids == {248044}
+    assert big.conv_dim == 8192 and tiny.layer_types == (L, L, L, F)
+
+
+def test_chunk_tokens_must_be_a_multiple_of_64_for_hybrids():
+    with pytest.raises(ValueError, match="multiple of 64"):
+        EngineConfig(model=MINI, chunk_tokens=100).resolved()
+    with pytest.raises(ValueError, match="multiple of 64"):
+        EngineConfig(model="qwen3.5-tiny", chunk_tokens=1000).resolved()
+    assert EngineConfig(model="tiny", chunk_tokens=100).resolved().chunk_tokens == 100  # plain models: any
+
+
+# -- numerics against transformers ------------------------------------------------------------------------
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.float().cpu(), b.float().cpu()
+    return float((a - b).abs().max() / b.abs().max())
+
+
+def test_logits_and_greedy_tokens_match_transformers(hf):
+    """float32, the same random checkpoint: last-position logits within 1e-5 relative (measured: ~1e-6) at
+    lengths inside one chunk, at a chunk boundary and over several chunks; greedy ids equal (with decode)."""
+    _, model, engine = hf
+    worst = 0.0
+    for n in (1, 7, 64, 65, 150, 200):
+        ids = _prompt(n, seed=n, vocab=512)
+        engine.reset()
+        events, stats = engine.run(ids, 8, logprobs=0)
+        with torch.no_grad():
+            ref = model(torch.tensor([ids])).logits[0, -1]
+        engine.reset()
+        logits, _, _ = _raw_prefill(engine, ids, "chunked")
+        worst = max(worst, _rel(logits, ref))
+        with torch.no_grad():
+            hf_ids = model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)[0, n:].tolist()
+        assert [e.token_id for e in events] == hf_ids, n
+    print(f"max relative logits difference vs transformers: {worst:.2e}")
+    assert worst < 1e-5
+
+
+def test_multimodal_prefix_and_fused_expert_keys_load_identically(hf, tmp_path):
+    """The multimodal checkpoint's ``model.language_model.`` keys with fused [E, 2I, H] / [E, H, I] experts
+    (and vision tensors to ignore) load the same bits as the save_pretrained per-expert checkpoint."""
+    from safetensors.torch import save_file
+
+    tmp, model, engine = hf
+    sd = {}
+    for k, v in model.state_dict().items():
+        sd[k.replace("model.", "model.language_model.", 1) if k.startswith("model.") else k] = v.contiguous()
+    assert "model.language_model.layers.0.mlp.experts.gate_up_proj" in sd
+    sd["model.visual.patch_embed.proj.weight"] = torch.zeros(2, 2)
+    save_file(sd, str(tmp_path / "model.safetensors"))
+    raw = json.loads((tmp / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_5_moe", "text_config": raw}))
+    other = Engine(EngineConfig(model=str(tmp_path), weights=str(tmp_path), **KNOBS, dtype="float32"))
+    for l in range(4):
+        assert torch.equal(other.store.bank.gate_up[l], engine.store.bank.gate_up[l])
+        assert torch.equal(other.store.bank.down[l], engine.store.bank.down[l])
+    mine, theirs = _tensors(other.model.w), _tensors(engine.model.w)
+    assert len(mine) == len(theirs) > 40 and all(torch.equal(a, b) for a, b in zip(mine, theirs, strict=True))
+
+
+def _tensors(obj) -> list[torch.Tensor]:
+    """Every tensor of a weights dataclass tree, in field order."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, list):
+        return [t for x in obj for t in _tensors(x)]
+    return [t for f in dataclasses.fields(obj) for t in _tensors(getattr(obj, f.name))]
+
+
+# -- bitwise equality across modes ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("n", [1, 7, 63, 64, 65, 129, 200, 333])
+def test_all_modes_give_bitwise_identical_logits_kv_and_states(resident, n):
+    ids = _prompt(n, seed=n)
+    resident.reset()
+    ref_logits, ref_stats, ref_cache = _raw_prefill(resident, ids, "chunked")
+    assert ref_stats.n_chunks == -(-n // 64)
+    for mode in MODES[1:]:
+        resident.reset()
+        logits, stats, cache = _raw_prefill(resident, ids, mode)
+        assert torch.equal(logits, ref_logits), mode
+        assert _same(cache, ref_cache), mode
+        if mode == "layer-major" and n <= 64:
+            assert stats.path == "chunked"
+        else:
+            assert (stats.path, stats.fallback_reason) == (mode, None)
+    if n == 333:  # 6 chunks, 2 per 128-token window: 3 windows; 4 and 3 windows of other budgets agree too
+        bank = resident.bank_bytes
+        assert bank == MINI.num_hidden_layers * MINI.num_experts * 3 * 64 * 32 * 4  # routed experts only
+        assert ref_stats.h2d_bytes == 6 * bank  # one bank per chunk; the shared experts never move
+        lm = _raw_prefill(resident, ids, "layer-major")[1]
+        assert (lm.n_windows, lm.h2d_bytes) == (3, 3 * bank)
+        assert _raw_prefill(resident, ids, "resident")[1].h2d_bytes == 0
+        for window in (192, 256, 1024):
+            logits, stats, cache = _raw_prefill(resident, ids, "layer-major", window_tokens=window)
+            assert torch.equal(logits, ref_logits) and _same(cache, ref_cache), window
+            assert stats.n_windows == -(-6 // (window // 64))
+
+
+def test_states_carry_across_chunks_and_windows(resident):
+    """A prompt prefilled in two calls split at a multiple of 64 (the second starting from the first's KV and
+    states, as a prefix-cache hit does) equals the one-call prefill bit for bit, in every mode; and the
+    states are not trivial: a prefill that starts from zeroed states at the split point differs."""
+    ids = _prompt(320, seed=11)
+    resident.reset()
+    ref_logits, _, ref_cache = _raw_prefill(resident, ids, "chunked")
+    for mode in MODES:
+        resident.reset()
+        _raw_prefill(resident, ids[:128], mode)
+        logits, stats, cache = _raw_prefill(resident, ids, mode, start=128)
+        assert stats.n_chunks == 3
+        assert torch.equal(logits, ref_logits) and _same(cache, ref_cache), mode
+    resident.reset()
+    _raw_prefill(resident, ids[:128], "chunked")
+    for t in resident.kv.states():
+        t.zero_()
+    assert not torch.equal(_raw_prefill(resident, ids, "chunked", start=128)[0], ref_logits)
+
+
+def _serve(engine: Engine, prompts: list[list[int]], mode: str, max_tokens: int = 5):
+    """Serve prompts in order from a reset engine; per request: (ids, logprobs, stats, cache)."""
+    engine.reset()
+    out = []
+    for p in prompts:
+        events, stats = engine.run(p, max_tokens, prefill_mode=mode, logprobs=3)
+        out.append(([e.token_id for e in events], [e.top_logprobs for e in events], stats,
+                    _cache(engine, len(p) + max_tokens - 1)))
+    return out
+
+
+def test_prefix_cache_continuations_after_decode_are_identical_across_modes(resident):
+    cold = _prompt(100, seed=1)
+    first = _serve(resident, [cold], "chunked")[0]
+    after_decode = cold + first[0] + _prompt(70, seed=2)  # extends the prompt *and* the generated tokens
+    other = _prompt(90, seed=3)  # shares nothing
+    prompts = [cold, after_decode, other, other + _prompt(5, seed=4)]
+    runs = {mode: _serve(resident, prompts, mode) for mode in MODES}
+    slots = _engine(expert_slots_per_layer=MINI.num_experts_per_tok)  # decode through an evicting slot cache
+    runs["slot-cache engine"] = _serve(slots, prompts, "chunked")
+    ref = runs["chunked"]
+    for name, run in runs.items():
+        for (ids, lps, _, cache), (rids, rlps, _, rcache) in zip(run, ref, strict=True):
+            assert ids == rids and lps == rlps, name
+            assert _same(cache, rcache), name
+        assert [r[2].cached_prompt_tokens for r in run] == [0, 100, 0, 90], name
+    assert runs["layer-major"][1][2].prefill_path == "layer-major"
+    if not CPU:  # bfloat16: other chunk boundaries are not within float32 rounding
+        return
+    # the resumed states are right: cold prefills of the same prompts agree within float32 rounding (other
+    # chunk boundaries, so not bitwise) and pick the same tokens
+    for i in (1, 3):
+        cold_ids, cold_lps, cold_stats, _ = _serve(resident, [prompts[i]], "chunked")[0]
+        assert cold_stats.cached_prompt_tokens == 0 and cold_ids == ref[i][0]
+        for a, b in zip(cold_lps, ref[i][1], strict=True):
+            torch.testing.assert_close(torch.tensor([v for _, v in a]), torch.tensor([v for _, v in b]),
+                                       atol=1e-4, rtol=0)
+
+
+def test_reset_clears_the_states_and_the_prefix_cache(resident):
+    ids = _prompt(80, seed=5)
+    resident.reset()
+    a = resident.run(ids, 3)
+    assert any(t.abs().sum() > 0 for t in resident.kv.states())
+    resident.reset()
+    assert all(t.abs().sum() == 0 for t in resident.kv.states())
+    b = resident.run(ids + [1, 2], 3)
+    assert b[1].cached_prompt_tokens == 0  # nothing reused after /reset
+    c = resident.run(ids + [1, 2, 3], 3)
+    assert c[1].cached_prompt_tokens == 82
+    resident.reset()
+    assert resident.run(ids, 3)[0] == a[0]
+
+
+# -- decode -----------------------------------------------------------------------------------------------
+
+def test_static_decode_step_matches_the_one_token_chunk(resident):
+    """``decode_attn_block`` (position as a device tensor, KV over a fixed length with a mask, states in
+    place) gives the same hidden states as ``attn_block`` on a one-token chunk, layer by layer."""
+    model = resident.model
+    ids = _prompt(70, seed=6)
+    resident.reset()
+    _raw_prefill(resident, ids, "chunked")
+    saved = _cache(resident, 70)
+    x = model.embed(torch.tensor([ids[-1]], device=resident.device))  # [1, H] any input will do
+    pos, kv_len = 70, 128
+    for layer in range(MINI.num_hidden_layers):
+        ref = model.attn_block(layer, x, resident.kv, pos)
+        ref_cache = _cache(resident, pos + 1)
+        n_lin = len(MINI.linear_layers)
+        n_attn = len(MINI.attention_layers)
+        # restore the layer's pre-step cache and redo the step statically
+        for t, s in zip(resident.kv.k + resident.kv.v, saved[:2 * n_attn], strict=True):
+            t[:, :70] = s
+            t[:, 70:] = 0
+        for t, s in zip(resident.kv.states(), saved[2 * n_attn:2 * n_attn + 2 * n_lin], strict=True):
+            t.copy_(s)
+        out = model.decode_attn_block(layer, x, resident.kv, torch.tensor([pos], device=resident.device), kv_len)
+        for a, b in zip(out, ref, strict=True):
+            if CPU:
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+            else:  # bfloat16, SDPA with and without a mask
+                torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
+        i = resident.kv.slot[layer]
+        if MINI.layer_types[layer] == L:
+            assert torch.equal(resident.kv.conv[i], ref_cache[2 * n_attn + i])
+            torch.testing.assert_close(resident.kv.rec[i], ref_cache[2 * n_attn + n_lin + i], rtol=0, atol=0)
+        else:
+            assert torch.equal(resident.kv.k[i][:, :71], ref_cache[i])
+    resident.reset()
+
+
+def test_qwen3_5_tiny_preset_end_to_end_in_every_mode():
+    engine = Engine(EngineConfig(model="qwen3.5-tiny", weights="random:0", prefill_mode="resident", chunk_tokens=64,
+                                 layer_major_window_tokens=128, demand_max_tokens=64, max_context=512,
+                                 bandwidth_probe_bytes=0, device=KNOBS["device"]))
+    ids = _prompt(200, seed=7, vocab=248077)
+    outs = {}
+    for mode in MODES:
+        engine.reset()
+        events, stats = engine.run(ids, 4, prefill_mode=mode, logprobs=1)
+        assert stats.prefill_path == mode and stats.bank_bytes == engine.model_config.bank_bytes(4)
+        outs[mode] = [(e.token_id, e.logprob) for e in events]
+    assert all(v == outs["chunked"] for v in outs.values())
+
+
+def test_gpucheck_runs_on_cpu_at_the_tiny_shape(capsys):
+    from abbench.engine import gpucheck_hybrid
+
+    assert gpucheck_hybrid.main(["--device", "cpu", "--tokens", "200", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("bitwise equal;") == 4 and "DeltaNet mixer / 64-token chunk" in out and "PASS" in out
