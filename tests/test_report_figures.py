@@ -29,7 +29,7 @@ except ImportError:  # tests/ is not a package: pytest put tests/ itself on sys.
     import mdtables as mt
 
 REPO = Path(__file__).resolve().parents[1]
-RUNS = ["readme-cpu-tiny", "20261129b-h200-qwen3-30b-a3b"]
+RUNS = ["readme-cpu-tiny", "20261129b-h200-qwen3-30b-a3b", "readme-cpu-tiny+skewed-counters"]
 FLOOR_KINDS = ("fresh", "cold")  # prompts that start from an empty cache
 SEED, RESAMPLES = 0, 4000  # the bootstrap the report says it used (checked against its text below)
 
@@ -112,15 +112,46 @@ def bootstrap_ci(xs: list[float]) -> tuple[float, float]:
 # ----------------------------------------------------------------------------- the rendered report
 
 
+def _skew(sample: dict) -> dict:
+    """Counters that differ column from column (in the real runs the response's and /metrics' cached counts
+    are equal, so a column showing the other's numbers would pass): the server counts a BOS, /metrics
+    counts 2 more prompt tokens and 1-3 more cached ones, varying by step."""
+    e, t = sample.get("engine"), sample.get("telemetry") or {}
+    if e is not None and sample.get("prompt_tokens") is not None:
+        e["engine_prompt_tokens"] = sample["prompt_tokens"] + 1
+    after = t.get("metrics_after")
+    if after:
+        after["abbench_engine_prompt_tokens_total"] += 2
+        after["abbench_engine_cached_prompt_tokens_total"] += 1 + sample["step"] % 3
+    return sample
+
+
+def _variant(name: str, tmp: Path) -> Path:
+    """``results/<run>``, or for ``<run>+skewed-counters`` a copy with :func:`_skew` applied to every sample
+    of both files."""
+    base, _, variant = name.partition("+")
+    src = REPO / "results" / base
+    if not variant:
+        return src
+    dst = tmp / base
+    dst.mkdir()
+    raw = json.loads((src / "run.json").read_text())
+    raw["samples"] = [_skew(s) for s in raw["samples"]]
+    (dst / "run.json").write_text(json.dumps(raw))
+    lines = [json.dumps(_skew(json.loads(x))) for x in (src / "requests.jsonl").read_text().splitlines() if x.strip()]
+    (dst / "requests.jsonl").write_text("\n".join(lines) + "\n")
+    return dst
+
+
 @pytest.fixture(scope="module", params=RUNS)
 def rendered(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Run, dict[str, str]]:
-    run_dir = REPO / "results" / request.param
+    run_dir = _variant(request.param, tmp_path_factory.mktemp("run"))
     out = tmp_path_factory.mktemp("reports")
     env = {**os.environ, "COLUMNS": "400", "NO_COLOR": "1"}
     res = subprocess.run([sys.executable, "-m", "abbench", "report", str(run_dir), "--out", str(out)], cwd=REPO,
                          capture_output=True, text=True, timeout=300, env=env)
     assert res.returncode == 0, res.stderr
-    md = (out / f"{request.param}.md").read_text()
+    md = (out / f"{run_dir.name}.md").read_text()
     return Run(run_dir), mt.sections(md)
 
 
