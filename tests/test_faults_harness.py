@@ -582,7 +582,8 @@ def test_second_signal_during_teardown_is_ignored(tmp_path: Path) -> None:
                     timeout=90, what="two samples")
         assert proc.poll() is None, out.read_text()
         os.kill(proc.pid, signal.SIGINT)
-        time.sleep(0.5)  # inside the teardown (waiting for the service to give up)
+        log = run_dir / "logs" / "a_r1.log"  # inside the teardown: the service has been sent SIGTERM
+        fk.wait_for(lambda: b"SIGTERM received, ignored" in log.read_bytes(), timeout=30, what="the teardown")
         os.kill(proc.pid, signal.SIGINT)
         rc = proc.wait(60)
     finally:
