@@ -176,11 +176,51 @@ def test_more_bad_bodies_get_openai_400s_and_the_server_stays_up(engine: EngineP
     assert ok.status_code == 200
 
 
+class DirWatch:
+    """inotify on one directory: every open (files and the directory itself) and read in it, by any process
+    and from any code (C extensions, mmap'd loaders included), not only Python's ``open``."""
+
+    IN_ACCESS, IN_OPEN, IN_ISDIR, IN_NONBLOCK = 0x1, 0x20, 0x40000000, 0o4000
+
+    def __init__(self, path: Path) -> None:
+        import ctypes
+        import ctypes.util
+
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        self.fd = libc.inotify_init1(self.IN_NONBLOCK)
+        assert self.fd >= 0, os.strerror(ctypes.get_errno())
+        wd = libc.inotify_add_watch(self.fd, os.fsencode(path), self.IN_ACCESS | self.IN_OPEN)
+        assert wd >= 0, os.strerror(ctypes.get_errno())
+
+    def events(self) -> list[tuple[str, str]]:
+        """(what, name) since the last call: 'open' or 'read', name '' for the directory itself."""
+        import struct
+
+        out = []
+        while True:
+            try:
+                buf = os.read(self.fd, 65536)
+            except BlockingIOError:
+                return out
+            i = 0
+            while i < len(buf):
+                _wd, mask, _cookie, n = struct.unpack_from("iIII", buf, i)
+                name = buf[i + 16:i + 16 + n].rstrip(b"\0").decode()
+                out.append(("open" if mask & self.IN_OPEN else "read", name))
+                i += 16 + n
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
 def test_no_request_field_makes_it_read_a_file(engine: EngineProc) -> None:
+    """Two audits: the wrapper's Python audit hook (every ``open`` whose path holds the marker) and an
+    OS-level inotify watch on the secret directory (any open or read there, from C code too)."""
     secret_dir = Path(engine.marker)
     secret = secret_dir / "weights.safetensors"
     secret.write_text("this must never be read by the server\n")
     path = str(secret)
+    watch = DirWatch(secret_dir)  # from here on, only the server could touch the directory
     tok = load_tokenizer("qwen3")
     c = engine.client
     r = c.post("/v1/completions", json=greedy(path))  # a prompt that looks like a path is text
@@ -199,6 +239,12 @@ def test_no_request_field_makes_it_read_a_file(engine: EngineProc) -> None:
     assert c.post("/reset", params={"path": path}).status_code == 200
     opened = engine.audit_log.read_text().splitlines()
     assert opened == [str(secret_dir / "probe")], opened  # the hook worked, and saw nothing else
+    try:
+        assert watch.events() == []  # no open or read in the directory at the OS level either
+        assert secret.read_text()  # and the watch does see one (this test's own read)
+        assert ("open", "weights.safetensors") in watch.events()
+    finally:
+        watch.close()
 
 
 # ------------------------------------------------------------------------- disconnects mid-prefill
@@ -287,8 +333,8 @@ def test_full_queue_gets_429_while_the_real_engine_is_busy(engine: EngineProc) -
 
 def test_device_oom_is_a_503_and_the_engine_serves_the_next(tmp_path: Path) -> None:
     """ABBENCH_ENGINE_FAULT=oom-once: the first prefill raises torch.OutOfMemoryError inside its layer loop.
-    The request gets an OpenAI-shaped 503 with the reason; the next requests are served, with the same
-    output as a clean engine gives. Then the harness, attached to the same server, records such a failure
+    The request gets an OpenAI-shaped 503 with the reason; the next request is served, with the same ids and
+    logprobs as a fresh engine (another process, never faulted) gives. Then the harness, attached to the same server, records such a failure
     as a failed sample and carries on."""
     eng = EngineProc(tmp_path, env={"ABBENCH_ENGINE_FAULT": "oom-once"})
     try:
@@ -299,13 +345,22 @@ def test_device_oom_is_a_503_and_the_engine_serves_the_next(tmp_path: Path) -> N
         assert err["code"] == "out_of_memory" and err["type"] == "server_error"
         assert "device out of memory while serving this request" in err["message"] and "oom-once" in err["message"]
         assert eng.metric("abbench_engine_request_outcomes_total", outcome="error") == 1
-        after = eng.client.post("/v1/completions", json=greedy(prompt, max_tokens=4))
+        after = eng.client.post("/v1/completions", json=greedy(prompt, max_tokens=4, logprobs=2))
         assert after.status_code == 200
-        eng.client.post("/reset")
-        clean = eng.client.post("/v1/completions", json=greedy(prompt, max_tokens=4))
-        assert clean.json()["choices"][0]["token_ids"] == after.json()["choices"][0]["token_ids"]
     finally:
         eng.stop()
+    # against a fresh engine that never ran out of memory (not the same process after /reset): same ids and
+    # the same top-2 logprobs, so nothing the failed request left behind changed the next one
+    (tmp_path / "clean").mkdir()
+    fresh = EngineProc(tmp_path / "clean")
+    try:
+        clean = fresh.client.post("/v1/completions", json=greedy(prompt, max_tokens=4, logprobs=2))
+        assert clean.status_code == 200
+    finally:
+        fresh.stop()
+    a, b = after.json()["choices"][0], clean.json()["choices"][0]
+    assert a["token_ids"] == b["token_ids"] and len(a["token_ids"]) == 4 and a["logprobs"]
+    assert a["logprobs"] == b["logprobs"]
 
     # the harness against an engine that runs out of memory once (a fresh one, attached by base_url)
     (tmp_path / "again").mkdir()
