@@ -1,8 +1,9 @@
 """Every figure of the report, recomputed here from the run's own files.
 
-The committed runs ``results/readme-cpu-tiny`` (separate services, three streamed arms, CPU) and
+The committed runs ``results/readme-cpu-tiny`` (separate services, three streamed arms, CPU),
 ``results/20261129b-h200-qwen3-30b-a3b`` (one shared service, a resident arm, NVML, a compute-bound floor)
-are rendered through the CLI (``python -m abbench report RUN --out DIR``); the Markdown is parsed back by
+and ``tests/fixtures/cpu-tiny-3-rounds`` (``abbench run --rounds 3 --lengths 384``: three samples per cell,
+so a mean is not a median and the bootstrap interval is not just the two values) are rendered through the CLI (``python -m abbench report RUN --out DIR``); the Markdown is parsed back by
 column header (tests/mdtables.py) and each cell is compared, to the precision printed, with a value this
 file computes from ``requests.jsonl`` and ``run.json`` with pandas/numpy/scipy alone: nothing from
 abbench's analysis or report code is called. A wrong median, a swapped column, an interval printed low-low,
@@ -29,7 +30,8 @@ except ImportError:  # tests/ is not a package: pytest put tests/ itself on sys.
     import mdtables as mt
 
 REPO = Path(__file__).resolve().parents[1]
-RUNS = ["readme-cpu-tiny", "20261129b-h200-qwen3-30b-a3b", "readme-cpu-tiny+skewed-counters"]
+RUNS = ["readme-cpu-tiny", "20261129b-h200-qwen3-30b-a3b", "readme-cpu-tiny+skewed-counters", "cpu-tiny-3-rounds"]
+FIXTURES = Path(__file__).resolve().parent / "fixtures"  # cpu-tiny-3-rounds: n = 3 per cell (mean != median)
 FLOOR_KINDS = ("fresh", "cold")  # prompts that start from an empty cache
 SEED, RESAMPLES = 0, 4000  # the bootstrap the report says it used (checked against its text below)
 
@@ -133,7 +135,7 @@ def _variant(name: str, tmp: Path) -> Path:
     """``results/<run>``, or for ``<run>+skewed-counters`` a copy with :func:`_skew` applied to every sample
     of both files."""
     base, _, variant = name.partition("+")
-    src = REPO / "results" / base
+    src = REPO / "results" / base if (REPO / "results" / base).is_dir() else FIXTURES / base
     if not variant:
         return src
     dst = tmp / base
