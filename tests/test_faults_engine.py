@@ -139,12 +139,11 @@ def test_busy_port_fails_at_once_with_the_reason(tmp_path: Path) -> None:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        t0 = time.monotonic()
         res = subprocess.run([sys.executable, "-m", "abbench.engine", "--port", str(port)], capture_output=True,
                              text=True, timeout=120)
     assert res.returncode == 1
     assert f"abbench engine: cannot bind 127.0.0.1:{port}" in res.stderr and "in use" in res.stderr
-    assert time.monotonic() - t0 < 30  # before the engine is built
+    assert "engine built in" not in res.stderr  # refused before the engine is built (it logs that at info)
 
 
 def test_unknown_fault_value_refuses_to_start(tmp_path: Path) -> None:
