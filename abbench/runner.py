@@ -110,7 +110,10 @@ def profile_dir(profile: Profile) -> Path | None:
 
 @contextmanager
 def _signals_as_interrupt() -> Iterator[None]:
-    """Turn SIGTERM into KeyboardInterrupt in the main thread for the duration of a run."""
+    """Turn SIGINT and SIGTERM into KeyboardInterrupt in the main thread for the duration of a run. SIGINT
+    gets a handler of our own too: a parent that ignores it (``nohup``, a shell's background job, some CI
+    runners) passes SIG_IGN down, and Python then installs no KeyboardInterrupt handler, so Ctrl-C or
+    ``kill -INT`` would be ignored and the run would go on to the end."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -118,11 +121,13 @@ def _signals_as_interrupt() -> Iterator[None]:
     def handler(signum: int, frame: object) -> None:
         raise KeyboardInterrupt(f"signal {signum}")
 
-    old = signal.signal(signal.SIGTERM, handler)
+    old_term = signal.signal(signal.SIGTERM, handler)
+    old_int = signal.signal(signal.SIGINT, handler)
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, old)
+        signal.signal(signal.SIGINT, old_int)
+        signal.signal(signal.SIGTERM, old_term)
 
 
 @contextmanager

@@ -259,12 +259,35 @@ class _Job:
             pass
 
 
+class _CountedCancel:
+    """A job's cancel flag as the engine sees it: the engine looks at it once per layer step of prefill and
+    decode (``check_cancel``), and every look is counted on the service: ``cancel_checks`` (layer steps that
+    checked) and ``cancel_checks_set`` (checks that found the flag set; the engine stops at the first one, so
+    this grows by one per cancelled request). Lets a test say in layer steps, not wall time, where a
+    cancelled request stopped. Only the worker thread writes them (one request at a time)."""
+
+    __slots__ = ("event", "service")
+
+    def __init__(self, event: threading.Event, service: EngineService):
+        self.event = event
+        self.service = service
+
+    def is_set(self) -> bool:
+        flagged = self.event.is_set()
+        self.service.cancel_checks += 1
+        if flagged:
+            self.service.cancel_checks_set += 1
+        return flagged
+
+
 class EngineService:
     """Owns the engine, its worker thread and the FIFO gate; all methods run on the event loop."""
 
     def __init__(self, engine: Any, *, queue_limit: int):
         self.engine = engine
         self.queue_limit = queue_limit
+        self.cancel_checks = 0
+        self.cancel_checks_set = 0
         self.waiting = 0
         self.running: _Job | None = None
         self._lock = asyncio.Lock()
@@ -306,7 +329,7 @@ class EngineService:
 
     def _run(self, job: _Job, gen_kwargs: dict[str, Any]) -> None:  # worker thread
         try:
-            gen = self.engine.generate(cancel=job.cancel, **gen_kwargs)
+            gen = self.engine.generate(cancel=_CountedCancel(job.cancel, self), **gen_kwargs)
             while True:
                 try:
                     event = next(gen)
@@ -380,6 +403,10 @@ class _EngineCollector:
             for path, n in sorted(dict(counters.get(key, {})).items()):
                 family.add_metric([str(path)], n)
             yield family
+        yield CounterMetricFamily("abbench_engine_cancel_checks", "Layer steps (prefill and decode) that "
+                                  "checked the request's cancel flag.", value=self.service.cancel_checks)
+        yield CounterMetricFamily("abbench_engine_cancel_checks_set", "Cancel checks that found the flag set "
+                                  "(the engine stops at the first).", value=self.service.cancel_checks_set)
         yield GaugeMetricFamily("abbench_engine_h2d_bandwidth_bytes_per_second",
                                 "Host-to-device bandwidth measured at startup.",
                                 value=float(engine.measured_h2d_gbps) * 1e9)
