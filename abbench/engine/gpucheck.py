@@ -1,8 +1,8 @@
 """Full-width checks of the engine on a GPU, run before a committed GPU run (not in CI: it needs CUDA).
 
 ``python -m abbench.engine.gpucheck [--layers N] [--prompt-tokens T] [--out FILE.json]`` builds the
-Qwen3-30B-A3B shape (hidden 2048, 128 experts top-8, real head and expert sizes) with ``--layers`` layers and
-random bf16 weights, and checks what the unit tests check at tiny sizes, at the sizes where CUDA's limits bite:
+Qwen3-30B-A3B shape (hidden 2048, 128 experts top-8, real head and expert sizes; ``--preset`` picks another,
+e.g. the ``qwen3.5-35b-a3b`` hybrid) with its first ``--layers`` layers and random bf16 weights, and checks what the unit tests check at tiny sizes, at the sizes where CUDA's limits bite:
 
 1. ``torch._grouped_mm`` takes 1,023 groups and the engine's guard refuses 1,024 (what the raw kernel does
    with 1,024 is recorded too);
@@ -113,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     global DEVICE
     DEVICE = args.device
     full = PRESETS[args.preset]
-    model = dataclasses.replace(full, num_hidden_layers=args.layers, name=f"qwen3-30b-a3b-{args.layers}l")
+    extra = {"layer_types": full.layer_types[:args.layers]} if full.is_hybrid else {}
+    model = dataclasses.replace(full, num_hidden_layers=args.layers, name=f"{args.preset}-{args.layers}l", **extra)
     ctx = args.prompt_tokens + 64
     prompt = torch.randint(0, model.vocab_size, (args.prompt_tokens,), generator=torch.Generator().manual_seed(1)).tolist()
     name = torch.cuda.get_device_name() if args.device != "cpu" else "cpu"
