@@ -162,6 +162,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max())
 
 
+@pytest.mark.skipif(KNOBS["device"] != "cpu", reason="float32 agreement with transformers is checked on CPU")
 def test_logits_and_greedy_tokens_match_transformers(hf):
     """float32, the same random checkpoint: last-position logits within 1e-5 relative (measured: ~1e-6) at
     lengths inside one chunk, at a chunk boundary and over several chunks; greedy ids equal (with decode)."""
@@ -233,7 +234,8 @@ def test_all_modes_give_bitwise_identical_logits_kv_and_states(resident, n):
             assert (stats.path, stats.fallback_reason) == (mode, None)
     if n == 333:  # 6 chunks, 2 per 128-token window: 3 windows; 4 and 3 windows of other budgets agree too
         bank = resident.bank_bytes
-        assert bank == MINI.num_hidden_layers * MINI.num_experts * 3 * 64 * 32 * 4  # routed experts only
+        item = resident.dtype.itemsize  # float32 on CPU, bfloat16 on CUDA
+        assert bank == MINI.num_hidden_layers * MINI.num_experts * 3 * 64 * 32 * item  # routed experts only
         assert ref_stats.h2d_bytes == 6 * bank  # one bank per chunk; the shared experts never move
         lm = _raw_prefill(resident, ids, "layer-major")[1]
         assert (lm.n_windows, lm.h2d_bytes) == (3, 3 * bank)
@@ -365,7 +367,8 @@ def test_qwen3_5_tiny_preset_end_to_end_in_every_mode():
     for mode in MODES:
         engine.reset()
         events, stats = engine.run(ids, 4, prefill_mode=mode, logprobs=1)
-        assert stats.prefill_path == mode and stats.bank_bytes == engine.model_config.bank_bytes(4)
+        item = engine.dtype.itemsize
+        assert stats.prefill_path == mode and stats.bank_bytes == engine.model_config.bank_bytes(item)
         outs[mode] = [(e.token_id, e.logprob) for e in events]
     assert all(v == outs["chunked"] for v in outs.values())
 
