@@ -29,7 +29,6 @@ app = typer.Typer(
 console = Console(stderr=True)
 out = Console()
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 RESULTS_ROOT = Path("results")
 REPORTS_ROOT = Path("reports")
 

@@ -68,7 +68,8 @@ from abbench.results import (
 )
 from abbench.schedule import build_plan
 from abbench.services import Service, stop_all
-from abbench.telemetry import Sampler, gpu_idle
+from abbench.nvml import gpu_idle
+from abbench.telemetry import ServiceMonitor
 from abbench.tokenizers import describe_tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -227,7 +228,7 @@ class _ServiceSlot:
         self.client = client
         self.record = record
         self.service: Service | None = None
-        self.sampler: Sampler | None = None
+        self.sampler: ServiceMonitor | None = None
         self.key: str | None = None
         self.launches: dict[str, int] = {}
 
@@ -274,7 +275,7 @@ class _ServiceSlot:
         self.service = svc
         self.key = key
         self.record.services.append(svc.record(self.run_dir))
-        self.sampler = Sampler(key, svc.pid).start()
+        self.sampler = ServiceMonitor(key, svc.pid).start()
         return svc
 
     def stop(self, error: str | None = None) -> None:
@@ -302,7 +303,7 @@ def _scrape(client: EngineClient, base_url: str, path: str | None) -> dict[str, 
         return None
 
 
-def _close_window(sampler: Sampler, mark: int) -> None:
+def _close_window(sampler: ServiceMonitor, mark: int) -> None:
     """Close the telemetry window of a request that failed (an open one keeps fast PCIe sampling on)."""
     try:
         sampler.window(mark, settle_s=0.0)

@@ -14,7 +14,7 @@ import pytest
 from abbench.client import ADAPTERS, EngineClient, LlamaCppAdapter, SGLangAdapter, engine_counters, get_adapter
 from abbench.errors import ConfigError, RequestError
 from abbench.profile import ADAPTER_PATHS, EngineSpec, RequestSpec, profile_from_dict
-from abbench.telemetry import metrics_delta, parse_prometheus
+from abbench.prometheus import metrics_delta, parse_prometheus
 
 try:
     from tests import fake_engines

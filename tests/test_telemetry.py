@@ -14,6 +14,7 @@ import psutil
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from abbench import fingerprint, nvml, prometheus
 from abbench import telemetry as tm
 from abbench.results import MemoryPoint, Telemetry
 from abbench.services import Service, stop_all
@@ -46,7 +47,7 @@ def test_nvml_absent_is_reported_not_fatal() -> None:
     assert tm.nvml_unavailable_reason()
     assert tm.gpu_idle() is None
     assert tm.gpu_snapshot() is None
-    s = tm.Sampler("x", None)
+    s = tm.ServiceMonitor("x", None)
     assert s.gpu is None
 
 
@@ -62,7 +63,7 @@ def test_sampler_host_rss_of_real_process_tree(helper: Service) -> None:
     tree = tm.process_tree(helper.pid)
     assert len(tree) == 3  # helper, child (64 MiB touched), grandchild
     root_rss = psutil.Process(helper.pid).memory_info().rss
-    with tm.Sampler("svc", helper.pid, interval_s=0.05) as s:
+    with tm.ServiceMonitor("svc", helper.pid, interval_s=0.05) as s:
         time.sleep(0.3)
         m = s.mark()
         r = httpx.get(helper.base_url + "/health", trust_env=False)
@@ -82,7 +83,7 @@ def test_sampler_host_rss_of_real_process_tree(helper: Service) -> None:
 
 
 def test_sampler_survives_service_death(helper: Service) -> None:
-    s = tm.Sampler("svc", helper.pid, interval_s=0.05, gpu=None).start()
+    s = tm.ServiceMonitor("svc", helper.pid, interval_s=0.05, gpu=None).start()
     try:
         time.sleep(0.15)
         helper.stop()
@@ -148,7 +149,7 @@ def test_window_integrates_pcie_burst_with_fast_sampling(tmp_path: Path) -> None
 
     me = psutil.Process().pid
     gpu = FakeGpu(rate, lambda: [(me, 300 * MiB), (4_000_000, 7 * MiB)])
-    with tm.Sampler("svc", me, interval_s=0.2, gpu=gpu) as s:
+    with tm.ServiceMonitor("svc", me, interval_s=0.2, gpu=gpu) as s:
         time.sleep(0.25)
         reads_before = gpu.reads
         m = s.mark()
@@ -169,13 +170,13 @@ def test_window_integrates_pcie_burst_with_fast_sampling(tmp_path: Path) -> None
 
 def test_window_without_traffic_and_pid_namespace_mismatch() -> None:
     gpu = FakeGpu(lambda t: 0.0, lambda: [(4_000_001, 1024)])  # no such pid here: another namespace
-    with tm.Sampler("svc", psutil.Process().pid, interval_s=0.05, gpu=gpu) as s:
+    with tm.ServiceMonitor("svc", psutil.Process().pid, interval_s=0.05, gpu=gpu) as s:
         time.sleep(0.1)
         w = s.window(s.mark())
     assert w["nvml_pcie_rx_bytes"] == 0.0
     assert w["proc_gpu_mem_peak"] is None
     gpu2 = FakeGpu(lambda t: 0.0, lambda: [])
-    with tm.Sampler("svc", psutil.Process().pid, interval_s=0.05, gpu=gpu2) as s:
+    with tm.ServiceMonitor("svc", psutil.Process().pid, interval_s=0.05, gpu=gpu2) as s:
         time.sleep(0.1)
         w = s.window(s.mark())
     assert w["proc_gpu_mem_peak"] == 0  # no GPU context in our tree
@@ -197,35 +198,35 @@ def _registry_text() -> str:
 
 
 def test_parse_prometheus_real_output() -> None:
-    d = tm.parse_prometheus(_registry_text())
+    d = prometheus.parse_prometheus(_registry_text())
     assert d['abbench_h2d_bytes_total{path="layer-major"}'] == 1.5e9
     assert d['abbench_h2d_bytes_total{path="we\\"ird\\\\"}'] == 3
     assert d["abbench_prefix_cache_blocks"] == 12
     assert d['abbench_prefill_seconds_bucket{arm="B",le="1.0"}'] == 1
     assert d['abbench_prefill_seconds_bucket{arm="B",le="+Inf"}'] == 1
     assert d['abbench_prefill_seconds_sum{arm="B"}'] == 0.5
-    assert tm.parse_prometheus("") == {}
+    assert prometheus.parse_prometheus("") == {}
 
 
 def test_parse_prometheus_labels_sorted_and_garbage() -> None:
     text = 'x_total{b="2",a="1"} 4\n'
-    assert tm.parse_prometheus(text) == {'x_total{a="1",b="2"}': 4.0}
+    assert prometheus.parse_prometheus(text) == {'x_total{a="1",b="2"}': 4.0}
     with pytest.raises(ValueError, match="not Prometheus text"):
-        tm.parse_prometheus("<html><body>404</body></html>")
+        prometheus.parse_prometheus("<html><body>404</body></html>")
     mixed = "good_total 3\nthis is { not valid\nother 2\n"
     with pytest.raises(ValueError):
-        tm.parse_prometheus(mixed)
-    assert tm.parse_prometheus(mixed, strict=False) == {"good_total": 3.0, "other": 2.0}
+        prometheus.parse_prometheus(mixed)
+    assert prometheus.parse_prometheus(mixed, strict=False) == {"good_total": 3.0, "other": 2.0}
 
 
 def test_metrics_delta_and_real_scrape(helper: Service) -> None:
-    before = tm.parse_prometheus(httpx.get(helper.base_url + "/metrics", trust_env=False).text)
-    after = tm.parse_prometheus(httpx.get(helper.base_url + "/metrics", trust_env=False).text)
-    assert tm.metrics_delta(before, after) == {'helper_requests_total{path="/metrics"}': 1.0}
-    d = tm.metrics_delta({"a_total": 5, "gone_total": 1, "c_created": 1.0},
+    before = prometheus.parse_prometheus(httpx.get(helper.base_url + "/metrics", trust_env=False).text)
+    after = prometheus.parse_prometheus(httpx.get(helper.base_url + "/metrics", trust_env=False).text)
+    assert prometheus.metrics_delta(before, after) == {'helper_requests_total{path="/metrics"}': 1.0}
+    d = prometheus.metrics_delta({"a_total": 5, "gone_total": 1, "c_created": 1.0},
                          {"a_total": 7, "new_total": 2, "c_created": 9.0})
     assert d == {"a_total": 2, "new_total": 2}
-    assert tm.metrics_delta(None, {"a": 1}) == {"a": 1} and tm.metrics_delta({"a": 1}, None) == {}
+    assert prometheus.metrics_delta(None, {"a": 1}) == {"a": 1} and prometheus.metrics_delta({"a": 1}, None) == {}
 
 
 # --------------------------------------------------------------------------------------- fingerprint
@@ -233,7 +234,7 @@ def test_metrics_delta_and_real_scrape(helper: Service) -> None:
 
 def test_environment_fingerprint_without_gpu() -> None:
     cmds = [["python", "-m", "abbench.engine", "--port", "1234"]]
-    fp = tm.environment_fingerprint(cmds)
+    fp = fingerprint.environment_fingerprint(cmds)
     for key in ("hostname", "python", "platform", "cpu", "ram_total", "driver_version", "cuda_driver_version",
                 "gpus", "nvml", "packages", "git", "engine_commit", "commands"):
         assert key in fp
@@ -252,24 +253,24 @@ def test_environment_fingerprint_without_gpu() -> None:
 
 
 def test_git_state_absent(tmp_path: Path) -> None:
-    assert tm.git_state(tmp_path) is None
-    fp = tm.environment_fingerprint(repo_dir=tmp_path, engine_commit="vllm-0.9.1")
+    assert fingerprint.git_state(tmp_path) is None
+    fp = fingerprint.environment_fingerprint(repo_dir=tmp_path, engine_commit="vllm-0.9.1")
     assert fp["git"] is None and fp["engine_commit"] == "vllm-0.9.1" and fp["commands"] == []
 
 
 def test_comparable_key_fields() -> None:
     a = {"gpus": [{"name": "NVIDIA H200"}], "driver_version": "570.1", "cuda_driver_version": "12.8",
          "packages": {"torch": "2.7.0", "transformers": "4.51"}, "engine_commit": "abc", "hostname": "x"}
-    assert tm.comparable(a, copy.deepcopy(a)) == []
+    assert fingerprint.comparable(a, copy.deepcopy(a)) == []
     b = copy.deepcopy(a)
     b["hostname"] = "y"  # not a key field
-    assert tm.comparable(a, b) == []
+    assert fingerprint.comparable(a, b) == []
     b["gpus"][0]["name"] = "NVIDIA H100"
     b["packages"]["torch"] = "2.8.0"
     del b["engine_commit"]
-    assert tm.comparable(a, b) == ["gpu_models", "packages.torch", "engine_commit"]
-    assert tm.differences(a, b)[1] == "packages.torch: '2.7.0' != '2.8.0'"
-    assert set(tm.KEY_FIELDS) == {"gpu_models", "driver_version", "cuda_driver_version", "packages.torch",
+    assert fingerprint.comparable(a, b) == ["gpu_models", "packages.torch", "engine_commit"]
+    assert fingerprint.differences(a, b)[1] == "packages.torch: '2.7.0' != '2.8.0'"
+    assert set(fingerprint.KEY_FIELDS) == {"gpu_models", "driver_version", "cuda_driver_version", "packages.torch",
                                   "packages.transformers", "engine_commit"}
 
 
@@ -339,7 +340,7 @@ def fake_nvml(monkeypatch):
     def install(procs):
         fake = _fake_pynvml(procs)
         monkeypatch.setitem(sys.modules, "pynvml", fake)
-        monkeypatch.setattr(tm, "_NVML", tm._NvmlSession())
+        monkeypatch.setattr(nvml, "SESSION", nvml.NvmlSession())
         return fake
 
     return install
@@ -369,7 +370,7 @@ def test_nvml_paths_with_fake_pynvml(fake_nvml) -> None:
     assert src.devices() == [0, 1]
     assert src.memory_used() == 3000 * MiB
     assert src.pcie_rx(1) == 2000 * tm.PCIE_KB and src.pcie_tx(0) == 10 * tm.PCIE_KB
-    with tm.Sampler("svc", me, interval_s=0.05) as s:  # gpu="auto" picks NVML
+    with tm.ServiceMonitor("svc", me, interval_s=0.05) as s:  # gpu="auto" picks NVML
         time.sleep(0.12)
         w = s.window(s.mark())
     p = s.points()[-1]
@@ -378,12 +379,12 @@ def test_nvml_paths_with_fake_pynvml(fake_nvml) -> None:
     assert w["proc_gpu_mem_peak"] == 1000 * MiB
     assert w["nvml_pcie_rx_bytes"] is not None and w["nvml_pcie_rx_bytes"] > 0
 
-    fp = tm.environment_fingerprint()
+    fp = fingerprint.environment_fingerprint()
     assert fp["driver_version"] == "570.86.15" and fp["cuda_driver_version"] == "12.8"
     g = fp["gpus"][1]
     assert g["name"] == "NVIDIA H200" and g["memory_total"] == 150_000 * MiB and g["pci_bus_id"] == "00000000:01:00.0"
     assert g["pcie"] == {"gen_max": 5, "width_max": 16, "gen_current": 1, "width_current": 16, "gpu_gen_max": None}
-    assert tm.key_value(fp, "gpu_models") == ["NVIDIA H200", "NVIDIA H200"]
+    assert fingerprint.key_value(fp, "gpu_models") == ["NVIDIA H200", "NVIDIA H200"]
 
 
 def test_gpu_idle_with_fake_pynvml(fake_nvml) -> None:
@@ -423,7 +424,7 @@ http.server.ThreadingHTTPServer(("127.0.0.1", port), H).serve_forever()
 def test_real_gpu_nvml_and_pcie_cross_check(tmp_path: Path) -> None:
     import warnings
 
-    fp = tm.environment_fingerprint()
+    fp = fingerprint.environment_fingerprint()
     assert fp["gpus"] and fp["gpus"][0]["name"] and fp["gpus"][0]["memory_total"] > 0
     assert fp["driver_version"] and fp["cuda_driver_version"]
     assert isinstance(tm.gpu_idle(), bool)
@@ -438,7 +439,7 @@ def test_real_gpu_nvml_and_pcie_cross_check(tmp_path: Path) -> None:
         if "code 77" in str(e):
             pytest.skip("no CUDA-enabled torch for the GPU service")
         raise
-    with svc, tm.Sampler("gpu", svc.pid, devices=tm.devices_for_env()) as s:
+    with svc, tm.ServiceMonitor("gpu", svc.pid, devices=tm.devices_for_env()) as s:
         time.sleep(0.5)
         m = s.mark()
         r = httpx.get(svc.base_url + "/copy?n=32", timeout=120, trust_env=False)
