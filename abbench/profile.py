@@ -9,11 +9,15 @@ records.
 Errors name the file, the field (dotted path) and what is allowed: they are raised as
 :class:`abbench.errors.ConfigError`. Placeholders in commands: ``{python}`` (this interpreter), ``{port}``
 (a free loopback port chosen per service), ``{profile_dir}`` (the profile file's folder).
+
+:meth:`Profile.launch_spec` is the one rule that turns an arm into its service (argv, env, base URL to attach
+to, profile folder): the runner, ``abbench probe`` and the launch-command checks all call it.
 """
 
 from __future__ import annotations
 
 import tomllib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -25,6 +29,18 @@ PROFILES_DIR = Path(__file__).resolve().parent.parent / "profiles"
 DEFAULT_PROFILE = "cpu-tiny"
 
 PositiveInt = Annotated[int, Field(gt=0)]
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """How to reach one service: launch ``argv`` with ``env``, or attach to ``base_url`` (then ``argv`` is
+    None). ``source`` names the profile field the command comes from (for error messages)."""
+
+    argv: list[str] | None
+    env: dict[str, str]
+    base_url: str | None
+    source: str
+    profile_dir: Path | None
 
 
 class _Model(BaseModel):
@@ -220,6 +236,39 @@ class Profile(_Model):
             if a.name == name:
                 return a
         raise KeyError(name)
+
+    @property
+    def profile_dir(self) -> Path | None:
+        """The folder of the profile file (relative paths in a profile are relative to it)."""
+        return Path(self.source_path).parent if self.source_path else None
+
+    def launch_spec(self, arm: str | None = None) -> LaunchSpec:
+        """The service that serves ``arm`` (None: the shared service). With ``engine.shared_service`` every
+        arm is served by ``engine.command``/``engine.base_url``; otherwise an arm's ``base_url`` wins, then
+        its own ``command``, then ``engine.command`` + the arm's ``args`` (or ``engine.base_url`` when the
+        arm has no command). The env is ``engine.env`` updated with the arm's."""
+        eng = self.engine
+        if eng.shared_service or arm is None:
+            base_url, source = eng.base_url, "engine.command"
+            argv = list(eng.command) if eng.command else None
+            env = dict(eng.env)
+        else:
+            a, i = self.arm(arm), [x.name for x in self.arms].index(arm)
+            base_url = a.base_url or (None if a.command else eng.base_url)
+            if a.command:
+                argv, source = list(a.command), f"arms[{i}].command (arm {a.name})"
+            else:
+                argv = list(eng.command) + list(a.args) if eng.command else None
+                source = f"engine.command + arms[{i}].args (arm {a.name})"
+            env = {**eng.env, **a.env}
+        return LaunchSpec(argv=None if base_url else argv, env=env, base_url=base_url or None, source=source,
+                          profile_dir=self.profile_dir)
+
+    def launch_specs(self) -> list[LaunchSpec]:
+        """Every distinct service spec of this profile: one when the service is shared, else one per arm."""
+        if self.engine.shared_service:
+            return [self.launch_spec(None)]
+        return [self.launch_spec(a.name) for a in self.arms]
 
     def with_overrides(
         self, *, arms: list[str] | None = None, rounds: int | None = None, lengths: list[int] | None = None

@@ -365,7 +365,7 @@ def test_resume_refuses_a_run_another_process_holds(tmp_path: Path) -> None:
     src = RunRecord(run_id="run", status="running", created_at=0.0, abbench_version="0",
                     profile=fk.fake_profile(fk.new_mark()))
     (run_dir / RUN_FILE).write_text(src.model_dump_json())
-    lock = runner._RunLock(run_dir).acquire()  # as a live `abbench run` holds it
+    lock = runner.RunLock(run_dir).acquire()  # as a live `abbench run` holds it
     try:
         res = fk.abbench("run", "--resume", str(run_dir), "-q", cwd=tmp_path)
     finally:
