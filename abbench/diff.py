@@ -164,7 +164,7 @@ def diff_prompt(record: RunRecord, prompt_id: str, *, arm: str | None = None, ro
     return PromptDiff(
         prompt_id=prompt_id, kind=prompts[prompt_id].kind, target_tokens=prompts[prompt_id].target_tokens,
         reference=ref, arm=other, ref_round=r, arm_round=r, first_diverging=first, agree=agree,
-        classification=an._classify(first, margins, near_tie_nats), positions=positions, notes=notes,
+        classification=an.classify(first, margins, near_tie_nats), positions=positions, notes=notes,
     )
 
 
@@ -258,7 +258,7 @@ def format_probe(p: ProbeResult, *, tokenizer: Any = None) -> str:
     if change is None:
         lines.append(f"{p.arm} chooses the reference's token at every probed position")
     else:
-        cls = an._classify(change.index, [change.probe_margin, change.ref_margin], an.NEAR_TIE_NATS)
+        cls = an.classify(change.index, [change.probe_margin, change.ref_margin], an.NEAR_TIE_NATS)
         lines.append(
             f"first position where {p.arm}, given the reference's history, chooses another token: {change.index} "
             f"({p.arm} {change.probe_id} {_fmt_text(_decode(tokenizer, change.probe_id), 30)} vs {p.reference} "

@@ -335,47 +335,9 @@ def _h2d(a: an.Analysis, plots: dict[str, str | None]) -> list[str]:
     return lines + _plot_link(plots, "h2d", "H2D bytes per arm and length")
 
 
-ENGINE_COUNTER_COLUMNS = ["arm", "kind", "target_tokens", "n", "prompt_tokens", "engine_cached",
-                          "metrics_prompt", "metrics_cached"]
-
-
-def engine_counter_table(record: RunRecord) -> pd.DataFrame:
-    """Per arm, kind and length (medians over measured ok samples): the prompt tokens the server counted
-    (usage), the prompt tokens the engine says it served from its prefix cache (``engine.cached_prompt_tokens``
-    of the response), and the same two read from its Prometheus counters around the request (the adapter's
-    ``counters``: after - before). Rows only where the engine gave a cache or counter number."""
-    from abbench.adapters import engine_counters
-    from abbench.errors import ConfigError
-    from abbench.prometheus import metrics_delta
-
-    adapter = str((record.profile.get("engine") or {}).get("adapter") or "openai")
-    rows: list[dict[str, Any]] = []
-    targets = {pr.id: pr.target_tokens for pr in record.prompts}
-    groups: dict[tuple[str, str, int | None], list[dict[str, Any]]] = {}
-    for smp in sorted(an.measured_ok(record), key=lambda x: x.step):
-        e = smp.engine or {}
-        try:
-            c = engine_counters(adapter, metrics_delta(smp.telemetry.metrics_before, smp.telemetry.metrics_after)
-                                if smp.telemetry.metrics_after else None)
-        except ConfigError:
-            c = {}
-        groups.setdefault((smp.arm, smp.kind, targets.get(smp.prompt_id, smp.prompt_tokens)), []).append(
-            {"prompt": e.get("engine_prompt_tokens", smp.prompt_tokens), "cached": e.get("cached_prompt_tokens"),
-             "m_prompt": c.get("prompt_tokens"), "m_cached": c.get("cached_prompt_tokens")})
-    for (arm, kind, tokens), g in groups.items():
-        med = {k: an._median(x[k] for x in g) for k in ("prompt", "cached", "m_prompt", "m_cached")}
-        if med["cached"] is None and med["m_prompt"] is None and med["m_cached"] is None:
-            continue
-        rows.append({"arm": arm, "kind": kind, "target_tokens": tokens, "n": len(g), "prompt_tokens": med["prompt"],
-                     "engine_cached": med["cached"], "metrics_prompt": med["m_prompt"],
-                     "metrics_cached": med["m_cached"]})
-    out = an._frame(rows, ENGINE_COUNTER_COLUMNS, ints=["target_tokens"])
-    return an._sort(out, record, ["arm", "kind", "target_tokens"])
-
-
 def _engine_counters(record: RunRecord) -> list[str]:
     lines = ["## Engine counters", ""]
-    df = engine_counter_table(record)
+    df = an.engine_counter_table(record)
     if df.empty:
         return lines + ["The engine reported no prefix-cache numbers in its responses and no prompt counters "
                         "on its metrics endpoint (or the profile scrapes none)."]
