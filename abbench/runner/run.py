@@ -47,7 +47,8 @@ from pathlib import Path
 from typing import Any
 
 from abbench import __version__
-from abbench.client import Completion, EngineClient
+from abbench.client import EngineClient
+from abbench.response import Completion
 from abbench.errors import AbbenchError, ConfigError, RequestError, ResultsError, ServiceError
 from abbench.fingerprint import environment_fingerprint
 from abbench.profile import Profile, profile_from_dict
