@@ -130,8 +130,9 @@ class EngineSpec(_Model):
     model: str | None = Field(None, description="'model' field sent with each request, if the server needs it.")
     shared_service: bool = Field(
         False,
-        description="All arms share one service; each request carries its arm's fields and the service "
-        "is reset before each sample group.",
+        description="Arms share services instead of getting a fresh one per round: each request carries its "
+        "arm's fields and the service is reset before each sample group. By default all arms share one; arms "
+        "that name a `service` share that one (e.g. offloaded arms on one, resident on its own).",
     )
     health_path: str = "/health"
     health_timeout_s: float = Field(180.0, gt=0)
@@ -164,6 +165,13 @@ class ArmSpec(_Model):
     command: list[str] | None = Field(None, description="Replaces engine.command for this arm.")
     env: dict[str, str] = Field(default_factory=dict)
     base_url: str | None = Field(None, description="A running server for this arm (no launch).")
+    service: str | None = Field(
+        None,
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$",
+        description="With engine.shared_service: the name of the service this arm shares with the arms that "
+        "name the same one (default 'shared'). Arms of one service must launch it the same way (the same "
+        "args, command, env and base_url).",
+    )
     request: dict[str, Any] = Field(default_factory=dict, description="Extra request body fields.")
     expect_path: str | None = Field(
         None, description="The engine must report this prefill path (abbench.prefill_path) when eligible."
@@ -225,7 +233,25 @@ class Profile(_Model):
         for name in self.gate.allow_fallback:
             if name not in names:
                 raise ValueError(f"gate.allow_fallback names {name!r}, which is not an arm")
+        named = [a.name for a in self.arms if a.service is not None]
+        if named and not self.engine.shared_service:
+            raise ValueError(f"arms {', '.join(named)} name a service but engine.shared_service is false; set "
+                             "engine.shared_service = true (arms naming the same service share it)")
+        for service, arms in (self.service_groups() if self.engine.shared_service else {}).items():
+            launch = {(tuple(a.args), tuple(a.command or ()), tuple(sorted(a.env.items())), a.base_url)
+                      for a in arms}
+            if len(launch) > 1:
+                raise ValueError(f"arms {', '.join(a.name for a in arms)} share service {service!r} but launch it "
+                                 "differently (args, command, env or base_url); give them the same, or "
+                                 "different services")
         return self
+
+    def service_groups(self) -> dict[str, list[ArmSpec]]:
+        """With engine.shared_service: service name -> its arms, in profile order ('shared' by default)."""
+        groups: dict[str, list[ArmSpec]] = {}
+        for a in self.arms:
+            groups.setdefault(a.service or "shared", []).append(a)
+        return groups
 
     @property
     def reference_arm(self) -> str:
@@ -243,31 +269,34 @@ class Profile(_Model):
         return Path(self.source_path).parent if self.source_path else None
 
     def launch_spec(self, arm: str | None = None) -> LaunchSpec:
-        """The service that serves ``arm`` (None: the shared service). With ``engine.shared_service`` every
-        arm is served by ``engine.command``/``engine.base_url``; otherwise an arm's ``base_url`` wins, then
-        its own ``command``, then ``engine.command`` + the arm's ``args`` (or ``engine.base_url`` when the
-        arm has no command). The env is ``engine.env`` updated with the arm's."""
+        """The service that serves ``arm`` (None: the engine's own ``command``/``base_url``). An arm's
+        ``base_url`` wins, then its own ``command``, then ``engine.command`` + the arm's ``args`` (or
+        ``engine.base_url`` when the arm has no command). The env is ``engine.env`` updated with the arm's.
+        With ``engine.shared_service`` the arms of one service launch it the same way (validated), so any
+        of them gives its spec."""
         eng = self.engine
-        if eng.shared_service or arm is None:
-            base_url, source = eng.base_url, "engine.command"
+        if arm is None:
             argv = list(eng.command) if eng.command else None
-            env = dict(eng.env)
+            return LaunchSpec(argv=None if eng.base_url else argv, env=dict(eng.env), base_url=eng.base_url or None,
+                              source="engine.command", profile_dir=self.profile_dir)
+        a, i = self.arm(arm), [x.name for x in self.arms].index(arm)
+        base_url = a.base_url or (None if a.command else eng.base_url)
+        argv = list(a.command) if a.command else (list(eng.command) + list(a.args) if eng.command else None)
+        if eng.shared_service:
+            service = a.service or "shared"
+            source = (f"arms[{i}].command (service {service})" if a.command else
+                      "engine.command" if not a.args else f"engine.command + args of service {service}")
         else:
-            a, i = self.arm(arm), [x.name for x in self.arms].index(arm)
-            base_url = a.base_url or (None if a.command else eng.base_url)
-            if a.command:
-                argv, source = list(a.command), f"arms[{i}].command (arm {a.name})"
-            else:
-                argv = list(eng.command) + list(a.args) if eng.command else None
-                source = f"engine.command + arms[{i}].args (arm {a.name})"
-            env = {**eng.env, **a.env}
-        return LaunchSpec(argv=None if base_url else argv, env=env, base_url=base_url or None, source=source,
-                          profile_dir=self.profile_dir)
+            source = (f"arms[{i}].command (arm {a.name})" if a.command else
+                      f"engine.command + arms[{i}].args (arm {a.name})")
+        return LaunchSpec(argv=None if base_url else argv, env={**eng.env, **a.env}, base_url=base_url or None,
+                          source=source, profile_dir=self.profile_dir)
 
     def launch_specs(self) -> list[LaunchSpec]:
-        """Every distinct service spec of this profile: one when the service is shared, else one per arm."""
+        """Every distinct service spec of this profile: one per shared service (its first arm's), else one
+        per arm."""
         if self.engine.shared_service:
-            return [self.launch_spec(None)]
+            return [self.launch_spec(arms[0].name) for arms in self.service_groups().values()]
         return [self.launch_spec(a.name) for a in self.arms]
 
     def with_overrides(

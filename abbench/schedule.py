@@ -7,6 +7,10 @@ on (ABBA...), so drift over time (thermal, caches, a noisy neighbour) falls equa
   optional long JIT warm-up, then every sample group in order. Key of the service: ``<arm>@r<round>``.
 * Shared service (``engine.shared_service``): one service for the run; each arm's warm-ups (and JIT
   warm-up) run first, then for every group the arms alternate in the round's order. Key: ``shared``.
+  When arms name services (``services``: arm -> service name), each service's arms form a block per round;
+  blocks run in the order the round's arm order first reaches them (so they reverse too), each service's
+  arms warm up at its first block, and within a block the arms alternate per group as above. Key: the
+  service's name (a service stopped for another block is relaunched and primed with its warm-ups).
 
 A sample group is one fresh prompt, or a cold prompt followed by its continuation (same arm, back to
 back, no reset between them, so the continuation can hit the prefix cache). The engine is reset before
@@ -61,6 +65,7 @@ def build_plan(
     shared_service: bool,
     reset_between_samples: bool,
     exclude_kinds: list[str],
+    services: dict[str, str] | None = None,
 ) -> list[Step]:
     if not arms:
         raise ValueError("no arms")
@@ -97,14 +102,21 @@ def build_plan(
             add(round_no, arm, position, pid, g.name, service, reset_between_samples and i == 0)
 
     if shared_service:
-        order1 = arm_order(arms, 1)
-        for pos, arm in enumerate(order1):
-            warm(1, arm, pos, "shared")
+        service_of = {a: (services or {}).get(a) or "shared" for a in arms}
+        warmed: set[str] = set()
         for r in range(1, rounds + 1):
             order = arm_order(arms, r)
-            for g in groups:
-                for pos, arm in enumerate(order):
-                    run_group(r, arm, pos, g, "shared")
+            blocks = list(dict.fromkeys(service_of[a] for a in order))  # services in first-reached order
+            for service in blocks:
+                if service not in warmed:
+                    warmed.add(service)
+                    for pos, arm in enumerate(order if r == 1 else arm_order(arms, 1)):
+                        if service_of[arm] == service:
+                            warm(r, arm, pos, service)
+                for g in groups:
+                    for pos, arm in enumerate(order):
+                        if service_of[arm] == service:
+                            run_group(r, arm, pos, g, service)
     else:
         for r in range(1, rounds + 1):
             for pos, arm in enumerate(arm_order(arms, r)):

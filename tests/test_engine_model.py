@@ -104,14 +104,14 @@ def test_presets_match_the_models_they_name():
 
 def test_engine_config_defaults_depend_on_device():
     r = EngineConfig(model="tiny").resolved()
-    assert r.dtype == "float32" and r.max_context == 40960
-    assert r.gpu_expert_slots == 4 * 4 * 4  # 4 x top_k x layers (here: every expert of tiny)
+    assert r.dtype == "float32" and r.max_context == 40960 and r.expert_slots_per_layer is None
     assert EngineConfig(model="qwen3-30b-a3b", device="cuda").resolved().dtype == "bfloat16"
-    assert EngineConfig(model="qwen3-30b-a3b", device="cuda").resolved().gpu_expert_slots == 4 * 8 * 48
     with pytest.raises(ValueError, match="prefill_mode"):
         EngineConfig(prefill_mode="fast")
-    with pytest.raises(ValueError, match="gpu_expert_slots"):
-        EngineConfig(model="tiny", gpu_expert_slots=2).resolved()
+    with pytest.raises(ValueError, match="expert_slots_per_layer"):
+        EngineConfig(model="tiny", expert_slots_per_layer=2).resolved()  # fewer than top_k = 4
+    with pytest.raises(ValueError, match="expert_slots_per_layer"):
+        EngineConfig(model="tiny", expert_slots_per_layer=17).resolved()  # more than the 16 experts
 
 
 # -- weights ----------------------------------------------------------------------------------------------

@@ -43,7 +43,7 @@ def resident():
 @pytest.fixture(scope="module")
 def streamed():
     """Started chunked with the smallest legal slot cache (top_k experts): decode evicts constantly."""
-    return _engine(gpu_expert_slots=MINI.num_experts_per_tok)
+    return _engine(expert_slots_per_layer=MINI.num_experts_per_tok)
 
 
 def _prompt(n: int, seed: int = 0, lo: int = 0) -> list[int]:
@@ -144,7 +144,7 @@ def test_h2d_bytes_count_banks_per_mode(resident, streamed):
 
 
 def test_slot_cache_size_changes_bytes_not_tokens(streamed):
-    big = _engine(gpu_expert_slots=MINI.num_hidden_layers * MINI.num_experts)
+    big = _engine(expert_slots_per_layer=MINI.num_experts)
     p = _prompt(40, seed=6)
     small_run = _serve(streamed, [p, p], "chunked", max_tokens=8)
     big_run = _serve(big, [p, p], "chunked", max_tokens=8)
@@ -154,7 +154,7 @@ def test_slot_cache_size_changes_bytes_not_tokens(streamed):
 
 
 def test_d2d_from_slot_cache_moves_cached_experts_on_device(resident):
-    engine = _engine(d2d_from_slot_cache=True, gpu_expert_slots=MINI.num_hidden_layers * MINI.num_experts)
+    engine = _engine(d2d_from_slot_cache=True, expert_slots_per_layer=MINI.num_experts)
     warm, fresh = _prompt(30, seed=7, lo=1), [0] + _prompt(99, seed=8, lo=1)  # no shared prefix
     engine.reset()
     engine.run(warm, 8)  # decode fills the slot cache

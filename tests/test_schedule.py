@@ -89,3 +89,23 @@ def test_bad_input() -> None:
     with pytest.raises(ValueError):
         build_plan([rec("c", "continuation", parent=None)], ["A"], 1, shared_service=False,
                    reset_between_samples=True, exclude_kinds=[])
+
+
+def test_named_services_form_blocks_that_reverse_each_round():
+    """Offloaded arms on one service, resident on its own: per round one block per service, in the order the
+    round's arm order reaches them; warm-ups once per service; positions are the round's order."""
+    prompts = [rec("w0", "warmup", 8), rec("f1", "fresh", 64), rec("f2", "fresh", 128)]
+    services = {"chunked": "offloaded", "layer-major": "offloaded", "resident": "resident"}
+    plan = build_plan(prompts, ["chunked", "layer-major", "resident"], 2, shared_service=True,
+                      reset_between_samples=True, exclude_kinds=["warmup"], services=services)
+    seq = [(s.round, s.service, s.arm, s.prompt_id, s.position) for s in plan]
+    assert seq == [
+        (1, "offloaded", "chunked", "w0", 0), (1, "offloaded", "layer-major", "w0", 1),
+        (1, "offloaded", "chunked", "f1", 0), (1, "offloaded", "layer-major", "f1", 1),
+        (1, "offloaded", "chunked", "f2", 0), (1, "offloaded", "layer-major", "f2", 1),
+        (1, "resident", "resident", "w0", 2), (1, "resident", "resident", "f1", 2), (1, "resident", "resident", "f2", 2),
+        (2, "resident", "resident", "f1", 0), (2, "resident", "resident", "f2", 0),
+        (2, "offloaded", "layer-major", "f1", 1), (2, "offloaded", "chunked", "f1", 2),
+        (2, "offloaded", "layer-major", "f2", 1), (2, "offloaded", "chunked", "f2", 2),
+    ]
+    assert all(s.excluded == (s.kind == "warmup") for s in plan)

@@ -15,7 +15,7 @@ False); only measured samples with ``ok`` enter the statistics. When one planned
 (a retried request), the last ok one is used.
 
 This module: the run's arms, reference and gate table; :func:`samples_frame` (one row per sample; the
-engine's per-request object read through :class:`abbench.engine.stats.RequestStats`); :func:`memory_table`;
+engine's per-request object read through :class:`abbench.engine.stats.AbbenchStats`); :func:`memory_table`;
 :func:`completeness` (planned measured steps against the samples).
 """
 
@@ -30,7 +30,7 @@ import numpy as np
 import pandas as pd
 from pydantic import ValidationError
 
-from abbench.engine.stats import RequestStats
+from abbench.engine.stats import AbbenchStats
 from abbench.errors import ResultsError
 from abbench.profile import GateSpec
 from abbench.results import RunRecord, Sample, Step
@@ -191,7 +191,7 @@ def sample_frame(record: RunRecord, samples: list[Sample]) -> pd.DataFrame:
     targets = prompt_targets(record)
     rows = []
     for s in samples:
-        e = RequestStats.read(s.engine)
+        e = AbbenchStats.read(s.engine)
         decode_s = s.total_s - s.ttft_s if s.total_s is not None and s.ttft_s is not None else None
         tok_s = None
         if decode_s and decode_s > 0 and s.completion_tokens and s.completion_tokens > 1:

@@ -20,7 +20,7 @@ from abbench.analysis.frames import (
     prompt_targets,
     sort_rows,
 )
-from abbench.engine.stats import RequestStats
+from abbench.engine.stats import AbbenchStats
 from abbench.results import RunRecord
 
 
@@ -43,7 +43,7 @@ def active_path_samples(record: RunRecord) -> pd.DataFrame:
     targets = prompt_targets(record)
     rows = []
     for s in sorted(measured_ok(record), key=lambda x: x.step):
-        e = RequestStats.read(s.engine)
+        e = AbbenchStats.read(s.engine)
         exp, got, reason = expect.get(s.arm), e.prefill_path, e.fallback_reason
         n_chunks = num(e.n_chunks)
         if exp is None:

@@ -6,9 +6,18 @@ Contract:
   cannot run (another model_type, dense-MLP layers, sliding-window attention, scaled RoPE) with a clear
   ``ValueError``.
 - ``PRESETS`` names the shapes the harness uses: ``tiny`` (seconds on 2 CPU cores, Qwen3 vocabulary),
-  ``qwen3-30b-a3b`` (the real model's shape) and ``qwen3-30b-a3b-half`` (its first 24 layers).
-- ``EngineConfig`` holds the engine's knobs; ``EngineConfig.resolved()`` fills the device-dependent
-  defaults (dtype, max_context, gpu_expert_slots) and validates everything before any tensor exists.
+  ``qwen3-30b-a3b`` (the real model's shape), ``qwen3-30b-a3b-half`` (its first 24 layers) and
+  ``qwen3-30b-a3b-2507`` (the same shape with the 262,144-token context and RoPE theta 1e7 of the 2507 release).
+- ``EngineConfig`` holds the engine's knobs; ``EngineConfig.resolved()`` fills the device-independent
+  defaults (dtype, max_context) and validates everything before any tensor exists.
+- ``plan_device_memory`` sizes the decode slot cache from a device-memory budget: it adds up what the engine
+  keeps on the device (dense weights, KV cache, the prefill double buffer, a workspace bound for one chunk
+  and the parked layer-major activations, resident experts) and gives the rest to expert slots, the same
+  number for every layer. A budget that cannot hold one token's experts in every layer is refused with
+  every term named.
+- ``MAX_GROUPED_MM_GROUPS``: CUDA's bf16 ``torch._grouped_mm`` accepts at most 1,023 groups (1,024 fails on
+  an H200 with torch 2.11). Every grouped call passes one layer's experts or one layer's slots, so both must
+  stay at or under it; ``resolved()`` refuses a model with more experts per layer.
 
 This module imports no torch, so the harness can read presets on a machine without it.
 """
@@ -22,6 +31,12 @@ from pathlib import Path
 
 PREFILL_MODES = ("chunked", "layer-major", "demand", "resident")
 DTYPES = ("float32", "bfloat16", "float16")
+ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+MAX_GROUPED_MM_GROUPS = 1023
+GIB = 2**30
+# What the budget sets aside beyond the engine's own tensors: the CUDA context, cuBLAS/CUTLASS workspaces,
+# decode graphs and allocator slack (the context alone is ~0.5 GiB on an H200 with torch 2.11).
+RUNTIME_RESERVE_BYTES = GIB
 
 
 @dataclass(frozen=True)
@@ -162,6 +177,9 @@ PRESETS: dict[str, ModelConfig] = {
     ),
     "qwen3-30b-a3b": _QWEN3_30B_A3B,
     "qwen3-30b-a3b-half": dataclasses.replace(_QWEN3_30B_A3B, num_hidden_layers=24, name="qwen3-30b-a3b-half"),
+    # Qwen/Qwen3-30B-A3B-Instruct-2507 config.json: the same shape, 262,144 positions, RoPE theta 1e7.
+    "qwen3-30b-a3b-2507": dataclasses.replace(_QWEN3_30B_A3B, max_position_embeddings=262_144,
+                                              rope_theta=10_000_000.0, name="qwen3-30b-a3b-2507"),
 }
 
 
@@ -179,9 +197,15 @@ class EngineConfig:
     chunk_tokens: int = 2048  # prefill chunk length, the same in every mode
     layer_major_window_tokens: int = 65536  # parked-activation budget of one layer-major window, in tokens
     demand_max_tokens: int = 256  # chunks of at most this many tokens load only their routed experts
-    # Decode slot cache capacity in experts, shared by all layers (LRU). Default: 4 x top_k x num_layers
-    # (4 tokens' worth of distinct routes; 1536 experts = 14.5 GB bf16 for Qwen3-30B-A3B), at most all experts.
-    gpu_expert_slots: int | None = None
+    # Decode slot cache: this many expert slots for every layer (LRU within the layer; each layer's slots are
+    # one block, so a grouped GEMM over them has at most num_experts groups). None: sized from
+    # ``gpu_memory_budget_gb`` (plan_device_memory), at most num_experts, at least num_experts_per_tok.
+    expert_slots_per_layer: int | None = None
+    # Device-memory budget in GB (1e9 bytes) for everything the engine allocates plus RUNTIME_RESERVE_BYTES;
+    # None: the device's free memory at start (the Engine measures it), or all experts on CPU.
+    gpu_memory_budget_gb: float | None = None
+    host_memory_check: bool = True  # refuse to build a bank larger than the host's available memory
+    decode_graphs: bool = True  # CUDA: replay decode steps as CUDA graphs (ignored on CPU)
     d2d_from_slot_cache: bool = False  # prefill takes experts already in the slot cache device-to-device
     max_context: int | None = None  # KV cache length; default max_position_embeddings
     deterministic: bool = False  # torch.use_deterministic_algorithms(True) (the kernels used already are)
@@ -198,8 +222,10 @@ class EngineConfig:
         for name in ("chunk_tokens", "layer_major_window_tokens", "demand_max_tokens"):
             if int(getattr(self, name)) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.gpu_expert_slots is not None and self.gpu_expert_slots <= 0:
-            raise ValueError(f"gpu_expert_slots must be positive, got {self.gpu_expert_slots}")
+        if self.expert_slots_per_layer is not None and self.expert_slots_per_layer <= 0:
+            raise ValueError(f"expert_slots_per_layer must be positive, got {self.expert_slots_per_layer}")
+        if self.gpu_memory_budget_gb is not None and not self.gpu_memory_budget_gb > 0:
+            raise ValueError(f"gpu_memory_budget_gb must be positive, got {self.gpu_memory_budget_gb}")
         if self.max_context is not None and self.max_context <= 1:
             raise ValueError(f"max_context must be > 1, got {self.max_context}")
         if not (self.weights.startswith("random:") or Path(self.weights).is_dir()):
@@ -232,10 +258,98 @@ class EngineConfig:
         if max_context > mc.max_position_embeddings:
             raise ValueError(f"max_context {max_context} > the model's max_position_embeddings "
                              f"{mc.max_position_embeddings}")
-        all_experts = mc.num_hidden_layers * mc.num_experts
-        slots = self.gpu_expert_slots or min(all_experts, 4 * mc.num_experts_per_tok * mc.num_hidden_layers)
-        slots = min(slots, all_experts)
-        if slots < mc.num_experts_per_tok:
-            raise ValueError(f"gpu_expert_slots ({slots}) must hold at least one token's experts "
-                             f"(num_experts_per_tok={mc.num_experts_per_tok})")
-        return dataclasses.replace(self, model=mc, dtype=dtype, max_context=max_context, gpu_expert_slots=slots)
+        if mc.num_experts > MAX_GROUPED_MM_GROUPS:
+            raise ValueError(f"num_experts {mc.num_experts} per layer > {MAX_GROUPED_MM_GROUPS}: CUDA's grouped GEMM "
+                             "takes at most that many groups and every expert call passes one layer's experts")
+        slots = self.expert_slots_per_layer
+        if slots is not None:
+            if slots > mc.num_experts:
+                raise ValueError(f"expert_slots_per_layer ({slots}) > num_experts ({mc.num_experts}): a layer "
+                                 "never needs more slots than it has experts")
+            if slots < mc.num_experts_per_tok:
+                raise ValueError(f"expert_slots_per_layer ({slots}) must hold at least one token's experts "
+                                 f"(num_experts_per_tok={mc.num_experts_per_tok})")
+        return dataclasses.replace(self, model=mc, dtype=dtype, max_context=max_context)
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """What the engine keeps on the compute device, in bytes, and the slots per layer that fit the budget."""
+
+    budget_bytes: int
+    dense_bytes: int  # embeddings, lm_head, attention and router weights, norms
+    kv_bytes: int  # the KV cache for max_context positions
+    prefill_buffer_bytes: int  # the double buffer of two layer banks (0 when resident)
+    resident_bytes: int  # every expert on the device (resident mode only)
+    workspace_bytes: int  # one chunk's activations and MoE intermediates, parked layer-major activations
+    reserve_bytes: int  # RUNTIME_RESERVE_BYTES
+    slot_bytes: int  # one expert slot in every layer (num_hidden_layers x one expert)
+    slots_per_layer: int  # 0 when resident
+
+    @property
+    def fixed_bytes(self) -> int:
+        return (self.dense_bytes + self.kv_bytes + self.prefill_buffer_bytes + self.resident_bytes
+                + self.workspace_bytes + self.reserve_bytes)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.fixed_bytes + self.slots_per_layer * self.slot_bytes
+
+    def describe(self) -> str:
+        gb = lambda b: f"{b / 1e9:.2f} GB"  # noqa: E731
+        return (f"budget {gb(self.budget_bytes)}: dense {gb(self.dense_bytes)} + KV {gb(self.kv_bytes)} + prefill "
+                f"buffers {gb(self.prefill_buffer_bytes)} + resident experts {gb(self.resident_bytes)} + "
+                f"workspace {gb(self.workspace_bytes)} + runtime reserve {gb(self.reserve_bytes)} = "
+                f"{gb(self.fixed_bytes)} fixed; {self.slots_per_layer} expert slots per layer x "
+                f"{gb(self.slot_bytes)} = {gb(self.slots_per_layer * self.slot_bytes)}")
+
+
+def dense_params(mc: ModelConfig) -> int:
+    """Parameters of everything but the routed experts."""
+    h, d = mc.hidden_size, mc.head_dim
+    attn = h * d * (2 * mc.num_attention_heads + 2 * mc.num_key_value_heads) + 2 * d  # q, o, k, v, q/k norms
+    per_layer = attn + mc.num_experts * h + 2 * h  # + router + the two norms
+    embeds = mc.vocab_size * h * (1 if mc.tie_word_embeddings else 2)
+    return mc.num_hidden_layers * per_layer + embeds + h
+
+
+def plan_device_memory(config: EngineConfig, budget_bytes: int) -> MemoryPlan:
+    """Size the decode slot cache of a resolved ``config`` from ``budget_bytes``; ``expert_slots_per_layer``,
+    when set, is taken as given and checked against the budget. Raises ValueError naming every term when the
+    budget cannot hold the fixed part plus one token's experts in every layer (or, resident, every expert)."""
+    mc = config.model
+    assert isinstance(mc, ModelConfig) and config.dtype and config.max_context, "plan needs a resolved config"
+    item = ITEMSIZE[config.dtype]
+    resident = config.prefill_mode == "resident"
+    expert = mc.expert_params * item
+    layer_bank = mc.num_experts * expert
+    chunk = min(config.chunk_tokens, config.max_context)
+    k, i, h = mc.num_experts_per_tok, mc.moe_intermediate_size, mc.hidden_size
+    # one chunk: hidden states, q/k/v/attention output, and the MoE's [T*k, H] rows, [T*k, 2I] and [T*k, I]
+    # intermediates as they overlap between consecutive ops; plus the parked layer-major activations of one
+    # window and the float32 logits.
+    chunk_ws = chunk * (8 * h + 4 * mc.num_attention_heads * mc.head_dim + k * (3 * h + 3 * i)) * item
+    parked = min(config.layer_major_window_tokens, config.max_context) * h * item
+    plan = dict(
+        budget_bytes=int(budget_bytes), dense_bytes=dense_params(mc) * item,
+        kv_bytes=2 * mc.num_hidden_layers * mc.num_key_value_heads * config.max_context * mc.head_dim * item,
+        prefill_buffer_bytes=2 * layer_bank, resident_bytes=mc.num_hidden_layers * layer_bank if resident else 0,
+        workspace_bytes=chunk_ws + parked + 2 * mc.vocab_size * 4, reserve_bytes=RUNTIME_RESERVE_BYTES,
+        slot_bytes=mc.num_hidden_layers * expert, slots_per_layer=0)
+    fixed = MemoryPlan(**plan).fixed_bytes
+    if resident:
+        p = MemoryPlan(**plan)
+        if fixed > budget_bytes:
+            raise ValueError(f"resident experts do not fit the device-memory budget: {p.describe()}")
+        return p
+    fit = max(0, (int(budget_bytes) - fixed) // plan["slot_bytes"])
+    slots = config.expert_slots_per_layer or min(mc.num_experts, fit)
+    p = MemoryPlan(**{**plan, "slots_per_layer": slots})
+    if slots < k or slots > fit:
+        need = max(slots, k)
+        raise ValueError(
+            f"the device-memory budget holds {fit} expert slots per layer but decode needs "
+            f"{need} (num_experts_per_tok={k}{'' if slots <= k else ', as requested'}); {p.describe()}. Raise "
+            f"--gpu-memory-budget to at least {(fixed + need * plan['slot_bytes']) / 1e9:.2f} GB, lower "
+            "--max-context, or set fewer --expert-slots-per-layer")
+    return p

@@ -1,12 +1,24 @@
 """Decode: one token at a time through the decode slot cache (or resident experts), then sampling.
 
 Contract:
-- ``decode_step(model, store, kv, token_id, pos, cancel) -> logits [V] float32`` runs the token at position
-  ``pos`` through every layer, writing its KV. Per layer the router's choice is read back to the host (one
-  sync per layer: an offloaded decode must know which experts to fetch), the routed experts are made
-  resident in the slot cache (misses copied from the host bank and counted), and the same grouped-GEMM
-  expert code as prefill runs over the slot tensors with slot indices. In resident mode the experts are
-  read in place and nothing is copied.
+- ``Decoder(model, store, kv, graphs)``; ``decoder.step(token_id, pos, cancel) -> logits [V] float32`` runs
+  the token at position ``pos`` through every layer, writing its KV. The step has static shapes: the token
+  and the position sit in device buffers, attention runs over a KV length ``kv_len`` (the smallest power of
+  two >= pos + 1, at least 1,024, at most the cache) with later positions masked (``Model.decode_attn_block``),
+  and the experts run through the same grouped-GEMM code as prefill (``Model.moe_block``) over one layer's
+  weights: resident experts [E, ...] or the layer's slot block [S, ...], so no call has more than
+  num_experts groups.
+- Three ways to run a step, all calling the same functions with the same shapes, so their results are
+  bitwise equal (checked on CPU and on CUDA):
+  * **whole step** when no expert can miss (resident, or a slot cache that holds every expert of every layer
+    with expert e in slot e): embedding, all layers and the logits in one go, no host sync;
+  * **per layer** when experts can miss: per layer the attention half runs, the router's choice is read
+    back (one host sync per layer: an offloaded decode must know which experts to fetch), the misses are
+    copied from the host bank into the layer's slots (counted), the slot ids are written to a device
+    buffer, and the MoE half runs;
+  * on CUDA, when ``graphs`` is true, each of these pieces is captured once per ``kv_len`` as a CUDA graph
+    and replayed (the whole step as one graph; per layer one graph for the attention half and one for the
+    MoE half), which removes the per-kernel launch cost that dominates eager decode (~80 kernels a layer).
 - ``Sampler``: temperature 0 is argmax (lowest id on ties); otherwise softmax(logits / temperature)
   sampled with a per-request ``torch.Generator`` seeded by ``seed`` (a fresh random seed when None), so a
   seeded request is reproducible on one device. With ``logprobs`` (0..V) it also returns the chosen token's
@@ -17,6 +29,7 @@ Contract:
 from __future__ import annotations
 
 import secrets
+from collections.abc import Callable
 
 import torch
 
@@ -24,26 +37,129 @@ from .experts import ExpertStore
 from .model import KVCache, Model, attention_backends
 from .prefill import CancelLike, check_cancel
 
+MIN_KV_LEN = 1024
 
-@torch.no_grad()
-def decode_step(model: Model, store: ExpertStore, kv: KVCache, token_id: int, pos: int,
-                cancel: CancelLike = None) -> torch.Tensor:
-    ids = torch.tensor([token_id], device=model.device)  # [1]
-    x = model.embed(ids)  # [1, H]
-    if store.cuda and store.resident is None:  # slot writes below go after any prefill copy still queued
-        torch.cuda.current_stream(store.device).wait_stream(store.copy_stream)
-    with attention_backends():
-        for layer in range(model.cfg.num_hidden_layers):
+
+def kv_len_for(pos: int, max_context: int) -> int:
+    """The attention length of a decode step at ``pos``: a power of two >= pos + 1 (>= MIN_KV_LEN), capped at
+    the cache length. Few distinct values, so few graphs; at most 2x the keys actually needed."""
+    n = MIN_KV_LEN
+    while n < pos + 1:
+        n *= 2
+    return min(n, max_context)
+
+
+class _Graphs:
+    """CUDA graphs keyed by (piece, kv_len), captured on first use and sharing one memory pool."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.pool = torch.cuda.graph_pool_handle()
+        self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self.stream = torch.cuda.Stream(device)
+
+    def run(self, key: tuple, fn: Callable[[], None]) -> None:
+        g = self.graphs.get(key)
+        if g is None:
+            current = torch.cuda.current_stream(self.device)
+            self.stream.wait_stream(current)
+            with torch.cuda.stream(self.stream):
+                fn()  # warm-up outside the graph (lazy inits, workspaces, autotuning)
+            current.wait_stream(self.stream)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"):
+                fn()
+            self.graphs[key] = g
+        g.replay()
+
+
+class Decoder:
+    """Static buffers and the step functions of decode; see the module docstring."""
+
+    def __init__(self, model: Model, store: ExpertStore, kv: KVCache, graphs: bool):
+        self.model, self.store, self.kv = model, store, kv
+        cfg, dev = model.cfg, model.device
+        self.n_layers, self.k = cfg.num_hidden_layers, cfg.num_experts_per_tok
+        self.token = torch.zeros(1, dtype=torch.long, device=dev)  # [1]
+        self.pos = torch.zeros(1, dtype=torch.long, device=dev)  # [1]
+        self.x = [torch.zeros(1, cfg.hidden_size, dtype=model.dtype, device=dev)
+                  for _ in range(self.n_layers + 1)]  # [1, H] input of each layer, and the last output
+        # the attention half's outputs (x, h, top_w, top_ids) per (layer, kv_len): a graph's outputs live in
+        # the memory it was captured with, and the MoE half's graph for that kv_len reads exactly those
+        self.mid: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
+        self.slot_ids = torch.zeros(self.n_layers, 1, self.k, dtype=torch.long, device=dev)  # [L, 1, k]
+        self.logits = torch.zeros(cfg.vocab_size, dtype=torch.float32, device=dev)  # [V]
+        self.graphs = _Graphs(dev) if (graphs and dev.type == "cuda") else None
+        self.host_ids = torch.zeros(self.n_layers, 1, self.k, dtype=torch.long,
+                                    pin_memory=dev.type == "cuda")  # [L, 1, k] slot ids on their way up
+        self.steps = {"whole": 0, "per_layer": 0}
+
+    @property
+    def mode(self) -> str:
+        return "cuda-graphs" if self.graphs is not None else "eager"
+
+    def _no_misses(self) -> bool:
+        slots = self.store.slots
+        return self.store.resident is not None or (slots is not None and slots.complete)
+
+    # -- pieces (each static-shape and sync-free) ---------------------------------------------------------
+    def _whole(self, kv_len: int) -> None:
+        m = self.model
+        x = m.embed(self.token)  # [1, H]
+        for layer in range(self.n_layers):
+            x, h, top_w, top_ids = m.decode_attn_block(layer, x, self.kv, self.pos, kv_len)  # [1, H] x2, [1, k] x2
+            gate_up, down = self.store.decode_weights(layer)  # expert e is in row e (resident or identity slots)
+            x = m.moe_block(x, h, top_w, top_ids, gate_up, down)  # [1, H]
+        self.logits.copy_(m.logits(x))
+
+    def _embed(self) -> None:
+        self.x[0].copy_(self.model.embed(self.token))
+
+    def _attn(self, layer: int, kv_len: int) -> None:
+        self.mid[layer, kv_len] = self.model.decode_attn_block(layer, self.x[layer], self.kv, self.pos, kv_len)
+
+    def _moe(self, layer: int, kv_len: int) -> None:
+        x, h, top_w, _ = self.mid[layer, kv_len]
+        gate_up, down = self.store.decode_weights(layer)  # [S, 2I, H], [S, H, I]
+        self.x[layer + 1].copy_(self.model.moe_block(x, h, top_w, self.slot_ids[layer], gate_up, down))
+
+    def _head(self) -> None:
+        self.logits.copy_(self.model.logits(self.x[self.n_layers]))
+
+    def _run(self, key: tuple, fn: Callable[[], None]) -> None:
+        if self.graphs is None:
+            fn()
+        else:
+            self.graphs.run(key, fn)
+
+    # -- a step ----------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, token_id: int, pos: int, cancel: CancelLike = None) -> torch.Tensor:
+        """Decode ``token_id`` at ``pos``; returns the logits [V] float32 (a view of a static buffer, valid
+        until the next step)."""
+        store, kv_len = self.store, kv_len_for(pos, self.kv.max_context)
+        self.token.fill_(token_id)
+        self.pos.fill_(pos)
+        if store.cuda and store.resident is None:  # slot writes below go after any prefill copy still queued
+            torch.cuda.current_stream(store.device).wait_stream(store.copy_stream)
+        with attention_backends():
             check_cancel(cancel)
-            x, h, top_w, top_ids = model.attn_block(layer, x, kv, pos)  # [1, H], [1, H], [1, k], [1, k]
-            if store.resident is not None:
-                gate_up, down = store.resident[layer]  # [E, 2I, H], [E, H, I]
-                group_ids = top_ids
-            else:
-                slot_ids, gate_up, down = store.decode_experts(layer, top_ids.tolist())  # [N, 2I, H], [N, H, I]
-                group_ids = torch.tensor(slot_ids, device=model.device)  # [1, k] slot of each routed expert
-            x = model.moe_block(x, h, top_w, group_ids, gate_up, down)  # [1, H]
-        return model.logits(x)  # [V]
+            if self._no_misses():
+                self.steps["whole"] += 1
+                self._run(("whole", kv_len), lambda: self._whole(kv_len))
+                return self.logits
+            self.steps["per_layer"] += 1
+            self._run(("embed",), self._embed)
+            for layer in range(self.n_layers):
+                if layer:
+                    check_cancel(cancel)
+                self._run(("attn", layer, kv_len), lambda: self._attn(layer, kv_len))
+                routed = self.mid[layer, kv_len][3][0].tolist()  # host sync: which experts this token needs
+                self.host_ids[layer, 0] = torch.tensor(store.decode_experts(layer, routed))
+                self.slot_ids[layer].copy_(self.host_ids[layer], non_blocking=True)
+                self._run(("moe", layer, kv_len), lambda: self._moe(layer, kv_len))
+            self._run(("head",), self._head)
+            return self.logits
 
 
 class Sampler:

@@ -16,8 +16,11 @@ Contract:
     the compute that last read the buffer, and compute after its copy); on CPU the same code copies
     synchronously.
   * ``load_experts(layer, ids)``: demand loading of some experts into a layer buffer at their index.
-  * a decode slot cache of ``capacity`` experts shared by all layers, LRU-evicted:
-    ``decode_experts(layer, ids)`` makes the routed experts resident and returns their slot indices.
+  * a decode slot cache (``SlotCache``) of ``slots_per_layer`` slots for every layer, one block per layer,
+    LRU within the layer: ``decode_experts(layer, ids)`` makes the routed experts resident and returns their
+    slot indices; ``decode_weights(layer)`` is what decode's grouped GEMM reads (that layer's block, or the
+    resident experts), so no grouped call ever sees more than num_experts groups. Hits and misses are
+    counted per request and for the engine's lifetime (``SlotStats``).
   * resident mode: every layer's experts on the device from the start (on CPU the bank itself).
   * optional ``d2d_from_slot_cache``: experts already in the slot cache reach a layer buffer by a
     device-to-device copy instead of from the host.
@@ -64,15 +67,49 @@ def _unregister(ptrs: list[int]) -> None:
             cudart.cudaHostUnregister(ptr)
 
 
+def host_memory_available() -> int | None:
+    """Bytes of host memory available to new allocations: /proc/meminfo's MemAvailable, lowered to the
+    cgroup's limit minus its usage where one is set. None where neither can be read (not Linux)."""
+    found: list[int] = []
+    try:
+        for line in open("/proc/meminfo", encoding="ascii"):
+            if line.startswith("MemAvailable:"):
+                found.append(int(line.split()[1]) * 1024)
+    except OSError:
+        pass
+    try:
+        limit = open("/sys/fs/cgroup/memory.max", encoding="ascii").read().strip()
+        used = int(open("/sys/fs/cgroup/memory.current", encoding="ascii").read().strip())
+        if limit != "max":
+            found.append(int(limit) - used)
+    except (OSError, ValueError):
+        pass
+    return min(found) if found else None
+
+
+HOST_MEMORY_HEADROOM = 2 * 2**30  # left for the process itself, the tokenizer and the dense weights on the way
+
+
+def check_host_memory(bank_bytes: int, available: int | None) -> None:
+    """Refuse a bank that does not fit the host's available memory (a clear error instead of an OOM kill)."""
+    if available is not None and bank_bytes + HOST_MEMORY_HEADROOM > available:
+        raise ValueError(f"the expert bank needs {bank_bytes / 1e9:.2f} GB of host memory (+{HOST_MEMORY_HEADROOM / 1e9:.1f} "
+                         f"GB headroom) but {available / 1e9:.2f} GB is available; use a machine with more "
+                         "memory, a smaller model (e.g. a -half preset), or --no-host-memory-check if the "
+                         "host grows its memory on demand")
+
+
 class ExpertBank:
     """All layers' experts in host memory (page-locked when the compute device is CUDA)."""
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, pin: bool):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, pin: bool, check_memory: bool = True):
         self.cfg, self.dtype, self.pinned = cfg, dtype, pin
         e, i, h = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
         self.expert_bytes = 3 * h * i * dtype.itemsize
         self.layer_bytes = e * self.expert_bytes
         self.bank_bytes = cfg.num_hidden_layers * self.layer_bytes
+        if check_memory:
+            check_host_memory(self.bank_bytes, host_memory_available())
         self._registered: list[int] = []
         weakref.finalize(self, _unregister, self._registered)
         self.gate_up = [self._alloc((e, 2 * i, h)) for _ in range(cfg.num_hidden_layers)]  # [E, 2I, H] each
@@ -93,33 +130,65 @@ class ExpertBank:
 
 
 class SlotCache:
-    """Decode-time expert slots on the device, shared by all layers, least-recently-used eviction."""
+    """Decode-time expert slots on the device: ``slots_per_layer`` slots for every layer, in one block per
+    layer (``gate_up[l]`` [S, 2I, H], ``down[l]`` [S, H, I]) so that a grouped GEMM over one layer's slots has
+    S <= num_experts groups whatever the total. Least-recently-used eviction within the layer.
 
-    def __init__(self, cfg: ModelConfig, capacity: int, device: torch.device, dtype: torch.dtype):
-        e_i, h = cfg.moe_intermediate_size, cfg.hidden_size
-        self.capacity = capacity
-        self.gate_up = torch.zeros((capacity, 2 * e_i, h), device=device, dtype=dtype)  # [N, 2I, H]
-        self.down = torch.zeros((capacity, h, e_i), device=device, dtype=dtype)  # [N, H, I]
+    When a layer has a slot for every expert (S == num_experts), expert e lives in slot e: decode then
+    routes exactly as over resident experts, and once every expert of every layer has been loaded
+    (``complete``) no step needs the host any more."""
+
+    def __init__(self, cfg: ModelConfig, slots_per_layer: int, device: torch.device, dtype: torch.dtype):
+        e_i, h, n_layers = cfg.moe_intermediate_size, cfg.hidden_size, cfg.num_hidden_layers
+        if not cfg.num_experts_per_tok <= slots_per_layer <= cfg.num_experts:
+            raise ValueError(f"slots_per_layer must be in [{cfg.num_experts_per_tok}, {cfg.num_experts}], "
+                             f"got {slots_per_layer}")
+        self.slots_per_layer, self.num_experts = slots_per_layer, cfg.num_experts
+        self.identity = slots_per_layer == cfg.num_experts
+        self.gate_up = [torch.zeros((slots_per_layer, 2 * e_i, h), device=device, dtype=dtype)
+                        for _ in range(n_layers)]  # [S, 2I, H] each
+        self.down = [torch.zeros((slots_per_layer, h, e_i), device=device, dtype=dtype)
+                     for _ in range(n_layers)]  # [S, H, I] each
+        self.n_layers = n_layers
         self.flush()
 
+    @property
+    def capacity(self) -> int:
+        return self.slots_per_layer * self.n_layers
+
     def flush(self) -> None:
-        self.lru: OrderedDict[tuple[int, int], int] = OrderedDict()  # (layer, expert) -> slot, oldest first
-        self.free = list(range(self.capacity - 1, -1, -1))
+        self.lru: list[OrderedDict[int, int]] = [OrderedDict() for _ in range(self.n_layers)]  # expert -> slot
+        self.free = [list(range(self.slots_per_layer - 1, -1, -1)) for _ in range(self.n_layers)]
+        self.loaded = 0  # (layer, expert) pairs present
+
+    @property
+    def complete(self) -> bool:
+        """Every expert of every layer is in its slot (only possible when S == num_experts)."""
+        return self.identity and self.loaded == self.n_layers * self.num_experts
 
     def layer_slots(self, layer: int) -> dict[int, int]:
         """{expert: slot} of this layer's experts in the cache."""
-        return {e: s for (lay, e), s in self.lru.items() if lay == layer}
+        return dict(self.lru[layer])
+
+
+@dataclass
+class SlotStats:
+    """Decode slot-cache lookups: routed (layer, expert) pairs found in the cache, and those copied in."""
+
+    hits: int = 0
+    misses: int = 0
 
 
 class ExpertStore:
     """Device side of the expert offload; see the module docstring."""
 
-    def __init__(self, bank: ExpertBank, device: torch.device, slot_capacity: int, resident: bool,
+    def __init__(self, bank: ExpertBank, device: torch.device, slots_per_layer: int, resident: bool,
                  d2d_from_slot_cache: bool):
         cfg = bank.cfg
         self.bank, self.device, self.d2d_from_slot_cache = bank, device, d2d_from_slot_cache
         self.cuda = device.type == "cuda"
         self.lifetime, self.request = Traffic(), Traffic()
+        self.slot_lifetime, self.slot_request = SlotStats(), SlotStats()
         self.startup_h2d_bytes = 0
         e, i, h = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
         self.buf_gate_up = [torch.zeros((e, 2 * i, h), device=device, dtype=bank.dtype) for _ in range(2)]
@@ -137,7 +206,7 @@ class ExpertStore:
             else:  # the compute device is the host: the bank itself is resident
                 self.resident = list(zip(bank.gate_up, bank.down))
         else:
-            self.slots = SlotCache(cfg, slot_capacity, device, bank.dtype)
+            self.slots = SlotCache(cfg, slots_per_layer, device, bank.dtype)
 
     # -- accounting -----------------------------------------------------------------------------------
     def _count(self, h2d: int = 0, d2d: int = 0, experts: int = 0) -> None:
@@ -148,6 +217,7 @@ class ExpertStore:
 
     def begin_request(self) -> None:
         self.request = Traffic()
+        self.slot_request = SlotStats()
 
     # -- copies ---------------------------------------------------------------------------------------
     def _copy_experts(self, buf: int, layer: int, experts: Sequence[int]) -> None:
@@ -173,8 +243,8 @@ class ExpertStore:
                 run = []
             if e >= 0 and e in cached:
                 s = cached[e]
-                gu[e].copy_(self.slots.gate_up[s], non_blocking=True)
-                dn[e].copy_(self.slots.down[s], non_blocking=True)
+                gu[e].copy_(self.slots.gate_up[layer][s], non_blocking=True)
+                dn[e].copy_(self.slots.down[layer][s], non_blocking=True)
                 self._count(d2d=bank.expert_bytes, experts=1)
             elif e >= 0:
                 run = [e]
@@ -217,31 +287,51 @@ class ExpertStore:
         self._copy_experts(0, layer, sorted(set(experts)))
         return self.buf_gate_up[0], self.buf_down[0]
 
-    def decode_experts(self, layer: int, ids: list[list[int]]) -> tuple[list[list[int]], torch.Tensor,
-                                                                            torch.Tensor]:
-        """Make ``ids`` (expert ids [T][k]) of ``layer`` resident in the slot cache, copying misses from the
-        host; returns the slot ids [T][k] and the slot tensors [N, 2I, H], [N, H, I]."""
+    def decode_weights(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tensors decode's grouped GEMM reads for ``layer``: resident experts [E, 2I, H], [E, H, I] or the
+        layer's slot block [S, 2I, H], [S, H, I]."""
+        if self.resident is not None:
+            return self.resident[layer]
+        assert self.slots is not None
+        return self.slots.gate_up[layer], self.slots.down[layer]
+
+    def decode_experts(self, layer: int, ids: Sequence[int]) -> list[int]:
+        """Make ``ids`` (the routed expert ids of ``layer``, any order, repeats allowed) resident in the layer's
+        slots, copying misses from the host bank on the current stream; returns the slot of each id, in order.
+        Hits are touched first so a miss never evicts an expert this step needs."""
         cache, bank = self.slots, self.bank
         assert cache is not None, "decode_experts needs a slot cache (not in resident mode)"
-        needed = sorted({e for row in ids for e in row})
-        if len(needed) > cache.capacity:
-            raise RuntimeError(f"{len(needed)} experts needed at once > gpu_expert_slots={cache.capacity}")
+        needed = sorted(set(ids))
+        if len(needed) > cache.slots_per_layer:
+            raise RuntimeError(f"{len(needed)} experts needed at once > {cache.slots_per_layer} slots per layer")
+        lru, free = cache.lru[layer], cache.free[layer]
         slot_of: dict[int, int] = {}
-        for e in needed:  # hits first, so they are the most recent and cannot be evicted below
-            s = cache.lru.get((layer, e))
+        for e in needed:
+            s = lru.get(e)
             if s is not None:
-                cache.lru.move_to_end((layer, e))
+                lru.move_to_end(e)
                 slot_of[e] = s
+        hits = len(slot_of)
         for e in needed:
             if e in slot_of:
                 continue
-            s = cache.free.pop() if cache.free else cache.lru.popitem(last=False)[1]
-            cache.gate_up[s].copy_(bank.gate_up[layer][e], non_blocking=True)
-            cache.down[s].copy_(bank.down[layer][e], non_blocking=True)
+            if cache.identity:
+                s = e
+            elif free:
+                s = free.pop()
+            else:
+                s = lru.popitem(last=False)[1]
+                cache.loaded -= 1
+            cache.gate_up[layer][s].copy_(bank.gate_up[layer][e], non_blocking=True)
+            cache.down[layer][s].copy_(bank.down[layer][e], non_blocking=True)
             self._count(h2d=bank.expert_bytes, experts=1)
-            cache.lru[(layer, e)] = s
+            lru[e] = s
+            cache.loaded += 1
             slot_of[e] = s
-        return [[slot_of[e] for e in row] for row in ids], cache.gate_up, cache.down
+        for st in (self.slot_lifetime, self.slot_request):
+            st.hits += hits
+            st.misses += len(needed) - hits
+        return [slot_of[e] for e in ids]
 
     def flush_slots(self) -> None:
         if self.slots is not None:

@@ -12,6 +12,9 @@ Contract:
   on CUDA; no mask for T == 1). Callers run the layers inside ``attention_backends()``, which leaves out
   cuDNN attention: it builds an execution plan for every new shape, i.e. for every decode step's KV
   length (measured on an H200: 35 ms/token decode became 70-160 ms/token on lengths not seen before).
+- Decode has its own attention (``decode_attention``/``decode_attn_block``): static shapes, the position in a
+  device tensor, attention over a fixed KV length with later positions masked, so a step can be captured
+  as a CUDA graph. Every arm decodes through it, so decode ids are comparable across prefill modes.
 - The experts run through one grouped-GEMM path (``moe_experts``): assignments sorted by expert with a
   stable argsort, group ends from ``searchsorted`` (no host sync, unlike CUDA ``bincount``),
   ``torch._grouped_mm`` on [G, N, K] weights passed as a transposed view (K-contiguous, no copy), and a
@@ -31,7 +34,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
-from .config import ModelConfig
+from .config import MAX_GROUPED_MM_GROUPS, ModelConfig
 
 
 @dataclass
@@ -102,14 +105,26 @@ def route(h: torch.Tensor, router: torch.Tensor, top_k: int, norm_topk_prob: boo
     return top_w.to(h.dtype), top_ids
 
 
+class TooManyGroups(ValueError):
+    """A grouped GEMM was asked for more groups than CUDA's kernel takes (on any device, so CPU tests see it)."""
+
+
+def check_groups(w: torch.Tensor) -> None:
+    if w.shape[0] > MAX_GROUPED_MM_GROUPS:
+        raise TooManyGroups(f"grouped GEMM over {w.shape[0]} groups > {MAX_GROUPED_MM_GROUPS} (CUDA's "
+                            "torch._grouped_mm limit); pass one layer's experts or slots")
+
+
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """Rows of ``x`` [M, K] in group order times their group's ``w[g]`` [N, K] (nn.Linear layout) -> [M, N].
-    ``offs`` [G] int32 holds each group's end row."""
+    ``offs`` [G] int32 holds each group's end row. At most MAX_GROUPED_MM_GROUPS groups, on every device."""
+    check_groups(w)
     return torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)  # [M, N]
 
 
 def looped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """Same as ``grouped_mm`` with one matmul per non-empty group (reads offs on the host)."""
+    check_groups(w)
     out = x.new_empty(x.shape[0], w.shape[1])  # [M, N]
     start = 0
     for g, end in enumerate(offs.tolist()):
@@ -203,6 +218,43 @@ class Model:
                                                  scale=self.scale, enable_gqa=gqa)
         out = out[0].transpose(0, 1).reshape(T, hq * d)  # [T, Hq*D]
         return F.linear(out, lw.o_proj)  # [T, H]
+
+    def decode_attention(self, layer: int, x: torch.Tensor, kv: KVCache, pos: torch.Tensor,
+                         kv_len: int) -> torch.Tensor:
+        """Attention of one token x [1, H] (already normed) at the position held by ``pos`` (int64 [1] on the
+        device), writing its KV there; it attends over cache positions [0, kv_len) with those after ``pos``
+        masked out. Shapes depend on ``kv_len`` only and nothing is read back to the host, so a decode step
+        can be captured as a CUDA graph and replayed at any position below kv_len. Grouped-query attention
+        as two batched matmuls per KV head group (each query head h reads KV head h // (Hq/Hkv), as
+        transformers' repeat_kv), scores softmaxed in float32."""
+        cfg, lw = self.cfg, self.w.layers[layer]
+        hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        q = F.linear(x, lw.q_proj).view(1, hq, d)  # [1, Hq, D]
+        k = F.linear(x, lw.k_proj).view(1, hkv, d)  # [1, Hkv, D]
+        v = F.linear(x, lw.v_proj).view(1, hkv, d)  # [1, Hkv, D]
+        q = rms_norm(q, lw.q_norm, cfg.rms_norm_eps).transpose(0, 1)  # [Hq, 1, D]
+        k = rms_norm(k, lw.k_norm, cfg.rms_norm_eps).transpose(0, 1)  # [Hkv, 1, D]
+        cos, sin = self.cos.index_select(0, pos), self.sin.index_select(0, pos)  # [1, D]
+        q = q * cos + rotate_half(q) * sin  # [Hq, 1, D]
+        k = k * cos + rotate_half(k) * sin  # [Hkv, 1, D]
+        kv.k[layer].index_copy_(1, pos, k)
+        kv.v[layer].index_copy_(1, pos, v.transpose(0, 1))
+        keys, values = kv.k[layer][:, :kv_len], kv.v[layer][:, :kv_len]  # [Hkv, L, D] each
+        qg = q.reshape(hkv, hq // hkv, d)  # [Hkv, G, D]
+        scores = torch.bmm(qg, keys.transpose(1, 2)).float() * self.scale  # [Hkv, G, L]
+        after = torch.arange(kv_len, device=pos.device) > pos  # [L] positions not yet written
+        probs = torch.softmax(scores.masked_fill(after, float("-inf")), dim=-1).to(values.dtype)  # [Hkv, G, L]
+        out = torch.bmm(probs, values).reshape(1, hq * d)  # [1, Hq*D]
+        return F.linear(out, lw.o_proj)  # [1, H]
+
+    def decode_attn_block(self, layer: int, x: torch.Tensor, kv: KVCache, pos: torch.Tensor, kv_len: int):
+        """``attn_block`` for one decode token (see ``decode_attention``): x [1, H] -> (x [1, H], h [1, H],
+        router weights [1, k], router expert ids [1, k])."""
+        cfg, lw = self.cfg, self.w.layers[layer]
+        x = x + self.decode_attention(layer, rms_norm(x, lw.input_norm, cfg.rms_norm_eps), kv, pos, kv_len)
+        h = rms_norm(x, lw.post_norm, cfg.rms_norm_eps)  # [1, H]
+        top_w, top_ids = route(h, lw.router, cfg.num_experts_per_tok, cfg.norm_topk_prob)  # [1, k] x2
+        return x, h, top_w, top_ids
 
     def attn_block(self, layer: int, x: torch.Tensor, kv: KVCache, start: int):
         """First half of a layer: x [T, H] -> (x after attention residual [T, H], MoE input h [T, H],

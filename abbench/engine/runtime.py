@@ -36,8 +36,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import PREFILL_MODES, EngineConfig, ModelConfig
-from .decode import Sampler, decode_step
+from .config import PREFILL_MODES, EngineConfig, MemoryPlan, ModelConfig, plan_device_memory
+from .decode import Decoder, Sampler
 from .experts import ExpertBank, ExpertStore
 from .model import KVCache, Model
 from .prefill import CancelLike, Cancelled, PrefillStats, check_cancel, prefill
@@ -80,6 +80,11 @@ class RequestStats:
     prefill_end: float
     first_token: float
     finish_reason: str  # "length" | "stop"
+    slot_hits: int = 0  # decode: routed (layer, expert) pairs found in the slot cache
+    slot_misses: int = 0  # decode: routed pairs copied in from the host bank
+    decode_steps_whole: int = 0  # decode steps that ran as one piece (no expert could miss)
+    decode_steps_per_layer: int = 0  # decode steps that read the router back layer by layer
+    peak_device_bytes: int | None = None  # torch's peak allocated device memory during the request (CUDA)
 
 
 def _resolve_device(name: str) -> torch.device:
@@ -113,15 +118,19 @@ class Engine:
             torch.use_deterministic_algorithms(True, warn_only=True)
         mc = self.model_config
         with self._on_device():
-            bank = ExpertBank(mc, self.dtype, pin=self.device.type == "cuda")
+            self.memory_plan = self._plan_memory()
+            bank = ExpertBank(mc, self.dtype, pin=self.device.type == "cuda", check_memory=cfg.host_memory_check)
             if cfg.weights.startswith("random:"):
                 dense = random_weights(mc, int(cfg.weights.split(":", 1)[1]), bank, self.device, self.dtype)
             else:
                 dense = load_checkpoint(cfg.weights, mc, bank, self.device, self.dtype)
             self.model = Model(mc, dense, cfg.max_context, self.device, self.dtype)
             self.kv = KVCache(mc, cfg.max_context, self.device, self.dtype)
-            self.store = ExpertStore(bank, self.device, cfg.gpu_expert_slots, cfg.prefill_mode == "resident",
-                                     cfg.d2d_from_slot_cache)
+            self.slots_per_layer = self.memory_plan.slots_per_layer if self.memory_plan else (
+                cfg.expert_slots_per_layer or mc.num_experts)
+            resident = cfg.prefill_mode == "resident"
+            self.store = ExpertStore(bank, self.device, self.slots_per_layer, resident, cfg.d2d_from_slot_cache)
+            self.decoder = Decoder(self.model, self.store, self.kv, graphs=cfg.decode_graphs)
             self.measured_h2d_gbps = self.store.measure_h2d_gbps(cfg.bandwidth_probe_bytes)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
@@ -140,6 +149,20 @@ class Engine:
         self._kv_tokens: list[int] = []  # tokens whose KV is valid at positions [0, len) in every layer
         self._lock = threading.Lock()
         self.startup_s = time.perf_counter() - t0
+
+    def _plan_memory(self) -> MemoryPlan | None:
+        """The device-memory plan (slots per layer from the budget); None on CPU without a budget, where the
+        slot cache holds every expert unless expert_slots_per_layer says otherwise."""
+        cfg = self.config
+        budget = cfg.gpu_memory_budget_gb
+        if budget is None and self.device.type != "cuda":
+            return None
+        if budget is None:
+            free, _total = torch.cuda.mem_get_info(self.device)
+            budget_bytes = int(free)
+        else:
+            budget_bytes = int(budget * 1e9)
+        return plan_device_memory(cfg, budget_bytes)
 
     def _on_device(self):
         return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
@@ -228,7 +251,7 @@ class Engine:
 
     def _decode(self, token: int, pos: int, cancel: CancelLike) -> torch.Tensor:
         with self._on_device():
-            return decode_step(self.model, self.store, self.kv, token, pos, cancel)
+            return self.decoder.step(token, pos, cancel)
 
     def _sample(self, sampler: Sampler, logits: torch.Tensor) -> TokenEvent:
         with self._on_device():
@@ -240,8 +263,11 @@ class Engine:
             raise RuntimeError("Engine.generate() while another request is running (one at a time)")
         store, counters = self.store, self.counters
         before = store.lifetime.snapshot()
+        steps0 = dict(self.decoder.steps)
         try:
             store.begin_request()
+            if self.device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(self.device)
             reuse = min(_common_prefix(self._kv_tokens, prompt), len(prompt) - 1)
             self._kv_tokens = self._kv_tokens[:reuse]  # only the shared prefix stays valid from here on
             prefill_start = time.perf_counter()
@@ -275,7 +301,11 @@ class Engine:
                 expert_copies=req.expert_copies, cached_prompt_tokens=reuse, prompt_tokens=len(prompt),
                 completion_tokens=n_out, n_chunks=pstats.n_chunks, n_windows=pstats.n_windows,
                 prefill_start=prefill_start, prefill_end=prefill_end, first_token=first_token,
-                finish_reason=finish)
+                finish_reason=finish, slot_hits=store.slot_request.hits, slot_misses=store.slot_request.misses,
+                decode_steps_whole=self.decoder.steps["whole"] - steps0["whole"],
+                decode_steps_per_layer=self.decoder.steps["per_layer"] - steps0["per_layer"],
+                peak_device_bytes=(int(torch.cuda.max_memory_allocated(self.device))
+                                   if self.device.type == "cuda" else None))
         except Cancelled:
             counters["requests_cancelled"] += 1
             raise

@@ -447,6 +447,10 @@ def _abbench_object(ctx: _Ctx, stats: Any, finished: float, engine: Any) -> dict
                     "finished": rel(finished), "first_item": rel(ctx.first_item),
                     "first_event": rel(ctx.first_event)},
         "queue_wait_s": round(ctx.queue_wait_s, 6),
+        "decode": {"slot_hits": stats.slot_hits, "slot_misses": stats.slot_misses,
+                   "steps_whole": stats.decode_steps_whole, "steps_per_layer": stats.decode_steps_per_layer,
+                   "mode": engine.decoder.mode, "slots_per_layer": engine.slots_per_layer},
+        "peak_device_bytes": stats.peak_device_bytes,
     }
 
 
@@ -721,7 +725,18 @@ def build_arg_parser() -> argparse.ArgumentParser:
     e.add_argument("--chunk-tokens", type=int, default=2048)
     e.add_argument("--layer-major-window-tokens", type=int, default=None)
     e.add_argument("--demand-max-tokens", type=int, default=None)
-    e.add_argument("--gpu-expert-slots", type=int, default=None)
+    e.add_argument("--gpu-memory-budget", dest="gpu_memory_budget_gb", type=float, default=None, metavar="GB",
+                   help="device memory the engine may use, in GB (1e9 bytes), CUDA context included: the decode "
+                   "slot cache gets what the dense weights, KV cache, prefill buffers and workspace leave; a "
+                   "budget that cannot hold one token's experts per layer is refused (default: the device's "
+                   "free memory at start; on CPU every expert)")
+    e.add_argument("--expert-slots-per-layer", type=int, default=None, metavar="N",
+                   help="decode slot cache size per layer (default: what --gpu-memory-budget leaves, at most "
+                   "num_experts)")
+    e.add_argument("--no-host-memory-check", dest="host_memory_check", action="store_false", default=None,
+                   help="build the host expert bank even if /proc/meminfo says it will not fit")
+    e.add_argument("--no-decode-graphs", dest="decode_graphs", action="store_false", default=None,
+                   help="CUDA: run decode steps eagerly instead of replaying CUDA graphs")
     e.add_argument("--d2d-from-slot-cache", action="store_true", default=None)
     e.add_argument("--max-context", type=int, default=None)
     e.add_argument("--deterministic", action="store_true", default=None,
@@ -740,8 +755,9 @@ def build_arg_parser() -> argparse.ArgumentParser:
 def _engine_config(args: argparse.Namespace) -> EngineConfig:
     kwargs: dict[str, Any] = dict(model=args.model, weights=args.weights, device=args.device,
                                   prefill_mode=args.prefill_mode, chunk_tokens=args.chunk_tokens)
-    for field in ("dtype", "layer_major_window_tokens", "demand_max_tokens", "gpu_expert_slots",
-                  "d2d_from_slot_cache", "max_context", "deterministic"):
+    for field in ("dtype", "layer_major_window_tokens", "demand_max_tokens", "gpu_memory_budget_gb",
+                  "expert_slots_per_layer", "host_memory_check", "decode_graphs", "d2d_from_slot_cache",
+                  "max_context", "deterministic"):
         if getattr(args, field) is not None:  # leave the engine's defaults alone
             kwargs[field] = getattr(args, field)
     return EngineConfig(**kwargs)
@@ -802,6 +818,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(1) from None
     log.info("engine built in %.2fs (bank %d bytes, measured H2D %.2f GB/s)", engine.startup_s,
              engine.bank_bytes, engine.measured_h2d_gbps)
+    if engine.memory_plan is not None:
+        log.info("device memory plan: %s", engine.memory_plan.describe())
 
     app = create_app(engine, tokenizer, served_model_name=args.served_model_name or args.model,
                      allow_request_overrides=args.allow_request_overrides, queue_limit=args.queue_limit)

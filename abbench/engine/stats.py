@@ -1,8 +1,8 @@
 """Per-request engine statistics: the ``abbench`` object of the vendored engine's completion responses.
 
-The engine's server fills a :class:`RequestStats` for every finished request (the last streamed event, or
+The engine's server fills a :class:`AbbenchStats` for every finished request (the last streamed event, or
 the non-streamed body, carries it as ``"abbench"``); the harness keeps it verbatim in ``Sample.engine`` and
-reads it back with :meth:`RequestStats.read`. This module imports only pydantic: the harness reads it
+reads it back with :meth:`AbbenchStats.read`. This module imports only pydantic: the harness reads it
 without torch, and it imports nothing from the harness.
 
 Reading is lenient: a field that is missing, or that holds a value of another type, reads as None, and
@@ -16,7 +16,7 @@ Timings are seconds relative to ``received`` (when the server's ASGI app got the
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -31,8 +31,10 @@ class _Lenient(BaseModel):
             return cls()
         data = dict(obj)
         for name, field in cls.model_fields.items():
-            if isinstance(field.annotation, type) and issubclass(field.annotation, _Lenient) and name in data:
-                data[name] = field.annotation.read(data[name])
+            nested = _lenient_class(field.annotation)
+            if nested is not None and name in data and not (data[name] is None and not field.is_required()
+                                                            and field.default is None):
+                data[name] = nested.read(data[name])
         for _ in range(len(cls.model_fields) + 1):
             try:
                 return cls.model_validate(data)
@@ -42,7 +44,15 @@ class _Lenient(BaseModel):
         return cls()
 
 
-class RequestTimings(_Lenient):
+def _lenient_class(annotation: Any) -> type[_Lenient] | None:
+    """The lenient model an annotation holds (``X`` or ``X | None``), if any."""
+    for t in (annotation, *get_args(annotation)):
+        if isinstance(t, type) and issubclass(t, _Lenient):
+            return t
+    return None
+
+
+class AbbenchTimings(_Lenient):
     """Seconds after ``received`` (None: that point was not reached or not measured)."""
 
     received: float | None = Field(0.0, description="The ASGI app got the request (the origin: 0).")
@@ -54,7 +64,18 @@ class RequestTimings(_Lenient):
     first_event: float | None = Field(None, description="The first event was handed to the transport.")
 
 
-class RequestStats(_Lenient):
+class AbbenchDecode(_Lenient):
+    """The decode steps of one request and the decode slot cache."""
+
+    slot_hits: int | None = Field(None, description="Routed experts found in the decode slot cache.")
+    slot_misses: int | None = Field(None, description="Routed experts copied into the slot cache.")
+    steps_whole: int | None = Field(None, description="Decode steps run whole (every layer's experts resident).")
+    steps_per_layer: int | None = Field(None, description="Decode steps run layer by layer.")
+    mode: str | None = Field(None, description="The decoder's mode.")
+    slots_per_layer: int | None = Field(None, description="Decode slot cache size per layer.")
+
+
+class AbbenchStats(_Lenient):
     """What the engine did for one request: its prefill path, its byte counters, its timings."""
 
     prefill_path: str | None = Field(None, description="The prefill mode that ran (chunked, layer-major, ...).")
@@ -69,8 +90,10 @@ class RequestStats(_Lenient):
     n_chunks: int | None = Field(None, description="Prefill chunks (1: a one-chunk prompt).")
     n_windows: int | None = Field(None, description="Layer-major windows (one bank copy each).")
     measured_h2d_gbps: float | None = Field(None, description="The engine's measured H2D bandwidth (GB/s).")
-    timings: RequestTimings = Field(default_factory=RequestTimings)
+    timings: AbbenchTimings = Field(default_factory=AbbenchTimings)
     queue_wait_s: float | None = Field(None, description="Seconds the request waited for the worker.")
+    decode: AbbenchDecode | None = Field(None, description="Decode steps and the slot cache (newer engines).")
+    peak_device_bytes: int | None = Field(None, description="Peak device memory during the request.")
 
     @property
     def engine_ttft_s(self) -> float | None:

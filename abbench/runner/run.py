@@ -245,6 +245,7 @@ class Run:
         prompt_records = [b.record for b in built]
         plan = build_plan(prompt_records, [a.name for a in profile.arms], profile.run.rounds,
                           shared_service=profile.engine.shared_service,
+                          services={a.name: a.service for a in profile.arms if a.service},
                           reset_between_samples=profile.run.reset_between_samples,
                           exclude_kinds=list(profile.run.exclude_kinds))
         env = environment_fingerprint([s.argv for s in profile.launch_specs() if s.argv is not None])

@@ -48,14 +48,17 @@ class ServiceSlot:
             self.launches[s_rec.key] = self.launches.get(s_rec.key, 0) + 1
 
     def start(self, key: str, arm: str | None, round_no: int | None) -> Service:
-        """Launch (or attach to) the service ``key`` serving ``arm`` (None: the shared service)."""
+        """Launch (or attach to) the service ``key`` serving ``arm`` (None: the engine's own command)."""
         self.stop()
         eng = self.profile.engine
-        spec = self.profile.launch_spec(None if eng.shared_service else arm)
+        spec = self.profile.launch_spec(arm)
         n = self.launches.get(key, 0)
         self.launches[key] = n + 1
         log_name = (f"{key}.log" if n == 0 else f"{key}.restart{n}.log").replace("@", "_")
-        arms = [a.name for a in self.profile.arms] if eng.shared_service else [arm or key]
+        if eng.shared_service:
+            arms = [a.name for a in self.profile.service_groups().get(key, self.profile.arms)]
+        else:
+            arms = [arm or key]
         idle_before = gpu_idle()
         try:
             if spec.base_url:

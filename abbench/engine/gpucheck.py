@@ -1,0 +1,172 @@
+"""Full-width checks of the engine on a GPU, run before a committed GPU run (not in CI: it needs CUDA).
+
+``python -m abbench.engine.gpucheck [--layers N] [--prompt-tokens T] [--out FILE.json]`` builds the
+Qwen3-30B-A3B shape (hidden 2048, 128 experts top-8, real head and expert sizes) with ``--layers`` layers and
+random bf16 weights, and checks what the unit tests check at tiny sizes, at the sizes where CUDA's limits bite:
+
+1. ``torch._grouped_mm`` takes 1,023 groups and the engine's guard refuses 1,024 (what the raw kernel does
+   with 1,024 is recorded too);
+2. prefill: chunked, layer-major and demand give bitwise-equal logits on one prompt;
+3. decode: the same greedy ids and bitwise-equal logits from resident experts and from the slot cache at
+   top_k, an odd size and all experts per layer, with CUDA graphs and eagerly;
+4. timing: decode step time per layer at the prompt's context, for the resident whole-step graph, eager
+   decode, and the per-layer graphs with a minimal slot cache (misses copied from the host bank), with the
+   bytes each step copied; scaled to 48 layers as tokens per second.
+
+It prints one table and writes every figure to ``--out`` (JSON). Exit status 1 when a check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+
+import torch
+
+from .config import MAX_GROUPED_MM_GROUPS, PRESETS, EngineConfig
+from .model import TooManyGroups, grouped_mm
+from .runtime import Engine
+
+
+def _groups_check(device: str) -> dict:
+    dev = torch.device(device)
+    x = torch.randn(MAX_GROUPED_MM_GROUPS * 2, 256, device=dev, dtype=torch.bfloat16)  # [M, K]
+    out = {}
+    for g in (MAX_GROUPED_MM_GROUPS, MAX_GROUPED_MM_GROUPS + 1):
+        w = torch.randn(g, 128, 256, device=dev, dtype=torch.bfloat16)  # [G, N, K]
+        offs = torch.arange(1, g + 1, device=dev, dtype=torch.int32) * 2  # [G]
+        try:
+            grouped_mm(x[: 2 * g], w, offs)
+            _sync()
+            out[f"guarded_{g}"] = "ran"
+        except TooManyGroups as e:
+            out[f"guarded_{g}"] = f"refused: {e}"
+        try:
+            torch._grouped_mm(x[: 2 * g], w.transpose(-2, -1), offs=offs)
+            _sync()
+            out[f"raw_{g}"] = "ran"
+        except RuntimeError as e:
+            out[f"raw_{g}"] = f"failed: {str(e).splitlines()[0][:120]}"
+    out["ok"] = out[f"guarded_{MAX_GROUPED_MM_GROUPS}"] == "ran" and out[
+        f"guarded_{MAX_GROUPED_MM_GROUPS + 1}"].startswith("refused")
+    return out
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+DEVICE = "cuda"
+
+
+def _engine(model, mode: str, **kw) -> Engine:
+    return Engine(EngineConfig(model=model, weights="random:0", device=DEVICE, dtype="bfloat16", prefill_mode=mode,
+                               chunk_tokens=2048, layer_major_window_tokens=65536, demand_max_tokens=256,
+                               max_context=kw.pop("max_context"), bandwidth_probe_bytes=256 * 2**20, **kw))
+
+
+def _decode(engine: Engine, prompt: list[int], n: int, mode: str = "chunked") -> tuple[list[int], torch.Tensor]:
+    engine.reset()
+    events, _ = engine.run(prompt, n, ignore_eos=True, prefill_mode=mode)
+    return [e.token_id for e in events], engine.decoder.logits.clone()
+
+
+def _time_steps(engine: Engine, prompt: list[int], n: int, fill_all: bool = False) -> dict:
+    """Median decode step (s) over ``n`` steps after a prefill of ``prompt``, and H2D bytes per step.
+    ``fill_all``: load every expert into its slot first (whole-step decode from then on)."""
+    engine.reset()
+    engine.run(prompt, 2, ignore_eos=True)  # prefill, capture graphs at this kv_len
+    if fill_all:
+        for layer in range(engine.model_config.num_hidden_layers):
+            engine.store.decode_experts(layer, list(range(engine.model_config.num_experts)))
+        assert engine.store.slots.complete
+    times, pos, tok = [], len(prompt) + 1, 0
+    h2d0 = engine.store.lifetime.h2d_bytes
+    with engine._on_device():
+        for i in range(n):
+            _sync()
+            t0 = time.perf_counter()
+            logits = engine.decoder.step(tok, pos + i)
+            tok = int(torch.argmax(logits))  # syncs
+            times.append(time.perf_counter() - t0)
+    times.sort()
+    return {"step_s": times[len(times) // 2], "h2d_bytes_per_step": (engine.store.lifetime.h2d_bytes - h2d0) / n,
+            "mode": engine.decoder.mode}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m abbench.engine.gpucheck", description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--prompt-tokens", type=int, default=4096)
+    ap.add_argument("--decode-tokens", type=int, default=16)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--preset", default="qwen3-30b-a3b", help="the shape (default: qwen3-30b-a3b)")
+    ap.add_argument("--device", default="cuda", help="cuda (default); cpu only to try the script itself")
+    args = ap.parse_args(argv)
+    if args.device != "cpu" and not torch.cuda.is_available():
+        print("gpucheck needs CUDA", file=sys.stderr)
+        return 2
+    global DEVICE
+    DEVICE = args.device
+    full = PRESETS[args.preset]
+    model = dataclasses.replace(full, num_hidden_layers=args.layers, name=f"qwen3-30b-a3b-{args.layers}l")
+    ctx = args.prompt_tokens + 64
+    prompt = torch.randint(0, model.vocab_size, (args.prompt_tokens,), generator=torch.Generator().manual_seed(1)).tolist()
+    name = torch.cuda.get_device_name() if args.device != "cpu" else "cpu"
+    report: dict = {"device": name, "torch": torch.__version__, "layers": args.layers,
+                    "prompt_tokens": args.prompt_tokens, "groups": _groups_check(args.device)}
+    ok = report["groups"]["ok"]
+
+    resident = _engine(model, "resident", max_context=ctx)
+    ref_ids, ref_logits = _decode(resident, prompt, args.decode_tokens)
+    eager_res = _engine(model, "resident", max_context=ctx, decode_graphs=False)
+    eager_ids, eager_logits = _decode(eager_res, prompt, args.decode_tokens)
+    decode = {"resident_graphs_vs_eager": eager_ids == ref_ids and bool(torch.equal(eager_logits, ref_logits))}
+    prefill = {}
+    for slots in sorted({model.num_experts_per_tok, min(37, model.num_experts), model.num_experts}):
+        eng = _engine(model, "chunked", max_context=ctx, expert_slots_per_layer=slots)
+        ids, logits = _decode(eng, prompt, args.decode_tokens)
+        decode[f"slots_{slots}_vs_resident"] = ids == ref_ids and bool(torch.equal(logits, ref_logits))
+        if slots == model.num_experts_per_tok:
+            first = {}
+            for mode in ("chunked", "layer-major", "demand"):
+                eng.reset()
+                events, stats = eng.run(prompt, 1, prefill_mode=mode)
+                first[mode] = (events[0].token_id, stats.prefill_path, stats.prefill_h2d_bytes / eng.bank_bytes)
+            prefill = {"first": first, "equal": len({v[0] for v in first.values()}) == 1}
+            report["timing_offloaded_min_slots"] = _time_steps(eng, prompt, 24)
+        if slots == model.num_experts:  # every slot filled: whole-step graphs from there on
+            report["timing_offloaded_all_cached"] = _time_steps(eng, prompt, 24, fill_all=True)
+        del eng
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    report["timing_resident_graphs"] = _time_steps(resident, prompt, 24)
+    report["timing_resident_eager"] = _time_steps(eager_res, prompt, 24)
+    report["decode_equal"], report["prefill"] = decode, prefill
+    ok = ok and all(decode.values()) and prefill.get("equal", False)
+    report["ok"] = ok
+    scale = 48 / args.layers
+    print(f"gpucheck on {report['device']} (torch {report['torch']}), {args.layers} full-width layers, "
+          f"{args.prompt_tokens}-token context")
+    print(f"  grouped GEMM: {report['groups']}")
+    print(f"  prefill first ids/paths/banks: {prefill.get('first')}")
+    print(f"  decode equal: {decode}")
+    for k in ("timing_resident_graphs", "timing_resident_eager", "timing_offloaded_all_cached",
+              "timing_offloaded_min_slots"):
+        t = report.get(k)
+        if t:
+            print(f"  {k:32s} {t['mode']:12s} {t['step_s'] * 1e3 / args.layers:7.3f} ms/layer  "
+                  f"-> 48 layers {1 / (t['step_s'] * scale):7.1f} tok/s  H2D/step {t['h2d_bytes_per_step'] / 1e6:8.1f} MB")
+    print("gpucheck:", "PASS" if ok else "FAIL")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=2, default=str)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,163 @@
+"""Decode through the per-layer slot cache at shapes where CUDA's limits bite, and memory budgeting.
+
+Set ABBENCH_ENGINE_TEST_DEVICE=cuda to run them on a GPU (bfloat16, CUDA graphs), where the limit is real.
+The model here has 512 experts per layer (top-4) and tiny hidden sizes: 3 layers x 512 slots = 1,536 slots,
+more than CUDA's grouped GEMM takes (1,023 groups). A spy on ``torch._grouped_mm`` records every call's group
+count, so the class of bug that failed every offloaded request on the H200 fails here, on CPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+import torch
+
+from abbench.engine import Engine, EngineConfig
+from abbench.engine.config import (GIB, MAX_GROUPED_MM_GROUPS, PRESETS, RUNTIME_RESERVE_BYTES, ModelConfig,
+                                   dense_params, plan_device_memory)
+from abbench.engine.decode import kv_len_for
+from abbench.engine.experts import check_host_memory, host_memory_available
+from abbench.engine.model import TooManyGroups, grouped_mm
+
+WIDE = ModelConfig(vocab_size=512, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=8, moe_intermediate_size=16, num_experts=512,
+                   num_experts_per_tok=4, max_position_embeddings=4096, name="wide-512")
+KNOBS = dict(model=WIDE, weights="random:3", chunk_tokens=16, layer_major_window_tokens=64,
+             bandwidth_probe_bytes=0, max_context=512,
+             device=os.environ.get("ABBENCH_ENGINE_TEST_DEVICE", "cpu"))  # cuda: the same tests on a GPU
+
+
+@pytest.fixture
+def group_spy(monkeypatch):
+    """Records the group count of every torch._grouped_mm call (the B operand's first dimension)."""
+    seen: list[int] = []
+    real = torch._grouped_mm
+
+    def spy(a, b, *args, **kwargs):
+        seen.append(int(b.shape[0]))
+        return real(a, b, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "_grouped_mm", spy)
+    return seen
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(0, WIDE.vocab_size, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _decode_ids(engine: Engine, prompts: list[list[int]], max_tokens: int = 12) -> list[list[int]]:
+    out = []
+    for p in prompts:
+        engine.reset()
+        events, stats = engine.run(p, max_tokens, ignore_eos=True)
+        assert stats.completion_tokens == max_tokens
+        out.append([e.token_id for e in events])
+    return out
+
+
+@pytest.fixture(scope="module")
+def resident_ids():
+    engine = Engine(EngineConfig(**KNOBS, prefill_mode="resident"))
+    prompts = [_prompt(n, seed) for n, seed in ((5, 1), (37, 2), (64, 3))]
+    return prompts, _decode_ids(engine, prompts)
+
+
+def test_grouped_gemm_refuses_more_groups_than_cuda_takes_on_every_device():
+    x = torch.randn(4, 8)
+    offs = torch.full((MAX_GROUPED_MM_GROUPS + 1,), 4, dtype=torch.int32)
+    with pytest.raises(TooManyGroups, match="1024 groups > 1023"):
+        grouped_mm(x, torch.randn(MAX_GROUPED_MM_GROUPS + 1, 2, 8), offs)
+    with pytest.raises(ValueError, match="num_experts 1024 per layer > 1023"):
+        EngineConfig(model=dataclasses.replace(WIDE, num_experts=1024), weights="random:0").resolved()
+
+
+@pytest.mark.parametrize("slots", [4, 9, 128, 512])
+def test_offloaded_decode_equals_resident_decode_at_every_slot_budget(resident_ids, group_spy, slots):
+    """From one token's experts per layer (4) to every expert (512; 1,536 slots in all): same ids as resident
+    decode, bit for bit, and no grouped call ever sees more than one layer's experts."""
+    prompts, want = resident_ids
+    engine = Engine(EngineConfig(**KNOBS, prefill_mode="chunked", expert_slots_per_layer=slots))
+    assert engine.slots_per_layer == slots and engine.store.slots.capacity == 3 * slots
+    group_spy.clear()
+    assert _decode_ids(engine, prompts) == want
+    assert group_spy and max(group_spy) <= WIDE.num_experts <= MAX_GROUPED_MM_GROUPS
+    assert slots in group_spy  # decode's grouped calls run over one layer's slot block
+
+
+def test_slot_cache_counts_hits_and_misses_and_goes_whole_step_when_complete():
+    """With a slot for every expert, once every expert of every layer has been loaded no step can miss:
+    decode runs whole steps (no router read-back) and gives the same ids as before."""
+    small = dataclasses.replace(WIDE, num_experts=8, name="wide-8")
+    engine = Engine(EngineConfig(**{**KNOBS, "model": small}, prefill_mode="chunked"))
+    assert engine.slots_per_layer == 8  # CPU without a budget: every expert
+    p = _prompt(20, seed=4)
+    _, first = engine.run(p, 40, ignore_eos=True)
+    assert first.slot_misses > 0 and first.slot_hits > 0
+    assert first.slot_hits + first.slot_misses == first.decode_steps_per_layer * 3 * 4 or first.decode_steps_whole
+    assert first.decode_h2d_bytes == first.slot_misses * engine.store.bank.expert_bytes
+    for layer in range(3):  # fill every slot, then nothing can miss
+        engine.store.decode_experts(layer, list(range(8)))
+    assert engine.store.slots.complete
+    engine._kv_tokens = []
+    events, again = engine.run(p, 40, ignore_eos=True)
+    assert again.decode_steps_per_layer == 0 and again.decode_steps_whole == 39 and again.slot_misses == 0
+    engine2 = Engine(EngineConfig(**{**KNOBS, "model": small}, prefill_mode="resident"))
+    ref, _ = engine2.run(p, 40, ignore_eos=True)
+    assert [e.token_id for e in events] == [e.token_id for e in ref]
+
+
+def test_budgets_size_the_slot_cache_and_give_identical_ids(resident_ids):
+    prompts, want = resident_ids
+    base = EngineConfig(**KNOBS, prefill_mode="chunked").resolved()
+    fixed = plan_device_memory(base, 10**12).fixed_bytes
+    slot = plan_device_memory(base, 10**12).slot_bytes
+    sizes = []
+    for n in (4, 50, 512, 600):
+        budget_gb = (fixed + n * slot) / 1e9
+        engine = Engine(EngineConfig(**KNOBS, prefill_mode="chunked", gpu_memory_budget_gb=budget_gb))
+        sizes.append(engine.slots_per_layer)
+        assert _decode_ids(engine, prompts[:1]) == want[:1]
+    assert sizes == [4, 50, 512, 512]  # at most every expert
+
+
+def test_memory_plan_adds_up_and_refuses_with_every_term_named():
+    cfg = EngineConfig(model="qwen3-30b-a3b-2507", device="cuda", max_context=131_072 + 512).resolved()
+    plan = plan_device_memory(cfg, 24 * 10**9)
+    mc = cfg.model
+    assert plan.dense_bytes == dense_params(mc) * 2
+    assert plan.kv_bytes == 2 * 48 * 4 * (131_072 + 512) * 128 * 2  # 12.9 GB of bf16 keys and values
+    assert plan.prefill_buffer_bytes == 2 * 128 * 3 * 2048 * 768 * 2  # two layer banks
+    assert plan.reserve_bytes == RUNTIME_RESERVE_BYTES == GIB
+    assert plan.slot_bytes == 48 * 3 * 2048 * 768 * 2
+    assert 8 <= plan.slots_per_layer < 128 and plan.total_bytes <= 24 * 10**9
+    assert plan.total_bytes + plan.slot_bytes > 24 * 10**9  # one more slot per layer would not fit
+    with pytest.raises(ValueError) as e:
+        plan_device_memory(cfg, 16 * 10**9)
+    msg = str(e.value)
+    for term in ("dense", "KV 12.9", "prefill buffers", "workspace", "--gpu-memory-budget to at least", "8"):
+        assert term in msg
+    resident = EngineConfig(model="qwen3-30b-a3b", device="cuda", prefill_mode="resident").resolved()
+    with pytest.raises(ValueError, match="resident experts do not fit"):
+        plan_device_memory(resident, 24 * 10**9)
+    assert plan_device_memory(resident, 80 * 10**9).resident_bytes == PRESETS["qwen3-30b-a3b"].bank_bytes(2)
+
+
+def test_engine_refuses_a_budget_below_one_tokens_experts():
+    with pytest.raises(ValueError, match="holds 0 expert slots per layer but decode needs 4"):
+        Engine(EngineConfig(**KNOBS, gpu_memory_budget_gb=0.001))
+
+
+def test_host_memory_check_refuses_a_bank_that_does_not_fit():
+    available = host_memory_available()
+    assert available is None or available > 0
+    with pytest.raises(ValueError, match=r"needs 58.00 GB of host memory .* but 24.00 GB is available"):
+        check_host_memory(58 * 10**9, 24 * 10**9)
+    check_host_memory(10**9, 24 * 10**9)  # fits
+    check_host_memory(10**15, None)  # unknown: nothing to check against
+
+
+def test_kv_len_is_a_power_of_two_cover_capped_at_the_cache():
+    assert [kv_len_for(p, 40960) for p in (0, 1023, 1024, 4100, 40959)] == [1024, 1024, 2048, 8192, 40960]
+    assert kv_len_for(10, 512) == 512
