@@ -1,6 +1,6 @@
 """A tiny HTTP service for the services/telemetry tests (standard library only).
 
-    python tests/svc_helper.py --port N [--delay S] [--never-healthy] [--exit-early CODE]
+    python tests/support/svc_helper.py --port N [--delay S] [--never-healthy] [--exit-early CODE]
                                [--children K] [--setsid-grandchild] [--pidfile F] [--ignore-sigterm]
                                [--alloc-mb M] [--say TEXT]
 

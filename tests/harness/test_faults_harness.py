@@ -1,4 +1,4 @@
-"""Faults injected for real into the harness: misbehaving engine services (tests/fakeserver.py launched as a
+"""Faults injected for real into the harness: misbehaving engine services (tests/support/fakeserver.py launched as a
 subprocess by the runner), a busy port, a missing binary, signals sent to a real ``abbench run``, resumed
 runs, damaged result files, invalid profiles through the CLI.
 
@@ -26,10 +26,7 @@ from abbench.profile import profile_from_dict
 from abbench.report import write_report
 from abbench.results import RUN_FILE, SAMPLES_FILE, RunRecord, Sample, load_run, read_samples
 
-try:
-    from tests import faultkit as fk
-except ImportError:  # tests/ is not a package: pytest put tests/ itself on sys.path
-    import faultkit as fk
+from tests.support import faultkit as fk
 
 
 def run_profile(profile: dict[str, Any], run_dir: Path, events: list | None = None) -> RunRecord:
@@ -164,7 +161,7 @@ def test_service_dies_mid_run(tmp_path: Path, policy: str) -> None:
     assert [by_step[i].ok for i in (0, 1, 2)] == [True, True, True]  # warm-up and two fresh prompts
     assert_failed_sample(by_step[3], "connect", "POST http://127.0.0.1:")
     first = record.services[0]
-    assert first.exit_code == 17  # tests/fakeserver.py EXIT_ON_DIE: it died, it was not stopped
+    assert first.exit_code == 17  # tests/support/fakeserver.py EXIT_ON_DIE: it died, it was not stopped
     if policy == "stop":
         assert record.status == "partial" and "stopped after a failed request at step 3" in record.status_reason
         assert sorted(by_step) == [0, 1, 2, 3] and len(record.services) == 1

@@ -1,4 +1,4 @@
-"""The streaming client against a real HTTP server on loopback (tests/fakeserver.py), and its SSE parser on
+"""The streaming client against a real HTTP server on loopback (tests/support/fakeserver.py), and its SSE parser on
 tricky byte streams. Each misbehaviour of a server must surface as a RequestError of the right kind."""
 
 from __future__ import annotations
@@ -19,10 +19,7 @@ from abbench.client import ADAPTERS, EngineClient, OpenAIAdapter, SSEEvent, SSEP
 from abbench.errors import ConfigError, RequestError
 from abbench.profile import RequestSpec
 
-try:
-    from tests import fakeserver
-except ImportError:  # tests/ is not a package: pytest put tests/ itself on sys.path
-    import fakeserver
+from tests.support import fakeserver
 
 FAKESERVER = Path(fakeserver.__file__).resolve()
 PROMPT = " ".join(f"word{i}" for i in range(40))  # 40 fake tokens

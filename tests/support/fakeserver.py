@@ -4,7 +4,7 @@ Built on ``http.server`` (one thread per connection, keep-alive, ``TCP_NODELAY``
 wire is under control. Use it in-process (``with FakeServer(FakeConfig(...)) as srv: srv.base_url``, it
 serves from a thread on a free loopback port) or as an engine service::
 
-    python tests/fakeserver.py --port N [--mode MODE] [--startup-delay S] [--die-after-requests K]
+    python tests/support/fakeserver.py --port N [--mode MODE] [--startup-delay S] [--die-after-requests K]
                                [--never-healthy] [--ignore-sigterm] [--delay S] [--token-delay S]
                                [--tokenizer SPEC] [--host H]
 
@@ -581,7 +581,7 @@ def _load_tokenizer(spec: str) -> Any:
     try:
         from abbench.engine.tokenizer import load_tokenizer
     except ImportError:  # run as a script from a checkout: make the repository importable
-        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
         from abbench.engine.tokenizer import load_tokenizer
     return load_tokenizer(spec)
 

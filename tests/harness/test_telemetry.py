@@ -19,7 +19,7 @@ from abbench import telemetry as tm
 from abbench.results import MemoryPoint, Telemetry
 from abbench.services import Service, stop_all
 
-HELPER = str(Path(__file__).with_name("svc_helper.py"))
+HELPER = str(Path(__file__).resolve().parents[1] / "support" / "svc_helper.py")
 MiB = 1024 * 1024
 
 

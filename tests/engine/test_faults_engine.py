@@ -3,7 +3,7 @@ process: what it binds, requests that must not make it read a file, bodies that 
 clients that hang up mid-prefill (cancel counter and RSS), a full queue, device out-of-memory (through the
 test-only ``ABBENCH_ENGINE_FAULT=oom-once`` hook, also driven through the harness), a busy port.
 
-What tests/test_engine_server.py already covers in-process (malformed JSON, unknown and out-of-range
+What tests/engine/test_engine_server.py already covers in-process (malformed JSON, unknown and out-of-range
 fields, max_tokens <= 0, prompts over the context, FIFO order and 429 with a scripted engine, disconnects
 with a scripted engine, a scripted OOM) is not repeated here.
 """
@@ -33,12 +33,9 @@ from abbench import runner  # noqa: E402
 from abbench.engine.tokenizer import load_tokenizer  # noqa: E402
 from abbench.profile import profile_from_dict  # noqa: E402
 
-try:
-    from tests import faultkit as fk
-except ImportError:  # tests/ is not a package: pytest put tests/ itself on sys.path
-    import faultkit as fk
+from tests.support import faultkit as fk
 
-AUDIT = Path(__file__).resolve().parent / "engine_audit.py"
+AUDIT = Path(fk.__file__).resolve().parent / "engine_audit.py"
 MAX_CONTEXT = 8192
 LONG = 7000  # prompt tokens: ~55 chunks of 128 x 4 layers, a couple of seconds of prefill on 2 CPU cores
 

@@ -1,4 +1,4 @@
-"""The vLLM, SGLang and llama.cpp adapters against loopback fakes of those servers (tests/fake_engines.py):
+"""The vLLM, SGLang and llama.cpp adapters against loopback fakes of those servers (tests/support/fake_engines.py):
 full requests through ``EngineClient.complete``, the cache resets, the metrics, the profile's default-path
 rule, and a whole ``runner.execute`` run per engine launched as a service."""
 
@@ -16,10 +16,7 @@ from abbench.errors import ConfigError, RequestError
 from abbench.profile import ADAPTER_PATHS, EngineSpec, RequestSpec, profile_from_dict
 from abbench.prometheus import metrics_delta, parse_prometheus
 
-try:
-    from tests import fake_engines
-except ImportError:  # tests/ is not a package: pytest put tests/ itself on sys.path
-    import fake_engines
+from tests.support import fake_engines
 
 FAKE_ENGINES = Path(fake_engines.__file__).resolve()
 PROMPT = ("The river ran past the old mill, where the miller's daughter counted sacks of grain by lamplight "

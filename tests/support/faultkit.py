@@ -1,4 +1,4 @@
-"""Helpers shared by the fault tests: profiles that launch tests/fakeserver.py as the engine service, a tiny
+"""Helpers shared by the fault tests: profiles that launch tests/support/fakeserver.py as the engine service, a tiny
 TOML writer (profiles go through the real CLI), the ``abbench`` command as a subprocess, and a way to find
 every process a test started, whatever became of its parent.
 
@@ -20,9 +20,9 @@ from typing import Any
 
 import psutil
 
-REPO = Path(__file__).resolve().parents[1]
-FAKESERVER = REPO / "tests" / "fakeserver.py"
-FAKE_ENGINES = REPO / "tests" / "fake_engines.py"
+REPO = Path(__file__).resolve().parents[2]
+FAKESERVER = Path(__file__).resolve().with_name("fakeserver.py")
+FAKE_ENGINES = Path(__file__).resolve().with_name("fake_engines.py")
 
 
 def new_mark() -> str:
@@ -32,7 +32,7 @@ def new_mark() -> str:
 def fake_profile(mark: str, *, name: str = "faults", args: tuple[str, ...] = (), arms: list[dict] | None = None,
                  prompts: dict | None = None, request: dict | None = None, run: dict | None = None,
                  engine: dict | None = None) -> dict[str, Any]:
-    """A small profile whose engine is tests/fakeserver.py counting tokens with the qwen3 vocabulary (so
+    """A small profile whose engine is tests/support/fakeserver.py counting tokens with the qwen3 vocabulary (so
     the harness's exact-length prompts match ``usage.prompt_tokens``)."""
     command = [sys.executable, str(FAKESERVER), "--port", "{port}", "--tokenizer", "qwen3", *args]
     return {

@@ -24,10 +24,7 @@ from abbench import runner, services  # noqa: E402
 from abbench.profile import profile_from_dict  # noqa: E402
 from abbench.results import SAMPLES_FILE  # noqa: E402
 
-try:
-    from tests import faultkit as fk
-except ImportError:  # tests/ is not a package: pytest put tests/ itself on sys.path
-    import faultkit as fk
+from tests.support import faultkit as fk
 
 WARMUP_REQUESTS = 50
 MEASURED = 500

@@ -1,7 +1,7 @@
 """Run the vendored engine's server under a Python audit hook that records every file it opens whose path
 contains a marker, so a test can assert that no request made the server open a file it named.
 
-    python tests/engine_audit.py --audit-log FILE --audit-marker TEXT -- [engine server arguments]
+    python tests/support/engine_audit.py --audit-log FILE --audit-marker TEXT -- [engine server arguments]
 
 The hook (``sys.addaudithook``) sees the ``open`` event of ``open()``/``io.open``/``os.open`` in every
 thread; each matching path is appended to ``--audit-log`` as one line. Right after installing the hook the
@@ -41,7 +41,7 @@ def main() -> int:
     os.makedirs(marker, exist_ok=True)
     with open(os.path.join(marker, "probe"), "a"):
         pass
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     from abbench.engine.server import main as serve
 
     args = a.engine_args[1:] if a.engine_args[:1] == ["--"] else a.engine_args

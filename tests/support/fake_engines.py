@@ -8,7 +8,7 @@ engines. Each is a stdlib ``ThreadingHTTPServer`` (HTTP/1.1, keep-alive, chunked
 
 or as an engine service (what the runner launches)::
 
-    python tests/fake_engines.py --engine {vllm,sglang,llamacpp} --port N [--tokenizer qwen3]
+    python tests/support/fake_engines.py --engine {vllm,sglang,llamacpp} --port N [--tokenizer qwen3]
         [--incremental-streaming-output] [--enable-metrics]          (sglang)
         [--slot-save-path DIR] [--metrics] [-np 1]                   (llama.cpp)
     (vLLM's dev routes, /reset_prefix_cache, answer only with VLLM_SERVER_DEV_MODE=1 in the environment)

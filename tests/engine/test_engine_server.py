@@ -32,7 +32,7 @@ from abbench.engine.runtime import Cancelled, ContextOverflow, Engine, RequestSt
 from abbench.engine.server import create_app  # noqa: E402
 from abbench.engine.tokenizer import IncrementalDetokenizer, TokenizerSpecError, load_tokenizer  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 MAX_CONTEXT = 128
 ABBENCH_FIELDS = {"prefill_path", "fallback_reason", "h2d_bytes", "d2d_bytes", "prefill_h2d_bytes",
                   "decode_h2d_bytes", "bank_bytes", "expert_copies", "cached_prompt_tokens", "n_chunks",

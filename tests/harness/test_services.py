@@ -1,4 +1,4 @@
-"""abbench.services with real processes: a tiny HTTP server (tests/svc_helper.py) launched as a service."""
+"""abbench.services with real processes: a tiny HTTP server (tests/support/svc_helper.py) launched as a service."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from abbench import services
 from abbench.errors import ConfigError, HealthTimeout, ServiceError
 from abbench.services import Service, expand_command, free_port, port_in_use, stop_all
 
-HELPER = str(Path(__file__).with_name("svc_helper.py"))
+HELPER = str(Path(__file__).resolve().parents[1] / "support" / "svc_helper.py")
 
 
 def helper_argv(*extra: str) -> list[str]:
@@ -260,7 +260,7 @@ def test_atexit_hook_stops_services_of_an_exiting_interpreter(tmp_path: Path) ->
         "print('launched', flush=True)\n"  # exits without stop(): atexit must tear it down
     )
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=30,
-                       cwd=Path(__file__).resolve().parent.parent)
+                       cwd=Path(__file__).resolve().parents[2])
     assert r.returncode == 0, r.stderr
     assert "launched" in r.stdout
     assert_all_gone(wait_pidfile(pidfile))

@@ -17,10 +17,7 @@ from abbench.runner import logprob_delta, probe_prompt
 from abbench.errors import ConfigError
 from abbench.results import PromptRecord, RunRecord, Sample, save_run
 
-try:
-    from tests import fake_engines
-except ImportError:  # tests/ is not a package: pytest put tests/ itself on sys.path
-    import fake_engines
+from tests.support import fake_engines
 
 FAKE_ENGINES = Path(fake_engines.__file__).resolve()
 

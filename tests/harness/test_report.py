@@ -1,4 +1,4 @@
-"""abbench.report: the Markdown report and its plots, on RunRecords built by tests/test_analysis.py's
+"""abbench.report: the Markdown report and its plots, on RunRecords built by tests/harness/test_analysis.py's
 ``make_run`` (with and without engine/NVML data)."""
 
 from __future__ import annotations
@@ -11,10 +11,7 @@ import pandas as pd
 
 from abbench import report as rp
 
-try:
-    from test_analysis import find, make_run
-except ImportError:  # tests/ collected as a package
-    from tests.test_analysis import find, make_run
+from tests.harness.test_analysis import find, make_run
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 SECTIONS = [
@@ -164,5 +161,5 @@ def test_formatters() -> None:
 
 def test_import_does_not_load_matplotlib() -> None:
     code = "import sys, abbench.report; assert 'matplotlib' not in sys.modules"
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     subprocess.run([sys.executable, "-c", code], check=True, cwd=root)
