@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 from pathlib import Path
 
 import httpx
@@ -99,6 +100,7 @@ class ScriptedEngine:
         self.config = EngineConfig(model="tiny", max_context=MAX_CONTEXT).resolved()
         self.model_config = PRESETS["tiny"]
         self.bank_bytes, self.measured_h2d_gbps, self.startup_s = 4096, 12.5, 0.01
+        self.decoder, self.slots_per_layer = types.SimpleNamespace(mode="scripted"), 0  # as Engine has
         self.counters = {"h2d_bytes_total": 0, "d2d_bytes_total": 0, "requests_by_path": {},
                          "prefill_tokens_by_path": {}}
         self.outputs, self.layers, self.step_s = list(outputs), layers, step_s

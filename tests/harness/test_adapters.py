@@ -35,7 +35,7 @@ RESET = {"vllm": "/reset_prefix_cache", "sglang": "/flush_cache", "llamacpp": "/
 @pytest.fixture(scope="module", params=list(CASES))
 def engine(request: pytest.FixtureRequest) -> Iterator[tuple[str, fake_engines.FakeEngine]]:
     adapter, overrides = CASES[request.param]
-    with fake_engines.FakeEngine(fake_engines.EngineConfig(adapter, **overrides)) as eng:
+    with fake_engines.FakeEngine(fake_engines.FakeEngineConfig(adapter, **overrides)) as eng:
         yield adapter, eng
 
 
@@ -184,7 +184,7 @@ def test_llamacpp_body() -> None:
 
 
 def test_sglang_abort_is_an_error(client: EngineClient) -> None:
-    with fake_engines.FakeEngine(fake_engines.EngineConfig("sglang")) as eng:
+    with fake_engines.FakeEngine(fake_engines.FakeEngineConfig("sglang")) as eng:
         n = len(eng.tokenizer.encode(PROMPT))
         with pytest.raises(RequestError) as e:
             client.complete(eng.base_url, PROMPT, request=spec(), extra={"fake_mode": "abort"},
@@ -194,7 +194,7 @@ def test_sglang_abort_is_an_error(client: EngineClient) -> None:
 
 @pytest.fixture(scope="module")
 def llamacpp() -> Iterator[fake_engines.FakeEngine]:
-    with fake_engines.FakeEngine(fake_engines.EngineConfig("llamacpp")) as eng:
+    with fake_engines.FakeEngine(fake_engines.FakeEngineConfig("llamacpp")) as eng:
         yield eng
 
 
@@ -221,7 +221,7 @@ def test_llamacpp_older_and_probability_fields(llamacpp: fake_engines.FakeEngine
 
 
 def test_llamacpp_slot_actions_need_slot_save_path(client: EngineClient) -> None:
-    cfg = fake_engines.EngineConfig("llamacpp", llamacpp_slot_save_path=None, llamacpp_metrics=False)
+    cfg = fake_engines.FakeEngineConfig("llamacpp", llamacpp_slot_save_path=None, llamacpp_metrics=False)
     with fake_engines.FakeEngine(cfg) as eng:
         with pytest.raises(RequestError) as e:
             client.reset(eng.base_url, get_adapter("llamacpp").reset_path)

@@ -183,7 +183,7 @@ def test_probe_against_a_running_server(flip_run: tuple[Path, RunRecord]) -> Non
     from abbench.cli import app
 
     run_dir, rec = flip_run
-    with fake_engines.FakeEngine(fake_engines.EngineConfig("sglang")) as eng:
+    with fake_engines.FakeEngine(fake_engines.FakeEngineConfig("sglang")) as eng:
         p = probe_prompt(rec, "fresh-96-0", "b", base_url=eng.base_url, positions=5, reset_each=True)
         assert len(p.steps) == 5 and p.first_choice_change is None and p.first_over_threshold is None
         assert eng.stats()["resets"] == 5

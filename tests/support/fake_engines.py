@@ -3,7 +3,7 @@
 They exist so the client's adapters and the runner can be tested end to end over real HTTP without the
 engines. Each is a stdlib ``ThreadingHTTPServer`` (HTTP/1.1, keep-alive, chunked SSE), usable in-process::
 
-    with FakeEngine(EngineConfig("sglang")) as eng:
+    with FakeEngine(FakeEngineConfig("sglang")) as eng:
         eng.base_url, eng.stats()
 
 or as an engine service (what the runner launches)::
@@ -75,7 +75,7 @@ _SENTENCE = (
 
 
 @dataclass(frozen=True)
-class EngineConfig:
+class FakeEngineConfig:
     engine: str
     model: str = "fake-model"
     tokenizer: str = "qwen3"
@@ -90,6 +90,9 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
             raise ValueError(f"unknown engine {self.engine!r}; one of {', '.join(ENGINES)}")
+
+
+EngineConfig = FakeEngineConfig  # the former name (not the engine's abbench.engine.EngineConfig)
 
 
 # ------------------------------------------------------------------------------------------- the "model"
@@ -176,7 +179,7 @@ class _Server(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
 
-    def __init__(self, addr: tuple[str, int], config: EngineConfig, model: _Model) -> None:
+    def __init__(self, addr: tuple[str, int], config: FakeEngineConfig, model: _Model) -> None:
         super().__init__(addr, _Handler)
         self.config = config
         self.model = model
@@ -556,7 +559,7 @@ class _Handler(BaseHTTPRequestHandler):
 class FakeEngine:
     """One fake engine serving from a background thread on a loopback port."""
 
-    def __init__(self, config: EngineConfig, *, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(self, config: FakeEngineConfig, *, host: str = "127.0.0.1", port: int = 0) -> None:
         self.config = config
         self._httpd = _Server((host, port), config, _Model(config.tokenizer))
         self._thread: threading.Thread | None = None
@@ -613,7 +616,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     logging.basicConfig(level="INFO", stream=sys.stderr, format="%(asctime)s fake-%(name)s %(message)s")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    config = EngineConfig(
+    config = FakeEngineConfig(
         engine=args.engine, model=args.model, tokenizer=args.tokenizer, token_delay_s=args.token_delay,
         vllm_dev_mode=os.environ.get("VLLM_SERVER_DEV_MODE") == "1",
         sglang_incremental=args.incremental_streaming_output, sglang_metrics=args.enable_metrics,
