@@ -13,7 +13,9 @@ only in how often the expert bank crosses PCIe:
 The same code runs on CPU (tests, CI) and CUDA. Modules: ``config`` (ModelConfig, PRESETS, EngineConfig;
 no torch), ``weights`` (random init and HF safetensors loading), ``experts`` (bank, buffers, slot cache,
 byte accounting), ``model`` (the decoder), ``prefill``, ``decode``, ``runtime`` (``Engine``, the API the
-HTTP server calls). It imports nothing from the rest of abbench.
+HTTP server calls); the HTTP server is ``api`` (request schema, errors, response pieces), ``serving`` (the
+FIFO worker queue, metrics) and ``server`` (routes, the command line); ``stats`` (no torch) is the
+per-request ``abbench`` object, which the harness reads too. It imports nothing from the rest of abbench.
 
 ``Engine`` is imported lazily so that ``abbench.engine.config`` works without torch.
 """
