@@ -41,6 +41,7 @@ from typing import Any, ClassVar
 
 from abbench.errors import ConfigError, RequestError
 from abbench.profile import ADAPTER_PATHS, RequestSpec
+from abbench.prometheus import ENGINE_COUNTERS, Counters, common_counters
 
 __all__ = [
     "ADAPTERS",
@@ -97,7 +98,7 @@ class Adapter:
     metrics_path: ClassVar[str | None] = ADAPTER_PATHS["openai"]["metrics_path"]
     done_marker: ClassVar[str | None] = "[DONE]"  # data payload ending the stream; None: see EventParts.final
     protected_fields: ClassVar[frozenset[str]] = frozenset({"prompt", "stream", "stream_options"})
-    counters: ClassVar[Mapping[str, tuple[str, ...]]] = MappingProxyType({})
+    counters: ClassVar[Counters] = MappingProxyType({})
 
     def build_body(
         self, prompt: Prompt, *, request: RequestSpec, extra: Mapping[str, Any], model: str | None
@@ -138,10 +139,7 @@ class OpenAIAdapter(Adapter):
     ``"token_id:N"``. The engine's own object is the event's top-level ``abbench`` field."""
 
     name: ClassVar[str] = "openai"
-    counters: ClassVar[Mapping[str, tuple[str, ...]]] = MappingProxyType({
-        "prompt_tokens": ("abbench_engine_prompt_tokens_total",),
-        "cached_prompt_tokens": ("abbench_engine_cached_prompt_tokens_total",),
-    })
+    counters: ClassVar[Counters] = ENGINE_COUNTERS["openai"]
     return_token_ids: bool = False
     tokens_as_ids: bool = False
 
@@ -252,11 +250,7 @@ class VLLMAdapter(OpenAIAdapter):
     name: ClassVar[str] = "vllm"
     reset_path: ClassVar[str | None] = ADAPTER_PATHS["vllm"]["reset_path"]
     metrics_path: ClassVar[str | None] = ADAPTER_PATHS["vllm"]["metrics_path"]
-    counters: ClassVar[Mapping[str, tuple[str, ...]]] = MappingProxyType({
-        "prompt_tokens": ("vllm:prompt_tokens_total",),
-        "cached_prompt_tokens": ("vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total"),
-        "prefix_cache_queries": ("vllm:prefix_cache_queries_total", "vllm:gpu_prefix_cache_queries_total"),
-    })
+    counters: ClassVar[Counters] = ENGINE_COUNTERS["vllm"]
     return_token_ids: bool = True
     tokens_as_ids: bool = True
 
@@ -304,10 +298,7 @@ class SGLangAdapter(Adapter):
     reset_path: ClassVar[str | None] = ADAPTER_PATHS["sglang"]["reset_path"]
     metrics_path: ClassVar[str | None] = ADAPTER_PATHS["sglang"]["metrics_path"]
     protected_fields: ClassVar[frozenset[str]] = frozenset({"text", "input_ids", "stream"})
-    counters: ClassVar[Mapping[str, tuple[str, ...]]] = MappingProxyType({
-        "prompt_tokens": ("sglang:prompt_tokens_total",),
-        "cached_prompt_tokens": ("sglang:cached_tokens_total",),
-    })
+    counters: ClassVar[Counters] = ENGINE_COUNTERS["sglang"]
     incremental: bool | None = None  # None: detect per event; True/False: the server's streaming mode
 
     def build_body(
@@ -437,9 +428,7 @@ class LlamaCppAdapter(Adapter):
     metrics_path: ClassVar[str | None] = ADAPTER_PATHS["llamacpp"]["metrics_path"]
     done_marker: ClassVar[str | None] = None
     protected_fields: ClassVar[frozenset[str]] = frozenset({"prompt", "stream"})
-    counters: ClassVar[Mapping[str, tuple[str, ...]]] = MappingProxyType({
-        "prompt_tokens": ("llamacpp:prompt_tokens_total",),
-    })
+    counters: ClassVar[Counters] = ENGINE_COUNTERS["llamacpp"]
 
     def build_body(
         self, prompt: Prompt, *, request: RequestSpec, extra: Mapping[str, Any], model: str | None
@@ -518,20 +507,9 @@ ADAPTERS: Mapping[str, Adapter] = MappingProxyType(
 
 def engine_counters(adapter: str | Adapter, metrics: Mapping[str, float] | None) -> dict[str, float]:
     """The adapter's common counters (``Adapter.counters``) read from parsed Prometheus text
-    (:func:`abbench.prometheus.parse_prometheus`, or a :func:`~abbench.prometheus.metrics_delta`): each key's
-    value is the sum over the label sets of the first of its metric names that is present; keys the
-    engine does not expose are left out."""
-    ad = get_adapter(adapter)
-    out: dict[str, float] = {}
-    if not metrics:
-        return out
-    for key, names in ad.counters.items():
-        for name in names:
-            values = [v for k, v in metrics.items() if k == name or k.startswith(name + "{")]
-            if values:
-                out[key] = float(sum(values))
-                break
-    return out
+    (:func:`abbench.prometheus.parse_prometheus`, or a :func:`~abbench.prometheus.metrics_delta`); see
+    :func:`abbench.prometheus.common_counters`."""
+    return common_counters(get_adapter(adapter).counters, metrics)
 
 
 def get_adapter(name: str | Adapter) -> Adapter:

@@ -29,7 +29,6 @@ app = typer.Typer(
 console = Console(stderr=True)
 out = Console()
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 RESULTS_ROOT = Path("results")
 REPORTS_ROOT = Path("reports")
 
@@ -283,7 +282,8 @@ def probe(
 ) -> None:
     """Forced-continuation probe: feed the arm the prompt plus the reference's own ids, one position at a
     time, and compare its logprobs and choices with what the reference captured."""
-    from abbench.diff import format_probe, load_run_tokenizer, probe_prompt
+    from abbench.diff import format_probe, load_run_tokenizer
+    from abbench.runner import probe_prompt
     from abbench.results import load_run
 
     try:

@@ -33,7 +33,8 @@ parsed); ``total_s`` when the response body has ended. SSE is parsed incremental
 text event each event is decoded (a small ``json.loads``) to test for text; after it, events are only
 collected and decoded once the stream has ended, so the client does no heavy work per event.
 
-Wire formats are :class:`~abbench.adapters.Adapter` subclasses (:mod:`abbench.adapters`), looked up by
+The SSE parser is :mod:`abbench.sse`; merging a response's events and verifying them is
+:mod:`abbench.response` (:class:`Completion`). Wire formats are :class:`~abbench.adapters.Adapter` subclasses (:mod:`abbench.adapters`), looked up by
 ``EngineSpec.adapter`` in :data:`~abbench.adapters.ADAPTERS`. An adapter builds the request (path and JSON
 body), says whether a decoded event carries text, and turns one event into
 :class:`~abbench.adapters.EventParts`; the client merges the parts and checks them. The adapter names are
@@ -48,14 +49,12 @@ llama.cpp's ``{"id", "logprob"}`` entries), best first.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import socket
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import httpx
 
@@ -67,19 +66,22 @@ from abbench.adapters import (
     OpenAIAdapter,
     Prompt,
     SGLangAdapter,
-    TopLogprobs,
     VLLMAdapter,
     engine_counters,
     get_adapter,
 )
 from abbench.errors import RequestError
 from abbench.profile import RequestSpec
+from abbench.response import Completion, IdsSource, RawResponse, finish
+from abbench.sse import SNIPPET as _SNIPPET
+from abbench.sse import SSEEvent, SSEParser
 
 __all__ = [
     "ADAPTERS",
     "Adapter",
     "Completion",
     "EngineClient",
+    "IdsSource",
     "EventParts",
     "LlamaCppAdapter",
     "OpenAIAdapter",
@@ -91,134 +93,10 @@ __all__ = [
     "get_adapter",
 ]
 
-IdsSource = Literal["native", "retokenized", "none"]
-
 _ERROR_BODY_LIMIT = 64 * 1024  # bytes of an error body read for its message
-_SNIPPET = 200  # characters of offending data quoted in a message
-
-
-# --------------------------------------------------------------------------------------------- SSE parser
-
-
-@dataclass(frozen=True, slots=True)
-class SSEEvent:
-    """One dispatched server-sent event: its ``data`` lines joined with ``\\n``."""
-
-    data: str
-    event: str | None = None
-    id: str | None = None
-
-
-class SSEParser:
-    """Incremental ``text/event-stream`` parser (WHATWG HTML, "Parsing an event stream"), strict about junk.
-
-    ``feed(chunk)`` takes raw bytes as they arrive and returns the events completed by them. Lines end with
-    ``\\r\\n``, ``\\n`` or ``\\r``; a ``\\r`` at the end of a chunk ends its line at once (a ``\\n`` opening the
-    next chunk is then skipped), so no event waits for the next chunk. Comments (``:...``), ``id``, ``event``
-    and ``retry`` lines are accepted; any other line raises ``RequestError('sse')`` (OpenAI-compatible servers
-    send nothing else, so anything else is a broken stream). After the stream, :meth:`close` raises
-    ``RequestError('sse')`` when a last event was cut off before its blank line.
-    """
-
-    __slots__ = ("_pending", "_skip_lf", "_data", "_event", "_id", "_at_start", "events")
-
-    def __init__(self) -> None:
-        self._pending: list[bytes] = []  # bytes of an unfinished line
-        self._skip_lf = False  # the previous chunk ended with a lone \r
-        self._data: list[str] = []
-        self._event: str | None = None
-        self._id: str | None = None
-        self._at_start = True  # a UTF-8 BOM may open the stream
-        self.events = 0  # events dispatched so far
-
-    def feed(self, chunk: bytes) -> list[SSEEvent]:
-        if self._skip_lf:
-            self._skip_lf = False
-            if chunk[:1] == b"\n":
-                chunk = chunk[1:]
-        if not chunk:
-            return []
-        if b"\n" not in chunk and b"\r" not in chunk:
-            self._pending.append(chunk)
-            return []
-        if self._pending:
-            self._pending.append(chunk)
-            chunk = b"".join(self._pending)
-            self._pending = []
-        if self._at_start:
-            self._at_start = False
-            if chunk.startswith(b"\xef\xbb\xbf"):
-                chunk = chunk[3:]
-        lines = chunk.splitlines(keepends=True)  # bytes.splitlines splits on \r\n, \n and \r only
-        last = lines[-1]
-        if last.endswith(b"\r"):
-            self._skip_lf = True
-        elif not last.endswith(b"\n"):
-            self._pending.append(lines.pop())
-        out: list[SSEEvent] = []
-        for raw in lines:
-            self._line(raw.rstrip(b"\r\n"), out)
-        return out
-
-    def close(self) -> None:
-        """Call at the end of the stream: raises if an event was left without its terminating blank line."""
-        leftover = b"".join(self._pending)
-        if leftover or self._data:
-            cut = leftover.decode("utf-8", "replace") if leftover else "data: " + "\n".join(self._data)
-            raise RequestError(
-                "sse", f"the stream ended in the middle of an event (no blank line after it): {cut[:_SNIPPET]!r}"
-            )
-
-    def _line(self, line: bytes, out: list[SSEEvent]) -> None:
-        if not line:
-            if self._data:
-                out.append(SSEEvent("\n".join(self._data), self._event, self._id))
-                self.events += 1
-                self._data = []
-            self._event = None
-            return
-        if line[0] == 0x3A:  # ":" comment (keep-alive)
-            return
-        try:
-            text = line.decode("utf-8")
-        except UnicodeDecodeError:
-            raise RequestError("sse", f"a line of the event stream is not UTF-8: {line[:_SNIPPET]!r}") from None
-        name, _, value = text.partition(":")
-        if value[:1] == " ":
-            value = value[1:]
-        if name == "data":
-            self._data.append(value)
-        elif name == "event":
-            self._event = value
-        elif name == "id":
-            self._id = value
-        elif name != "retry":
-            raise RequestError("sse", f"unexpected line in the event stream: {text[:_SNIPPET]!r}")
 
 
 # ---------------------------------------------------------------------------------------------- the client
-
-
-@dataclass(slots=True)
-class Completion:
-    """One complete, verified response: the fields a :class:`abbench.results.Sample` takes from it."""
-
-    started_at: float  # time.time() just before the request
-    ttft_s: float | None  # None only for a non-streamed request
-    total_s: float
-    output_ids: list[int]
-    ids_source: IdsSource
-    text: str
-    finish_reason: str
-    prompt_tokens: int
-    completion_tokens: int
-    saw_done: bool
-    logprobs: list[TopLogprobs] | None
-    engine: dict[str, Any] | None
-
-    def sample_fields(self) -> dict[str, Any]:
-        """The fields as keyword arguments for ``Sample(...)``."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
 
 class _Deadline:
@@ -455,11 +333,11 @@ class EngineClient:
                 response.close()
         finally:
             self._watchdog.disarm(deadline)
-        return _finish(raw, ad, ignore_eos, started_at, target_prompt_tokens, retokenize, what)
+        return finish(raw, ad, ignore_eos, started_at, target_prompt_tokens, retokenize, what)
 
     def _read_stream(
         self, response: httpx.Response, ad: Adapter, t0: float, what: str, deadline: _Deadline
-    ) -> _Raw:
+    ) -> RawResponse:
         _check_content_type(response, "text/event-stream", what, deadline)
         parser = SSEParser()
         has_text = ad.has_text
@@ -502,9 +380,9 @@ class EngineClient:
             raise RequestError(e.kind, f"{what}: {e.detail}", status=e.status) from None
         if deadline.fired:
             raise _timeout(what, deadline.seconds)
-        return _Raw(events=events, ttft=ttft, total=total, saw_done=saw_done, streamed=True)
+        return RawResponse(events=events, ttft=ttft, total=total, saw_done=saw_done, streamed=True)
 
-    def _read_body(self, response: httpx.Response, t0: float, what: str, deadline: _Deadline) -> _Raw:
+    def _read_body(self, response: httpx.Response, t0: float, what: str, deadline: _Deadline) -> RawResponse:
         _check_content_type(response, "application/json", what, deadline)
         try:
             content = response.read()
@@ -517,135 +395,7 @@ class EngineClient:
             obj = json.loads(content)
         except ValueError:
             raise RequestError("protocol", f"{what}: the body is not JSON: {content[:_SNIPPET]!r}") from None
-        return _Raw(events=[obj], ttft=None, total=total, saw_done=False, streamed=False)
-
-
-@dataclass(slots=True)
-class _Raw:
-    events: list[Any]
-    ttft: float | None
-    total: float
-    saw_done: bool
-    streamed: bool
-
-
-def _finish(
-    raw: _Raw,
-    ad: Adapter,
-    ignore_eos: bool,
-    started_at: float,
-    target_prompt_tokens: int,
-    retokenize: Callable[[str], list[int]] | None,
-    what: str,
-) -> Completion:
-    """Merge the events' parts and check them; the order of the checks is the order of the kinds' priority."""
-    text: list[str] = []
-    ids: list[int] = []
-    native = False
-    finish: str | None = None
-    usage: dict[str, Any] | None = None
-    logprobs: list[TopLogprobs] = []
-    have_logprobs = False
-    engine: dict[str, Any] | None = None
-    saw_done = raw.saw_done
-    final_at: int | None = None  # the event that ended a stream without a done marker
-    for n, obj in enumerate(raw.events):
-        if final_at is not None:
-            raise RequestError(
-                "sse", f"{what}: data after the final event (event {final_at}): {json.dumps(obj)[:_SNIPPET]}"
-            )
-        try:
-            p = ad.parse_event(obj)
-        except RequestError as e:
-            raise RequestError(e.kind, f"{what}: {e.detail}", status=e.status) from None
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
-            raise RequestError(
-                "protocol", f"{what}: event {n} has an unexpected shape ({e}): {json.dumps(obj)[:_SNIPPET]}"
-            ) from None
-        if p.cumulative:  # the whole output so far: replaces what earlier events said
-            if p.text:
-                text = [p.text]
-            if p.token_ids is not None:
-                native = True
-                ids = list(p.token_ids)
-            if p.logprobs is not None:
-                have_logprobs = True
-                logprobs = list(p.logprobs)
-        else:
-            if p.text:
-                text.append(p.text)
-            if p.token_ids is not None:
-                native = True
-                ids.extend(p.token_ids)
-            if p.logprobs is not None:
-                have_logprobs = True
-                logprobs.extend(p.logprobs)
-        if p.finish_reason is not None:
-            finish = p.finish_reason
-        if p.usage is not None:
-            usage = p.usage
-        if p.engine is not None:
-            engine = {**engine, **p.engine} if engine else dict(p.engine)
-        if p.final and raw.streamed:  # a body is complete by itself: saw_done speaks of streams only
-            saw_done = True
-            final_at = n
-
-    if raw.streamed and not saw_done:
-        end = "[DONE]" if ad.done_marker == "[DONE]" else (
-            f"data: {ad.done_marker}" if ad.done_marker else "its final event")
-        raise RequestError("no-done", f"{what}: the stream ended after {len(raw.events)} events without {end}")
-    if usage is None:
-        raise RequestError("protocol", f"{what}: the response has no usage (stream_options.include_usage)")
-    prompt_tokens = usage.get("prompt_tokens")
-    completion_tokens = usage.get("completion_tokens")
-    if not isinstance(prompt_tokens, int) or not isinstance(completion_tokens, int):
-        raise RequestError("protocol", f"{what}: usage lacks integer prompt_tokens/completion_tokens: {usage}")
-    if prompt_tokens != target_prompt_tokens:
-        raise RequestError(
-            "usage",
-            f"{what}: the server counted usage.prompt_tokens={prompt_tokens}, the prompt was built to "
-            f"{target_prompt_tokens} tokens (a tokenizer or chat-template mismatch?)",
-        )
-    if ignore_eos:
-        if finish != "length":
-            raise RequestError(
-                "finish-reason", f"{what}: finish_reason={finish!r} with ignore_eos set; expected 'length'"
-            )
-    elif finish not in ("length", "stop"):
-        raise RequestError("finish-reason", f"{what}: finish_reason={finish!r}; expected 'length' or 'stop'")
-    if native and completion_tokens != len(ids):
-        raise RequestError(
-            "protocol",
-            f"{what}: usage.completion_tokens={completion_tokens} but the stream carried {len(ids)} token ids",
-        )
-    if native and have_logprobs and len(logprobs) != len(ids):
-        raise RequestError(
-            "protocol", f"{what}: logprobs for {len(logprobs)} positions but {len(ids)} token ids"
-        )
-    full_text = "".join(text)
-    if raw.streamed and raw.ttft is None:
-        raise RequestError("protocol", f"{what}: no event carried text, so there is no time to first token")
-
-    source: IdsSource = "native"
-    if not native:
-        if retokenize is not None:
-            ids, source = list(retokenize(full_text)), "retokenized"
-        else:
-            source = "none"
-    return Completion(
-        started_at=started_at,
-        ttft_s=raw.ttft,
-        total_s=raw.total,
-        output_ids=ids,
-        ids_source=source,
-        text=full_text,
-        finish_reason=finish,
-        prompt_tokens=prompt_tokens,
-        completion_tokens=completion_tokens,
-        saw_done=saw_done,
-        logprobs=logprobs if have_logprobs and native else None,
-        engine=engine,
-    )
+        return RawResponse(events=[obj], ttft=None, total=total, saw_done=False, streamed=False)
 
 
 # --------------------------------------------------------------------------------------------- helpers

@@ -10,18 +10,8 @@ Contract
   when captured. The first diverging position and its classification (identical / near-tie / divergence /
   margin unknown) follow :mod:`abbench.analysis` exactly (:func:`~abbench.analysis.compare_ids`,
   :data:`~abbench.analysis.NEAR_TIE_NATS`). :func:`format_diff` renders it as plain text.
-* :func:`probe_prompt` is the forced-continuation probe: it feeds an engine the prompt followed by the
-  reference's own ids, one position at a time (prompt + ref[:i] -> 1 token with top-k logprobs, i = 0..N-1;
-  no engine here returns logprobs for echoed prompt tokens in a form all adapters share, so it is step by
-  step), and compares the logprobs the engine gives at each position with the ones the reference captured.
-  It reports the first position where they differ by more than a threshold and the first position where
-  the probed engine, given the reference's history, would choose another token, with both top-2 margins.
-  Because the history is the reference's, a difference can only come from the arm's arithmetic, not from
-  an earlier different token. The caller supplies a running server (``base_url``) or lets
-  :func:`probe_prompt` launch the arm's service as the runner would (:class:`abbench.services.Service`).
-  The service's prefix cache is reset once before the probe and then left alone, so step i reuses the KV
-  of prompt + ref[:i-1] and computes one new position, as in the arm's own decode (``reset_each=True``
-  resets before every step: each step then prefills the whole history).
+* :func:`format_probe` renders a forced-continuation probe (:func:`abbench.runner.probe.probe_prompt`,
+  which launches services and so lives beside the runner). This module reads results only.
 
 Errors are :class:`~abbench.errors.ConfigError` (unknown prompt, arm, round; nothing to compare) or the
 service/request errors of the layers below.
@@ -30,17 +20,17 @@ service/request errors of the layers below.
 from __future__ import annotations
 
 import json
-import math
-import tempfile
 import unicodedata
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from abbench import analysis as an
 from abbench.errors import ConfigError
 from abbench.results import RunRecord, Sample
+
+if TYPE_CHECKING:
+    from abbench.runner.probe import ProbeResult
 
 TopLogprobs = list[tuple[int, float]]
 DEFAULT_PROBE_THRESHOLD = 0.01
@@ -92,11 +82,11 @@ class PromptDiff:
     notes: list[str] = field(default_factory=list)
 
 
-def _usable(s: Sample) -> bool:
+def usable(s: Sample) -> bool:
     return s.ok and s.ids_source != "none"
 
 
-def _pick(samples: list[Sample], round_no: int | None) -> dict[int, Sample]:
+def pick_round(samples: list[Sample], round_no: int | None) -> dict[int, Sample]:
     """Per round, the sample to use: measured before excluded, the last one of a retried step."""
     out: dict[int, Sample] = {}
     for s in sorted(samples, key=lambda x: (not x.excluded, x.step)):  # excluded first, so measured win
@@ -131,15 +121,15 @@ def diff_prompt(record: RunRecord, prompt_id: str, *, arm: str | None = None, ro
         raise ConfigError(f"--arm: run {record.run_id} has no arm {arm!r}; its arms are {', '.join(arms)}")
     if arm == ref:
         raise ConfigError(f"--arm {arm} is the reference arm; name another arm to compare with it")
-    of_prompt = [s for s in record.samples if s.prompt_id == prompt_id and _usable(s)]
-    ref_by = _pick([s for s in of_prompt if s.arm == ref], round)
+    of_prompt = [s for s in record.samples if s.prompt_id == prompt_id and usable(s)]
+    ref_by = pick_round([s for s in of_prompt if s.arm == ref], round)
     if not ref_by:
         where = f" in round {round}" if round is not None else ""
         raise ConfigError(f"the reference arm {ref} has no ok sample with token ids of prompt {prompt_id}{where}")
     candidates = [arm] if arm is not None else [a for a in arms if a != ref]
     best: tuple[int, str, int] | None = None  # (diverges? 0 first, arm order, round)
     for rank, a in enumerate(candidates):
-        arm_by = _pick([s for s in of_prompt if s.arm == a], round)
+        arm_by = pick_round([s for s in of_prompt if s.arm == a], round)
         for r in sorted(set(arm_by) & set(ref_by)):
             _, first, _ = an.compare_ids(arm_by[r].output_ids, ref_by[r].output_ids, 1)
             key = (0 if first is not None else 1, rank, r)
@@ -152,7 +142,7 @@ def diff_prompt(record: RunRecord, prompt_id: str, *, arm: str | None = None, ro
     other = candidates[best[1]]
     r = best[2]
     s_ref = ref_by[r]
-    s_arm = _pick([s for s in of_prompt if s.arm == other], r)[r]
+    s_arm = pick_round([s for s in of_prompt if s.arm == other], r)[r]
     _, first, agree = an.compare_ids(s_arm.output_ids, s_ref.output_ids, 1)
     positions = []
     for i in range(max(len(s_ref.output_ids), len(s_arm.output_ids))):
@@ -174,7 +164,7 @@ def diff_prompt(record: RunRecord, prompt_id: str, *, arm: str | None = None, ro
     return PromptDiff(
         prompt_id=prompt_id, kind=prompts[prompt_id].kind, target_tokens=prompts[prompt_id].target_tokens,
         reference=ref, arm=other, ref_round=r, arm_round=r, first_diverging=first, agree=agree,
-        classification=an._classify(first, margins, near_tie_nats), positions=positions, notes=notes,
+        classification=an.classify(first, margins, near_tie_nats), positions=positions, notes=notes,
     )
 
 
@@ -253,169 +243,6 @@ def format_diff(d: PromptDiff, *, tokenizer: Any = None, context: int | None = N
 # ------------------------------------------------------------------------------------------------ probe
 
 
-@dataclass(frozen=True)
-class ProbeStep:
-    index: int
-    ref_id: int
-    ref_top: TopLogprobs | None  # what the reference captured at this position in its own run
-    probe_id: int  # what the probed engine chooses, given prompt + ref[:index]
-    probe_top: TopLogprobs | None
-    delta: float | None  # max |logprob difference| over the ids both top lists hold; inf: none in common
-
-    @property
-    def same(self) -> bool:
-        return self.ref_id == self.probe_id
-
-    @property
-    def probe_margin(self) -> float | None:
-        return Side(None, None, self.probe_top).margin
-
-    @property
-    def ref_margin(self) -> float | None:
-        return Side(None, None, self.ref_top).margin
-
-
-@dataclass
-class ProbeResult:
-    prompt_id: str
-    arm: str
-    reference: str
-    ref_round: int
-    base_url: str
-    threshold: float
-    steps: list[ProbeStep]
-    free_run_divergence: int | None  # where the arm's own free-running output left the reference's (if known)
-    free_run_arm_id: int | None
-    reset_each: bool
-
-    @property
-    def first_over_threshold(self) -> ProbeStep | None:
-        return next((s for s in self.steps if s.delta is not None and s.delta > self.threshold), None)
-
-    @property
-    def first_choice_change(self) -> ProbeStep | None:
-        return next((s for s in self.steps if not s.same), None)
-
-
-def logprob_delta(a: TopLogprobs | None, b: TopLogprobs | None) -> float | None:
-    """Max |logprob(a) - logprob(b)| over the ids both lists hold (inf when they share none, None when
-    either is missing)."""
-    if not a or not b:
-        return None
-    da, db = dict(a), dict(b)
-    common = set(da) & set(db)
-    if not common:
-        return math.inf
-    return max(abs(da[i] - db[i]) for i in common)
-
-
-def _arm_launch(profile: Any, arm_name: str) -> tuple[list[str] | None, dict[str, str], str | None]:
-    """argv, env and base_url of an arm's service, as the runner builds them."""
-    eng = profile.engine
-    arm = profile.arm(arm_name)  # shared services: every arm of one service launches it the same way
-    base_url = arm.base_url or (None if arm.command else eng.base_url)
-    argv = list(arm.command) if arm.command else (list(eng.command) + list(arm.args) if eng.command else None)
-    return argv, {**eng.env, **arm.env}, base_url
-
-
-def probe_prompt(
-    record: RunRecord,
-    prompt_id: str,
-    arm: str,
-    *,
-    base_url: str | None = None,
-    round: int | None = None,
-    positions: int | None = None,
-    threshold: float = DEFAULT_PROBE_THRESHOLD,
-    reset_each: bool = False,
-    progress: Callable[[int, int], None] | None = None,
-) -> ProbeResult:
-    """Forced-continuation probe of ``arm`` on ``prompt_id`` against the reference's own output (module
-    docstring). ``base_url``: a server already running the arm's configuration; None launches the arm's
-    service from the recorded profile and stops it afterwards. ``positions``: probe only the first N."""
-    from abbench.client import EngineClient
-    from abbench.profile import RequestSpec, profile_from_dict
-    from abbench.runner import prepare
-    from abbench.services import Service
-
-    profile = profile_from_dict(record.profile, where=f"run {record.run_id} profile")
-    names = [a.name for a in profile.arms]
-    if arm not in names:
-        raise ConfigError(f"--arm: run {record.run_id} has no arm {arm!r}; its arms are {', '.join(names)}")
-    ref = profile.reference_arm
-    ref_samples = _pick([s for s in record.samples if s.prompt_id == prompt_id and s.arm == ref and _usable(s)],
-                        round)
-    if prompt_id not in {p.id for p in record.prompts}:
-        raise ConfigError(f"--prompt: run {record.run_id} has no prompt {prompt_id!r}; its prompts are "
-                          f"{', '.join(p.id for p in record.prompts)}")
-    if not ref_samples:
-        raise ConfigError(f"the reference arm {ref} has no ok sample with token ids of prompt {prompt_id}")
-    r = min(ref_samples)
-    s_ref = ref_samples[r]
-    if not s_ref.logprobs:
-        raise ConfigError(f"the reference's sample of {prompt_id} captured no logprobs (request.logprobs): "
-                          "nothing to compare the probe with")
-    free_first = free_id = None
-    arm_sample = _pick([s for s in record.samples if s.prompt_id == prompt_id and s.arm == arm and _usable(s)], r)
-    if r in arm_sample:
-        _, free_first, _ = an.compare_ids(arm_sample[r].output_ids, s_ref.output_ids, 1)
-        if free_first is not None and free_first < len(arm_sample[r].output_ids):
-            free_id = arm_sample[r].output_ids[free_first]
-
-    tok, built = prepare(profile)
-    prompt = next(b for b in built if b.record.id == prompt_id)
-    recorded = next(p for p in record.prompts if p.id == prompt_id)
-    if prompt.record.sha256 != recorded.sha256:
-        raise ConfigError(f"prompt {prompt_id} rebuilt now differs from the run's (sha256 {prompt.record.sha256[:12]} "
-                          f"vs {recorded.sha256[:12]}): tokenizer or corpus changed")
-    prompt_ids = list(tok.encode(prompt.text, add_special_tokens=True))
-    ref_ids = list(s_ref.output_ids)
-    n = len(ref_ids) if positions is None else min(positions, len(ref_ids))
-    k = max(2, profile.request.logprobs or 2)
-    request = RequestSpec(max_tokens=1, temperature=0.0, ignore_eos=True, logprobs=k, stream=False,
-                          timeout_s=profile.request.timeout_s, extra=dict(profile.request.extra))
-    extra = dict(profile.arm(arm).request)
-
-    argv, env, attach = _arm_launch(profile, arm)
-    svc: Service | None = None
-    steps: list[ProbeStep] = []
-    with EngineClient() as client:
-        try:
-            if base_url is None:
-                if attach:
-                    base_url = attach
-                else:
-                    if not argv:
-                        raise ConfigError(f"arm {arm} has no command to launch; pass --base-url")
-                    log_dir = Path(tempfile.mkdtemp(prefix="abbench-probe-"))
-                    svc = Service.launch(f"probe-{arm}", argv, env=env, log_path=log_dir / f"{arm}.log",
-                                         health_path=profile.engine.health_path,
-                                         health_timeout_s=profile.engine.health_timeout_s,
-                                         stop_timeout_s=profile.engine.stop_timeout_s, health_check=client.health,
-                                         profile_dir=Path(profile.source_path).parent if profile.source_path else None,
-                                         arms=[arm])
-                    base_url = svc.base_url
-            reset = profile.engine.reset_path
-            for i in range(n):
-                if reset and (i == 0 or reset_each):
-                    client.reset(base_url, reset)
-                history = prompt_ids + ref_ids[:i]
-                c = client.complete(base_url, history, request=request, extra=extra,
-                                    target_prompt_tokens=len(history), model=profile.engine.model,
-                                    adapter=profile.engine.adapter)
-                top = c.logprobs[0] if c.logprobs else None
-                ref_top = [(int(t), float(v)) for t, v in s_ref.logprobs[i]] if i < len(s_ref.logprobs) else None
-                steps.append(ProbeStep(i, ref_ids[i], ref_top, c.output_ids[0], top, logprob_delta(top, ref_top)))
-                if progress is not None:
-                    progress(i + 1, n)
-        finally:
-            if svc is not None:
-                svc.stop()
-    return ProbeResult(prompt_id=prompt_id, arm=arm, reference=ref, ref_round=r, base_url=base_url or "",
-                       threshold=threshold, steps=steps, free_run_divergence=free_first, free_run_arm_id=free_id,
-                       reset_each=reset_each)
-
-
 def format_probe(p: ProbeResult, *, tokenizer: Any = None) -> str:
     """Plain-text rendering of a probe: the verdict lines, then one row per probed position."""
     cache = "reset before every step" if p.reset_each else "prefix cache kept between steps"
@@ -431,7 +258,7 @@ def format_probe(p: ProbeResult, *, tokenizer: Any = None) -> str:
     if change is None:
         lines.append(f"{p.arm} chooses the reference's token at every probed position")
     else:
-        cls = an._classify(change.index, [change.probe_margin, change.ref_margin], an.NEAR_TIE_NATS)
+        cls = an.classify(change.index, [change.probe_margin, change.ref_margin], an.NEAR_TIE_NATS)
         lines.append(
             f"first position where {p.arm}, given the reference's history, chooses another token: {change.index} "
             f"({p.arm} {change.probe_id} {_fmt_text(_decode(tokenizer, change.probe_id), 30)} vs {p.reference} "

@@ -11,8 +11,7 @@ Contract
   one from a fingerprint, :func:`comparable` lists the key fields of two fingerprints that differ
   (``[]`` = comparable) and :func:`differences` says how, so two runs are never compared silently.
 
-The NVML session is :mod:`abbench.telemetry`'s; it is imported when a fingerprint is taken (telemetry
-re-exports this module's public names, so the import is not at module level).
+GPUs are read through :mod:`abbench.nvml` (the NVML session shared with :mod:`abbench.telemetry`).
 """
 
 from __future__ import annotations
@@ -29,6 +28,8 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+
+from abbench import nvml
 
 __all__ = [
     "ENV_VARS",
@@ -136,14 +137,12 @@ def _cuda_version_str(v: int) -> str:
 
 
 def _nvml_fingerprint() -> dict[str, Any]:
-    from abbench import telemetry
-
     fp: dict[str, Any] = {"driver_version": None, "cuda_driver_version": None, "gpus": []}
-    m = telemetry._nvml()
-    fp["nvml"] = {"available": m is not None, "reason": telemetry._NVML.reason}
+    m = nvml.module()
+    fp["nvml"] = {"available": m is not None, "reason": nvml.SESSION.reason}
     if m is None:
         return fp
-    errs = telemetry._nvml_errors()
+    errs = nvml.errors()
 
     def get(fn: str, *args: Any) -> Any:
         try:
@@ -156,7 +155,7 @@ def _nvml_fingerprint() -> dict[str, Any]:
     cuda = get("nvmlSystemGetCudaDriverVersion")
     fp["cuda_driver_version"] = _cuda_version_str(int(cuda)) if cuda else None
     fp["nvml"]["version"] = get("nvmlSystemGetNVMLVersion")
-    for i in telemetry._device_indices(None):
+    for i in nvml.device_indices(None):
         h = get("nvmlDeviceGetHandleByIndex", i)
         if h is None:
             fp["gpus"].append({"index": i, "error": "no handle"})

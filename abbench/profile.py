@@ -9,11 +9,15 @@ records.
 Errors name the file, the field (dotted path) and what is allowed: they are raised as
 :class:`abbench.errors.ConfigError`. Placeholders in commands: ``{python}`` (this interpreter), ``{port}``
 (a free loopback port chosen per service), ``{profile_dir}`` (the profile file's folder).
+
+:meth:`Profile.launch_spec` is the one rule that turns an arm into its service (argv, env, base URL to attach
+to, profile folder): the runner, ``abbench probe`` and the launch-command checks all call it.
 """
 
 from __future__ import annotations
 
 import tomllib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -25,6 +29,18 @@ PROFILES_DIR = Path(__file__).resolve().parent.parent / "profiles"
 DEFAULT_PROFILE = "cpu-tiny"
 
 PositiveInt = Annotated[int, Field(gt=0)]
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """How to reach one service: launch ``argv`` with ``env``, or attach to ``base_url`` (then ``argv`` is
+    None). ``source`` names the profile field the command comes from (for error messages)."""
+
+    argv: list[str] | None
+    env: dict[str, str]
+    base_url: str | None
+    source: str
+    profile_dir: Path | None
 
 
 class _Model(BaseModel):
@@ -246,6 +262,42 @@ class Profile(_Model):
             if a.name == name:
                 return a
         raise KeyError(name)
+
+    @property
+    def profile_dir(self) -> Path | None:
+        """The folder of the profile file (relative paths in a profile are relative to it)."""
+        return Path(self.source_path).parent if self.source_path else None
+
+    def launch_spec(self, arm: str | None = None) -> LaunchSpec:
+        """The service that serves ``arm`` (None: the engine's own ``command``/``base_url``). An arm's
+        ``base_url`` wins, then its own ``command``, then ``engine.command`` + the arm's ``args`` (or
+        ``engine.base_url`` when the arm has no command). The env is ``engine.env`` updated with the arm's.
+        With ``engine.shared_service`` the arms of one service launch it the same way (validated), so any
+        of them gives its spec."""
+        eng = self.engine
+        if arm is None:
+            argv = list(eng.command) if eng.command else None
+            return LaunchSpec(argv=None if eng.base_url else argv, env=dict(eng.env), base_url=eng.base_url or None,
+                              source="engine.command", profile_dir=self.profile_dir)
+        a, i = self.arm(arm), [x.name for x in self.arms].index(arm)
+        base_url = a.base_url or (None if a.command else eng.base_url)
+        argv = list(a.command) if a.command else (list(eng.command) + list(a.args) if eng.command else None)
+        if eng.shared_service:
+            service = a.service or "shared"
+            source = (f"arms[{i}].command (service {service})" if a.command else
+                      "engine.command" if not a.args else f"engine.command + args of service {service}")
+        else:
+            source = (f"arms[{i}].command (arm {a.name})" if a.command else
+                      f"engine.command + arms[{i}].args (arm {a.name})")
+        return LaunchSpec(argv=None if base_url else argv, env={**eng.env, **a.env}, base_url=base_url or None,
+                          source=source, profile_dir=self.profile_dir)
+
+    def launch_specs(self) -> list[LaunchSpec]:
+        """Every distinct service spec of this profile: one per shared service (its first arm's), else one
+        per arm."""
+        if self.engine.shared_service:
+            return [self.launch_spec(arms[0].name) for arms in self.service_groups().values()]
+        return [self.launch_spec(a.name) for a in self.arms]
 
     def with_overrides(
         self, *, arms: list[str] | None = None, rounds: int | None = None, lengths: list[int] | None = None

@@ -10,13 +10,58 @@ Contract
 * :func:`metrics_delta` gives counter deltas between two scrapes (``after - before`` per key; a key only
   in ``after`` counts from 0, ``*_created`` timestamps are skipped).
 
-Pure functions of text and dicts: no I/O, no state. The runner scrapes (``EngineClient.metrics_text``);
-:func:`abbench.adapters.engine_counters` maps the result to the report's common keys.
+* :data:`ENGINE_COUNTERS` names, per adapter, the engine's counters behind the report's common keys
+  (``prompt_tokens``, ``cached_prompt_tokens``, ...); :func:`common_counters` reads them from a parsed
+  scrape or a delta. The adapters (:mod:`abbench.adapters`) and the analysis share this table, so the
+  analysis reads recorded scrapes without importing the wire formats.
+
+Pure functions of text and dicts: no I/O, no state. The runner scrapes (``EngineClient.metrics_text``).
 """
 
 from __future__ import annotations
 
-__all__ = ["metrics_delta", "parse_prometheus"]
+from collections.abc import Mapping
+from types import MappingProxyType
+
+__all__ = ["ENGINE_COUNTERS", "common_counters", "metrics_delta", "parse_prometheus"]
+
+Counters = Mapping[str, tuple[str, ...]]
+"""Common key -> the engine's metric names for it, first present wins."""
+
+ENGINE_COUNTERS: Mapping[str, Counters] = MappingProxyType({
+    "openai": MappingProxyType({
+        "prompt_tokens": ("abbench_engine_prompt_tokens_total",),
+        "cached_prompt_tokens": ("abbench_engine_cached_prompt_tokens_total",),
+    }),
+    "vllm": MappingProxyType({
+        "prompt_tokens": ("vllm:prompt_tokens_total",),
+        "cached_prompt_tokens": ("vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total"),
+        "prefix_cache_queries": ("vllm:prefix_cache_queries_total", "vllm:gpu_prefix_cache_queries_total"),
+    }),
+    "sglang": MappingProxyType({
+        "prompt_tokens": ("sglang:prompt_tokens_total",),
+        "cached_prompt_tokens": ("sglang:cached_tokens_total",),
+    }),
+    "llamacpp": MappingProxyType({
+        "prompt_tokens": ("llamacpp:prompt_tokens_total",),
+    }),
+})
+
+
+def common_counters(counters: Counters, metrics: Mapping[str, float] | None) -> dict[str, float]:
+    """``counters`` (an entry of :data:`ENGINE_COUNTERS`) read from parsed Prometheus text (or a
+    :func:`metrics_delta`): each key's value is the sum over the label sets of the first of its metric names
+    that is present; keys the engine does not expose are left out."""
+    out: dict[str, float] = {}
+    if not metrics:
+        return out
+    for key, names in counters.items():
+        for name in names:
+            values = [v for k, v in metrics.items() if k == name or k.startswith(name + "{")]
+            if values:
+                out[key] = float(sum(values))
+                break
+    return out
 
 
 def _escape_label(v: str) -> str:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Iterator, Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -302,7 +302,3 @@ def load_run(run: str | Path, results_root: Path | None = None) -> tuple[RunReco
         record.samples = jsonl
     return record, problems
 
-
-def iter_measured(samples: list[Sample]) -> Iterator[Sample]:
-    """Samples that count: not excluded by the pre-registered rule."""
-    return (s for s in samples if not s.excluded)

@@ -60,7 +60,6 @@ from abbench.results import ServiceRecord
 
 log = logging.getLogger(__name__)
 
-PLACEHOLDERS = ("{python}", "{port}", "{profile_dir}")
 POLL_FIRST_S = 0.1
 POLL_MAX_S = 0.25
 HEALTH_REQUEST_TIMEOUT_S = 1.0

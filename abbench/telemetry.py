@@ -1,4 +1,4 @@
-"""NVML and host telemetry: the NVML session, the sampler, GPU idleness and snapshots, process-tree RSS.
+"""Service telemetry: the monitor that samples one service's GPU memory, PCIe and host RSS, process-tree RSS.
 
 Contract
 --------
@@ -6,8 +6,7 @@ Telemetry never stops a run. Without NVML (no driver, no GPU, no ``pynvml``) :fu
 False, one warning says so, every GPU field is ``None`` and host figures still work. NVML errors during a
 run (``NVMLError`` of any kind) turn the affected field into ``None`` and are logged once.
 
-* **NVML session**: ``nvmlInit`` once per process (lazily, thread-safe), ``nvmlShutdown`` at exit.
-* :class:`Sampler` (background threads, a context manager) samples one service (root pid + key) every
+* :class:`ServiceMonitor` (background threads, a context manager) samples one service (root pid + key) every
   ``interval_s`` (default 0.2 s) into :class:`~abbench.results.MemoryPoint` s:
 
   - ``gpu_mem_used``: ``nvmlDeviceGetMemoryInfo(h).used`` summed over the sampled devices (whole GPUs:
@@ -25,7 +24,7 @@ run (``NVMLError`` of any kind) turn the affected field into ``None`` and are lo
   sees; :func:`devices_for_env` maps a service's ``CUDA_VISIBLE_DEVICES`` to NVML indices so a run on a
   shared multi-GPU host only counts the service's GPUs. Fields are sums over those devices.
 
-* **Per-request windows**: ``m = sampler.mark()`` just before a request and ``sampler.window(m)`` just after
+* **Per-request windows**: ``m = monitor.mark()`` just before a request and ``monitor.window(m)`` just after
   it return a dict that fits :class:`~abbench.results.Telemetry` (``nvml_pcie_rx_bytes``,
   ``gpu_mem_used_peak``, ``proc_gpu_mem_peak``, ``host_rss_peak``). Peaks are over the memory samples
   taken inside the window plus one taken synchronously when ``window`` is called (so a short request has
@@ -51,19 +50,16 @@ run (``NVMLError`` of any kind) turn the affected field into ``None`` and are lo
 * :func:`gpu_idle` is ``None`` without NVML; otherwise True when no compute process runs on the sampled
   GPUs and each one's used memory is below ``threshold_bytes``.
 
-Prometheus parsing (:func:`parse_prometheus`, :func:`metrics_delta`) lives in :mod:`abbench.prometheus`
-and the environment fingerprint (:func:`environment_fingerprint`, :func:`git_state`, :data:`KEY_FIELDS`,
-:func:`key_value`, :func:`comparable`, :func:`differences`) in :mod:`abbench.fingerprint`; both are
-re-exported here for existing imports.
+The NVML session, device selection and GPU idleness live in :mod:`abbench.nvml` (re-exported here:
+:func:`nvml_available`, :func:`devices_for_env`, :func:`gpu_snapshot`, :func:`gpu_idle`); Prometheus parsing in
+:mod:`abbench.prometheus`; the environment fingerprint in :mod:`abbench.fingerprint`.
 """
 
 from __future__ import annotations
 
-import atexit
 import bisect
 import logging
 import math
-import os
 import threading
 import time
 from dataclasses import dataclass
@@ -71,19 +67,14 @@ from typing import Any, Protocol
 
 import psutil
 
-# Moved to their own modules; re-exported so ``from abbench.telemetry import ...`` keeps working.
-from abbench.fingerprint import (  # noqa: F401
-    ENV_VARS,
-    FINGERPRINT_VERSION,
-    KEY_FIELDS,
-    PACKAGES,
-    comparable,
-    differences,
-    environment_fingerprint,
-    git_state,
-    key_value,
+from abbench import nvml
+from abbench.nvml import (  # noqa: F401 - part of this module's API (the monitor's device selection)
+    devices_for_env,
+    gpu_idle,
+    gpu_snapshot,
+    nvml_available,
+    nvml_unavailable_reason,
 )
-from abbench.prometheus import metrics_delta, parse_prometheus  # noqa: F401
 from abbench.results import MemoryPoint
 
 log = logging.getLogger(__name__)
@@ -92,142 +83,10 @@ DEFAULT_INTERVAL_S = 0.2
 PCIE_COUNTER_WINDOW_S = 0.020
 PCIE_KB = 1024
 FAST_PCIE_MIN_GAP_S = 0.0005
-GPU_IDLE_THRESHOLD_BYTES = 2 * 1024**3
 _PCIE_KEEP_S = 120.0
 
-# ================================================================================================= NVML
-
-
-class _NvmlSession:
-    """``nvmlInit`` once; remembers why NVML is unavailable."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.ok: bool | None = None
-        self.reason: str | None = None
-        self.module: Any = None
-
-    def ensure(self) -> bool:
-        if self.ok is not None:
-            return self.ok
-        with self._lock:
-            if self.ok is None:
-                try:
-                    import pynvml
-
-                    pynvml.nvmlInit()
-                    self.module = pynvml
-                    self.ok = True
-                    atexit.register(self._shutdown)
-                except ImportError:
-                    self.reason = "nvidia-ml-py (module pynvml) is not installed"
-                    self.ok = False
-                except Exception as e:  # noqa: BLE001 - NVMLError_LibraryNotFound, DriverNotLoaded, OSError
-                    self.reason = f"NVML could not be initialised ({type(e).__name__}: {e})"
-                    self.ok = False
-                if not self.ok:
-                    log.warning("NVML not available: %s; GPU telemetry will be empty (None)", self.reason)
-        return bool(self.ok)
-
-    def _shutdown(self) -> None:
-        try:
-            self.module.nvmlShutdown()
-        except Exception:  # noqa: BLE001
-            pass
-
-
-_NVML = _NvmlSession()
-
-
-def nvml_available() -> bool:
-    """True when NVML initialised (done once, lazily)."""
-    return _NVML.ensure()
-
-
-def nvml_unavailable_reason() -> str | None:
-    """Why NVML is not available (None when it is, or before the first check)."""
-    _NVML.ensure()
-    return _NVML.reason
-
-
-def _nvml() -> Any:
-    """The initialised ``pynvml`` module, or None."""
-    return _NVML.module if _NVML.ensure() else None
-
-
-def _nvml_errors() -> tuple[type[BaseException], ...]:
-    m = _NVML.module
-    return (m.NVMLError, OSError) if m is not None else (OSError,)
-
-
-def _err_code(e: BaseException) -> int | None:
-    return getattr(e, "value", None)
-
-
-def _device_indices(devices: list[int] | None) -> list[int]:
-    m = _nvml()
-    if m is None:
-        return []
-    try:
-        count = int(m.nvmlDeviceGetCount())
-    except _nvml_errors() as e:
-        log.warning("nvmlDeviceGetCount failed: %s", e)
-        return []
-    if devices is None:
-        return list(range(count))
-    bad = [d for d in devices if not 0 <= d < count]
-    if bad:
-        log.warning("NVML sees %d GPU(s); ignoring device indices %s", count, bad)
-    return [d for d in devices if 0 <= d < count]
-
-
-def devices_for_env(env: dict[str, str] | None = None) -> list[int] | None:
-    """NVML indices of the GPUs a service may use, from ``CUDA_VISIBLE_DEVICES`` in ``env`` (falling back
-    to ``os.environ``). None = all (unset, or entries abbench cannot map, such as MIG instances).
-
-    Integer entries are taken as NVML indices, which match CUDA's only with ``CUDA_DEVICE_ORDER=PCI_BUS_ID``
-    (NVML enumerates by PCI bus id); ``GPU-...`` UUID entries (or their prefixes) are matched exactly."""
-    value = (env or {}).get("CUDA_VISIBLE_DEVICES", os.environ.get("CUDA_VISIBLE_DEVICES"))
-    if value is None or value.strip() == "":
-        return None if value is None else []
-    m = _nvml()
-    out: list[int] = []
-    for item in (x.strip() for x in value.split(",")):
-        if not item:
-            continue
-        if item.lstrip("-").isdigit():
-            if int(item) < 0:
-                break  # CUDA stops at the first invalid entry
-            out.append(int(item))
-            continue
-        if item.startswith("MIG-") or m is None:
-            return None
-        found = None
-        for i in _device_indices(None):
-            try:
-                uuid = str(m.nvmlDeviceGetUUID(m.nvmlDeviceGetHandleByIndex(i)))
-            except _nvml_errors():
-                continue
-            if uuid.startswith(item):
-                found = i
-                break
-        if found is None:
-            return None
-        out.append(found)
-    return out
-
-
-def _compute_processes(m: Any, handle: Any) -> list[Any]:
-    try:
-        return list(m.nvmlDeviceGetComputeRunningProcesses(handle))  # _v3 in nvidia-ml-py >= 11.515
-    except m.NVMLError as e:
-        if _err_code(e) != m.NVML_ERROR_FUNCTION_NOT_FOUND:
-            raise
-        return list(m.nvmlDeviceGetComputeRunningProcesses_v2(handle))  # older drivers
-
-
 class GpuSource(Protocol):
-    """What :class:`Sampler` reads from the GPUs; :class:`NvmlSource` is the real one (tests use fakes).
+    """What :class:`ServiceMonitor` reads from the GPUs; :class:`NvmlSource` is the real one (tests use fakes).
     Every method returns None when the value cannot be read."""
 
     def devices(self) -> list[int]: ...
@@ -245,10 +104,10 @@ class NvmlSource:
     """:class:`GpuSource` over NVML for the given NVML device indices (None = all)."""
 
     def __init__(self, devices: list[int] | None = None) -> None:
-        self._m = _nvml()
+        self._m = nvml.module()
         if self._m is None:
-            raise RuntimeError(f"NVML is not available: {_NVML.reason}")
-        self._handles = {i: self._m.nvmlDeviceGetHandleByIndex(i) for i in _device_indices(devices)}
+            raise RuntimeError(f"NVML is not available: {nvml.SESSION.reason}")
+        self._handles = {i: self._m.nvmlDeviceGetHandleByIndex(i) for i in nvml.device_indices(devices)}
         self._broken: set[str] = set()
         self._lock = threading.Lock()
 
@@ -267,7 +126,7 @@ class NvmlSource:
             return None
         try:
             return sum(int(self._m.nvmlDeviceGetMemoryInfo(h).used) for h in self._handles.values())
-        except _nvml_errors() as e:
+        except nvml.errors() as e:
             self._fail("memory", e)
             return None
 
@@ -277,10 +136,10 @@ class NvmlSource:
         out: list[tuple[int, int | None]] = []
         try:
             for h in self._handles.values():
-                for p in _compute_processes(self._m, h):
+                for p in nvml.compute_processes(self._m, h):
                     used = p.usedGpuMemory
                     out.append((int(p.pid), int(used) if used is not None else None))
-        except _nvml_errors() as e:
+        except nvml.errors() as e:
             self._fail("processes", e)
             return None
         return out
@@ -291,7 +150,7 @@ class NvmlSource:
             return None
         try:
             kb_s = self._m.nvmlDeviceGetPcieThroughput(self._handles[device], counter)
-        except _nvml_errors() as e:
+        except nvml.errors() as e:
             self._fail(key, e)
             return None
         return float(kb_s) * PCIE_KB
@@ -301,37 +160,6 @@ class NvmlSource:
 
     def pcie_tx(self, device: int) -> float | None:
         return self._pcie(device, self._m.NVML_PCIE_UTIL_TX_BYTES, "PCIe TX throughput")
-
-
-def gpu_snapshot(devices: list[int] | None = None) -> list[dict[str, Any]] | None:
-    """Per GPU: index, name, memory used/total and compute processes ``[(pid, bytes|None)]``. None
-    without NVML. For messages such as "GPU 0 is not idle: pid 123 holds 40 GiB"."""
-    m = _nvml()
-    if m is None:
-        return None
-    out: list[dict[str, Any]] = []
-    for i in _device_indices(devices):
-        d: dict[str, Any] = {"index": i}
-        try:
-            h = m.nvmlDeviceGetHandleByIndex(i)
-            d["name"] = str(m.nvmlDeviceGetName(h))
-            mem = m.nvmlDeviceGetMemoryInfo(h)
-            d["memory_used"], d["memory_total"] = int(mem.used), int(mem.total)
-            d["processes"] = [(int(p.pid), p.usedGpuMemory) for p in _compute_processes(m, h)]
-        except _nvml_errors() as e:
-            d["error"] = str(e)
-        out.append(d)
-    return out
-
-
-def gpu_idle(threshold_bytes: int = GPU_IDLE_THRESHOLD_BYTES, devices: list[int] | None = None) -> bool | None:
-    """None without NVML (or when NVML cannot answer); else True when no compute process runs on the GPUs
-    and each GPU's used memory is below ``threshold_bytes`` (the driver reserves some memory even when
-    idle, hence a threshold rather than zero)."""
-    snap = gpu_snapshot(devices)
-    if snap is None or not snap or any("error" in d for d in snap):
-        return None
-    return all(not d["processes"] and d["memory_used"] < threshold_bytes for d in snap)
 
 
 # ============================================================================================== sampling
@@ -400,7 +228,7 @@ def tree_rss(procs: list[psutil.Process]) -> int | None:
     return total if seen else None
 
 
-class Sampler:
+class ServiceMonitor:
     """Background sampling of one service; see the module docstring for what and how accurately.
 
     ``gpu="auto"`` reads NVML when it is available (else GPU fields are None); pass a :class:`GpuSource`
@@ -442,7 +270,7 @@ class Sampler:
 
     # -- lifecycle --------------------------------------------------------------------------------
 
-    def start(self) -> Sampler:
+    def start(self) -> ServiceMonitor:
         if self._threads:
             return self
         self._stop.clear()
@@ -465,7 +293,7 @@ class Sampler:
             t.join(timeout=max(2.0, 3 * self.interval_s))
         self._threads = []
 
-    def __enter__(self) -> Sampler:
+    def __enter__(self) -> ServiceMonitor:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
@@ -645,3 +473,7 @@ class Sampler:
             "proc_gpu_mem_peak": peak([s.proc_gpu_mem for s in mem]),
             "host_rss_peak": peak([s.host_rss for s in mem]),
         }
+
+
+Sampler = ServiceMonitor
+"""The former name, kept importable."""

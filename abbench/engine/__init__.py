@@ -13,9 +13,12 @@ only in how often the expert bank crosses PCIe:
 The same code runs on CPU (tests, CI) and CUDA. Modules: ``config`` (ModelConfig, PRESETS, EngineConfig;
 no torch), ``weights`` (random init and HF safetensors loading), ``experts`` (bank, buffers, slot cache,
 byte accounting), ``model`` (the decoder), ``hybrid`` and ``gdn`` (the Qwen3.5/3.6-MoE Gated DeltaNet hybrid
-and its delta-rule math), ``factory`` (the right model and cache for a config), ``prefill``, ``decode``,
-``runtime`` (``Engine``, the API the HTTP server calls), ``gpucheck_hybrid`` (a device self-check). It imports
-nothing from the rest of abbench.
+and its delta-rule math), ``factory`` (the right model and cache for a config), ``prefill``, ``decode``
+(static-shape steps, CUDA graphs), ``runtime`` (``Engine``, the API the HTTP server calls), ``gpucheck`` and
+``gpucheck_hybrid`` (device self-checks at full width); the HTTP server is ``api`` (request schema, errors,
+response pieces), ``serving`` (the FIFO worker queue, metrics) and ``server`` (routes, the command line);
+``stats`` (no torch) is the per-request ``abbench`` object, which the harness reads too. It imports nothing
+from the rest of abbench.
 
 ``Engine`` is imported lazily so that ``abbench.engine.config`` works without torch.
 """

@@ -1,0 +1,299 @@
+"""The gate: a list of check functions, each ``(GateInput) -> CheckResult``, that :func:`gate` runs in order.
+
+A check reads the record (and the frames the gate computed from it once: completeness, parity rows,
+active-path rows) and returns its verdict line, the failures that name prompt, arm, round and position, and
+the notes a reader should know. :data:`CHECKS` is the list the gate runs: declared checks plug in here.
+
+Gate rules (:func:`gate`)
+-------------------------
+The gate passes only when every check passes; it never passes on missing data.
+
+* ``run-complete``: ``status`` is "complete" (a partial or still-running run fails).
+* ``samples``: the plan has measured steps and at least one ok sample; every measured planned step has a
+  sample (a missing step always fails), no sample contradicts the plan (a step index that is not planned,
+  or planned for another arm or prompt), and at most ``gate.max_failed_samples`` steps have only failed
+  samples.
+* ``reference``: the reference arm has ok measured samples.
+* ``token-ids``: no measured ok sample has ``ids_source`` 'none'.
+* ``parity``: every non-reference sample equals the reference over the first K ids, and every prompt has
+  a reference sample to compare with.
+* ``reference-stable``: the reference's first K ids are equal across rounds.
+* ``active-path`` (when ``gate.require_active_path``): for an arm with ``expect_path``, each measured ok
+  sample must report that path, or another path *with* the engine's ``fallback_reason`` where either the
+  prompt was *ineligible* (the engine reports ``n_chunks`` <= 1: one chunk, where a multi-chunk path and
+  chunked prefill are the same loop, so the fallback is legitimate) or the arm is in
+  ``gate.allow_fallback``. A path that differs without a reason (silent fallback) or no reported path at all
+  fails whatever allow_fallback says; so does a fallback on an eligible (or unknown-eligibility) prompt of
+  an arm not in allow_fallback. And each such arm must show its path at least once: an arm whose every
+  sample fell back proved nothing, allowed or not. Allowed fallbacks are listed in the verdict's notes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import numpy as np
+import pandas as pd
+
+from abbench.analysis.frames import (
+    Completeness,
+    completeness,
+    expected_paths,
+    gate_spec,
+    is_missing,
+    is_value,
+    measured_ok,
+    reference_arm,
+    where,
+)
+from abbench.analysis.parity import parity_frame, parity_tokens_of
+from abbench.analysis.paths import active_path_samples
+from abbench.profile import GateSpec
+from abbench.results import RunRecord, Sample
+
+
+class Check(NamedTuple):
+    """One line of the verdict."""
+
+    name: str
+    passed: bool
+    detail: str
+
+
+@dataclass
+class CheckResult:
+    """What one check found: its verdict line, the failures (each names where) and the notes."""
+
+    name: str
+    passed: bool
+    detail: str
+    failures: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def check(self) -> Check:
+        return Check(self.name, self.passed, self.detail)
+
+
+@dataclass
+class GateVerdict:
+    """The gate's verdict. ``failures`` name prompt, arm, round and position (and the token position for
+    parity); ``notes`` are things that passed but a reader should know (allowed fallbacks, tolerated
+    failures, retokenized ids)."""
+
+    passed: bool
+    checks: list[Check]
+    failures: list[str]
+    parity_tokens: int
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class GateInput:
+    """The record and what the gate derives from it once, for every check."""
+
+    record: RunRecord
+    parity_tokens: int
+    spec: GateSpec
+    reference: str | None
+    completeness: Completeness
+    parity: pd.DataFrame
+    paths: pd.DataFrame
+    ok_samples: list[Sample]
+
+    @classmethod
+    def of(cls, record: RunRecord, k: int, comp: Completeness | None = None, parity: pd.DataFrame | None = None,
+           paths: pd.DataFrame | None = None) -> GateInput:
+        return cls(record=record, parity_tokens=k, spec=gate_spec(record), reference=reference_arm(record),
+                   completeness=completeness(record) if comp is None else comp,
+                   parity=parity_frame(record, parity_tokens=k) if parity is None else parity,
+                   paths=active_path_samples(record) if paths is None else paths,
+                   ok_samples=measured_ok(record))
+
+
+def _flags(values: Any, value: bool) -> np.ndarray:
+    """Per value: a known boolean equal to ``value`` (NA and None are neither)."""
+    return np.array([is_value(v, value) for v in values], dtype=bool)
+
+
+def _fmt_margin(m: Any) -> str:
+    return "n/a" if is_missing(m) else f"{float(m):.3f}"
+
+
+def _parity_failure(r: Any, ref: str | None) -> str:
+    head = f"prompt {r.prompt_id}, arm {r.arm}, round {r.round} (position {r.position})"
+    if is_missing(r.match):
+        return f"{head}: not checked ({r.note or 'no reference'})"
+    d = int(r.first_diverging)
+    if is_missing(r.id) or is_missing(r.id_against):
+        what = f"output length differs at token {d} ({r.n_ids} vs {r.n_ids_against} ids)"
+    else:
+        what = f"token {d} differs ({r.arm} {int(r.id)} vs {r.against_arm} {int(r.id_against)})"
+    against = f"{r.against_arm} round {int(r.against_round)}"
+    margins = f"top-2 margin {_fmt_margin(r.margin)} / {_fmt_margin(r.margin_against)} nats: {r.classification}"
+    extra = f"; {r.note}" if r.note else ""
+    return f"{head}: {what} from {against}; agree {int(r.agree)}/{r.max_tokens}; {margins}{extra}"
+
+
+def check_run_complete(g: GateInput) -> CheckResult:
+    """``status`` is "complete"."""
+    record = g.record
+    if record.status == "complete":
+        return CheckResult("run-complete", True, "status complete")
+    why = f" ({record.status_reason})" if record.status_reason else ""
+    return CheckResult("run-complete", False, f"status {record.status}{why}",
+                       [f"run {record.run_id} is {record.status}{why}: the gate does not pass an unfinished run"])
+
+
+def check_samples(g: GateInput) -> CheckResult:
+    """Every measured planned step has a sample, none contradicts the plan, few enough failed."""
+    comp, spec = g.completeness, g.spec
+    fails: list[str] = []
+    notes: list[str] = []
+    if not comp.has_plan:
+        fails.append("the run holds no plan: completeness cannot be checked")
+    elif comp.planned == 0:
+        fails.append("the plan has no measured steps (every step is excluded)")
+    if comp.has_plan and comp.planned and comp.ok == 0:
+        fails.append("no measured step has an ok sample")
+    for st in comp.missing:
+        fails.append(f"missing: {where(st)}, step {st.index}: no sample")
+    if comp.has_plan:  # results that do not match their own plan are not trusted
+        for s in comp.unplanned:
+            fails.append(f"unplanned: the sample of step {s.step} ({where(s)}) matches no planned step")
+    if len(comp.failed) > spec.max_failed_samples:
+        for s in comp.failed:
+            fails.append(f"failed: {where(s)}, step {s.step}: {s.error_kind or 'error'}: {s.error or ''}".rstrip(": "))
+    elif comp.failed:
+        notes.append(f"{len(comp.failed)} failed measured sample(s) tolerated "
+                     f"(gate.max_failed_samples = {spec.max_failed_samples})")
+    detail = (f"{comp.ok}/{comp.planned} measured steps ok, {len(comp.missing)} missing, "
+              f"{len(comp.failed)} failed (tolerated: {spec.max_failed_samples})")
+    if comp.has_plan and comp.unplanned:
+        detail += f", {len(comp.unplanned)} unplanned"
+    return CheckResult("samples", not fails, detail, fails, notes)
+
+
+def check_reference(g: GateInput) -> CheckResult:
+    """The reference arm has ok measured samples."""
+    ref = g.reference
+    ref_ok = [s for s in g.ok_samples if s.arm == ref]
+    if ref is None or not ref_ok:
+        msg = "no reference arm" if ref is None else f"reference arm {ref} has no ok measured sample"
+        return CheckResult("reference", False, msg, [msg])
+    return CheckResult("reference", True, f"{ref}: {len(ref_ok)} ok measured samples")
+
+
+def check_token_ids(g: GateInput) -> CheckResult:
+    """No measured ok sample lacks token ids."""
+    none = sorted((s for s in g.ok_samples if s.ids_source == "none"), key=lambda s: s.step)
+    retok = [s for s in g.ok_samples if s.ids_source == "retokenized"]
+    failures = [f"token ids: {where(s)}: the engine returned no token ids (ids_source none); parity cannot be checked"
+                for s in none]
+    detail = f"{len(none)} sample(s) without token ids"
+    notes = []
+    if retok:
+        detail += f", {len(retok)} retokenized from text"
+        notes.append(f"{len(retok)} sample(s) carry ids retokenized from text, not the engine's own")
+    return CheckResult("token-ids", not none, detail, failures, notes)
+
+
+def _parity_rows(g: GateInput, check: str, name: str) -> CheckResult:
+    rows = g.parity[g.parity["check"] == check]
+    mismatch = _flags(rows["match"], False)
+    unchecked = (rows["match"].isna() & (rows["ids_source"] != "none")).to_numpy(dtype=bool)
+    bad = rows[mismatch | unchecked]
+    failures = [f"{name}: {_parity_failure(r, g.reference)}" for r in bad.itertuples()]
+    n_checked = int(rows["match"].notna().sum())
+    if check == "stability" and rows.empty:
+        detail = "one round of the reference per prompt: stability not checked"
+    else:
+        detail = f"{n_checked - int(mismatch.sum())}/{n_checked} equal over the first {g.parity_tokens} ids"
+        n_unchecked = int(rows["match"].isna().sum())
+        if n_unchecked:
+            detail += f", {n_unchecked} not checked"
+    notes = []
+    if check == "parity" and rows.empty:
+        detail = "no non-reference sample to compare"
+    other = _flags(rows["other_round"], True)
+    if check == "parity" and not rows.empty and other.any():
+        notes.append(f"{int(other.sum())} parity row(s) compared with the reference of another round (its own "
+                     "round's sample missing or failed)")
+    return CheckResult(name, bad.empty, detail, failures, notes)
+
+
+def check_parity(g: GateInput) -> CheckResult:
+    """Every non-reference sample equals the reference over the first K ids."""
+    return _parity_rows(g, "parity", "parity")
+
+
+def check_reference_stable(g: GateInput) -> CheckResult:
+    """The reference's first K ids are equal across rounds."""
+    return _parity_rows(g, "stability", "reference-stable")
+
+
+def _path_failure(r: Any) -> str:
+    head = f"active path: prompt {r.prompt_id}, arm {r.arm}, round {r.round} (position {r.position})"
+    if r.status == "unreported":
+        return f"{head}: expected {r.expect_path}, the engine reported no prefill path"
+    if r.status == "silent":
+        return (f"{head}: expected {r.expect_path}, engine ran {r.prefill_path} with no fallback reason "
+                "(silent fallback)")
+    elig = ("a multi-chunk prompt" if is_value(r.eligible, True) else
+            "a prompt of unknown eligibility (the engine gave no n_chunks)")
+    return (f"{head}: expected {r.expect_path}, engine fell back to {r.prefill_path} on {elig} "
+            f"({r.fallback_reason}); list {r.arm} in gate.allow_fallback if this is expected")
+
+
+def check_active_path(g: GateInput) -> CheckResult:
+    """Arms with ``expect_path`` ran it (fallbacks only where allowed) and showed it at least once."""
+    if not g.spec.require_active_path:
+        return CheckResult("active-path", True, "not required (gate.require_active_path = false)")
+    expecting = g.paths[g.paths["expect_path"].notna()]
+    bad = expecting[_flags(expecting["allowed"], False)]
+    failures = [_path_failure(r) for r in bad.itertuples()]
+    notes: list[str] = []
+    never: list[str] = []
+    for arm, rows in expecting.groupby("arm", sort=False):
+        if not (rows["status"] == "active").any():
+            never.append(str(arm))
+            failures.append(f"active path: arm {arm} never reported {rows['expect_path'].iloc[0]} on any of its "
+                            f"{len(rows)} measured sample(s): the path was not shown to run")
+    fallback = (expecting["status"] == "fallback").to_numpy(dtype=bool)
+    allowed_fb = expecting[fallback & _flags(expecting["allowed"], True)]
+    if not allowed_fb.empty:
+        why = sorted({f"{a}: {r} ({'one-chunk prompt' if is_value(e, False) else 'gate.allow_fallback'})"
+                      for a, r, e in zip(allowed_fb["arm"], allowed_fb["fallback_reason"], allowed_fb["eligible"])})
+        notes.append(f"{len(allowed_fb)} allowed fallback(s): " + ", ".join(why))
+    if expecting.empty:
+        detail = "no arm sets expect_path" if not any(expected_paths(g.record).values()) else \
+            "no measured ok sample of an arm with expect_path"
+    else:
+        detail = (f"{int((expecting['status'] == 'active').sum())}/{len(expecting)} on the expected path, "
+                  f"{len(allowed_fb)} allowed fallback(s), {len(bad)} not allowed")
+        if never:
+            detail += f"; never on the expected path: {', '.join(never)}"
+    return CheckResult("active-path", bad.empty and not never, detail, failures, notes)
+
+
+CHECKS: list[Callable[[GateInput], CheckResult]] = [
+    check_run_complete, check_samples, check_reference, check_token_ids, check_parity, check_reference_stable,
+    check_active_path,
+]
+"""The checks the gate runs, in order (their verdict lines, failures and notes keep this order)."""
+
+
+def run_checks(g: GateInput, checks: list[Callable[[GateInput], CheckResult]] | None = None) -> GateVerdict:
+    """Run ``checks`` (default :data:`CHECKS`) on ``g``; the gate passes only when every check passes."""
+    results = [c(g) for c in (CHECKS if checks is None else checks)]
+    return GateVerdict(passed=all(r.passed for r in results), checks=[r.check for r in results],
+                       failures=[f for r in results for f in r.failures], parity_tokens=g.parity_tokens,
+                       notes=[n for r in results for n in r.notes])
+
+
+def gate(record: RunRecord, *, parity_tokens: int | None = None) -> GateVerdict:
+    """The gate's verdict on a run (rules in the module docstring). ``parity_tokens`` overrides
+    ``gate.parity_tokens`` of the recorded profile."""
+    return run_checks(GateInput.of(record, parity_tokens_of(record, parity_tokens)))

@@ -1,0 +1,161 @@
+"""Parity: the arms' token ids against the reference's, and the reference against itself across rounds.
+
+Parity
+------
+Each measured ok sample of a non-reference arm is compared with the reference arm's sample of the same
+prompt in the same round (the nearest other round when that one is missing, failed or carries no ids; the
+row says so). The first K ids (``gate.parity_tokens``) must be equal. Rows also give the first diverging
+position over the whole output, the agreeing prefix out of ``request.max_tokens``, and at the divergence
+the top-2 logprob margin of both sides: "near-tie" when either margin is below :data:`NEAR_TIE_NATS`,
+"divergence" when both are clear, "margin unknown" without logprobs. The reference arm is checked against
+itself across rounds (its lowest round is the baseline): a reference that is not deterministic makes
+parity meaningless. ``ids_source`` 'retokenized' is flagged; 'none' cannot be checked.
+
+:func:`classify` names a divergence from the top-2 margins at its position (:mod:`abbench.diff` and the
+probe use it too).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pandas as pd
+
+from abbench.analysis.frames import (
+    frame,
+    gate_spec,
+    max_tokens,
+    measured_ok,
+    num,
+    prompt_targets,
+    reference_arm,
+    sort_rows,
+)
+from abbench.results import RunRecord, Sample
+
+NEAR_TIE_NATS = 0.05
+"""A top-2 logprob margin below this (nats) at the divergence makes it a near-tie flip, not a bug."""
+
+
+# ------------------------------------------------------------------------------------------ parity
+
+
+PARITY_COLUMNS = [
+    "check", "prompt_id", "kind", "target_tokens", "arm", "round", "position", "step", "against_arm",
+    "against_round", "other_round", "k", "match", "first_diverging", "agree", "max_tokens", "n_ids",
+    "n_ids_against", "id", "id_against", "margin", "margin_against", "classification", "ids_source",
+    "ids_source_against", "note",
+]
+
+
+def logprob_margin(logprobs: list[list[tuple[int, float]]] | None, pos: int) -> float | None:
+    """Top-2 logprob margin (nats) at output position ``pos``, when captured with at least two entries."""
+    if not logprobs or pos >= len(logprobs):
+        return None
+    top = logprobs[pos]
+    if not top or len(top) < 2:
+        return None
+    a, b = num(top[0][1]), num(top[1][1])
+    return None if a is None or b is None else a - b
+
+
+def compare_ids(a: list[int], b: list[int], k: int) -> tuple[bool, int | None, int]:
+    """(match within the first k ids, first diverging position or None when identical, agreeing prefix).
+    Outputs of different lengths diverge where the shorter one ends."""
+    n = min(len(a), len(b))
+    agree = next((i for i in range(n) if a[i] != b[i]), n)
+    if agree < n or len(a) != len(b):
+        first: int | None = agree
+    else:
+        first = None
+    return (first is None or first >= k), first, agree
+
+
+def classify(first: int | None, margins: list[float | None], near_tie: float) -> str:
+    if first is None:
+        return "identical"
+    known = [m for m in margins if m is not None]
+    if not known:
+        return "margin unknown"
+    return "near-tie" if min(known) < near_tie else "divergence"
+
+
+def parity_tokens_of(record: RunRecord, parity_tokens: int | None = None) -> int:
+    return int(parity_tokens) if parity_tokens else gate_spec(record).parity_tokens
+
+
+def parity_frame(record: RunRecord, *, parity_tokens: int | None = None,
+                 near_tie_nats: float = NEAR_TIE_NATS) -> pd.DataFrame:
+    """Parity rows: ``check`` 'parity' (a non-reference sample vs the reference) and 'stability' (a
+    reference sample of a later round vs its lowest round). ``match`` is None when the row could not be
+    checked (``note`` says why); ``classification``: identical / near-tie / divergence / margin unknown /
+    unchecked."""
+    k = parity_tokens_of(record, parity_tokens)
+    ref = reference_arm(record)
+    n_max = max_tokens(record)
+    targets = prompt_targets(record)
+    samples = sorted(measured_ok(record), key=lambda s: s.step)
+    ref_by: dict[str, dict[int, Sample]] = {}
+    for s in samples:
+        if s.arm == ref and s.ids_source != "none":
+            ref_by.setdefault(s.prompt_id, {})[s.round] = s  # the last usable one per round
+    rows: list[dict[str, Any]] = []
+
+    def row(check: str, s: Sample, r: Sample | None, other_round: bool, note: list[str]) -> None:
+        base = {
+            "check": check, "prompt_id": s.prompt_id, "kind": s.kind,
+            "target_tokens": targets.get(s.prompt_id, s.prompt_tokens), "arm": s.arm, "round": s.round,
+            "position": s.position, "step": s.step, "k": k, "max_tokens": n_max or len(s.output_ids),
+            "n_ids": len(s.output_ids), "ids_source": s.ids_source,
+        }
+        if s.ids_source == "retokenized":
+            note.append(f"{s.arm} ids retokenized from text")
+        if r is None or s.ids_source == "none":
+            if s.ids_source == "none":
+                note.append("engine returned no token ids")
+            rows.append({**base, "against_arm": ref, "match": None, "classification": "unchecked",
+                         "other_round": other_round, "note": "; ".join(note)})
+            return
+        if r.ids_source == "retokenized":
+            note.append(f"{r.arm} ids retokenized from text")
+        match, first, agree = compare_ids(s.output_ids, r.output_ids, k)
+        m_s = m_r = None
+        id_s = id_r = None
+        if first is not None:
+            m_s, m_r = logprob_margin(s.logprobs, first), logprob_margin(r.logprobs, first)
+            id_s = s.output_ids[first] if first < len(s.output_ids) else None
+            id_r = r.output_ids[first] if first < len(r.output_ids) else None
+            if m_s is None and m_r is None:
+                note.append("no logprobs at the divergence")
+        rows.append(
+            {**base, "against_arm": r.arm, "against_round": r.round, "other_round": other_round,
+             "match": match, "first_diverging": first, "agree": agree, "n_ids_against": len(r.output_ids),
+             "id": id_s, "id_against": id_r, "margin": m_s, "margin_against": m_r,
+             "classification": classify(first, [m_s, m_r], near_tie_nats),
+             "ids_source_against": r.ids_source, "note": "; ".join(note)}
+        )
+
+    for s in samples:
+        if s.arm == ref:
+            continue
+        by_round = ref_by.get(s.prompt_id, {})
+        if s.round in by_round:
+            row("parity", s, by_round[s.round], False, [])
+        elif by_round:
+            other = min(by_round, key=lambda rr: (abs(rr - s.round), rr))
+            row("parity", s, by_round[other], True,
+                [f"reference round {s.round} missing or failed; compared with its round {other}"])
+        else:
+            row("parity", s, None, False, [f"no usable {ref} sample of this prompt in any round"])
+    for by_round in ref_by.values():
+        base_round = min(by_round)
+        for rnd, s in sorted(by_round.items()):
+            if rnd != base_round:
+                row("stability", s, by_round[base_round], False, [])
+    for s in samples:  # reference samples without ids: unchecked stability rows, so nothing hides
+        if s.arm == ref and s.ids_source == "none":
+            row("stability", s, None, False, [])
+    out = frame(rows, PARITY_COLUMNS, ints=["target_tokens", "against_round", "first_diverging", "agree",
+                                             "n_ids_against", "id", "id_against"],
+                 bools=["match", "other_round"])
+    return sort_rows(out, record, ["check", "arm", "kind", "target_tokens", "prompt_id", "round"])

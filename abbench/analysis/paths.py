@@ -1,0 +1,111 @@
+"""Active path: the prefill path each measured request reported against the arm's ``expect_path``
+(active, fallback with the engine's reason, silent fallback, unreported), and a summary per arm.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import pandas as pd
+
+from abbench.analysis.frames import (
+    arm_names,
+    expected_paths,
+    frame,
+    gate_spec,
+    is_missing,
+    measured_ok,
+    num,
+    prompt_targets,
+    sort_rows,
+)
+from abbench.engine.stats import AbbenchStats
+from abbench.results import RunRecord
+
+
+# ------------------------------------------------------------------------------------- active path
+
+
+PATH_COLUMNS = ["arm", "prompt_id", "kind", "target_tokens", "round", "position", "step", "expect_path",
+                "prefill_path", "fallback_reason", "n_chunks", "eligible", "status", "allowed"]
+
+
+def active_path_samples(record: RunRecord) -> pd.DataFrame:
+    """Per measured ok sample: the expected and the reported prefill path, and a ``status``:
+    'active' (as expected), 'fallback' (another path, with the engine's reason), 'silent' (another path,
+    no reason), 'unreported' (the engine reported no path), 'no expectation' (the arm sets none).
+    ``eligible`` is False for a one-chunk prompt (engine n_chunks <= 1), True for more, NA when unknown.
+    ``allowed`` is the gate's judgement of the sample alone (see the module docstring; the gate also needs
+    each arm with expect_path to show its path at least once)."""
+    expect = expected_paths(record)
+    allow = set(gate_spec(record).allow_fallback)
+    targets = prompt_targets(record)
+    rows = []
+    for s in sorted(measured_ok(record), key=lambda x: x.step):
+        e = AbbenchStats.read(s.engine)
+        exp, got, reason = expect.get(s.arm), e.prefill_path, e.fallback_reason
+        n_chunks = num(e.n_chunks)
+        if exp is None:
+            status = "no expectation"
+        elif got is None:
+            status = "unreported"
+        elif got == exp:
+            status = "active"
+        elif reason:
+            status = "fallback"
+        else:
+            status = "silent"
+        eligible = None if n_chunks is None else n_chunks > 1
+        allowed = status in ("active", "no expectation") or (
+            status == "fallback" and (s.arm in allow or eligible is False)
+        )
+        rows.append(
+            {"arm": s.arm, "prompt_id": s.prompt_id, "kind": s.kind,
+             "target_tokens": targets.get(s.prompt_id, s.prompt_tokens), "round": s.round,
+             "position": s.position, "step": s.step, "expect_path": exp, "prefill_path": got,
+             "fallback_reason": reason, "n_chunks": n_chunks,
+             "eligible": eligible, "status": status, "allowed": allowed}
+        )
+    out = frame(rows, PATH_COLUMNS, ints=["target_tokens", "n_chunks"], bools=["eligible", "allowed"])
+    return sort_rows(out, record, ["arm", "step"])
+
+
+def _counts(values: Iterable[Any], none_label: str) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for v in values:
+        key = none_label if is_missing(v) else str(v)
+        out[key] = out.get(key, 0) + 1
+    return out
+
+
+PATH_SUMMARY_COLUMNS = ["arm", "expect_path", "n", "paths", "fallback_reasons", "active", "fallback",
+                        "fallback_ineligible", "silent", "unreported", "allow_fallback", "passed"]
+
+
+def active_path_summary(record: RunRecord, samples: pd.DataFrame | None = None) -> pd.DataFrame:
+    """Per arm: expected path, counts of reported paths (``paths``: dict) and fallback reasons, and how
+    many samples were active / fell back (with a reason; of which on ineligible one-chunk prompts) /
+    silently differed / reported nothing; ``passed`` is the gate's judgement of the arm."""
+    if samples is None:
+        samples = active_path_samples(record)
+    allow = set(gate_spec(record).allow_fallback)
+    expect = expected_paths(record)
+    rows = []
+    for arm in arm_names(record):
+        g = samples[samples["arm"] == arm]
+        if g.empty:
+            continue
+        st = g["status"]
+        fb = g[st == "fallback"]
+        rows.append(
+            {"arm": arm, "expect_path": expect.get(arm), "n": len(g),
+             "paths": _counts(g["prefill_path"], "(not reported)"),
+             "fallback_reasons": _counts(g["fallback_reason"].dropna(), ""),
+             "active": int((st == "active").sum()), "fallback": len(fb),
+             "fallback_ineligible": int((fb["eligible"] == False).sum()),
+             "silent": int((st == "silent").sum()), "unreported": int((st == "unreported").sum()),
+             "allow_fallback": arm in allow,
+             "passed": bool(g["allowed"].all()) and (expect.get(arm) is None or bool((st == "active").any()))}
+        )
+    return frame(rows, PATH_SUMMARY_COLUMNS)

@@ -1,0 +1,59 @@
+"""Everything the report shows, computed once from one run (:func:`analyze`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pandas as pd
+
+from abbench.analysis.checks import GateInput, GateVerdict, run_checks
+from abbench.analysis.frames import Completeness, arm_names, completeness, memory_table, reference_arm, samples_frame
+from abbench.analysis.parity import NEAR_TIE_NATS, parity_frame, parity_tokens_of
+from abbench.analysis.paths import active_path_samples, active_path_summary
+from abbench.analysis.timing import overhead_table, paired_ratios, ratio_summary, small_n_notes, ttft_table
+from abbench.analysis.transfer import engine_counter_table, floor_table, h2d_table
+from abbench.results import RunRecord
+
+
+@dataclass
+class Analysis:
+    """Everything :mod:`abbench.report` shows, computed once."""
+
+    reference: str | None
+    arms: list[str]
+    parity_tokens: int
+    samples: pd.DataFrame
+    ttft: pd.DataFrame
+    pairs: pd.DataFrame
+    ratios: pd.DataFrame
+    parity: pd.DataFrame
+    path_samples: pd.DataFrame
+    path_summary: pd.DataFrame
+    h2d: pd.DataFrame
+    floor: pd.DataFrame
+    engine_counters: pd.DataFrame
+    overhead: pd.DataFrame
+    memory: pd.DataFrame
+    completeness: Completeness
+    notes: list[str]
+    gate: GateVerdict
+
+
+def analyze(record: RunRecord, *, parity_tokens: int | None = None, near_tie_nats: float = NEAR_TIE_NATS) -> Analysis:
+    k = parity_tokens_of(record, parity_tokens)
+    ttft = ttft_table(record)
+    pairs = paired_ratios(record)
+    ratios = ratio_summary(record, pairs)
+    parity = parity_frame(record, parity_tokens=k, near_tie_nats=near_tie_nats)
+    path_samples = active_path_samples(record)
+    path_summary = active_path_summary(record, path_samples)
+    comp = completeness(record)
+    return Analysis(
+        reference=reference_arm(record), arms=arm_names(record), parity_tokens=k,
+        samples=samples_frame(record), ttft=ttft, pairs=pairs, ratios=ratios, parity=parity,
+        path_samples=path_samples, path_summary=path_summary, h2d=h2d_table(record),
+        floor=floor_table(record), engine_counters=engine_counter_table(record), overhead=overhead_table(record),
+        memory=memory_table(record), completeness=comp,
+        notes=small_n_notes(record, ratios, ttft),
+        gate=run_checks(GateInput.of(record, k, comp, parity, path_samples)),
+    )

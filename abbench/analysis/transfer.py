@@ -1,0 +1,138 @@
+"""Transfer: host-to-device bytes (the engine's counters and NVML's PCIe estimate), the physical floor of a
+fresh prompt's TTFT, and the engine's prefix-cache counters (from its responses and its Prometheus
+counters around each request, read through :data:`abbench.prometheus.ENGINE_COUNTERS`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pandas as pd
+
+from abbench.analysis.frames import (
+    expected_paths,
+    frame,
+    int_or_none,
+    measured_ok,
+    measured_ok_frame,
+    median_of,
+    prompt_targets,
+    sort_rows,
+)
+from abbench.prometheus import ENGINE_COUNTERS, common_counters, metrics_delta
+from abbench.results import RunRecord
+
+
+# --------------------------------------------------------------------------------------------- H2D
+
+
+FLOOR_KINDS = ("fresh", "cold")
+H2D_COLUMNS = ["arm", "kind", "target_tokens", "n", "h2d_bytes", "prefill_h2d_bytes", "decode_h2d_bytes",
+               "bank_bytes", "banks", "nvml_bytes", "engine_over_nvml", "n_windows", "measured_h2d_gbps",
+               "floor_s", "ttft_s", "ttft_over_floor"]
+
+
+def h2d_table(record: RunRecord) -> pd.DataFrame:
+    """Per arm, kind and length (medians over measured ok samples): the engine's H2D bytes (whole request,
+    and its prefill/decode split), the prefill bytes in banks (prefill_h2d / bank_bytes; the whole request's
+    bytes when the engine gives no split), NVML's PCIe RX estimate and engine/NVML (median of per-sample
+    ratios of the whole request's bytes), and the copy floor = n_windows x bank_bytes / measured H2D
+    bandwidth (GB/s = 1e9 bytes/s; one bank per window), with the median TTFT over that floor. The floor is
+    given only for prompts that start from an empty cache (kinds in :data:`FLOOR_KINDS`): a continuation
+    served from the prefix cache may legitimately copy less. Rows only where the engine or NVML gave
+    numbers."""
+    df = measured_ok_frame(record)
+    rows = []
+    for (arm, kind, tokens), g in df.groupby(["arm", "kind", "target_tokens"], sort=False, dropna=False):
+        if g["h2d_bytes"].isna().all() and g["nvml_pcie_rx_bytes"].isna().all():
+            continue
+        h2d, bank, nvml = g["h2d_bytes"], g["bank_bytes"], g["nvml_pcie_rx_bytes"]
+        ratio = (h2d / nvml.where(nvml > 0)).dropna()
+        windows = g["n_windows"].fillna(1.0).clip(lower=1.0)
+        gbps = g["measured_h2d_gbps"]
+        floor = (bank * windows / (gbps.where(gbps > 0) * 1e9)).dropna()
+        if kind not in FLOOR_KINDS:
+            floor = floor.iloc[0:0]
+        prefill = g["prefill_h2d_bytes"].where(g["prefill_h2d_bytes"].notna(), h2d)
+        med_h2d, med_bank = median_of(h2d), median_of(bank)
+        floor_s, ttft = median_of(floor), median_of(g["ttft_s"])
+        rows.append(
+            {"arm": arm, "kind": kind, "target_tokens": int_or_none(tokens), "n": len(g), "h2d_bytes": med_h2d,
+             "prefill_h2d_bytes": median_of(g["prefill_h2d_bytes"]),
+             "decode_h2d_bytes": median_of(g["decode_h2d_bytes"]), "bank_bytes": med_bank,
+             "banks": median_of((prefill / bank.where(bank > 0)).dropna()),
+             "nvml_bytes": median_of(nvml), "engine_over_nvml": median_of(ratio),
+             "n_windows": median_of(g["n_windows"]), "measured_h2d_gbps": median_of(gbps), "floor_s": floor_s,
+             "ttft_s": ttft, "ttft_over_floor": ttft / floor_s if ttft and floor_s else None}
+        )
+    out = frame(rows, H2D_COLUMNS, ints=["target_tokens"])
+    return sort_rows(out, record, ["arm", "kind", "target_tokens"])
+
+
+def floor_table(record: RunRecord) -> pd.DataFrame:
+    """The physical floor of a fresh prompt's TTFT, per kind and length (prompts that start from an empty
+    cache): max(compute floor, copy floor), where the compute floor is the median TTFT of the arm(s) whose
+    expected path is ``resident`` (nothing streamed) and the copy floor is one bank over the measured H2D
+    bandwidth. Each arm's median TTFT over that floor says how close it gets (1.0 = at the floor). Empty
+    when the run has neither a resident arm nor engine bank/bandwidth numbers."""
+    df = measured_ok_frame(record)
+    if df.empty:
+        return frame([], FLOOR_COLUMNS)
+    df = df[df["kind"].isin(FLOOR_KINDS)]
+    resident_arms = [a for a, p in expected_paths(record).items() if p == "resident"]
+    rows = []
+    for (kind, tokens), g in df.groupby(["kind", "target_tokens"], sort=False, dropna=False):
+        gbps = g["measured_h2d_gbps"]
+        copy = (g["bank_bytes"] / (gbps.where(gbps > 0) * 1e9)).dropna()
+        copy_s = median_of(copy)
+        compute_s = median_of(g[g["arm"].isin(resident_arms)]["ttft_s"]) if resident_arms else None
+        known = [v for v in (copy_s, compute_s) if v is not None]
+        if not known:
+            continue
+        floor_s = max(known)
+        bound = "copy" if copy_s is not None and floor_s == copy_s else "compute"
+        for arm, ga in g.groupby("arm", sort=False):
+            ttft = median_of(ga["ttft_s"])
+            rows.append({"arm": arm, "kind": kind, "target_tokens": int_or_none(tokens), "n": len(ga),
+                         "ttft_s": ttft, "compute_floor_s": compute_s, "copy_floor_s": copy_s,
+                         "floor_s": floor_s, "bound": bound,
+                         "over_floor": ttft / floor_s if ttft and floor_s else None})
+    out = frame(rows, FLOOR_COLUMNS, ints=["target_tokens"])
+    return sort_rows(out, record, ["arm", "kind", "target_tokens"])
+
+
+FLOOR_COLUMNS = ["arm", "kind", "target_tokens", "n", "ttft_s", "compute_floor_s", "copy_floor_s", "floor_s",
+                 "bound", "over_floor"]
+
+
+
+ENGINE_COUNTER_COLUMNS = ["arm", "kind", "target_tokens", "n", "prompt_tokens", "engine_cached",
+                          "metrics_prompt", "metrics_cached"]
+
+
+def engine_counter_table(record: RunRecord) -> pd.DataFrame:
+    """Per arm, kind and length (medians over measured ok samples): the prompt tokens the server counted
+    (usage), the prompt tokens the engine says it served from its prefix cache (``engine.cached_prompt_tokens``
+    of the response), and the same two read from its Prometheus counters around the request (the adapter's
+    ``counters``: after - before). Rows only where the engine gave a cache or counter number."""
+    adapter = str((record.profile.get("engine") or {}).get("adapter") or "openai")
+    counters = ENGINE_COUNTERS.get(adapter, {})
+    rows: list[dict[str, Any]] = []
+    targets = prompt_targets(record)
+    groups: dict[tuple[str, str, int | None], list[dict[str, Any]]] = {}
+    for smp in sorted(measured_ok(record), key=lambda x: x.step):
+        e = smp.engine or {}
+        c = common_counters(counters, metrics_delta(smp.telemetry.metrics_before, smp.telemetry.metrics_after)
+                            if smp.telemetry.metrics_after else None)
+        groups.setdefault((smp.arm, smp.kind, targets.get(smp.prompt_id, smp.prompt_tokens)), []).append(
+            {"prompt": e.get("engine_prompt_tokens", smp.prompt_tokens), "cached": e.get("cached_prompt_tokens"),
+             "m_prompt": c.get("prompt_tokens"), "m_cached": c.get("cached_prompt_tokens")})
+    for (arm, kind, tokens), g in groups.items():
+        med = {k: median_of(x[k] for x in g) for k in ("prompt", "cached", "m_prompt", "m_cached")}
+        if med["cached"] is None and med["m_prompt"] is None and med["m_cached"] is None:
+            continue
+        rows.append({"arm": arm, "kind": kind, "target_tokens": tokens, "n": len(g), "prompt_tokens": med["prompt"],
+                     "engine_cached": med["cached"], "metrics_prompt": med["m_prompt"],
+                     "metrics_cached": med["m_cached"]})
+    out = frame(rows, ENGINE_COUNTER_COLUMNS, ints=["target_tokens"])
+    return sort_rows(out, record, ["arm", "kind", "target_tokens"])

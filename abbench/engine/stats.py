@@ -1,0 +1,107 @@
+"""Per-request engine statistics: the ``abbench`` object of the vendored engine's completion responses.
+
+The engine's server fills a :class:`AbbenchStats` for every finished request (the last streamed event, or
+the non-streamed body, carries it as ``"abbench"``); the harness keeps it verbatim in ``Sample.engine`` and
+reads it back with :meth:`AbbenchStats.read`. This module imports only pydantic: the harness reads it
+without torch, and it imports nothing from the harness.
+
+Reading is lenient: a field that is missing, or that holds a value of another type, reads as None, and
+fields this model does not name are kept (``extra="allow"``: other engines' objects, such as the
+``engine_prompt_tokens`` the adapters add, and fields a newer engine adds), so every ``run.json`` loads.
+New fields are optional (default None) so that older results still read.
+
+Timings are seconds relative to ``received`` (when the server's ASGI app got the request), so
+``first_token`` is the engine's own time to first token.
+"""
+
+from __future__ import annotations
+
+from typing import Any, get_args
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+
+class _Lenient(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    @classmethod
+    def read(cls, obj: Any) -> Any:
+        """The model from a recorded object; fields that do not validate read as None (never raises)."""
+        if not isinstance(obj, dict):
+            return cls()
+        data = dict(obj)
+        for name, field in cls.model_fields.items():
+            nested = _lenient_class(field.annotation)
+            if nested is not None and name in data and not (data[name] is None and not field.is_required()
+                                                            and field.default is None):
+                data[name] = nested.read(data[name])
+        for _ in range(len(cls.model_fields) + 1):
+            try:
+                return cls.model_validate(data)
+            except ValidationError as e:
+                for err in e.errors():
+                    data[err["loc"][0]] = None
+        return cls()
+
+
+def _lenient_class(annotation: Any) -> type[_Lenient] | None:
+    """The lenient model an annotation holds (``X`` or ``X | None``), if any."""
+    for t in (annotation, *get_args(annotation)):
+        if isinstance(t, type) and issubclass(t, _Lenient):
+            return t
+    return None
+
+
+class AbbenchTimings(_Lenient):
+    """Seconds after ``received`` (None: that point was not reached or not measured)."""
+
+    received: float | None = Field(0.0, description="The ASGI app got the request (the origin: 0).")
+    prefill_start: float | None = Field(None, description="The worker started the prefill.")
+    prefill_end: float | None = Field(None, description="The prefill's last chunk finished.")
+    first_token: float | None = Field(None, description="The first output token was sampled.")
+    finished: float | None = Field(None, description="The last output token was sampled.")
+    first_item: float | None = Field(None, description="The event loop got the first token from the worker.")
+    first_event: float | None = Field(None, description="The first event was handed to the transport.")
+
+
+class AbbenchDecode(_Lenient):
+    """The decode steps of one request and the decode slot cache."""
+
+    slot_hits: int | None = Field(None, description="Routed experts found in the decode slot cache.")
+    slot_misses: int | None = Field(None, description="Routed experts copied into the slot cache.")
+    steps_whole: int | None = Field(None, description="Decode steps run whole (every layer's experts resident).")
+    steps_per_layer: int | None = Field(None, description="Decode steps run layer by layer.")
+    mode: str | None = Field(None, description="The decoder's mode.")
+    slots_per_layer: int | None = Field(None, description="Decode slot cache size per layer.")
+
+
+class AbbenchStats(_Lenient):
+    """What the engine did for one request: its prefill path, its byte counters, its timings."""
+
+    prefill_path: str | None = Field(None, description="The prefill mode that ran (chunked, layer-major, ...).")
+    fallback_reason: str | None = Field(None, description="Why the requested path did not run, if it did not.")
+    h2d_bytes: int | None = Field(None, description="Host-to-device bytes of the whole request.")
+    d2d_bytes: int | None = Field(None, description="Device-to-device bytes of the whole request.")
+    prefill_h2d_bytes: int | None = Field(None, description="Host-to-device bytes of the prefill.")
+    decode_h2d_bytes: int | None = Field(None, description="Host-to-device bytes of the decode.")
+    bank_bytes: int | None = Field(None, description="Bytes of one bank (every layer's experts).")
+    expert_copies: int | None = Field(None, description="Expert copies to the device.")
+    cached_prompt_tokens: int | None = Field(None, description="Prompt tokens served from the prefix cache.")
+    n_chunks: int | None = Field(None, description="Prefill chunks (1: a one-chunk prompt).")
+    n_windows: int | None = Field(None, description="Layer-major windows (one bank copy each).")
+    measured_h2d_gbps: float | None = Field(None, description="The engine's measured H2D bandwidth (GB/s).")
+    timings: AbbenchTimings = Field(default_factory=AbbenchTimings)
+    queue_wait_s: float | None = Field(None, description="Seconds the request waited for the worker.")
+    decode: AbbenchDecode | None = Field(None, description="Decode steps and the slot cache (newer engines).")
+    peak_device_bytes: int | None = Field(None, description="Peak device memory during the request.")
+
+    @property
+    def engine_ttft_s(self) -> float | None:
+        """The engine's own time to first token: first_token - received."""
+        t = self.timings
+        return None if t.first_token is None else t.first_token - (t.received or 0.0)
+
+    @property
+    def prefill_s(self) -> float | None:
+        t = self.timings
+        return None if t.prefill_start is None or t.prefill_end is None else t.prefill_end - t.prefill_start

@@ -1,0 +1,445 @@
+"""Executes a run: builds the prompts, walks the ABBA plan, launches each service, sends each request,
+gathers telemetry and records every sample the moment it finishes.
+
+:func:`execute` opens a :class:`Run` (:meth:`Run.open`: prompts, plan, record, sample log) and executes it:
+``start_service`` / ``prime`` / ``measure(step) -> Sample`` / ``on_failure`` / ``finish``. The service slot
+is :mod:`abbench.runner.slot`, the lock and signals :mod:`abbench.runner.lock`, the resume checks
+:mod:`abbench.runner.resume`.
+
+Contract:
+
+* ``execute(profile, run_dir, ...)`` returns the final :class:`RunRecord`; ``run.json`` is rewritten at every
+  service boundary and at the end, and every finished request is appended to ``requests.jsonl`` at once
+  (before it is added to the record), so a crash or Ctrl-C loses nothing that finished.
+* A failed request is a failed sample (``ok=False`` with ``error_kind``/``error``), never a timing. What
+  happens next is the profile's choice, ``run.on_request_failure``:
+
+  - ``continue``: go on with the same service, unless it is dead: its process exited, or (after a
+    ``connect`` or ``timeout`` failure) it no longer answers its health check. A dead service is stopped
+    (its record says why) and launched again for the next step.
+  - ``restart``: stop the service and launch it again for the next step.
+  - ``stop``: stop the run; it is saved as ``partial`` with the reason.
+
+  A service that cannot start (command not found, exits, never healthy) stops the run or skips the arm
+  (``run.on_service_failure``: ``stop`` | ``skip-arm``; a shared service always stops); the steps of a
+  skipped arm are recorded as failed samples (``error_kind`` "service"), so nothing is silently missing.
+* A service launched in the middle of its block (a restart, or a resumed run) is first *primed*: the
+  block's warm-up steps that come before the next step are sent again, and when the next step continues a
+  group (a continuation, no reset before it) so are the group's earlier steps. Priming requests are not
+  recorded; they give the next measured step the state the plan meant it to meet (a warm service, a
+  prefix cache holding the cold prompt).
+* A launched command must contain the ``{port}`` placeholder (abbench picks the port and checks it is
+  free): a :class:`ConfigError` before anything starts otherwise.
+* SIGINT/SIGTERM tear every service down and leave a valid run marked ``partial`` (:class:`Interrupted`,
+  exit code 130); a second signal during that teardown is ignored. ``resume=True`` continues a partial run
+  in its planned order without repeating steps that already have a sample (failed ones included); it
+  refuses when the prompts, the plan or the key environment fields differ, or when another process still
+  holds the run (``run.lock``). Each resume is listed in ``environment["resumed"]``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from abbench import __version__
+from abbench.client import EngineClient
+from abbench.response import Completion
+from abbench.errors import AbbenchError, ConfigError, RequestError, ResultsError, ServiceError
+from abbench.fingerprint import environment_fingerprint
+from abbench.profile import Profile, profile_from_dict
+from abbench.prometheus import parse_prometheus
+from abbench.prompts import BuiltPrompt, build_prompts
+from abbench.results import LOGS_DIR, RUN_FILE, RunRecord, Sample, SampleLog, Step, Telemetry, load_run, save_run
+from abbench.runner.lock import RunLock, signals_as_interrupt, signals_deferred
+from abbench.runner.resume import check_resumable, mark_resumed
+from abbench.runner.slot import ServiceSlot, check_launch_commands
+from abbench.schedule import build_plan
+from abbench.services import Service, stop_all
+from abbench.telemetry import ServiceMonitor
+from abbench.tokenizers import describe_tokenizer, load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+WARMUP_KINDS = ("warmup", "jit")
+DEATH_GRACE_S = 0.5
+"""After a ``connect`` failure, how long a launched service's process is given to finish exiting."""
+
+
+class Interrupted(AbbenchError):
+    """The run was interrupted by a signal; results so far are saved and marked partial."""
+
+    exit_code = 130
+
+
+@dataclass
+class ProgressEvent:
+    """What the runner tells its observer (the CLI's progress display)."""
+
+    kind: str  # "prompts" | "service" | "sample" | "warning" | "done"
+    message: str
+    done: int = 0
+    total: int = 0
+    sample: Sample | None = None
+
+
+Observer = Callable[[ProgressEvent], None]
+
+
+def new_run_id(profile: Profile) -> str:
+    return f"{time.strftime('%Y%m%d-%H%M%S')}-{profile.name}"
+
+
+def profile_dir(profile: Profile) -> Path | None:
+    """The folder of the profile file (relative paths in a profile are relative to it)."""
+    return profile.profile_dir
+
+
+def prepare(profile: Profile, *, cache_dir: Path | None = None) -> tuple[object, list[BuiltPrompt]]:
+    """Load the tokenizer and build every prompt of the profile (exact lengths, checked)."""
+    tok = load_tokenizer(profile.tokenizer.source, base_dir=profile_dir(profile), cache_dir=cache_dir)
+    built = build_prompts(tok, profile.prompts, base_dir=profile_dir(profile))
+    return tok, built
+
+
+def priming_steps(plan: list[Step], step: Step) -> list[Step]:
+    """What a service launched just before ``step`` in the middle of its block must see first (see the module
+    docstring): the block's warm-up steps before ``step``, then, when ``step`` continues a group without a
+    reset, the group's earlier steps of the same arm. Empty at the start of a block."""
+    before = [s for s in plan if s.service == step.service and s.index < step.index]
+    if not before:
+        return []
+    warm = [s for s in before if s.kind in WARMUP_KINDS]
+    prefix: list[Step] = []
+    if not step.reset_before and step.kind not in WARMUP_KINDS:
+        for s in reversed(before):
+            if s.arm != step.arm or s.group != step.group or s.kind in WARMUP_KINDS:
+                break
+            prefix.insert(0, s)
+            if s.reset_before:
+                break
+    return warm + prefix
+
+
+
+def execute(
+    profile: Profile,
+    run_dir: Path,
+    *,
+    resume: bool = False,
+    observer: Observer | None = None,
+    cache_dir: Path | None = None,
+    argv: list[str] | None = None,
+) -> RunRecord:
+    """Run the profile into ``run_dir`` (or resume the partial run there)."""
+    lock = RunLock(run_dir)
+    try:
+        with signals_as_interrupt():
+            run = Run.open(profile, run_dir, lock, resume=resume, observer=observer, cache_dir=cache_dir,
+                           argv=argv)
+            return run.execute()
+    except KeyboardInterrupt as e:  # before the first request: nothing ran, nothing to tear down
+        what = "the resumed run is unchanged" if resume else "no run was saved"
+        raise Interrupted(f"interrupted ({e or 'SIGINT'}) while preparing the run; {what}") from None
+    finally:
+        lock.release()
+
+
+def _load_for_resume(run_dir: Path, lock: RunLock, notify: Observer) -> RunRecord:
+    if (run_dir / RUN_FILE).is_file():
+        try:
+            lock.acquire()
+        except OSError as e:
+            raise ResultsError(f"{run_dir}: cannot lock the run for resuming: {e}") from None
+    existing, problems = load_run(run_dir)
+    for problem in problems:
+        notify(ProgressEvent("warning", f"resuming {run_dir}: {problem}"))
+    if existing.status == "complete":
+        raise ResultsError(f"{run_dir}: this run is already complete; nothing to resume")
+    return existing
+
+
+def _open_log(run_dir: Path, record: RunRecord, lock: RunLock, *, resume: bool) -> SampleLog:
+    """Create the run directory, take the lock (a new run), save run.json and open requests.jsonl."""
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / LOGS_DIR).mkdir(exist_ok=True)
+        if not resume:
+            lock.acquire()
+        save_run(run_dir, record)
+        return SampleLog(run_dir)
+    except OSError as e:
+        raise ConfigError(f"run directory {run_dir}: cannot write there ({e.strerror or e}); choose another "
+                          "--out") from None
+
+
+def _scrape(client: EngineClient, base_url: str, path: str | None) -> dict[str, float] | None:
+    if not path:
+        return None
+    try:
+        text = client.metrics_text(base_url, path)
+        return parse_prometheus(text) if text else None
+    except (ValueError, RequestError):
+        return None
+
+
+def _close_window(monitor: ServiceMonitor, mark: int) -> None:
+    """Close the telemetry window of a request that failed (an open one keeps fast PCIe sampling on)."""
+    try:
+        monitor.window(mark, settle_s=0.0)
+    except Exception:  # noqa: BLE001 - telemetry never breaks the run
+        logger.debug("closing telemetry window %s failed", mark, exc_info=True)
+
+
+def _step_fields(step: Step) -> dict[str, Any]:
+    """The fields of a :class:`Sample` that come from its plan step."""
+    return dict(step=step.index, arm=step.arm, round=step.round, position=step.position, prompt_id=step.prompt_id,
+                kind=step.kind, excluded=step.excluded, service=step.service)
+
+
+def _failed_sample(step: Step, kind: str, message: str) -> Sample:
+    return Sample(**_step_fields(step), ok=False, error_kind=kind, error=message, started_at=time.time())
+
+
+class Run:
+    """One execution of a plan: the record, the sample log, the client and the service slot.
+
+    :meth:`execute` walks the steps still to do: :meth:`start_service` when the step needs another (or a
+    dead) service, :meth:`prime` a service launched in the middle of its block, :meth:`measure` the step
+    into a :class:`Sample`, :meth:`on_failure` applies ``run.on_request_failure`` to a failed request, and
+    :meth:`finish` tears everything down and saves the record, whatever happened."""
+
+    def __init__(self, profile: Profile, run_dir: Path, record: RunRecord, log: SampleLog, tokenizer: Any,
+                 prompts: list[BuiltPrompt], observer: Observer | None = None) -> None:
+        self.profile = profile
+        self.run_dir = run_dir
+        self.record = record
+        self.log = log
+        self.tokenizer = tokenizer
+        self.prompts = {b.record.id: b for b in prompts}
+        self.observer = observer
+        self.plan = record.plan
+        self.client = EngineClient()
+        self.slot = ServiceSlot(profile, run_dir, self.client, record)
+        self.skipped_arms: set[str] = set()
+        # A server that tokenizes with special tokens (a BOS) counts them in usage.prompt_tokens.
+        self.added_tokens = int(record.environment.get("tokenizer", {}).get("special_tokens_added") or 0)
+
+    @classmethod
+    def open(cls, profile: Profile, run_dir: Path, lock: RunLock, *, resume: bool = False,
+             observer: Observer | None = None, cache_dir: Path | None = None,
+             argv: list[str] | None = None) -> Run:
+        """Build the prompts and the plan, create the record (or check and reopen the partial run's), save
+        run.json and open the sample log."""
+        notify = observer or (lambda ev: None)
+        existing = _load_for_resume(run_dir, lock, notify) if resume else None
+        if existing is not None:
+            profile = profile_from_dict(existing.profile, where=f"{run_dir}/run.json profile")
+        check_launch_commands(profile)
+        notify(ProgressEvent("prompts", "building exact-length prompts"))
+        tok, built = prepare(profile, cache_dir=cache_dir)
+        prompt_records = [b.record for b in built]
+        plan = build_plan(prompt_records, [a.name for a in profile.arms], profile.run.rounds,
+                          shared_service=profile.engine.shared_service,
+                          services={a.name: a.service for a in profile.arms if a.service},
+                          reset_between_samples=profile.run.reset_between_samples,
+                          exclude_kinds=list(profile.run.exclude_kinds))
+        env = environment_fingerprint([s.argv for s in profile.launch_specs() if s.argv is not None])
+        if existing is not None:
+            notes = check_resumable(run_dir, existing, prompt_records, plan, env)
+            record = existing
+            mark_resumed(record, env, argv, notes)
+            for n in notes:
+                notify(ProgressEvent("warning", f"resuming with {n.removeprefix('note: ')}"))
+        else:
+            env["tokenizer"] = describe_tokenizer(tok)
+            env["argv"] = argv or []
+            record = RunRecord(run_id=run_dir.name, status="running", created_at=time.time(),
+                               abbench_version=__version__, profile=profile.model_dump(mode="json"),
+                               environment=env, prompts=prompt_records, plan=plan)
+        log = _open_log(run_dir, record, lock, resume=resume)
+        if log.repaired:
+            notify(ProgressEvent("warning", log.repaired))
+        return cls(profile, run_dir, record, log, tok, built, observer)
+
+    # ------------------------------------------------------------------------------------------ reporting
+
+    def notify(self, kind: str, message: str, sample: Sample | None = None) -> None:
+        if self.observer is not None:
+            self.observer(ProgressEvent(kind, message, len(self.record.samples), len(self.plan), sample))
+
+    def record_sample(self, sample: Sample) -> None:
+        self.log.append(sample)  # the durable copy first: an interrupt in between leaves it in requests.jsonl
+        self.record.samples.append(sample)
+        self.notify("sample", f"{sample.arm} {sample.prompt_id}", sample)
+
+    # ------------------------------------------------------------------------------------------- the steps
+
+    def execute(self) -> RunRecord:
+        """Walk the steps that have no sample yet; always :meth:`finish`. Raises :class:`Interrupted` after
+        a signal (the record is saved as partial)."""
+        done = {s.step for s in self.record.samples}
+        interrupted = False
+        try:
+            self._steps([s for s in self.plan if s.index not in done])
+        except KeyboardInterrupt as e:
+            interrupted = True
+            self._partial(f"interrupted ({e or 'SIGINT'})")
+        except AbbenchError as e:
+            self._partial(str(e).splitlines()[0])
+            raise
+        finally:
+            self.finish()
+        if interrupted:
+            raise Interrupted(f"interrupted; {len(self.record.samples)} samples saved in {self.run_dir} (resume "
+                              f"with `abbench run --resume {self.run_dir}`)")
+        return self.record
+
+    def _partial(self, reason: str) -> None:
+        self.record.status = "partial"
+        self.record.status_reason = reason
+
+    def _steps(self, todo: list[Step]) -> None:
+        for step in todo:
+            if step.arm in self.skipped_arms:
+                self.record_sample(_failed_sample(step, "service", "arm skipped: its service failed"))
+                continue
+            svc = self.service_for(step)
+            if svc is None:
+                continue
+            try:
+                self.record_sample(self.measure(svc, step))
+            except RequestError as e:
+                if self.on_failure(svc, step, e):
+                    return
+        self.record.status = "complete"
+
+    def service_for(self, step: Step) -> Service | None:
+        """The running service of ``step``'s block, started (and primed) when needed; None when it could not
+        start and its arm is skipped (``run.on_service_failure = "skip-arm"``)."""
+        slot = self.slot
+        if slot.key == step.service and slot.service is not None and slot.service.alive():
+            return slot.service
+        if slot.key == step.service and slot.service is not None:
+            slot.stop(error=f"exited before step {step.index}")  # died between requests
+        svc = self.start_service(step)
+        if svc is not None:
+            self.prime(svc, step)
+        return svc
+
+    def start_service(self, step: Step) -> Service | None:
+        restarting = step.service in self.slot.launches
+        self.notify("service", f"{'restarting' if restarting else 'starting'} {step.service}")
+        try:
+            svc = self.slot.start(step.service, step.arm, step.round)
+        except ServiceError as e:
+            save_run(self.run_dir, self.record)
+            if self.profile.run.on_service_failure == "stop" or self.profile.engine.shared_service:
+                raise
+            self.skipped_arms.add(step.arm)
+            self.notify("warning", f"arm {step.arm} skipped (run.on_service_failure = skip-arm): {e}")
+            self.record_sample(_failed_sample(step, "service", str(e).splitlines()[0]))
+            return None
+        save_run(self.run_dir, self.record)
+        return svc
+
+    def _reset_if_planned(self, svc: Service, step: Step) -> None:
+        if step.reset_before and self.profile.engine.reset_path:
+            self.client.reset(svc.base_url, self.profile.engine.reset_path)
+
+    def _complete(self, svc: Service, step: Step) -> Completion:
+        """The request of ``step`` (the one place a plan step becomes a request)."""
+        eng, req = self.profile.engine, self.profile.request
+        bp = self.prompts[step.prompt_id]
+        return self.client.complete(
+            svc.base_url, bp.text, request=req, extra={**req.extra, **self.profile.arm(step.arm).request},
+            target_prompt_tokens=bp.record.target_tokens + self.added_tokens, model=eng.model,
+            retokenize=lambda text: self.tokenizer.encode(text, add_special_tokens=False), adapter=eng.adapter)
+
+    def prime(self, svc: Service, step: Step) -> None:
+        """Re-send the requests a service launched just before ``step`` must see first (not recorded)."""
+        steps = priming_steps(self.plan, step)
+        if not steps:
+            return
+        self.notify("service", f"priming {step.service}: re-sending {len(steps)} earlier request(s)")
+        for st in steps:
+            try:
+                self._reset_if_planned(svc, st)
+                self._complete(svc, st)
+            except RequestError as e:
+                logger.warning("priming %s with step %d failed: %s", step.service, st.index, e)
+
+    def measure(self, svc: Service, step: Step) -> Sample:
+        """Send ``step``'s request (after the planned reset), with the telemetry window and the metrics
+        scrapes around it; raises :class:`RequestError` when it fails."""
+        metrics_path = self.profile.engine.metrics_path
+        monitor = self.slot.monitor
+        mark: int | None = None
+        try:
+            self._reset_if_planned(svc, step)
+            before = _scrape(self.client, svc.base_url, metrics_path)
+            mark = monitor.mark() if monitor is not None else None  # the window spans the request alone
+            c = self._complete(svc, step)
+            window = monitor.window(mark) if monitor is not None and mark is not None else {}
+            mark = None
+            after = _scrape(self.client, svc.base_url, metrics_path)
+        finally:
+            if mark is not None and monitor is not None:  # a failed or interrupted request
+                _close_window(monitor, mark)
+        return Sample(**_step_fields(step), ok=True, **c.sample_fields(),
+                      telemetry=Telemetry(metrics_before=before, metrics_after=after, **window))
+
+    def on_failure(self, svc: Service, step: Step, e: RequestError) -> bool:
+        """Record the failed sample and apply ``run.on_request_failure``; True when the run must stop."""
+        self.record_sample(_failed_sample(step, e.kind, e.detail))
+        policy = self.profile.run.on_request_failure
+        if policy == "stop":
+            self._partial(f"stopped after a failed request at step {step.index} (run.on_request_failure = "
+                          f"stop): {e}")
+            return True
+        dead = self._why_dead(svc, step, e)
+        if dead:
+            self.notify("warning", f"service {step.service} {dead}; it is launched again for the next step")
+            self.slot.stop(error=dead)
+        elif policy == "restart":
+            self.slot.stop()  # the next step launches it again
+        return False
+
+    def _why_dead(self, svc: Service, step: Step, e: RequestError) -> str | None:
+        """Why the service cannot serve the next step, or None when it still can."""
+        if svc.launched:
+            deadline = time.monotonic() + (DEATH_GRACE_S if e.kind == "connect" else 0.0)
+            while True:
+                if not svc.alive():
+                    return f"exited during step {step.index} ({e.kind} failure)"
+                if time.monotonic() >= deadline:
+                    break
+                time.sleep(0.02)
+        if e.kind in ("connect", "timeout") and not self.client.health(svc.base_url, self.profile.engine.health_path):
+            return f"stopped answering its health check after step {step.index} ({e.kind} failure)"
+        return None
+
+    def finish(self) -> None:
+        """Tear every service down and save the record (a second signal meanwhile is ignored)."""
+        record = self.record
+        with signals_deferred():
+            try:
+                self.slot.stop()
+            finally:
+                stop_all()
+                self.client.close()
+                self.log.close()
+                if record.status == "running":
+                    self._partial(record.status_reason or "ended unexpectedly")
+                record.finished_at = time.time()
+                save_run(self.run_dir, record)
+                self.notify("done", record.status)
+
+
+def check_run_dir_free(run_dir: Path) -> None:
+    if (run_dir / "run.json").exists():
+        raise ConfigError(f"--out {run_dir}: a run already exists there; choose another directory or use --resume")

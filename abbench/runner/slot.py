@@ -1,0 +1,100 @@
+"""The service slot: owns the one service of the current plan block (launch, attach, stop) and its monitor.
+
+Every launch or attach is appended to the run record's ``services`` as it happens (a failed launch too,
+with its error), and replaced by the final record when the service stops. The arm -> service rule is
+:meth:`abbench.profile.Profile.launch_spec`; :func:`check_launch_commands` refuses launched commands without
+a ``{port}`` placeholder before anything starts.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from abbench.client import EngineClient
+from abbench.errors import ConfigError, ServiceError
+from abbench.nvml import gpu_idle
+from abbench.profile import Profile
+from abbench.results import LOGS_DIR, RunRecord, ServiceRecord
+from abbench.services import Service
+from abbench.telemetry import ServiceMonitor
+
+
+def check_launch_commands(profile: Profile) -> None:
+    """Every launched command must say where to listen: abbench picks a free port per service and passes it
+    through the ``{port}`` placeholder, then health-checks that port. A command without it could only be
+    health-checked on the wrong port (or, with a fixed port, against someone else's server)."""
+    for spec in profile.launch_specs():
+        if spec.argv is not None and not any("{port}" in str(a) for a in spec.argv):
+            raise ConfigError(
+                f"{spec.source}: {spec.argv!r} has no {{port}} placeholder; abbench picks a free port for every "
+                "service and health-checks it there, so pass it to the engine (e.g. \"--port\", \"{port}\") "
+                "instead of a fixed port"
+            )
+
+
+class ServiceSlot:
+    """Owns the service of the current plan block: launch, restart, stop, records."""
+
+    def __init__(self, profile: Profile, run_dir: Path, client: EngineClient, record: RunRecord) -> None:
+        self.profile = profile
+        self.run_dir = run_dir
+        self.client = client
+        self.record = record
+        self.service: Service | None = None
+        self.monitor: ServiceMonitor | None = None
+        self.key: str | None = None
+        self.launches: dict[str, int] = {}
+        for s_rec in record.services:  # resumed: a relaunched service gets a log of its own (KEY.restartN.log)
+            self.launches[s_rec.key] = self.launches.get(s_rec.key, 0) + 1
+
+    def start(self, key: str, arm: str | None, round_no: int | None) -> Service:
+        """Launch (or attach to) the service ``key`` serving ``arm`` (None: the engine's own command)."""
+        self.stop()
+        eng = self.profile.engine
+        spec = self.profile.launch_spec(arm)
+        n = self.launches.get(key, 0)
+        self.launches[key] = n + 1
+        log_name = (f"{key}.log" if n == 0 else f"{key}.restart{n}.log").replace("@", "_")
+        if eng.shared_service:
+            arms = [a.name for a in self.profile.service_groups().get(key, self.profile.arms)]
+        else:
+            arms = [arm or key]
+        idle_before = gpu_idle()
+        try:
+            if spec.base_url:
+                svc = Service.attach(key, spec.base_url, health_path=eng.health_path,
+                                     health_timeout_s=eng.health_timeout_s, health_check=self.client.health,
+                                     arms=arms, round=round_no)
+            else:
+                assert spec.argv is not None
+                svc = Service.launch(key, spec.argv, env=spec.env, log_path=self.run_dir / LOGS_DIR / log_name,
+                                     health_path=eng.health_path, health_timeout_s=eng.health_timeout_s,
+                                     stop_timeout_s=eng.stop_timeout_s, health_check=self.client.health,
+                                     profile_dir=spec.profile_dir, arms=arms, round=round_no)
+        except (ServiceError, KeyboardInterrupt) as e:  # the launch stopped what it started already
+            error = str(e).splitlines()[0] if isinstance(e, ServiceError) else "interrupted while starting"
+            self.record.services.append(ServiceRecord(
+                key=key, arms=arms, round=round_no, command=spec.argv, env=spec.env, base_url=spec.base_url or "",
+                log=None if spec.base_url else f"{LOGS_DIR}/{log_name}", gpu_idle_before=idle_before,
+                error=error))
+            raise
+        svc.gpu_idle_before = idle_before
+        self.service = svc
+        self.key = key
+        self.record.services.append(svc.record(self.run_dir))
+        self.monitor = ServiceMonitor(key, svc.pid).start()
+        return svc
+
+    def stop(self, error: str | None = None) -> None:
+        """Stop the current service (if any); ``error`` says why when it is being replaced because it died."""
+        if self.monitor is not None:
+            self.monitor.stop()
+            self.record.memory.extend(self.monitor.points())
+            self.monitor = None
+        if self.service is not None:
+            svc, self.service, self.key = self.service, None, None
+            if error:
+                svc.error = error
+            svc.stop()
+            svc.gpu_idle_after = gpu_idle()
+            self.record.services[-1] = svc.record(self.run_dir)
