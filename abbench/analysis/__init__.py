@@ -6,6 +6,7 @@ I/O, no network, no adapters; results only).
 * :mod:`~abbench.analysis.parity`: token-id parity against the reference, :func:`classify`;
 * :mod:`~abbench.analysis.paths`: the active prefill path against ``expect_path``;
 * :mod:`~abbench.analysis.transfer`: H2D bytes, the TTFT floor, the engine's prefix-cache counters;
+* :mod:`~abbench.analysis.decode`: decode rate, decode H2D per step, slot-cache hit rate, peak device memory;
 * :mod:`~abbench.analysis.checks`: the gate, a list of checks ``(GateInput) -> CheckResult``;
 * :mod:`~abbench.analysis.summary`: :func:`analyze`, everything the report shows.
 """
@@ -50,6 +51,7 @@ from abbench.analysis.paths import (
     active_path_samples,
     active_path_summary,
 )
+from abbench.analysis.decode import DECODE_COLUMNS, decode_table
 from abbench.analysis.summary import Analysis, analyze
 from abbench.analysis.timing import (
     BOOTSTRAP_RESAMPLES,
@@ -78,7 +80,8 @@ from abbench.analysis.transfer import (
 )
 
 __all__ = [
-    "BOOTSTRAP_RESAMPLES", "BOOTSTRAP_SEED", "CHECKS", "CONFIDENCE", "ENGINE_COUNTER_COLUMNS", "FLOOR_COLUMNS",
+    "BOOTSTRAP_RESAMPLES", "BOOTSTRAP_SEED", "CHECKS", "CONFIDENCE", "DECODE_COLUMNS", "decode_table",
+    "ENGINE_COUNTER_COLUMNS", "FLOOR_COLUMNS",
     "FLOOR_KINDS", "H2D_COLUMNS", "KIND_ORDER", "MEMORY_COLUMNS", "NEAR_TIE_NATS", "PAIR_COLUMNS", "PARITY_COLUMNS",
     "PATH_COLUMNS", "PATH_SUMMARY_COLUMNS", "RATIO_COLUMNS", "SAMPLE_COLUMNS", "SMALL_N", "Analysis", "Check",
     "CheckResult", "Completeness", "GateInput", "GateVerdict", "MedianCI", "active_path_samples",

@@ -30,7 +30,7 @@ import numpy as np
 import pandas as pd
 from pydantic import ValidationError
 
-from abbench.engine.stats import AbbenchStats
+from abbench.engine.stats import AbbenchDecode, AbbenchStats
 from abbench.errors import ResultsError
 from abbench.profile import GateSpec
 from abbench.results import RunRecord, Sample, Step
@@ -176,7 +176,8 @@ SAMPLE_COLUMNS = [
     "prefill_path", "fallback_reason", "n_chunks", "n_windows", "cached_prompt_tokens", "h2d_bytes",
     "prefill_h2d_bytes", "decode_h2d_bytes", "d2d_bytes", "bank_bytes", "expert_copies", "measured_h2d_gbps",
     "engine_ttft_s", "engine_prefill_s", "queue_wait_s", "client_overhead_s", "after_write_s", "nvml_pcie_rx_bytes",
-    "gpu_mem_used_peak", "proc_gpu_mem_peak", "host_rss_peak",
+    "gpu_mem_used_peak", "proc_gpu_mem_peak", "host_rss_peak", "slot_hits", "slot_misses", "decode_steps_whole",
+    "decode_steps_per_layer", "decode_mode", "slots_per_layer", "peak_device_bytes",
 ]
 
 
@@ -192,6 +193,7 @@ def sample_frame(record: RunRecord, samples: list[Sample]) -> pd.DataFrame:
     rows = []
     for s in samples:
         e = AbbenchStats.read(s.engine)
+        d = e.decode or AbbenchDecode()
         decode_s = s.total_s - s.ttft_s if s.total_s is not None and s.ttft_s is not None else None
         tok_s = None
         if decode_s and decode_s > 0 and s.completion_tokens and s.completion_tokens > 1:
@@ -225,6 +227,10 @@ def sample_frame(record: RunRecord, samples: list[Sample]) -> pd.DataFrame:
                 "gpu_mem_used_peak": s.telemetry.gpu_mem_used_peak,
                 "proc_gpu_mem_peak": s.telemetry.proc_gpu_mem_peak,
                 "host_rss_peak": s.telemetry.host_rss_peak,
+                "slot_hits": num(d.slot_hits), "slot_misses": num(d.slot_misses),
+                "decode_steps_whole": num(d.steps_whole), "decode_steps_per_layer": num(d.steps_per_layer),
+                "decode_mode": d.mode, "slots_per_layer": num(d.slots_per_layer),
+                "peak_device_bytes": num(e.peak_device_bytes),
             }
         )
     df = pd.DataFrame(rows, columns=SAMPLE_COLUMNS)

@@ -201,6 +201,37 @@ def engine_counters_section(ri: ReportInput) -> list[str]:
     return lines
 
 
+def decode_section(ri: ReportInput) -> list[str]:
+    a = ri.analysis
+    lines = ["## Decode", ""]
+    if a.decode.empty:
+        return lines + ["No decode data: no measured request generated more than one token."]
+    has_model = a.decode["expected_step_s"].notna().any()
+    lines += [
+        ("Medians per request. Step = (total - TTFT) / (output tokens - 1) as the harness saw it; decode H2D per "
+         "step = experts copied into the decode slot cache; hit rate = routed (layer, expert) pairs found in "
+         "the slot cache. Peak device memory: the engine's own peak allocation during the request (torch), and "
+         "NVML's peak for the service's processes."
+         + (" Expected = decode H2D per step / measured H2D bandwidth + the cached step (the median step, for "
+            "the same prompt, of an arm whose decode copied nothing)." if has_model else "")), "",
+        table(a.decode, [Col("arm", "Arm", descriptive=True, right=False),
+                         Col("kind", "Kind", descriptive=True, right=False),
+                         Col("target_tokens", "Prompt tokens", fmt_int, descriptive=True),
+                         Col("n", "n", fmt_int, descriptive=True),
+                         Col("tok_s", "Decode tok/s", lambda v: fmt_num(v, 1)),
+                         Col("step_s", "Step", fmt_s),
+                         Col("h2d_per_step", "Decode H2D/step", fmt_gb),
+                         Col("hit_rate", "Slot hit rate", lambda v: DASH if is_na(v) else f"{100 * v:.1f}%"),
+                         Col("slots_per_layer", "Slots/layer", fmt_int, descriptive=True),
+                         Col("decode_mode", "Decoder", descriptive=True, right=False),
+                         Col("expected_step_s", "Expected step", fmt_s),
+                         Col("over_expected", "Step/expected", fmt_ratio),
+                         Col("peak_device_bytes", "Peak device (engine)", fmt_gib),
+                         Col("proc_gpu_mem_peak", "Peak device (NVML)", fmt_gib)]),
+    ]
+    return lines
+
+
 def memory_section(ri: ReportInput) -> list[str]:
     a, record, plots = ri.analysis, ri.record, ri.plots
     lines = ["## Memory", ""]
@@ -478,7 +509,7 @@ def plots_section(ri: ReportInput) -> list[str]:
 
 SECTIONS = [
     header_section, verdict_section, ttft_section, ratios_section, h2d_section, floor_section,
-    engine_counters_section, memory_section, parity_section, active_path_section, overhead_section,
+    engine_counters_section, decode_section, memory_section, parity_section, active_path_section, overhead_section,
     environment_section, small_n_section, problems_section, plots_section,
 ]
 """The report's sections, in order."""

@@ -1,0 +1,66 @@
+"""Decode: how fast each arm generates after its first token, what decode copied over PCIe, how often the
+decode slot cache held the routed experts, and the device memory each request peaked at.
+
+:func:`decode_table` gives, per arm, kind and prompt length (medians over measured ok samples):
+
+- ``step_s``: seconds per decode step = (total - TTFT) / (completion_tokens - 1), as the harness saw it;
+  ``tok_s`` = 1 / step_s;
+- ``h2d_per_step``: the engine's decode H2D bytes / (completion_tokens - 1) (experts copied into the slot
+  cache on misses);
+- ``hit_rate``: slot-cache hits / (hits + misses) over the request's routed (layer, expert) pairs (None when
+  the engine reported none: resident experts, or another engine);
+- ``expected_step_s`` = h2d_per_step / measured H2D bandwidth + the *cached step*: the median step of an arm
+  that copied nothing during decode (every expert resident or cached) for the same prompt, and
+  ``over_expected`` = step_s / expected_step_s: how close an offloaded decode comes to "the copies it must
+  make, plus a step with nothing to copy";
+- ``peak_device_bytes``: torch's peak allocated device memory during the request (the engine's own figure),
+  and ``proc_gpu_mem_peak``: NVML's peak for the service's processes while the request ran.
+"""
+
+from __future__ import annotations
+
+import pandas as pd
+
+from abbench.analysis.frames import int_or_none, max_of, measured_ok_frame, median_of, sort_rows
+from abbench.results import RunRecord
+
+DECODE_COLUMNS = ["arm", "kind", "target_tokens", "n", "step_s", "tok_s", "h2d_per_step", "hit_rate",
+                  "slots_per_layer", "decode_mode", "cached_step_s", "expected_step_s", "over_expected",
+                  "peak_device_bytes", "proc_gpu_mem_peak"]
+
+
+def decode_table(record: RunRecord) -> pd.DataFrame:
+    df = measured_ok_frame(record)
+    if df.empty:
+        return pd.DataFrame(columns=DECODE_COLUMNS)
+    steps = (df["completion_tokens"] - 1).where(df["completion_tokens"] > 1)
+    df = df.assign(step_s=df["decode_s"] / steps, h2d_per_step=df["decode_h2d_bytes"] / steps,
+                   hits_total=df["slot_hits"] + df["slot_misses"])
+    # the cached step of each prompt: the median step of arms whose decode copied nothing
+    no_copy = df[(df["decode_h2d_bytes"] == 0) & df["step_s"].notna()]
+    cached = {pid: median_of(g["step_s"]) for pid, g in no_copy.groupby("prompt_id")}
+    rows = []
+    for (arm, kind, tokens), g in df.groupby(["arm", "kind", "target_tokens"], sort=False, dropna=False):
+        step = median_of(g["step_s"])
+        if step is None:
+            continue
+        hits = g["slot_hits"].sum(min_count=1)
+        total = g["hits_total"].sum(min_count=1)
+        hit_rate = float(hits / total) if pd.notna(total) and total > 0 else None
+        per_step = median_of(g["h2d_per_step"])
+        gbps = median_of(g["measured_h2d_gbps"])
+        cached_step = median_of([cached.get(pid) for pid in g["prompt_id"]])
+        expected = None
+        if cached_step is not None and per_step is not None and gbps:
+            expected = per_step / (gbps * 1e9) + cached_step
+        modes = sorted({m for m in g["decode_mode"] if isinstance(m, str)})
+        rows.append({
+            "arm": arm, "kind": kind, "target_tokens": int_or_none(tokens), "n": len(g), "step_s": step,
+            "tok_s": 1.0 / step if step > 0 else None, "h2d_per_step": per_step, "hit_rate": hit_rate,
+            "slots_per_layer": median_of(g["slots_per_layer"]), "decode_mode": ", ".join(modes) or None,
+            "cached_step_s": cached_step, "expected_step_s": expected,
+            "over_expected": step / expected if expected else None,
+            "peak_device_bytes": max_of(g["peak_device_bytes"]), "proc_gpu_mem_peak": max_of(g["proc_gpu_mem_peak"]),
+        })
+    out = pd.DataFrame(rows, columns=DECODE_COLUMNS)
+    return sort_rows(out, record, ["arm", "kind", "target_tokens"])

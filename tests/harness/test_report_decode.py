@@ -1,0 +1,100 @@
+"""The report's Decode section, pinned figure by figure against the committed offloaded H200 run.
+
+Every cell is recomputed here from ``requests.jsonl`` with plain Python (no abbench analysis code) and compared
+with the Markdown cell as printed (``abbench report`` through the CLI): decode rate and step, decode H2D per
+step, the slot-cache hit rate, the expected step (decode H2D per step / measured bandwidth + the step of an arm
+that copied nothing for the same prompt), step over expected and the peak device memory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.support import mdtables as mt
+
+REPO = Path(__file__).resolve().parents[2]
+RUN = REPO / "results" / "20261130-h200-qwen3-30b-a3b"
+
+
+def _s(cell: str) -> float:
+    v, unit = cell.split()
+    return float(v) * {"s": 1.0, "ms": 1e-3}[unit]
+
+
+def _bytes(cell: str) -> float:
+    v, unit = cell.split()
+    return float(v) * {"B": 1, "kB": 1e3, "MB": 1e6, "GB": 1e9, "MiB": 2**20, "GiB": 2**30}[unit]
+
+
+def _close(printed: float, want: float, digits_rel: float = 5e-3) -> bool:
+    return abs(printed - want) <= digits_rel * max(abs(want), 1e-12) + 1e-12
+
+
+@pytest.fixture(scope="module")
+def decode_rows(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, str]]:
+    out = tmp_path_factory.mktemp("reports")
+    env = {**os.environ, "COLUMNS": "400", "NO_COLOR": "1"}
+    res = subprocess.run([sys.executable, "-m", "abbench", "report", str(RUN), "--out", str(out)], cwd=REPO,
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert res.returncode == 0, res.stderr
+    section = mt.sections((out / f"{RUN.name}.md").read_text())["Decode"]
+    (rows,) = mt.tables(section)
+    return rows
+
+
+def _samples() -> list[dict]:
+    prompts = {p["id"]: p["target_tokens"] for p in json.loads((RUN / "run.json").read_text())["prompts"]}
+    last: dict[int, dict] = {}
+    for line in (RUN / "requests.jsonl").read_text().splitlines():
+        s = json.loads(line)
+        if s["ok"] and not s["excluded"]:
+            last[s["step"]] = s
+    out = []
+    for s in last.values():
+        e = s["engine"]
+        steps = s["completion_tokens"] - 1
+        out.append({"arm": s["arm"], "kind": s["kind"], "tokens": prompts[s["prompt_id"]], "prompt": s["prompt_id"],
+                    "step": (s["total_s"] - s["ttft_s"]) / steps, "h2d": e["decode_h2d_bytes"] / steps,
+                    "hits": e["decode"]["slot_hits"], "misses": e["decode"]["slot_misses"],
+                    "gbps": e["measured_h2d_gbps"], "peak": e["peak_device_bytes"],
+                    "copied": e["decode_h2d_bytes"]})
+    return out
+
+
+def test_decode_section_figures(decode_rows: list[dict[str, str]]) -> None:
+    samples = _samples()
+    cached: dict[str, list[float]] = {}
+    for s in samples:
+        if s["copied"] == 0:
+            cached.setdefault(s["prompt"], []).append(s["step"])
+    cells: dict[tuple, list[dict]] = {}
+    for s in samples:
+        cells.setdefault((s["arm"], s["kind"], s["tokens"]), []).append(s)
+    assert len(decode_rows) == len(cells) == 28  # 4 arms x (5 fresh lengths + cold + continuation)
+    for row in decode_rows:
+        g = cells[(row["Arm"], row["Kind"], int(row["Prompt tokens"]))]
+        step = statistics.median(x["step"] for x in g)
+        assert _close(_s(row["Step"]), step), row
+        assert abs(float(row["Decode tok/s"]) - 1 / step) <= 0.051, row
+        per_step = statistics.median(x["h2d"] for x in g)
+        if per_step == 0:
+            assert row["Decode H2D/step"] == "0 B" and row["Slot hit rate"] == "—"
+        else:
+            assert _close(_bytes(row["Decode H2D/step"]), per_step), row
+            hits = sum(x["hits"] for x in g)
+            rate = 100 * hits / (hits + sum(x["misses"] for x in g))
+            assert abs(float(row["Slot hit rate"].rstrip("%")) - rate) <= 0.051, row
+        cached_step = statistics.median(statistics.median(cached[x["prompt"]]) for x in g)
+        expected = per_step / (statistics.median(x["gbps"] for x in g) * 1e9) + cached_step
+        assert _close(_s(row["Expected step"]), expected), row
+        assert abs(float(row["Step/expected"].rstrip("x")) - step / expected) <= 0.0006, row
+        assert _close(_bytes(row["Peak device (engine)"]), max(x["peak"] for x in g)), row
+    resident = [r for r in decode_rows if r["Arm"] == "resident"]
+    assert all(r["Step/expected"] == "1.000x" for r in resident)  # the resident arm is its own cached step
