@@ -51,7 +51,7 @@ from abbench.analysis.paths import (
     active_path_samples,
     active_path_summary,
 )
-from abbench.analysis.decode import DECODE_COLUMNS, decode_table
+from abbench.analysis.decode import DECODE_COLUMNS, TTFT_MEMORY_COLUMNS, decode_table, ttft_memory_table
 from abbench.analysis.summary import Analysis, analyze
 from abbench.analysis.timing import (
     BOOTSTRAP_RESAMPLES,
@@ -80,7 +80,7 @@ from abbench.analysis.transfer import (
 )
 
 __all__ = [
-    "BOOTSTRAP_RESAMPLES", "BOOTSTRAP_SEED", "CHECKS", "CONFIDENCE", "DECODE_COLUMNS", "decode_table",
+    "BOOTSTRAP_RESAMPLES", "BOOTSTRAP_SEED", "CHECKS", "CONFIDENCE", "DECODE_COLUMNS", "decode_table", "TTFT_MEMORY_COLUMNS", "ttft_memory_table",
     "ENGINE_COUNTER_COLUMNS", "FLOOR_COLUMNS",
     "FLOOR_KINDS", "H2D_COLUMNS", "KIND_ORDER", "MEMORY_COLUMNS", "NEAR_TIE_NATS", "PAIR_COLUMNS", "PARITY_COLUMNS",
     "PATH_COLUMNS", "PATH_SUMMARY_COLUMNS", "RATIO_COLUMNS", "SAMPLE_COLUMNS", "SMALL_N", "Analysis", "Check",

@@ -15,6 +15,9 @@ decode slot cache held the routed experts, and the device memory each request pe
   make, plus a step with nothing to copy";
 - ``peak_device_bytes``: torch's peak allocated device memory during the request (the engine's own figure),
   and ``proc_gpu_mem_peak``: NVML's peak for the service's processes while the request ran.
+
+:func:`ttft_memory_table` pairs each arm's median TTFT with its peak device memory, per kind and length: the
+speed/memory trade (layer-major against one giant chunk, say) at a glance.
 """
 
 from __future__ import annotations
@@ -63,4 +66,25 @@ def decode_table(record: RunRecord) -> pd.DataFrame:
             "peak_device_bytes": max_of(g["peak_device_bytes"]), "proc_gpu_mem_peak": max_of(g["proc_gpu_mem_peak"]),
         })
     out = pd.DataFrame(rows, columns=DECODE_COLUMNS)
+    return sort_rows(out, record, ["arm", "kind", "target_tokens"])
+
+
+TTFT_MEMORY_COLUMNS = ["arm", "kind", "target_tokens", "n", "ttft_s", "peak_bytes", "peak_source"]
+
+
+def ttft_memory_table(record: RunRecord) -> pd.DataFrame:
+    """The trade between speed and memory: per arm, kind and length, the median TTFT and the highest device
+    memory any of those requests peaked at: the engine's own figure (torch's peak allocation) where it gave
+    one, else NVML's peak for the service's processes during the request. Rows only with a memory figure."""
+    df = measured_ok_frame(record)
+    rows = []
+    for (arm, kind, tokens), g in df.groupby(["arm", "kind", "target_tokens"], sort=False, dropna=False):
+        engine_peak, nvml_peak = max_of(g["peak_device_bytes"]), max_of(g["proc_gpu_mem_peak"])
+        peak, source = (engine_peak, "engine") if engine_peak is not None else (nvml_peak, "nvml")
+        ttft = median_of(g["ttft_s"])
+        if peak is None or ttft is None:
+            continue
+        rows.append({"arm": arm, "kind": kind, "target_tokens": int_or_none(tokens), "n": len(g), "ttft_s": ttft,
+                     "peak_bytes": peak, "peak_source": source})
+    out = pd.DataFrame(rows, columns=TTFT_MEMORY_COLUMNS)
     return sort_rows(out, record, ["arm", "kind", "target_tokens"])

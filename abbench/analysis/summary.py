@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import pandas as pd
 
 from abbench.analysis.checks import GateInput, GateVerdict, run_checks
-from abbench.analysis.decode import decode_table
+from abbench.analysis.decode import decode_table, ttft_memory_table
 from abbench.analysis.frames import Completeness, arm_names, completeness, memory_table, reference_arm, samples_frame
 from abbench.analysis.parity import NEAR_TIE_NATS, parity_frame, parity_tokens_of
 from abbench.analysis.paths import active_path_samples, active_path_summary
@@ -34,6 +34,7 @@ class Analysis:
     floor: pd.DataFrame
     engine_counters: pd.DataFrame
     decode: pd.DataFrame
+    ttft_memory: pd.DataFrame
     overhead: pd.DataFrame
     memory: pd.DataFrame
     completeness: Completeness
@@ -54,7 +55,7 @@ def analyze(record: RunRecord, *, parity_tokens: int | None = None, near_tie_nat
         reference=reference_arm(record), arms=arm_names(record), parity_tokens=k,
         samples=samples_frame(record), ttft=ttft, pairs=pairs, ratios=ratios, parity=parity,
         path_samples=path_samples, path_summary=path_summary, h2d=h2d_table(record),
-        floor=floor_table(record), engine_counters=engine_counter_table(record), decode=decode_table(record),
+        floor=floor_table(record), engine_counters=engine_counter_table(record), decode=decode_table(record), ttft_memory=ttft_memory_table(record),
         overhead=overhead_table(record),
         memory=memory_table(record), completeness=comp,
         notes=small_n_notes(record, ratios, ttft),

@@ -71,10 +71,12 @@ def h2d_table(record: RunRecord) -> pd.DataFrame:
 
 def floor_table(record: RunRecord) -> pd.DataFrame:
     """The physical floor of a fresh prompt's TTFT, per kind and length (prompts that start from an empty
-    cache): max(compute floor, copy floor), where the compute floor is the median TTFT of the arm(s) whose
-    expected path is ``resident`` (nothing streamed) and the copy floor is one bank over the measured H2D
-    bandwidth. Each arm's median TTFT over that floor says how close it gets (1.0 = at the floor). Empty
-    when the run has neither a resident arm nor engine bank/bandwidth numbers."""
+    cache): max(compute floor, copy floor), where the compute floor is the fastest median TTFT among the arms
+    whose expected path is ``resident`` (nothing streamed; a profile may run resident arms at several chunk
+    sizes, e.g. its own and one chunk as long as the prompt, and the fastest sets the floor:
+    ``compute_floor_arm`` names it) and the copy floor is one bank over the measured H2D bandwidth. Each
+    arm's median TTFT over that floor says how close it gets (1.0 = at the floor). Empty when the run has
+    neither a resident arm nor engine bank/bandwidth numbers."""
     df = measured_ok_frame(record)
     if df.empty:
         return frame([], FLOOR_COLUMNS)
@@ -85,7 +87,10 @@ def floor_table(record: RunRecord) -> pd.DataFrame:
         gbps = g["measured_h2d_gbps"]
         copy = (g["bank_bytes"] / (gbps.where(gbps > 0) * 1e9)).dropna()
         copy_s = median_of(copy)
-        compute_s = median_of(g[g["arm"].isin(resident_arms)]["ttft_s"]) if resident_arms else None
+        by_arm = {a: median_of(ga["ttft_s"]) for a, ga in g[g["arm"].isin(resident_arms)].groupby("arm", sort=False)}
+        by_arm = {a: v for a, v in by_arm.items() if v is not None}
+        set_by = min(by_arm, key=lambda a: by_arm[a]) if by_arm else None
+        compute_s = by_arm[set_by] if set_by else None
         known = [v for v in (copy_s, compute_s) if v is not None]
         if not known:
             continue
@@ -94,15 +99,16 @@ def floor_table(record: RunRecord) -> pd.DataFrame:
         for arm, ga in g.groupby("arm", sort=False):
             ttft = median_of(ga["ttft_s"])
             rows.append({"arm": arm, "kind": kind, "target_tokens": int_or_none(tokens), "n": len(ga),
-                         "ttft_s": ttft, "compute_floor_s": compute_s, "copy_floor_s": copy_s,
+                         "ttft_s": ttft, "compute_floor_s": compute_s, "compute_floor_arm": set_by,
+                         "copy_floor_s": copy_s,
                          "floor_s": floor_s, "bound": bound,
                          "over_floor": ttft / floor_s if ttft and floor_s else None})
     out = frame(rows, FLOOR_COLUMNS, ints=["target_tokens"])
     return sort_rows(out, record, ["arm", "kind", "target_tokens"])
 
 
-FLOOR_COLUMNS = ["arm", "kind", "target_tokens", "n", "ttft_s", "compute_floor_s", "copy_floor_s", "floor_s",
-                 "bound", "over_floor"]
+FLOOR_COLUMNS = ["arm", "kind", "target_tokens", "n", "ttft_s", "compute_floor_s", "compute_floor_arm",
+                 "copy_floor_s", "floor_s", "bound", "over_floor"]
 
 
 

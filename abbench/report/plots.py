@@ -1,4 +1,4 @@
-"""The report's PNG plots (TTFT, paired ratios, H2D, memory over time).
+"""The report's PNG plots (TTFT, paired ratios, H2D, memory over time, TTFT against peak device memory).
 
 matplotlib (Agg, through ``FigureCanvasAgg``: no global backend switch, no pyplot) is imported only inside
 the plotting functions, so ``import abbench.report`` stays cheap. A plot without data is not drawn (a stale
@@ -121,6 +121,31 @@ def plot_h2d(a: an.Analysis, path: Path) -> None:
     fig.savefig(path)
 
 
+def plot_ttft_memory(a: an.Analysis, path: Path) -> None:
+    """TTFT against peak device memory, one marker per arm and prompt length (fresh prompts when there are
+    any, else every kind): lower left is better; the lines join each arm's lengths."""
+    df = a.ttft_memory
+    fresh = df[df["kind"] == "fresh"]
+    df = fresh if not fresh.empty else df
+    fig = _figure(7.0, 4.5)
+    ax = fig.add_subplot()
+    for i, arm in enumerate(x for x in a.arms if x in set(df["arm"])):
+        g = df[df["arm"] == arm].sort_values("target_tokens")
+        xs, ys = g["peak_bytes"].astype(float) / 2**30, g["ttft_s"].astype(float)
+        ax.plot(xs, ys, marker="o", color=f"C{i % 10}", label=arm)
+        for x, y, t in zip(xs, ys, g["target_tokens"]):
+            ax.annotate(group_label("", t).strip(), (x, y), textcoords="offset points", xytext=(4, 3), fontsize=7)
+    sources = sorted(set(df["peak_source"]))
+    ax.set_xlabel("peak device memory per request (GiB, " + " / ".join(
+        {"engine": "engine's own peak", "nvml": "NVML, service processes"}[s] for s in sources) + ")")
+    ax.set_ylabel("median TTFT (s)")
+    _log_if_wide(ax, list(df["ttft_s"]))
+    ax.grid(True, alpha=0.3)
+    ax.legend(title="arm", fontsize=8)
+    ax.set_title("TTFT against peak device memory (labels: prompt tokens)")
+    fig.savefig(path)
+
+
 def plot_memory(record: RunRecord, path: Path) -> None:
     """Memory over time per service, one colour per arm (or set of arms sharing a service): GPU used
     (solid) and the service's processes on the GPU (dashed); host RSS when there is no GPU sample."""
@@ -177,6 +202,8 @@ def write_plots(record: RunRecord, a: an.Analysis, plots_dir: Path) -> tuple[dic
         "ratios": (not a.pairs.empty, "no paired samples", lambda p: plot_ratios(a, p)),
         "h2d": (not a.h2d.empty, "no engine H2D counters or NVML estimate", lambda p: plot_h2d(a, p)),
         "memory": (has_memory, "no background memory samples", lambda p: plot_memory(record, p)),
+        "ttft_memory": (not a.ttft_memory.empty, "no peak device memory per request",
+                        lambda p: plot_ttft_memory(a, p)),
     }
     for name, (ok, why, draw) in jobs.items():
         path = plots_dir / f"{name}.png"

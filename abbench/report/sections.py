@@ -31,7 +31,7 @@ from abbench.report.format import (
 )
 from abbench.results import RunRecord
 
-PLOTS = ("ttft", "ratios", "h2d", "memory")
+PLOTS = ("ttft", "ratios", "h2d", "memory", "ttft_memory")
 
 
 @dataclass
@@ -229,7 +229,7 @@ def decode_section(ri: ReportInput) -> list[str]:
                          Col("peak_device_bytes", "Peak device (engine)", fmt_gib),
                          Col("proc_gpu_mem_peak", "Peak device (NVML)", fmt_gib)]),
     ]
-    return lines
+    return lines + _plot_link(ri.plots, "ttft_memory", "TTFT against peak device memory")
 
 
 def memory_section(ri: ReportInput) -> list[str]:
@@ -347,15 +347,18 @@ def floor_section(ri: ReportInput) -> list[str]:
         return []
     return [
         "## Distance to the floor", "",
-        ("The physical floor of a fresh prompt's TTFT: max(compute floor, copy floor). Compute floor = median "
-         "TTFT of the resident arm (every expert on the device, nothing streamed); copy floor = one bank / the "
-         "engine's measured H2D bandwidth. 'x floor' = the arm's median TTFT over that floor (1.00x = at the "
-         "floor)."), "",
+        ("The physical floor of a fresh prompt's TTFT: max(compute floor, copy floor). Compute floor = the "
+         "fastest median TTFT among the resident arms (every expert on the device, nothing streamed; 'Set by' "
+         "names it, so a run with resident arms at several chunk sizes is judged against the best of them); "
+         "copy floor = one bank / the engine's measured H2D bandwidth. 'x floor' = the arm's median TTFT over "
+         "that floor (1.00x = at the floor)."), "",
         table(a.floor, [Col("arm", "Arm", descriptive=True, right=False),
                         Col("kind", "Kind", descriptive=True, right=False),
                         Col("target_tokens", "Prompt tokens", fmt_int, descriptive=True),
                         Col("n", "n", fmt_int, descriptive=True), Col("ttft_s", "TTFT", fmt_s),
-                        Col("compute_floor_s", "Compute floor", fmt_s), Col("copy_floor_s", "Copy floor", fmt_s),
+                        Col("compute_floor_s", "Compute floor", fmt_s),
+                        Col("compute_floor_arm", "Set by", descriptive=True, right=False),
+                        Col("copy_floor_s", "Copy floor", fmt_s),
                         Col("floor_s", "Floor", fmt_s), Col("bound", "Bound by", descriptive=True, right=False),
                         Col("over_floor", "x floor", fmt_ratio)]),
         "",

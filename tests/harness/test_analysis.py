@@ -555,6 +555,24 @@ def test_floor_is_the_larger_of_resident_compute_and_one_bank_over_bandwidth() -
     assert floor.loc[("A", 1024)]["over_floor"] == pytest.approx(2.048 / copy)
 
 
+def test_the_fastest_resident_arm_sets_the_compute_floor_per_length() -> None:
+    """Two resident arms (the profile's chunk size, and one chunk as long as the prompt): the honest floor is
+    the faster of the two at each length, and the table says which set it."""
+
+    def ttft(arm: str, prompt: PromptRecord, rnd: int) -> float:
+        n = prompt.target_tokens / 1000.0
+        return {"B": 9.0, "R": n * 0.30, "RG": 3.0 if n < 8 else n * 0.25}[arm]
+
+    rec = make_run(arms=("B", "R", "RG"), lengths=(1024, 16384), ttft=ttft,
+                   expect_path={"R": "resident", "RG": "resident"}, paths={"R": "resident", "RG": "resident"})
+    floor = an.floor_table(rec).set_index(["arm", "target_tokens"])
+    short, long_ = floor.loc[("B", 1024)], floor.loc[("B", 16384)]
+    assert short["compute_floor_arm"] == "R" and short["compute_floor_s"] == pytest.approx(0.3072)
+    assert long_["compute_floor_arm"] == "RG" and long_["compute_floor_s"] == pytest.approx(4.096)
+    assert long_["over_floor"] == pytest.approx(9.0 / 4.096)
+    assert floor.loc[("R", 16384)]["over_floor"] == pytest.approx(16.384 * 0.30 / 4.096)  # R is 1.2x the floor
+
+
 def test_floor_without_a_resident_arm_is_the_copy_floor_alone() -> None:
     rec = make_run()
     floor = an.floor_table(rec)

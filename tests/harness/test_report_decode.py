@@ -98,3 +98,25 @@ def test_decode_section_figures(decode_rows: list[dict[str, str]]) -> None:
         assert _close(_bytes(row["Peak device (engine)"]), max(x["peak"] for x in g)), row
     resident = [r for r in decode_rows if r["Arm"] == "resident"]
     assert all(r["Step/expected"] == "1.000x" for r in resident)  # the resident arm is its own cached step
+
+
+def test_ttft_memory_table_pairs_median_ttft_with_the_highest_peak() -> None:
+    from abbench import analysis as an
+    from abbench.results import load_run
+
+    record, _ = load_run(RUN)
+    table = an.ttft_memory_table(record)
+    prompts = {p["id"]: p["target_tokens"] for p in json.loads((RUN / "run.json").read_text())["prompts"]}
+    raw: dict[tuple, list[dict]] = {}
+    for line in (RUN / "requests.jsonl").read_text().splitlines():
+        s = json.loads(line)
+        if s["ok"] and not s["excluded"]:
+            raw.setdefault((s["arm"], s["kind"], prompts[s["prompt_id"]]), []).append(s)
+    assert len(table) == len(raw) == 28 and set(table["peak_source"]) == {"engine"}
+    for r in table.itertuples():
+        g = raw[(r.arm, r.kind, r.target_tokens)]
+        assert r.peak_bytes == max(s["engine"]["peak_device_bytes"] for s in g)
+        assert r.ttft_s == pytest.approx(statistics.median(s["ttft_s"] for s in g))
+    resident = table[table["arm"] == "resident"]["peak_bytes"]
+    offloaded = table[table["arm"] != "resident"]["peak_bytes"]
+    assert offloaded.max() < 24e9 < resident.min()  # torch's own peak stays under the 24 GB budget
