@@ -1,8 +1,11 @@
 """``Engine``: what the HTTP server drives. One request at a time; a prefix cache of the previous request.
 
 Contract (the server relies on it):
-- ``Engine(config)`` builds the model, the host expert bank and the device buffers, loads or draws the
-  weights and measures host->device bandwidth (``measured_h2d_gbps``); ``startup_s`` says how long it took.
+- ``Engine(config)`` plans device memory (``memory_plan``: the decode slot cache sized from
+  ``gpu_memory_budget_gb``, or the device's free memory; ``slots_per_layer``), builds the model, the host
+  expert bank (refused when it does not fit the host's available memory) and the device buffers, loads or
+  draws the weights and measures host->device bandwidth (``measured_h2d_gbps``); ``startup_s`` says how long
+  it took. ``decoder`` runs decode steps (CUDA graphs on CUDA).
 - ``generate(prompt_ids, max_tokens, ...)`` validates eagerly (``ValueError``; ``ContextOverflow`` when
   prompt + max_tokens > max_context) and returns a generator of ``TokenEvent``, one per output token; the
   generator's return value (``StopIteration.value``) is the ``RequestStats``. ``Cancelled`` is raised from
@@ -17,7 +20,8 @@ Contract (the server relies on it):
   states, valid only where snapshotted) reuse exactly the previous prompt when the new prompt extends it
   (the states are snapshotted at the end of every prefill), else nothing. ``reset()`` flushes the prefix
   cache (and the hybrid states) and the decode slot cache.
-- Byte accounting per request (``RequestStats``) and for the engine's lifetime (``counters``).
+- Byte accounting per request (``RequestStats``: H2D/D2D bytes, decode slot-cache hits and misses, decode
+  steps, torch's peak device memory during the request) and for the engine's lifetime (``counters``).
 
 Fault injection (tests only): the environment variable ``ABBENCH_ENGINE_FAULT``, read once when the Engine
 is built, arms one fault. ``oom-once``: the next prefill raises ``torch.OutOfMemoryError`` from inside its
