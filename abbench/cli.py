@@ -200,9 +200,16 @@ def gate(
     parity_tokens: Annotated[
         Optional[int], typer.Option(min=1, help="First K greedy ids that must match. Default: the profile's.")
     ] = None,
+    check: Annotated[Optional[list[str]], typer.Option(
+        "--check", help="A declared check, METRIC[ARM(, KIND)(, >=TOKENS|<=TOKENS)] OP VALUE (repeatable), on top "
+        "of the profile's gate.checks; e.g. 'ttft_ratio[layer-major, fresh, >=32768] <= 0.15'.")] = None,
+    checks_from: Annotated[Optional[str], typer.Option(
+        "--checks-from", help="Also judge the gate.checks of this profile (name or .toml), e.g. a run recorded "
+        "before its profile declared them.")] = None,
 ) -> None:
     """Exit 0 when every prompt's first K ids match the reference arm and the declared checks hold; 1 when
-    not (naming prompt, arm and position); 2 on a usage or results error."""
+    not (naming prompt, arm and position, or the check and its cell); 2 on a usage or results error (a bad
+    check expression or an unknown arm included)."""
     from rich.markup import escape
 
     from abbench.analysis import gate as judge
@@ -210,7 +217,12 @@ def gate(
 
     try:
         record, problems = load_run(run, RESULTS_ROOT)
-        verdict = judge(record, parity_tokens=parity_tokens)
+        extra = list(check or [])
+        if checks_from is not None:
+            from abbench.profile import load_profile
+
+            extra = load_profile(checks_from).gate.checks + extra
+        verdict = judge(record, parity_tokens=parity_tokens, checks=extra)
     except AbbenchError as e:
         _fail(e)
         return
@@ -220,9 +232,15 @@ def gate(
     table.add_column("check")
     table.add_column("result")
     table.add_column("detail")
-    for name, passed, detail in verdict.checks:
-        table.add_row(name, "[green]pass[/]" if passed else "[red]FAIL[/]", detail)
+    for c in verdict.checks:
+        colour = "green" if c.passed else "yellow" if c.result == "inconclusive" else "red"
+        table.add_row(escape(c.name), f"[{colour}]{c.result}[/]", escape(c.detail))
     out.print(table)
+    for c in verdict.checks:  # declared checks, unwrapped: one line per cell they judged
+        if "[" in c.name:
+            out.print(f"check {escape(c.name)}: {c.result}", highlight=False, soft_wrap=True)
+            for cell in c.detail.split("; "):
+                out.print(f"  {escape(cell)}", highlight=False, soft_wrap=True)
     for f in verdict.failures:
         out.print(f"[red]FAIL[/] {escape(f)}", highlight=False, soft_wrap=True)
     for n in verdict.notes:

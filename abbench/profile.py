@@ -200,6 +200,22 @@ class GateSpec(_Model):
     require_active_path: bool = Field(True, description="Arms with expect_path must report that path.")
     allow_fallback: list[str] = Field(default_factory=list, description="Arms allowed to fall back.")
     max_failed_samples: int = Field(0, ge=0, description="Failed measured samples tolerated.")
+    checks: list[str] = Field(
+        default_factory=list,
+        description="Declared checks, METRIC[ARM(, KIND)(, >=TOKENS|<=TOKENS)] OP VALUE, e.g. "
+        "'ttft_ratio[layer-major, fresh, >=32768] <= 0.15' (see abbench.analysis.declared).",
+    )
+
+    @field_validator("checks")
+    @classmethod
+    def _parse_checks(cls, v: list[str]) -> list[str]:
+        from abbench.analysis.declared import parse_checks
+
+        try:
+            parse_checks(v)
+        except ConfigError as e:
+            raise ValueError(str(e)) from None
+        return v
 
 
 class Profile(_Model):
@@ -233,6 +249,12 @@ class Profile(_Model):
         for name in self.gate.allow_fallback:
             if name not in names:
                 raise ValueError(f"gate.allow_fallback names {name!r}, which is not an arm")
+        from abbench.analysis.declared import check_arms, parse_checks
+
+        try:
+            check_arms(parse_checks(self.gate.checks), names, self.reference_arm, "gate.checks")
+        except ConfigError as e:
+            raise ValueError(str(e)) from None
         named = [a.name for a in self.arms if a.service is not None]
         if named and not self.engine.shared_service:
             raise ValueError(f"arms {', '.join(named)} name a service but engine.shared_service is false; set "
@@ -318,11 +340,25 @@ class Profile(_Model):
             if data["run"]["reference"] not in arms:
                 data["run"]["reference"] = None
             data["gate"]["allow_fallback"] = [a for a in data["gate"]["allow_fallback"] if a in arms]
+            data["gate"]["checks"] = _checks_within(data["gate"]["checks"], arms, data["run"]["reference"] or arms[0])
         if rounds is not None:
             data["run"]["rounds"] = rounds
         if lengths is not None:
             data["prompts"]["lengths"] = lengths
         return _validate(data, self.source_path or "<overrides>")
+
+
+def _checks_within(exprs: list[str], arms: list[str], reference: str) -> list[str]:
+    """The declared checks that still apply after ``--arms`` picked ``arms``: those naming a dropped arm
+    (or a ratio against a dropped reference) go, as allow_fallback entries do."""
+    from abbench.analysis.declared import parse_check
+
+    keep = []
+    for e in exprs:
+        c = parse_check(e)
+        if c.arm in arms and not (c.metric == "ttft_ratio" and c.arm == reference):
+            keep.append(e)
+    return keep
 
 
 _MISSING_HINTS = {

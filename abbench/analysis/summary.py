@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import pandas as pd
 
-from abbench.analysis.checks import GateInput, GateVerdict, run_checks
+from abbench.analysis.checks import GateInput, GateVerdict, gate_checks, run_checks
 from abbench.analysis.decode import decode_table
 from abbench.analysis.frames import Completeness, arm_names, completeness, memory_table, reference_arm, samples_frame
 from abbench.analysis.parity import NEAR_TIE_NATS, parity_frame, parity_tokens_of
@@ -41,7 +41,9 @@ class Analysis:
     gate: GateVerdict
 
 
-def analyze(record: RunRecord, *, parity_tokens: int | None = None, near_tie_nats: float = NEAR_TIE_NATS) -> Analysis:
+def analyze(record: RunRecord, *, parity_tokens: int | None = None, near_tie_nats: float = NEAR_TIE_NATS,
+            checks: list[str] | None = None) -> Analysis:
+    """Everything the report shows; ``checks`` adds declared checks to the profile's ``gate.checks``."""
     k = parity_tokens_of(record, parity_tokens)
     ttft = ttft_table(record)
     pairs = paired_ratios(record)
@@ -58,5 +60,5 @@ def analyze(record: RunRecord, *, parity_tokens: int | None = None, near_tie_nat
         overhead=overhead_table(record),
         memory=memory_table(record), completeness=comp,
         notes=small_n_notes(record, ratios, ttft),
-        gate=run_checks(GateInput.of(record, k, comp, parity, path_samples)),
+        gate=run_checks(GateInput.of(record, k, comp, parity, path_samples), gate_checks(record, checks)),
     )

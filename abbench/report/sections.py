@@ -73,7 +73,7 @@ def verdict_section(ri: ReportInput) -> list[str]:
     a = ri.analysis
     g = a.gate
     head = "**Gate: PASS**" if g.passed else f"**Gate: FAIL** ({len(g.failures)} failure(s))"
-    checks = pd.DataFrame([{"name": c.name, "result": "pass" if c.passed else "FAIL", "detail": c.detail}
+    checks = pd.DataFrame([{"name": c.name, "result": c.result or ("pass" if c.passed else "FAIL"), "detail": c.detail}
                            for c in g.checks])
     lines = ["## Verdict", "", f"{head} — parity over the first {g.parity_tokens} token ids.", "",
              table(checks, [Col("name", "Check", right=False), Col("result", "Result", right=False),
