@@ -252,6 +252,51 @@ def gate(
 
 
 @app.command()
+def compare(
+    base: Annotated[Path, typer.Argument(help="The base run (e.g. main): a run directory or id under results/.")],
+    cand: Annotated[Path, typer.Argument(help="The candidate run (e.g. the PR), made with the same profile.")],
+    threshold: Annotated[float, typer.Option(
+        min=0.0, help="Exit 1 when a metric is worse by more than this fraction with its whole 95% interval "
+        "beyond it.")] = 0.05,
+    out_file: Annotated[Optional[Path], typer.Option("--out", help="Write the Markdown here (default: stdout).")] = None,
+    plot: Annotated[Optional[Path], typer.Option(
+        help="The plot (PNG). Default: next to --out (<out>.png); none when writing to stdout.")] = None,
+) -> None:
+    """Compare two runs of one profile (main vs a PR): per arm, kind and length the median TTFT, decode
+    rate, H2D and peak device memory, the change with a 95% bootstrap interval, and the fingerprint
+    differences. Exit 0 no regression, 1 a regression beyond --threshold, 2 when the prompts or the tokenizer
+    differ (or a usage error)."""
+    import os
+
+    from abbench.compare import compare as compare_runs
+    from abbench.compare import plot_changes, render_markdown
+    from abbench.results import load_run
+
+    try:
+        rb, _ = load_run(base, RESULTS_ROOT)
+        rc, _ = load_run(cand, RESULTS_ROOT)
+        c = compare_runs(rb, rc, threshold=threshold)
+    except AbbenchError as e:
+        _fail(e)
+        return
+    plot_path = plot or (out_file.with_suffix(".png") if out_file is not None else None)
+    link = None
+    if plot_path is not None and plot_changes(c, plot_path):
+        where = out_file.parent if out_file is not None else Path.cwd()
+        link = Path(os.path.relpath(plot_path, where)).as_posix()
+    text = render_markdown(c, link)
+    if out_file is not None:
+        out_file.parent.mkdir(parents=True, exist_ok=True)
+        out_file.write_text(text, encoding="utf-8")
+        console.print(f"compare -> {out_file}" + (f" (plot {plot_path})" if link else ""))
+    else:
+        sys.stdout.write(text)
+    if len(c.regressions):
+        console.print(f"[bold red]compare: {len(c.regressions)} regression(s) beyond {threshold:.0%}[/]")
+        raise typer.Exit(1)
+
+
+@app.command()
 def diff(
     run: Annotated[Path, typer.Argument(help="Run directory (or run id under results/).")],
     prompt: Annotated[str, typer.Option("--prompt", help="Prompt id (see the report or `abbench prompts`).")],
