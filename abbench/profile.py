@@ -179,7 +179,14 @@ class ArmSpec(_Model):
 
 
 class RunSpec(_Model):
-    rounds: PositiveInt = Field(2, description="Interleaved rounds; arm order reverses every round (ABBA).")
+    rounds: PositiveInt | Literal["auto"] = Field(
+        2, description="Interleaved rounds; arm order reverses every round (ABBA). \"auto\": rounds go on until "
+        "every declared ratio check's interval is narrow enough (target_halfwidth) or max_rounds have run.")
+    target_halfwidth: float | None = Field(
+        None, gt=0, lt=1, description="rounds = \"auto\": stop when every cell of every ratio check in gate.checks "
+        "has a 95% interval whose half-width is at most this fraction of its median (e.g. 0.02).")
+    max_rounds: PositiveInt | None = Field(None, description="rounds = \"auto\": stop after this many rounds.")
+    min_rounds: PositiveInt = Field(2, description="rounds = \"auto\": always run at least this many rounds.")
     reference: str | None = Field(None, description="Reference arm for parity and ratios (default: first).")
     exclude_kinds: list[Literal["warmup", "jit", "fresh", "cold", "continuation"]] = Field(
         default_factory=lambda: ["warmup", "jit"],
@@ -255,6 +262,7 @@ class Profile(_Model):
             check_arms(parse_checks(self.gate.checks), names, self.reference_arm, "gate.checks")
         except ConfigError as e:
             raise ValueError(str(e)) from None
+        self._check_auto_rounds()
         named = [a.name for a in self.arms if a.service is not None]
         if named and not self.engine.shared_service:
             raise ValueError(f"arms {', '.join(named)} name a service but engine.shared_service is false; set "
@@ -267,6 +275,22 @@ class Profile(_Model):
                                  "differently (args, command, env or base_url); give them the same, or "
                                  "different services")
         return self
+
+    def _check_auto_rounds(self) -> None:
+        from abbench.analysis.declared import parse_checks
+
+        r = self.run
+        if r.rounds != "auto":
+            if r.target_halfwidth is not None or r.max_rounds is not None:
+                raise ValueError("run.target_halfwidth and run.max_rounds apply only with run.rounds = \"auto\"")
+            return
+        if r.target_halfwidth is None or r.max_rounds is None:
+            raise ValueError("run.rounds = \"auto\" needs run.target_halfwidth (e.g. 0.02) and run.max_rounds")
+        if r.max_rounds < r.min_rounds:
+            raise ValueError(f"run.max_rounds ({r.max_rounds}) is below run.min_rounds ({r.min_rounds})")
+        if not any(c.spec.ratio for c in parse_checks(self.gate.checks)):
+            raise ValueError("run.rounds = \"auto\" narrows the intervals of declared ratio checks, and gate.checks "
+                             "declares none: add e.g. \"ttft_ratio[ARM, fresh] <= 0.5\" (ttft_ratio, x_floor)")
 
     def service_groups(self) -> dict[str, list[ArmSpec]]:
         """With engine.shared_service: service name -> its arms, in profile order ('shared' by default)."""
@@ -341,8 +365,8 @@ class Profile(_Model):
                 data["run"]["reference"] = None
             data["gate"]["allow_fallback"] = [a for a in data["gate"]["allow_fallback"] if a in arms]
             data["gate"]["checks"] = _checks_within(data["gate"]["checks"], arms, data["run"]["reference"] or arms[0])
-        if rounds is not None:
-            data["run"]["rounds"] = rounds
+        if rounds is not None:  # a fixed number of rounds replaces "auto" and its rule
+            data["run"].update(rounds=rounds, target_halfwidth=None, max_rounds=None)
         if lengths is not None:
             data["prompts"]["lengths"] = lengths
         return _validate(data, self.source_path or "<overrides>")
