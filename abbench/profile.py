@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from abbench.errors import ConfigError
 
@@ -187,6 +188,16 @@ class RunSpec(_Model):
         "has a 95% interval whose half-width is at most this fraction of its median (e.g. 0.02).")
     max_rounds: PositiveInt | None = Field(None, description="rounds = \"auto\": stop after this many rounds.")
     min_rounds: PositiveInt = Field(2, description="rounds = \"auto\": always run at least this many rounds.")
+
+    @field_validator("rounds", mode="before")
+    @classmethod
+    def _rounds(cls, v: Any) -> Any:
+        """One message for a bad value (not the union's two): a positive count, or "auto"."""
+        if v == "auto" or (isinstance(v, int) and not isinstance(v, bool) and v > 0):
+            return v
+        if isinstance(v, int) and not isinstance(v, bool):
+            raise PydanticCustomError("greater_than", "Input should be greater than 0 (a number of rounds) or \"auto\"")
+        raise PydanticCustomError("rounds", "Input should be a number of rounds (e.g. 2) or \"auto\"")
     reference: str | None = Field(None, description="Reference arm for parity and ratios (default: first).")
     exclude_kinds: list[Literal["warmup", "jit", "fresh", "cold", "continuation"]] = Field(
         default_factory=lambda: ["warmup", "jit"],
