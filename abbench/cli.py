@@ -1,7 +1,7 @@
 """The ``abbench`` command line (Typer). Thin: parse, load, call the core, show progress, map errors to exit
 codes (0 ok, 1 gate failed, 2 usage/config/results error, 130 interrupted).
 
-Commands: ``run``, ``report``, ``gate``, ``diff`` and ``probe`` (divergence diagnostics), ``prompts``,
+Commands: ``run``, ``report``, ``gate``, ``compare`` (two runs), ``diff`` and ``probe`` (divergence diagnostics), ``prompts``,
 ``profiles``, ``serve`` (the vendored engine).
 """
 
