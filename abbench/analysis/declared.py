@@ -21,7 +21,8 @@ Metrics (:data:`METRICS`), each per (arm, kind, prompt length) cell over measure
   *inconclusive* (which fails, with a rough estimate of the rounds that might settle it: the interval's
   half-width taken to shrink as 1/sqrt(n)). One sample gives no interval: inconclusive. ``==`` is refused.
 * counter metrics, judged on every sample: ``h2d_banks`` (prefill H2D bytes / the bank; the whole
-  request's bytes when the engine gives no split) and ``peak_vram_gb`` (the engine's ``peak_device_bytes``
+  request's bytes when the engine gives no split), ``banks_per_window`` (the same over the engine's
+  layer-major windows, at least 1: one bank per window is the layer-major promise at any length) and ``peak_vram_gb`` (the engine's ``peak_device_bytes``
   when present, else NVML's peak for the service's processes; GiB = 2^30 bytes). ``<=``: the largest sample
   <= VALUE; ``>=``: the smallest >= VALUE; ``==``: every sample equal (relative tolerance 1e-6).
 
@@ -68,6 +69,7 @@ METRICS: dict[str, Metric] = {m.name: m for m in (
     Metric("ttft_s", "s", True, False, "time to first token (seconds)"),
     Metric("decode_tok_s", "tok/s", True, False, "decode rate after the first token"),
     Metric("h2d_banks", "banks", False, False, "prefill host-to-device bytes / the expert bank"),
+    Metric("banks_per_window", "banks", False, False, "h2d_banks / the engine's layer-major windows (at least 1)"),
     Metric("peak_vram_gb", "GiB", False, False, "peak device memory (engine's peak_device_bytes, else NVML)"),
 )}
 
@@ -135,7 +137,7 @@ def parse_check(expr: str) -> DeclaredCheck:
         raise ConfigError(f"{where}: the value must be a finite number")
     if op == "==" and METRICS[metric].interval:
         raise ConfigError(f"{where}: {metric} is judged on an interval; use <= or >= (== is for counters: "
-                          "h2d_banks, peak_vram_gb)")
+                          "h2d_banks, banks_per_window, peak_vram_gb)")
     parts = [p.strip() for p in m["sel"].split(",")]
     if not parts[0]:
         raise ConfigError(f"{where}: the selector needs an arm first, e.g. {metric}[layer-major]")
@@ -224,6 +226,16 @@ def _h2d_banks(record: RunRecord) -> pd.DataFrame:
     return _rows(df, prefill / df["bank_bytes"].where(df["bank_bytes"] > 0))
 
 
+def _banks_per_window(record: RunRecord) -> pd.DataFrame:
+    banks = _h2d_banks(record)
+    if banks.empty:
+        return banks
+    df = measured_ok_frame(record)
+    prefill = df["prefill_h2d_bytes"].where(df["prefill_h2d_bytes"].notna(), df["h2d_bytes"])
+    windows = df["n_windows"].fillna(1.0).clip(lower=1.0)
+    return _rows(df, prefill / df["bank_bytes"].where(df["bank_bytes"] > 0) / windows)
+
+
 def _peak_vram(record: RunRecord) -> pd.DataFrame:
     df = measured_ok_frame(record)
     if df.empty:
@@ -234,7 +246,8 @@ def _peak_vram(record: RunRecord) -> pd.DataFrame:
 
 VALUES: dict[str, Callable[[RunRecord], pd.DataFrame]] = {
     "ttft_ratio": _ttft_ratio, "x_floor": _x_floor, "ttft_s": _column("ttft_s"),
-    "decode_tok_s": _column("decode_tok_s"), "h2d_banks": _h2d_banks, "peak_vram_gb": _peak_vram,
+    "decode_tok_s": _column("decode_tok_s"), "h2d_banks": _h2d_banks, "banks_per_window": _banks_per_window,
+    "peak_vram_gb": _peak_vram,
 }
 """Per metric: one row per measured ok sample (or pair): arm, kind, target_tokens, round, value."""
 

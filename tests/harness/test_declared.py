@@ -97,6 +97,9 @@ def test_each_metric_on_the_committed_h200_run(h200) -> None:
     banks = cell("h2d_banks[layer-major] == 1", 131072)  # two windows at 128K in this profile
     assert (banks.value, banks.status) == (2.0, "fail")
     assert cell("h2d_banks[chunked] == 16", 32768).status == "pass"
+    per_window = cell("banks_per_window[layer-major] == 1", 131072)  # two banks over two windows
+    assert (per_window.value, per_window.status) == (1.0, "pass")
+    assert cell("banks_per_window[chunked] == 16", 32768).status == "pass"  # no windows: counted as one
     vram = cell("peak_vram_gb[layer-major] <= 24", 131072)  # the engine's peak_device_bytes, in GiB
     assert vram.value == pytest.approx(21.27, abs=0.01) and vram.status == "pass"
     assert cell("peak_vram_gb[resident] >= 70", 4096).status == "pass"
