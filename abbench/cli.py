@@ -1,7 +1,7 @@
 """The ``abbench`` command line (Typer). Thin: parse, load, call the core, show progress, map errors to exit
 codes (0 ok, 1 gate failed, 2 usage/config/results error, 130 interrupted).
 
-Commands: ``run``, ``report``, ``gate``, ``diff`` and ``probe`` (divergence diagnostics), ``prompts``,
+Commands: ``run``, ``report``, ``gate``, ``compare`` (two runs), ``diff`` and ``probe`` (divergence diagnostics), ``prompts``,
 ``profiles``, ``serve`` (the vendored engine).
 """
 
@@ -200,9 +200,16 @@ def gate(
     parity_tokens: Annotated[
         Optional[int], typer.Option(min=1, help="First K greedy ids that must match. Default: the profile's.")
     ] = None,
+    check: Annotated[Optional[list[str]], typer.Option(
+        "--check", help="A declared check, METRIC[ARM(, KIND)(, >=TOKENS|<=TOKENS)] OP VALUE (repeatable), on top "
+        "of the profile's gate.checks; e.g. 'ttft_ratio[layer-major, fresh, >=32768] <= 0.15'.")] = None,
+    checks_from: Annotated[Optional[str], typer.Option(
+        "--checks-from", help="Also judge the gate.checks of this profile (name or .toml), e.g. a run recorded "
+        "before its profile declared them.")] = None,
 ) -> None:
     """Exit 0 when every prompt's first K ids match the reference arm and the declared checks hold; 1 when
-    not (naming prompt, arm and position); 2 on a usage or results error."""
+    not (naming prompt, arm and position, or the check and its cell); 2 on a usage or results error (a bad
+    check expression or an unknown arm included)."""
     from rich.markup import escape
 
     from abbench.analysis import gate as judge
@@ -210,7 +217,12 @@ def gate(
 
     try:
         record, problems = load_run(run, RESULTS_ROOT)
-        verdict = judge(record, parity_tokens=parity_tokens)
+        extra = list(check or [])
+        if checks_from is not None:
+            from abbench.profile import load_profile
+
+            extra = load_profile(checks_from).gate.checks + extra
+        verdict = judge(record, parity_tokens=parity_tokens, checks=extra)
     except AbbenchError as e:
         _fail(e)
         return
@@ -220,9 +232,15 @@ def gate(
     table.add_column("check")
     table.add_column("result")
     table.add_column("detail")
-    for name, passed, detail in verdict.checks:
-        table.add_row(name, "[green]pass[/]" if passed else "[red]FAIL[/]", detail)
+    for c in verdict.checks:
+        colour = "green" if c.passed else "yellow" if c.result == "inconclusive" else "red"
+        table.add_row(escape(c.name), f"[{colour}]{c.result}[/]", escape(c.detail))
     out.print(table)
+    for c in verdict.checks:  # declared checks, unwrapped: one line per cell they judged
+        if "[" in c.name:
+            out.print(f"check {escape(c.name)}: {c.result}", highlight=False, soft_wrap=True)
+            for cell in c.detail.split("; "):
+                out.print(f"  {escape(cell)}", highlight=False, soft_wrap=True)
     for f in verdict.failures:
         out.print(f"[red]FAIL[/] {escape(f)}", highlight=False, soft_wrap=True)
     for n in verdict.notes:
@@ -231,6 +249,51 @@ def gate(
         out.print("[bold red]gate: FAIL[/]")
         raise typer.Exit(1)
     out.print("[bold green]gate: PASS[/]")
+
+
+@app.command()
+def compare(
+    base: Annotated[Path, typer.Argument(help="The base run (e.g. main): a run directory or id under results/.")],
+    cand: Annotated[Path, typer.Argument(help="The candidate run (e.g. the PR), made with the same profile.")],
+    threshold: Annotated[float, typer.Option(
+        min=0.0, help="Exit 1 when a metric is worse by more than this fraction with its whole 95% interval "
+        "beyond it.")] = 0.05,
+    out_file: Annotated[Optional[Path], typer.Option("--out", help="Write the Markdown here (default: stdout).")] = None,
+    plot: Annotated[Optional[Path], typer.Option(
+        help="The plot (PNG). Default: next to --out (<out>.png); none when writing to stdout.")] = None,
+) -> None:
+    """Compare two runs of one profile (main vs a PR): per arm, kind and length the median TTFT, decode
+    rate, H2D and peak device memory, the change with a 95% bootstrap interval, and the fingerprint
+    differences. Exit 0 no regression, 1 a regression beyond --threshold, 2 when the prompts or the tokenizer
+    differ (or a usage error)."""
+    import os
+
+    from abbench.compare import compare as compare_runs
+    from abbench.compare import plot_changes, render_markdown
+    from abbench.results import load_run
+
+    try:
+        rb, _ = load_run(base, RESULTS_ROOT)
+        rc, _ = load_run(cand, RESULTS_ROOT)
+        c = compare_runs(rb, rc, threshold=threshold)
+    except AbbenchError as e:
+        _fail(e)
+        return
+    plot_path = plot or (out_file.with_suffix(".png") if out_file is not None else None)
+    link = None
+    if plot_path is not None and plot_changes(c, plot_path):
+        where = out_file.parent if out_file is not None else Path.cwd()
+        link = Path(os.path.relpath(plot_path, where)).as_posix()
+    text = render_markdown(c, link)
+    if out_file is not None:
+        out_file.parent.mkdir(parents=True, exist_ok=True)
+        out_file.write_text(text, encoding="utf-8")
+        console.print(f"compare -> {out_file}" + (f" (plot {plot_path})" if link else ""))
+    else:
+        sys.stdout.write(text)
+    if len(c.regressions):
+        console.print(f"[bold red]compare: {len(c.regressions)} regression(s) beyond {threshold:.0%}[/]")
+        raise typer.Exit(1)
 
 
 @app.command()

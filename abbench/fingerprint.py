@@ -6,7 +6,9 @@ Contract
   available), driver and CUDA driver versions, package versions, the git state of the checkout
   (:func:`git_state`), the engine commit, selected environment variables and the service commands. It
   never raises for a missing piece: that field is ``None``. torch is never imported (versions come from
-  ``importlib.metadata``).
+  ``importlib.metadata``). A copy of the tree without ``.git`` takes its commit from ``ABBENCH_GIT_COMMIT``
+  (refused unless it is a hex sha: :class:`~abbench.errors.ConfigError`) and its dirty flag from
+  ``ABBENCH_GIT_DIRTY`` (unset: recorded as unknown, ``+dirty-unknown``), :func:`given_git_state`.
 * :data:`KEY_FIELDS` are the fields that must match before two runs are compared; :func:`key_value` reads
   one from a fingerprint, :func:`comparable` lists the key fields of two fingerprints that differ
   (``[]`` = comparable) and :func:`differences` says how, so two runs are never compared silently.
@@ -20,6 +22,7 @@ import hashlib
 import importlib.metadata
 import os
 import platform
+import re
 import socket
 import subprocess
 import sys
@@ -30,6 +33,7 @@ from typing import Any
 import psutil
 
 from abbench import nvml
+from abbench.errors import ConfigError
 
 __all__ = [
     "ENV_VARS",
@@ -107,8 +111,7 @@ def git_state(repo_dir: Path | None = None) -> dict[str, Any] | None:
     commit = _git(repo, "rev-parse", "HEAD")
     if top is None or commit is None:
         # A copy of the tree without .git (a remote machine): the commit may be given by whoever copied it.
-        given = os.environ.get("ABBENCH_GIT_COMMIT")
-        return {"repo": str(repo), "commit": given, "dirty": False, "source": "ABBENCH_GIT_COMMIT"} if given else None
+        return given_git_state(repo)
     status = _git(repo, "status", "--porcelain", "--untracked-files=normal") or ""
     dirty = bool(status.strip())
     state: dict[str, Any] = {"repo": top.strip(), "commit": commit.strip(), "dirty": dirty}
@@ -130,6 +133,46 @@ def git_state(repo_dir: Path | None = None) -> dict[str, Any] | None:
                 continue
         state["changes_sha256"] = h.hexdigest()
     return state
+
+
+_SHA = re.compile(r"^[0-9a-f]{7,40}$")
+_FLAGS = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
+
+
+def given_git_state(repo: Path) -> dict[str, Any] | None:
+    """The git state of a copy of the tree without ``.git``, as whoever copied it says: ``ABBENCH_GIT_COMMIT``
+    (the commit: 7 to 40 hex digits, ``git rev-parse HEAD``), ``ABBENCH_GIT_DIRTY`` (1/0: whether the copied
+    tree had local changes; unset: unknown, recorded as None) and optionally ``ABBENCH_GIT_CHANGES_SHA256``
+    (the hash of those changes). None when no commit is given. :class:`~abbench.errors.ConfigError` when
+    the commit is not a hex sha (a placeholder left in a script) or the dirty flag is not 1/0."""
+    given = os.environ.get("ABBENCH_GIT_COMMIT")
+    if given is None or given == "":
+        return None
+    commit = given.strip().lower()
+    if not _SHA.match(commit):
+        raise ConfigError(f"ABBENCH_GIT_COMMIT={given!r} is not a git commit sha (7 to 40 hex digits); set it to "
+                          "`git rev-parse HEAD` of the tree this copy was made from, or unset it")
+    flag = os.environ.get("ABBENCH_GIT_DIRTY")
+    if flag is not None and flag.strip().lower() not in _FLAGS:
+        raise ConfigError(f"ABBENCH_GIT_DIRTY={flag!r}: use 1 (the copied tree had local changes) or 0 (clean)")
+    state: dict[str, Any] = {"repo": str(repo), "commit": commit,
+                             "dirty": None if flag is None else _FLAGS[flag.strip().lower()],
+                             "source": "ABBENCH_GIT_COMMIT"}
+    changes = os.environ.get("ABBENCH_GIT_CHANGES_SHA256")
+    if changes:
+        state["changes_sha256"] = changes.strip().lower()
+    return state
+
+
+def engine_commit_of(git: dict[str, Any]) -> str:
+    """``<commit>``, ``<commit>+dirty.<12 hex of the changes>``, ``<commit>+dirty`` (changes not hashed) or
+    ``<commit>+dirty-unknown`` (a copied tree whose state was not given)."""
+    if git.get("dirty") is None:
+        return f"{git['commit']}+dirty-unknown"
+    if not git["dirty"]:
+        return str(git["commit"])
+    h = git.get("changes_sha256")
+    return f"{git['commit']}+dirty" + (f".{h[:12]}" if h else "")
 
 
 def _cuda_version_str(v: int) -> str:
@@ -195,7 +238,7 @@ def environment_fingerprint(
     vm = psutil.virtual_memory()
     git = git_state(repo_dir)
     if engine_commit is None and git is not None:
-        engine_commit = git["commit"] + (f"+dirty.{git['changes_sha256'][:12]}" if git["dirty"] else "")
+        engine_commit = engine_commit_of(git)
     fp: dict[str, Any] = {
         "fingerprint_version": FINGERPRINT_VERSION,
         "created_at": time.time(),

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from abbench.errors import ConfigError
 
@@ -179,7 +180,24 @@ class ArmSpec(_Model):
 
 
 class RunSpec(_Model):
-    rounds: PositiveInt = Field(2, description="Interleaved rounds; arm order reverses every round (ABBA).")
+    rounds: PositiveInt | Literal["auto"] = Field(
+        2, description="Interleaved rounds; arm order reverses every round (ABBA). \"auto\": rounds go on until "
+        "every declared ratio check's interval is narrow enough (target_halfwidth) or max_rounds have run.")
+    target_halfwidth: float | None = Field(
+        None, gt=0, lt=1, description="rounds = \"auto\": stop when every cell of every ratio check in gate.checks "
+        "has a 95% interval whose half-width is at most this fraction of its median (e.g. 0.02).")
+    max_rounds: PositiveInt | None = Field(None, description="rounds = \"auto\": stop after this many rounds.")
+    min_rounds: PositiveInt = Field(2, description="rounds = \"auto\": always run at least this many rounds.")
+
+    @field_validator("rounds", mode="before")
+    @classmethod
+    def _rounds(cls, v: Any) -> Any:
+        """One message for a bad value (not the union's two): a positive count, or "auto"."""
+        if v == "auto" or (isinstance(v, int) and not isinstance(v, bool) and v > 0):
+            return v
+        if isinstance(v, int) and not isinstance(v, bool):
+            raise PydanticCustomError("greater_than", "Input should be greater than 0 (a number of rounds) or \"auto\"")
+        raise PydanticCustomError("rounds", "Input should be a number of rounds (e.g. 2) or \"auto\"")
     reference: str | None = Field(None, description="Reference arm for parity and ratios (default: first).")
     exclude_kinds: list[Literal["warmup", "jit", "fresh", "cold", "continuation"]] = Field(
         default_factory=lambda: ["warmup", "jit"],
@@ -200,6 +218,22 @@ class GateSpec(_Model):
     require_active_path: bool = Field(True, description="Arms with expect_path must report that path.")
     allow_fallback: list[str] = Field(default_factory=list, description="Arms allowed to fall back.")
     max_failed_samples: int = Field(0, ge=0, description="Failed measured samples tolerated.")
+    checks: list[str] = Field(
+        default_factory=list,
+        description="Declared checks, METRIC[ARM(, KIND)(, >=TOKENS|<=TOKENS)] OP VALUE, e.g. "
+        "'ttft_ratio[layer-major, fresh, >=32768] <= 0.15' (see abbench.analysis.declared).",
+    )
+
+    @field_validator("checks")
+    @classmethod
+    def _parse_checks(cls, v: list[str]) -> list[str]:
+        from abbench.analysis.declared import parse_checks
+
+        try:
+            parse_checks(v)
+        except ConfigError as e:
+            raise ValueError(str(e)) from None
+        return v
 
 
 class Profile(_Model):
@@ -233,6 +267,13 @@ class Profile(_Model):
         for name in self.gate.allow_fallback:
             if name not in names:
                 raise ValueError(f"gate.allow_fallback names {name!r}, which is not an arm")
+        from abbench.analysis.declared import check_arms, parse_checks
+
+        try:
+            check_arms(parse_checks(self.gate.checks), names, self.reference_arm, "gate.checks")
+        except ConfigError as e:
+            raise ValueError(str(e)) from None
+        self._check_auto_rounds()
         named = [a.name for a in self.arms if a.service is not None]
         if named and not self.engine.shared_service:
             raise ValueError(f"arms {', '.join(named)} name a service but engine.shared_service is false; set "
@@ -245,6 +286,22 @@ class Profile(_Model):
                                  "differently (args, command, env or base_url); give them the same, or "
                                  "different services")
         return self
+
+    def _check_auto_rounds(self) -> None:
+        from abbench.analysis.declared import parse_checks
+
+        r = self.run
+        if r.rounds != "auto":
+            if r.target_halfwidth is not None or r.max_rounds is not None:
+                raise ValueError("run.target_halfwidth and run.max_rounds apply only with run.rounds = \"auto\"")
+            return
+        if r.target_halfwidth is None or r.max_rounds is None:
+            raise ValueError("run.rounds = \"auto\" needs run.target_halfwidth (e.g. 0.02) and run.max_rounds")
+        if r.max_rounds < r.min_rounds:
+            raise ValueError(f"run.max_rounds ({r.max_rounds}) is below run.min_rounds ({r.min_rounds})")
+        if not any(c.spec.ratio for c in parse_checks(self.gate.checks)):
+            raise ValueError("run.rounds = \"auto\" narrows the intervals of declared ratio checks, and gate.checks "
+                             "declares none: add e.g. \"ttft_ratio[ARM, fresh] <= 0.5\" (ttft_ratio, x_floor)")
 
     def service_groups(self) -> dict[str, list[ArmSpec]]:
         """With engine.shared_service: service name -> its arms, in profile order ('shared' by default)."""
@@ -318,11 +375,25 @@ class Profile(_Model):
             if data["run"]["reference"] not in arms:
                 data["run"]["reference"] = None
             data["gate"]["allow_fallback"] = [a for a in data["gate"]["allow_fallback"] if a in arms]
-        if rounds is not None:
-            data["run"]["rounds"] = rounds
+            data["gate"]["checks"] = _checks_within(data["gate"]["checks"], arms, data["run"]["reference"] or arms[0])
+        if rounds is not None:  # a fixed number of rounds replaces "auto" and its rule
+            data["run"].update(rounds=rounds, target_halfwidth=None, max_rounds=None)
         if lengths is not None:
             data["prompts"]["lengths"] = lengths
         return _validate(data, self.source_path or "<overrides>")
+
+
+def _checks_within(exprs: list[str], arms: list[str], reference: str) -> list[str]:
+    """The declared checks that still apply after ``--arms`` picked ``arms``: those naming a dropped arm
+    (or a ratio against a dropped reference) go, as allow_fallback entries do."""
+    from abbench.analysis.declared import parse_check
+
+    keep = []
+    for e in exprs:
+        c = parse_check(e)
+        if c.arm in arms and not (c.metric == "ttft_ratio" and c.arm == reference):
+            keep.append(e)
+    return keep
 
 
 _MISSING_HINTS = {

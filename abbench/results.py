@@ -149,6 +149,9 @@ class RunRecord(_Model):
     samples: list[Sample] = Field(default_factory=list)
     services: list[ServiceRecord] = Field(default_factory=list)
     memory: list[MemoryPoint] = Field(default_factory=list, description="Background samples over time.")
+    auto_rounds: dict[str, Any] | None = Field(
+        None, description="With run.rounds = 'auto': the stopping rule fixed before the run, each decision "
+        "after a round, and why the run stopped (abbench.runner.rounds).")
 
 
 def _atomic_write(path: Path, text: str) -> None:

@@ -8,6 +8,7 @@ I/O, no network, no adapters; results only).
 * :mod:`~abbench.analysis.transfer`: H2D bytes, the TTFT floor, the engine's prefix-cache counters;
 * :mod:`~abbench.analysis.decode`: decode rate, decode H2D per step, slot-cache hit rate, peak device memory;
 * :mod:`~abbench.analysis.checks`: the gate, a list of checks ``(GateInput) -> CheckResult``;
+* :mod:`~abbench.analysis.declared`: declared checks (``METRIC[ARM, KIND, LENGTH] OP VALUE``) and their metrics;
 * :mod:`~abbench.analysis.summary`: :func:`analyze`, everything the report shows.
 """
 
@@ -17,9 +18,12 @@ from abbench.analysis.checks import (
     CheckResult,
     GateInput,
     GateVerdict,
+    declared_check,
     gate,
+    gate_checks,
     run_checks,
 )
+from abbench.analysis.declared import METRICS, DeclaredCheck, parse_check
 from abbench.analysis.frames import (
     KIND_ORDER,
     MEMORY_COLUMNS,
@@ -84,7 +88,7 @@ __all__ = [
     "ENGINE_COUNTER_COLUMNS", "FLOOR_COLUMNS",
     "FLOOR_KINDS", "H2D_COLUMNS", "KIND_ORDER", "MEMORY_COLUMNS", "NEAR_TIE_NATS", "PAIR_COLUMNS", "PARITY_COLUMNS",
     "PATH_COLUMNS", "PATH_SUMMARY_COLUMNS", "RATIO_COLUMNS", "SAMPLE_COLUMNS", "SMALL_N", "Analysis", "Check",
-    "CheckResult", "Completeness", "GateInput", "GateVerdict", "MedianCI", "active_path_samples",
+    "CheckResult", "Completeness", "DeclaredCheck", "METRICS", "declared_check", "gate_checks", "parse_check", "GateInput", "GateVerdict", "MedianCI", "active_path_samples",
     "active_path_summary", "analyze", "arm_names", "classify", "compare_ids", "completeness",
     "engine_counter_table", "expected_paths", "floor_table", "gate", "gate_spec", "h2d_table", "max_tokens",
     "measured_ok", "median_ci", "memory_table", "overhead_table", "paired_ratios", "parity_frame",

@@ -37,6 +37,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import pandas as pd
 
+from abbench.analysis.declared import DeclaredCheck, bind, declared_exprs, describe_cell, fmt_value, judge, overall
 from abbench.analysis.frames import (
     Completeness,
     completeness,
@@ -60,6 +61,8 @@ class Check(NamedTuple):
     name: str
     passed: bool
     detail: str
+    result: str = ""
+    """'pass', 'FAIL' or 'inconclusive' (a declared check whose interval straddles its bound; fails)."""
 
 
 @dataclass
@@ -71,10 +74,12 @@ class CheckResult:
     detail: str
     failures: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    status: str | None = None
+    """Overrides the verdict word ('inconclusive'); default 'pass' / 'FAIL'."""
 
     @property
     def check(self) -> Check:
-        return Check(self.name, self.passed, self.detail)
+        return Check(self.name, self.passed, self.detail, self.status or ("pass" if self.passed else "FAIL"))
 
 
 @dataclass
@@ -278,6 +283,26 @@ def check_active_path(g: GateInput) -> CheckResult:
     return CheckResult("active-path", bad.empty and not never, detail, failures, notes)
 
 
+def declared_check(c: DeclaredCheck) -> Callable[[GateInput], CheckResult]:
+    """A declared check (:mod:`abbench.analysis.declared`) as a gate check: every cell its selector picks
+    must pass; a cell whose interval straddles the bound is inconclusive, which fails."""
+
+    def check(g: GateInput) -> CheckResult:
+        cells = judge(g.record, c)
+        status = overall(cells)
+        if not cells:
+            msg = f"no measured data for {c.metric} of arm {c.arm} matches the selector"
+            return CheckResult(c.name, False, msg, [f"{c.name}: {msg}"], status="FAIL")
+        detail = "; ".join(describe_cell(c, x) for x in cells)
+        failures = [f"{c.name}: {x.kind} {x.tokens}: {x.status}: {fmt_value(x.value)}, {x.why}"
+                    for x in cells if x.status != "pass"]
+        return CheckResult(c.name, status == "pass", detail, failures,
+                           status={"pass": "pass", "fail": "FAIL"}.get(status, status))
+
+    check.__name__ = f"declared[{c.name}]"
+    return check
+
+
 CHECKS: list[Callable[[GateInput], CheckResult]] = [
     check_run_complete, check_samples, check_reference, check_token_ids, check_parity, check_reference_stable,
     check_active_path,
@@ -293,7 +318,16 @@ def run_checks(g: GateInput, checks: list[Callable[[GateInput], CheckResult]] | 
                        notes=[n for r in results for n in r.notes])
 
 
-def gate(record: RunRecord, *, parity_tokens: int | None = None) -> GateVerdict:
+def gate_checks(record: RunRecord, extra: list[str] | None = None) -> list[Callable[[GateInput], CheckResult]]:
+    """:data:`CHECKS`, then the run's declared checks (its profile's ``gate.checks``), then ``extra``
+    expressions (``abbench gate --check``). :class:`~abbench.errors.ConfigError` on a bad expression or an
+    unknown arm."""
+    declared = bind(record, declared_exprs(record), "gate.checks") + bind(record, list(extra or []), "--check")
+    unique = {c.name: c for c in declared}  # the same check declared twice is judged once
+    return [*CHECKS, *(declared_check(c) for c in unique.values())]
+
+
+def gate(record: RunRecord, *, parity_tokens: int | None = None, checks: list[str] | None = None) -> GateVerdict:
     """The gate's verdict on a run (rules in the module docstring). ``parity_tokens`` overrides
-    ``gate.parity_tokens`` of the recorded profile."""
-    return run_checks(GateInput.of(record, parity_tokens_of(record, parity_tokens)))
+    ``gate.parity_tokens`` of the recorded profile; ``checks`` adds declared checks to the profile's."""
+    return run_checks(GateInput.of(record, parity_tokens_of(record, parity_tokens)), gate_checks(record, checks))

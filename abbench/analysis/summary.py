@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import pandas as pd
 
-from abbench.analysis.checks import GateInput, GateVerdict, run_checks
+from abbench.analysis.checks import GateInput, GateVerdict, gate_checks, run_checks
 from abbench.analysis.decode import decode_table, ttft_memory_table
 from abbench.analysis.frames import Completeness, arm_names, completeness, memory_table, reference_arm, samples_frame
 from abbench.analysis.parity import NEAR_TIE_NATS, parity_frame, parity_tokens_of
@@ -42,7 +42,9 @@ class Analysis:
     gate: GateVerdict
 
 
-def analyze(record: RunRecord, *, parity_tokens: int | None = None, near_tie_nats: float = NEAR_TIE_NATS) -> Analysis:
+def analyze(record: RunRecord, *, parity_tokens: int | None = None, near_tie_nats: float = NEAR_TIE_NATS,
+            checks: list[str] | None = None) -> Analysis:
+    """Everything the report shows; ``checks`` adds declared checks to the profile's ``gate.checks``."""
     k = parity_tokens_of(record, parity_tokens)
     ttft = ttft_table(record)
     pairs = paired_ratios(record)
@@ -55,9 +57,9 @@ def analyze(record: RunRecord, *, parity_tokens: int | None = None, near_tie_nat
         reference=reference_arm(record), arms=arm_names(record), parity_tokens=k,
         samples=samples_frame(record), ttft=ttft, pairs=pairs, ratios=ratios, parity=parity,
         path_samples=path_samples, path_summary=path_summary, h2d=h2d_table(record),
-        floor=floor_table(record), engine_counters=engine_counter_table(record), decode=decode_table(record), ttft_memory=ttft_memory_table(record),
-        overhead=overhead_table(record),
+        floor=floor_table(record), engine_counters=engine_counter_table(record), decode=decode_table(record),
+        ttft_memory=ttft_memory_table(record), overhead=overhead_table(record),
         memory=memory_table(record), completeness=comp,
         notes=small_n_notes(record, ratios, ttft),
-        gate=run_checks(GateInput.of(record, k, comp, parity, path_samples)),
+        gate=run_checks(GateInput.of(record, k, comp, parity, path_samples), gate_checks(record, checks)),
     )

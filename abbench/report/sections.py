@@ -60,7 +60,7 @@ def header_section(ri: ReportInput) -> list[str]:
         f"- **Profile:** {prof.get('name', DASH)}" + (f" — {prof['description']}" if prof.get("description") else ""),
         f"- **Date:** {when(record.created_at)} (duration {duration})",
         f"- **Arms:** {', '.join(a.arms) or DASH}; reference **{a.reference or DASH}**",
-        f"- **Rounds:** {len(rounds)} (arm order reversed every round: ABBA)",
+        f"- **Rounds:** {len(rounds)} (arm order reversed every round: ABBA)" + _auto_rounds(record),
         f"- **abbench:** {record.abbench_version}, schema {record.schema_version}",
     ]
     cmd = command_of(record.environment)
@@ -69,11 +69,21 @@ def header_section(ri: ReportInput) -> list[str]:
     return lines
 
 
+def _auto_rounds(record: RunRecord) -> str:
+    """'; auto: <why it stopped>' for a run with run.rounds = "auto"."""
+    auto = record.auto_rounds
+    if not auto:
+        return ""
+    rule = (auto.get("rule") or {}).get("text") or "rule not recorded"
+    stopped = auto.get("stopped") or "not stopped yet (the run did not finish)"
+    return f"; **auto** ({rule}): {stopped}"
+
+
 def verdict_section(ri: ReportInput) -> list[str]:
     a = ri.analysis
     g = a.gate
     head = "**Gate: PASS**" if g.passed else f"**Gate: FAIL** ({len(g.failures)} failure(s))"
-    checks = pd.DataFrame([{"name": c.name, "result": "pass" if c.passed else "FAIL", "detail": c.detail}
+    checks = pd.DataFrame([{"name": c.name, "result": c.result or ("pass" if c.passed else "FAIL"), "detail": c.detail}
                            for c in g.checks])
     lines = ["## Verdict", "", f"{head} — parity over the first {g.parity_tokens} token ids.", "",
              table(checks, [Col("name", "Check", right=False), Col("result", "Result", right=False),

@@ -57,8 +57,9 @@ from abbench.prompts import BuiltPrompt, build_prompts
 from abbench.results import LOGS_DIR, RUN_FILE, RunRecord, Sample, SampleLog, Step, Telemetry, load_run, save_run
 from abbench.runner.lock import RunLock, signals_as_interrupt, signals_deferred
 from abbench.runner.resume import check_resumable, mark_resumed
+from abbench.runner.rounds import initial_rounds, is_auto, next_round, plan_for, planned_rounds
+from abbench.runner.rounds import rule as auto_rule
 from abbench.runner.slot import ServiceSlot, check_launch_commands
-from abbench.schedule import build_plan
 from abbench.services import Service, stop_all
 from abbench.telemetry import ServiceMonitor
 from abbench.tokenizers import describe_tokenizer, load_tokenizer
@@ -243,11 +244,9 @@ class Run:
         notify(ProgressEvent("prompts", "building exact-length prompts"))
         tok, built = prepare(profile, cache_dir=cache_dir)
         prompt_records = [b.record for b in built]
-        plan = build_plan(prompt_records, [a.name for a in profile.arms], profile.run.rounds,
-                          shared_service=profile.engine.shared_service,
-                          services={a.name: a.service for a in profile.arms if a.service},
-                          reset_between_samples=profile.run.reset_between_samples,
-                          exclude_kinds=list(profile.run.exclude_kinds))
+        rounds = planned_rounds(existing.plan) if existing is not None and existing.plan and is_auto(profile) \
+            else initial_rounds(profile)
+        plan = plan_for(profile, prompt_records, rounds)
         env = environment_fingerprint([s.argv for s in profile.launch_specs() if s.argv is not None])
         if existing is not None:
             notes = check_resumable(run_dir, existing, prompt_records, plan, env)
@@ -260,7 +259,8 @@ class Run:
             env["argv"] = argv or []
             record = RunRecord(run_id=run_dir.name, status="running", created_at=time.time(),
                                abbench_version=__version__, profile=profile.model_dump(mode="json"),
-                               environment=env, prompts=prompt_records, plan=plan)
+                               environment=env, prompts=prompt_records, plan=plan,
+                               auto_rounds={"rule": auto_rule(profile), "decisions": []} if is_auto(profile) else None)
         log = _open_log(run_dir, record, lock, resume=resume)
         if log.repaired:
             notify(ProgressEvent("warning", log.repaired))
@@ -304,19 +304,37 @@ class Run:
         self.record.status_reason = reason
 
     def _steps(self, todo: list[Step]) -> None:
-        for step in todo:
-            if step.arm in self.skipped_arms:
-                self.record_sample(_failed_sample(step, "service", "arm skipped: its service failed"))
-                continue
-            svc = self.service_for(step)
-            if svc is None:
-                continue
-            try:
-                self.record_sample(self.measure(svc, step))
-            except RequestError as e:
-                if self.on_failure(svc, step, e):
-                    return
+        while True:
+            for step in todo:
+                if step.arm in self.skipped_arms:
+                    self.record_sample(_failed_sample(step, "service", "arm skipped: its service failed"))
+                    continue
+                svc = self.service_for(step)
+                if svc is None:
+                    continue
+                try:
+                    self.record_sample(self.measure(svc, step))
+                except RequestError as e:
+                    if self.on_failure(svc, step, e):
+                        return
+            todo = self.more_rounds()
+            if not todo:
+                break
         self.record.status = "complete"
+
+    def more_rounds(self) -> list[Step]:
+        """With ``run.rounds = "auto"``: decide after the planned rounds (:mod:`abbench.runner.rounds`) and
+        append the next round to the plan, or [] when the run stops (the reason is recorded)."""
+        if not is_auto(self.profile):
+            return []
+        steps = next_round(self.record, self.profile)
+        decision = self.record.auto_rounds["decisions"][-1] if self.record.auto_rounds else {}
+        self.notify("warning" if not steps and "max_rounds" in str(decision.get("reason")) else "service",
+                    f"auto rounds after round {decision.get('round')}: "
+                    + (f"one more ({decision.get('reason')})" if steps else f"stop: {decision.get('reason')}"))
+        self.record.plan.extend(steps)
+        save_run(self.run_dir, self.record)
+        return steps
 
     def service_for(self, step: Step) -> Service | None:
         """The running service of ``step``'s block, started (and primed) when needed; None when it could not

@@ -1,0 +1,365 @@
+"""Declared checks: performance targets written as expressions, in a profile (``[gate] checks = [...]``) or on
+the command line (``abbench gate RUN --check EXPR``), and judged by the gate next to its built-in checks.
+
+Grammar
+-------
+::
+
+    METRIC[ARM(, KIND)(, >=TOKENS | <=TOKENS | TOKENS)] OP VALUE        OP: <=  >=  ==
+
+``ARM`` is an arm of the run; ``KIND`` one of fresh, cold, continuation (default: every kind); ``TOKENS`` a
+prompt length (``32768`` or ``32k``) with ``>=``/``<=`` for a range, bare for exactly that length. Examples:
+``ttft_ratio[layer-major, fresh, >=32768] <= 0.15``, ``h2d_banks[layer-major, fresh, <=65536] == 1``,
+``x_floor[layer-major] <= 1.10``, ``decode_tok_s[layer-major] >= 100``.
+
+Metrics (:data:`METRICS`), each per (arm, kind, prompt length) cell over measured ok samples:
+
+* interval metrics, judged on the 95% bootstrap interval of the cell's median (:func:`~abbench.analysis.
+  timing.median_ci`): ``ttft_ratio`` (paired TTFT(arm) / TTFT(reference), same prompt and round), ``x_floor``
+  (TTFT / the cell's floor, :func:`~abbench.analysis.transfer.floor_table`), ``ttft_s``, ``decode_tok_s``.
+  ``<=``: pass when the whole interval is at or below VALUE, fail when it is wholly above, otherwise
+  *inconclusive* (which fails, with a rough estimate of the rounds that might settle it: the interval's
+  half-width taken to shrink as 1/sqrt(n)). One sample gives no interval: inconclusive. ``==`` is refused.
+* counter metrics, judged on every sample: ``h2d_banks`` (prefill H2D bytes / the bank; the whole
+  request's bytes when the engine gives no split), ``banks_per_window`` (the same over the engine's
+  layer-major windows, at least 1: one bank per window is the layer-major promise at any length) and ``peak_vram_gb`` (the engine's ``peak_device_bytes``
+  when present, else NVML's peak for the service's processes; GiB = 2^30 bytes). ``<=``: the largest sample
+  <= VALUE; ``>=``: the smallest >= VALUE; ``==``: every sample equal (relative tolerance 1e-6).
+
+Every cell the selector picks must pass; a selector that picks no cell with data fails (the gate never
+passes on missing data). :func:`parse_check` raises :class:`~abbench.errors.ConfigError` (exit 2) naming
+the problem; :func:`bind` also checks the arm against a run.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+
+from abbench.analysis.frames import arm_names, measured_ok_frame, reference_arm
+from abbench.analysis.timing import CONFIDENCE, median_ci, paired_ratios
+from abbench.analysis.transfer import FLOOR_KINDS, floor_table
+from abbench.errors import ConfigError
+from abbench.results import RunRecord
+
+KINDS = ("fresh", "cold", "continuation")
+OPS = ("<=", ">=", "==")
+TOLERANCE = 1e-6
+
+
+@dataclass(frozen=True)
+class Metric:
+    name: str
+    unit: str
+    interval: bool
+    """True: judged on the 95% interval of the median; False: a counter judged on every sample."""
+    ratio: bool
+    """A ratio (what auto rounds narrow)."""
+    description: str
+
+
+METRICS: dict[str, Metric] = {m.name: m for m in (
+    Metric("ttft_ratio", "x", True, True, "paired TTFT(arm) / TTFT(reference arm), same prompt and round"),
+    Metric("x_floor", "x", True, True, "TTFT / the floor (max of the resident TTFT and one bank's copy)"),
+    Metric("ttft_s", "s", True, False, "time to first token (seconds)"),
+    Metric("decode_tok_s", "tok/s", True, False, "decode rate after the first token"),
+    Metric("h2d_banks", "banks", False, False, "prefill host-to-device bytes / the expert bank"),
+    Metric("banks_per_window", "banks", False, False, "h2d_banks / the engine's layer-major windows (at least 1)"),
+    Metric("peak_vram_gb", "GiB", False, False, "peak device memory (engine's peak_device_bytes, else NVML)"),
+)}
+
+_EXPR = re.compile(r"^\s*(?P<metric>[A-Za-z_][A-Za-z0-9_]*)\s*\[(?P<sel>[^\[\]]*)\]\s*(?P<op><=|>=|==|=<|=>|<|>|=)?"
+                   r"\s*(?P<value>\S*)\s*$")
+_TOKENS = re.compile(r"^(?P<op><=|>=|==)?\s*(?P<n>\d+)(?P<k>[kK])?$")
+
+
+@dataclass(frozen=True)
+class DeclaredCheck:
+    """One parsed expression."""
+
+    expr: str
+    metric: str
+    arm: str
+    kind: str | None
+    tokens_op: str | None
+    """'>=', '<=' or '==' (a bare length), None: every length."""
+    tokens: int | None
+    op: str
+    value: float
+
+    @property
+    def name(self) -> str:
+        sel = [self.arm] + ([self.kind] if self.kind else [])
+        if self.tokens is not None:
+            sel.append(f"{'' if self.tokens_op == '==' else self.tokens_op}{self.tokens}")
+        return f"{self.metric}[{', '.join(sel)}] {self.op} {self.value:g}"
+
+    @property
+    def spec(self) -> Metric:
+        return METRICS[self.metric]
+
+    def selects(self, kind: str, tokens: int | None) -> bool:
+        if self.kind is not None and kind != self.kind:
+            return False
+        if self.tokens is None:
+            return True
+        if tokens is None:
+            return False
+        return {"<=": tokens <= self.tokens, ">=": tokens >= self.tokens, "==": tokens == self.tokens}[
+            str(self.tokens_op)]
+
+
+def parse_check(expr: str) -> DeclaredCheck:
+    """Parse one expression (grammar in the module docstring); :class:`ConfigError` names the problem."""
+    where = f"check {expr!r}"
+    m = _EXPR.match(expr or "")
+    if not m:
+        raise ConfigError(f"{where}: not of the form METRIC[ARM(, KIND)(, >=TOKENS|<=TOKENS)] OP VALUE, e.g. "
+                          "'ttft_ratio[layer-major, fresh, >=32768] <= 0.15'")
+    metric = m["metric"]
+    if metric not in METRICS:
+        raise ConfigError(f"{where}: unknown metric {metric!r}; metrics are {', '.join(METRICS)}")
+    op = m["op"]
+    if op not in OPS:
+        raise ConfigError(f"{where}: " + ("missing comparison" if not op else f"unknown comparison {op!r}")
+                          + "; use <=, >= or ==")
+    try:
+        value = float(m["value"])
+    except ValueError:
+        raise ConfigError(f"{where}: {m['value']!r} is not a number" if m["value"] else
+                          f"{where}: no value after {op}") from None
+    if not math.isfinite(value):
+        raise ConfigError(f"{where}: the value must be a finite number")
+    if op == "==" and METRICS[metric].interval:
+        raise ConfigError(f"{where}: {metric} is judged on an interval; use <= or >= (== is for counters: "
+                          "h2d_banks, banks_per_window, peak_vram_gb)")
+    parts = [p.strip() for p in m["sel"].split(",")]
+    if not parts[0]:
+        raise ConfigError(f"{where}: the selector needs an arm first, e.g. {metric}[layer-major]")
+    arm, kind, tokens_op, tokens = parts[0], None, None, None
+    for p in parts[1:]:
+        t = _TOKENS.match(p)
+        if p in KINDS and kind is None and tokens is None:
+            kind = p
+        elif t and tokens is None:
+            tokens_op, tokens = t["op"] or "==", int(t["n"]) * (1024 if t["k"] else 1)
+        else:
+            raise ConfigError(f"{where}: selector part {p!r} is neither a kind ({', '.join(KINDS)}) nor a "
+                              "prompt length (>=32768, <=65536 or 32768), in the order ARM, KIND, LENGTH")
+    return DeclaredCheck(expr=expr, metric=metric, arm=arm, kind=kind, tokens_op=tokens_op, tokens=tokens, op=op,
+                         value=value)
+
+
+def parse_checks(exprs: list[str]) -> list[DeclaredCheck]:
+    return [parse_check(e) for e in exprs]
+
+
+def check_arms(checks: list[DeclaredCheck], arms: list[str], reference: str | None, where: str) -> None:
+    """:class:`ConfigError` when a check names an arm that is not there, or compares the reference with
+    itself."""
+    for c in checks:
+        if c.arm not in arms:
+            raise ConfigError(f"{where}: check {c.expr!r}: unknown arm {c.arm!r}; arms are {', '.join(arms)}")
+        if c.metric == "ttft_ratio" and c.arm == reference:
+            raise ConfigError(f"{where}: check {c.expr!r}: {c.arm} is the reference arm; ttft_ratio compares "
+                              "another arm with it")
+
+
+def bind(record: RunRecord, exprs: list[str], where: str = "--check") -> list[DeclaredCheck]:
+    """Parse ``exprs`` and check their arms against the run."""
+    checks = parse_checks(exprs)
+    check_arms(checks, arm_names(record), reference_arm(record), f"{where} ({record.run_id})")
+    return checks
+
+
+def declared_exprs(record: RunRecord) -> list[str]:
+    """The checks the run's recorded profile declares (``gate.checks``)."""
+    return [str(x) for x in ((record.profile.get("gate") or {}).get("checks") or [])]
+
+
+# ------------------------------------------------------------------------------------------ values
+
+
+VALUE_COLUMNS = ["arm", "kind", "target_tokens", "round", "value"]
+
+
+def _rows(df: pd.DataFrame, values: pd.Series) -> pd.DataFrame:
+    out = pd.DataFrame({"arm": df["arm"], "kind": df["kind"], "target_tokens": df["target_tokens"],
+                        "round": df["round"], "value": pd.to_numeric(values, errors="coerce")})
+    return out[out["value"].notna()].reset_index(drop=True)
+
+
+def _ttft_ratio(record: RunRecord) -> pd.DataFrame:
+    p = paired_ratios(record)
+    return _rows(p, p["ratio"]) if not p.empty else pd.DataFrame(columns=VALUE_COLUMNS)
+
+
+def _x_floor(record: RunRecord) -> pd.DataFrame:
+    floors = floor_table(record)
+    df = measured_ok_frame(record)
+    if floors.empty or df.empty:
+        return pd.DataFrame(columns=VALUE_COLUMNS)
+    floor = {(k, int(t)): f for k, t, f in zip(floors["kind"], floors["target_tokens"], floors["floor_s"])
+             if pd.notna(t) and pd.notna(f) and f > 0}
+    df = df[df["kind"].isin(FLOOR_KINDS)]
+    f = [floor.get((k, int(t))) if pd.notna(t) else None for k, t in zip(df["kind"], df["target_tokens"])]
+    return _rows(df, df["ttft_s"] / pd.Series(f, index=df.index, dtype=float))
+
+
+def _column(col: str, scale: float = 1.0) -> Callable[[RunRecord], pd.DataFrame]:
+    def values(record: RunRecord) -> pd.DataFrame:
+        df = measured_ok_frame(record)
+        return _rows(df, df[col] / scale) if not df.empty else pd.DataFrame(columns=VALUE_COLUMNS)
+    return values
+
+
+def _h2d_banks(record: RunRecord) -> pd.DataFrame:
+    df = measured_ok_frame(record)
+    if df.empty:
+        return pd.DataFrame(columns=VALUE_COLUMNS)
+    prefill = df["prefill_h2d_bytes"].where(df["prefill_h2d_bytes"].notna(), df["h2d_bytes"])
+    return _rows(df, prefill / df["bank_bytes"].where(df["bank_bytes"] > 0))
+
+
+def _banks_per_window(record: RunRecord) -> pd.DataFrame:
+    banks = _h2d_banks(record)
+    if banks.empty:
+        return banks
+    df = measured_ok_frame(record)
+    prefill = df["prefill_h2d_bytes"].where(df["prefill_h2d_bytes"].notna(), df["h2d_bytes"])
+    windows = df["n_windows"].fillna(1.0).clip(lower=1.0)
+    return _rows(df, prefill / df["bank_bytes"].where(df["bank_bytes"] > 0) / windows)
+
+
+def _peak_vram(record: RunRecord) -> pd.DataFrame:
+    df = measured_ok_frame(record)
+    if df.empty:
+        return pd.DataFrame(columns=VALUE_COLUMNS)
+    peak = df["peak_device_bytes"].where(df["peak_device_bytes"].notna(), df["proc_gpu_mem_peak"])
+    return _rows(df, pd.to_numeric(peak, errors="coerce") / 2**30)
+
+
+VALUES: dict[str, Callable[[RunRecord], pd.DataFrame]] = {
+    "ttft_ratio": _ttft_ratio, "x_floor": _x_floor, "ttft_s": _column("ttft_s"),
+    "decode_tok_s": _column("decode_tok_s"), "h2d_banks": _h2d_banks, "banks_per_window": _banks_per_window,
+    "peak_vram_gb": _peak_vram,
+}
+"""Per metric: one row per measured ok sample (or pair): arm, kind, target_tokens, round, value."""
+
+
+# ------------------------------------------------------------------------------------------ judging
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One (kind, length) cell of a check: its value, interval (or range) and verdict."""
+
+    kind: str
+    tokens: int | None
+    n: int
+    rounds: int
+    value: float
+    low: float | None
+    high: float | None
+    status: str
+    """'pass', 'fail' or 'inconclusive'."""
+    why: str = ""
+
+    @property
+    def halfwidth(self) -> float | None:
+        """Half the interval's width relative to the value (None without an interval)."""
+        if self.low is None or self.high is None or not self.value:
+            return None
+        return (self.high - self.low) / 2 / abs(self.value)
+
+
+def rounds_to_settle(value: float, low: float, high: float, bound: float, n: int, rounds: int) -> str:
+    """Roughly how many rounds might settle an interval that contains ``bound``: the half-width taken to
+    shrink as 1/sqrt(n)."""
+    half, gap = (high - low) / 2, abs(value - bound)
+    if gap <= 0 or half <= 0:
+        return "the median sits on the bound: no number of rounds is likely to settle it"
+    need_n = n * (half / gap) ** 2
+    per_round = max(n / max(rounds, 1), 1e-9)
+    total = max(rounds + 1, math.ceil(need_n / per_round))
+    side = "below" if value < bound else "above"
+    return f"roughly {total} rounds (now {rounds}) might settle it (median {value:.4g} is {side} {bound:g})"
+
+
+def _judge_interval(c: DeclaredCheck, vals: np.ndarray, rounds: int) -> tuple[float, float | None, float | None,
+                                                                              str, str]:
+    ci = median_ci(vals)
+    if ci.low is None or ci.high is None:
+        return ci.median, None, None, "inconclusive", (f"n={len(vals)}: no {CONFIDENCE:.0%} interval; at least "
+                                                        "2 rounds are needed")
+    ok = ci.high <= c.value if c.op == "<=" else ci.low >= c.value
+    bad = ci.low > c.value if c.op == "<=" else ci.high < c.value
+    if ok:
+        return ci.median, ci.low, ci.high, "pass", ""
+    if bad:
+        return ci.median, ci.low, ci.high, "fail", f"the whole interval is {'above' if c.op == '<=' else 'below'} " \
+                                                    f"{c.value:g}"
+    why = f"the interval contains {c.value:g}; " + rounds_to_settle(ci.median, ci.low, ci.high, c.value, len(vals),
+                                                                      rounds)
+    return ci.median, ci.low, ci.high, "inconclusive", why
+
+
+def _judge_counter(c: DeclaredCheck, vals: np.ndarray) -> tuple[float, float, float, str, str]:
+    lo, hi, med = float(vals.min()), float(vals.max()), float(np.median(vals))
+    tol = TOLERANCE * max(1.0, abs(c.value))
+    if c.op == "<=":
+        ok, why = hi <= c.value + tol, f"largest sample {hi:.4g} > {c.value:g}"
+    elif c.op == ">=":
+        ok, why = lo >= c.value - tol, f"smallest sample {lo:.4g} < {c.value:g}"
+    else:
+        off = int(np.sum(np.abs(vals - c.value) > tol))
+        ok, why = off == 0, f"{off}/{len(vals)} sample(s) differ from {c.value:g} (range {lo:.4g}-{hi:.4g})"
+    return med, lo, hi, "pass" if ok else "fail", "" if ok else why
+
+
+def judge(record: RunRecord, c: DeclaredCheck, values: pd.DataFrame | None = None) -> list[Cell]:
+    """The check's cells (kind, length) for its arm, each with its value, interval and verdict."""
+    df = VALUES[c.metric](record) if values is None else values
+    df = df[df["arm"] == c.arm]
+    cells: list[Cell] = []
+    for (kind, tokens), g in df.groupby(["kind", "target_tokens"], sort=False, dropna=False):
+        t = None if pd.isna(tokens) else int(tokens)
+        if not c.selects(str(kind), t):
+            continue
+        vals = g["value"].astype(float).to_numpy()
+        rounds = int(g["round"].nunique())
+        if c.spec.interval:
+            v, lo, hi, status, why = _judge_interval(c, vals, rounds)
+        else:
+            v, lo, hi, status, why = _judge_counter(c, vals)
+        cells.append(Cell(str(kind), t, len(vals), rounds, v, lo, hi, status, why))
+    order = {"fresh": 0, "cold": 1, "continuation": 2}
+    return sorted(cells, key=lambda x: (order.get(x.kind, 9), x.tokens or 0))
+
+
+def fmt_value(v: float | None) -> str:
+    return "—" if v is None else f"{v:.4g}"
+
+
+def describe_cell(c: DeclaredCheck, cell: Cell) -> str:
+    """'fresh 32768: 0.146 (95% CI 0.143-0.148, n=2 pairs) pass'."""
+    what = "pairs" if c.metric == "ttft_ratio" else "samples"
+    if cell.low is None:
+        span = f"n={cell.n} {what}"
+    else:
+        label = f"{CONFIDENCE:.0%} CI" if c.spec.interval else "range"
+        span = f"{label} {fmt_value(cell.low)}–{fmt_value(cell.high)}, n={cell.n} {what}"
+    length = "" if cell.tokens is None else f" {cell.tokens}"
+    return f"{cell.kind}{length}: {fmt_value(cell.value)} ({span}) {cell.status}"
+
+
+def overall(cells: list[Cell]) -> str:
+    """'fail' when a cell fails (or there is none), else 'inconclusive' when one is, else 'pass'."""
+    if not cells or any(x.status == "fail" for x in cells):
+        return "fail"
+    return "inconclusive" if any(x.status == "inconclusive" for x in cells) else "pass"

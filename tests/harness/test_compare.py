@@ -1,0 +1,146 @@
+"""abbench compare on real cpu-tiny runs: two runs of `abbench run --rounds 2 --lengths 256 --arms
+chunked,layer-major` made back to back at one commit on the shared 2-core machine
+(tests/support/fixtures/compare/base and cand), copies of them doctored (a candidate whose layer-major TTFTs
+are 1.5x, a prompt of other text, another tokenizer), and the committed H200 runs."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from abbench.cli import app
+from abbench.compare import CompareRefused, change_ci, compare, render_markdown
+from abbench.results import load_run
+
+REPO = Path(__file__).resolve().parents[2]
+FIXTURES = REPO / "tests" / "support" / "fixtures" / "compare"
+BASE, CAND = FIXTURES / "base", FIXTURES / "cand"
+runner = CliRunner()
+
+
+def doctored(src: Path, dst: Path, *, samples=None, record=None) -> Path:
+    """A copy of the run ``src`` whose samples (in run.json and requests.jsonl) and run.json pass through
+    the given functions."""
+    shutil.copytree(src, dst)
+    run = json.loads((dst / "run.json").read_text())
+    if record:
+        record(run)
+    if samples:
+        run["samples"] = [samples(s) for s in run["samples"]]
+        lines = [json.loads(x) for x in (dst / "requests.jsonl").read_text().splitlines() if x.strip()]
+        (dst / "requests.jsonl").write_text("".join(json.dumps(samples(s)) + "\n" for s in lines))
+    (dst / "run.json").write_text(json.dumps(run))
+    return dst
+
+
+def slower_layer_major(s: dict) -> dict:
+    if s["arm"] == "layer-major" and s.get("ttft_s") is not None:
+        extra = s["ttft_s"] * 0.5
+        s["ttft_s"] += extra
+        s["total_s"] += extra
+    return s
+
+
+def test_a_run_against_itself_is_all_the_same(tmp_path: Path) -> None:
+    copy = doctored(BASE, tmp_path / "copy")
+    r = runner.invoke(app, ["compare", str(BASE), str(copy)])
+    assert r.exit_code == 0, r.output
+    assert "**No regression** beyond 5%" in r.output
+    assert "Identical in every sample of both runs (not listed): TTFT, Decode tok/s, Engine H2D." in r.output
+
+
+def test_a_doctored_regression_exits_1_and_names_the_cells(tmp_path: Path) -> None:
+    cand = doctored(BASE, tmp_path / "slow", samples=slower_layer_major)
+    out = tmp_path / "pr" / "compare.md"
+    r = runner.invoke(app, ["compare", str(BASE), str(cand), "--out", str(out)])
+    assert r.exit_code == 1, r.output
+    md = out.read_text()
+    assert "regression(s)** beyond 5%" in md
+    assert "Same in every row: Metric: TTFT" in md  # decode untouched (total_s moved with the TTFT): identical
+    rows = {tuple(x.split(" | ")[:3]): x for x in md.splitlines() if x.startswith("| ")}
+    cold = rows[("| layer-major", "cold", "384")]
+    assert "+50.0%" in cold and "REGRESSION" in cold
+    assert "not significant" in rows[("| layer-major", "fresh", "256")]  # its 2 samples are 50% apart
+    assert rows[("| chunked", "fresh", "256")].endswith("| +0.0% | — | same |")
+    assert (out.parent / "compare.png").is_file() and "![Changes with 95% intervals](compare.png)" in md
+    # a threshold above the change: no regression, the change is still shown
+    r = runner.invoke(app, ["compare", str(BASE), str(cand), "--threshold", "0.6"])
+    assert r.exit_code == 0 and "slower" in r.output and "REGRESSION" not in r.output
+
+
+def test_two_real_runs_at_one_commit(tmp_path: Path) -> None:
+    """Back to back on a machine shared with other jobs: within-run intervals at n=2 do not hold the drift
+    between the runs, and the report says so."""
+    c = compare(load_run(BASE)[0], load_run(CAND)[0])
+    md = render_markdown(c)
+    assert c.env_diffs == [] and "None in the recorded fingerprint fields." in md
+    assert "Engine H2D" in c.identical  # the byte counters are deterministic
+    assert "n = 2 per side" in md and "drift *between* the two runs" in md
+    assert set(c.changes["metric"]) == {"ttft_s", "decode_tok_s", "h2d_bytes"}  # no GPU: no peak memory
+    # recorded outcome of these two runs (fixed data, seed 0)
+    regs = {(r.arm, r.kind, r.target_tokens, r.metric) for r in c.regressions.itertuples()}
+    assert ("layer-major", "cold", 512, "ttft_s") in regs
+    r = runner.invoke(app, ["compare", str(BASE), str(CAND), "--threshold", "0.75"])
+    assert r.exit_code == 0, r.output
+
+
+def test_prompts_of_other_text_exit_2(tmp_path: Path) -> None:
+    def other_prompt(run: dict) -> None:
+        run["prompts"][3]["sha256"] = "0" * 64
+
+    cand = doctored(CAND, tmp_path / "other", record=other_prompt)
+    pid = json.loads((cand / "run.json").read_text())["prompts"][3]["id"]
+    r = runner.invoke(app, ["compare", str(BASE), str(cand)])
+    assert r.exit_code == 2 and "the prompts differ" in r.output and pid in r.output
+
+
+def test_another_tokenizer_exits_2(tmp_path: Path) -> None:
+    def other_tokenizer(run: dict) -> None:
+        run["environment"]["tokenizer"]["vocab_sha256"] = "f" * 64
+
+    cand = doctored(CAND, tmp_path / "tok", record=other_tokenizer)
+    r = runner.invoke(app, ["compare", str(BASE), str(cand)])
+    assert r.exit_code == 2 and "the tokenizers differ (vocab_sha256" in r.output
+    with pytest.raises(CompareRefused):
+        compare(load_run(BASE)[0], load_run(cand)[0])
+
+
+def test_fingerprint_and_profile_differences_are_listed(tmp_path: Path) -> None:
+    def other_commit(run: dict) -> None:
+        run["environment"]["engine_commit"] = "0123456789abcdef0123456789abcdef01234567"
+        run["environment"]["packages"]["torch"] = "9.9.9"
+        run["profile"]["request"]["timeout_s"] = 60.0
+
+    cand = doctored(CAND, tmp_path / "pr", record=other_commit)
+    md = render_markdown(compare(load_run(BASE)[0], load_run(cand)[0]))
+    assert "- engine_commit: " in md and "-> '0123456789abcdef0123456789abcdef01234567'" in md
+    assert "- packages.torch: " in md and "-> '9.9.9'" in md
+    assert "### Profile differences" in md and "- request.timeout_s: 120.0 -> 60.0" in md
+
+
+def test_the_h200_runs_at_two_commits() -> None:
+    """results/20261129 (9d32dc6) against 20261129b (4fcb60f): same prompts, same tokenizer."""
+    c = compare(load_run(REPO / "results/20261129-h200-qwen3-30b-a3b")[0],
+                load_run(REPO / "results/20261129b-h200-qwen3-30b-a3b")[0])
+    assert len(c.regressions) == 0 and c.identical == ["Engine H2D"]
+    row = c.changes[(c.changes["arm"] == "layer-major") & (c.changes["kind"] == "fresh")
+                    & (c.changes["target_tokens"] == 32768) & (c.changes["metric"] == "ttft_s")].iloc[0]
+    assert row["verdict"] == "not significant" and abs(row["change"]) < 0.01
+    # the 20261130 run built its pair prompts from another rotation (two more lengths): refused
+    with pytest.raises(CompareRefused, match="pair0-cold, pair0-cont"):
+        compare(load_run(REPO / "results/20261129b-h200-qwen3-30b-a3b")[0],
+                load_run(REPO / "results/20261130-h200-qwen3-30b-a3b")[0])
+
+
+def test_change_ci() -> None:
+    import numpy as np
+
+    ch, lo, hi = change_ci(np.array([1.0, 1.0]), np.array([1.1, 1.1]))
+    assert ch == pytest.approx(0.1) and lo == pytest.approx(0.1) and hi == pytest.approx(0.1)
+    assert change_ci(np.array([0.0]), np.array([0.0])) == (0.0, 0.0, 0.0)
+    assert change_ci(np.array([0.0]), np.array([1.0])) == (None, None, None)
+    assert change_ci(np.array([2.0]), np.array([3.0]))[1:] == (None, None)

@@ -1,0 +1,218 @@
+"""Declared checks (abbench.analysis.declared): the grammar, each metric, inconclusive intervals and the
+rounds that might settle them, the gate's exit codes, profiles and the report's Verdict; on small records
+built here and on the committed offloaded H200 run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from abbench import analysis as an
+from abbench.analysis.declared import METRICS, judge, parse_check, rounds_to_settle
+from abbench.cli import app
+from abbench.errors import ConfigError
+from abbench.profile import load_profile, profile_from_dict
+from abbench.results import load_run
+from tests.harness.test_analysis import make_run
+
+REPO = Path(__file__).resolve().parents[2]
+H200 = REPO / "results" / "20261130-h200-qwen3-30b-a3b"
+CPU = REPO / "results" / "readme-cpu-tiny"
+
+
+@pytest.fixture(scope="module")
+def h200():
+    record, _ = load_run(H200)
+    return record
+
+
+def by_name(verdict: an.GateVerdict) -> dict[str, an.Check]:
+    return {c.name: c for c in verdict.checks}
+
+
+# ------------------------------------------------------------------------------------------ grammar
+
+
+def test_grammar_parses_every_selector_form() -> None:
+    c = parse_check("ttft_ratio[layer-major, fresh, >=32768] <= 0.15")
+    assert (c.metric, c.arm, c.kind, c.tokens_op, c.tokens, c.op, c.value) == \
+        ("ttft_ratio", "layer-major", "fresh", ">=", 32768, "<=", 0.15)
+    assert c.name == "ttft_ratio[layer-major, fresh, >=32768] <= 0.15"
+    c = parse_check("h2d_banks[layer-major,fresh,<=64k]==1")
+    assert (c.kind, c.tokens_op, c.tokens, c.op, c.value) == ("fresh", "<=", 65536, "==", 1.0)
+    c = parse_check("x_floor[layer-major] <= 1.10")
+    assert (c.kind, c.tokens, c.name) == (None, None, "x_floor[layer-major] <= 1.1")
+    c = parse_check("decode_tok_s[demand, 4096] >= 100")
+    assert (c.kind, c.tokens_op, c.tokens, c.name) == (None, "==", 4096, "decode_tok_s[demand, 4096] >= 100")
+    assert c.selects("cold", 4096) and not c.selects("fresh", 4097)
+    assert parse_check("peak_vram_gb[a, continuation] <= 2.5e1").value == 25.0
+
+
+@pytest.mark.parametrize("expr, words", [
+    ("ttft_rate[layer-major] <= 1", "unknown metric 'ttft_rate'"),
+    ("ttft_ratio[layer-major] < 1", "unknown comparison '<'"),
+    ("ttft_ratio[layer-major] 1", "missing comparison"),
+    ("ttft_ratio[layer-major] <= fast", "'fast' is not a number"),
+    ("ttft_ratio[layer-major] <=", "no value after <="),
+    ("ttft_ratio layer-major <= 1", "not of the form METRIC[ARM"),
+    ("ttft_ratio[] <= 1", "needs an arm first"),
+    ("ttft_ratio[layer-major, warm] <= 1", "selector part 'warm'"),
+    ("ttft_ratio[layer-major, >=4096, fresh] <= 1", "selector part 'fresh'"),
+    ("ttft_ratio[layer-major] == 0.5", "judged on an interval; use <= or >="),
+    ("h2d_banks[layer-major] <= inf", "finite"),
+])
+def test_grammar_errors_name_the_problem(expr: str, words: str) -> None:
+    with pytest.raises(ConfigError, match="check") as e:
+        parse_check(expr)
+    assert words in str(e.value)
+
+
+def test_unknown_arm_and_ratio_of_the_reference_are_refused() -> None:
+    record = make_run()
+    with pytest.raises(ConfigError, match="unknown arm 'C'; arms are A, B"):
+        an.gate(record, checks=["ttft_s[C] <= 1"])
+    with pytest.raises(ConfigError, match="A is the reference arm"):
+        an.gate(record, checks=["ttft_ratio[A] <= 1"])
+
+
+# -------------------------------------------------------------------------------------- the metrics
+
+
+def test_each_metric_on_the_committed_h200_run(h200) -> None:
+    """The values the report shows, cell by cell (report: reports/20261130-h200-qwen3-30b-a3b.md)."""
+    def cell(expr: str, tokens: int, kind: str = "fresh"):
+        return next(x for x in judge(h200, parse_check(expr)) if x.tokens == tokens and x.kind == kind)
+
+    r = cell("ttft_ratio[layer-major, fresh] <= 0.15", 32768)
+    assert (r.n, r.status) == (2, "pass") and r.value == pytest.approx(0.146, abs=5e-4)
+    assert r.low == pytest.approx(0.1435, abs=5e-4) and r.high == pytest.approx(0.1479, abs=5e-4)
+    assert cell("ttft_ratio[layer-major] <= 0.15", 65536).status == "fail"  # 0.219: the compute floor is 0.213
+    assert cell("x_floor[layer-major] <= 1.15", 32768).value == pytest.approx(0.993, abs=1e-3)
+    assert cell("x_floor[layer-major] <= 1.15", 16384).status == "inconclusive"  # 1.033 and 1.245 over 2 rounds
+    assert cell("ttft_s[layer-major] <= 3", 32768).value == pytest.approx(2.4965, abs=1e-3)
+    assert cell("decode_tok_s[layer-major] >= 150", 4096).status == "fail"  # 39 tok/s: the 150 target is missed
+    assert cell("h2d_banks[layer-major] == 1", 65536).status == "pass"
+    banks = cell("h2d_banks[layer-major] == 1", 131072)  # two windows at 128K in this profile
+    assert (banks.value, banks.status) == (2.0, "fail")
+    assert cell("h2d_banks[chunked] == 16", 32768).status == "pass"
+    per_window = cell("banks_per_window[layer-major] == 1", 131072)  # two banks over two windows
+    assert (per_window.value, per_window.status) == (1.0, "pass")
+    assert cell("banks_per_window[chunked] == 16", 32768).status == "pass"  # no windows: counted as one
+    vram = cell("peak_vram_gb[layer-major] <= 24", 131072)  # the engine's peak_device_bytes, in GiB
+    assert vram.value == pytest.approx(21.27, abs=0.01) and vram.status == "pass"
+    assert cell("peak_vram_gb[resident] >= 70", 4096).status == "pass"
+
+
+def test_peak_vram_falls_back_to_nvml_without_the_engine_figure() -> None:
+    record = make_run()  # no peak_device_bytes; NVML's process peak is 18 GiB
+    cells = judge(record, parse_check("peak_vram_gb[B] <= 18"))
+    assert cells and all(x.value == 18.0 and x.status == "pass" for x in cells)
+    assert all(x.status == "fail" for x in judge(record, parse_check("peak_vram_gb[B] <= 17.5")))
+
+
+def test_every_metric_has_values_on_a_cpu_run() -> None:
+    record, _ = load_run(CPU)
+    for metric in METRICS:
+        if metric in ("peak_vram_gb", "x_floor"):  # no GPU, and no resident arm in this run
+            continue
+        arm = "layer-major"
+        assert judge(record, parse_check(f"{metric}[{arm}] >= 0")), metric
+
+
+# ----------------------------------------------------------------------------------- inconclusive
+
+
+def test_an_interval_that_straddles_the_bound_is_inconclusive_and_fails() -> None:
+    # B's ratio is 0.51 in round 1 and 0.52 in round 2: the interval 0.51-0.52 straddles 0.515
+    record = make_run(lengths=(1024,))
+    v = an.gate(record, checks=["ttft_ratio[B] <= 0.515", "ttft_ratio[B] <= 0.53", "ttft_ratio[B] <= 0.5"])
+    checks = by_name(v)
+    assert checks["ttft_ratio[B] <= 0.515"].result == "inconclusive"
+    assert checks["ttft_ratio[B] <= 0.515"].passed is False
+    assert checks["ttft_ratio[B] <= 0.53"].result == "pass"
+    assert checks["ttft_ratio[B] <= 0.5"].result == "FAIL"
+    assert not v.passed
+    why = next(f for f in v.failures if f.startswith("ttft_ratio[B] <= 0.515"))
+    assert "interval contains 0.515" in why and "rounds (now 2) might settle it" in why
+    assert "2 pairs" in checks["ttft_ratio[B] <= 0.53"].detail and "95% CI" in checks["ttft_ratio[B] <= 0.53"].detail
+
+
+def test_one_round_has_no_interval_and_is_inconclusive() -> None:
+    v = an.gate(make_run(rounds=1, lengths=(1024,)), checks=["ttft_ratio[B] <= 0.9"])
+    c = by_name(v)["ttft_ratio[B] <= 0.9"]
+    assert c.result == "inconclusive" and "at least 2 rounds" in " ".join(v.failures)
+
+
+def test_rounds_to_settle_scales_with_one_over_sqrt_n() -> None:
+    # half-width 0.02, gap 0.01: n must grow 4x -> 4 pairs per... 2 rounds of 1 pair now -> 8 rounds
+    assert "roughly 8 rounds (now 2)" in rounds_to_settle(0.50, 0.48, 0.52, 0.51, n=2, rounds=2)
+    assert "no number of rounds" in rounds_to_settle(0.51, 0.48, 0.54, 0.51, n=2, rounds=2)
+
+
+def test_a_selector_with_no_data_fails() -> None:
+    v = an.gate(make_run(), checks=["ttft_ratio[B, continuation] <= 1"])
+    c = by_name(v)["ttft_ratio[B, continuation] <= 1"]
+    assert not c.passed and "no measured data" in c.detail and not v.passed
+
+
+def test_passing_checks_keep_the_gate_passing() -> None:
+    v = an.gate(make_run(), checks=["ttft_ratio[B] <= 0.6", "ttft_s[A, fresh, >=4096] >= 4", "h2d_banks[A] >= 0"])
+    assert v.passed, v.failures
+    assert [c.name for c in v.checks][-3:] == ["ttft_ratio[B] <= 0.6", "ttft_s[A, fresh, >=4096] >= 4",
+                                               "h2d_banks[A] >= 0"]
+
+
+# ------------------------------------------------------------------------------- profiles, CLI, report
+
+
+def test_profiles_validate_their_checks() -> None:
+    base = load_profile("cpu-tiny").model_dump()
+    base["gate"]["checks"] = ["ttft_ratio[layer-major] <= 1.5"]
+    assert profile_from_dict(base).gate.checks == ["ttft_ratio[layer-major] <= 1.5"]
+    base["gate"]["checks"] = ["ttft_ratio[nope] <= 1.5"]
+    with pytest.raises(ConfigError, match=r"gate.checks.*unknown arm 'nope'"):
+        profile_from_dict(base)
+    base["gate"]["checks"] = ["speed[layer-major] <= 1.5"]
+    with pytest.raises(ConfigError, match="unknown metric 'speed'"):
+        profile_from_dict(base)
+    base["gate"]["checks"] = ["ttft_ratio[layer-major] <= 1.5", "ttft_s[demand] <= 9"]
+    assert profile_from_dict(base).with_overrides(arms=["chunked", "layer-major"]).gate.checks == \
+        ["ttft_ratio[layer-major] <= 1.5"]
+
+
+def test_the_bundled_h200_profiles_declare_their_targets() -> None:
+    for name in ("h200-qwen3-30b-a3b", "h200-qwen3.5-35b-a3b"):
+        checks = load_profile(name).gate.checks
+        assert "ttft_ratio[layer-major, fresh, 32768] <= 0.15" in checks
+        assert any(c.startswith("h2d_banks[layer-major, fresh") and c.endswith("== 1") for c in checks)
+        assert "x_floor[layer-major, fresh] <= 1.15" in checks
+
+
+def test_gate_cli_exit_codes_and_output() -> None:
+    runner = CliRunner()
+    ok = runner.invoke(app, ["gate", str(H200), "--check", "ttft_ratio[layer-major, fresh, 32768] <= 0.15",
+                             "--check", "h2d_banks[layer-major, fresh, <=65536] == 1"])
+    assert ok.exit_code == 0, ok.output
+    assert "ttft_ratio[layer-major, fresh, 32768] <= 0.15" in ok.output and "0.1457" in ok.output
+    bad = runner.invoke(app, ["gate", str(H200), "--checks-from", "h200-qwen3-30b-a3b"])
+    assert bad.exit_code == 1 and "inconclusive" in bad.output and "x_floor[layer-major, fresh] <= 1.15" in bad.output
+    for expr, words in (("ttft_ratio[nope] <= 1", "unknown arm 'nope'"), ("bogus[layer-major] <= 1", "unknown metric"),
+                        ("ttft_ratio[layer-major] <", "unknown comparison")):
+        r = runner.invoke(app, ["gate", str(H200), "--check", expr])
+        assert r.exit_code == 2 and words in r.output, r.output
+
+
+def test_the_report_verdict_lists_declared_checks(h200) -> None:
+    from abbench.report import render_markdown
+
+    record = h200.model_copy(deep=True)
+    record.profile["gate"]["checks"] = ["ttft_ratio[layer-major, fresh, 32768] <= 0.15",
+                                        "x_floor[layer-major, fresh] <= 1.15"]
+    a = an.analyze(record)
+    md = render_markdown(record, [], a, {}, {})
+    verdict = md.split("## Verdict")[1].split("\n## ")[0]
+    assert "| ttft_ratio[layer-major, fresh, 32768] <= 0.15 | pass | fresh 32768: 0.1457 (95% CI" in verdict
+    assert "| x_floor[layer-major, fresh] <= 1.15 | inconclusive |" in verdict
+    assert "**Gate: FAIL**" in verdict
