@@ -182,9 +182,13 @@ def engine_counters_section(ri: ReportInput) -> list[str]:
     if df.empty:
         return lines + ["The engine reported no prefix-cache numbers in its responses and no prompt counters "
                         "on its metrics endpoint (or the profile scrapes none)."]
-    adapter = (record.profile.get("engine") or {}).get("adapter") or "openai"
+    adapters = an.frames.arm_adapters(record)
+    if len(set(adapters.values())) == 1:
+        which = f"adapter `{next(iter(adapters.values()))}`"
+    else:
+        which = "adapters: " + ", ".join(f"{a} `{ad}`" for a, ad in adapters.items())
     lines += [
-        (f"Medians per request (adapter `{adapter}`). Prompt tokens: as the server counted them. Cached: "
+        (f"Medians per request ({which}). Prompt tokens: as the server counted them. Cached: "
          "prompt tokens the engine reports serving from its prefix cache in the response (vLLM needs "
          "`--enable-prompt-tokens-details`; SGLang `meta_info.cached_tokens`; llama.cpp `timings.cache_n`). "
          "/metrics: the engine's Prometheus counters after minus before the request (llama.cpp counts only "
