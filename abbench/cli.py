@@ -367,11 +367,29 @@ def profiles() -> None:
     add_help_option=False,
 )
 def serve(ctx: typer.Context) -> None:
-    """Serve the vendored offloaded-MoE engine (OpenAI-compatible). All options pass through; see
-    `abbench serve --help`."""
+    """Serve the vendored offloaded-MoE engine (OpenAI-compatible), or with `--backend transformers` a model's
+    transformers implementation behind the same API (the reference). All other options pass through; see
+    `abbench serve --help` and `abbench serve --backend transformers --help`."""
+    args, backend = list(ctx.args), "engine"
+    for i, a in enumerate(args):
+        if a == "--backend" and i + 1 < len(args):
+            backend = args[i + 1]
+            del args[i:i + 2]
+            break
+        if a.startswith("--backend="):
+            backend = a.split("=", 1)[1]
+            del args[i]
+            break
+    if backend == "transformers":
+        from abbench.engine.reference import main as reference_main
+
+        raise typer.Exit(reference_main(args))
+    if backend != "engine":
+        raise typer.BadParameter(f"--backend {backend!r}: expected engine (the vendored engine, the default) or "
+                                 "transformers (the reference)")
     from abbench.engine.server import main as engine_main
 
-    engine_main(list(ctx.args))
+    engine_main(args)
 
 
 def main() -> None:  # pragma: no cover - console entry
