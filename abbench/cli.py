@@ -200,9 +200,14 @@ def gate(
     parity_tokens: Annotated[
         Optional[int], typer.Option(min=1, help="First K greedy ids that must match. Default: the profile's.")
     ] = None,
+    accept_near_ties: Annotated[
+        Optional[float], typer.Option(min=1e-9, help="Accept near-tie flips whose top-2 margin is "
+                                      "below this many nats. Default: the profile's gate.accept_near_ties.")
+    ] = None,
 ) -> None:
-    """Exit 0 when every prompt's first K ids match the reference arm and the declared checks hold; 1 when
-    not (naming prompt, arm and position); 2 on a usage or results error."""
+    """Exit 0 when every prompt's first K ids match the reference arm (or, where accepted, flip at a near
+    tie) and the declared checks hold; 1 when not (naming prompt, arm and position); 2 on a usage or
+    results error."""
     from rich.markup import escape
 
     from abbench.analysis import gate as judge
@@ -210,7 +215,7 @@ def gate(
 
     try:
         record, problems = load_run(run, RESULTS_ROOT)
-        verdict = judge(record, parity_tokens=parity_tokens)
+        verdict = judge(record, parity_tokens=parity_tokens, accept_near_ties=accept_near_ties)
     except AbbenchError as e:
         _fail(e)
         return

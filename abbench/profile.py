@@ -237,6 +237,13 @@ class GateSpec(_Model):
     require_active_path: bool = Field(True, description="Arms with expect_path must report that path.")
     allow_fallback: list[str] = Field(default_factory=list, description="Arms allowed to fall back.")
     max_failed_samples: int = Field(0, ge=0, description="Failed measured samples tolerated.")
+    accept_near_ties: float | None = Field(
+        None,
+        gt=0,
+        description="Tolerance (nats) under which a parity mismatch that is a near-tie flip (each side's choice "
+        "is the other's runner-up, top-2 margin below this) is accepted; reported either way. Unset: every "
+        "mismatch within parity_tokens fails.",
+    )
 
 
 class Profile(_Model):
