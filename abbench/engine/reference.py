@@ -20,6 +20,11 @@ maxima; the logprobs from ``log_softmax`` in float32), so the two backends' marg
 No prefix cache (every request starts from an empty cache; ``/reset`` has nothing to flush) and no
 offload: the per-request ``abbench`` object reports ``prefill_path = "reference"``, zero host-to-device
 expert bytes and zero cached prompt tokens. A per-request ``prefill_mode`` is refused (400).
+``trace_layers`` (with ``--allow-request-overrides``) returns the layer trace of :mod:`abbench.engine.trace`
+from forward hooks on the decoder layers (``model.model.layers``): ``attention`` (``self_attn``'s output),
+``experts`` (``mlp``'s output: every expert, shared ones included) and ``residual`` (the layer's output),
+at the last prompt position; hashes of two implementations rarely agree, the RMS of the difference does
+the localizing.
 
 :func:`save_tiny_qwen3_moe` writes the random tiny Qwen3-MoE checkpoint ``profiles/cpu-tiny-reference.toml``
 serves from both backends (``python -m abbench.engine.reference --make-tiny-checkpoint DIR``).
@@ -46,6 +51,7 @@ import torch
 from abbench.engine.decode import Sampler
 from abbench.engine.prefill import CancelLike, check_cancel
 from abbench.engine.runtime import Cancelled, ContextOverflow, RequestStats, TokenEvent
+from abbench.engine.trace import LayerTrace
 
 __all__ = ["ReferenceEngine", "save_tiny_qwen3_moe", "main"]
 
@@ -156,7 +162,8 @@ class ReferenceEngine:
     # -- the Engine contract ----------------------------------------------------------------------------
     def generate(self, prompt_ids: list[int], max_tokens: int, *, temperature: float = 0.0,
                  seed: int | None = None, ignore_eos: bool = False, logprobs: int | None = None,
-                 prefill_mode: str | None = None, cancel: CancelLike = None) -> Iterator[TokenEvent]:
+                 prefill_mode: str | None = None, cancel: CancelLike = None,
+                 trace_layers: bool = False) -> Iterator[TokenEvent]:
         """As :meth:`abbench.engine.runtime.Engine.generate`; validates eagerly."""
         prompt = [int(t) for t in prompt_ids]
         vocab, ctx = self.model_config.vocab_size, self.config.max_context
@@ -174,7 +181,7 @@ class ReferenceEngine:
         if logprobs is not None and not 0 <= int(logprobs) <= vocab:
             raise ValueError(f"logprobs must be in [0, {vocab}], got {logprobs}")
         sampler = Sampler(float(temperature), seed, self.device, None if logprobs is None else int(logprobs))
-        return self._generate(prompt, int(max_tokens), sampler, ignore_eos, cancel)
+        return self._generate(prompt, int(max_tokens), sampler, ignore_eos, cancel, bool(trace_layers))
 
     def run(self, prompt_ids: list[int], max_tokens: int, **kwargs: Any) -> tuple[list[TokenEvent], RequestStats]:
         """Drain ``generate``: (events, stats)."""
@@ -203,8 +210,29 @@ class ReferenceEngine:
         out = self.model(input_ids=t, **kwargs)
         return out.logits[0, -1].float(), cache  # the cache object is updated in place
 
+    def _hooks(self, tracer: LayerTrace) -> list[Any]:
+        """Forward hooks feeding ``tracer`` from every decoder layer (module docstring)."""
+        layers = getattr(getattr(self.model, "model", None), "layers", None)
+        if layers is None:
+            raise ValueError(f"trace_layers: {type(self.model).__name__} has no model.layers to hook")
+
+        def hook(layer: int, block: str):
+            def fn(_module: Any, _args: Any, output: Any) -> None:
+                t = output[0] if isinstance(output, (tuple, list)) else output
+                if isinstance(t, torch.Tensor):
+                    tracer(layer, block, t.reshape(-1, t.shape[-1]))
+            return fn
+
+        handles = []
+        for i, layer in enumerate(layers):
+            for name, block in (("self_attn", "attention"), ("mlp", "experts")):
+                if hasattr(layer, name):
+                    handles.append(getattr(layer, name).register_forward_hook(hook(i, block)))
+            handles.append(layer.register_forward_hook(hook(i, "residual")))
+        return handles
+
     def _generate(self, prompt: list[int], max_tokens: int, sampler: Sampler, ignore_eos: bool,
-                  cancel: CancelLike) -> Iterator[TokenEvent]:
+                  cancel: CancelLike, trace_layers: bool = False) -> Iterator[TokenEvent]:
         from transformers import DynamicCache
 
         if not self._lock.acquire(blocking=False):
@@ -215,7 +243,13 @@ class ReferenceEngine:
                 torch.cuda.reset_peak_memory_stats(self.device)
             check_cancel(cancel)
             prefill_start = time.perf_counter()
-            logits, cache = self._forward(prompt, DynamicCache(config=self.model.config))
+            tracer = LayerTrace() if trace_layers else None
+            handles = self._hooks(tracer) if tracer is not None else []
+            try:
+                logits, cache = self._forward(prompt, DynamicCache(config=self.model.config))
+            finally:
+                for h in handles:
+                    h.remove()
             prefill_end = time.perf_counter()
             counters["requests_by_path"][PATH] += 1
             counters["prefill_tokens_by_path"][PATH] += len(prompt)
@@ -237,7 +271,8 @@ class ReferenceEngine:
                 prefill_start=prefill_start, prefill_end=prefill_end, first_token=first_token,
                 finish_reason="stop" if event.token_id in eos else "length",
                 peak_device_bytes=(int(torch.cuda.max_memory_allocated(self.device))
-                                   if self.device.type == "cuda" else None))
+                                   if self.device.type == "cuda" else None),
+                layer_trace=tracer.export() if tracer is not None else None)
         except Cancelled:
             counters["requests_cancelled"] += 1
             raise
@@ -294,6 +329,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default=None, choices=DTYPES, help="default: float32 on cpu, bfloat16 on cuda")
     p.add_argument("--max-context", type=int, default=None)
     p.add_argument("--attn-implementation", default=None, help="transformers attn_implementation (eager, sdpa, ...)")
+    p.add_argument("--allow-request-overrides", action="store_true",
+                   help="accept the per-request trace_layers field")
     p.add_argument("--queue-limit", type=int, default=64, help="max waiting requests; more get 429 (default 64)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
     p.add_argument("--port", type=int, default=8000, help="port (0 picks a free one; default 8000)")
@@ -341,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
     log.info("%s loaded in %.2fs (%s, %s)", type(engine.model).__name__, engine.startup_s, engine.config.device,
              engine.config.dtype)
     app = create_app(engine, tokenizer, served_model_name=args.served_model_name or args.model,
-                     queue_limit=args.queue_limit)
+                     allow_request_overrides=args.allow_request_overrides, queue_limit=args.queue_limit)
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     server = _Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5, lifespan="on"))

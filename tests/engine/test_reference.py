@@ -65,6 +65,22 @@ def test_reference_matches_the_vendored_engine_in_process(checkpoint: Path, refe
     assert ids[len(prompt):] == [e.token_id for e in ref_events]
 
 
+def test_reference_layer_trace_localizes_against_the_engine(checkpoint: Path, reference: ReferenceEngine) -> None:
+    """The reference traces attention / experts / residual per layer from forward hooks; against the vendored
+    engine in float32 the states differ by summation order only (relative RMS of the difference < 1e-5)."""
+    from abbench.layertrace import compare_traces
+
+    engine = Engine(EngineConfig(model=str(checkpoint), weights=str(checkpoint), device="cpu", chunk_tokens=16))
+    prompt = list(range(1000, 1040))
+    ref = reference.run(prompt, 1, trace_layers=True)[1].layer_trace
+    eng = engine.run(prompt, 1, trace_layers=True)[1].layer_trace
+    assert [(e["layer"], e["block"]) for e in ref] == [(i, b) for i in range(2) for b in ("attention", "experts",
+                                                                                            "residual")]
+    rows = [r for r in compare_traces(ref, eng) if r.diff_rms is not None]
+    assert len(rows) == 6 and all(r.rel < 1e-5 for r in rows)
+    assert reference.run(prompt, 1)[1].layer_trace is None and not reference.model._forward_hooks
+
+
 def test_reference_validates_and_cancels(reference: ReferenceEngine) -> None:
     with pytest.raises(ValueError, match="prefill modes"):
         reference.generate([1, 2], 4, prefill_mode="chunked")
