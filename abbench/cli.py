@@ -206,8 +206,13 @@ def gate(
     checks_from: Annotated[Optional[str], typer.Option(
         "--checks-from", help="Also judge the gate.checks of this profile (name or .toml), e.g. a run recorded "
         "before its profile declared them.")] = None,
+    accept_near_ties: Annotated[
+        Optional[float], typer.Option(min=1e-9, help="Accept near-tie flips whose top-2 margin is "
+                                      "below this many nats. Default: the profile's gate.accept_near_ties.")
+    ] = None,
 ) -> None:
-    """Exit 0 when every prompt's first K ids match the reference arm and the declared checks hold; 1 when
+    """Exit 0 when every prompt's first K ids match the reference arm (or, where accepted, flip at a near
+    tie) and the declared checks hold; 1 when
     not (naming prompt, arm and position, or the check and its cell); 2 on a usage or results error (a bad
     check expression or an unknown arm included)."""
     from rich.markup import escape
@@ -222,7 +227,7 @@ def gate(
             from abbench.profile import load_profile
 
             extra = load_profile(checks_from).gate.checks + extra
-        verdict = judge(record, parity_tokens=parity_tokens, checks=extra)
+        verdict = judge(record, parity_tokens=parity_tokens, checks=extra, accept_near_ties=accept_near_ties)
     except AbbenchError as e:
         _fail(e)
         return
@@ -342,13 +347,28 @@ def probe(
         min=0.0, help="Nats: logprob difference reported as the first difference.")] = 0.01,
     reset_each: Annotated[bool, typer.Option(
         help="Reset the engine's cache before every step (each step prefills the whole history).")] = False,
+    layers: Annotated[bool, typer.Option(
+        "--layers", help="Layer probe: trace the reference and the arm on one history and print the first layer "
+        "and sub-block where their hidden states differ (vendored engine or transformers reference).")] = False,
+    position: Annotated[int, typer.Option(
+        min=0, help="--layers: trace the state that picks output token N (prompt + the reference's first N "
+        "ids); 0 = the last prompt position.")] = 0,
+    ref_base_url: Annotated[Optional[str], typer.Option(
+        help="--layers: a running server with the reference arm's configuration.")] = None,
+    out: Annotated[Optional[Path], typer.Option(
+        help="--layers: also write a Markdown report (and a PNG plot beside it) to this file.")] = None,
 ) -> None:
     """Forced-continuation probe: feed the arm the prompt plus the reference's own ids, one position at a
-    time, and compare its logprobs and choices with what the reference captured."""
+    time, and compare its logprobs and choices with what the reference captured. With --layers: where in
+    the network the arm's hidden state first differs from the reference's."""
     from abbench.diff import format_probe, load_run_tokenizer
     from abbench.runner import probe_prompt
     from abbench.results import load_run
 
+    if layers:
+        _probe_layers(run, prompt, arm, position=position, round_=round_, base_url=base_url,
+                      ref_base_url=ref_base_url, out=out)
+        return
     try:
         record, _ = load_run(run, RESULTS_ROOT)
         where = f" at {base_url}" if base_url else " (launching its service)"
@@ -363,6 +383,33 @@ def probe(
         _fail(e)
         return
     sys.stdout.write(format_probe(result, tokenizer=tok))
+
+
+def _probe_layers(run: Path, prompt: str, arm: str, *, position: int, round_: int | None, base_url: str | None,
+                  ref_base_url: str | None, out: Path | None) -> None:
+    from abbench.layertrace import format_layers, layers_markdown, plot_layers
+    from abbench.results import load_run
+    from abbench.runner.layers import probe_layers
+
+    try:
+        record, _ = load_run(run, RESULTS_ROOT)
+        from abbench.profile import profile_from_dict
+
+        ref = profile_from_dict(record.profile, where=f"run {record.run_id} profile").reference_arm
+        console.print(f"layer probe: arm {arm} against {ref} on prompt {prompt} (launching what has no URL)")
+        urls = {k: v for k, v in ((arm, base_url), (ref, ref_base_url)) if v}
+        result = probe_layers(record, prompt, arm, position=position, round=round_, base_urls=urls)
+    except AbbenchError as e:
+        _fail(e)
+        return
+    sys.stdout.write(format_layers(result))
+    if out is not None:
+        png = plot_layers(result, out.with_suffix(".png"))
+        command = " ".join(["abbench", "probe", str(run), "--prompt", prompt, "--arm", arm, "--layers"]
+                           + (["--position", str(position)] if position else []))
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(layers_markdown(result, plot=png.name if png else None, command=command), encoding="utf-8")
+        console.print(f"report -> {out}")
 
 
 @app.command()
@@ -430,11 +477,29 @@ def profiles() -> None:
     add_help_option=False,
 )
 def serve(ctx: typer.Context) -> None:
-    """Serve the vendored offloaded-MoE engine (OpenAI-compatible). All options pass through; see
-    `abbench serve --help`."""
+    """Serve the vendored offloaded-MoE engine (OpenAI-compatible), or with `--backend transformers` a model's
+    transformers implementation behind the same API (the reference). All other options pass through; see
+    `abbench serve --help` and `abbench serve --backend transformers --help`."""
+    args, backend = list(ctx.args), "engine"
+    for i, a in enumerate(args):
+        if a == "--backend" and i + 1 < len(args):
+            backend = args[i + 1]
+            del args[i:i + 2]
+            break
+        if a.startswith("--backend="):
+            backend = a.split("=", 1)[1]
+            del args[i]
+            break
+    if backend == "transformers":
+        from abbench.engine.reference import main as reference_main
+
+        raise typer.Exit(reference_main(args))
+    if backend != "engine":
+        raise typer.BadParameter(f"--backend {backend!r}: expected engine (the vendored engine, the default) or "
+                                 "transformers (the reference)")
     from abbench.engine.server import main as engine_main
 
-    engine_main(list(ctx.args))
+    engine_main(args)
 
 
 def main() -> None:  # pragma: no cover - console entry

@@ -44,6 +44,18 @@ class LaunchSpec:
     profile_dir: Path | None
 
 
+@dataclass(frozen=True)
+class ArmEngine:
+    """How the harness talks to one arm's engine (:meth:`Profile.arm_engine`): its wire format, its health,
+    cache-reset and metrics paths ("" = none) and the ``model`` field sent with each request."""
+
+    adapter: str
+    health_path: str
+    reset_path: str
+    metrics_path: str
+    model: str | None
+
+
 class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=False)
 
@@ -106,6 +118,8 @@ class RequestSpec(_Model):
     extra: dict[str, Any] = Field(default_factory=dict, description="Extra body fields for every request.")
 
 
+AdapterName = Literal["openai", "vllm", "sglang", "llamacpp"]
+
 ADAPTER_PATHS: dict[str, dict[str, str]] = {
     # The engine's own cache-reset and Prometheus paths (see abbench.adapters for the documents followed).
     "openai": {"reset_path": "/reset", "metrics_path": "/metrics"},  # the vendored engine
@@ -118,7 +132,7 @@ ADAPTER_PATHS: dict[str, dict[str, str]] = {
 
 
 class EngineSpec(_Model):
-    adapter: Literal["openai", "vllm", "sglang", "llamacpp"] = Field(
+    adapter: AdapterName = Field(
         "openai",
         description="Wire format: 'openai' (/v1/completions with token_ids, the vendored engine and "
         "vLLM-compatible servers), or an engine-specific adapter.",
@@ -162,6 +176,19 @@ class EngineSpec(_Model):
 
 class ArmSpec(_Model):
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$", description="Arm name (used in files).")
+    adapter: AdapterName | None = Field(
+        None,
+        description="This arm's wire format (default: engine.adapter), so one run can compare engines. An arm "
+        "that names an adapter takes that adapter's default reset and metrics paths unless it sets its own.",
+    )
+    model: str | None = Field(None, description="'model' field of this arm's requests (default: engine.model).")
+    health_path: str | None = Field(None, description="Default: engine.health_path.")
+    reset_path: str | None = Field(
+        None, description="Default: the arm's adapter's when the arm names one, else engine.reset_path; \"\" = none."
+    )
+    metrics_path: str | None = Field(
+        None, description="Default: the arm's adapter's when the arm names one, else engine.metrics_path; \"\" = none."
+    )
     args: list[str] = Field(default_factory=list, description="Appended to engine.command.")
     command: list[str] | None = Field(None, description="Replaces engine.command for this arm.")
     env: dict[str, str] = Field(default_factory=dict)
@@ -177,6 +204,16 @@ class ArmSpec(_Model):
     expect_path: str | None = Field(
         None, description="The engine must report this prefill path (abbench.prefill_path) when eligible."
     )
+
+    @model_validator(mode="after")
+    def _adapter_paths(self) -> ArmSpec:
+        if self.adapter is not None:  # filled in, so the run records the paths it used
+            defaults = ADAPTER_PATHS[self.adapter]
+            if self.reset_path is None:
+                self.reset_path = defaults["reset_path"]
+            if self.metrics_path is None:
+                self.metrics_path = defaults["metrics_path"]
+        return self
 
 
 class RunSpec(_Model):
@@ -234,6 +271,13 @@ class GateSpec(_Model):
         except ConfigError as e:
             raise ValueError(str(e)) from None
         return v
+    accept_near_ties: float | None = Field(
+        None,
+        gt=0,
+        description="Tolerance (nats) under which a parity mismatch that is a near-tie flip (each side's choice "
+        "is the other's runner-up, top-2 margin below this) is accepted; reported either way. Unset: every "
+        "mismatch within parity_tokens fails.",
+    )
 
 
 class Profile(_Model):
@@ -285,6 +329,11 @@ class Profile(_Model):
                 raise ValueError(f"arms {', '.join(a.name for a in arms)} share service {service!r} but launch it "
                                  "differently (args, command, env or base_url); give them the same, or "
                                  "different services")
+            engines = {self.arm_engine(a.name) for a in arms}
+            if len(engines) > 1:
+                raise ValueError(f"arms {', '.join(a.name for a in arms)} share service {service!r} but talk to it "
+                                 "differently (adapter, model, health_path, reset_path or metrics_path); give "
+                                 "them the same, or different services")
         return self
 
     def _check_auto_rounds(self) -> None:
@@ -302,6 +351,21 @@ class Profile(_Model):
         if not any(c.spec.ratio for c in parse_checks(self.gate.checks)):
             raise ValueError("run.rounds = \"auto\" narrows the intervals of declared ratio checks, and gate.checks "
                              "declares none: add e.g. \"ttft_ratio[ARM, fresh] <= 0.5\" (ttft_ratio, x_floor)")
+
+    def arm_engine(self, arm: str | None = None) -> ArmEngine:
+        """How to talk to ``arm``'s engine: the arm's own ``adapter``/``model``/paths where it sets them, else
+        ``engine``'s (an arm naming an adapter has that adapter's default paths, filled in at validation).
+        None: ``engine``'s own."""
+        eng = self.engine
+        a = self.arm(arm) if arm is not None else None
+
+        def pick(field: str) -> Any:
+            own = getattr(a, field) if a is not None else None
+            return own if own is not None else getattr(eng, field)
+
+        return ArmEngine(adapter=pick("adapter"), health_path=pick("health_path"),
+                         reset_path=pick("reset_path") or "", metrics_path=pick("metrics_path") or "",
+                         model=pick("model"))
 
     def service_groups(self) -> dict[str, list[ArmSpec]]:
         """With engine.shared_service: service name -> its arms, in profile order ('shared' by default)."""

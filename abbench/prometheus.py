@@ -6,7 +6,8 @@ Contract
   values escaped as in the exposition format) -> float, via ``prometheus_client`` (imported on first use).
   Text that is not the exposition format raises :class:`ValueError` naming the problem (strict, the
   default) or, with ``strict=False``, yields the samples of every line that parses on its own. Empty text
-  gives ``{}``.
+  gives ``{}``. Samples whose value is not finite (``NaN``, ``+Inf``: legal in the format, e.g. a gauge
+  an engine did not measure) are left out: a run record holds JSON numbers only.
 * :func:`metrics_delta` gives counter deltas between two scrapes (``after - before`` per key; a key only
   in ``after`` counts from 0, ``*_created`` timestamps are skipped).
 
@@ -20,6 +21,7 @@ Pure functions of text and dicts: no I/O, no state. The runner scrapes (``Engine
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from types import MappingProxyType
 
@@ -87,7 +89,8 @@ def parse_prometheus(text: str, *, strict: bool = True) -> dict[str, float]:
     try:
         for fam in text_string_to_metric_families(text):
             for s in fam.samples:
-                out[_sample_key(s.name, s.labels)] = float(s.value)
+                if math.isfinite(float(s.value)):
+                    out[_sample_key(s.name, s.labels)] = float(s.value)
         return out
     except Exception as e:  # noqa: BLE001 - the parser raises ValueError, IndexError, ...
         if strict:
@@ -103,7 +106,8 @@ def parse_prometheus(text: str, *, strict: bool = True) -> dict[str, float]:
         try:
             for fam in text_string_to_metric_families(line + "\n"):
                 for s in fam.samples:
-                    out[_sample_key(s.name, s.labels)] = float(s.value)
+                    if math.isfinite(float(s.value)):
+                        out[_sample_key(s.name, s.labels)] = float(s.value)
         except Exception:  # noqa: BLE001
             continue
     return out

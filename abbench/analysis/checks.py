@@ -16,7 +16,9 @@ The gate passes only when every check passes; it never passes on missing data.
 * ``reference``: the reference arm has ok measured samples.
 * ``token-ids``: no measured ok sample has ``ids_source`` 'none'.
 * ``parity``: every non-reference sample equals the reference over the first K ids, and every prompt has
-  a reference sample to compare with.
+  a reference sample to compare with. With ``gate.accept_near_ties = T`` (nats) a mismatch whose verdict
+  is a near-tie flip under T (:func:`abbench.analysis.parity.flip_verdict`) is accepted and listed in the
+  notes; every failure names its verdict (near-tie flip or broken) either way.
 * ``reference-stable``: the reference's first K ids are equal across rounds.
 * ``active-path`` (when ``gate.require_active_path``): for an arm with ``expect_path``, each measured ok
   sample must report that path, or another path *with* the engine's ``fallback_reason`` where either the
@@ -138,8 +140,9 @@ def _parity_failure(r: Any, ref: str | None) -> str:
         what = f"token {d} differs ({r.arm} {int(r.id)} vs {r.against_arm} {int(r.id_against)})"
     against = f"{r.against_arm} round {int(r.against_round)}"
     margins = f"top-2 margin {_fmt_margin(r.margin)} / {_fmt_margin(r.margin_against)} nats: {r.classification}"
+    verdict = f"; verdict {r.verdict} ({r.verdict_why})" if not is_missing(r.verdict_why) else ""
     extra = f"; {r.note}" if r.note else ""
-    return f"{head}: {what} from {against}; agree {int(r.agree)}/{r.max_tokens}; {margins}{extra}"
+    return f"{head}: {what} from {against}; agree {int(r.agree)}/{r.max_tokens}; {margins}{verdict}{extra}"
 
 
 def check_run_complete(g: GateInput) -> CheckResult:
@@ -209,17 +212,23 @@ def _parity_rows(g: GateInput, check: str, name: str) -> CheckResult:
     rows = g.parity[g.parity["check"] == check]
     mismatch = _flags(rows["match"], False)
     unchecked = (rows["match"].isna() & (rows["ids_source"] != "none")).to_numpy(dtype=bool)
-    bad = rows[mismatch | unchecked]
+    tol = g.spec.accept_near_ties
+    accepted = mismatch & (rows["verdict"] == "near-tie flip").to_numpy(dtype=bool) if (
+        check == "parity" and tol) else np.zeros(len(rows), dtype=bool)
+    bad = rows[(mismatch & ~accepted) | unchecked]
     failures = [f"{name}: {_parity_failure(r, g.reference)}" for r in bad.itertuples()]
     n_checked = int(rows["match"].notna().sum())
+    notes = [f"{name}: accepted near-tie flip (gate.accept_near_ties = {tol:g}): {_parity_failure(r, g.reference)}"
+             for r in rows[accepted].itertuples()]
     if check == "stability" and rows.empty:
         detail = "one round of the reference per prompt: stability not checked"
     else:
         detail = f"{n_checked - int(mismatch.sum())}/{n_checked} equal over the first {g.parity_tokens} ids"
+        if accepted.any():
+            detail += f", {int(accepted.sum())} near-tie flip(s) accepted (< {tol:g} nats)"
         n_unchecked = int(rows["match"].isna().sum())
         if n_unchecked:
             detail += f", {n_unchecked} not checked"
-    notes = []
     if check == "parity" and rows.empty:
         detail = "no non-reference sample to compare"
     other = _flags(rows["other_round"], True)
@@ -327,7 +336,15 @@ def gate_checks(record: RunRecord, extra: list[str] | None = None) -> list[Calla
     return [*CHECKS, *(declared_check(c) for c in unique.values())]
 
 
-def gate(record: RunRecord, *, parity_tokens: int | None = None, checks: list[str] | None = None) -> GateVerdict:
+def gate(record: RunRecord, *, parity_tokens: int | None = None, checks: list[str] | None = None,
+         accept_near_ties: float | None = None) -> GateVerdict:
     """The gate's verdict on a run (rules in the module docstring). ``parity_tokens`` overrides
-    ``gate.parity_tokens`` of the recorded profile; ``checks`` adds declared checks to the profile's."""
-    return run_checks(GateInput.of(record, parity_tokens_of(record, parity_tokens)), gate_checks(record, checks))
+    ``gate.parity_tokens`` of the recorded profile, ``accept_near_ties`` its ``gate.accept_near_ties``;
+    ``checks`` adds declared checks to the profile's."""
+    k = parity_tokens_of(record, parity_tokens)
+    if accept_near_ties is None:
+        g = GateInput.of(record, k)
+    else:
+        g = GateInput.of(record, k, parity=parity_frame(record, parity_tokens=k, tolerance=accept_near_ties))
+        g.spec = g.spec.model_copy(update={"accept_near_ties": accept_near_ties})
+    return run_checks(g, gate_checks(record, checks))

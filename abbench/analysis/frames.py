@@ -78,6 +78,16 @@ def expected_paths(record: RunRecord) -> dict[str, str | None]:
     }
 
 
+def arm_adapters(record: RunRecord) -> dict[str, str]:
+    """Each arm's wire format: its own ``adapter``, else ``engine.adapter``, else 'openai'."""
+    default = str((record.profile.get("engine") or {}).get("adapter") or "openai")
+    out = {a["name"]: str(a.get("adapter") or default) for a in record.profile.get("arms") or []
+           if isinstance(a, dict) and a.get("name")}
+    for name in arm_names(record):
+        out.setdefault(name, default)
+    return out
+
+
 def max_tokens(record: RunRecord) -> int | None:
     v = (record.profile.get("request") or {}).get("max_tokens")
     return int(v) if v else None

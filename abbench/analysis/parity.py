@@ -11,6 +11,16 @@ the top-2 logprob margin of both sides: "near-tie" when either margin is below :
 itself across rounds (its lowest round is the baseline): a reference that is not deterministic makes
 parity meaningless. ``ids_source`` 'retokenized' is flagged; 'none' cannot be checked.
 
+Verdicts
+--------
+Every row also gets a ``verdict`` over the first K ids (:func:`flip_verdict`): ``equal`` (no divergence
+before K); ``near-tie flip`` (the first divergence is a flip between two near-tied tokens: on every side that
+captured top-2 logprobs there, its two best are exactly the two chosen tokens, its own first, and the gap
+between them is below the tolerance); ``broken`` (anything else: another token, a clear margin, different
+lengths, or no logprobs to show a near tie); ``unchecked``. The tolerance is ``gate.accept_near_ties`` when
+the profile sets it (the gate then accepts near-tie flips of ``parity`` rows; the reference's own
+``stability`` rows must stay equal), else :data:`NEAR_TIE_NATS` (reported, not accepted).
+
 :func:`classify` names a divergence from the top-2 margins at its position (:mod:`abbench.diff` and the
 probe use it too).
 """
@@ -43,8 +53,8 @@ NEAR_TIE_NATS = 0.05
 PARITY_COLUMNS = [
     "check", "prompt_id", "kind", "target_tokens", "arm", "round", "position", "step", "against_arm",
     "against_round", "other_round", "k", "match", "first_diverging", "agree", "max_tokens", "n_ids",
-    "n_ids_against", "id", "id_against", "margin", "margin_against", "classification", "ids_source",
-    "ids_source_against", "note",
+    "n_ids_against", "id", "id_against", "margin", "margin_against", "classification", "verdict",
+    "flip_margin", "tolerance", "verdict_why", "ids_source", "ids_source_against", "note",
 ]
 
 
@@ -57,6 +67,10 @@ def logprob_margin(logprobs: list[list[tuple[int, float]]] | None, pos: int) -> 
         return None
     a, b = num(top[0][1]), num(top[1][1])
     return None if a is None or b is None else a - b
+
+
+def _at(logprobs: list[list[tuple[int, float]]] | None, pos: int) -> list[tuple[int, float]] | None:
+    return logprobs[pos] if logprobs and pos < len(logprobs) else None
 
 
 def compare_ids(a: list[int], b: list[int], k: int) -> tuple[bool, int | None, int]:
@@ -80,17 +94,58 @@ def classify(first: int | None, margins: list[float | None], near_tie: float) ->
     return "near-tie" if min(known) < near_tie else "divergence"
 
 
+def _top_lp(top: Any, token: int) -> float | None:
+    for t in top or []:
+        if int(t[0]) == token:
+            return num(t[1])
+    return None
+
+
+def flip_verdict(own: int | None, other: int | None, top_own: Any, top_other: Any,
+                 tolerance: float) -> tuple[str, float | None, str]:
+    """Verdict on a first divergence where this side chose ``own`` and the other side ``other``, from each
+    side's top-k logprobs at that position (lists of (id, logprob), either may be None): ("near-tie flip" |
+    "broken", the largest top-2 gap of the sides that show one, why). A near-tie flip needs at least one side
+    with two entries, and on every such side the two best tokens are exactly {own, other}, its own choice
+    first, by less than ``tolerance`` nats."""
+    if own is None or other is None:
+        return "broken", None, "the outputs differ in length"
+    gaps: list[float] = []
+    for top, mine, theirs in ((top_own, own, other), (top_other, other, own)):
+        if not top or len(top) < 2:
+            continue
+        best = sorted(((int(t[0]), num(t[1])) for t in top if num(t[1]) is not None), key=lambda t: -t[1])[:2]
+        if {i for i, _ in best} != {mine, theirs}:
+            return "broken", None, f"token {theirs} is not the runner-up where {mine} was chosen"
+        gap = (_top_lp(top, mine) or 0.0) - (_top_lp(top, theirs) or 0.0)
+        if gap < 0:
+            return "broken", gap, f"token {mine} was chosen over the more likely {theirs} (not greedy)"
+        gaps.append(gap)
+    if not gaps:
+        return "broken", None, "no top-2 logprobs at the divergence: a near tie cannot be shown"
+    margin = max(gaps)
+    if margin < tolerance:
+        return "near-tie flip", margin, f"runner-up flip, margin {margin:.4f} < {tolerance:g} nats"
+    return "broken", margin, f"runner-up flip but margin {margin:.4f} >= {tolerance:g} nats"
+
+
+def near_tie_tolerance(record: RunRecord) -> float:
+    """``gate.accept_near_ties`` when the profile sets it, else :data:`NEAR_TIE_NATS`."""
+    return gate_spec(record).accept_near_ties or NEAR_TIE_NATS
+
+
 def parity_tokens_of(record: RunRecord, parity_tokens: int | None = None) -> int:
     return int(parity_tokens) if parity_tokens else gate_spec(record).parity_tokens
 
 
 def parity_frame(record: RunRecord, *, parity_tokens: int | None = None,
-                 near_tie_nats: float = NEAR_TIE_NATS) -> pd.DataFrame:
+                 near_tie_nats: float = NEAR_TIE_NATS, tolerance: float | None = None) -> pd.DataFrame:
     """Parity rows: ``check`` 'parity' (a non-reference sample vs the reference) and 'stability' (a
     reference sample of a later round vs its lowest round). ``match`` is None when the row could not be
     checked (``note`` says why); ``classification``: identical / near-tie / divergence / margin unknown /
-    unchecked."""
+    unchecked; ``verdict`` (module docstring) with ``tolerance`` (default :func:`near_tie_tolerance`)."""
     k = parity_tokens_of(record, parity_tokens)
+    tol = near_tie_tolerance(record) if tolerance is None else tolerance
     ref = reference_arm(record)
     n_max = max_tokens(record)
     targets = prompt_targets(record)
@@ -114,7 +169,8 @@ def parity_frame(record: RunRecord, *, parity_tokens: int | None = None,
             if s.ids_source == "none":
                 note.append("engine returned no token ids")
             rows.append({**base, "against_arm": ref, "match": None, "classification": "unchecked",
-                         "other_round": other_round, "note": "; ".join(note)})
+                         "verdict": "unchecked", "tolerance": tol, "other_round": other_round,
+                         "note": "; ".join(note)})
             return
         if r.ids_source == "retokenized":
             note.append(f"{r.arm} ids retokenized from text")
@@ -127,11 +183,15 @@ def parity_frame(record: RunRecord, *, parity_tokens: int | None = None,
             id_r = r.output_ids[first] if first < len(r.output_ids) else None
             if m_s is None and m_r is None:
                 note.append("no logprobs at the divergence")
+        verdict, flip_margin, why = "equal", None, None
+        if not match:
+            verdict, flip_margin, why = flip_verdict(id_s, id_r, _at(s.logprobs, first), _at(r.logprobs, first), tol)
         rows.append(
             {**base, "against_arm": r.arm, "against_round": r.round, "other_round": other_round,
              "match": match, "first_diverging": first, "agree": agree, "n_ids_against": len(r.output_ids),
              "id": id_s, "id_against": id_r, "margin": m_s, "margin_against": m_r,
-             "classification": classify(first, [m_s, m_r], near_tie_nats),
+             "classification": classify(first, [m_s, m_r], near_tie_nats), "verdict": verdict,
+             "flip_margin": flip_margin, "tolerance": tol, "verdict_why": why,
              "ids_source_against": r.ids_source, "note": "; ".join(note)}
         )
 

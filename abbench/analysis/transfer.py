@@ -10,6 +10,7 @@ from typing import Any
 import pandas as pd
 
 from abbench.analysis.frames import (
+    arm_adapters,
     expected_paths,
     frame,
     int_or_none,
@@ -121,14 +122,13 @@ def engine_counter_table(record: RunRecord) -> pd.DataFrame:
     (usage), the prompt tokens the engine says it served from its prefix cache (``engine.cached_prompt_tokens``
     of the response), and the same two read from its Prometheus counters around the request (the adapter's
     ``counters``: after - before). Rows only where the engine gave a cache or counter number."""
-    adapter = str((record.profile.get("engine") or {}).get("adapter") or "openai")
-    counters = ENGINE_COUNTERS.get(adapter, {})
+    adapters = arm_adapters(record)
     rows: list[dict[str, Any]] = []
     targets = prompt_targets(record)
     groups: dict[tuple[str, str, int | None], list[dict[str, Any]]] = {}
     for smp in sorted(measured_ok(record), key=lambda x: x.step):
         e = smp.engine or {}
-        c = common_counters(counters, metrics_delta(smp.telemetry.metrics_before, smp.telemetry.metrics_after)
+        c = common_counters(ENGINE_COUNTERS.get(adapters.get(smp.arm, "openai"), {}), metrics_delta(smp.telemetry.metrics_before, smp.telemetry.metrics_after)
                             if smp.telemetry.metrics_after else None)
         groups.setdefault((smp.arm, smp.kind, targets.get(smp.prompt_id, smp.prompt_tokens)), []).append(
             {"prompt": e.get("engine_prompt_tokens", smp.prompt_tokens), "cached": e.get("cached_prompt_tokens"),

@@ -56,6 +56,10 @@ class CompletionRequest(BaseModel):
     prefill_mode: Literal[PREFILL_MODES] | None = Field(  # type: ignore[valid-type]
         None, description="Per-request prefill mode; needs --allow-request-overrides."
     )
+    trace_layers: StrictBool | None = Field(
+        None, description="Return abbench.layer_trace: per layer and sub-block the hash and RMS of the last prompt "
+        "position's hidden state (abbench.engine.trace); needs --allow-request-overrides."
+    )
     # Accepted and ignored at their neutral values only.
     n: StrictInt | None = Field(None, description="Must be 1.")
     top_p: StrictFloat | None = Field(None, description="Must be 1.")
@@ -218,6 +222,7 @@ def abbench_object(ctx: RequestContext, stats: Any, finished: float, engine: Any
                              steps_whole=stats.decode_steps_whole, steps_per_layer=stats.decode_steps_per_layer,
                              mode=engine.decoder.mode, slots_per_layer=engine.slots_per_layer),
         peak_device_bytes=stats.peak_device_bytes,
+        layer_trace=getattr(stats, "layer_trace", None),
     ).model_dump()
 
 

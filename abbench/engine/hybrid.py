@@ -151,6 +151,9 @@ class HybridModel:
     """Dense weights, RoPE tables and the layer functions of a ``HybridConfig`` model; stateless between
     calls except for the cache passed in."""
 
+    trace = None  # as Model.trace (abbench.engine.trace); the hybrid adds the shared expert
+    _trace_layer = -1
+
     def __init__(self, cfg: HybridConfig, weights: HybridWeights, max_context: int, device: torch.device,
                  dtype: torch.dtype):
         self.cfg, self.w, self.device, self.dtype = cfg, weights, device, dtype
@@ -256,6 +259,9 @@ class HybridModel:
         i_s = gu.shape[-1] // 2
         shared = F.linear(F.silu(gu[:, :i_s]) * gu[:, i_s:], lw.shared_down)  # [T, H]
         shared = torch.sigmoid(F.linear(h, lw.shared_gate)) * shared  # [T, H]
+        if self.trace is not None:  # a traced prefill (abbench.engine.trace): observe, change nothing
+            self.trace(layer, "router", top_ids)
+            self.trace(layer, "shared_expert", shared)
         return x + shared, h, top_w, top_ids
 
     def attn_block(self, layer: int, x: torch.Tensor, cache: HybridCache, start: int):
@@ -264,9 +270,13 @@ class HybridModel:
         cfg, lw = self.cfg, self.w.layers[layer]
         hn = zc_rms_norm(x, lw.input_norm, cfg.rms_norm_eps)  # [T, H]
         if cfg.layer_types[layer] == "full_attention":
-            x = x + self.attention(layer, hn, cache, start)  # [T, H]
+            a = self.attention(layer, hn, cache, start)  # [T, H]
         else:
-            x = x + self.linear_attention(layer, hn, cache, start)  # [T, H]
+            a = self.linear_attention(layer, hn, cache, start)  # [T, H]
+        x = x + a  # [T, H]
+        if self.trace is not None:
+            self._trace_layer = layer
+            self.trace(layer, "attention", a)
         return self._post_mixer(layer, x)
 
     def decode_attn_block(self, layer: int, x: torch.Tensor, cache: HybridCache, pos_t: torch.Tensor,
@@ -301,7 +311,12 @@ class HybridModel:
     def moe_block(self, x: torch.Tensor, h: torch.Tensor, top_w: torch.Tensor, top_ids: torch.Tensor,
                   gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
         """Second half of a layer: x (already + shared expert) + routed experts(h)."""
-        return x + moe_experts(h, top_w, top_ids, gate_up, down, self._mm)  # [T, H]
+        y = moe_experts(h, top_w, top_ids, gate_up, down, self._mm)  # [T, H]
+        out = x + y  # [T, H]
+        if self.trace is not None:
+            self.trace(self._trace_layer, "experts", y)
+            self.trace(self._trace_layer, "residual", out)
+        return out
 
     def logits(self, x_last: torch.Tensor) -> torch.Tensor:
         """Final zero-centred norm and lm_head of x_last [1, H] -> float32 logits [V]."""

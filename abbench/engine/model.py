@@ -23,6 +23,8 @@ Contract:
   thing (with a host sync) and ``Model.moe_kernel`` says so.
 - Numerics follow transformers' ``Qwen3MoeForCausalLM``: RMSNorm in float32 then cast, router softmax in
   float32, top-k weights renormalised when ``norm_topk_prob`` and cast back to the model dtype.
+- ``Model.trace`` (None unless a request asks for a layer trace, :mod:`abbench.engine.trace`) is called from
+  ``attn_block`` and ``moe_block`` with each sub-block's output; it observes, the arithmetic is unchanged.
 """
 
 from __future__ import annotations
@@ -170,6 +172,9 @@ def probe_grouped_mm(device: torch.device, dtype: torch.dtype) -> bool:
 class Model:
     """Dense weights, RoPE tables and the layer functions. Stateless between calls except for ``kv``."""
 
+    trace = None  # Callable[[layer, block, tensor], None] while a traced request prefills (runtime sets it)
+    _trace_layer = -1  # the layer of the last attn_block call (moe_block is called for the same layer next)
+
     def __init__(self, cfg: ModelConfig, weights: DenseWeights, max_context: int, device: torch.device,
                  dtype: torch.dtype):
         self.cfg, self.w, self.device, self.dtype = cfg, weights, device, dtype
@@ -260,15 +265,25 @@ class Model:
         """First half of a layer: x [T, H] -> (x after attention residual [T, H], MoE input h [T, H],
         router weights [T, k], router expert ids [T, k])."""
         cfg, lw = self.cfg, self.w.layers[layer]
-        x = x + self.attention(layer, rms_norm(x, lw.input_norm, cfg.rms_norm_eps), kv, start)  # [T, H]
+        a = self.attention(layer, rms_norm(x, lw.input_norm, cfg.rms_norm_eps), kv, start)  # [T, H]
+        x = x + a  # [T, H]
         h = rms_norm(x, lw.post_norm, cfg.rms_norm_eps)  # [T, H]
         top_w, top_ids = route(h, lw.router, cfg.num_experts_per_tok, cfg.norm_topk_prob)  # [T, k] x2
+        if self.trace is not None:
+            self._trace_layer = layer
+            self.trace(layer, "attention", a)
+            self.trace(layer, "router", top_ids)
         return x, h, top_w, top_ids
 
     def moe_block(self, x: torch.Tensor, h: torch.Tensor, top_w: torch.Tensor, top_ids: torch.Tensor,
                   gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
         """Second half of a layer: x + experts(h). ``top_ids`` index the first dim of gate_up/down."""
-        return x + moe_experts(h, top_w, top_ids, gate_up, down, self._mm)  # [T, H]
+        y = moe_experts(h, top_w, top_ids, gate_up, down, self._mm)  # [T, H]
+        out = x + y  # [T, H]
+        if self.trace is not None:
+            self.trace(self._trace_layer, "experts", y)
+            self.trace(self._trace_layer, "residual", out)
+        return out
 
     def logits(self, x_last: torch.Tensor) -> torch.Tensor:
         """Final norm and lm_head of the last position's hidden state [1, H] -> float32 logits [V]."""

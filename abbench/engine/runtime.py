@@ -47,6 +47,7 @@ from .decode import Decoder, Sampler
 from .experts import ExpertBank, ExpertStore
 from .factory import build_model
 from .prefill import CancelLike, Cancelled, PrefillStats, check_cancel, prefill
+from .trace import LayerTrace
 
 __all__ = ["Cancelled", "ContextOverflow", "Engine", "RequestStats", "TokenEvent"]
 
@@ -90,6 +91,7 @@ class RequestStats:
     decode_steps_whole: int = 0  # decode steps that ran as one piece (no expert could miss)
     decode_steps_per_layer: int = 0  # decode steps that read the router back layer by layer
     peak_device_bytes: int | None = None  # torch's peak allocated device memory during the request (CUDA)
+    layer_trace: list | None = None  # trace_layers: per layer and sub-block, the last prompt position (trace.py)
 
 
 def _resolve_device(name: str) -> torch.device:
@@ -174,10 +176,12 @@ class Engine:
     # -- public API -------------------------------------------------------------------------------------
     def generate(self, prompt_ids: list[int], max_tokens: int, *, temperature: float = 0.0,
                  seed: int | None = None, ignore_eos: bool = False, logprobs: int | None = None,
-                 prefill_mode: str | None = None, cancel: threading.Event | None = None) -> Iterator[TokenEvent]:
+                 prefill_mode: str | None = None, cancel: threading.Event | None = None,
+                 trace_layers: bool = False) -> Iterator[TokenEvent]:
         """Generator; yields one TokenEvent per output token; its return value (StopIteration.value) is
         RequestStats. Raises Cancelled (checked every layer step and every decode step), ContextOverflow
-        before any work."""
+        before any work. ``trace_layers``: ``RequestStats.layer_trace`` holds the prefill's layer trace
+        (:mod:`abbench.engine.trace`)."""
         prompt = [int(t) for t in prompt_ids]
         mode = prefill_mode or self.config.prefill_mode
         vocab, ctx = self.model_config.vocab_size, self.config.max_context
@@ -199,7 +203,7 @@ class Engine:
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
         return self._generate(prompt, int(max_tokens), float(temperature), seed, ignore_eos,
-                              None if logprobs is None else int(logprobs), mode, cancel)
+                              None if logprobs is None else int(logprobs), mode, cancel, bool(trace_layers))
 
     def run(self, prompt_ids: list[int], max_tokens: int, **kwargs) -> tuple[list[TokenEvent], RequestStats]:
         """Drain ``generate``: (events, stats)."""
@@ -265,7 +269,7 @@ class Engine:
             return TokenEvent(*sampler(logits))
 
     def _generate(self, prompt: list[int], max_tokens: int, temperature: float, seed: int | None,
-                  ignore_eos: bool, logprobs: int | None, mode: str, cancel: CancelLike):
+                  ignore_eos: bool, logprobs: int | None, mode: str, cancel: CancelLike, trace_layers: bool = False):
         if not self._lock.acquire(blocking=False):
             raise RuntimeError("Engine.generate() while another request is running (one at a time)")
         store, counters = self.store, self.counters
@@ -283,7 +287,12 @@ class Engine:
                         self.kv.restore()
             self._kv_tokens = self._kv_tokens[:reuse]  # only the shared prefix stays valid from here on
             prefill_start = time.perf_counter()
-            logits, pstats = self._prefill(prompt[reuse:], reuse, mode, cancel)
+            tracer = LayerTrace() if trace_layers else None
+            self.model.trace = tracer
+            try:
+                logits, pstats = self._prefill(prompt[reuse:], reuse, mode, cancel)
+            finally:
+                self.model.trace = None
             prefill_end = time.perf_counter()
             self._kv_tokens = list(prompt)
             if self._hybrid:
@@ -321,7 +330,8 @@ class Engine:
                 decode_steps_whole=self.decoder.steps["whole"] - steps0["whole"],
                 decode_steps_per_layer=self.decoder.steps["per_layer"] - steps0["per_layer"],
                 peak_device_bytes=(int(torch.cuda.max_memory_allocated(self.device))
-                                   if self.device.type == "cuda" else None))
+                                   if self.device.type == "cuda" else None),
+                layer_trace=tracer.export() if tracer is not None else None)
         except Cancelled:
             counters["requests_cancelled"] += 1
             raise

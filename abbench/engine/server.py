@@ -138,15 +138,18 @@ async def completions(request: Request) -> Response:
     if req.model is not None and req.model != st.name:
         raise APIError(404, f"the model '{req.model}' does not exist; this server serves '{st.name}'",
                        param="model", code="model_not_found")
-    if req.prefill_mode is not None and not st.allow_request_overrides:
-        raise APIError(400, "per-request prefill_mode needs the server flag --allow-request-overrides",
-                       param="prefill_mode", code="override_not_allowed")
+    for field in ("prefill_mode", "trace_layers"):
+        if getattr(req, field) not in (None, False) and not st.allow_request_overrides:
+            raise APIError(400, f"per-request {field} needs the server flag --allow-request-overrides",
+                           param=field, code="override_not_allowed")
     ids = await _prompt_ids(req, st)
     ctx = RequestContext(rid=f"cmpl-{uuid.uuid4().hex}", created=int(time.time()), model=st.name,
                          received=received, logprobs=req.logprobs)
     gen_kwargs = dict(prompt_ids=ids, max_tokens=req.max_tokens or 16, temperature=req.temperature,
                       seed=req.seed, ignore_eos=req.ignore_eos, logprobs=req.logprobs,
                       prefill_mode=req.prefill_mode)
+    if req.trace_layers:
+        gen_kwargs["trace_layers"] = True
     queued = time.perf_counter()
     try:
         await st.service.acquire(request)
@@ -361,7 +364,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
                    help="ask the engine for deterministic kernels")
     s = p.add_argument_group("server")
     s.add_argument("--allow-request-overrides", action="store_true",
-                   help="accept a per-request prefill_mode field")
+                   help="accept the per-request prefill_mode and trace_layers fields")
     s.add_argument("--queue-limit", type=int, default=64, help="max waiting requests; more get 429 (default 64)")
     s.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
     s.add_argument("--port", type=int, default=8000, help="port (0 picks a free one; default 8000)")

@@ -192,9 +192,13 @@ def engine_counters_section(ri: ReportInput) -> list[str]:
     if df.empty:
         return lines + ["The engine reported no prefix-cache numbers in its responses and no prompt counters "
                         "on its metrics endpoint (or the profile scrapes none)."]
-    adapter = (record.profile.get("engine") or {}).get("adapter") or "openai"
+    adapters = an.frames.arm_adapters(record)
+    if len(set(adapters.values())) == 1:
+        which = f"adapter `{next(iter(adapters.values()))}`"
+    else:
+        which = "adapters: " + ", ".join(f"{a} `{ad}`" for a, ad in adapters.items())
     lines += [
-        (f"Medians per request (adapter `{adapter}`). Prompt tokens: as the server counted them. Cached: "
+        (f"Medians per request ({which}). Prompt tokens: as the server counted them. Cached: "
          "prompt tokens the engine reports serving from its prefix cache in the response (vLLM needs "
          "`--enable-prompt-tokens-details`; SGLang `meta_info.cached_tokens`; llama.cpp `timings.cache_n`). "
          "/metrics: the engine's Prometheus counters after minus before the request (llama.cpp counts only "
@@ -273,8 +277,30 @@ def _parity_detail_cols(k: int) -> list[Col]:
         Col("first_diverging", "First diverging", fmt_int), Col("agree_of", "Agree"),
         Col("margin", "Margin arm", lambda v: DASH if is_na(v) else f"{float(v):.3f}"),
         Col("margin_against", "Margin ref", lambda v: DASH if is_na(v) else f"{float(v):.3f}"),
-        Col("classification", "Class", right=False), Col("note", "Note", descriptive=True, right=False),
+        Col("classification", "Class", right=False), Col("verdict", f"Verdict (first {k})", right=False),
+        Col("verdict_why", "Why", descriptive=True, right=False),
+        Col("note", "Note", descriptive=True, right=False),
     ]
+
+
+_VERDICT_RANK = {"equal": 0, "near-tie flip": 1, "unchecked": 2, "broken": 3}
+
+
+def _verdicts_per_prompt(p: pd.DataFrame) -> list[str]:
+    """One line per prompt and arm of the parity rows: the worst verdict over its rounds."""
+    rows = p[p["check"] == "parity"]
+    if rows.empty:
+        return []
+    out = []
+    for (prompt, arm), g in rows.groupby(["prompt_id", "arm"], sort=False):
+        worst = max(g["verdict"].fillna("unchecked"), key=lambda v: _VERDICT_RANK.get(v, 3))
+        margins = g["flip_margin"].dropna()
+        out.append({"prompt_id": prompt, "arm": arm, "rounds": len(g), "verdict": worst,
+                    "flip_margin": float(margins.max()) if not margins.empty else None})
+    return ["Verdict per prompt (the worst over its rounds):", "", table(pd.DataFrame(out), [
+        Col("prompt_id", "Prompt", right=False), Col("arm", "Arm", right=False), Col("rounds", "Rounds", fmt_int),
+        Col("verdict", "Verdict", right=False),
+        Col("flip_margin", "Flip margin", lambda v: DASH if is_na(v) else f"{float(v):.4f}")], drop_constant=False)]
 
 
 def parity_section(ri: ReportInput) -> list[str]:
@@ -284,9 +310,15 @@ def parity_section(ri: ReportInput) -> list[str]:
     p = a.parity
     if p.empty:
         return lines + ["No parity rows: there is no measured ok sample to compare."]
+    tol = float(p["tolerance"].dropna().iloc[0]) if p["tolerance"].notna().any() else an.NEAR_TIE_NATS
+    accept = an.gate_spec(ri.record).accept_near_ties
     lines += [(f"Each measured sample's first {k} greedy ids against the reference ({a.reference}) in the same "
               "round; 'stability' rows compare the reference with its own lowest round. Margin = top-2 "
-              f"logprob gap (nats) at the first divergence; below {an.NEAR_TIE_NATS} in either arm: near-tie."),
+              f"logprob gap (nats) at the first divergence; below {an.NEAR_TIE_NATS} in either arm: near-tie. "
+              f"Verdict over the first {k} ids: equal; near-tie flip (each side's choice is the other's "
+              f"runner-up, margin below {tol:g} nats); broken (anything else). "
+              + (f"The gate accepts near-tie flips of parity rows (gate.accept_near_ties = {accept:g})."
+                 if accept else "The gate accepts no mismatch (gate.accept_near_ties is not set).")),
               ""]
     summary = []
     for (check, arm), g in p.groupby(["check", "arm"], sort=False):
@@ -297,6 +329,9 @@ def parity_section(ri: ReportInput) -> list[str]:
             "near": int((g["classification"] == "near-tie").sum()),
             "div": int(g["classification"].isin(["divergence", "margin unknown"]).sum()),
             "unchecked": int(g["match"].isna().sum()),
+            "v_equal": int((g["verdict"] == "equal").sum()),
+            "v_flip": int((g["verdict"] == "near-tie flip").sum()),
+            "v_broken": int((g["verdict"] == "broken").sum()),
         })
     n_max = p["max_tokens"].dropna()
     of = f"/{int(n_max.max())}" if not n_max.empty else ""
@@ -305,7 +340,9 @@ def parity_section(ri: ReportInput) -> list[str]:
         Col("match", f"Match (first {k})", fmt_int), Col("identical", "Identical (all ids)", fmt_int),
         Col("min_agree", "Min agree", lambda v: DASH if is_na(v) else f"{int(v)}{of}"),
         Col("near", "Near-ties", fmt_int), Col("div", "Divergences", fmt_int),
-        Col("unchecked", "Unchecked", fmt_int)], drop_constant=False))
+        Col("unchecked", "Unchecked", fmt_int), Col("v_equal", "Verdict: equal", fmt_int),
+        Col("v_flip", "near-tie flip", fmt_int), Col("v_broken", "broken", fmt_int)], drop_constant=False))
+    lines += ["", *_verdicts_per_prompt(p)]
     rows = p.copy()
     rows["against"] = [DASH if is_na(ar) else (f"{ar} r{int(rr)}" if not is_na(rr) else str(ar))
                        for ar, rr in zip(rows["against_arm"], rows["against_round"])]

@@ -142,7 +142,7 @@ def probe_prompt(
                           timeout_s=profile.request.timeout_s, extra=dict(profile.request.extra))
     extra = dict(profile.arm(arm).request)
 
-    spec = profile.launch_spec(arm)
+    spec, ae = profile.launch_spec(arm), profile.arm_engine(arm)
     svc: Service | None = None
     steps: list[ProbeStep] = []
     with EngineClient() as client:
@@ -155,19 +155,19 @@ def probe_prompt(
                         raise ConfigError(f"arm {arm} has no command to launch; pass --base-url")
                     log_dir = Path(tempfile.mkdtemp(prefix="abbench-probe-"))
                     svc = Service.launch(f"probe-{arm}", spec.argv, env=spec.env, log_path=log_dir / f"{arm}.log",
-                                         health_path=profile.engine.health_path,
+                                         health_path=ae.health_path,
                                          health_timeout_s=profile.engine.health_timeout_s,
                                          stop_timeout_s=profile.engine.stop_timeout_s, health_check=client.health,
                                          profile_dir=spec.profile_dir, arms=[arm])
                     base_url = svc.base_url
-            reset = profile.engine.reset_path
+            reset = ae.reset_path
             for i in range(n):
                 if reset and (i == 0 or reset_each):
                     client.reset(base_url, reset)
                 history = prompt_ids + ref_ids[:i]
                 c = client.complete(base_url, history, request=request, extra=extra,
-                                    target_prompt_tokens=len(history), model=profile.engine.model,
-                                    adapter=profile.engine.adapter)
+                                    target_prompt_tokens=len(history), model=ae.model,
+                                    adapter=ae.adapter)
                 top = c.logprobs[0] if c.logprobs else None
                 ref_top = [(int(t), float(v)) for t, v in s_ref.logprobs[i]] if i < len(s_ref.logprobs) else None
                 steps.append(ProbeStep(i, ref_ids[i], ref_top, c.output_ids[0], top, logprob_delta(top, ref_top)))

@@ -366,12 +366,13 @@ class Run:
         return svc
 
     def _reset_if_planned(self, svc: Service, step: Step) -> None:
-        if step.reset_before and self.profile.engine.reset_path:
-            self.client.reset(svc.base_url, self.profile.engine.reset_path)
+        reset_path = self.profile.arm_engine(step.arm).reset_path
+        if step.reset_before and reset_path:
+            self.client.reset(svc.base_url, reset_path)
 
     def _complete(self, svc: Service, step: Step) -> Completion:
         """The request of ``step`` (the one place a plan step becomes a request)."""
-        eng, req = self.profile.engine, self.profile.request
+        eng, req = self.profile.arm_engine(step.arm), self.profile.request
         bp = self.prompts[step.prompt_id]
         return self.client.complete(
             svc.base_url, bp.text, request=req, extra={**req.extra, **self.profile.arm(step.arm).request},
@@ -394,7 +395,7 @@ class Run:
     def measure(self, svc: Service, step: Step) -> Sample:
         """Send ``step``'s request (after the planned reset), with the telemetry window and the metrics
         scrapes around it; raises :class:`RequestError` when it fails."""
-        metrics_path = self.profile.engine.metrics_path
+        metrics_path = self.profile.arm_engine(step.arm).metrics_path
         monitor = self.slot.monitor
         mark: int | None = None
         try:
@@ -437,7 +438,8 @@ class Run:
                 if time.monotonic() >= deadline:
                     break
                 time.sleep(0.02)
-        if e.kind in ("connect", "timeout") and not self.client.health(svc.base_url, self.profile.engine.health_path):
+        health_path = self.profile.arm_engine(step.arm).health_path
+        if e.kind in ("connect", "timeout") and not self.client.health(svc.base_url, health_path):
             return f"stopped answering its health check after step {step.index} ({e.kind} failure)"
         return None
 

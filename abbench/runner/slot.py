@@ -51,6 +51,7 @@ class ServiceSlot:
         """Launch (or attach to) the service ``key`` serving ``arm`` (None: the engine's own command)."""
         self.stop()
         eng = self.profile.engine
+        health_path = self.profile.arm_engine(arm).health_path
         spec = self.profile.launch_spec(arm)
         n = self.launches.get(key, 0)
         self.launches[key] = n + 1
@@ -62,13 +63,13 @@ class ServiceSlot:
         idle_before = gpu_idle()
         try:
             if spec.base_url:
-                svc = Service.attach(key, spec.base_url, health_path=eng.health_path,
+                svc = Service.attach(key, spec.base_url, health_path=health_path,
                                      health_timeout_s=eng.health_timeout_s, health_check=self.client.health,
                                      arms=arms, round=round_no)
             else:
                 assert spec.argv is not None
                 svc = Service.launch(key, spec.argv, env=spec.env, log_path=self.run_dir / LOGS_DIR / log_name,
-                                     health_path=eng.health_path, health_timeout_s=eng.health_timeout_s,
+                                     health_path=health_path, health_timeout_s=eng.health_timeout_s,
                                      stop_timeout_s=eng.stop_timeout_s, health_check=self.client.health,
                                      profile_dir=spec.profile_dir, arms=arms, round=round_no)
         except (ServiceError, KeyboardInterrupt) as e:  # the launch stopped what it started already

@@ -277,3 +277,62 @@ def test_runner_against_engine_service(adapter: str, tmp_path: Path) -> None:
     assert json.loads((tmp_path / "run" / "run.json").read_text())["profile"]["engine"]["reset_path"] == RESET[adapter]
     md = write_report(record, [], tmp_path / "r.md", tmp_path / "r").read_text()
     assert "## Engine counters" in md
+
+
+# ------------------------------------------------------------------------------------- per-arm engines
+
+
+def _fake_arm(name: str, adapter: str) -> dict:
+    arm = tiny_profile(adapter)
+    return {"name": name, "adapter": adapter, "command": arm["engine"]["command"], "env": arm["engine"]["env"]}
+
+
+def test_arms_on_different_engines_in_one_run(tmp_path: Path) -> None:
+    """Arm A on the fake vLLM, arm B on the fake llama.cpp, arm C on the fake SGLang, under one plan: each arm
+    is spoken to in its own wire format, reset at its own path and scraped with its own counters."""
+    from abbench import analysis, runner
+    from abbench.report import write_report
+
+    data = tiny_profile("vllm")
+    data["engine"] = {"health_timeout_s": 30}  # no engine-wide command: each arm brings its own
+    order = ("vllm", "llamacpp", "sglang")
+    data["arms"] = [_fake_arm(f"on-{e}", e) for e in order]
+    profile = profile_from_dict(data)
+    assert [profile.arm_engine(a.name).reset_path for a in profile.arms] == [RESET[e] for e in order]
+    assert profile.arm_engine("on-llamacpp").adapter == "llamacpp"
+    record = runner.execute(profile, tmp_path / "run")
+    assert record.status == "complete", record.status_reason
+    assert not [(s.arm, s.prompt_id, s.error) for s in record.samples if not s.ok]
+    measured = [s for s in record.samples if not s.excluded]
+    assert {s.arm for s in measured} == {"on-vllm", "on-llamacpp", "on-sglang"}
+    for s in measured:
+        assert s.ids_source == "native" and len(s.output_ids) == 8
+        assert s.engine["cached_prompt_tokens"] == (64 if s.kind == "continuation" else 0), (s.arm, s.prompt_id)
+        assert s.telemetry.metrics_after is not None
+    verdict = analysis.gate(record)  # the fakes share one "model": the engines agree token for token
+    assert verdict.passed, verdict.failures
+    counters = analysis.transfer.engine_counter_table(record)
+    assert set(counters["arm"]) == {"on-vllm", "on-llamacpp", "on-sglang"}
+    assert counters["metrics_prompt"].notna().all()  # each arm's /metrics read with its own engine's names
+    arms = json.loads((tmp_path / "run" / "run.json").read_text())["profile"]["arms"]
+    assert [a["reset_path"] for a in arms] == [RESET[e] for e in order]  # the paths used are recorded
+    md = write_report(record, [], tmp_path / "r.md", tmp_path / "r").read_text()
+    assert "on-vllm `vllm`" in md and "on-llamacpp `llamacpp`" in md
+
+
+def test_arm_engine_defaults_and_shared_service_agreement() -> None:
+    base = {"name": "x", "engine": {"adapter": "vllm", "command": ["e", "--port", "{port}"], "reset_path": "/r",
+                                    "model": "m"}}
+    p = profile_from_dict({**base, "arms": [{"name": "a"}, {"name": "b", "adapter": "sglang", "model": "n"},
+                                            {"name": "c", "reset_path": "", "health_path": "/ok"}]})
+    assert p.arm_engine("a") == p.arm_engine(None)
+    assert (p.arm_engine("a").adapter, p.arm_engine("a").reset_path, p.arm_engine("a").model) == ("vllm", "/r", "m")
+    b = p.arm_engine("b")
+    assert (b.adapter, b.reset_path, b.metrics_path, b.model) == ("sglang", "/flush_cache", "/metrics", "n")
+    c = p.arm_engine("c")
+    assert (c.adapter, c.reset_path, c.health_path) == ("vllm", "", "/ok")
+    shared = {**base, "engine": {**base["engine"], "shared_service": True}}
+    with pytest.raises(ConfigError, match="talk to it differently"):
+        profile_from_dict({**shared, "arms": [{"name": "a"}, {"name": "b", "adapter": "sglang"}]})
+    ok = profile_from_dict({**shared, "arms": [{"name": "a"}, {"name": "b", "adapter": "sglang", "service": "s2"}]})
+    assert ok.arm_engine("b").adapter == "sglang"

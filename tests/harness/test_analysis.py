@@ -588,3 +588,114 @@ def test_overhead_splits_out_what_happens_outside_the_server_application() -> No
     row = an.overhead_table(rec).iloc[0]
     assert row["median_s"] == pytest.approx(0.002)  # harness TTFT - engine first_token (make_run: 2 ms)
     assert row["after_write_s"] == pytest.approx(0.0016)  # harness TTFT - engine first_event
+
+
+# --------------------------------------------------------------------------- parity verdicts (near ties)
+
+
+def _flip(rec: RunRecord, arm: str, prompt: str, rnd: int, pos: int, *, arm_top: list | None | str = "tie",
+          ref_top: list | None | str = "tie", chosen_offset: int = 1) -> tuple[Sample, Sample]:
+    """``arm`` picks reference id + ``chosen_offset`` at ``pos``; "tie" gives both sides top-2 logprobs of
+    the two picks 0.02 nats apart, each side's own pick first."""
+    s, r = find(rec, arm, prompt, rnd), find(rec, "A", prompt, rnd)
+    ref_id = r.output_ids[pos]
+    s.output_ids[pos] = ref_id + chosen_offset
+    if arm_top == "tie":
+        arm_top = [(ref_id + chosen_offset, -0.70), (ref_id, -0.72)]
+    if ref_top == "tie":
+        ref_top = [(ref_id, -0.70), (ref_id + chosen_offset, -0.72)]
+    if arm_top is None:
+        s.logprobs = None
+    else:
+        s.logprobs[pos] = arm_top
+    if ref_top is None:
+        r.logprobs = None
+    else:
+        r.logprobs[pos] = ref_top
+    return s, r
+
+
+def _row(rec: RunRecord, arm: str = "B", prompt: str = "fresh-1024-0", rnd: int = 1, **kw: Any) -> Any:
+    p = an.parity_frame(rec, **kw)
+    return p[(p["check"] == "parity") & (p["arm"] == arm) & (p["prompt_id"] == prompt) & (p["round"] == rnd)].iloc[0]
+
+
+def test_verdict_near_tie_flip_is_reported_and_fails_unless_the_profile_accepts_it() -> None:
+    rec = make_run()
+    _flip(rec, "B", "fresh-1024-0", 1, 5)
+    row = _row(rec)
+    assert row["verdict"] == "near-tie flip" and row["flip_margin"] == pytest.approx(0.02)
+    assert row["tolerance"] == pytest.approx(an.NEAR_TIE_NATS)
+    assert (an.parity_frame(rec)["verdict"] == "equal").sum() == len(an.parity_frame(rec)) - 1
+    v = an.gate(rec)  # not accepted by default, but named
+    assert not v.passed and len(v.failures) == 1 and "verdict near-tie flip" in v.failures[0]
+    assert an.gate(rec, accept_near_ties=0.05).passed  # `abbench gate --accept-near-ties 0.05`
+    assert not an.gate(rec, accept_near_ties=0.01).passed
+    accepting = make_run(gate={"accept_near_ties": 0.05})
+    _flip(accepting, "B", "fresh-1024-0", 1, 5)
+    v = an.gate(accepting)
+    assert v.passed, v.failures
+    parity = next(c for c in v.checks if c.name == "parity")
+    assert "1 near-tie flip(s) accepted" in parity.detail
+    assert any("accepted near-tie flip" in n and "fresh-1024-0" in n for n in v.notes)
+
+
+def test_verdict_broken_when_the_margin_is_over_the_tolerance() -> None:
+    rec = make_run(gate={"accept_near_ties": 0.01})
+    _flip(rec, "B", "fresh-1024-0", 1, 5)  # 0.02 nats apart
+    row = _row(rec)
+    assert row["verdict"] == "broken" and row["tolerance"] == pytest.approx(0.01) and "0.02" in row["verdict_why"]
+    v = an.gate(rec)
+    assert not v.passed and "verdict broken" in v.failures[0]
+
+
+def test_verdict_broken_when_the_token_is_not_the_runner_up() -> None:
+    rec = make_run(gate={"accept_near_ties": 0.05})
+    ref_id = find(rec, "A", "fresh-1024-0", 1).output_ids[2]
+    _flip(rec, "B", "fresh-1024-0", 1, 2, chosen_offset=7,
+          ref_top=[(ref_id, -0.70), (ref_id + 1, -0.71)])  # the reference's runner-up is another token
+    row = _row(rec)
+    assert row["verdict"] == "broken" and "not the runner-up" in row["verdict_why"]
+    assert not an.gate(rec).passed
+
+
+def test_verdict_from_one_side_and_none_without_logprobs() -> None:
+    rec = make_run(gate={"accept_near_ties": 0.05})
+    _flip(rec, "B", "fresh-1024-0", 1, 0, arm_top=None)  # only the reference shows the near tie
+    assert _row(rec)["verdict"] == "near-tie flip"
+    assert an.gate(rec).passed
+    rec = make_run(gate={"accept_near_ties": 0.05})
+    _flip(rec, "B", "fresh-1024-0", 1, 0, arm_top=None, ref_top=None)
+    row = _row(rec)
+    assert row["verdict"] == "broken" and "cannot be shown" in row["verdict_why"]
+
+
+def test_verdict_equal_beyond_k_and_stability_never_accepts_a_flip() -> None:
+    rec = make_run(rounds=3, lengths=(1024,), gate={"accept_near_ties": 0.05})
+    _flip(rec, "B", "fresh-1024-0", 1, 12)  # after the first 8 ids: equal over K, still classified
+    row = _row(rec)
+    assert row["verdict"] == "equal" and row["classification"] == "near-tie"
+    r1, r3 = find(rec, "A", "fresh-1024-0", 1), find(rec, "A", "fresh-1024-0", 3)
+    i = r1.output_ids[4]
+    r3.output_ids[4] = i + 1
+    r3.logprobs[4] = [(i + 1, -0.70), (i, -0.72)]
+    r1.logprobs[4] = [(i, -0.70), (i + 1, -0.72)]
+    stab = an.parity_frame(rec).query("check == 'stability' and round == 3").iloc[0]
+    assert stab["verdict"] == "near-tie flip"
+    v = an.gate(rec)
+    assert not v.passed and checks(v)["reference-stable"] is False  # the reference must be deterministic
+
+
+def test_flip_verdict_rules() -> None:
+    from abbench.analysis.parity import flip_verdict
+
+    assert flip_verdict(1, 2, [(1, -0.5), (2, -0.5)], [(2, -0.5), (1, -0.5)], 0.05)[0] == "near-tie flip"  # exact tie
+    assert flip_verdict(1, 2, [(2, -0.5), (1, -0.6)], None, 0.05)[0] == "broken"  # chose the less likely one
+    assert flip_verdict(1, None, [(1, -0.5), (2, -0.51)], None, 0.05)[0] == "broken"  # lengths differ
+    assert flip_verdict(1, 2, [(1, -0.5), (3, -0.51), (2, -0.52)], None, 0.05)[0] == "broken"  # 2 is third
+    assert flip_verdict(1, 2, [(1, -0.5), (2, -0.51)], [(2, -0.5), (1, -0.9)], 0.05)[0] == "broken"  # other side clear
+    with pytest.raises(Exception, match="accept_near_ties"):
+        from abbench.profile import profile_from_dict
+
+        profile_from_dict({"name": "x", "engine": {"command": ["e", "{port}"]}, "arms": [{"name": "a"}],
+                           "gate": {"accept_near_ties": 0}})

@@ -1,0 +1,392 @@
+"""The reference backend: a model's own transformers implementation behind the vendored engine's API.
+
+``abbench serve --backend transformers --model DIR [--device cpu|cuda] [--dtype ...] --port P`` (or
+``python -m abbench.engine.reference ...``) serves the same OpenAI-compatible API as the vendored engine
+(:mod:`abbench.engine.server`: native ``token_ids``, top-k logprobs with ``top_logprob_ids``, SSE, usage,
+``/health``, ``/reset``, ``/metrics``, OpenAI-shaped errors) by running ``AutoModelForCausalLM`` from a local
+checkpoint directory, any architecture transformers knows. So an arm can ask "does my engine match the
+model's reference implementation?" in the same run, prompts and ABBA plan as the engine's other arms.
+
+Contract: :class:`ReferenceEngine` has the ``generate(...)`` / ``reset()`` contract of
+:class:`abbench.engine.runtime.Engine` (a generator of ``TokenEvent``, one per output token, whose return
+value is a ``RequestStats``; ``ValueError``/``ContextOverflow`` before any work; ``Cancelled`` at the next
+step after the cancel flag is set; one request at a time), so the vendored server's routes, queue, request
+schema, SSE framing and errors serve it unchanged.
+
+How it computes: the whole prompt in one forward pass with a fresh KV cache (transformers' ``DynamicCache``),
+then one token per forward pass with that cache; the logits of the last position in float32, chosen by the
+engine's own :class:`abbench.engine.decode.Sampler` (greedy at temperature 0: ``argmax``, the first of equal
+maxima; the logprobs from ``log_softmax`` in float32), so the two backends' margins compare like for like.
+No prefix cache (every request starts from an empty cache; ``/reset`` has nothing to flush) and no
+offload: the per-request ``abbench`` object reports ``prefill_path = "reference"``, zero host-to-device
+expert bytes and zero cached prompt tokens. A per-request ``prefill_mode`` is refused (400).
+``trace_layers`` (with ``--allow-request-overrides``) returns the layer trace of :mod:`abbench.engine.trace`
+from forward hooks on the decoder layers (``model.model.layers``): ``attention`` (``self_attn``'s output),
+``experts`` (``mlp``'s output: every expert, shared ones included) and ``residual`` (the layer's output),
+at the last prompt position; hashes of two implementations rarely agree, the RMS of the difference does
+the localizing.
+
+:func:`save_tiny_qwen3_moe` writes the random tiny Qwen3-MoE checkpoint ``profiles/cpu-tiny-reference.toml``
+serves from both backends (``python -m abbench.engine.reference --make-tiny-checkpoint DIR``).
+
+Imports nothing from the harness; transformers is imported only when a model is loaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import logging
+import os
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from abbench.engine.decode import Sampler
+from abbench.engine.prefill import CancelLike, check_cancel
+from abbench.engine.runtime import Cancelled, ContextOverflow, RequestStats, TokenEvent
+from abbench.engine.trace import LayerTrace
+
+__all__ = ["ReferenceEngine", "save_tiny_qwen3_moe", "main"]
+
+log = logging.getLogger("abbench.engine.reference")
+
+PATH = "reference"
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class ReferenceModelInfo:
+    """What the server reads of ``engine.model_config``."""
+
+    name: str
+    vocab_size: int
+    max_position_embeddings: int
+    eos_ids: frozenset[int] = frozenset()
+
+
+@dataclass
+class ReferenceConfig:
+    """What the server reads of ``engine.config``."""
+
+    model: str
+    device: str
+    dtype: str
+    max_context: int
+
+
+@dataclass
+class _Decoder:
+    mode: str = "transformers"
+
+
+def _eos_ids(*sources: Any) -> frozenset[int]:
+    out: set[int] = set()
+    for src in sources:
+        v = getattr(src, "eos_token_id", None)
+        if isinstance(v, int):
+            out.add(v)
+        elif isinstance(v, (list, tuple)):
+            out.update(int(x) for x in v)
+    return frozenset(out)
+
+
+def _device(name: str) -> torch.device:
+    if name == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise RuntimeError(f"device {name!r} requested but torch.cuda.is_available() is false")
+    dev = torch.device(name)
+    return torch.device("cuda", torch.cuda.current_device() if dev.index is None else dev.index)
+
+
+@dataclass
+class ReferenceEngine:
+    """A transformers causal LM with the vendored ``Engine``'s serving contract (module docstring)."""
+
+    model_dir: str
+    device_name: str = "cpu"
+    dtype_name: str | None = None
+    max_context: int | None = None
+    attn_implementation: str | None = None
+    counters: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        import transformers
+
+        t0 = time.perf_counter()
+        self.device = _device(self.device_name)
+        dtype = self.dtype_name or ("float32" if self.device.type == "cpu" else "bfloat16")
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+        if not os.path.isfile(os.path.join(self.model_dir, "config.json")):
+            raise ValueError(f"{self.model_dir}: not a local checkpoint directory (no config.json)")
+        kwargs: dict[str, Any] = {"dtype": getattr(torch, dtype)}
+        if self.attn_implementation:
+            kwargs["attn_implementation"] = self.attn_implementation
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(self.model_dir, **kwargs)
+        self.model.to(self.device).eval()
+        text = self.model.config.get_text_config() if hasattr(self.model.config, "get_text_config") \
+            else self.model.config
+        vocab = int(self.model.get_output_embeddings().weight.shape[0])
+        max_pos = int(getattr(text, "max_position_embeddings", 0) or 1 << 20)
+        self.model_config = ReferenceModelInfo(
+            name=Path(self.model_dir).resolve().name, vocab_size=vocab, max_position_embeddings=max_pos,
+            eos_ids=_eos_ids(self.model.config, text, getattr(self.model, "generation_config", None)))
+        ctx = self.max_context or max_pos
+        if ctx > max_pos:
+            raise ValueError(f"max_context {ctx} > the model's max_position_embeddings {max_pos}")
+        self.config = ReferenceConfig(model=self.model_dir, device=str(self.device), dtype=dtype, max_context=ctx)
+        self.dtype = getattr(torch, dtype)
+        params = inspect.signature(self.model.forward).parameters
+        self._keep = "logits_to_keep" in params
+        self._cache_arg = "cache" if "cache" in params else "past_key_values"  # transformers >= 5.2x: cache
+        # What the server's metrics and ``abbench`` object read; there is no offload here.
+        self.measured_h2d_gbps = float("nan")
+        self.bank_bytes = 0
+        self.slots_per_layer = None
+        self.decoder = _Decoder()
+        self.memory_plan = None
+        self.counters.update({"requests_total": 0, "requests_cancelled": 0, "h2d_bytes_total": 0,
+                              "d2d_bytes_total": 0, "expert_copies_total": 0, "cached_prompt_tokens_total": 0,
+                              "requests_by_path": {PATH: 0}, "prefill_tokens_by_path": {PATH: 0}})
+        self._lock = threading.Lock()
+        self.startup_s = time.perf_counter() - t0
+
+    # -- the Engine contract ----------------------------------------------------------------------------
+    def generate(self, prompt_ids: list[int], max_tokens: int, *, temperature: float = 0.0,
+                 seed: int | None = None, ignore_eos: bool = False, logprobs: int | None = None,
+                 prefill_mode: str | None = None, cancel: CancelLike = None,
+                 trace_layers: bool = False) -> Iterator[TokenEvent]:
+        """As :meth:`abbench.engine.runtime.Engine.generate`; validates eagerly."""
+        prompt = [int(t) for t in prompt_ids]
+        vocab, ctx = self.model_config.vocab_size, self.config.max_context
+        if not prompt:
+            raise ValueError("prompt_ids is empty")
+        if min(prompt) < 0 or max(prompt) >= vocab:
+            raise ValueError(f"prompt token ids must be in [0, {vocab}); got {min(prompt)}..{max(prompt)}")
+        if int(max_tokens) < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        if len(prompt) + int(max_tokens) > ctx:
+            raise ContextOverflow(f"prompt of {len(prompt)} tokens + max_tokens {max_tokens} = "
+                                  f"{len(prompt) + int(max_tokens)} tokens exceeds max_context {ctx}")
+        if prefill_mode is not None:
+            raise ValueError("the transformers reference has no prefill modes (prefill_mode must be omitted)")
+        if logprobs is not None and not 0 <= int(logprobs) <= vocab:
+            raise ValueError(f"logprobs must be in [0, {vocab}], got {logprobs}")
+        sampler = Sampler(float(temperature), seed, self.device, None if logprobs is None else int(logprobs))
+        return self._generate(prompt, int(max_tokens), sampler, ignore_eos, cancel, bool(trace_layers))
+
+    def run(self, prompt_ids: list[int], max_tokens: int, **kwargs: Any) -> tuple[list[TokenEvent], RequestStats]:
+        """Drain ``generate``: (events, stats)."""
+        gen = self.generate(prompt_ids, max_tokens, **kwargs)
+        events: list[TokenEvent] = []
+        while True:
+            try:
+                events.append(next(gen))
+            except StopIteration as stop:
+                return events, stop.value
+
+    def reset(self) -> None:
+        """Nothing to flush: every request starts from an empty KV cache."""
+        if not self._lock.acquire(blocking=False):
+            raise RuntimeError("reset() while a request is running")
+        self._lock.release()
+
+    # -- internals --------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def _forward(self, ids: list[int], cache: Any) -> tuple[torch.Tensor, Any]:
+        """Logits of the last position (float32, [V]) after feeding ``ids`` on top of ``cache``."""
+        t = torch.tensor([ids], dtype=torch.long, device=self.device)
+        kwargs: dict[str, Any] = {self._cache_arg: cache, "use_cache": True}
+        if self._keep:
+            kwargs["logits_to_keep"] = 1
+        out = self.model(input_ids=t, **kwargs)
+        return out.logits[0, -1].float(), cache  # the cache object is updated in place
+
+    def _hooks(self, tracer: LayerTrace) -> list[Any]:
+        """Forward hooks feeding ``tracer`` from every decoder layer (module docstring)."""
+        layers = getattr(getattr(self.model, "model", None), "layers", None)
+        if layers is None:
+            raise ValueError(f"trace_layers: {type(self.model).__name__} has no model.layers to hook")
+
+        def hook(layer: int, block: str):
+            def fn(_module: Any, _args: Any, output: Any) -> None:
+                t = output[0] if isinstance(output, (tuple, list)) else output
+                if isinstance(t, torch.Tensor):
+                    tracer(layer, block, t.reshape(-1, t.shape[-1]))
+            return fn
+
+        handles = []
+        for i, layer in enumerate(layers):
+            for name, block in (("self_attn", "attention"), ("mlp", "experts")):
+                if hasattr(layer, name):
+                    handles.append(getattr(layer, name).register_forward_hook(hook(i, block)))
+            handles.append(layer.register_forward_hook(hook(i, "residual")))
+        return handles
+
+    def _generate(self, prompt: list[int], max_tokens: int, sampler: Sampler, ignore_eos: bool,
+                  cancel: CancelLike, trace_layers: bool = False) -> Iterator[TokenEvent]:
+        from transformers import DynamicCache
+
+        if not self._lock.acquire(blocking=False):
+            raise RuntimeError("generate() while another request is running (one at a time)")
+        counters = self.counters
+        try:
+            if self.device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(self.device)
+            check_cancel(cancel)
+            prefill_start = time.perf_counter()
+            tracer = LayerTrace() if trace_layers else None
+            handles = self._hooks(tracer) if tracer is not None else []
+            try:
+                logits, cache = self._forward(prompt, DynamicCache(config=self.model.config))
+            finally:
+                for h in handles:
+                    h.remove()
+            prefill_end = time.perf_counter()
+            counters["requests_by_path"][PATH] += 1
+            counters["prefill_tokens_by_path"][PATH] += len(prompt)
+            event = TokenEvent(*sampler(logits))
+            first_token = time.perf_counter()
+            eos = frozenset() if ignore_eos else self.model_config.eos_ids
+            n_out = 1
+            yield event
+            while event.token_id not in eos and n_out < max_tokens:
+                check_cancel(cancel)
+                logits, cache = self._forward([event.token_id], cache)
+                event = TokenEvent(*sampler(logits))
+                n_out += 1
+                yield event
+            return RequestStats(
+                prefill_path=PATH, fallback_reason=None, h2d_bytes=0, d2d_bytes=0, prefill_h2d_bytes=0,
+                decode_h2d_bytes=0, bank_bytes=0, expert_copies=0, cached_prompt_tokens=0,
+                prompt_tokens=len(prompt), completion_tokens=n_out, n_chunks=1, n_windows=0,
+                prefill_start=prefill_start, prefill_end=prefill_end, first_token=first_token,
+                finish_reason="stop" if event.token_id in eos else "length",
+                peak_device_bytes=(int(torch.cuda.max_memory_allocated(self.device))
+                                   if self.device.type == "cuda" else None),
+                layer_trace=tracer.export() if tracer is not None else None)
+        except Cancelled:
+            counters["requests_cancelled"] += 1
+            raise
+        finally:
+            counters["requests_total"] += 1
+            self._lock.release()
+
+
+# ------------------------------------------------------------------------------------------ a tiny checkpoint
+
+
+TINY_QWEN3_MOE = dict(vocab_size=151936, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, moe_intermediate_size=32,
+                      num_experts=8, num_experts_per_tok=2, max_position_embeddings=2048, rope_theta=10000.0,
+                      norm_topk_prob=True, tie_word_embeddings=False)
+"""The shape of :func:`save_tiny_qwen3_moe`: the Qwen3 vocabulary (so the built-in ``qwen3`` tokenizer's ids
+fit), everything else tiny."""
+
+
+def save_tiny_qwen3_moe(out_dir: str | Path, *, seed: int = 0) -> Path:
+    """A random transformers ``Qwen3MoeForCausalLM`` of :data:`TINY_QWEN3_MOE`'s shape, saved with
+    ``save_pretrained`` (safetensors) into ``out_dir``. Every tensor is redrawn so that each matters:
+    matrices N(0, 1/fan_in), embeddings N(0, 1), norm weights 1 + N(0, 0.2^2)."""
+    import transformers
+
+    cfg = transformers.Qwen3MoeConfig(**TINY_QWEN3_MOE, eos_token_id=151645)
+    torch.manual_seed(seed)
+    model = transformers.Qwen3MoeForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+            elif "embed_tokens" in name:
+                p.normal_(0, 1.0)
+            else:
+                p.normal_(0, p.shape[-1] ** -0.5)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ the server
+
+
+def build_arg_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="abbench serve --backend transformers",
+                                description="Serve a model's transformers implementation (greedy reference) "
+                                "over the vendored engine's OpenAI-compatible API.")
+    p.add_argument("--model", help="local Hugging Face checkpoint directory (config.json + weights)")
+    p.add_argument("--tokenizer", default=None, help="qwen3, qwen3.6 or a local HF tokenizer directory "
+                   "(default: the model directory)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--dtype", default=None, choices=DTYPES, help="default: float32 on cpu, bfloat16 on cuda")
+    p.add_argument("--max-context", type=int, default=None)
+    p.add_argument("--attn-implementation", default=None, help="transformers attn_implementation (eager, sdpa, ...)")
+    p.add_argument("--allow-request-overrides", action="store_true",
+                   help="accept the per-request trace_layers field")
+    p.add_argument("--queue-limit", type=int, default=64, help="max waiting requests; more get 429 (default 64)")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
+    p.add_argument("--port", type=int, default=8000, help="port (0 picks a free one; default 8000)")
+    p.add_argument("--served-model-name", default=None, help="model name in the API (default: --model)")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--make-tiny-checkpoint", metavar="DIR", default=None,
+                   help="write the random tiny Qwen3-MoE checkpoint (profiles/cpu-tiny-reference.toml) to DIR "
+                   "and exit")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse ``argv``, load the model, serve until SIGINT/SIGTERM (as :func:`abbench.engine.server.main`:
+    the port is bound before the model loads, a ready line is printed when it listens; exit 2 on usage
+    errors, 1 when the port cannot be bound or the model cannot be loaded)."""
+    import uvicorn
+
+    from abbench.engine.server import _bind, _Server, create_app
+    from abbench.engine.tokenizer import TokenizerSpecError, load_tokenizer
+
+    parser = build_arg_parser()
+    args = parser.parse_args(argv)
+    if args.make_tiny_checkpoint:
+        print(save_tiny_qwen3_moe(args.make_tiny_checkpoint))
+        return 0
+    if not args.model:
+        parser.error("--model DIR is required")
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        tokenizer = load_tokenizer(args.tokenizer or args.model)
+    except TokenizerSpecError as exc:
+        parser.error(str(exc))
+    try:
+        sock = _bind(args.host, args.port)
+    except OSError as exc:
+        print(f"abbench reference: cannot bind {args.host}:{args.port}: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
+    try:
+        engine = ReferenceEngine(args.model, device_name=args.device, dtype_name=args.dtype,
+                                 max_context=args.max_context, attn_implementation=args.attn_implementation)
+    except (ValueError, TypeError, RuntimeError, OSError, ImportError) as exc:
+        print(f"abbench reference: cannot load the model: {exc}", file=sys.stderr, flush=True)
+        sock.close()
+        raise SystemExit(1) from None
+    log.info("%s loaded in %.2fs (%s, %s)", type(engine.model).__name__, engine.startup_s, engine.config.device,
+             engine.config.dtype)
+    app = create_app(engine, tokenizer, served_model_name=args.served_model_name or args.model,
+                     allow_request_overrides=args.allow_request_overrides, queue_limit=args.queue_limit)
+    host, port = sock.getsockname()[:2]
+    shown = f"[{host}]" if ":" in host else host
+    server = _Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5, lifespan="on"))
+    server.ready_message = (f"abbench engine ready: http://{shown}:{port} (transformers reference "
+                            f"{type(engine.model).__name__}, model {args.model}, device {args.device})")
+    server.run(sockets=[sock])
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

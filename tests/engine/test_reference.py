@@ -1,0 +1,158 @@
+"""The transformers reference backend (``abbench serve --backend transformers``, abbench/engine/reference.py).
+
+One random tiny Qwen3-MoE checkpoint (``save_tiny_qwen3_moe``: transformers' ``Qwen3MoeForCausalLM``,
+``save_pretrained``, no hub) is served by the reference and loaded by the vendored engine (``--weights DIR``):
+in-process the two agree id for id with logprobs within float32 summation noise; over HTTP the reference
+speaks the vendored server's API (token_ids, top_logprob_ids, SSE, usage, /reset, errors); and a whole
+``cpu-tiny-reference`` run (both as services, each arm its own) passes the gate's parity over 8 ids.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+import tomllib
+from pathlib import Path
+
+import httpx
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+pytest.importorskip("fastapi")
+
+from abbench.engine import Engine, EngineConfig  # noqa: E402
+from abbench.engine.reference import ReferenceEngine, save_tiny_qwen3_moe  # noqa: E402
+from abbench.engine.runtime import Cancelled, ContextOverflow  # noqa: E402
+from abbench.engine.server import create_app  # noqa: E402
+from abbench.engine.tokenizer import load_tokenizer  # noqa: E402
+
+from tests.engine.test_engine_server import ServerThread, assert_openai_error, sse_events  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+CHECKPOINT_IN_PROFILE = "{profile_dir}/../.cache/tiny-qwen3-moe"
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny_qwen3_moe(tmp_path_factory.mktemp("tiny-qwen3-moe"))
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint: Path) -> ReferenceEngine:
+    return ReferenceEngine(str(checkpoint))
+
+
+def test_reference_matches_the_vendored_engine_in_process(checkpoint: Path, reference: ReferenceEngine) -> None:
+    engine = Engine(EngineConfig(model=str(checkpoint), weights=str(checkpoint), device="cpu", chunk_tokens=32))
+    rng = random.Random(0)
+    for n in (5, 70):  # one chunk; three chunks on the engine
+        prompt = [rng.randrange(100, 150000) for _ in range(n)]
+        ref_events, ref_stats = reference.run(prompt, 8, logprobs=3, ignore_eos=True)
+        eng_events, _ = engine.run(prompt, 8, logprobs=3, ignore_eos=True)
+        assert [e.token_id for e in ref_events] == [e.token_id for e in eng_events]
+        for a, b in zip(ref_events, eng_events, strict=True):
+            assert [i for i, _ in a.top_logprobs] == [i for i, _ in b.top_logprobs]
+            assert max(abs(x - y) for (_, x), (_, y) in zip(a.top_logprobs, b.top_logprobs)) < 1e-4
+        assert (ref_stats.prefill_path, ref_stats.prompt_tokens, ref_stats.completion_tokens) == ("reference", n, 8)
+        assert ref_stats.cached_prompt_tokens == 0 and ref_stats.h2d_bytes == 0 and ref_stats.finish_reason == "length"
+    # with its KV cache, token by token = the model run on the whole sequence each step
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(8):
+            ids.append(int(reference.model(torch.tensor([ids])).logits[0, -1].argmax()))
+    assert ids[len(prompt):] == [e.token_id for e in ref_events]
+
+
+def test_reference_layer_trace_localizes_against_the_engine(checkpoint: Path, reference: ReferenceEngine) -> None:
+    """The reference traces attention / experts / residual per layer from forward hooks; against the vendored
+    engine in float32 the states differ by summation order only (relative RMS of the difference < 1e-5)."""
+    from abbench.layertrace import compare_traces
+
+    engine = Engine(EngineConfig(model=str(checkpoint), weights=str(checkpoint), device="cpu", chunk_tokens=16))
+    prompt = list(range(1000, 1040))
+    ref = reference.run(prompt, 1, trace_layers=True)[1].layer_trace
+    eng = engine.run(prompt, 1, trace_layers=True)[1].layer_trace
+    assert [(e["layer"], e["block"]) for e in ref] == [(i, b) for i in range(2) for b in ("attention", "experts",
+                                                                                            "residual")]
+    rows = [r for r in compare_traces(ref, eng) if r.diff_rms is not None]
+    assert len(rows) == 6 and all(r.rel < 1e-5 for r in rows)
+    assert reference.run(prompt, 1)[1].layer_trace is None and not reference.model._forward_hooks
+
+
+def test_reference_validates_and_cancels(reference: ReferenceEngine) -> None:
+    with pytest.raises(ValueError, match="prefill modes"):
+        reference.generate([1, 2], 4, prefill_mode="chunked")
+    with pytest.raises(ContextOverflow):
+        reference.generate([1] * 2040, 16)
+    with pytest.raises(ValueError, match="vocab|token ids"):
+        reference.generate([10**7], 4)
+    cancel = threading.Event()
+    gen = reference.generate([1, 2, 3], 8, cancel=cancel)
+    next(gen)
+    cancel.set()
+    with pytest.raises(Cancelled):
+        next(gen)
+    assert reference.counters["requests_cancelled"] == 1
+    reference.reset()  # nothing to flush; usable afterwards
+    events, _ = reference.run([1, 2, 3], 2)
+    assert len(events) == 2
+
+
+def test_reference_serves_the_engine_api(reference: ReferenceEngine) -> None:
+    tok = load_tokenizer("qwen3")
+    server = ServerThread(create_app(reference, tok, served_model_name="tiny-ref"))
+    try:
+        with httpx.Client(base_url=server.url, timeout=30) as c:
+            assert c.get("/health").status_code == 200
+            assert c.post("/reset").json() == {"status": "ok"}
+            body = {"prompt": "The river ran past the old mill", "max_tokens": 4, "temperature": 0,
+                    "ignore_eos": True, "logprobs": 2}
+            r = c.post("/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+            full = r.json()
+            choice = full["choices"][0]
+            assert len(choice["token_ids"]) == 4 and choice["finish_reason"] == "length"
+            assert [row[0][0] for row in choice["logprobs"]["top_logprob_ids"]] == choice["token_ids"]
+            assert full["usage"]["prompt_tokens"] == len(tok.encode(body["prompt"]))
+            assert full["abbench"]["prefill_path"] == "reference" and full["abbench"]["measured_h2d_gbps"] is None
+            with c.stream("POST", "/v1/completions",
+                          json={**body, "stream": True, "stream_options": {"include_usage": True}}) as s:
+                events, done = sse_events(s)
+            assert done
+            streamed = [i for ev in events for ch in ev.get("choices", []) for i in ch.get("token_ids", [])]
+            assert streamed == choice["token_ids"]
+            assert events[-1]["usage"]["completion_tokens"] == 4 and "abbench" in events[-1]
+            assert_openai_error(c.post("/v1/completions", json={**body, "prefill_mode": "chunked"}), 400,
+                                "prefill_mode")
+            metrics = c.get("/metrics").text
+            assert 'abbench_engine_requests_total{path="reference"}' in metrics  # the engine's metrics, its path
+    finally:
+        server.stop()
+
+
+def test_run_engine_against_the_reference_passes_parity(checkpoint: Path, tmp_path: Path) -> None:
+    """profiles/cpu-tiny-reference.toml with its checkpoint path pointed at this test's checkpoint: both arms
+    launched as services from their own commands, the gate's parity over 8 ids holds for every prompt."""
+    from abbench import analysis, runner
+    from abbench.profile import profile_from_dict
+
+    data = tomllib.loads((REPO / "profiles" / "cpu-tiny-reference.toml").read_text())
+    for arm in data["arms"]:
+        assert CHECKPOINT_IN_PROFILE in arm["command"]
+        arm["command"] = [str(checkpoint) if a == CHECKPOINT_IN_PROFILE else a for a in arm["command"]]
+    data["source_path"] = str(REPO / "profiles" / "cpu-tiny-reference.toml")
+    profile = profile_from_dict(data)
+    record = runner.execute(profile, tmp_path / "run")
+    assert record.status == "complete", record.status_reason
+    assert not [(s.arm, s.prompt_id, s.error) for s in record.samples if not s.ok]
+    verdict = analysis.gate(record)
+    assert verdict.passed, verdict.failures
+    measured = [s for s in record.samples if not s.excluded]
+    assert {s.engine["prefill_path"] for s in measured if s.arm == "transformers"} == {"reference"}
+    by = {(s.arm, s.prompt_id, s.round): s.output_ids for s in measured}
+    for (arm, prompt, rnd), ids in by.items():
+        assert len(ids) == 8 and ids == by[("transformers", prompt, rnd)]
+    assert len({s.prompt_id for s in measured}) == 2
+    json.loads((tmp_path / "run" / "run.json").read_text())  # the record is valid JSON (no NaN from /metrics)

@@ -1,0 +1,79 @@
+"""The layer probe (``abbench probe --layers``): trace comparison on constructed traces, its renderings, and a
+real probe of two vendored-engine arms whose float order differs (bf16, two chunk sizes) against one whose
+does not (layer-major with the reference's chunks)."""
+
+from __future__ import annotations
+
+import base64
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from abbench.layertrace import LayerProbe, compare_traces, format_layers, layers_markdown
+
+
+def _e(layer: int, block: str, values: list[float] | None, h: str | None = None) -> dict:
+    if values is None:
+        return {"layer": layer, "block": block, "hash": h or "ids", "rms": None, "values": None}
+    v = np.asarray(values, dtype="<f4")
+    return {"layer": layer, "block": block, "hash": h or v.tobytes().hex()[:16], "rms": float(np.sqrt((v ** 2).mean())),
+            "values": base64.b64encode(v.tobytes()).decode()}
+
+
+def test_compare_traces_names_the_first_differing_block_and_the_growth() -> None:
+    ref = [_e(0, "attention", [1, 1]), _e(0, "router", None), _e(0, "residual", [2, 2]),
+           _e(1, "attention", [1, 2]), _e(1, "experts", [3, 4]), _e(1, "residual", [4, 4])]
+    arm = [_e(1, "residual", [4, 4.5]), _e(0, "attention", [1, 1]), _e(0, "router", None),  # any order
+           _e(0, "residual", [2, 2]), _e(1, "attention", [1, 2]), _e(1, "experts", [3, 4.1])]
+    rows = compare_traces(ref, arm)
+    assert [(r.layer, r.block) for r in rows] == [(0, "attention"), (0, "router"), (0, "residual"),
+                                                   (1, "attention"), (1, "experts"), (1, "residual")]
+    p = LayerProbe(prompt_id="p", arm="b", reference="a", position=0, n_tokens=10, rows=rows, ref_choice=5,
+                   arm_choice=6, ref_top=[(5, -0.1), (6, -0.2)], arm_top=[(6, -0.1), (5, -0.15)])
+    first = p.first_difference
+    assert (first.layer, first.block) == (1, "experts")
+    assert first.diff_rms == pytest.approx(np.sqrt(0.01 / 2), rel=1e-5)
+    assert rows[-1].diff_rms == pytest.approx(np.sqrt(0.25 / 2), rel=1e-5) and rows[1].same is True
+    text = format_layers(p)
+    assert "first difference: layer 1, experts" in text and ">>" in text and "different tokens" in text
+    md = layers_markdown(p, plot="x.png", command="abbench probe r --layers")
+    assert "| >> | 1 | experts | differs |" in md and "![RMS of the difference per layer](x.png)" in md
+    same = LayerProbe(prompt_id="p", arm="b", reference="a", position=3, n_tokens=13, rows=compare_traces(ref, ref))
+    assert same.first_difference is None and "bitwise equal (6 of 6)" in format_layers(same)
+    assert compare_traces(ref, arm[:2])[2].same is None  # a block only one side traced
+
+
+@pytest.mark.slow
+def test_probe_layers_on_real_engine_services(tmp_path: Path) -> None:
+    from abbench import runner
+    from abbench.profile import profile_from_dict
+    from abbench.runner.layers import probe_layers
+
+    pytest.importorskip("torch")
+    command = [sys.executable, "-m", "abbench.engine", "--model", "tiny", "--weights", "random:0", "--device", "cpu",
+               "--dtype", "bfloat16", "--port", "{port}"]
+    profile = profile_from_dict({
+        "name": "layers", "tokenizer": {"source": "qwen3"},
+        "prompts": {"lengths": [200], "warmup": 0},
+        "request": {"max_tokens": 2, "logprobs": 2, "timeout_s": 60},
+        "engine": {"command": command, "health_timeout_s": 60},
+        "arms": [{"name": "c64", "args": ["--chunk-tokens", "64"]},
+                 {"name": "c24", "args": ["--chunk-tokens", "24"]},
+                 {"name": "lm64", "args": ["--chunk-tokens", "64", "--prefill-mode", "layer-major"]}],
+        "run": {"rounds": 1},
+    })
+    record = runner.execute(profile, tmp_path / "run")
+    assert record.status == "complete", record.status_reason
+    prompt = next(p.id for p in record.prompts if p.kind == "fresh")
+    other = probe_layers(record, prompt, "c24")  # bf16: another float order
+    first = other.first_difference
+    assert first is not None and first.diff_rms > 0 and first.block in ("attention", "experts", "residual")
+    assert all(r.same for r in other.rows[:other.rows.index(first)])
+    same = probe_layers(record, prompt, "lm64", position=1)  # layer-major with the same chunks: bitwise equal
+    assert same.first_difference is None and same.n_tokens == 201 and same.notes
+    from abbench.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="reference arm"):
+        probe_layers(record, prompt, "c64")
