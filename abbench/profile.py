@@ -25,7 +25,20 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from abbench.errors import ConfigError
 
-PROFILES_DIR = Path(__file__).resolve().parent.parent / "profiles"
+def _bundled_profiles_dir() -> Path:
+    """The profiles that ship with abbench: ``abbench/bundled_profiles/`` in an installed package (the wheel
+    carries the repository's top-level ``profiles/`` there), else ``profiles/`` beside the package (a checkout
+    or an editable install, where ``profiles/`` itself is the source)."""
+    here = Path(__file__).resolve().parent
+    installed = here / "bundled_profiles"
+    if installed.is_dir() and any(installed.glob("*.toml")):
+        return installed
+    return here.parent / "profiles"
+
+
+BUNDLED_PROFILES_DIR = _bundled_profiles_dir()
+PROFILES_DIR = BUNDLED_PROFILES_DIR  # the bundled profiles (the name older callers use)
+LOCAL_PROFILES_DIR = Path("profiles")  # ./profiles in the working directory, looked at before the bundled ones
 DEFAULT_PROFILE = "cpu-tiny"
 
 PositiveInt = Annotated[int, Field(gt=0)]
@@ -360,21 +373,66 @@ def _validate(data: dict[str, Any], path: str) -> Profile:
         raise ConfigError(_format_validation_error(e, path)) from None
 
 
-def resolve_profile_path(name_or_path: str | None) -> Path:
-    """A profile name (``cpu-tiny``: looked up in ``profiles/``) or a path to a TOML file."""
+@dataclass(frozen=True)
+class ProfileEntry:
+    """One profile file found by :func:`available_profiles`: its name, path and where it came from
+    (``"./profiles"`` or ``"bundled"``); ``shadowed_by`` is set on a bundled profile that a ``./profiles``
+    file of the same name hides."""
+
+    name: str
+    path: Path
+    source: str
+    shadowed_by: Path | None = None
+
+
+def _same_dir(a: Path, b: Path) -> bool:
+    try:
+        return a.resolve() == b.resolve()
+    except OSError:
+        return False
+
+
+def profile_dirs(cwd: Path | None = None) -> list[tuple[str, Path]]:
+    """Where profile names are looked up, in order: ``./profiles`` in the working directory (``cwd``), then
+    the bundled profiles. In the repository root both are the same folder; it is listed once, as bundled."""
+    local = (cwd or Path.cwd()) / LOCAL_PROFILES_DIR
+    dirs: list[tuple[str, Path]] = []
+    if local.is_dir() and not _same_dir(local, BUNDLED_PROFILES_DIR):
+        dirs.append(("./profiles", local))
+    dirs.append(("bundled", BUNDLED_PROFILES_DIR))
+    return dirs
+
+
+def available_profiles(cwd: Path | None = None) -> list[ProfileEntry]:
+    """Every profile file a name can reach, the winning one first for each name (see :func:`profile_dirs`)."""
+    entries: list[ProfileEntry] = []
+    seen: dict[str, Path] = {}
+    for source, d in profile_dirs(cwd):
+        for p in sorted(d.glob("*.toml")):
+            entries.append(ProfileEntry(p.stem, p, source, shadowed_by=seen.get(p.stem)))
+            seen.setdefault(p.stem, p)
+    return entries
+
+
+def resolve_profile_path(name_or_path: str | None, cwd: Path | None = None) -> Path:
+    """A path to a TOML file (used as given), or a profile name (``cpu-tiny``) looked up in ``./profiles``
+    of the working directory first, then among the bundled profiles."""
     if name_or_path is None:
         name_or_path = DEFAULT_PROFILE
     p = Path(name_or_path)
-    if p.suffix == ".toml" or p.exists():
+    if p.suffix == ".toml" or p.exists() or "/" in name_or_path:
         if not p.is_file():
             raise ConfigError(f"profile file {p} does not exist")
         return p
-    candidate = PROFILES_DIR / f"{name_or_path}.toml"
-    if candidate.is_file():
-        return candidate
-    known = sorted(q.stem for q in PROFILES_DIR.glob("*.toml"))
+    for _, d in profile_dirs(cwd):
+        candidate = d / f"{name_or_path}.toml"
+        if candidate.is_file():
+            return candidate
+    known = sorted({e.name for e in available_profiles(cwd)})
+    looked = " and ".join(str(d) for _, d in profile_dirs(cwd))
     raise ConfigError(
-        f"no profile named {name_or_path!r}: pass a path to a .toml file or one of: {', '.join(known) or '(none)'}"
+        f"no profile named {name_or_path!r} (looked in {looked}): pass a path to a .toml file or one of: "
+        f"{', '.join(known) or '(none)'}"
     )
 
 
