@@ -42,6 +42,7 @@ LOCAL_PROFILES_DIR = Path("profiles")  # ./profiles in the working directory, lo
 DEFAULT_PROFILE = "cpu-tiny"
 
 PositiveInt = Annotated[int, Field(gt=0)]
+EnvVarName = Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,8 @@ class LaunchSpec:
     base_url: str | None
     source: str
     profile_dir: Path | None
+    api_key_env: str | None = None  # the environment variable holding the service's API key (never the key)
+    api_key_field: str = "engine.api_key_env"  # the profile field that names it (for error messages)
 
 
 class _Model(BaseModel):
@@ -141,6 +144,17 @@ class EngineSpec(_Model):
     env: dict[str, str] = Field(default_factory=dict, description="Extra environment of the service.")
     base_url: str | None = Field(None, description="URL of an already running server (no launch).")
     model: str | None = Field(None, description="'model' field sent with each request, if the server needs it.")
+    api_key_env: EnvVarName | None = Field(
+        None,
+        description="Name of the environment variable holding the server's API key (e.g. VLLM_API_KEY); sent "
+        "as 'Authorization: Bearer ...' on every request to the engine. The key itself is never written to "
+        "the profile, run.json, logs or reports. Unset variable: an error before anything starts.",
+    )
+    ca_bundle: str | None = Field(
+        None,
+        description="PEM file of the CA certificate(s) that sign an https base_url's certificate (a private "
+        "CA); relative paths are relative to the profile. Default: the system's public CAs (certifi).",
+    )
     shared_service: bool = Field(
         False,
         description="Arms share services instead of getting a fresh one per round: each request carries its "
@@ -178,6 +192,9 @@ class ArmSpec(_Model):
     command: list[str] | None = Field(None, description="Replaces engine.command for this arm.")
     env: dict[str, str] = Field(default_factory=dict)
     base_url: str | None = Field(None, description="A running server for this arm (no launch).")
+    api_key_env: EnvVarName | None = Field(
+        None, description="This arm's API key variable (overrides engine.api_key_env)."
+    )
     service: str | None = Field(
         None,
         pattern=r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$",
@@ -251,12 +268,12 @@ class Profile(_Model):
             raise ValueError(f"arms {', '.join(named)} name a service but engine.shared_service is false; set "
                              "engine.shared_service = true (arms naming the same service share it)")
         for service, arms in (self.service_groups() if self.engine.shared_service else {}).items():
-            launch = {(tuple(a.args), tuple(a.command or ()), tuple(sorted(a.env.items())), a.base_url)
-                      for a in arms}
+            launch = {(tuple(a.args), tuple(a.command or ()), tuple(sorted(a.env.items())), a.base_url,
+                       a.api_key_env) for a in arms}
             if len(launch) > 1:
                 raise ValueError(f"arms {', '.join(a.name for a in arms)} share service {service!r} but launch it "
-                                 "differently (args, command, env or base_url); give them the same, or "
-                                 "different services")
+                                 "differently (args, command, env, base_url or api_key_env); give them the same, "
+                                 "or different services")
         return self
 
     def service_groups(self) -> dict[str, list[ArmSpec]]:
@@ -291,7 +308,7 @@ class Profile(_Model):
         if arm is None:
             argv = list(eng.command) if eng.command else None
             return LaunchSpec(argv=None if eng.base_url else argv, env=dict(eng.env), base_url=eng.base_url or None,
-                              source="engine.command", profile_dir=self.profile_dir)
+                              source="engine.command", profile_dir=self.profile_dir, api_key_env=eng.api_key_env)
         a, i = self.arm(arm), [x.name for x in self.arms].index(arm)
         base_url = a.base_url or (None if a.command else eng.base_url)
         argv = list(a.command) if a.command else (list(eng.command) + list(a.args) if eng.command else None)
@@ -303,7 +320,23 @@ class Profile(_Model):
             source = (f"arms[{i}].command (arm {a.name})" if a.command else
                       f"engine.command + arms[{i}].args (arm {a.name})")
         return LaunchSpec(argv=None if base_url else argv, env={**eng.env, **a.env}, base_url=base_url or None,
-                          source=source, profile_dir=self.profile_dir)
+                          source=source, profile_dir=self.profile_dir,
+                          api_key_env=a.api_key_env or eng.api_key_env,
+                          api_key_field=f"arms[{i}].api_key_env" if a.api_key_env else "engine.api_key_env")
+
+    def ca_bundle_path(self) -> Path | None:
+        """``engine.ca_bundle`` as a path (relative to the profile's folder); None when not set. A missing
+        file is a :class:`ConfigError` naming the field."""
+        cb = self.engine.ca_bundle
+        if not cb:
+            return None
+        p = Path(cb).expanduser()
+        if not p.is_absolute() and self.profile_dir is not None:
+            p = self.profile_dir / p
+        if not p.is_file():
+            raise ConfigError(f"engine.ca_bundle: {p} is not a file; give the PEM file of the CA that signed the "
+                              "server's certificate (relative paths are relative to the profile)")
+        return p
 
     def launch_specs(self) -> list[LaunchSpec]:
         """Every distinct service spec of this profile: one per shared service (its first arm's), else one
