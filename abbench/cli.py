@@ -71,7 +71,8 @@ def _parse_lengths(value: Optional[str]) -> Optional[list[int]]:
 
 ProfileOpt = Annotated[
     Optional[str],
-    typer.Option("--profile", "-p", help="Profile name in profiles/ or a path to a .toml file. Default: cpu-tiny."),
+    typer.Option("--profile", "-p", help="A path to a .toml file, or a profile name: looked up in ./profiles, then "
+                 "among the bundled profiles (`abbench profiles` lists them). Default: cpu-tiny."),
 ]
 
 
@@ -171,6 +172,21 @@ def _run_with_progress(runner, prof, run_dir: Path, *, resume: bool, quiet: bool
         return runner.execute(prof, run_dir, resume=resume, observer=observe, argv=argv)
 
 
+def _run_or_latest(run: Optional[Path]) -> Path:
+    """``run`` as given, or the most recent run under ./results (said on stderr); ResultsError when none."""
+    if run is not None:
+        return run
+    from abbench.results import latest_run
+
+    found = latest_run(RESULTS_ROOT)
+    console.print(f"no run given: using the latest under {RESULTS_ROOT}/: {found}", highlight=False)
+    return found
+
+
+RunArg = Annotated[Optional[Path], typer.Argument(
+    help="Run directory (or run id under results/). Default: the most recent run under ./results/.")]
+
+
 def _render_report(run: Path, out: Optional[Path] = None) -> Path:
     from abbench.report import write_report
     from abbench.results import load_run
@@ -184,19 +200,19 @@ def _render_report(run: Path, out: Optional[Path] = None) -> Path:
 
 @app.command()
 def report(
-    run: Annotated[Path, typer.Argument(help="Run directory (or run id under results/).")],
+    run: RunArg = None,
     out: Annotated[Optional[Path], typer.Option(help="Reports folder. Default: reports/.")] = None,
 ) -> None:
     """Render reports/<run-id>.md and its PNG plots from a run directory."""
     try:
-        _render_report(run, out)
+        _render_report(_run_or_latest(run), out)
     except AbbenchError as e:
         _fail(e)
 
 
 @app.command()
 def gate(
-    run: Annotated[Path, typer.Argument(help="Run directory (or run id under results/).")],
+    run: RunArg = None,
     parity_tokens: Annotated[
         Optional[int], typer.Option(min=1, help="First K greedy ids that must match. Default: the profile's.")
     ] = None,
@@ -221,7 +237,7 @@ def gate(
     from abbench.results import load_run
 
     try:
-        record, problems = load_run(run, RESULTS_ROOT)
+        record, problems = load_run(_run_or_latest(run), RESULTS_ROOT)
         extra = list(check or [])
         if checks_from is not None:
             from abbench.profile import load_profile
@@ -303,8 +319,8 @@ def compare(
 
 @app.command()
 def diff(
-    run: Annotated[Path, typer.Argument(help="Run directory (or run id under results/).")],
     prompt: Annotated[str, typer.Option("--prompt", help="Prompt id (see the report or `abbench prompts`).")],
+    run: RunArg = None,
     arm: Annotated[Optional[str], typer.Option(
         help="Arm to compare with the reference. Default: the first that differs.")] = None,
     round_: Annotated[Optional[int], typer.Option(
@@ -318,7 +334,7 @@ def diff(
     from abbench.results import load_run
 
     try:
-        record, _ = load_run(run, RESULTS_ROOT)
+        record, _ = load_run(_run_or_latest(run), RESULTS_ROOT)
         diff_prompt(record, prompt, arm=arm, round=round_)  # a wrong --prompt/--arm fails before loading it
         try:
             tok = load_run_tokenizer(record)
@@ -334,9 +350,9 @@ def diff(
 
 @app.command()
 def probe(
-    run: Annotated[Path, typer.Argument(help="Run directory (or run id under results/).")],
     prompt: Annotated[str, typer.Option("--prompt", help="Prompt id.")],
     arm: Annotated[str, typer.Option("--arm", help="Arm to probe (fed the reference's ids).")],
+    run: RunArg = None,
     base_url: Annotated[Optional[str], typer.Option(
         help="A running server with the arm's configuration. Default: launch the arm's service from the "
         "recorded profile.")] = None,
@@ -370,7 +386,7 @@ def probe(
                       ref_base_url=ref_base_url, out=out)
         return
     try:
-        record, _ = load_run(run, RESULTS_ROOT)
+        record, _ = load_run(_run_or_latest(run), RESULTS_ROOT)
         where = f" at {base_url}" if base_url else " (launching its service)"
         console.print(f"probing arm {arm} on prompt {prompt}{where}")
         result = probe_prompt(record, prompt, arm, base_url=base_url, round=round_, positions=positions,
@@ -456,19 +472,23 @@ def prompts(
 
 @app.command()
 def profiles() -> None:
-    """List the bundled profiles."""
-    from abbench.profile import PROFILES_DIR, load_profile
+    """List the profiles a name reaches: ./profiles in the working directory first, then the bundled ones
+    (each row says where it came from; a bundled profile hidden by a ./profiles file of the same name is
+    marked)."""
+    from abbench.profile import available_profiles, load_profile, profile_dirs
 
-    table = Table(title=str(PROFILES_DIR))
+    table = Table(title="profiles (" + ", then ".join(f"{src}: {d}" for src, d in profile_dirs()) + ")")
     table.add_column("name")
+    table.add_column("source")
     table.add_column("arms")
     table.add_column("description")
-    for p in sorted(PROFILES_DIR.glob("*.toml")):
+    for e in available_profiles():
+        source = e.source if e.shadowed_by is None else f"{e.source} (hidden by {e.shadowed_by})"
         try:
-            prof = load_profile(str(p))
-            table.add_row(p.stem, ",".join(a.name for a in prof.arms), prof.description)
-        except AbbenchError as e:
-            table.add_row(p.stem, "[red]invalid[/]", str(e).splitlines()[-1])
+            prof = load_profile(str(e.path))
+            table.add_row(e.name, source, ",".join(a.name for a in prof.arms), prof.description)
+        except AbbenchError as err:
+            table.add_row(e.name, source, "[red]invalid[/]", str(err).splitlines()[-1])
     out.print(table)
 
 

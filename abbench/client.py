@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import json
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -204,7 +205,10 @@ class EngineClient:
         health_timeout_s: float = 2.0,
         control_timeout_s: float = 60.0,
         max_connections: int = 64,
+        verify: ssl.SSLContext | bool = True,
     ) -> None:
+        """``verify``: how https servers are checked (:func:`abbench.auth.tls_verify`: a context trusting a
+        profile's ``engine.ca_bundle``, or True for the default public CAs)."""
         self.connect_timeout_s = connect_timeout_s
         self.health_timeout_s = health_timeout_s
         self.control_timeout_s = control_timeout_s
@@ -218,6 +222,7 @@ class EngineClient:
             ),
             timeout=httpx.Timeout(control_timeout_s, connect=connect_timeout_s),
             headers={"accept-encoding": "identity"},
+            verify=verify,
         )
         self._watchdog = _Watchdog()
 
@@ -233,20 +238,29 @@ class EngineClient:
 
     # -------------------------------------------------------------------------------- control endpoints
 
-    def health(self, base_url: str, path: str = "/health") -> bool:
+    def health(self, base_url: str, path: str = "/health", *, headers: Mapping[str, str] | None = None) -> bool:
         """True when ``GET path`` answers 2xx within ``health_timeout_s``; False otherwise, never raises for
-        connection errors or timeouts."""
+        connection errors or timeouts. A 401/403 raises ``RequestError`` (``status`` set): a server that
+        refuses the key will never become healthy, so waiting for it would only hide why."""
+        url = _url(base_url, path)
         try:
-            r = self._http.get(_url(base_url, path), timeout=self.health_timeout_s)
+            r = self._http.get(url, timeout=self.health_timeout_s, headers=headers)
+        except httpx.ConnectError as e:
+            if _tls_failure(e):  # a certificate that is not trusted will not become trusted by waiting
+                raise _transport_error(e, f"GET {url}", self.health_timeout_s) from None
+            return False
         except httpx.HTTPError:
             return False
+        if r.status_code in (401, 403):
+            raise RequestError("http", f"GET {url}: HTTP {r.status_code}: {_error_message(r.content)}",
+                               status=r.status_code)
         return 200 <= r.status_code < 300
 
-    def reset(self, base_url: str, path: str) -> None:
+    def reset(self, base_url: str, path: str, *, headers: Mapping[str, str] | None = None) -> None:
         """``POST path`` (flush the engine's caches). ``RequestError`` unless it answers 2xx."""
         url = _url(base_url, path)
         try:
-            r = self._http.post(url, timeout=self.control_timeout_s)
+            r = self._http.post(url, timeout=self.control_timeout_s, headers=headers)
         except httpx.HTTPError as e:
             raise _transport_error(e, f"POST {url}", self.control_timeout_s) from None
         if not 200 <= r.status_code < 300:
@@ -254,14 +268,15 @@ class EngineClient:
                 "http", f"POST {url}: HTTP {r.status_code}: {_error_message(r.content)}", status=r.status_code
             )
 
-    def metrics_text(self, base_url: str, path: str | None) -> str | None:
+    def metrics_text(self, base_url: str, path: str | None, *,
+                     headers: Mapping[str, str] | None = None) -> str | None:
         """The Prometheus text of ``GET path``; None when ``path`` is None or the server has no such page
         (404). ``RequestError`` for other failures (the caller decides whether telemetry may fail)."""
         if path is None:
             return None
         url = _url(base_url, path)
         try:
-            r = self._http.get(url, timeout=self.control_timeout_s)
+            r = self._http.get(url, timeout=self.control_timeout_s, headers=headers)
         except httpx.HTTPError as e:
             raise _transport_error(e, f"GET {url}", self.control_timeout_s) from None
         if r.status_code == 404:
@@ -428,6 +443,9 @@ def _transport_error(
     if isinstance(e, httpx.TimeoutException):
         return RequestError("timeout", f"{what}: timed out{at} ({type(e).__name__}, limit {seconds:g} s)")
     if isinstance(e, httpx.ConnectError):
+        if _tls_failure(e):
+            return RequestError("connect", f"{what}: TLS handshake failed: {e}; if the server's certificate is "
+                                "signed by a private CA, set engine.ca_bundle to that CA's PEM file")
         return RequestError("connect", f"{what}: cannot connect: {e}")
     if isinstance(e, (httpx.ReadError, httpx.WriteError, httpx.CloseError)):
         return RequestError("connect", f"{what}: the connection failed{at}: {e or type(e).__name__}")
@@ -437,6 +455,17 @@ def _transport_error(
             return RequestError("connect", f"{what}: the connection was dropped{at}: {msg}")
         return RequestError("protocol", f"{what}: invalid HTTP from the server{at}: {msg}")
     return RequestError("connect", f"{what}: {type(e).__name__}{at}: {e}")
+
+
+def _tls_failure(e: BaseException) -> bool:
+    """Whether a connect error is a TLS failure (an untrusted or mismatched certificate, a bad handshake)."""
+    seen: BaseException | None = e
+    while seen is not None:
+        if isinstance(seen, ssl.SSLError):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    text = str(e)
+    return "CERTIFICATE_VERIFY_FAILED" in text or "SSL" in text
 
 
 def _read_limited(response: httpx.Response, deadline: _Deadline, what: str) -> bytes:

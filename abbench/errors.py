@@ -9,6 +9,7 @@ nothing else in the harness prints to the terminal or exits.
     ├── ServiceError                  an engine service failed to start, died or could not be reached
     │   └── HealthTimeout             never became healthy; carries the tail of its log
     ├── RequestError                  one request failed; ``kind`` says how (http, sse, timeout, usage, ...)
+    ├── AuthError                     the server refused the API key (401/403) or the key's variable is unset
     ├── ResultsError                  a results directory is missing, corrupt or of another schema
     └── GateFailed                    exit 1: parity or a declared check failed (the gate's verdict)
 
@@ -58,6 +59,12 @@ class RequestError(AbbenchError):
         self.kind = kind
         self.detail = message
         self.status = status
+
+
+class AuthError(AbbenchError):
+    """The server answered 401/403, or the environment variable a profile names for the API key is unset. The
+    message names the variable (``engine.api_key_env`` or an arm's), never the key. It stops the run at once:
+    every other request would be refused the same way."""
 
 
 class ResultsError(AbbenchError):

@@ -26,10 +26,24 @@ from pydantic_core import PydanticCustomError
 
 from abbench.errors import ConfigError
 
-PROFILES_DIR = Path(__file__).resolve().parent.parent / "profiles"
+def _bundled_profiles_dir() -> Path:
+    """The profiles that ship with abbench: ``abbench/bundled_profiles/`` in an installed package (the wheel
+    carries the repository's top-level ``profiles/`` there), else ``profiles/`` beside the package (a checkout
+    or an editable install, where ``profiles/`` itself is the source)."""
+    here = Path(__file__).resolve().parent
+    installed = here / "bundled_profiles"
+    if installed.is_dir() and any(installed.glob("*.toml")):
+        return installed
+    return here.parent / "profiles"
+
+
+BUNDLED_PROFILES_DIR = _bundled_profiles_dir()
+PROFILES_DIR = BUNDLED_PROFILES_DIR  # the bundled profiles (the name older callers use)
+LOCAL_PROFILES_DIR = Path("profiles")  # ./profiles in the working directory, looked at before the bundled ones
 DEFAULT_PROFILE = "cpu-tiny"
 
 PositiveInt = Annotated[int, Field(gt=0)]
+EnvVarName = Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]
 
 
 @dataclass(frozen=True)
@@ -42,6 +56,8 @@ class LaunchSpec:
     base_url: str | None
     source: str
     profile_dir: Path | None
+    api_key_env: str | None = None  # the environment variable holding the service's API key (never the key)
+    api_key_field: str = "engine.api_key_env"  # the profile field that names it (for error messages)
 
 
 @dataclass(frozen=True)
@@ -143,6 +159,17 @@ class EngineSpec(_Model):
     env: dict[str, str] = Field(default_factory=dict, description="Extra environment of the service.")
     base_url: str | None = Field(None, description="URL of an already running server (no launch).")
     model: str | None = Field(None, description="'model' field sent with each request, if the server needs it.")
+    api_key_env: EnvVarName | None = Field(
+        None,
+        description="Name of the environment variable holding the server's API key (e.g. VLLM_API_KEY); sent "
+        "as 'Authorization: Bearer ...' on every request to the engine. The key itself is never written to "
+        "the profile, run.json, logs or reports. Unset variable: an error before anything starts.",
+    )
+    ca_bundle: str | None = Field(
+        None,
+        description="PEM file of the CA certificate(s) that sign an https base_url's certificate (a private "
+        "CA); relative paths are relative to the profile. Default: the system's public CAs (certifi).",
+    )
     shared_service: bool = Field(
         False,
         description="Arms share services instead of getting a fresh one per round: each request carries its "
@@ -193,6 +220,9 @@ class ArmSpec(_Model):
     command: list[str] | None = Field(None, description="Replaces engine.command for this arm.")
     env: dict[str, str] = Field(default_factory=dict)
     base_url: str | None = Field(None, description="A running server for this arm (no launch).")
+    api_key_env: EnvVarName | None = Field(
+        None, description="This arm's API key variable (overrides engine.api_key_env)."
+    )
     service: str | None = Field(
         None,
         pattern=r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$",
@@ -323,12 +353,12 @@ class Profile(_Model):
             raise ValueError(f"arms {', '.join(named)} name a service but engine.shared_service is false; set "
                              "engine.shared_service = true (arms naming the same service share it)")
         for service, arms in (self.service_groups() if self.engine.shared_service else {}).items():
-            launch = {(tuple(a.args), tuple(a.command or ()), tuple(sorted(a.env.items())), a.base_url)
-                      for a in arms}
+            launch = {(tuple(a.args), tuple(a.command or ()), tuple(sorted(a.env.items())), a.base_url,
+                       a.api_key_env) for a in arms}
             if len(launch) > 1:
                 raise ValueError(f"arms {', '.join(a.name for a in arms)} share service {service!r} but launch it "
-                                 "differently (args, command, env or base_url); give them the same, or "
-                                 "different services")
+                                 "differently (args, command, env, base_url or api_key_env); give them the same, "
+                                 "or different services")
             engines = {self.arm_engine(a.name) for a in arms}
             if len(engines) > 1:
                 raise ValueError(f"arms {', '.join(a.name for a in arms)} share service {service!r} but talk to it "
@@ -399,7 +429,7 @@ class Profile(_Model):
         if arm is None:
             argv = list(eng.command) if eng.command else None
             return LaunchSpec(argv=None if eng.base_url else argv, env=dict(eng.env), base_url=eng.base_url or None,
-                              source="engine.command", profile_dir=self.profile_dir)
+                              source="engine.command", profile_dir=self.profile_dir, api_key_env=eng.api_key_env)
         a, i = self.arm(arm), [x.name for x in self.arms].index(arm)
         base_url = a.base_url or (None if a.command else eng.base_url)
         argv = list(a.command) if a.command else (list(eng.command) + list(a.args) if eng.command else None)
@@ -411,7 +441,23 @@ class Profile(_Model):
             source = (f"arms[{i}].command (arm {a.name})" if a.command else
                       f"engine.command + arms[{i}].args (arm {a.name})")
         return LaunchSpec(argv=None if base_url else argv, env={**eng.env, **a.env}, base_url=base_url or None,
-                          source=source, profile_dir=self.profile_dir)
+                          source=source, profile_dir=self.profile_dir,
+                          api_key_env=a.api_key_env or eng.api_key_env,
+                          api_key_field=f"arms[{i}].api_key_env" if a.api_key_env else "engine.api_key_env")
+
+    def ca_bundle_path(self) -> Path | None:
+        """``engine.ca_bundle`` as a path (relative to the profile's folder); None when not set. A missing
+        file is a :class:`ConfigError` naming the field."""
+        cb = self.engine.ca_bundle
+        if not cb:
+            return None
+        p = Path(cb).expanduser()
+        if not p.is_absolute() and self.profile_dir is not None:
+            p = self.profile_dir / p
+        if not p.is_file():
+            raise ConfigError(f"engine.ca_bundle: {p} is not a file; give the PEM file of the CA that signed the "
+                              "server's certificate (relative paths are relative to the profile)")
+        return p
 
     def launch_specs(self) -> list[LaunchSpec]:
         """Every distinct service spec of this profile: one per shared service (its first arm's), else one
@@ -495,21 +541,66 @@ def _validate(data: dict[str, Any], path: str) -> Profile:
         raise ConfigError(_format_validation_error(e, path)) from None
 
 
-def resolve_profile_path(name_or_path: str | None) -> Path:
-    """A profile name (``cpu-tiny``: looked up in ``profiles/``) or a path to a TOML file."""
+@dataclass(frozen=True)
+class ProfileEntry:
+    """One profile file found by :func:`available_profiles`: its name, path and where it came from
+    (``"./profiles"`` or ``"bundled"``); ``shadowed_by`` is set on a bundled profile that a ``./profiles``
+    file of the same name hides."""
+
+    name: str
+    path: Path
+    source: str
+    shadowed_by: Path | None = None
+
+
+def _same_dir(a: Path, b: Path) -> bool:
+    try:
+        return a.resolve() == b.resolve()
+    except OSError:
+        return False
+
+
+def profile_dirs(cwd: Path | None = None) -> list[tuple[str, Path]]:
+    """Where profile names are looked up, in order: ``./profiles`` in the working directory (``cwd``), then
+    the bundled profiles. In the repository root both are the same folder; it is listed once, as bundled."""
+    local = (cwd or Path.cwd()) / LOCAL_PROFILES_DIR
+    dirs: list[tuple[str, Path]] = []
+    if local.is_dir() and not _same_dir(local, BUNDLED_PROFILES_DIR):
+        dirs.append(("./profiles", local))
+    dirs.append(("bundled", BUNDLED_PROFILES_DIR))
+    return dirs
+
+
+def available_profiles(cwd: Path | None = None) -> list[ProfileEntry]:
+    """Every profile file a name can reach, the winning one first for each name (see :func:`profile_dirs`)."""
+    entries: list[ProfileEntry] = []
+    seen: dict[str, Path] = {}
+    for source, d in profile_dirs(cwd):
+        for p in sorted(d.glob("*.toml")):
+            entries.append(ProfileEntry(p.stem, p, source, shadowed_by=seen.get(p.stem)))
+            seen.setdefault(p.stem, p)
+    return entries
+
+
+def resolve_profile_path(name_or_path: str | None, cwd: Path | None = None) -> Path:
+    """A path to a TOML file (used as given), or a profile name (``cpu-tiny``) looked up in ``./profiles``
+    of the working directory first, then among the bundled profiles."""
     if name_or_path is None:
         name_or_path = DEFAULT_PROFILE
     p = Path(name_or_path)
-    if p.suffix == ".toml" or p.exists():
+    if p.suffix == ".toml" or p.exists() or "/" in name_or_path:
         if not p.is_file():
             raise ConfigError(f"profile file {p} does not exist")
         return p
-    candidate = PROFILES_DIR / f"{name_or_path}.toml"
-    if candidate.is_file():
-        return candidate
-    known = sorted(q.stem for q in PROFILES_DIR.glob("*.toml"))
+    for _, d in profile_dirs(cwd):
+        candidate = d / f"{name_or_path}.toml"
+        if candidate.is_file():
+            return candidate
+    known = sorted({e.name for e in available_profiles(cwd)})
+    looked = " and ".join(str(d) for _, d in profile_dirs(cwd))
     raise ConfigError(
-        f"no profile named {name_or_path!r}: pass a path to a .toml file or one of: {', '.join(known) or '(none)'}"
+        f"no profile named {name_or_path!r} (looked in {looked}): pass a path to a .toml file or one of: "
+        f"{', '.join(known) or '(none)'}"
     )
 
 

@@ -273,6 +273,27 @@ def resolve_run_dir(run: str | Path, results_root: Path | None = None) -> Path:
     raise ResultsError(f"no run at {run}: pass a run directory (holding {RUN_FILE}) or a run id under results/")
 
 
+def latest_run(results_root: Path) -> Path:
+    """The most recent run directory under ``results_root``: of the folders that hold a ``run.json``, the one
+    whose ``run.json`` was written last (a run rewrites it at every service boundary and at the end; a
+    resumed run counts from its resume). :class:`ResultsError` when there is none."""
+    found: list[tuple[float, str, Path]] = []
+    try:
+        children = list(results_root.iterdir()) if results_root.is_dir() else []
+    except OSError as e:
+        raise ResultsError(f"{results_root}: cannot be listed ({e.strerror or e})") from None
+    for d in children:
+        try:
+            found.append(((d / RUN_FILE).stat().st_mtime, d.name, d))
+        except OSError:
+            continue
+    if not found:
+        where = results_root.resolve() if results_root.exists() else results_root
+        raise ResultsError(f"no run given and no run under {where} (no folder there holds a {RUN_FILE}): pass a "
+                           "run directory, or run `abbench run` here first")
+    return max(found)[2]
+
+
 def load_run(run: str | Path, results_root: Path | None = None) -> tuple[RunRecord, list[str]]:
     """Load a run. Samples come from requests.jsonl when it holds more than run.json (a crash between the
     two). Returns the record and a list of problems found (for the report to state)."""

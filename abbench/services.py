@@ -55,7 +55,7 @@ from typing import Callable
 
 import psutil
 
-from abbench.errors import ConfigError, HealthTimeout, ServiceError
+from abbench.errors import AbbenchError, ConfigError, HealthTimeout, ServiceError
 from abbench.results import ServiceRecord
 
 log = logging.getLogger(__name__)
@@ -413,6 +413,9 @@ class Service:
                     )
             try:
                 healthy = bool(check(self.base_url))
+            except AbbenchError:  # the check says waiting cannot help (a refused API key, an untrusted cert)
+                self.stop()
+                raise
             except Exception as e:  # noqa: BLE001 - a custom check that raises means "not yet"
                 log.debug("service %s: health check raised %r", self.key, e)
                 healthy = False

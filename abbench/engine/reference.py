@@ -38,7 +38,9 @@ import argparse
 import inspect
 import logging
 import os
+import shutil
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -315,6 +317,32 @@ def save_tiny_qwen3_moe(out_dir: str | Path, *, seed: int = 0) -> Path:
     return out
 
 
+TINY_SPEC = "tiny-qwen3-moe:"
+
+
+def resolve_checkpoint(spec: str) -> str:
+    """``tiny-qwen3-moe:SEED`` -> the directory of that tiny checkpoint in abbench's cache
+    (``$ABBENCH_CACHE_DIR`` or ``~/.cache/abbench``), written with :func:`save_tiny_qwen3_moe` the first time
+    (into a temporary folder renamed into place, so two services starting together cannot see half of it).
+    Any other value is returned as it is."""
+    if not spec.startswith(TINY_SPEC):
+        return spec
+    seed = spec[len(TINY_SPEC):]
+    if not seed.isdigit():
+        raise ValueError(f"{spec!r}: expected {TINY_SPEC}SEED with an integer seed")
+    root = Path(os.environ.get("ABBENCH_CACHE_DIR") or Path.home() / ".cache" / "abbench")
+    out = root / f"tiny-qwen3-moe-{seed}"
+    if not (out / "config.json").is_file():
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".tiny-qwen3-moe-{seed}-", dir=root))
+        save_tiny_qwen3_moe(tmp, seed=int(seed))
+        try:
+            os.replace(tmp, out)
+        except OSError:  # another process put it there first
+            shutil.rmtree(tmp, ignore_errors=True)
+    return str(out)
+
+
 # ------------------------------------------------------------------------------------------------ the server
 
 
@@ -322,7 +350,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="abbench serve --backend transformers",
                                 description="Serve a model's transformers implementation (greedy reference) "
                                 "over the vendored engine's OpenAI-compatible API.")
-    p.add_argument("--model", help="local Hugging Face checkpoint directory (config.json + weights)")
+    p.add_argument("--model", help="local Hugging Face checkpoint directory (config.json + weights), or "
+                   f"{TINY_SPEC}SEED: the random tiny Qwen3-MoE checkpoint, made once in abbench's cache")
     p.add_argument("--tokenizer", default=None, help="qwen3, qwen3.6 or a local HF tokenizer directory "
                    "(default: the model directory)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
@@ -358,6 +387,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not args.model:
         parser.error("--model DIR is required")
+    args.model = resolve_checkpoint(args.model)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         tokenizer = load_tokenizer(args.tokenizer or args.model)

@@ -24,6 +24,12 @@ Endpoints
 * ``POST /reset`` flushes the prefix cache and the decode slot cache. ``GET /health``, ``GET /v1/models``,
   ``GET /metrics`` (Prometheus text from a private registry).
 
+Authentication: with ``--api-key KEY`` (or ``ABBENCH_ENGINE_API_KEY`` in the environment, which keeps the key
+out of the process list) every route except ``GET /health`` needs ``Authorization: Bearer KEY``; anything
+else is a 401 in OpenAI's shape (``code: invalid_api_key``) before the body is read, and the key is never
+logged. Without a key the server binds loopback addresses only: ``--host`` naming any other address is
+refused (exit 2) unless ``--insecure-no-auth`` says so explicitly.
+
 Errors use OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``: 400 for malformed JSON,
 unknown fields, bad values and prompts over the context, 404 for another model name or route, 413 for a
 body over the size cap, 429 when the wait queue is full, 503 when the device runs out of memory (the
@@ -41,6 +47,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hmac
+import ipaddress
+import json
 import logging
 import os
 import socket
@@ -93,6 +102,52 @@ class ServerState:
     vocab_size: int
     allow_request_overrides: bool
     max_body_bytes: int
+
+
+API_KEY_ENV = "ABBENCH_ENGINE_API_KEY"
+OPEN_PATHS = frozenset({"/health"})
+
+
+class RequireAPIKey:
+    """Pure ASGI middleware: every HTTP request except :data:`OPEN_PATHS` must carry
+    ``Authorization: Bearer <key>`` (compared in constant time); otherwise a 401 in OpenAI's shape, sent
+    before the body is read or the request reaches a route."""
+
+    def __init__(self, app: Any, api_key: str) -> None:
+        self.app = app
+        self._expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope.get("path") in OPEN_PATHS:
+            await self.app(scope, receive, send)
+            return
+        given = next((v for k, v in scope.get("headers", []) if k == b"authorization"), b"")
+        if hmac.compare_digest(given, self._expected):
+            await self.app(scope, receive, send)
+            return
+        body = json.dumps({"error": {"message": "missing or invalid API key: send 'Authorization: Bearer <key>'",
+                                     "type": "authentication_error", "param": None,
+                                     "code": "invalid_api_key"}}).encode()
+        await send({"type": "http.response.start", "status": 401,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                                (b"www-authenticate", b"Bearer")]})
+        await send({"type": "http.response.body", "body": body})
+
+
+def is_loopback(host: str) -> bool:
+    """Whether every address ``host`` resolves to is a loopback address (``localhost``, 127.0.0.0/8, ::1).
+    A wildcard (``0.0.0.0``, ``::``, empty) is not."""
+    if host in ("", "0.0.0.0", "::"):
+        return False
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except OSError:
+        return False
+    return bool(infos) and all(ipaddress.ip_address(i[4][0].split("%")[0]).is_loopback for i in infos)
 
 
 def _state(request: Request) -> ServerState:
@@ -297,9 +352,11 @@ async def _http_error(_req: Request, exc: StarletteHTTPException) -> JSONRespons
 
 def create_app(engine: Any, tokenizer: Any, *, served_model_name: str | None = None,
                allow_request_overrides: bool = False, queue_limit: int = 64,
-               max_context: int | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+               max_context: int | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               api_key: str | None = None) -> FastAPI:
     """The ASGI app serving ``engine`` (an ``abbench.engine.runtime.Engine`` or anything with its
-    contract). Its state is one :class:`ServerState` in ``app.state.server``; nothing is global."""
+    contract). Its state is one :class:`ServerState` in ``app.state.server``; nothing is global. With
+    ``api_key`` every route but /health needs ``Authorization: Bearer <api_key>`` (:class:`RequireAPIKey`)."""
     model_field = engine.config.model
     name = served_model_name or (model_field if isinstance(model_field, str) else engine.model_config.name)
     if max_context is None:
@@ -316,6 +373,8 @@ def create_app(engine: Any, tokenizer: Any, *, served_model_name: str | None = N
 
     app = FastAPI(title="abbench engine", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(ReceivedAt)
+    if api_key:
+        app.add_middleware(RequireAPIKey, api_key=api_key)  # outermost: refused before anything else runs
     app.state.server = state
     app.state.engine = engine
     app.state.tokenizer = tokenizer
@@ -336,7 +395,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
     e = p.add_argument_group("engine")
     e.add_argument("--model", default=None, help=f"preset ({', '.join(PRESETS)}) or a local HF model directory "
                    "with config.json (default: tiny, or the checkpoint's config when --weights is a directory)")
-    e.add_argument("--weights", default="random:0", help="'random:SEED' or an HF checkpoint directory")
+    e.add_argument("--weights", default="random:0", help="'random:SEED', an HF checkpoint directory, or "
+                   "'tiny-qwen3-moe:SEED' (a random tiny Qwen3-MoE checkpoint written once into abbench's cache)")
     e.add_argument("--tokenizer", default=None, help="qwen3, qwen3.6 or a local HF tokenizer directory "
                    "(default: qwen3.6 for the qwen3.5-* presets, qwen3 for the other presets, the model "
                    "directory otherwise)")
@@ -366,7 +426,12 @@ def build_arg_parser() -> argparse.ArgumentParser:
     s.add_argument("--allow-request-overrides", action="store_true",
                    help="accept the per-request prefill_mode and trace_layers fields")
     s.add_argument("--queue-limit", type=int, default=64, help="max waiting requests; more get 429 (default 64)")
-    s.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
+    s.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only; any other address "
+                   "needs --api-key or --insecure-no-auth)")
+    s.add_argument("--api-key", default=None, help=f"require 'Authorization: Bearer KEY' on every route but "
+                   f"/health (default: ${API_KEY_ENV}, which keeps the key out of the process list)")
+    s.add_argument("--insecure-no-auth", action="store_true",
+                   help="allow a non-loopback --host without an API key (anyone who can reach it can use it)")
     s.add_argument("--port", type=int, default=8000, help="port (0 picks a free one; default 8000)")
     s.add_argument("--served-model-name", default=None, help="model name in the API (default: --model)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -411,9 +476,23 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.queue_limit < 0:
         parser.error("--queue-limit must be >= 0")
+    for name in ("model", "weights"):  # tiny-qwen3-moe:SEED -> the cached tiny checkpoint (made on first use)
+        value = getattr(args, name)
+        if isinstance(value, str) and value.startswith("tiny-qwen3-moe:"):
+            from abbench.engine.reference import resolve_checkpoint
+
+            setattr(args, name, resolve_checkpoint(value))
     if args.model is None:  # tiny, unless --weights names a checkpoint: then its own config.json
         args.model = args.weights if os.path.isdir(args.weights) else "tiny"
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
+    api_key = api_key.strip() if api_key else None
+    if args.api_key is not None and not api_key:
+        parser.error("--api-key is empty")
+    if not api_key and not args.insecure_no_auth and not is_loopback(args.host):
+        parser.error(f"--host {args.host} is not a loopback address and no API key is set: anyone who can reach "
+                     f"it could use the engine (/v1/completions, /reset). Set {API_KEY_ENV} (or --api-key), or "
+                     "pass --insecure-no-auth to serve it open anyway")
 
     model_dir = args.model if os.path.isdir(args.model) else os.path.dirname(args.model) or None
     if args.model in PRESETS or not os.path.exists(args.model):
@@ -445,11 +524,13 @@ def main(argv: list[str] | None = None) -> int:
         log.info("device memory plan: %s", engine.memory_plan.describe())
 
     app = create_app(engine, tokenizer, served_model_name=args.served_model_name or args.model,
-                     allow_request_overrides=args.allow_request_overrides, queue_limit=args.queue_limit)
+                     allow_request_overrides=args.allow_request_overrides, queue_limit=args.queue_limit,
+                     api_key=api_key)
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     server = _Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5, lifespan="on"))
+    auth = "API key required" if api_key else "no API key"
     server.ready_message = (f"abbench engine ready: http://{shown}:{port} (model {args.model}, "
-                            f"prefill {args.prefill_mode}, device {args.device})")
+                            f"prefill {args.prefill_mode}, device {args.device}, {auth})")
     server.run(sockets=[sock])
     return 0

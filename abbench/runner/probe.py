@@ -23,13 +23,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from abbench import auth
 from abbench.analysis import compare_ids
 from abbench.client import EngineClient
 from abbench.diff import DEFAULT_PROBE_THRESHOLD, Side, TopLogprobs, pick_round, usable
-from abbench.errors import ConfigError
+from abbench.errors import ConfigError, RequestError
 from abbench.profile import RequestSpec, profile_from_dict
 from abbench.results import RunRecord
-from abbench.runner.run import prepare
+from abbench.runner.run import prepare, run_credentials
+from abbench.runner.slot import health_check
 from abbench.services import Service
 
 
@@ -143,9 +145,11 @@ def probe_prompt(
     extra = dict(profile.arm(arm).request)
 
     spec, ae = profile.launch_spec(arm), profile.arm_engine(arm)
+    creds = run_credentials(profile)
+    headers = creds.headers(spec.api_key_env)
     svc: Service | None = None
     steps: list[ProbeStep] = []
-    with EngineClient() as client:
+    with EngineClient(verify=auth.tls_verify(profile.ca_bundle_path())) as client:
         try:
             if base_url is None:
                 if spec.base_url:
@@ -157,17 +161,24 @@ def probe_prompt(
                     svc = Service.launch(f"probe-{arm}", spec.argv, env=spec.env, log_path=log_dir / f"{arm}.log",
                                          health_path=ae.health_path,
                                          health_timeout_s=profile.engine.health_timeout_s,
-                                         stop_timeout_s=profile.engine.stop_timeout_s, health_check=client.health,
+                                         stop_timeout_s=profile.engine.stop_timeout_s,
+                                         health_check=health_check(client, ae.health_path, creds,
+                                                                   spec.api_key_env, spec.api_key_field),
                                          profile_dir=spec.profile_dir, arms=[arm])
                     base_url = svc.base_url
             reset = ae.reset_path
             for i in range(n):
-                if reset and (i == 0 or reset_each):
-                    client.reset(base_url, reset)
                 history = prompt_ids + ref_ids[:i]
-                c = client.complete(base_url, history, request=request, extra=extra,
-                                    target_prompt_tokens=len(history), model=ae.model,
-                                    adapter=ae.adapter)
+                try:
+                    if reset and (i == 0 or reset_each):
+                        client.reset(base_url, reset, headers=headers)
+                    c = client.complete(base_url, history, request=request, extra=extra,
+                                        target_prompt_tokens=len(history), model=ae.model,
+                                        adapter=ae.adapter, headers=headers)
+                except RequestError as e:
+                    if auth.is_auth_failure(e):
+                        raise auth.auth_failure(e, spec.api_key_env, spec.api_key_field, creds) from None
+                    raise RequestError(e.kind, creds.redact(e.detail), status=e.status) from None
                 top = c.logprobs[0] if c.logprobs else None
                 ref_top = [(int(t), float(v)) for t, v in s_ref.logprobs[i]] if i < len(s_ref.logprobs) else None
                 steps.append(ProbeStep(i, ref_ids[i], ref_top, c.output_ids[0], top, logprob_delta(top, ref_top)))

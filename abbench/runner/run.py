@@ -47,9 +47,11 @@ from pathlib import Path
 from typing import Any
 
 from abbench import __version__
+from abbench import auth
+from abbench.auth import Credentials, auth_failure, is_auth_failure
 from abbench.client import EngineClient
 from abbench.response import Completion
-from abbench.errors import AbbenchError, ConfigError, RequestError, ResultsError, ServiceError
+from abbench.errors import AbbenchError, AuthError, ConfigError, RequestError, ResultsError, ServiceError
 from abbench.fingerprint import environment_fingerprint
 from abbench.profile import Profile, profile_from_dict
 from abbench.prometheus import parse_prometheus
@@ -178,14 +180,26 @@ def _open_log(run_dir: Path, record: RunRecord, lock: RunLock, *, resume: bool) 
                           "--out") from None
 
 
-def _scrape(client: EngineClient, base_url: str, path: str | None) -> dict[str, float] | None:
+def _scrape(client: EngineClient, base_url: str, path: str | None,
+            headers: dict[str, str] | None = None) -> dict[str, float] | None:
     if not path:
         return None
     try:
-        text = client.metrics_text(base_url, path)
+        text = client.metrics_text(base_url, path, headers=headers)
         return parse_prometheus(text) if text else None
-    except (ValueError, RequestError):
+    except RequestError as e:
+        if is_auth_failure(e):  # the key is refused: the request itself would be too
+            raise
         return None
+    except ValueError:
+        return None
+
+
+def run_credentials(profile: Profile) -> Credentials:
+    """The keys of every service of ``profile``, read from the environment before anything starts
+    (:class:`AuthError` naming the variable when one is unset)."""
+    specs = [profile.launch_spec(a.name) for a in profile.arms]
+    return auth.resolve_keys((s.api_key_field, s.api_key_env) for s in specs)
 
 
 def _close_window(monitor: ServiceMonitor, mark: int) -> None:
@@ -215,7 +229,8 @@ class Run:
     :meth:`finish` tears everything down and saves the record, whatever happened."""
 
     def __init__(self, profile: Profile, run_dir: Path, record: RunRecord, log: SampleLog, tokenizer: Any,
-                 prompts: list[BuiltPrompt], observer: Observer | None = None) -> None:
+                 prompts: list[BuiltPrompt], observer: Observer | None = None,
+                 credentials: Credentials | None = None) -> None:
         self.profile = profile
         self.run_dir = run_dir
         self.record = record
@@ -224,8 +239,10 @@ class Run:
         self.prompts = {b.record.id: b for b in prompts}
         self.observer = observer
         self.plan = record.plan
-        self.client = EngineClient()
-        self.slot = ServiceSlot(profile, run_dir, self.client, record)
+        self.credentials = credentials or Credentials()
+        self.client = EngineClient(verify=auth.tls_verify(profile.ca_bundle_path()))
+        self.slot = ServiceSlot(profile, run_dir, self.client, record, self.credentials)
+        self._key_env = {a.name: profile.launch_spec(a.name) for a in profile.arms}
         self.skipped_arms: set[str] = set()
         # A server that tokenizes with special tokens (a BOS) counts them in usage.prompt_tokens.
         self.added_tokens = int(record.environment.get("tokenizer", {}).get("special_tokens_added") or 0)
@@ -241,6 +258,8 @@ class Run:
         if existing is not None:
             profile = profile_from_dict(existing.profile, where=f"{run_dir}/run.json profile")
         check_launch_commands(profile)
+        credentials = run_credentials(profile)
+        ca_bundle = profile.ca_bundle_path()
         notify(ProgressEvent("prompts", "building exact-length prompts"))
         tok, built = prepare(profile, cache_dir=cache_dir)
         prompt_records = [b.record for b in built]
@@ -256,7 +275,8 @@ class Run:
                 notify(ProgressEvent("warning", f"resuming with {n.removeprefix('note: ')}"))
         else:
             env["tokenizer"] = describe_tokenizer(tok)
-            env["argv"] = argv or []
+            env["argv"] = [credentials.redact(a) for a in (argv or [])]
+            env["auth"] = auth.fingerprint((s.api_key_env for s in profile.launch_specs()), ca_bundle)
             record = RunRecord(run_id=run_dir.name, status="running", created_at=time.time(),
                                abbench_version=__version__, profile=profile.model_dump(mode="json"),
                                environment=env, prompts=prompt_records, plan=plan,
@@ -264,9 +284,17 @@ class Run:
         log = _open_log(run_dir, record, lock, resume=resume)
         if log.repaired:
             notify(ProgressEvent("warning", log.repaired))
-        return cls(profile, run_dir, record, log, tok, built, observer)
+        return cls(profile, run_dir, record, log, tok, built, observer, credentials)
 
     # ------------------------------------------------------------------------------------------ reporting
+
+    def headers(self, arm: str) -> dict[str, str]:
+        """The headers every request to ``arm``'s service carries (its API key, if the profile names one)."""
+        return self.credentials.headers(self._key_env[arm].api_key_env)
+
+    def auth_error(self, arm: str, e: RequestError) -> AuthError:
+        spec = self._key_env[arm]
+        return auth_failure(e, spec.api_key_env, spec.api_key_field, self.credentials)
 
     def notify(self, kind: str, message: str, sample: Sample | None = None) -> None:
         if self.observer is not None:
@@ -315,6 +343,9 @@ class Run:
                 try:
                     self.record_sample(self.measure(svc, step))
                 except RequestError as e:
+                    if is_auth_failure(e):  # every request would be refused alike: stop now, record nothing
+                        raise self.auth_error(step.arm, e) from None
+                    e = RequestError(e.kind, self.credentials.redact(e.detail), status=e.status)
                     if self.on_failure(svc, step, e):
                         return
             todo = self.more_rounds()
@@ -368,7 +399,7 @@ class Run:
     def _reset_if_planned(self, svc: Service, step: Step) -> None:
         reset_path = self.profile.arm_engine(step.arm).reset_path
         if step.reset_before and reset_path:
-            self.client.reset(svc.base_url, reset_path)
+            self.client.reset(svc.base_url, reset_path, headers=self.headers(step.arm))
 
     def _complete(self, svc: Service, step: Step) -> Completion:
         """The request of ``step`` (the one place a plan step becomes a request)."""
@@ -377,7 +408,8 @@ class Run:
         return self.client.complete(
             svc.base_url, bp.text, request=req, extra={**req.extra, **self.profile.arm(step.arm).request},
             target_prompt_tokens=bp.record.target_tokens + self.added_tokens, model=eng.model,
-            retokenize=lambda text: self.tokenizer.encode(text, add_special_tokens=False), adapter=eng.adapter)
+            retokenize=lambda text: self.tokenizer.encode(text, add_special_tokens=False), adapter=eng.adapter,
+            headers=self.headers(step.arm))
 
     def prime(self, svc: Service, step: Step) -> None:
         """Re-send the requests a service launched just before ``step`` must see first (not recorded)."""
@@ -390,7 +422,10 @@ class Run:
                 self._reset_if_planned(svc, st)
                 self._complete(svc, st)
             except RequestError as e:
-                logger.warning("priming %s with step %d failed: %s", step.service, st.index, e)
+                if is_auth_failure(e):
+                    raise self.auth_error(st.arm, e) from None
+                logger.warning("priming %s with step %d failed: %s", step.service, st.index,
+                               self.credentials.redact(str(e)))
 
     def measure(self, svc: Service, step: Step) -> Sample:
         """Send ``step``'s request (after the planned reset), with the telemetry window and the metrics
@@ -400,12 +435,13 @@ class Run:
         mark: int | None = None
         try:
             self._reset_if_planned(svc, step)
-            before = _scrape(self.client, svc.base_url, metrics_path)
+            headers = self.headers(step.arm)
+            before = _scrape(self.client, svc.base_url, metrics_path, headers)
             mark = monitor.mark() if monitor is not None else None  # the window spans the request alone
             c = self._complete(svc, step)
             window = monitor.window(mark) if monitor is not None and mark is not None else {}
             mark = None
-            after = _scrape(self.client, svc.base_url, metrics_path)
+            after = _scrape(self.client, svc.base_url, metrics_path, headers)
         finally:
             if mark is not None and monitor is not None:  # a failed or interrupted request
                 _close_window(monitor, mark)
@@ -438,10 +474,15 @@ class Run:
                 if time.monotonic() >= deadline:
                     break
                 time.sleep(0.02)
-        health_path = self.profile.arm_engine(step.arm).health_path
-        if e.kind in ("connect", "timeout") and not self.client.health(svc.base_url, health_path):
+        if e.kind in ("connect", "timeout") and not self._healthy(svc, step.arm):
             return f"stopped answering its health check after step {step.index} ({e.kind} failure)"
         return None
+
+    def _healthy(self, svc: Service, arm: str) -> bool:
+        try:
+            return self.client.health(svc.base_url, self.profile.arm_engine(arm).health_path, headers=self.headers(arm))
+        except RequestError:
+            return False
 
     def finish(self) -> None:
         """Tear every service down and save the record (a second signal meanwhile is ignored)."""

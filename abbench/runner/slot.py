@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from abbench.auth import Credentials, auth_failure, is_auth_failure
 from abbench.client import EngineClient
-from abbench.errors import ConfigError, ServiceError
+from abbench.errors import AuthError, ConfigError, RequestError, ServiceError
 from abbench.nvml import gpu_idle
 from abbench.profile import Profile
 from abbench.results import LOGS_DIR, RunRecord, ServiceRecord
@@ -32,11 +33,30 @@ def check_launch_commands(profile: Profile) -> None:
             )
 
 
+def health_check(client: EngineClient, path: str, credentials: Credentials, api_key_env: str | None,
+                 field: str):  # type: ignore[no-untyped-def]
+    """The health check of one service: ``GET path`` with its key; a 401/403 is an :class:`AuthError` at
+    once and a TLS failure a :class:`ServiceError` at once (waiting for either cannot help)."""
+    headers = credentials.headers(api_key_env)
+
+    def check(base_url: str) -> bool:
+        try:
+            return client.health(base_url, path, headers=headers)
+        except RequestError as e:
+            if is_auth_failure(e):
+                raise auth_failure(e, api_key_env, field, credentials) from None
+            raise ServiceError(credentials.redact(e.detail)) from None
+
+    return check
+
+
 class ServiceSlot:
     """Owns the service of the current plan block: launch, restart, stop, records."""
 
-    def __init__(self, profile: Profile, run_dir: Path, client: EngineClient, record: RunRecord) -> None:
+    def __init__(self, profile: Profile, run_dir: Path, client: EngineClient, record: RunRecord,
+                 credentials: Credentials | None = None) -> None:
         self.profile = profile
+        self.credentials = credentials or Credentials()
         self.run_dir = run_dir
         self.client = client
         self.record = record
@@ -61,19 +81,20 @@ class ServiceSlot:
         else:
             arms = [arm or key]
         idle_before = gpu_idle()
+        check = health_check(self.client, health_path, self.credentials, spec.api_key_env, spec.api_key_field)
         try:
             if spec.base_url:
                 svc = Service.attach(key, spec.base_url, health_path=health_path,
-                                     health_timeout_s=eng.health_timeout_s, health_check=self.client.health,
+                                     health_timeout_s=eng.health_timeout_s, health_check=check,
                                      arms=arms, round=round_no)
             else:
                 assert spec.argv is not None
                 svc = Service.launch(key, spec.argv, env=spec.env, log_path=self.run_dir / LOGS_DIR / log_name,
                                      health_path=health_path, health_timeout_s=eng.health_timeout_s,
-                                     stop_timeout_s=eng.stop_timeout_s, health_check=self.client.health,
+                                     stop_timeout_s=eng.stop_timeout_s, health_check=check,
                                      profile_dir=spec.profile_dir, arms=arms, round=round_no)
-        except (ServiceError, KeyboardInterrupt) as e:  # the launch stopped what it started already
-            error = str(e).splitlines()[0] if isinstance(e, ServiceError) else "interrupted while starting"
+        except (ServiceError, AuthError, KeyboardInterrupt) as e:  # the launch stopped what it started already
+            error = str(e).splitlines()[0] if isinstance(e, (ServiceError, AuthError)) else "interrupted while starting"
             self.record.services.append(ServiceRecord(
                 key=key, arms=arms, round=round_no, command=spec.argv, env=spec.env, base_url=spec.base_url or "",
                 log=None if spec.base_url else f"{LOGS_DIR}/{log_name}", gpu_idle_before=idle_before,

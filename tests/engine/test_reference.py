@@ -31,7 +31,7 @@ from abbench.engine.tokenizer import load_tokenizer  # noqa: E402
 from tests.engine.test_engine_server import ServerThread, assert_openai_error, sse_events  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
-CHECKPOINT_IN_PROFILE = "{profile_dir}/../.cache/tiny-qwen3-moe"
+CHECKPOINT_IN_PROFILE = "tiny-qwen3-moe:0"
 
 
 @pytest.fixture(scope="module")
@@ -156,3 +156,26 @@ def test_run_engine_against_the_reference_passes_parity(checkpoint: Path, tmp_pa
         assert len(ids) == 8 and ids == by[("transformers", prompt, rnd)]
     assert len({s.prompt_id for s in measured}) == 2
     json.loads((tmp_path / "run" / "run.json").read_text())  # the record is valid JSON (no NaN from /metrics)
+
+
+def test_tiny_checkpoint_spec_is_written_once_into_the_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``tiny-qwen3-moe:SEED`` resolves to a folder in abbench's cache, written on first use only (into a
+    temporary folder renamed into place); any other value passes through."""
+    from abbench.engine import reference as ref
+
+    calls: list[int] = []
+
+    def fake_save(out_dir: Path, *, seed: int = 0) -> Path:
+        calls.append(seed)
+        (Path(out_dir) / "config.json").write_text("{}")
+        return Path(out_dir)
+
+    monkeypatch.setattr(ref, "save_tiny_qwen3_moe", fake_save)
+    monkeypatch.setenv("ABBENCH_CACHE_DIR", str(tmp_path))
+    first = ref.resolve_checkpoint("tiny-qwen3-moe:7")
+    assert first == str(tmp_path / "tiny-qwen3-moe-7") and (tmp_path / "tiny-qwen3-moe-7" / "config.json").is_file()
+    assert ref.resolve_checkpoint("tiny-qwen3-moe:7") == first and calls == [7]
+    assert [p.name for p in tmp_path.iterdir()] == ["tiny-qwen3-moe-7"]  # no temporary folder left behind
+    assert ref.resolve_checkpoint("/some/dir") == "/some/dir"
+    with pytest.raises(ValueError, match="integer seed"):
+        ref.resolve_checkpoint("tiny-qwen3-moe:x")

@@ -6,7 +6,7 @@ serves from a thread on a free loopback port) or as an engine service::
 
     python tests/support/fakeserver.py --port N [--mode MODE] [--startup-delay S] [--die-after-requests K]
                                [--never-healthy] [--ignore-sigterm] [--delay S] [--token-delay S]
-                               [--tokenizer SPEC] [--host H]
+                               [--tokenizer SPEC] [--host H] [--api-key-env VAR]
 
 Endpoints
 ---------
@@ -91,6 +91,7 @@ class FakeConfig:
     exit_process: bool = False  # dying exits the process (CLI) instead of dropping the connection
     vocab_size: int = 32000
     model: str = "fake-model"
+    api_key: str | None = None  # when set, every route but /health needs "Authorization: Bearer <api_key>"
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -176,6 +177,8 @@ class _Server(ThreadingHTTPServer):
             "prompt_tokens": 0,
             "generation_tokens": 0,
             "h2d_bytes": 0,
+            "authorized": 0,  # requests that carried the right key (with api_key set)
+            "unauthorized": 0,  # requests refused with 401
         }
         self.open_sockets: set[socket.socket] = set()
 
@@ -267,8 +270,25 @@ class _Handler(BaseHTTPRequestHandler):
 
     # ------------------------------------------------------------------------------------- endpoints
 
+    def _authorized(self, path: str) -> bool:
+        """With ``api_key``: the request must carry it (except /health); a 401 is sent otherwise."""
+        key = self.server.config.api_key
+        if key is None or path == "/health":
+            return True
+        if self.headers.get("Authorization") == f"Bearer {key}":
+            self.server.count(authorized=1)
+            return True
+        self.server.count(unauthorized=1)
+        if self.command == "POST":
+            self._read_body()
+        self._send_json(401, {"error": {"message": "Unauthorized: missing or wrong API key",
+                                        "type": "authentication_error", "code": 401}})
+        return False
+
     def do_GET(self) -> None:
         path = self.path.split("?", 1)[0]
+        if not self._authorized(path):
+            return
         if path == "/health":
             if self.server.config.never_healthy:
                 self._send_json(503, {"status": "loading"})
@@ -293,6 +313,8 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:
         path = self.path.split("?", 1)[0]
+        if not self._authorized(path):
+            return
         raw = self._read_body()
         if path == "/reset":
             self.server.count(resets=1)
@@ -598,6 +620,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--never-healthy", action="store_true", help="/health answers 503 forever")
     ap.add_argument("--ignore-sigterm", action="store_true", help="ignore SIGTERM (needs SIGKILL)")
     ap.add_argument("--tokenizer", default=None, help="count tokens with abbench.engine.tokenizer (e.g. qwen3)")
+    ap.add_argument("--api-key-env", default=None,
+                    help="require 'Authorization: Bearer $VAR' on every route but /health (VAR names the key)")
     ap.add_argument("--log-level", default="INFO")
     args = ap.parse_args(argv)
     logging.basicConfig(level=args.log_level, stream=sys.stderr, format="%(asctime)s fakeserver %(message)s")
@@ -616,6 +640,7 @@ def main(argv: list[str] | None = None) -> int:
         die_after_requests=args.die_after_requests,
         never_healthy=args.never_healthy,
         exit_process=True,
+        api_key=os.environ[args.api_key_env] if args.api_key_env else None,
     )
     server = FakeServer(config, host=args.host, port=args.port, tokenizer=tokenizer)
     log.info("listening on %s", server.base_url)

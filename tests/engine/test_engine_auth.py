@@ -1,0 +1,154 @@
+"""The vendored engine's API key: every route but /health refuses a request without it, and the server refuses
+to listen beyond loopback without one unless told ``--insecure-no-auth``."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("fastapi")
+uvicorn = pytest.importorskip("uvicorn")
+
+from abbench.engine.config import EngineConfig  # noqa: E402
+from abbench.engine.runtime import Engine  # noqa: E402
+from abbench.engine.server import API_KEY_ENV, create_app, is_loopback  # noqa: E402
+from abbench.engine.tokenizer import load_tokenizer  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+KEY = "engine-key-5c2e8a1f9d3b7e60"
+
+
+class _Served:
+    def __init__(self, app) -> None:  # type: ignore[no-untyped-def]
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 20
+        while not self.server.started:
+            assert time.monotonic() < deadline and self.thread.is_alive(), "server did not start"
+            time.sleep(0.01)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def keyed():  # type: ignore[no-untyped-def]
+    engine = Engine(EngineConfig(model="tiny", weights="random:0", device="cpu", chunk_tokens=16, max_context=128))
+    served = _Served(create_app(engine, load_tokenizer("qwen3"), served_model_name="tiny", api_key=KEY))
+    with httpx.Client(base_url=served.url, timeout=60) as client:
+        yield client
+    served.stop()
+
+
+BODY = {"prompt": "Hello there", "max_tokens": 2, "temperature": 0, "ignore_eos": True}
+ROUTES = [("POST", "/v1/completions", BODY), ("POST", "/v1/completions", {**BODY, "stream": True}),
+          ("POST", "/reset", None), ("GET", "/metrics", None), ("GET", "/v1/models", None),
+          ("GET", "/nothing-here", None)]
+
+
+@pytest.mark.parametrize("header", [None, "Bearer wrong", f"bearer {KEY}", KEY, f"Bearer {KEY}x", f"Basic {KEY}"],
+                         ids=["none", "wrong", "lowercase-scheme", "no-scheme", "longer", "basic"])
+def test_every_route_but_health_refuses_a_request_without_the_key(keyed, header) -> None:  # type: ignore[no-untyped-def]
+    headers = {"Authorization": header} if header else {}
+    for method, path, body in ROUTES:
+        r = keyed.request(method, path, json=body, headers=headers)
+        assert r.status_code == 401, (method, path, r.status_code, r.text)
+        err = r.json()["error"]
+        assert err["code"] == "invalid_api_key" and err["type"] == "authentication_error"
+        assert KEY not in r.text and r.headers["www-authenticate"] == "Bearer"
+    assert keyed.get("/health", headers=headers).status_code == 200
+
+
+def test_the_key_opens_every_route(keyed) -> None:  # type: ignore[no-untyped-def]
+    auth = {"Authorization": f"Bearer {KEY}"}
+    r = keyed.post("/v1/completions", json=BODY, headers=auth)
+    assert r.status_code == 200 and len(r.json()["choices"][0]["token_ids"]) == 2
+    assert keyed.post("/reset", headers=auth).status_code == 200
+    assert keyed.get("/metrics", headers=auth).status_code == 200
+    assert keyed.get("/v1/models", headers=auth).json()["data"][0]["id"] == "tiny"
+    assert keyed.get("/nothing-here", headers=auth).status_code == 404
+
+
+def test_loopback_addresses() -> None:
+    for host in ("127.0.0.1", "127.0.0.2", "localhost", "::1", "[::1]"):
+        assert is_loopback(host), host
+    for host in ("0.0.0.0", "::", "", "10.1.2.3", "192.168.0.10", "8.8.8.8", "no-such-host.invalid"):
+        assert not is_loopback(host), host
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "10.1.2.3"])
+def test_unkeyed_non_loopback_bind_is_refused(host: str) -> None:
+    env = {k: v for k, v in os.environ.items() if k != API_KEY_ENV}
+    res = subprocess.run([sys.executable, "-m", "abbench.engine", "--host", host, "--port", "0"], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2, res.stderr
+    assert f"--host {host} is not a loopback address and no API key is set" in res.stderr
+    assert API_KEY_ENV in res.stderr and "--insecure-no-auth" in res.stderr
+    empty = subprocess.run([sys.executable, "-m", "abbench.engine", "--host", host, "--api-key", " "], cwd=REPO,
+                           env=env, capture_output=True, text=True, timeout=120)
+    assert empty.returncode == 2 and "--api-key is empty" in empty.stderr
+
+
+def _start(args: list[str], env: dict[str, str]) -> tuple[subprocess.Popen[str], str, list[str]]:
+    proc = subprocess.Popen([sys.executable, "-m", "abbench.engine", "--port", "0", "--max-context", "64", *args],
+                            cwd=REPO, env={**env, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()  # type: ignore[union-attr]
+        assert line, f"server exited early: {''.join(lines)}"
+        lines.append(line)
+        m = re.match(r"abbench engine ready: http://[^:]+:(\d+)", line)
+        if m:
+            return proc, f"http://127.0.0.1:{m.group(1)}", lines
+    proc.kill()
+    pytest.fail(f"no ready line: {''.join(lines)}")
+
+
+def _stop(proc: subprocess.Popen[str]) -> str:
+    proc.terminate()
+    out, _ = proc.communicate(timeout=20)
+    return out
+
+
+@pytest.mark.slow
+def test_keyed_engine_process_on_all_interfaces(tmp_path: Path) -> None:
+    """With the key in the environment it binds 0.0.0.0, refuses unauthenticated requests, serves keyed ones,
+    and never prints the key."""
+    proc, url, lines = _start(["--host", "0.0.0.0", "--log-level", "info"], {**os.environ, API_KEY_ENV: KEY})
+    try:
+        assert "API key required" in lines[-1]
+        with httpx.Client(base_url=url, timeout=60) as client:
+            assert client.get("/health").status_code == 200
+            assert client.post("/v1/completions", json=BODY).status_code == 401
+            assert client.post("/reset").status_code == 401
+            r = client.post("/v1/completions", json=BODY, headers={"Authorization": f"Bearer {KEY}"})
+            assert r.status_code == 200
+    finally:
+        out = "".join(lines) + _stop(proc)
+    assert KEY not in out
+    # Told explicitly, it serves open on all interfaces.
+    env = {k: v for k, v in os.environ.items() if k != API_KEY_ENV}
+    proc, url, lines = _start(["--host", "0.0.0.0", "--insecure-no-auth", "--log-level", "warning"], env)
+    try:
+        assert "no API key" in lines[-1]
+        assert httpx.post(url + "/v1/completions", json=BODY, timeout=60).status_code == 200
+    finally:
+        _stop(proc)
