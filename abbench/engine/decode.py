@@ -89,13 +89,16 @@ class Decoder:
         self.n_layers, self.k = cfg.num_hidden_layers, cfg.num_experts_per_tok
         self.token = torch.zeros(1, dtype=torch.long, device=dev)  # [1]
         self.pos = torch.zeros(1, dtype=torch.long, device=dev)  # [1]
-        self.x = [torch.zeros(1, cfg.hidden_size, dtype=model.dtype, device=dev)
-                  for _ in range(self.n_layers + 1)]  # [1, H] input of each layer, and the last output
+        self.x = [torch.zeros(1, cfg.stream_width, dtype=model.dtype, device=dev)
+                  for _ in range(self.n_layers + 1)]  # [1, W] input of each layer, and the last output (W = H,
+        # or hc*H for Qwen4-Exp's hyper-connection streams)
         # the attention half's outputs (x, h, top_w, top_ids) per (layer, kv_len): a graph's outputs live in
         # the memory it was captured with, and the MoE half's graph for that kv_len reads exactly those
         self.mid: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
         self.slot_ids = torch.zeros(self.n_layers, 1, self.k, dtype=torch.long, device=dev)  # [L, 1, k]
         self.logits = torch.zeros(cfg.vocab_size, dtype=torch.float32, device=dev)  # [V]
+        # a model whose layers read back to the host (Qwen4-Exp's PLE gather) says so with graph_safe=False
+        graphs = graphs and getattr(model, "graph_safe", True)
         self.graphs = _Graphs(dev) if (graphs and dev.type == "cuda") else None
         self.host_ids = torch.zeros(self.n_layers, 1, self.k, dtype=torch.long,
                                     pin_memory=dev.type == "cuda")  # [L, 1, k] slot ids on their way up
@@ -110,9 +113,14 @@ class Decoder:
         return self.store.resident is not None or (slots is not None and slots.complete)
 
     # -- pieces (each static-shape and sync-free) ---------------------------------------------------------
+    def _tokens(self) -> None:
+        if hasattr(self.kv, "tokens"):  # models that read token ids inside layers (Qwen4-Exp's PLE)
+            self.kv.tokens.index_copy_(0, self.pos, self.token)
+
     def _whole(self, kv_len: int) -> None:
         m = self.model
-        x = m.embed(self.token)  # [1, H]
+        self._tokens()
+        x = m.embed(self.token)  # [1, W]
         for layer in range(self.n_layers):
             x, h, top_w, top_ids = m.decode_attn_block(layer, x, self.kv, self.pos, kv_len)  # [1, H] x2, [1, k] x2
             gate_up, down = self.store.decode_weights(layer)  # expert e is in row e (resident or identity slots)
@@ -120,6 +128,7 @@ class Decoder:
         self.logits.copy_(m.logits(x))
 
     def _embed(self) -> None:
+        self._tokens()
         self.x[0].copy_(self.model.embed(self.token))
 
     def _attn(self, layer: int, kv_len: int) -> None:
