@@ -20,9 +20,13 @@ Contract:
   defaults (dtype, max_context) and validates everything before any tensor exists; for a hybrid model
   ``chunk_tokens`` must be a multiple of ``GDN_BLOCK`` (64), so that the delta rule's internal 64-token blocks
   fall the same way whatever the chunking.
+- ``Qwen4Config`` (a ``HybridConfig``) adds Qwen4-Exp's hyper-connections, per-layer n-gram embeddings and
+  indexed attention (transformers' ``Qwen4ExpTextConfig``, model_type ``qwen4_exp`` (its ``text_config``) or
+  ``qwen4_exp_text``); ``is_qwen4`` tells it apart, ``stream_width`` is the width of the activations between
+  layers (hc_count x hidden). Presets ``qwen4-exp-tiny``, ``qwen4-exp`` and ``qwen4-exp-half``.
 - ``plan_device_memory`` sizes the decode slot cache from a device-memory budget: it adds up what the engine
   keeps on the device (dense weights, KV cache, the prefill double buffer, a workspace bound for one chunk
-  and the parked layer-major activations, resident experts) and gives the rest to expert slots, the same
+  and the parked layer-major activations, resident experts; Qwen4-Exp's PLE tables stay in host memory) and gives the rest to expert slots, the same
   number for every layer. A budget that cannot hold one token's experts in every layer is refused with
   every term named.
 - ``MAX_GROUPED_MM_GROUPS``: CUDA's bf16 ``torch._grouped_mm`` accepts at most 1,023 groups (1,024 fails on
@@ -664,6 +668,15 @@ def dense_params(mc: ModelConfig) -> int:
            + 2 * mc.linear_num_value_heads + mc.linear_value_head_dim + vd * h)  # qkv, z, b, a, conv, A, dt, norm, out
     shared = 3 * h * mc.shared_expert_intermediate_size + h
     n_attn = len(mc.attention_layers)
+    if mc.is_qwen4:  # hyper-connection mixers instead of the norms, the indexer, PLE projections (tables: host)
+        assert isinstance(mc, Qwen4Config)
+        w, r = mc.stream_width, mc.hc_lowrank
+        mixer = w + 2 * r * w + mc.hc_count * w
+        indexer = (mc.indexer_n_heads + 1) * mc.indexer_head_dim * h + 2 * mc.indexer_head_dim
+        ple = w * mc.ple_embed_dim + h * mc.ple_embed_dim + 3 * w + w * mc.ple_conv_kernel_size
+        return (n_attn * (gated_attn + indexer) + (mc.num_hidden_layers - n_attn) * gdn
+                + mc.num_hidden_layers * (per_layer - 2 * h + shared + 2 * mixer) + len(mc.ple_layers) * ple
+                + embeds + w + 2 * r * w)
     return (n_attn * gated_attn + (mc.num_hidden_layers - n_attn) * gdn
             + mc.num_hidden_layers * (per_layer + shared) + embeds + h)
 
@@ -678,6 +691,11 @@ def kv_cache_bytes(mc: ModelConfig, max_context: int, item: int) -> int:
     n_lin = len(mc.linear_layers)
     states = n_lin * (mc.conv_dim * (mc.linear_conv_kernel_dim - 1) * item
                       + mc.linear_num_value_heads * mc.linear_key_head_dim * mc.linear_value_head_dim * 4)
+    if mc.is_qwen4:  # indexer keys (raw and compressed), token ids, PLE conv states
+        assert isinstance(mc, Qwen4Config)
+        per_layer += (max_context + max_context // mc.indexer_compress_ratio + 1) * mc.indexer_head_dim * item
+        states += len(mc.ple_layers) * mc.stream_width * (mc.ple_conv_kernel_size - 1) * mc.ngram_size * item
+        return len(mc.attention_layers) * per_layer + 2 * states + 8 * max_context
     return len(mc.attention_layers) * per_layer + 2 * states  # states and their prefix-cache snapshot
 
 
@@ -696,8 +714,12 @@ def plan_device_memory(config: EngineConfig, budget_bytes: int) -> MemoryPlan:
     # one chunk: hidden states, q/k/v/attention output, and the MoE's [T*k, H] rows, [T*k, 2I] and [T*k, I]
     # intermediates as they overlap between consecutive ops; plus the parked layer-major activations of one
     # window and the float32 logits.
-    chunk_ws = chunk * (8 * h + 4 * mc.num_attention_heads * mc.head_dim + k * (3 * h + 3 * i)) * item
-    parked = min(config.layer_major_window_tokens, config.max_context) * h * item
+    # (Qwen4-Exp: the hyper-connection streams are hc_count x wider, and indexed attention builds a [T, S] mask)
+    w = mc.stream_width
+    chunk_ws = chunk * (8 * w + 4 * mc.num_attention_heads * mc.head_dim + k * (3 * h + 3 * i)) * item
+    if mc.is_qwen4:
+        chunk_ws += chunk * config.max_context
+    parked = min(config.layer_major_window_tokens, config.max_context) * w * item
     plan = dict(
         budget_bytes=int(budget_bytes), dense_bytes=dense_params(mc) * item,
         kv_bytes=kv_cache_bytes(mc, config.max_context, item),
