@@ -139,7 +139,8 @@ def test_config_from_hf_and_presets(hf):
 def test_matches_transformers_past_the_indexer_budget(hf):
     _, model, engine = hf
     assert isinstance(engine.model, Qwen4Model)
-    prompt = _prompt(150)  # 150 tokens: 37 blocks of 4 against a budget of 4 blocks; EOS every 37 tokens
+    prompt = _prompt(150)  # 150 tokens: 37 blocks of 4 against a budget of 4 blocks; EOS every 37 tokens,
+    prompt[63] = prompt[128] = EOS  # and just before / at chunk starts (the n-gram history crosses chunks)
     ref_logits, ref_ids = _hf_greedy(model, prompt, 6)
     logits, _, _ = _raw_prefill(engine, prompt, "chunked")
     rel = float((logits - ref_logits).norm() / ref_logits.norm())
@@ -188,3 +189,34 @@ def test_tiny_preset_runs_in_every_mode():
     prompt = _prompt(140, seed=6, vocab=1000, eos_every=50)
     outs = {m: _gen(eng, prompt, 3, m)[0] for m in ("chunked", "layer-major", "demand")}
     assert len(set(map(tuple, outs.values()))) == 1
+
+
+def test_indexer_ties_pick_the_lower_block_in_every_mode_and_in_decode(hf):
+    """With the indexer's projection zeroed every block scores 0: each query keeps blocks 0..k-1 and its tail,
+    whatever the chunking, the mode or decode."""
+    _, _, engine = hf
+    cfg, model = engine.model_config, engine.model
+    c, k = cfg.indexer_compress_ratio, cfg.block_topk
+    q = torch.zeros(3, cfg.indexer_n_heads, cfg.indexer_head_dim)  # [T, Hi, Di]
+    ck = torch.randn(40, cfg.indexer_head_dim)  # [nb, Di]
+    pos = torch.tensor([10, 70, 150])  # [T]: all blocks (fewer than k complete), then sparse
+    vis = model._select(q, ck, pos, 160)  # [T, L]
+    for t, p in enumerate(pos.tolist()):
+        done = (p + 1) // c
+        want = [j for j in range(160) if j <= p and (j // c < k or j // c >= done)]
+        assert torch.nonzero(vis[t]).flatten().tolist() == want
+    layer = cfg.attention_layers[0]
+    aw = model.w.layers[layer].mixer
+    saved = aw.index_qk.clone()
+    try:
+        aw.index_qk.zero_()
+        prompt = _prompt(300, seed=7)
+        runs = {m: _raw_prefill(engine, prompt, m) for m in MODES}
+        assert all(torch.equal(r[0], runs["chunked"][0]) and _same(r[2], runs["chunked"][2]) for r in runs.values())
+        engine.reset()
+        ids, _ = _gen(engine, prompt, 4, "chunked")
+        engine.reset()
+        longer, _ = _gen(engine, prompt + ids[:2], 2, "layer-major")
+        assert longer == ids[2:]  # decode's selection agrees with prefill's
+    finally:
+        aw.index_qk.copy_(saved)
