@@ -26,8 +26,8 @@ Contract:
   layers (hc_count x hidden). Presets ``qwen4-exp-tiny``, ``qwen4-exp`` and ``qwen4-exp-half``.
 - ``plan_device_memory`` sizes the decode slot cache from a device-memory budget: it adds up what the engine
   keeps on the device (dense weights, KV cache, the prefill double buffer, a workspace bound for one chunk
-  and the parked layer-major activations, resident experts; Qwen4-Exp's PLE tables stay in host memory) and gives the rest to expert slots, the same
-  number for every layer. A budget that cannot hold one token's experts in every layer is refused with
+  and the parked layer-major activations, resident experts; Qwen4-Exp's PLE tables stay in host memory) and
+  gives the rest to expert slots, the same number for every layer. A budget that cannot hold one token's experts in every layer is refused with
   every term named.
 - ``MAX_GROUPED_MM_GROUPS``: CUDA's bf16 ``torch._grouped_mm`` accepts at most 1,023 groups (1,024 fails on
   an H200 with torch 2.11). Every grouped call passes one layer's experts or one layer's slots, so both must

@@ -51,6 +51,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from . import gdn
 from .config import Qwen4Config
 from .hybrid import AttnWeights, HybridCache, HybridModel, LinearWeights, zc_rms_norm
 from .model import moe_experts, rotate_half, route
@@ -284,7 +285,7 @@ class Qwen4Model(HybridModel):
             blocks.append(ids + pw.head_offsets[lo:lo + hp][None])  # [T, hp]
         return torch.cat(blocks, dim=-1)  # [T, heads]
 
-    def ple(self, layer: int, x: torch.Tensor, cache: Qwen4Cache, start: int, hist: torch.Tensor,
+    def ple(self, layer: int, x: torch.Tensor, hist: torch.Tensor,
             conv_state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """PLE of the streams x [T, hc*H] given the token history [n-1+T] -> (x + PLE [T, hc*H], new conv state)."""
         cfg, pw = self.cfg, self.w.layers[layer].ple
@@ -383,7 +384,7 @@ class Qwen4Model(HybridModel):
     def linear_mixer(self, layer, x, conv_state, rec_state):
         if self.cfg.output_gate_type == "silu":
             return super().linear_mixer(layer, x, conv_state, rec_state)
-        from . import gdn  # sigmoid output gate: the same steps with gated_norm
+        # sigmoid output gate: the hybrid's steps with gated_norm
         cfg, lw = self.cfg, self.w.layers[layer].mixer
         T = x.shape[0]
         hk, hv, dk, dv = (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
@@ -420,7 +421,7 @@ class Qwen4Model(HybridModel):
         if layer in cache.ple_slot:
             j = cache.ple_slot[layer]
             state = torch.zeros_like(cache.ple_conv[j]) if start == 0 else cache.ple_conv[j]
-            x, state = self.ple(layer, x, cache, start, self._history(cache, start, T), state)  # [T, hc*H]
+            x, state = self.ple(layer, x, self._history(cache, start, T), state)  # [T, hc*H]
             cache.ple_conv[j].copy_(state)
         hn, inj = mix(x, self.w.layers[layer].attn_mix, cfg.hc_count, cfg.rms_norm_eps)  # [T, H], [T, hc]
         if cfg.layer_types[layer] == "full_attention":
@@ -441,7 +442,7 @@ class Qwen4Model(HybridModel):
             at = pos_t - torch.arange(n - 1, -1, -1, device=pos_t.device)  # [n] positions pos-(n-1) .. pos
             hist = cache.tokens.index_select(0, at.clamp_min(0))  # [n]
             hist = torch.where(at >= 0, hist, torch.full_like(hist, cfg.ple_eos))  # [n]
-            x, state = self.ple(layer, x, cache, 0, hist, cache.ple_conv[j])  # [1, hc*H]
+            x, state = self.ple(layer, x, hist, cache.ple_conv[j])  # [1, hc*H]
             cache.ple_conv[j].copy_(state)
         hn, inj = mix(x, lw.attn_mix, cfg.hc_count, cfg.rms_norm_eps)  # [1, H], [1, hc]
         i = cache.slot[layer]

@@ -164,7 +164,8 @@ def load_qwen4_checkpoint(path: str | Path, cfg: Qwen4Config, bank: ExpertBank, 
             mult, sizes, offsets = _ple_static(cfg, index, device)
             ple = PLEWeights(table=table(q + "ple_embedding.ngram_embedding.", ple_table_rows(cfg, index)),
                              multipliers=mult, head_sizes=sizes, head_offsets=offsets,
-                             key_proj=dev(q + "key_proj.weight", (w, p)), value_proj=dev(q + "value_proj.weight", (h, p)),
+                             key_proj=dev(q + "key_proj.weight", (w, p)),
+                             value_proj=dev(q + "value_proj.weight", (h, p)),
                              norm_key=dev(q + "norm_key.weight", (w,)), norm_query=dev(q + "norm_query.weight", (w,)),
                              norm_conv=dev(q + "norm_conv.weight", (w,)),
                              conv=dev(q + "conv1d.weight", (w, 1, cfg.ple_conv_kernel_size))[:, 0].contiguous())
