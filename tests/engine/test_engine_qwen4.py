@@ -147,6 +147,9 @@ def test_matches_transformers_past_the_indexer_budget(hf):
     print(f"qwen4 vs transformers: relative logits difference {rel:.2e}")
     assert rel < 1e-4
     assert _gen(engine, prompt, 6, "chunked")[0] == ref_ids
+    with torch.no_grad():  # transformers' own cached decode (indexer keys, PLE history and conv) agrees too
+        cached = model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False)[0, len(prompt):]
+    assert cached.tolist() == ref_ids
 
 
 # -- modes, state, prefix cache ---------------------------------------------------------------------------
