@@ -192,6 +192,10 @@ def test_tiny_preset_runs_in_every_mode():
     prompt = _prompt(140, seed=6, vocab=1000, eos_every=50)
     outs = {m: _gen(eng, prompt, 3, m)[0] for m in ("chunked", "layer-major", "demand")}
     assert len(set(map(tuple, outs.values()))) == 1
+    eng.reset()
+    short = _gen(eng, prompt[:5], 3, "chunked")[0]  # shorter than one indexer block: no compressed key yet
+    eng.reset()
+    assert _gen(eng, prompt[:5] + short[:1], 2, "demand")[0] == short[1:]
 
 
 def test_indexer_ties_pick_the_lower_block_in_every_mode_and_in_decode(hf):
