@@ -227,3 +227,10 @@ def test_indexer_ties_pick_the_lower_block_in_every_mode_and_in_decode(hf):
         assert longer == ids[2:]  # decode's selection agrees with prefill's
     finally:
         aw.index_qk.copy_(saved)
+
+
+def test_gpucheck_hybrid_runs_qwen4_on_cpu(capsys):
+    from abbench.engine import gpucheck_hybrid
+    assert gpucheck_hybrid.main(["--device", "cpu", "--model", "qwen4-exp-tiny", "--tokens", "200",
+                                 "--repeats", "1"]) == 0
+    assert "qwen4-exp-tiny" in capsys.readouterr().out
