@@ -26,12 +26,14 @@ Contract:
 - Indexed attention: the indexer projects the block input to ``indexer_n_heads`` queries (zero-centred
   norm, RoPE at their positions) and one raw key per token, kept in ``cache.ik`` [S, Di] like a KV cache.
   Keys are mean-pooled (float32) over complete blocks of ``indexer_compress_ratio`` tokens, normed and
-  rotated at the block's first position, into ``cache.ck`` [S/c, Di] (written once, when the block
-  completes). A query at position p scores the blocks complete at p (those ending at or before p) by
+  rotated at the block's first position, into ``cache.ck`` [S/c, Di] (written when the block completes,
+  by the chunk or decode step that completes it; a prefill resumed mid-block recomputes that block). A query at position p scores the blocks complete at p (those ending at or before p) by
   sum over heads of relu(q . k) / sqrt(Di), keeps the ``budget / c`` best (ties: the lower block index
   first, by a stable sort, the same rule in every mode and in decode) and attends to their tokens plus
   its unfinished tail (the tokens after the last complete block, up to p). With at most budget/c complete
-  blocks that is plain causal attention.
+  blocks that is plain causal attention. transformers picks with ``torch.topk``, whose order among exactly
+  equal scores is unspecified (it varies with the length), so the two agree unless two blocks tie exactly
+  at the cut (a score of exactly 0, every head's relu zero, is the likely case).
 - ``Qwen4Cache`` (a ``hybrid.HybridCache``): KV of the attention layers, ``ik``/``ck`` per attention layer,
   ``tokens`` [S], GDN conv/recurrent states and per PLE layer a conv state [hc*H, (K-1)*ngram_size] in the
   model dtype. ``snapshot()``/``restore()`` copy the states (GDN and PLE conv; KV, indexer keys and tokens
