@@ -97,8 +97,6 @@ class Decoder:
         self.mid: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
         self.slot_ids = torch.zeros(self.n_layers, 1, self.k, dtype=torch.long, device=dev)  # [L, 1, k]
         self.logits = torch.zeros(cfg.vocab_size, dtype=torch.float32, device=dev)  # [V]
-        # a model whose layers read back to the host (Qwen4-Exp's PLE gather) says so with graph_safe=False
-        graphs = graphs and getattr(model, "graph_safe", True)
         self.graphs = _Graphs(dev) if (graphs and dev.type == "cuda") else None
         self.host_ids = torch.zeros(self.n_layers, 1, self.k, dtype=torch.long,
                                     pin_memory=dev.type == "cuda")  # [L, 1, k] slot ids on their way up
@@ -113,13 +111,8 @@ class Decoder:
         return self.store.resident is not None or (slots is not None and slots.complete)
 
     # -- pieces (each static-shape and sync-free) ---------------------------------------------------------
-    def _tokens(self) -> None:
-        if hasattr(self.kv, "tokens"):  # models that read token ids inside layers (Qwen4-Exp's PLE)
-            self.kv.tokens.index_copy_(0, self.pos, self.token)
-
     def _whole(self, kv_len: int) -> None:
         m = self.model
-        self._tokens()
         x = m.embed(self.token)  # [1, W]
         for layer in range(self.n_layers):
             x, h, top_w, top_ids = m.decode_attn_block(layer, x, self.kv, self.pos, kv_len)  # [1, H] x2, [1, k] x2
@@ -128,7 +121,6 @@ class Decoder:
         self.logits.copy_(m.logits(x))
 
     def _embed(self) -> None:
-        self._tokens()
         self.x[0].copy_(self.model.embed(self.token))
 
     def _attn(self, layer: int, kv_len: int) -> None:
@@ -156,6 +148,8 @@ class Decoder:
         store, kv_len = self.store, kv_len_for(pos, self.kv.max_context)
         self.token.fill_(token_id)
         self.pos.fill_(pos)
+        if hasattr(self.model, "prepare_decode"):  # host-side work of a step (Qwen4-Exp: PLE rows staged)
+            self.model.prepare_decode(self.kv, token_id, pos)
         if store.cuda and store.resident is None:  # slot writes below go after any prefill copy still queued
             torch.cuda.current_stream(store.device).wait_stream(store.copy_stream)
         with attention_backends():

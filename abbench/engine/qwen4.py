@@ -5,17 +5,20 @@ Contract:
   differences: the activations between layers are the ``hc_count`` hyper-connection residual streams,
   x [T, hc*H] (``cfg.stream_width``; layer-major parks them), and ``attn_block`` returns as its first element
   a ``Pending`` (streams, shared expert output, injection weights) that ``moe_block`` finishes; callers only
-  pass it through. The cache (``Qwen4Cache``) holds the prompt's token ids by position: ``prefill`` writes
-  ``cache.tokens[start:start+T]`` and the decoder ``cache.tokens[pos]`` before the layers run (PLE reads the
-  n-gram history from there).
+  pass it through. The cache (``Qwen4Cache``) keeps the token ids by position in host memory:
+  ``prefill`` calls ``cache.write_tokens(start, ids)`` before the layers run, and the decoder calls
+  ``model.prepare_decode(cache, token_id, pos)`` on the host before each step (it records the token and
+  stages each PLE layer's gathered table rows in a pinned host buffer that the step copies up, so the step's
+  pieces stay static-shape and sync-free, CUDA graphs included).
 - A layer (the order of transformers' decoder layer):
-  * PLE (``cfg.ple_layers``, linear layers only): hashed 2..n-grams of the token ids (the history before a
-    chunk read from ``cache.tokens``; positions before 0 and any n-gram crossing an EOS use EOS, as
-    transformers' "shift right ignoring EOS"), each of the 2 x ``heads_per_ngram`` heads gathering rows of
-    its own part of the table, which stays on the host (only the T x heads rows a chunk needs are
-    gathered and copied up); key/value projections, a sign-sqrt sigmoid gate per stream against the
-    grouped-normed streams, a grouped norm and a dilated (dilation ``ngram_size``) depthwise causal conv
-    with SiLU continuing from the layer's PLE conv state; the output is added to the streams.
+  * PLE (``cfg.ple_layers``, linear layers only): hashed 2..n-grams of the token ids, hashed on the host
+    (the history before a chunk read from ``cache.host_tokens``; positions before 0 and any n-gram
+    crossing an EOS use EOS, as transformers' "shift right ignoring EOS"); each of the 2 x
+    ``heads_per_ngram`` heads gathers rows of its own part of the table, which stays on the host (only the
+    T x heads rows a chunk needs are gathered and copied up, from pinned memory on CUDA, without a host
+    sync); key/value projections, a sign-sqrt sigmoid gate per stream against the grouped-normed streams,
+    a grouped norm and a dilated (dilation ``ngram_size``) depthwise causal conv with SiLU continuing from
+    the layer's PLE conv state; the output is added to the streams.
   * attention mixer: grouped zero-centred RMSNorm of the streams (groups of H), mixing weights
     sigmoid(up(silu(down(normed) / hc))), the streams' weighted mean is the block input; injection weights
     2 * sigmoid(inject(normed) / hc). The block: Gated DeltaNet (``hybrid.HybridModel.linear_mixer``,
@@ -27,21 +30,20 @@ Contract:
   norm, RoPE at their positions) and one raw key per token, kept in ``cache.ik`` [S, Di] like a KV cache.
   Keys are mean-pooled (float32) over complete blocks of ``indexer_compress_ratio`` tokens, normed and
   rotated at the block's first position, into ``cache.ck`` [S/c, Di] (written when the block completes,
-  by the chunk or decode step that completes it; a prefill resumed mid-block recomputes that block). A query at position p scores the blocks complete at p (those ending at or before p) by
-  sum over heads of relu(q . k) / sqrt(Di), keeps the ``budget / c`` best (ties: the lower block index
-  first, by a stable sort, the same rule in every mode and in decode) and attends to their tokens plus
-  its unfinished tail (the tokens after the last complete block, up to p). With at most budget/c complete
-  blocks that is plain causal attention. transformers picks with ``torch.topk``, whose order among exactly
-  equal scores is unspecified (it varies with the length), so the two agree unless two blocks tie exactly
-  at the cut (a score of exactly 0, every head's relu zero, is the likely case).
+  by the chunk or decode step that completes it; a prefill resumed mid-block recomputes that block). A
+  query at position p scores the blocks complete at p (those ending at or before p) by sum over heads of
+  relu(q . k) / sqrt(Di), keeps the ``budget / c`` best (ties: the lower block index first, by a stable
+  sort, the same rule in every mode and in decode) and attends to their tokens plus its unfinished tail
+  (the tokens after the last complete block, up to p). With at most budget/c complete blocks that is
+  plain causal attention. transformers picks with ``torch.topk``, whose order among exactly equal scores
+  is unspecified (it varies with the length), so the two agree unless two blocks tie exactly at the cut
+  (a score of exactly 0, every head's relu zero, is the likely case).
 - ``Qwen4Cache`` (a ``hybrid.HybridCache``): KV of the attention layers, ``ik``/``ck`` per attention layer,
-  ``tokens`` [S], GDN conv/recurrent states and per PLE layer a conv state [hc*H, (K-1)*ngram_size] in the
-  model dtype. ``snapshot()``/``restore()`` copy the states (GDN and PLE conv; KV, indexer keys and tokens
-  are per position and stay valid for a prefix) for the prefix cache.
+  ``host_tokens`` [S] (host), GDN conv/recurrent states and per PLE layer a conv state
+  [hc*H, (K-1)*ngram_size] in the model dtype. ``snapshot()``/``restore()`` copy the states (GDN and PLE
+  conv; KV, indexer keys and token ids are per position and stay valid for a prefix) for the prefix cache.
 - Bitwise equality across prefill modes holds under the hybrid's rules (chunks of one layer in order,
   chunk lengths multiples of 64): every mode calls the same functions with the same shapes.
-- On CUDA the PLE gather reads the n-gram ids back to the host (one sync per PLE layer and chunk or decode
-  step), so ``graph_safe`` is False when the model has PLE layers: the decoder then runs eagerly.
 """
 
 from __future__ import annotations
@@ -124,7 +126,7 @@ class IndexedAttnWeights(AttnWeights):
 @dataclass
 class PLEWeights:
     table: torch.Tensor  # [Vp, P/heads] on the host
-    multipliers: torch.Tensor  # [n] int64 on the device
+    multipliers: torch.Tensor  # [n] int64, on the host like the next two (PLE hashes there)
     head_sizes: torch.Tensor  # [heads] int64
     head_offsets: torch.Tensor  # [heads] int64
     key_proj: torch.Tensor  # [hc*H, P]
@@ -173,16 +175,24 @@ class Qwen4Cache(HybridCache):
         n_attn = len(cfg.attention_layers)
         self.ik = [torch.zeros(max_context, di, device=device, dtype=dtype) for _ in range(n_attn)]
         self.ck = [torch.zeros(max_context // c + 1, di, device=device, dtype=dtype) for _ in range(n_attn)]
-        self.tokens = torch.zeros(max_context, dtype=torch.long, device=device)  # [S]
+        self.host_tokens = torch.zeros(max_context, dtype=torch.long)  # [S] on the host: PLE hashes there
         self.ple_slot = {l: i for i, l in enumerate(cfg.ple_layers)}
+        pin = device.type == "cuda"
+        # a decode step's gathered PLE rows per PLE layer: staged on the host (pinned), copied up by the step
+        self.ple_stage = [torch.zeros(1, cfg.ple_embed_dim, dtype=dtype, pin_memory=pin) for _ in cfg.ple_layers]
+        self.ple_rows = [torch.zeros(1, cfg.ple_embed_dim, device=device, dtype=dtype) for _ in cfg.ple_layers]
         width = (cfg.ple_conv_kernel_size - 1) * cfg.ngram_size
         self.ple_conv = [torch.zeros(cfg.stream_width, width, device=device, dtype=dtype) for _ in cfg.ple_layers]
         self._saved_ple = [torch.zeros_like(t) for t in self.ple_conv]
 
     @property
     def nbytes(self) -> int:
-        extra = self.ik + self.ck + self.ple_conv + [self.tokens]
+        extra = self.ik + self.ck + self.ple_conv + self.ple_rows
         return super().nbytes + sum(t.numel() * t.element_size() for t in extra)
+
+    def write_tokens(self, start: int, ids: torch.Tensor) -> None:
+        """Record the token ids [T] at positions [start, start+T) (prefill calls it before the layers)."""
+        self.host_tokens[start:start + ids.shape[0]] = ids.cpu()
 
     def states(self) -> list[torch.Tensor]:
         return self.conv + self.rec + self.ple_conv
@@ -257,7 +267,6 @@ class Qwen4Model(HybridModel):
     def __init__(self, cfg: Qwen4Config, weights: Qwen4Weights, max_context: int, device: torch.device,
                  dtype: torch.dtype):
         super().__init__(cfg, weights, max_context, device, dtype)
-        self.graph_safe = not cfg.ple_layers or device.type == "cpu"
 
     def new_cache(self, max_context: int | None = None) -> Qwen4Cache:
         return Qwen4Cache(self.cfg, max_context or self.max_context, self.device, self.dtype)
@@ -267,7 +276,8 @@ class Qwen4Model(HybridModel):
 
     # -- PLE ----------------------------------------------------------------------------------------------
     def ngram_ids(self, pw: PLEWeights, hist: torch.Tensor) -> torch.Tensor:
-        """Token history hist [n-1+T] (the n-1 tokens before the chunk first) -> table rows [T, heads]."""
+        """Token history hist [n-1+T] on the host (the n-1 tokens before the chunk first) -> table rows
+        [T, heads] (int64 arithmetic as transformers': products wrap, remainders are non-negative)."""
         cfg = self.cfg
         n, eos, T = cfg.ngram_size, cfg.ple_eos, hist.shape[0] - (cfg.ngram_size - 1)
         is_eos = hist == eos  # [n-1+T]
@@ -287,14 +297,32 @@ class Qwen4Model(HybridModel):
             blocks.append(ids + pw.head_offsets[lo:lo + hp][None])  # [T, hp]
         return torch.cat(blocks, dim=-1)  # [T, heads]
 
-    def ple(self, layer: int, x: torch.Tensor, hist: torch.Tensor,
+    def gather(self, layer: int, hist: torch.Tensor) -> torch.Tensor:
+        """PLE layer ``layer``'s table rows for the token history hist [n-1+T] (host) -> [T, P] on the host."""
+        pw = self.w.layers[layer].ple
+        rows = self.ngram_ids(pw, hist)  # [T, heads]
+        return pw.table.index_select(0, rows.reshape(-1)).view(rows.shape[0], -1)  # [T, P]
+
+    def prepare_decode(self, cache: Qwen4Cache, token_id: int, pos: int) -> None:
+        """Host side of a decode step at ``pos``, before its pieces run: record the token and stage each PLE
+        layer's rows in ``cache.ple_stage`` (the step copies them up)."""
+        cache.host_tokens[pos] = token_id
+        for layer, j in cache.ple_slot.items():
+            cache.ple_stage[j].copy_(self.gather(layer, self._history(cache, pos, 1)))
+
+    def _upload(self, emb: torch.Tensor) -> torch.Tensor:
+        """Host rows [T, P] -> the device, without a host sync on CUDA (through pinned memory)."""
+        if self.device.type == "cuda":
+            return emb.pin_memory().to(self.device, non_blocking=True)
+        return emb.to(self.device)  # [T, P]
+
+    def ple(self, layer: int, x: torch.Tensor, emb: torch.Tensor,
             conv_state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """PLE of the streams x [T, hc*H] given the token history [n-1+T] -> (x + PLE [T, hc*H], new conv state)."""
+        """PLE of the streams x [T, hc*H] given the gathered rows emb [T, P] (device) -> (x + PLE [T, hc*H],
+        new conv state)."""
         cfg, pw = self.cfg, self.w.layers[layer].ple
         T, h, hc = x.shape[0], cfg.hidden_size, cfg.hc_count
-        rows = self.ngram_ids(pw, hist)  # [T, heads] on the device
-        host_rows = rows.to(pw.table.device).reshape(-1)  # [T*heads] (a host sync off the CPU)
-        emb = pw.table.index_select(0, host_rows).to(device=x.device, dtype=x.dtype).view(T, -1)  # [T, P]
+        emb = emb.to(x.dtype)  # [T, P]
         key = group_norm(F.linear(emb, pw.key_proj), pw.norm_key, h, cfg.rms_norm_eps).view(T, hc, h)  # [T, hc, H]
         value = F.linear(emb, pw.value_proj)  # [T, H]
         query = group_norm(x, pw.norm_query, h, cfg.rms_norm_eps).view(T, hc, h)  # [T, hc, H]
@@ -306,10 +334,10 @@ class Qwen4Model(HybridModel):
         return x + (gated + conv), conv_state  # [T, hc*H]
 
     def _history(self, cache: Qwen4Cache, start: int, T: int) -> torch.Tensor:
-        """cache.tokens at [start-(n-1), start+T), EOS before position 0 -> [n-1+T]."""
+        """cache.host_tokens at [start-(n-1), start+T), EOS before position 0 -> [n-1+T] (host)."""
         ctx = self.cfg.ngram_size - 1
         lo = max(0, start - ctx)
-        hist = cache.tokens[lo:start + T]  # [<= n-1+T]
+        hist = cache.host_tokens[lo:start + T]  # [<= n-1+T]
         pad = ctx - (start - lo)
         if pad:
             hist = torch.cat([torch.full((pad,), self.cfg.ple_eos, dtype=hist.dtype, device=hist.device), hist])
@@ -423,7 +451,8 @@ class Qwen4Model(HybridModel):
         if layer in cache.ple_slot:
             j = cache.ple_slot[layer]
             state = torch.zeros_like(cache.ple_conv[j]) if start == 0 else cache.ple_conv[j]
-            x, state = self.ple(layer, x, self._history(cache, start, T), state)  # [T, hc*H]
+            emb = self._upload(self.gather(layer, self._history(cache, start, T)))  # [T, P]
+            x, state = self.ple(layer, x, emb, state)  # [T, hc*H]
             cache.ple_conv[j].copy_(state)
         hn, inj = mix(x, self.w.layers[layer].attn_mix, cfg.hc_count, cfg.rms_norm_eps)  # [T, H], [T, hc]
         if cfg.layer_types[layer] == "full_attention":
@@ -435,16 +464,14 @@ class Qwen4Model(HybridModel):
     def decode_attn_block(self, layer: int, x: torch.Tensor, cache: Qwen4Cache, pos_t: torch.Tensor,
                           kv_len: int):
         """``attn_block`` for one token x [1, hc*H] at the position held by ``pos_t`` (LongTensor [1]),
-        static shapes: attention over cache positions [0, kv_len) with the indexer's selection; the block
-        completed by this token (if any) is compressed into ``ck``; linear and PLE layers step their states."""
+        after ``prepare_decode`` for that token; static shapes, no host sync: attention over cache positions
+        [0, kv_len) with the indexer's selection; the block completed by this token (if any) is compressed
+        into ``ck``; linear and PLE layers step their states."""
         cfg, lw = self.cfg, self.w.layers[layer]
         if layer in cache.ple_slot:
             j = cache.ple_slot[layer]
-            n = cfg.ngram_size
-            at = pos_t - torch.arange(n - 1, -1, -1, device=pos_t.device)  # [n] positions pos-(n-1) .. pos
-            hist = cache.tokens.index_select(0, at.clamp_min(0))  # [n]
-            hist = torch.where(at >= 0, hist, torch.full_like(hist, cfg.ple_eos))  # [n]
-            x, state = self.ple(layer, x, hist, cache.ple_conv[j])  # [1, hc*H]
+            emb = cache.ple_rows[j].copy_(cache.ple_stage[j], non_blocking=True)  # [1, P] staged by prepare_decode
+            x, state = self.ple(layer, x, emb, cache.ple_conv[j])  # [1, hc*H]
             cache.ple_conv[j].copy_(state)
         hn, inj = mix(x, lw.attn_mix, cfg.hc_count, cfg.rms_norm_eps)  # [1, H], [1, hc]
         i = cache.slot[layer]

@@ -34,11 +34,12 @@ _HC_DOWN, _HC_UP, _HC_INJ, _IDX, _PLE_TABLE, _PLE_KEY, _PLE_VALUE, _PLE_CONV = r
 _MLP_MIX = 8  # added to the mixer kinds for the MoE mixer; the final mixer uses layer -1
 
 
-def _ple_static(cfg: Qwen4Config, index: int, device: torch.device):
+def _ple_static(cfg: Qwen4Config, index: int):
+    """Hash multipliers, head sizes and offsets of PLE layer number ``index`` (host tensors: PLE hashes there)."""
     sizes = ngram_head_sizes(cfg, index)
     offsets = [sum(sizes[:j]) for j in range(len(sizes))]
     mult = ngram_multipliers(cfg.vocab_size, cfg.ngram_size, index, cfg.seed)
-    as_t = lambda v: torch.tensor(v, dtype=torch.long, device=device)  # noqa: E731
+    as_t = lambda v: torch.tensor(v, dtype=torch.long)  # noqa: E731
     return as_t(mult), as_t(sizes), as_t(offsets)
 
 
@@ -87,7 +88,7 @@ def random_qwen4_weights(cfg: Qwen4Config, seed: int, bank: ExpertBank, device: 
             index = cfg.ple_layers.index(l)
             host_gen.manual_seed(_seed(seed, l, _PLE_TABLE))
             table = torch.randn(ple_table_rows(cfg, index), p // cfg.ngram_heads, generator=host_gen).to(dtype)
-            mult, sizes, offsets = _ple_static(cfg, index, device)
+            mult, sizes, offsets = _ple_static(cfg, index)
             ple = PLEWeights(table=table, multipliers=mult, head_sizes=sizes, head_offsets=offsets,
                              key_proj=normal((w, p), l, _PLE_KEY), value_proj=normal((h, p), l, _PLE_VALUE),
                              norm_key=const(w, 0.0), norm_query=const(w, 0.0), norm_conv=const(w, 0.0),
@@ -161,7 +162,7 @@ def load_qwen4_checkpoint(path: str | Path, cfg: Qwen4Config, bank: ExpertBank, 
         if l in cfg.ple_layers:
             index = cfg.ple_layers.index(l)
             q = pre + "ple."
-            mult, sizes, offsets = _ple_static(cfg, index, device)
+            mult, sizes, offsets = _ple_static(cfg, index)
             ple = PLEWeights(table=table(q + "ple_embedding.ngram_embedding.", ple_table_rows(cfg, index)),
                              multipliers=mult, head_sizes=sizes, head_offsets=offsets,
                              key_proj=dev(q + "key_proj.weight", (w, p)),
