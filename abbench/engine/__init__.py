@@ -1,4 +1,4 @@
-"""The vendored engine: an offloaded Mixture-of-Experts runtime for Qwen3-MoE and Qwen3.5/3.6-MoE models.
+"""The vendored engine: an offloaded Mixture-of-Experts runtime for Qwen3-MoE, Qwen3.5/3.6-MoE and Qwen4-Exp models.
 
 Every layer's experts live in host memory (page-locked on CUDA) and are streamed to the compute device;
 the dense weights, the KV cache, a double buffer of two layer banks and a decode slot cache live on the
@@ -13,8 +13,9 @@ only in how often the expert bank crosses PCIe:
 The same code runs on CPU (tests, CI) and CUDA. Modules: ``config`` (ModelConfig, PRESETS, EngineConfig;
 no torch), ``weights`` (random init and HF safetensors loading), ``experts`` (bank, buffers, slot cache,
 byte accounting), ``model`` (the decoder), ``hybrid`` and ``gdn`` (the Qwen3.5/3.6-MoE Gated DeltaNet hybrid
-and its delta-rule math), ``factory`` (the right model and cache for a config), ``prefill``, ``decode``
-(static-shape steps, CUDA graphs), ``runtime`` (``Engine``, the API the HTTP server calls), ``gpucheck`` and
+and its delta-rule math), ``qwen4`` and ``qwen4_weights`` (Qwen4-Exp: hyper-connections, per-layer n-gram
+embeddings, indexed attention, on the hybrid's DeltaNet), ``factory`` (the right model and cache for a
+config), ``prefill``, ``decode`` (static-shape steps, CUDA graphs), ``runtime`` (``Engine``, the API the HTTP server calls), ``gpucheck`` and
 ``gpucheck_hybrid`` (device self-checks at full width); the HTTP server is ``api`` (request schema, errors,
 response pieces), ``serving`` (the FIFO worker queue, metrics) and ``server`` (routes, the command line);
 ``stats`` (no torch) is the per-request ``abbench`` object, which the harness reads too. It imports nothing

@@ -20,10 +20,14 @@ Contract:
   defaults (dtype, max_context) and validates everything before any tensor exists; for a hybrid model
   ``chunk_tokens`` must be a multiple of ``GDN_BLOCK`` (64), so that the delta rule's internal 64-token blocks
   fall the same way whatever the chunking.
+- ``Qwen4Config`` (a ``HybridConfig``) adds Qwen4-Exp's hyper-connections, per-layer n-gram embeddings and
+  indexed attention (transformers' ``Qwen4ExpTextConfig``, model_type ``qwen4_exp`` (its ``text_config``) or
+  ``qwen4_exp_text``); ``is_qwen4`` tells it apart, ``stream_width`` is the width of the activations between
+  layers (hc_count x hidden). Presets ``qwen4-exp-tiny``, ``qwen4-exp`` and ``qwen4-exp-half``.
 - ``plan_device_memory`` sizes the decode slot cache from a device-memory budget: it adds up what the engine
   keeps on the device (dense weights, KV cache, the prefill double buffer, a workspace bound for one chunk
-  and the parked layer-major activations, resident experts) and gives the rest to expert slots, the same
-  number for every layer. A budget that cannot hold one token's experts in every layer is refused with
+  and the parked layer-major activations, resident experts; Qwen4-Exp's PLE tables stay in host memory) and
+  gives the rest to expert slots, the same number for every layer. A budget that cannot hold one token's experts in every layer is refused with
   every term named.
 - ``MAX_GROUPED_MM_GROUPS``: CUDA's bf16 ``torch._grouped_mm`` accepts at most 1,023 groups (1,024 fails on
   an H200 with torch 2.11). Every grouped call passes one layer's experts or one layer's slots, so both must
@@ -50,6 +54,7 @@ RUNTIME_RESERVE_BYTES = GIB
 GDN_BLOCK = 64  # the gated delta rule's internal block length (fla's chunk size)
 LAYER_TYPES = ("linear_attention", "full_attention")
 HYBRID_MODEL_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text")
+QWEN4_MODEL_TYPES = ("qwen4_exp", "qwen4_exp_text")
 
 
 @dataclass(frozen=True)
@@ -96,6 +101,16 @@ class ModelConfig:
         return False
 
     @property
+    def is_qwen4(self) -> bool:
+        """Whether this is a Qwen4-Exp text decoder (a ``Qwen4Config``)."""
+        return False
+
+    @property
+    def stream_width(self) -> int:
+        """Width of the activations carried between layers (hc_count x hidden for Qwen4-Exp's residual streams)."""
+        return self.hidden_size
+
+    @property
     def eos_ids(self) -> frozenset[int]:
         """The stop token ids (empty when the config names none)."""
         if self.eos_token_id is None:
@@ -132,9 +147,12 @@ class ModelConfig:
         model_type = raw.get("model_type")
         if model_type in HYBRID_MODEL_TYPES:
             return HybridConfig.from_hf_text_dict(raw, source)
+        if model_type in QWEN4_MODEL_TYPES:
+            return Qwen4Config.from_hf_qwen4_dict(raw, source)
         if model_type != "qwen3_moe":
             raise ValueError(f"{source}: model_type is {model_type!r}; this engine runs 'qwen3_moe' "
-                             "(Qwen3MoeForCausalLM) and 'qwen3_5_moe' / 'qwen3_5_moe_text' checkpoints")
+                             "(Qwen3MoeForCausalLM), 'qwen3_5_moe' / 'qwen3_5_moe_text' and 'qwen4_exp' / "
+                             "'qwen4_exp_text' checkpoints")
         n_layers = int(raw["num_hidden_layers"])
         n_experts = raw.get("num_experts", raw.get("num_local_experts"))  # transformers 5 writes the latter
         if not n_experts:
@@ -292,6 +310,132 @@ class HybridConfig(ModelConfig):
         )
 
 
+@dataclass(frozen=True)
+class Qwen4Config(HybridConfig):
+    """Shape of a Qwen4-Exp text decoder (transformers' ``Qwen4ExpTextConfig``, field names as there): the
+    Qwen3.5 hybrid plus ``hc_count`` hyper-connection residual streams with rank-``hc_lowrank`` mixers,
+    per-layer n-gram embeddings (PLE) on the one-indexed ``ple_layer_ids`` (linear layers only) and indexed
+    (QSA) attention on every attention layer. transformers calls those layers "indexed_attention"; here
+    they keep the type "full_attention" (so ``attention_layers`` lists them) and every one of them is
+    indexed. ``ngram_vocab_size_base`` sets the PLE table size: 2 x ``heads_per_ngram`` hashed heads of
+    about that many rows of ``ple_embed_dim / (2 x heads_per_ngram)`` each per PLE layer (20M in the real
+    model: ~76 GiB per PLE layer in bf16; presets for random weights use a smaller base)."""
+
+    hc_count: int = 4
+    hc_lowrank: int = 320
+    ple_layer_ids: tuple[int, ...] = ()
+    ple_embed_dim: int = 0  # 0: hidden_size
+    ple_conv_kernel_size: int = 4
+    ngram_size: int = 3
+    heads_per_ngram: int = 8
+    ngram_vocab_size_base: int = 20_000_000
+    make_ngram_vocab_size_divisible_by: int = 128
+    seed: int = 1234
+    indexer_n_heads: int = 16
+    indexer_head_dim: int = 128
+    indexer_budget: int = 2048
+    indexer_compress_ratio: int = 64
+    output_gate_type: str = "silu"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        object.__setattr__(self, "ple_layer_ids", tuple(sorted(set(self.ple_layer_ids))))
+        if not self.ple_embed_dim:
+            object.__setattr__(self, "ple_embed_dim", self.hidden_size)
+        if self.hc_count <= 1:
+            raise ValueError(f"Qwen4-Exp needs hc_count > 1, got {self.hc_count}")
+        for name in ("hc_lowrank", "ple_conv_kernel_size", "ngram_size", "heads_per_ngram", "ngram_vocab_size_base",
+                     "make_ngram_vocab_size_divisible_by", "indexer_n_heads", "indexer_head_dim", "indexer_budget",
+                     "indexer_compress_ratio"):
+            if int(getattr(self, name)) <= 0:
+                raise ValueError(f"Qwen4Config.{name} must be positive, got {getattr(self, name)}")
+        if self.output_gate_type not in ("silu", "sigmoid"):
+            raise ValueError(f"output_gate_type {self.output_gate_type!r} is not supported (silu, sigmoid)")
+        if self.indexer_budget % self.indexer_compress_ratio:
+            raise ValueError(f"indexer_budget ({self.indexer_budget}) must be a multiple of indexer_compress_ratio "
+                             f"({self.indexer_compress_ratio})")
+        if self.rotary_dim > self.indexer_head_dim:
+            raise ValueError(f"rotary_dim {self.rotary_dim} > indexer_head_dim {self.indexer_head_dim}")
+        bad = [i for i in self.ple_layer_ids if not 1 <= i <= self.num_hidden_layers
+               or self.layer_types[i - 1] != "linear_attention"]
+        if bad:
+            raise ValueError(f"ple_layer_ids {bad}: PLE layers are one-indexed linear_attention layers")
+        if self.ple_layer_ids:
+            if self.ngram_size < 2 or self.ple_embed_dim % self.ngram_heads:
+                raise ValueError(f"ple_embed_dim {self.ple_embed_dim} must be a multiple of the "
+                                 f"{self.ngram_heads} n-gram heads (ngram_size {self.ngram_size} >= 2)")
+            if not self.eos_ids:
+                raise ValueError("Qwen4-Exp PLE needs eos_token_id (the n-grams reset at EOS)")
+
+    @property
+    def is_qwen4(self) -> bool:
+        return True
+
+    @property
+    def stream_width(self) -> int:
+        return self.hc_count * self.hidden_size
+
+    @property
+    def ple_layers(self) -> tuple[int, ...]:
+        """Zero-indexed PLE layers."""
+        return tuple(i - 1 for i in self.ple_layer_ids)
+
+    @property
+    def ngram_heads(self) -> int:
+        return (self.ngram_size - 1) * self.heads_per_ngram
+
+    @property
+    def ple_eos(self) -> int:
+        """The EOS id the n-grams reset at (the first one when the config lists several, as transformers)."""
+        eos = self.eos_token_id
+        return int(eos[0] if isinstance(eos, tuple) else eos)
+
+    @property
+    def block_topk(self) -> int:
+        """Compressed blocks each query selects (besides its unfinished tail)."""
+        return self.indexer_budget // self.indexer_compress_ratio
+
+    @classmethod
+    def from_hf_qwen4_dict(cls, raw: dict, source: str = "config") -> Qwen4Config:
+        """A ``qwen4_exp`` (multimodal: its ``text_config``) or ``qwen4_exp_text`` config dict."""
+        top = raw
+        if raw.get("model_type") == "qwen4_exp":
+            if not isinstance(raw.get("text_config"), dict):
+                raise ValueError(f"{source}: model_type 'qwen4_exp' without a text_config")
+            raw = raw["text_config"]
+        n_layers = int(raw.get("num_hidden_layers", 40))
+        types = raw.get("layer_types")
+        if not types:
+            every = int(raw.get("full_attention_interval", 4))
+            types = ["linear_attention" if (i + 1) % every else "full_attention" for i in range(n_layers)]
+        types = ["full_attention" if t == "indexed_attention" else t for t in types]
+        if raw.get("indexer_n_heads") is None:
+            raise ValueError(f"{source}: no indexer_n_heads; this engine runs Qwen4-Exp with indexed attention only")
+        if int(raw.get("indexer_kv_heads") or 1) != 1:
+            raise ValueError(f"{source}: indexer_kv_heads must be 1")
+        base = HybridConfig.from_hf_text_dict({**raw, "model_type": "qwen3_5_moe_text", "layer_types": types,
+                                               "num_experts": raw.get("num_experts", 512),
+                                               "num_experts_per_tok": raw.get("num_experts_per_tok", 10)}, source)
+        fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(HybridConfig)}
+        fields["name"] = str(top.get("_name_or_path") or source)
+        if base.eos_token_id is None and top.get("eos_token_id") is not None:
+            eos = top["eos_token_id"]
+            fields["eos_token_id"] = tuple(eos) if isinstance(eos, list) else eos
+        return cls(
+            **fields,
+            hc_count=int(raw.get("hc_count", 4)), hc_lowrank=int(raw.get("hc_lowrank", 320)),
+            ple_layer_ids=tuple(raw.get("ple_layer_ids") or ()), ple_embed_dim=int(raw.get("ple_embed_dim") or 0),
+            ple_conv_kernel_size=int(raw.get("ple_conv_kernel_size", 4)), ngram_size=int(raw.get("ngram_size", 3)),
+            heads_per_ngram=int(raw.get("heads_per_ngram", 8)),
+            ngram_vocab_size_base=int(raw.get("ngram_vocab_size_base", 20_000_000)),
+            make_ngram_vocab_size_divisible_by=int(raw.get("make_ngram_vocab_size_divisible_by", 128)),
+            seed=int(raw.get("seed", 1234)), indexer_n_heads=int(raw["indexer_n_heads"]),
+            indexer_head_dim=int(raw["indexer_head_dim"]), indexer_budget=int(raw["indexer_budget"]),
+            indexer_compress_ratio=int(raw["indexer_compress_ratio"]),
+            output_gate_type=str(raw.get("output_gate_type") or raw.get("hidden_act", "silu")),
+        )
+
+
 def _hybrid_types(n_layers: int, every: int = 4) -> tuple[str, ...]:
     """Qwen3.5's layout: every ``every``-th layer full attention, the others Gated DeltaNet."""
     return tuple("linear_attention" if (i + 1) % every else "full_attention" for i in range(n_layers))
@@ -304,6 +448,27 @@ _QWEN3_30B_A3B = ModelConfig(
     head_dim=128, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
     rms_norm_eps=1e-6, rope_theta=1_000_000.0, max_position_embeddings=40960, tie_word_embeddings=False,
     eos_token_id=151645, name="qwen3-30b-a3b",
+)
+
+# Qwen4-Exp's text shape (transformers' Qwen4ExpTextConfig defaults): 40 layers (30 Gated DeltaNet, every 4th
+# indexed attention), hidden 2048, 512 experts top-10 of FFN 512 plus a 512 shared expert, 16 query / 2 KV heads
+# of 256 with RoPE on 64 dims, DeltaNet 16/32 heads of 128, 4 hyper-connection streams of rank 320, vocabulary
+# 248320, 262144 positions. One bf16 bank: 40 x 512 x 3 x 2048 x 512 x 2 B = 128.8 GB, more than the single-GPU
+# machine's 128 GiB of host memory: run it on the two-GPU kind (256 GiB host; one GPU used) or use
+# ``qwen4-exp-half``. Not in transformers' defaults, so assumed here (no public config.json was at hand): the
+# indexer (16 heads of 128, a 2,048-token budget in blocks of 64) and PLE on layers 1 and 2. The real PLE tables
+# (2 x 8 heads x ~20M rows x 128 per PLE layer, ~76 GiB each in bf16) are reduced for random weights to
+# ngram_vocab_size_base 524,288: 16 x ~524K x 128 x 2 B = 2.1 GB per PLE layer in host memory. A checkpoint's
+# config.json brings its own values.
+_QWEN4_EXP = Qwen4Config(
+    vocab_size=248320, hidden_size=2048, num_hidden_layers=40, num_attention_heads=16, num_key_value_heads=2,
+    head_dim=256, moe_intermediate_size=512, num_experts=512, num_experts_per_tok=10, norm_topk_prob=True,
+    rms_norm_eps=1e-6, rope_theta=10_000_000.0, max_position_embeddings=262144, tie_word_embeddings=False,
+    eos_token_id=248044, name="qwen4-exp", layer_types=_hybrid_types(40), linear_num_key_heads=16,
+    linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
+    shared_expert_intermediate_size=512, partial_rotary_factor=0.25, hc_count=4, hc_lowrank=320,
+    ple_layer_ids=(1, 2), ple_embed_dim=2048, ngram_vocab_size_base=524_288, indexer_n_heads=16,
+    indexer_head_dim=128, indexer_budget=2048, indexer_compress_ratio=64,
 )
 
 PRESETS: dict[str, ModelConfig] = {
@@ -341,6 +506,24 @@ PRESETS: dict[str, ModelConfig] = {
         linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
         shared_expert_intermediate_size=512, partial_rotary_factor=0.25,
     ),
+    # Qwen4-Exp for CPU tests and profiles: 3 DeltaNet layers (PLE on the first and third) + 1 indexed attention
+    # layer, 4 hyper-connection streams, 512 experts top-10 as in the real model (tiny FFN: a 50 MB float32
+    # bank), an indexer budget of 64 tokens in blocks of 16 (prompts past 80 tokens attend sparsely), PLE tables
+    # of 16 heads x ~2,000 rows; the Qwen3.5/3.6 vocabulary and eos.
+    "qwen4-exp-tiny": Qwen4Config(
+        vocab_size=248320, hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=32, moe_intermediate_size=16, num_experts=512, num_experts_per_tok=10, norm_topk_prob=True,
+        rms_norm_eps=1e-6, rope_theta=10_000_000.0, max_position_embeddings=32768, tie_word_embeddings=False,
+        eos_token_id=248044, name="qwen4-exp-tiny", layer_types=_hybrid_types(4), linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32, linear_conv_kernel_dim=4,
+        shared_expert_intermediate_size=64, partial_rotary_factor=0.25, hc_count=4, hc_lowrank=32,
+        ple_layer_ids=(1, 3), ple_embed_dim=64, ngram_vocab_size_base=2000, indexer_n_heads=4,
+        indexer_head_dim=32, indexer_budget=64, indexer_compress_ratio=16,
+    ),
+    "qwen4-exp": _QWEN4_EXP,
+    # The first 20 layers: a 64.4 GB bf16 bank, for the single-GPU machine's 128 GiB of host memory.
+    "qwen4-exp-half": dataclasses.replace(_QWEN4_EXP, num_hidden_layers=20, layer_types=_hybrid_types(20),
+                                          name="qwen4-exp-half"),
 }
 
 
@@ -485,6 +668,15 @@ def dense_params(mc: ModelConfig) -> int:
            + 2 * mc.linear_num_value_heads + mc.linear_value_head_dim + vd * h)  # qkv, z, b, a, conv, A, dt, norm, out
     shared = 3 * h * mc.shared_expert_intermediate_size + h
     n_attn = len(mc.attention_layers)
+    if mc.is_qwen4:  # hyper-connection mixers instead of the norms, the indexer, PLE projections (tables: host)
+        assert isinstance(mc, Qwen4Config)
+        w, r = mc.stream_width, mc.hc_lowrank
+        mixer = w + 2 * r * w + mc.hc_count * w
+        indexer = (mc.indexer_n_heads + 1) * mc.indexer_head_dim * h + 2 * mc.indexer_head_dim
+        ple = w * mc.ple_embed_dim + h * mc.ple_embed_dim + 3 * w + w * mc.ple_conv_kernel_size
+        return (n_attn * (gated_attn + indexer) + (mc.num_hidden_layers - n_attn) * gdn
+                + mc.num_hidden_layers * (per_layer - 2 * h + shared + 2 * mixer) + len(mc.ple_layers) * ple
+                + embeds + w + 2 * r * w)
     return (n_attn * gated_attn + (mc.num_hidden_layers - n_attn) * gdn
             + mc.num_hidden_layers * (per_layer + shared) + embeds + h)
 
@@ -499,6 +691,11 @@ def kv_cache_bytes(mc: ModelConfig, max_context: int, item: int) -> int:
     n_lin = len(mc.linear_layers)
     states = n_lin * (mc.conv_dim * (mc.linear_conv_kernel_dim - 1) * item
                       + mc.linear_num_value_heads * mc.linear_key_head_dim * mc.linear_value_head_dim * 4)
+    if mc.is_qwen4:  # indexer keys (raw and compressed), token ids, PLE conv states
+        assert isinstance(mc, Qwen4Config)
+        per_layer += (max_context + max_context // mc.indexer_compress_ratio + 1) * mc.indexer_head_dim * item
+        states += len(mc.ple_layers) * mc.stream_width * (mc.ple_conv_kernel_size - 1) * mc.ngram_size * item
+        return len(mc.attention_layers) * per_layer + 2 * states + 8 * max_context
     return len(mc.attention_layers) * per_layer + 2 * states  # states and their prefix-cache snapshot
 
 
@@ -517,8 +714,12 @@ def plan_device_memory(config: EngineConfig, budget_bytes: int) -> MemoryPlan:
     # one chunk: hidden states, q/k/v/attention output, and the MoE's [T*k, H] rows, [T*k, 2I] and [T*k, I]
     # intermediates as they overlap between consecutive ops; plus the parked layer-major activations of one
     # window and the float32 logits.
-    chunk_ws = chunk * (8 * h + 4 * mc.num_attention_heads * mc.head_dim + k * (3 * h + 3 * i)) * item
-    parked = min(config.layer_major_window_tokens, config.max_context) * h * item
+    # (Qwen4-Exp: the hyper-connection streams are hc_count x wider, and indexed attention builds a [T, S] mask)
+    w = mc.stream_width
+    chunk_ws = chunk * (8 * w + 4 * mc.num_attention_heads * mc.head_dim + k * (3 * h + 3 * i)) * item
+    if mc.is_qwen4:
+        chunk_ws += chunk * config.max_context
+    parked = min(config.layer_major_window_tokens, config.max_context) * w * item
     plan = dict(
         budget_bytes=int(budget_bytes), dense_bytes=dense_params(mc) * item,
         kv_bytes=kv_cache_bytes(mc, config.max_context, item),

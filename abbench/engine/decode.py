@@ -89,8 +89,9 @@ class Decoder:
         self.n_layers, self.k = cfg.num_hidden_layers, cfg.num_experts_per_tok
         self.token = torch.zeros(1, dtype=torch.long, device=dev)  # [1]
         self.pos = torch.zeros(1, dtype=torch.long, device=dev)  # [1]
-        self.x = [torch.zeros(1, cfg.hidden_size, dtype=model.dtype, device=dev)
-                  for _ in range(self.n_layers + 1)]  # [1, H] input of each layer, and the last output
+        self.x = [torch.zeros(1, cfg.stream_width, dtype=model.dtype, device=dev)
+                  for _ in range(self.n_layers + 1)]  # [1, W] input of each layer, and the last output (W = H,
+        # or hc*H for Qwen4-Exp's hyper-connection streams)
         # the attention half's outputs (x, h, top_w, top_ids) per (layer, kv_len): a graph's outputs live in
         # the memory it was captured with, and the MoE half's graph for that kv_len reads exactly those
         self.mid: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
@@ -112,7 +113,7 @@ class Decoder:
     # -- pieces (each static-shape and sync-free) ---------------------------------------------------------
     def _whole(self, kv_len: int) -> None:
         m = self.model
-        x = m.embed(self.token)  # [1, H]
+        x = m.embed(self.token)  # [1, W]
         for layer in range(self.n_layers):
             x, h, top_w, top_ids = m.decode_attn_block(layer, x, self.kv, self.pos, kv_len)  # [1, H] x2, [1, k] x2
             gate_up, down = self.store.decode_weights(layer)  # expert e is in row e (resident or identity slots)
@@ -147,6 +148,8 @@ class Decoder:
         store, kv_len = self.store, kv_len_for(pos, self.kv.max_context)
         self.token.fill_(token_id)
         self.pos.fill_(pos)
+        if hasattr(self.model, "prepare_decode"):  # host-side work of a step (Qwen4-Exp: PLE rows staged)
+            self.model.prepare_decode(self.kv, token_id, pos)
         if store.cuda and store.resident is None:  # slot writes below go after any prefill copy still queued
             torch.cuda.current_stream(store.device).wait_stream(store.copy_stream)
         with attention_backends():

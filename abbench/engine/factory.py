@@ -1,7 +1,8 @@
 """Builds the right decoder and cache for a ModelConfig: ``build_model(...) -> (model, cache)``.
 
 Contract: a plain ``ModelConfig`` gives ``model.Model`` with a ``model.KVCache``; a ``HybridConfig``
-(Qwen3.5/3.6-MoE) gives ``hybrid.HybridModel`` with a ``hybrid.HybridCache``. Both models have the methods
+(Qwen3.5/3.6-MoE) gives ``hybrid.HybridModel`` with a ``hybrid.HybridCache``; a ``Qwen4Config`` (Qwen4-Exp)
+gives ``qwen4.Qwen4Model`` with a ``qwen4.Qwen4Cache``. Both models have the methods
 ``prefill`` and ``decode`` call; the routed experts go into ``bank`` either way. ``weights`` is
 "random:SEED" or a local checkpoint directory.
 """
@@ -14,12 +15,18 @@ from .config import ModelConfig
 from .experts import ExpertBank
 from .hybrid import HybridCache, HybridModel
 from .model import KVCache, Model
+from .qwen4 import Qwen4Cache, Qwen4Model
+from .qwen4_weights import load_qwen4_checkpoint, random_qwen4_weights
 from .weights import load_checkpoint, load_hybrid_checkpoint, random_hybrid_weights, random_weights
 
 
 def build_model(mc: ModelConfig, weights: str, bank: ExpertBank, max_context: int, device: torch.device,
                 dtype: torch.dtype) -> tuple[Model | HybridModel, KVCache | HybridCache]:
     seed = int(weights.split(":", 1)[1]) if weights.startswith("random:") else None
+    if mc.is_qwen4:
+        dense = (random_qwen4_weights(mc, seed, bank, device, dtype) if seed is not None
+                 else load_qwen4_checkpoint(weights, mc, bank, device, dtype))
+        return Qwen4Model(mc, dense, max_context, device, dtype), Qwen4Cache(mc, max_context, device, dtype)
     if mc.is_hybrid:
         dense = (random_hybrid_weights(mc, seed, bank, device, dtype) if seed is not None
                  else load_hybrid_checkpoint(weights, mc, bank, device, dtype))

@@ -114,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     DEVICE = args.device
     full = PRESETS[args.preset]
     extra = {"layer_types": full.layer_types[:args.layers]} if full.is_hybrid else {}
+    if full.is_qwen4:  # PLE only on the layers kept
+        extra["ple_layer_ids"] = tuple(i for i in full.ple_layer_ids if i <= args.layers)
     model = dataclasses.replace(full, num_hidden_layers=args.layers, name=f"{args.preset}-{args.layers}l", **extra)
     ctx = args.prompt_tokens + 64
     prompt = torch.randint(0, model.vocab_size, (args.prompt_tokens,), generator=torch.Generator().manual_seed(1)).tolist()

@@ -13,6 +13,9 @@ norm, out_proj), one whole DeltaNet layer with resident experts, and one gated-a
 last chunk. It prints a short table and exits 1 on any mismatch. On CPU it runs the ``qwen3.5-tiny`` shape
 (default 300 tokens in 64-token chunks) in seconds, which is how the tests exercise it.
 
+``--model qwen4-exp-tiny`` / ``qwen4-exp-half`` check Qwen4-Exp the same way (PLE layers kept within ``--layers``;
+the indexer keys compared too).
+
 It reports which delta-rule implementation ran (``fla`` when flash-linear-attention imports on CUDA, else the
 torch path) and the expert kernel.
 """
@@ -71,8 +74,9 @@ def run(argv: list[str] | None = None) -> tuple[bool, list[tuple[str, str]]]:
     n_layers = min(args.layers or (8 if cuda else preset.num_hidden_layers), preset.num_hidden_layers)
     tokens = args.tokens or (4096 if cuda else 300)
     chunk = args.chunk_tokens or (2048 if cuda else 64)
+    extra = {"ple_layer_ids": tuple(i for i in preset.ple_layer_ids if i <= n_layers)} if preset.is_qwen4 else {}
     mc = dataclasses.replace(preset, num_hidden_layers=n_layers, layer_types=preset.layer_types[:n_layers],
-                             name=f"{preset.name}[:{n_layers}]")
+                             name=f"{preset.name}[:{n_layers}]", **extra)
     t0 = time.perf_counter()
     engine = Engine(EngineConfig(model=mc, weights="random:0", device=args.device, prefill_mode="resident",
                                  chunk_tokens=chunk, layer_major_window_tokens=2 * chunk, demand_max_tokens=chunk,
@@ -88,6 +92,7 @@ def run(argv: list[str] | None = None) -> tuple[bool, list[tuple[str, str]]]:
                                 demand_max_tokens=chunk)
         _sync(dev)
         cache = [t[:, :tokens].clone() for t in kv.k + kv.v] + [t.clone() for t in kv.states()]
+        cache += [t[:tokens].clone() for t in getattr(kv, "ik", [])]  # Qwen4-Exp's indexer keys
         return logits.clone(), stats, cache
 
     rows = [("device", f"{dev} ({torch.cuda.get_device_name(dev) if cuda else 'cpu'})"),
@@ -112,12 +117,13 @@ def run(argv: list[str] | None = None) -> tuple[bool, list[tuple[str, str]]]:
     # the last chunk of the prompt (its KV prefix written by the prefills above)
     lin, attn = mc.linear_layers[0], (mc.attention_layers[0] if mc.attention_layers else None)
     g = torch.Generator(device=dev).manual_seed(1)
-    x = torch.randn(chunk, mc.hidden_size, generator=g, device=dev, dtype=engine.dtype)  # [C, H]
+    x = torch.randn(chunk, mc.stream_width, generator=g, device=dev, dtype=engine.dtype)  # [C, W] a layer's input
+    xm = x[:, :mc.hidden_size].contiguous()  # [C, H] a mixer's input (W = hc x H for Qwen4-Exp's streams)
     i = kv.slot[lin]
     conv0, rec0 = kv.conv[i].clone(), kv.rec[i].clone()
     gate_up, down = engine.store.resident[lin]
     with torch.no_grad(), attention_backends():
-        mixer_s = _timed(lambda: model.linear_mixer(lin, x, conv0, rec0), dev, args.repeats)
+        mixer_s = _timed(lambda: model.linear_mixer(lin, xm, conv0, rec0), dev, args.repeats)
         layer_s = _timed(lambda: model.moe_block(*model.attn_block(lin, x, kv, chunk), gate_up, down), dev,
                          args.repeats)
         rows.append((f"DeltaNet mixer / {chunk}-token chunk", f"{mixer_s * 1e3:.2f} ms"))

@@ -194,6 +194,8 @@ def prefill(model: Model, store: ExpertStore, kv: KVCache, ids: torch.Tensor, st
         raise ValueError("resident prefill needs an engine started with prefill_mode='resident'")
     chunks = plan_chunks(start, start + n, chunk_tokens)
     path, reason = choose_path(mode, chunks, chunk_tokens, window_tokens, demand_max_tokens)
+    if hasattr(kv, "write_tokens"):  # models that read token ids inside layers (Qwen4-Exp's PLE)
+        kv.write_tokens(start, ids)
     before = store.request.snapshot()
     with attention_backends():
         x, n_windows = _run(model, store, kv, ids, start, chunks, path, window_tokens // chunk_tokens,
