@@ -408,7 +408,8 @@ class Qwen4Config(HybridConfig):
         if not types:
             every = int(raw.get("full_attention_interval", 4))
             types = ["linear_attention" if (i + 1) % every else "full_attention" for i in range(n_layers)]
-        types = ["full_attention" if t == "indexed_attention" else t for t in types]
+        # transformers 5.24 names these layers "indexed_attention", 5.17 "qwen_sparse_attention"
+        types = ["full_attention" if t in ("indexed_attention", "qwen_sparse_attention") else t for t in types]
         if raw.get("indexer_n_heads") is None:
             raise ValueError(f"{source}: no indexer_n_heads; this engine runs Qwen4-Exp with indexed attention only")
         if int(raw.get("indexer_kv_heads") or 1) != 1:
