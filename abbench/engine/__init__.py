@@ -10,7 +10,7 @@ only in how often the expert bank crosses PCIe:
 - ``demand``: short chunks copy only the experts they are routed to;
 - ``resident``: all experts on the device (the compute floor, not an offload mode).
 
-The same code runs on CPU (tests, CI) and CUDA. Modules: ``config`` (ModelConfig, PRESETS, EngineConfig;
+The same code runs on CPU (tests, CI) and CUDA. Modules: ``config`` (ModelConfig, PRESETS, EngineConfig; ``memory``: the device-memory plan;
 no torch), ``weights`` (random init and HF safetensors loading), ``experts`` (bank, buffers, slot cache,
 byte accounting), ``model`` (the decoder), ``hybrid`` and ``gdn`` (the Qwen3.5/3.6-MoE Gated DeltaNet hybrid
 and its delta-rule math), ``qwen4`` and ``qwen4_weights`` (Qwen4-Exp: hyper-connections, per-layer n-gram

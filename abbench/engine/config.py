@@ -24,11 +24,8 @@ Contract:
   indexed attention (transformers' ``Qwen4ExpTextConfig``, model_type ``qwen4_exp`` (its ``text_config``) or
   ``qwen4_exp_text``); ``is_qwen4`` tells it apart, ``stream_width`` is the width of the activations between
   layers (hc_count x hidden). Presets ``qwen4-exp-tiny``, ``qwen4-exp`` and ``qwen4-exp-half``.
-- ``plan_device_memory`` sizes the decode slot cache from a device-memory budget: it adds up what the engine
-  keeps on the device (dense weights, KV cache, the prefill double buffer, a workspace bound for one chunk
-  and the parked layer-major activations, resident experts; Qwen4-Exp's PLE tables stay in host memory) and
-  gives the rest to expert slots, the same number for every layer. A budget that cannot hold one token's experts in every layer is refused with
-  every term named.
+- The device-memory plan (``plan_device_memory``, sizing the decode slot cache from a budget) is in
+  :mod:`abbench.engine.memory`.
 - ``MAX_GROUPED_MM_GROUPS``: CUDA's bf16 ``torch._grouped_mm`` accepts at most 1,023 groups (1,024 fails on
   an H200 with torch 2.11). Every grouped call passes one layer's experts or one layer's slots, so both must
   stay at or under it; ``resolved()`` refuses a model with more experts per layer.
@@ -47,10 +44,6 @@ PREFILL_MODES = ("chunked", "layer-major", "demand", "resident")
 DTYPES = ("float32", "bfloat16", "float16")
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 MAX_GROUPED_MM_GROUPS = 1023
-GIB = 2**30
-# What the budget sets aside beyond the engine's own tensors: the CUDA context, cuBLAS/CUTLASS workspaces,
-# decode graphs and allocator slack (the context alone is ~0.5 GiB on an H200 with torch 2.11).
-RUNTIME_RESERVE_BYTES = GIB
 GDN_BLOCK = 64  # the gated delta rule's internal block length (fla's chunk size)
 LAYER_TYPES = ("linear_attention", "full_attention")
 HYBRID_MODEL_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text")
@@ -619,128 +612,3 @@ class EngineConfig:
                              f"(got {self.chunk_tokens}): the gated delta rule's {GDN_BLOCK}-token blocks must "
                              "fall the same way in every prefill mode")
         return dataclasses.replace(self, model=mc, dtype=dtype, max_context=max_context)
-
-
-@dataclass(frozen=True)
-class MemoryPlan:
-    """What the engine keeps on the compute device, in bytes, and the slots per layer that fit the budget."""
-
-    budget_bytes: int
-    dense_bytes: int  # embeddings, lm_head, attention and router weights, norms
-    kv_bytes: int  # the KV cache for max_context positions
-    prefill_buffer_bytes: int  # the double buffer of two layer banks (0 when resident)
-    resident_bytes: int  # every expert on the device (resident mode only)
-    workspace_bytes: int  # one chunk's activations and MoE intermediates, parked layer-major activations
-    reserve_bytes: int  # RUNTIME_RESERVE_BYTES
-    slot_bytes: int  # one expert slot in every layer (num_hidden_layers x one expert)
-    slots_per_layer: int  # 0 when resident
-
-    @property
-    def fixed_bytes(self) -> int:
-        return (self.dense_bytes + self.kv_bytes + self.prefill_buffer_bytes + self.resident_bytes
-                + self.workspace_bytes + self.reserve_bytes)
-
-    @property
-    def total_bytes(self) -> int:
-        return self.fixed_bytes + self.slots_per_layer * self.slot_bytes
-
-    def describe(self) -> str:
-        gb = lambda b: f"{b / 1e9:.2f} GB"  # noqa: E731
-        return (f"budget {gb(self.budget_bytes)}: dense {gb(self.dense_bytes)} + KV {gb(self.kv_bytes)} + prefill "
-                f"buffers {gb(self.prefill_buffer_bytes)} + resident experts {gb(self.resident_bytes)} + "
-                f"workspace {gb(self.workspace_bytes)} + runtime reserve {gb(self.reserve_bytes)} = "
-                f"{gb(self.fixed_bytes)} fixed; {self.slots_per_layer} expert slots per layer x "
-                f"{gb(self.slot_bytes)} = {gb(self.slots_per_layer * self.slot_bytes)}")
-
-
-def dense_params(mc: ModelConfig) -> int:
-    """Parameters of everything but the routed experts (for a hybrid: DeltaNet and gated attention layers and
-    the shared experts too)."""
-    h, d = mc.hidden_size, mc.head_dim
-    attn = h * d * (2 * mc.num_attention_heads + 2 * mc.num_key_value_heads) + 2 * d  # q, o, k, v, q/k norms
-    per_layer = mc.num_experts * h + 2 * h  # router + the two norms
-    embeds = mc.vocab_size * h * (1 if mc.tie_word_embeddings else 2)
-    if not mc.is_hybrid:
-        return mc.num_hidden_layers * (per_layer + attn) + embeds + h
-    assert isinstance(mc, HybridConfig)
-    gated_attn = attn + h * d * mc.num_attention_heads  # q_proj also gives the output gate
-    vd = mc.linear_num_value_heads * mc.linear_value_head_dim
-    gdn = (h * mc.conv_dim + h * vd + 2 * h * mc.linear_num_value_heads + mc.conv_dim * mc.linear_conv_kernel_dim
-           + 2 * mc.linear_num_value_heads + mc.linear_value_head_dim + vd * h)  # qkv, z, b, a, conv, A, dt, norm, out
-    shared = 3 * h * mc.shared_expert_intermediate_size + h
-    n_attn = len(mc.attention_layers)
-    if mc.is_qwen4:  # hyper-connection mixers instead of the norms, the indexer, PLE projections (tables: host)
-        assert isinstance(mc, Qwen4Config)
-        w, r = mc.stream_width, mc.hc_lowrank
-        mixer = w + 2 * r * w + mc.hc_count * w
-        indexer = (mc.indexer_n_heads + 1) * mc.indexer_head_dim * h + 2 * mc.indexer_head_dim
-        ple = w * mc.ple_embed_dim + h * mc.ple_embed_dim + 3 * w + w * mc.ple_conv_kernel_size
-        return (n_attn * (gated_attn + indexer) + (mc.num_hidden_layers - n_attn) * gdn
-                + mc.num_hidden_layers * (per_layer - 2 * h + shared + 2 * mixer) + len(mc.ple_layers) * ple
-                + embeds + w + 2 * r * w)
-    return (n_attn * gated_attn + (mc.num_hidden_layers - n_attn) * gdn
-            + mc.num_hidden_layers * (per_layer + shared) + embeds + h)
-
-
-def kv_cache_bytes(mc: ModelConfig, max_context: int, item: int) -> int:
-    """Bytes of the KV cache (attention layers only, for a hybrid) plus the DeltaNet conv and float32 recurrent
-    states."""
-    per_layer = 2 * mc.num_key_value_heads * max_context * mc.head_dim * item
-    if not mc.is_hybrid:
-        return mc.num_hidden_layers * per_layer
-    assert isinstance(mc, HybridConfig)
-    n_lin = len(mc.linear_layers)
-    states = n_lin * (mc.conv_dim * (mc.linear_conv_kernel_dim - 1) * item
-                      + mc.linear_num_value_heads * mc.linear_key_head_dim * mc.linear_value_head_dim * 4)
-    if mc.is_qwen4:  # indexer keys (raw and compressed), token ids, PLE conv states
-        assert isinstance(mc, Qwen4Config)
-        per_layer += (max_context + max_context // mc.indexer_compress_ratio + 1) * mc.indexer_head_dim * item
-        states += len(mc.ple_layers) * mc.stream_width * (mc.ple_conv_kernel_size - 1) * mc.ngram_size * item
-        return len(mc.attention_layers) * per_layer + 2 * states + 8 * max_context
-    return len(mc.attention_layers) * per_layer + 2 * states  # states and their prefix-cache snapshot
-
-
-def plan_device_memory(config: EngineConfig, budget_bytes: int) -> MemoryPlan:
-    """Size the decode slot cache of a resolved ``config`` from ``budget_bytes``; ``expert_slots_per_layer``,
-    when set, is taken as given and checked against the budget. Raises ValueError naming every term when the
-    budget cannot hold the fixed part plus one token's experts in every layer (or, resident, every expert)."""
-    mc = config.model
-    assert isinstance(mc, ModelConfig) and config.dtype and config.max_context, "plan needs a resolved config"
-    item = ITEMSIZE[config.dtype]
-    resident = config.prefill_mode == "resident"
-    expert = mc.expert_params * item
-    layer_bank = mc.num_experts * expert
-    chunk = min(config.chunk_tokens, config.max_context)
-    k, i, h = mc.num_experts_per_tok, mc.moe_intermediate_size, mc.hidden_size
-    # one chunk: hidden states, q/k/v/attention output, and the MoE's [T*k, H] rows, [T*k, 2I] and [T*k, I]
-    # intermediates as they overlap between consecutive ops; plus the parked layer-major activations of one
-    # window and the float32 logits.
-    # (Qwen4-Exp: the hyper-connection streams are hc_count x wider, and indexed attention builds a [T, S] mask)
-    w = mc.stream_width
-    chunk_ws = chunk * (8 * w + 4 * mc.num_attention_heads * mc.head_dim + k * (3 * h + 3 * i)) * item
-    if mc.is_qwen4:
-        chunk_ws += chunk * config.max_context
-    parked = min(config.layer_major_window_tokens, config.max_context) * w * item
-    plan = dict(
-        budget_bytes=int(budget_bytes), dense_bytes=dense_params(mc) * item,
-        kv_bytes=kv_cache_bytes(mc, config.max_context, item),
-        prefill_buffer_bytes=2 * layer_bank, resident_bytes=mc.num_hidden_layers * layer_bank if resident else 0,
-        workspace_bytes=chunk_ws + parked + 2 * mc.vocab_size * 4, reserve_bytes=RUNTIME_RESERVE_BYTES,
-        slot_bytes=mc.num_hidden_layers * expert, slots_per_layer=0)
-    fixed = MemoryPlan(**plan).fixed_bytes
-    if resident:
-        p = MemoryPlan(**plan)
-        if fixed > budget_bytes:
-            raise ValueError(f"resident experts do not fit the device-memory budget: {p.describe()}")
-        return p
-    fit = max(0, (int(budget_bytes) - fixed) // plan["slot_bytes"])
-    slots = config.expert_slots_per_layer or min(mc.num_experts, fit)
-    p = MemoryPlan(**{**plan, "slots_per_layer": slots})
-    if slots < k or slots > fit:
-        need = max(slots, k)
-        raise ValueError(
-            f"the device-memory budget holds {fit} expert slots per layer but decode needs "
-            f"{need} (num_experts_per_tok={k}{'' if slots <= k else ', as requested'}); {p.describe()}. Raise "
-            f"--gpu-memory-budget to at least {(fixed + need * plan['slot_bytes']) / 1e9:.2f} GB, lower "
-            "--max-context, or set fewer --expert-slots-per-layer")
-    return p

@@ -42,7 +42,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import PREFILL_MODES, EngineConfig, MemoryPlan, ModelConfig, plan_device_memory
+from .config import PREFILL_MODES, EngineConfig, ModelConfig
+from .memory import MemoryPlan, plan_device_memory
 from .decode import Decoder, Sampler
 from .experts import ExpertBank, ExpertStore
 from .factory import build_model

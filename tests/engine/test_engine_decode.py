@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from abbench.engine import Engine, EngineConfig
-from abbench.engine.config import (GIB, MAX_GROUPED_MM_GROUPS, PRESETS, RUNTIME_RESERVE_BYTES, ModelConfig,
-                                   dense_params, plan_device_memory)
+from abbench.engine.config import MAX_GROUPED_MM_GROUPS, PRESETS, ModelConfig
+from abbench.engine.memory import GIB, RUNTIME_RESERVE_BYTES, dense_params, plan_device_memory
 from abbench.engine.decode import kv_len_for
 from abbench.engine.experts import check_host_memory, host_memory_available
 from abbench.engine.model import TooManyGroups, grouped_mm

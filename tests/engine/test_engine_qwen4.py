@@ -19,7 +19,8 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from abbench.engine import PRESETS, EngineConfig, ModelConfig  # noqa: E402
-from abbench.engine.config import Qwen4Config, dense_params, kv_cache_bytes, plan_device_memory  # noqa: E402
+from abbench.engine.config import Qwen4Config  # noqa: E402
+from abbench.engine.memory import dense_params, kv_cache_bytes, plan_device_memory  # noqa: E402
 from abbench.engine.prefill import prefill  # noqa: E402
 from abbench.engine.qwen4 import Qwen4Model  # noqa: E402
 from abbench.engine.runtime import Engine  # noqa: E402
