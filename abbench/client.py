@@ -440,8 +440,9 @@ def _transport_error(
         return RequestError("timeout", f"{what}: no complete response within {seconds:g} s (request.timeout_s){at}")
     if isinstance(e, httpx.ConnectTimeout):
         return RequestError("timeout", f"{what}: could not connect within the connect timeout ({e})")
-    if isinstance(e, httpx.TimeoutException):
-        return RequestError("timeout", f"{what}: timed out{at} ({type(e).__name__}, limit {seconds:g} s)")
+    if isinstance(e, httpx.TimeoutException):  # the read limit is the same timeout_s: whichever fires first
+        return RequestError("timeout", f"{what}: no complete response within {seconds:g} s (request.timeout_s)"
+                            f"{at} ({type(e).__name__})")
     if isinstance(e, httpx.ConnectError):
         if _tls_failure(e):
             return RequestError("connect", f"{what}: TLS handshake failed: {e}; if the server's certificate is "

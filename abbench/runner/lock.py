@@ -65,6 +65,16 @@ def signals_deferred() -> Iterator[list[int]]:
         signal.signal(signal.SIGTERM, old_term)
 
 
+@contextmanager
+def signals_held() -> Iterator[None]:
+    """A few statements that must not be split by SIGINT/SIGTERM (a sample written to requests.jsonl and
+    kept for run.json): a signal meanwhile is held and raised as KeyboardInterrupt right after them."""
+    with signals_deferred() as got:
+        yield
+    if got:
+        raise KeyboardInterrupt(f"signal {got[0]}")
+
+
 class RunLock:
     """An exclusive ``flock`` on ``run_dir/run.lock`` held while a run executes, so a second ``abbench run
     --resume`` of the same directory fails at once instead of interleaving samples. The kernel drops the

@@ -57,7 +57,7 @@ from abbench.profile import Profile, profile_from_dict
 from abbench.prometheus import parse_prometheus
 from abbench.prompts import BuiltPrompt, build_prompts
 from abbench.results import LOGS_DIR, RUN_FILE, RunRecord, Sample, SampleLog, Step, Telemetry, load_run, save_run
-from abbench.runner.lock import RunLock, signals_as_interrupt, signals_deferred
+from abbench.runner.lock import RunLock, signals_as_interrupt, signals_deferred, signals_held
 from abbench.runner.resume import check_resumable, mark_resumed
 from abbench.runner.rounds import initial_rounds, is_auto, next_round, plan_for, planned_rounds
 from abbench.runner.rounds import rule as auto_rule
@@ -301,8 +301,9 @@ class Run:
             self.observer(ProgressEvent(kind, message, len(self.record.samples), len(self.plan), sample))
 
     def record_sample(self, sample: Sample) -> None:
-        self.log.append(sample)  # the durable copy first: an interrupt in between leaves it in requests.jsonl
-        self.record.samples.append(sample)
+        with signals_held():  # requests.jsonl and run.json hold the same samples, whenever a signal comes
+            self.log.append(sample)  # the durable copy first
+            self.record.samples.append(sample)
         self.notify("sample", f"{sample.arm} {sample.prompt_id}", sample)
 
     # ------------------------------------------------------------------------------------------- the steps
