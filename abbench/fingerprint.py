@@ -6,7 +6,8 @@ Contract
   available), driver and CUDA driver versions, package versions, the git state of the checkout
   (:func:`git_state`), the engine commit, selected environment variables and the service commands. It
   never raises for a missing piece: that field is ``None``. torch is never imported (versions come from
-  ``importlib.metadata``). A copy of the tree without ``.git`` takes its commit from ``ABBENCH_GIT_COMMIT``
+  ``importlib.metadata``). A copy of the tree (without ``.git``, or with a stale one: the H200 run of
+  2026-11-30 recorded the session's starting commit that way) takes its commit from ``ABBENCH_GIT_COMMIT``
   (refused unless it is a hex sha: :class:`~abbench.errors.ConfigError`) and its dirty flag from
   ``ABBENCH_GIT_DIRTY`` (unset: recorded as unknown, ``+dirty-unknown``), :func:`given_git_state`.
 * :data:`KEY_FIELDS` are the fields that must match before two runs are compared; :func:`key_value` reads
@@ -107,11 +108,23 @@ def git_state(repo_dir: Path | None = None) -> dict[str, Any] | None:
     ``repo_dir``). None when there is no git or no checkout. ``changes_sha256`` covers ``git diff HEAD``
     and the untracked, not ignored files (content up to 4 MiB each, else name and size)."""
     repo = Path(repo_dir) if repo_dir is not None else Path(__file__).resolve().parent.parent
+    # A copy of the tree (a remote machine) may carry no .git, or a stale one: a commit given by whoever copied
+    # it wins, and what a .git there says is kept beside it (``checkout``) rather than recorded as the commit.
+    given = given_git_state(repo)
+    found = _checkout_state(repo)
+    if given is not None:
+        if found is not None:
+            given["checkout"] = {k: found.get(k) for k in ("commit", "dirty", "changes_sha256")}
+        return given
+    return found
+
+
+def _checkout_state(repo: Path) -> dict[str, Any] | None:
+    """The git state of the checkout at ``repo`` (see :func:`git_state`); None without git or a checkout."""
     top = _git(repo, "rev-parse", "--show-toplevel")
     commit = _git(repo, "rev-parse", "HEAD")
     if top is None or commit is None:
-        # A copy of the tree without .git (a remote machine): the commit may be given by whoever copied it.
-        return given_git_state(repo)
+        return None
     status = _git(repo, "status", "--porcelain", "--untracked-files=normal") or ""
     dirty = bool(status.strip())
     state: dict[str, Any] = {"repo": top.strip(), "commit": commit.strip(), "dirty": dirty}

@@ -67,6 +67,23 @@ def test_a_given_commit_and_dirty_flag_are_recorded(tmp_path: Path, monkeypatch:
         fingerprint.git_state(tmp_path)
 
 
+def test_a_given_commit_wins_over_a_stale_checkout(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A copied tree may carry a .git of another commit: the commit whoever copied it gives is recorded, and what
+    the .git says is kept beside it."""
+    git(tmp_path, "init", "-q")
+    (tmp_path / "a.txt").write_text("one\n")
+    git(tmp_path, "add", "a.txt")
+    git(tmp_path, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "one")
+    stale = git(tmp_path, "rev-parse", "HEAD").strip()
+    (tmp_path / "a.txt").write_text("the copied tree\n")
+    monkeypatch.setenv("ABBENCH_GIT_COMMIT", SHA)
+    monkeypatch.setenv("ABBENCH_GIT_DIRTY", "0")
+    state = fingerprint.git_state(tmp_path)
+    assert state["commit"] == SHA and state["dirty"] is False and state["source"] == "ABBENCH_GIT_COMMIT"
+    assert state["checkout"]["commit"] == stale and state["checkout"]["dirty"] is True
+    assert fingerprint.environment_fingerprint(repo_dir=tmp_path)["engine_commit"] == SHA
+
+
 def test_no_git_and_no_given_commit_is_none(tmp_path: Path) -> None:
     assert fingerprint.git_state(tmp_path) is None
     assert fingerprint.environment_fingerprint(repo_dir=tmp_path)["engine_commit"] is None
