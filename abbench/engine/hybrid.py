@@ -46,7 +46,7 @@ from torch.nn.attention.bias import causal_lower_right
 
 from . import gdn
 from .config import HybridConfig
-from .model import grouped_mm, looped_mm, moe_experts, probe_grouped_mm, rotate_half, route
+from .model import expert_kernel, moe_experts, rope_tables, rotate_half, route
 
 
 @dataclass
@@ -159,16 +159,8 @@ class HybridModel:
         self.cfg, self.w, self.device, self.dtype = cfg, weights, device, dtype
         self.max_context = max_context
         self.scale = cfg.head_dim**-0.5
-        rd = cfg.rotary_dim
-        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, rd, 2, dtype=torch.float) / rd))  # [R/2]
-        pos = torch.arange(max_context, dtype=torch.float)  # [S]
-        freqs = pos[:, None] * inv_freq[None, :]  # [S, R/2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [S, R]
-        self.cos = emb.cos().to(device=device, dtype=dtype)  # [S, R]
-        self.sin = emb.sin().to(device=device, dtype=dtype)  # [S, R]
-        self.grouped = probe_grouped_mm(device, dtype)
-        self.moe_kernel = "torch._grouped_mm" if self.grouped else "per-expert loop (torch._grouped_mm failed)"
-        self._mm = grouped_mm if self.grouped else looped_mm
+        self.cos, self.sin = rope_tables(cfg.rotary_dim, cfg.rope_theta, max_context, device, dtype)  # [S, R] x2
+        self.grouped, self.moe_kernel, self._mm = expert_kernel(device, dtype)
         self.gdn_backend = gdn.backend(device)
 
     def new_cache(self, max_context: int | None = None) -> HybridCache:
@@ -235,8 +227,12 @@ class HybridModel:
         g = -lw.A_log.float().exp() * F.softplus(a.float() + lw.dt_bias.float())  # [T, Hv] float32
         o, rec_state = gdn.gated_delta_rule(q.view(T, hk, dk), k.view(T, hk, dk), v.view(T, hv, dv), g, beta,
                                             rec_state)  # [T, Hv, Dv], [Hv, Dk, Dv] float32
-        o = gdn.gated_rms_norm(o, z, lw.norm, cfg.rms_norm_eps)  # [T, Hv, Dv]
+        o = self.gated_output_norm(o, z, lw.norm)  # [T, Hv, Dv]
         return F.linear(o.reshape(T, hv * dv), lw.out_proj), conv_state, rec_state  # [T, H]
+
+    def gated_output_norm(self, o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """The DeltaNet output o [T, Hv, Dv] through the gated RMSNorm, gate z [T, Hv, Dv] (silu)."""
+        return gdn.gated_rms_norm(o, z, weight, self.cfg.rms_norm_eps)  # [T, Hv, Dv]
 
     def linear_attention(self, layer: int, x: torch.Tensor, cache: HybridCache, start: int) -> torch.Tensor:
         i = cache.slot[layer]

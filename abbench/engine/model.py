@@ -169,6 +169,23 @@ def probe_grouped_mm(device: torch.device, dtype: torch.dtype) -> bool:
         return False
 
 
+def rope_tables(dim: int, theta: float, max_context: int, device: torch.device,
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE cos/sin [S, dim] exactly as transformers computes them: float32 angles, cast to the model dtype."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))  # [dim/2]
+    pos = torch.arange(max_context, dtype=torch.float)  # [S]
+    freqs = pos[:, None] * inv_freq[None, :]  # [S, dim/2]
+    emb = torch.cat((freqs, freqs), dim=-1)  # [S, dim]
+    return emb.cos().to(device=device, dtype=dtype), emb.sin().to(device=device, dtype=dtype)  # [S, dim] x2
+
+
+def expert_kernel(device: torch.device, dtype: torch.dtype):
+    """(grouped GEMM works, its name for reports, the mm function every MoE call uses) on this device/dtype."""
+    grouped = probe_grouped_mm(device, dtype)
+    name = "torch._grouped_mm" if grouped else "per-expert loop (torch._grouped_mm failed)"
+    return grouped, name, grouped_mm if grouped else looped_mm
+
+
 class Model:
     """Dense weights, RoPE tables and the layer functions. Stateless between calls except for ``kv``."""
 
@@ -180,17 +197,8 @@ class Model:
         self.cfg, self.w, self.device, self.dtype = cfg, weights, device, dtype
         self.max_context = max_context
         self.scale = cfg.head_dim**-0.5
-        dim = cfg.head_dim
-        # RoPE exactly as transformers computes it: float32 angles, cos/sin cast to the model dtype.
-        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))  # [D/2]
-        pos = torch.arange(max_context, dtype=torch.float)  # [S]
-        freqs = pos[:, None] * inv_freq[None, :]  # [S, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [S, D]
-        self.cos = emb.cos().to(device=device, dtype=dtype)  # [S, D]
-        self.sin = emb.sin().to(device=device, dtype=dtype)  # [S, D]
-        self.grouped = probe_grouped_mm(device, dtype)
-        self.moe_kernel = "torch._grouped_mm" if self.grouped else "per-expert loop (torch._grouped_mm failed)"
-        self._mm = grouped_mm if self.grouped else looped_mm
+        self.cos, self.sin = rope_tables(cfg.head_dim, cfg.rope_theta, max_context, device, dtype)  # [S, D] x2
+        self.grouped, self.moe_kernel, self._mm = expert_kernel(device, dtype)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, self.w.embed)  # [T, H]

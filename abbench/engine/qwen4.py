@@ -411,25 +411,10 @@ class Qwen4Model(HybridModel):
         return self._attn_out(aw, out, gate)  # [T, H]
 
     # -- Gated DeltaNet (the hybrid's, with the configured output gate) -----------------------------------
-    def linear_mixer(self, layer, x, conv_state, rec_state):
+    def gated_output_norm(self, o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if self.cfg.output_gate_type == "silu":
-            return super().linear_mixer(layer, x, conv_state, rec_state)
-        # sigmoid output gate: the hybrid's steps with gated_norm
-        cfg, lw = self.cfg, self.w.layers[layer].mixer
-        T = x.shape[0]
-        hk, hv, dk, dv = (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
-                          cfg.linear_value_head_dim)
-        qkv = F.linear(x, lw.in_proj_qkv)  # [T, C]
-        z = F.linear(x, lw.in_proj_z).view(T, hv, dv)  # [T, Hv, Dv]
-        b = F.linear(x, lw.in_proj_b)  # [T, Hv]
-        a = F.linear(x, lw.in_proj_a)  # [T, Hv]
-        qkv, conv_state = gdn.causal_conv(qkv, conv_state, lw.conv)  # [T, C], [C, K-1]
-        q, k, v = torch.split(qkv, [hk * dk, hk * dk, hv * dv], dim=-1)
-        g = -lw.A_log.float().exp() * F.softplus(a.float() + lw.dt_bias.float())  # [T, Hv] float32
-        o, rec_state = gdn.gated_delta_rule(q.view(T, hk, dk), k.view(T, hk, dk), v.view(T, hv, dv), g,
-                                            torch.sigmoid(b), rec_state)  # [T, Hv, Dv]
-        o = gated_norm(o, z, lw.norm, cfg.rms_norm_eps, "sigmoid")  # [T, Hv, Dv]
-        return F.linear(o.reshape(T, hv * dv), lw.out_proj), conv_state, rec_state  # [T, H]
+            return super().gated_output_norm(o, z, weight)
+        return gated_norm(o, z, weight, self.cfg.rms_norm_eps, "sigmoid")  # [T, Hv, Dv]
 
     # -- the layer halves ---------------------------------------------------------------------------------
     def _post_mixer(self, layer: int, x: torch.Tensor):

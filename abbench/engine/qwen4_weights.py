@@ -25,7 +25,7 @@ from .experts import ExpertBank
 from .hybrid import LinearWeights
 from .qwen4 import (IndexedAttnWeights, MixerWeights, PLEWeights, Qwen4LayerWeights, Qwen4Weights, ngram_head_sizes,
                     ngram_multipliers, ple_table_rows)
-from .weights import _Checkpoint, _load_experts, _seed
+from .weights import Draw, _Checkpoint, _load_experts, _seed
 
 # Tensor kinds for seeding (the hybrid's kinds 0..18 keep their meaning).
 (_EMBED, _LM_HEAD, _Q, _K, _V, _O, _ROUTER, _GATE_UP, _DOWN, _QKV, _Z, _B, _A, _CONV, _ALOG, _OUT, _SH_GATE_UP,
@@ -45,16 +45,9 @@ def _ple_static(cfg: Qwen4Config, index: int):
 
 def random_qwen4_weights(cfg: Qwen4Config, seed: int, bank: ExpertBank, device: torch.device,
                          dtype: torch.dtype) -> Qwen4Weights:
-    gen = torch.Generator(device=device)
+    draw = Draw(seed, device, dtype)
+    gen, normal, const = draw.gen, draw.normal, draw.const
     host_gen = torch.Generator(device="cpu")
-
-    def normal(shape: tuple[int, ...], layer: int, kind: int, std: float | None = None) -> torch.Tensor:
-        gen.manual_seed(_seed(seed, layer, kind))
-        t = torch.randn(shape, generator=gen, device=device, dtype=torch.float32)
-        return t.mul_(shape[-1] ** -0.5 if std is None else std).to(dtype)
-
-    def const(n: int, value: float) -> torch.Tensor:
-        return torch.full((n,), value, device=device, dtype=dtype)
 
     h, d, e, i = cfg.hidden_size, cfg.head_dim, cfg.num_experts, cfg.moe_intermediate_size
     hq, hkv, i_s = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.shared_expert_intermediate_size

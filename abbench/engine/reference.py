@@ -52,7 +52,7 @@ import torch
 
 from abbench.engine.decode import Sampler
 from abbench.engine.prefill import CancelLike, check_cancel
-from abbench.engine.runtime import Cancelled, ContextOverflow, RequestStats, TokenEvent
+from abbench.engine.runtime import Cancelled, RequestStats, TokenEvent, check_request, drain
 from abbench.engine.trace import LayerTrace
 
 __all__ = ["ReferenceEngine", "save_tiny_qwen3_moe", "main"]
@@ -167,17 +167,8 @@ class ReferenceEngine:
                  prefill_mode: str | None = None, cancel: CancelLike = None,
                  trace_layers: bool = False) -> Iterator[TokenEvent]:
         """As :meth:`abbench.engine.runtime.Engine.generate`; validates eagerly."""
-        prompt = [int(t) for t in prompt_ids]
-        vocab, ctx = self.model_config.vocab_size, self.config.max_context
-        if not prompt:
-            raise ValueError("prompt_ids is empty")
-        if min(prompt) < 0 or max(prompt) >= vocab:
-            raise ValueError(f"prompt token ids must be in [0, {vocab}); got {min(prompt)}..{max(prompt)}")
-        if int(max_tokens) < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-        if len(prompt) + int(max_tokens) > ctx:
-            raise ContextOverflow(f"prompt of {len(prompt)} tokens + max_tokens {max_tokens} = "
-                                  f"{len(prompt) + int(max_tokens)} tokens exceeds max_context {ctx}")
+        vocab = self.model_config.vocab_size
+        prompt = check_request(prompt_ids, max_tokens, vocab, self.config.max_context)
         if prefill_mode is not None:
             raise ValueError("the transformers reference has no prefill modes (prefill_mode must be omitted)")
         if logprobs is not None and not 0 <= int(logprobs) <= vocab:
@@ -187,13 +178,7 @@ class ReferenceEngine:
 
     def run(self, prompt_ids: list[int], max_tokens: int, **kwargs: Any) -> tuple[list[TokenEvent], RequestStats]:
         """Drain ``generate``: (events, stats)."""
-        gen = self.generate(prompt_ids, max_tokens, **kwargs)
-        events: list[TokenEvent] = []
-        while True:
-            try:
-                events.append(next(gen))
-            except StopIteration as stop:
-                return events, stop.value
+        return drain(self.generate(prompt_ids, max_tokens, **kwargs))
 
     def reset(self) -> None:
         """Nothing to flush: every request starts from an empty KV cache."""

@@ -95,6 +95,32 @@ class RequestStats:
     layer_trace: list | None = None  # trace_layers: per layer and sub-block, the last prompt position (trace.py)
 
 
+def check_request(prompt_ids: list[int], max_tokens: int, vocab: int, max_context: int) -> list[int]:
+    """The prompt as ints, after the checks every engine behind the server makes before any work (ValueError;
+    ContextOverflow when prompt + max_tokens > max_context)."""
+    prompt = [int(t) for t in prompt_ids]
+    if not prompt:
+        raise ValueError("prompt_ids is empty")
+    if min(prompt) < 0 or max(prompt) >= vocab:
+        raise ValueError(f"prompt token ids must be in [0, {vocab}); got {min(prompt)}..{max(prompt)}")
+    if int(max_tokens) < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    if len(prompt) + int(max_tokens) > max_context:
+        raise ContextOverflow(f"prompt of {len(prompt)} tokens + max_tokens {max_tokens} = "
+                              f"{len(prompt) + int(max_tokens)} tokens exceeds max_context {max_context}")
+    return prompt
+
+
+def drain(gen: Iterator[TokenEvent]) -> tuple[list[TokenEvent], RequestStats]:
+    """Run a ``generate`` generator to its end: (events, its return value, the RequestStats)."""
+    events: list[TokenEvent] = []
+    while True:
+        try:
+            events.append(next(gen))
+        except StopIteration as stop:
+            return events, stop.value
+
+
 def _resolve_device(name: str) -> torch.device:
     if name == "cpu":
         return torch.device("cpu")
@@ -183,18 +209,9 @@ class Engine:
         RequestStats. Raises Cancelled (checked every layer step and every decode step), ContextOverflow
         before any work. ``trace_layers``: ``RequestStats.layer_trace`` holds the prefill's layer trace
         (:mod:`abbench.engine.trace`)."""
-        prompt = [int(t) for t in prompt_ids]
         mode = prefill_mode or self.config.prefill_mode
-        vocab, ctx = self.model_config.vocab_size, self.config.max_context
-        if not prompt:
-            raise ValueError("prompt_ids is empty")
-        if min(prompt) < 0 or max(prompt) >= vocab:
-            raise ValueError(f"prompt token ids must be in [0, {vocab}); got {min(prompt)}..{max(prompt)}")
-        if int(max_tokens) < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-        if len(prompt) + int(max_tokens) > ctx:
-            raise ContextOverflow(f"prompt of {len(prompt)} tokens + max_tokens {max_tokens} = "
-                                  f"{len(prompt) + int(max_tokens)} tokens exceeds max_context {ctx}")
+        vocab = self.model_config.vocab_size
+        prompt = check_request(prompt_ids, max_tokens, vocab, self.config.max_context)
         if mode not in PREFILL_MODES:
             raise ValueError(f"prefill_mode must be one of {PREFILL_MODES}, got {mode!r}")
         if mode == "resident" and self.store.resident is None:
@@ -208,13 +225,7 @@ class Engine:
 
     def run(self, prompt_ids: list[int], max_tokens: int, **kwargs) -> tuple[list[TokenEvent], RequestStats]:
         """Drain ``generate``: (events, stats)."""
-        gen = self.generate(prompt_ids, max_tokens, **kwargs)
-        events: list[TokenEvent] = []
-        while True:
-            try:
-                events.append(next(gen))
-            except StopIteration as stop:
-                return events, stop.value
+        return drain(self.generate(prompt_ids, max_tokens, **kwargs))
 
     def reset(self) -> None:
         """Flush the prefix cache and the decode slot cache."""

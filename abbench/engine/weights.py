@@ -51,14 +51,27 @@ def _seed(seed: int, layer: int, kind: int) -> int:
     return (seed * 1_000_003 + (layer + 2) * 1_009 + kind) % (2**63 - 1)
 
 
+class Draw:
+    """Seeded draws on the compute device: each tensor from a generator seeded by (seed, layer, kind), so its
+    values depend on those alone, not on the order of generation."""
+
+    def __init__(self, seed: int, device: torch.device, dtype: torch.dtype):
+        self.seed, self.device, self.dtype = seed, device, dtype
+        self.gen = torch.Generator(device=device)
+
+    def normal(self, shape: tuple[int, ...], layer: int, kind: int, std: float | None = None) -> torch.Tensor:
+        """N(0, std^2), std 1/sqrt(fan_in) (the last dimension) by default, cast to the model dtype."""
+        self.gen.manual_seed(_seed(self.seed, layer, kind))
+        t = torch.randn(shape, generator=self.gen, device=self.device, dtype=torch.float32)
+        return t.mul_(shape[-1] ** -0.5 if std is None else std).to(self.dtype)
+
+    def const(self, n: int, value: float) -> torch.Tensor:
+        return torch.full((n,), value, device=self.device, dtype=self.dtype)
+
+
 def random_weights(cfg: ModelConfig, seed: int, bank: ExpertBank, device: torch.device,
                    dtype: torch.dtype) -> DenseWeights:
-    gen = torch.Generator(device=device)
-
-    def normal(shape: tuple[int, ...], layer: int, kind: int, std: float | None = None) -> torch.Tensor:
-        gen.manual_seed(_seed(seed, layer, kind))
-        t = torch.randn(shape, generator=gen, device=device, dtype=torch.float32)
-        return t.mul_(shape[-1] ** -0.5 if std is None else std).to(dtype)  # std 1/sqrt(fan_in) by default
+    normal = Draw(seed, device, dtype).normal
 
     def ones(n: int) -> torch.Tensor:
         return torch.ones(n, device=device, dtype=dtype)
@@ -152,15 +165,8 @@ def load_checkpoint(path: str | Path, cfg: ModelConfig, bank: ExpertBank, device
 
 def random_hybrid_weights(cfg: HybridConfig, seed: int, bank: ExpertBank, device: torch.device,
                           dtype: torch.dtype) -> HybridWeights:
-    gen = torch.Generator(device=device)
-
-    def normal(shape: tuple[int, ...], layer: int, kind: int, std: float | None = None) -> torch.Tensor:
-        gen.manual_seed(_seed(seed, layer, kind))
-        t = torch.randn(shape, generator=gen, device=device, dtype=torch.float32)
-        return t.mul_(shape[-1] ** -0.5 if std is None else std).to(dtype)
-
-    def const(n: int, value: float) -> torch.Tensor:
-        return torch.full((n,), value, device=device, dtype=dtype)
+    draw = Draw(seed, device, dtype)
+    gen, normal, const = draw.gen, draw.normal, draw.const
 
     h, d, e, i = cfg.hidden_size, cfg.head_dim, cfg.num_experts, cfg.moe_intermediate_size
     hq, hkv, i_s = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.shared_expert_intermediate_size
