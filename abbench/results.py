@@ -319,6 +319,9 @@ def load_run(run: str | Path, results_root: Path | None = None) -> tuple[RunReco
         loc = ".".join(str(p) for p in first["loc"])
         raise ResultsError(f"{path}: does not match the run schema at {loc}: {first['msg']}") from None
     jsonl, problems = read_samples(run_dir / SAMPLES_FILE)
+    if run_dir.name != record.run_id:  # a run moved after it was made (e.g. from a GPU machine's scratch folder)
+        problems.append(f"run recorded as {record.run_id!r}; named after its directory, {run_dir.name!r}")
+        record.run_id = run_dir.name
     if len(jsonl) > len(record.samples):
         problems.append(
             f"run.json holds {len(record.samples)} samples, requests.jsonl {len(jsonl)}: using requests.jsonl"
