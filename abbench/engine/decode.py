@@ -97,7 +97,9 @@ class Decoder:
         self.mid: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
         self.slot_ids = torch.zeros(self.n_layers, 1, self.k, dtype=torch.long, device=dev)  # [L, 1, k]
         self.logits = torch.zeros(cfg.vocab_size, dtype=torch.float32, device=dev)  # [V]
-        self.graphs = _Graphs(dev) if (graphs and dev.type == "cuda") else None
+        # a graph cannot hold a host read-back: with the looped expert kernel (no grouped GEMM for this
+        # device/dtype, e.g. float32 on CUDA) every step runs eagerly
+        self.graphs = _Graphs(dev) if (graphs and dev.type == "cuda" and model.grouped) else None
         self.host_ids = torch.zeros(self.n_layers, 1, self.k, dtype=torch.long,
                                     pin_memory=dev.type == "cuda")  # [L, 1, k] slot ids on their way up
         self.steps = {"whole": 0, "per_layer": 0}

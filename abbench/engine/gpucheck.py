@@ -11,7 +11,7 @@ e.g. the ``qwen3.5-35b-a3b`` hybrid) with its first ``--layers`` layers and rand
    top_k, an odd size and all experts per layer, with CUDA graphs and eagerly;
 4. timing: decode step time per layer at the prompt's context, for the resident whole-step graph, eager
    decode, and the per-layer graphs with a minimal slot cache (misses copied from the host bank), with the
-   bytes each step copied; scaled to 48 layers as tokens per second.
+   bytes each step copied; scaled to the preset's full depth as tokens per second.
 
 It prints one table and writes every figure to ``--out`` (JSON). Exit status 1 when a check fails.
 """
@@ -152,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     report["decode_equal"], report["prefill"] = decode, prefill
     ok = ok and all(decode.values()) and prefill.get("equal", False)
     report["ok"] = ok
-    scale = 48 / args.layers
+    depth = full.num_hidden_layers
+    scale = depth / args.layers
     print(f"gpucheck on {report['device']} (torch {report['torch']}), {args.layers} full-width layers, "
           f"{args.prompt_tokens}-token context")
     print(f"  grouped GEMM: {report['groups']}")
@@ -163,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         t = report.get(k)
         if t:
             print(f"  {k:32s} {t['mode']:12s} {t['step_s'] * 1e3 / args.layers:7.3f} ms/layer  "
-                  f"-> 48 layers {1 / (t['step_s'] * scale):7.1f} tok/s  H2D/step {t['h2d_bytes_per_step'] / 1e6:8.1f} MB")
+                  f"-> {depth} layers {1 / (t['step_s'] * scale):7.1f} tok/s  H2D/step {t['h2d_bytes_per_step'] / 1e6:8.1f} MB")
     print("gpucheck:", "PASS" if ok else "FAIL")
     if args.out:
         with open(args.out, "w") as f:

@@ -46,7 +46,7 @@ from torch.nn.attention.bias import causal_lower_right
 
 from . import gdn
 from .config import HybridConfig
-from .model import expert_kernel, moe_experts, rope_tables, rotate_half, route
+from .model import decode_gqa, expert_kernel, moe_experts, rope_tables, rotate_half, route
 
 
 @dataclass
@@ -291,11 +291,9 @@ class HybridModel:
             q, k, v, gate = self._qkv(aw, hn, cos, sin)  # [Hq, 1, D], [Hkv, 1, D] x2, [1, Hq*D]
             cache.k[i].index_copy_(1, pos_t, k)
             cache.v[i].index_copy_(1, pos_t, v)
-            keys, values = cache.k[i][None, :, :kv_len], cache.v[i][None, :, :kv_len]  # [1, Hkv, L, D] x2
-            visible = torch.arange(kv_len, device=x.device) <= pos_t  # [L]
-            gqa = cfg.num_attention_heads != cfg.num_key_value_heads
-            out = F.scaled_dot_product_attention(q[None], keys, values, attn_mask=visible.view(1, 1, 1, kv_len),
-                                                 scale=self.scale, enable_gqa=gqa)  # [1, Hq, 1, D]
+            after = torch.arange(kv_len, device=x.device) > pos_t  # [L] positions not yet written
+            out = decode_gqa(q, cache.k[i][:, :kv_len], cache.v[i][:, :kv_len], after, self.scale)[None]
+            # [1, Hq, 1, D]
             x = x + self._attn_out(aw, out, gate)  # [1, H]
         else:
             out, conv, rec = self.linear_mixer(layer, hn, cache.conv[i], cache.rec[i])  # [1, H]

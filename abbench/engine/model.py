@@ -107,6 +107,22 @@ def route(h: torch.Tensor, router: torch.Tensor, top_k: int, norm_topk_prob: boo
     return top_w.to(h.dtype), top_ids
 
 
+def decode_gqa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, hidden: torch.Tensor,
+               scale: float) -> torch.Tensor:
+    """One decode token's grouped-query attention: q [Hq, 1, D] over keys, values [Hkv, L, D] with the
+    positions where ``hidden`` [L] is true masked out -> [Hq, 1, D]. Two batched matmuls per KV head group
+    (query head h reads KV head h // (Hq/Hkv), as transformers' repeat_kv) and a float32 softmax over [Hkv,
+    G, L] scores: K and V are read in place, never expanded to Hq heads or upcast (SDPA with a mask and
+    ``enable_gqa`` falls back to its math kernel on CUDA, which does both: at a 128K KV length that is ~50 KB
+    of temporaries per position and the whole cache re-read in float32 every step)."""
+    hq, _, d = q.shape
+    hkv = keys.shape[0]
+    qg = q.reshape(hkv, hq // hkv, d)  # [Hkv, G, D]
+    scores = torch.bmm(qg, keys.transpose(1, 2)).float() * scale  # [Hkv, G, L]
+    probs = torch.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1).to(values.dtype)  # [Hkv, G, L]
+    return torch.bmm(probs, values).reshape(hq, 1, d)  # [Hq, 1, D]
+
+
 class TooManyGroups(ValueError):
     """A grouped GEMM was asked for more groups than CUDA's kernel takes (on any device, so CPU tests see it)."""
 
@@ -253,11 +269,8 @@ class Model:
         kv.k[layer].index_copy_(1, pos, k)
         kv.v[layer].index_copy_(1, pos, v.transpose(0, 1))
         keys, values = kv.k[layer][:, :kv_len], kv.v[layer][:, :kv_len]  # [Hkv, L, D] each
-        qg = q.reshape(hkv, hq // hkv, d)  # [Hkv, G, D]
-        scores = torch.bmm(qg, keys.transpose(1, 2)).float() * self.scale  # [Hkv, G, L]
         after = torch.arange(kv_len, device=pos.device) > pos  # [L] positions not yet written
-        probs = torch.softmax(scores.masked_fill(after, float("-inf")), dim=-1).to(values.dtype)  # [Hkv, G, L]
-        out = torch.bmm(probs, values).reshape(1, hq * d)  # [1, Hq*D]
+        out = decode_gqa(q, keys, values, after, self.scale).reshape(1, hq * d)  # [1, Hq*D]
         return F.linear(out, lw.o_proj)  # [1, H]
 
     def decode_attn_block(self, layer: int, x: torch.Tensor, kv: KVCache, pos: torch.Tensor, kv_len: int):

@@ -58,7 +58,7 @@ import torch.nn.functional as F
 from . import gdn
 from .config import Qwen4Config
 from .hybrid import AttnWeights, HybridCache, HybridModel, LinearWeights, zc_rms_norm
-from .model import moe_experts, rotate_half, route
+from .model import decode_gqa, moe_experts, rotate_half, route
 
 _MASK64 = (1 << 64) - 1
 _GAMMA = 0x9E3779B97F4A7C15
@@ -475,10 +475,8 @@ class Qwen4Model(HybridModel):
             completes = (pos_t + 1) % c == 0  # [1] this token ends a block
             cache.ck[i].index_copy_(0, b, torch.where(completes[:, None], new, cache.ck[i].index_select(0, b)))
             visible = self._select(iq, cache.ck[i][:kv_len // c], pos_t, kv_len)  # [1, L]
-            keys, values = cache.k[i][None, :, :kv_len], cache.v[i][None, :, :kv_len]  # [1, Hkv, L, D] x2
-            gqa = cfg.num_attention_heads != cfg.num_key_value_heads
-            out = F.scaled_dot_product_attention(q[None], keys, values, attn_mask=visible[None, None],
-                                                 scale=self.scale, enable_gqa=gqa)  # [1, Hq, 1, D]
+            out = decode_gqa(q, cache.k[i][:, :kv_len], cache.v[i][:, :kv_len], ~visible[0], self.scale)[None]
+            # [1, Hq, 1, D]
             out = self._attn_out(aw, out, gate)  # [1, H]
         else:
             out, conv, rec = self.linear_mixer(layer, hn, cache.conv[i], cache.rec[i])  # [1, H]

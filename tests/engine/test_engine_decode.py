@@ -161,3 +161,58 @@ def test_host_memory_check_refuses_a_bank_that_does_not_fit():
 def test_kv_len_is_a_power_of_two_cover_capped_at_the_cache():
     assert [kv_len_for(p, 40960) for p in (0, 1023, 1024, 4100, 40959)] == [1024, 1024, 2048, 8192, 40960]
     assert kv_len_for(10, 512) == 512
+
+
+def test_decode_gqa_equals_repeated_kv_attention_with_the_mask():
+    """decode_gqa reads each KV head for its query group in place; the same numbers as attention over
+    K and V repeated to every query head (transformers' repeat_kv) with the hidden positions masked."""
+    from abbench.engine.model import decode_gqa
+
+    g = torch.Generator().manual_seed(0)
+    hq, hkv, d, L, pos = 8, 2, 16, 64, 37
+    q, k, v = (torch.randn(*s, generator=g, dtype=torch.float64) for s in ((hq, 1, d), (hkv, L, d), (hkv, L, d)))
+    hidden = torch.arange(L) > pos
+    got = decode_gqa(q, k, v, hidden, d ** -0.5)  # [Hq, 1, D]
+    kr, vr = k.repeat_interleave(hq // hkv, 0), v.repeat_interleave(hq // hkv, 0)  # [Hq, L, D]
+    ref = torch.nn.functional.scaled_dot_product_attention(q, kr, vr, attn_mask=~hidden, scale=d ** -0.5)
+    assert got.shape == (hq, 1, d)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)  # float32 softmax
+    # a hidden position's key and value do not matter
+    k2, v2 = k.clone(), v.clone()
+    k2[:, pos + 1:] = 1e3
+    v2[:, pos + 1:] = -1e3
+    assert torch.equal(decode_gqa(q, k2, v2, hidden, d ** -0.5), got)
+
+
+@pytest.mark.parametrize("preset", ["tiny", "qwen3.5-tiny", "qwen4-exp-tiny"])
+def test_decode_never_calls_sdpa(preset, monkeypatch):
+    """Decode steps of every model family attend through decode_gqa: SDPA with a mask and grouped-query
+    heads falls back on CUDA to its math kernel, which expands K/V to every query head in float32 (measured
+    on the H200 with the Qwen3.5 shape: ~52 KB of temporaries per cached position, 6.4 GiB at a 128K KV
+    length, and long-context decode several times slower)."""
+    import torch.nn.functional as F
+
+    from abbench.engine import decode as decode_mod
+
+    eng = Engine(EngineConfig(model=preset, weights="random:0", chunk_tokens=64, layer_major_window_tokens=128,
+                              bandwidth_probe_bytes=0, max_context=512, device=KNOBS["device"]))
+    prompt = torch.randint(0, 400, (70,), generator=torch.Generator().manual_seed(1)).tolist()
+    calls, steps = [], []
+    real_sdpa, real_step = F.scaled_dot_product_attention, decode_mod.Decoder.step
+
+    def spy(*args, **kwargs):
+        calls.append(args[1].shape)
+        return real_sdpa(*args, **kwargs)
+
+    def step(self, *a, **kw):  # SDPA is swapped only inside decode steps (prefill's causal bias dispatches on it)
+        steps.append(1)
+        monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+        try:
+            return real_step(self, *a, **kw)
+        finally:
+            monkeypatch.setattr(F, "scaled_dot_product_attention", real_sdpa)
+
+    monkeypatch.setattr(decode_mod.Decoder, "step", step)
+    events, _ = eng.run(prompt, 4, ignore_eos=True)
+    assert len(events) == 4 and len(steps) == 3  # the first token comes from prefill
+    assert calls == []

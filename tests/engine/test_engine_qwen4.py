@@ -80,7 +80,7 @@ def hf(tmp_path_factory):
 
 def _raw_prefill(engine: Engine, ids: list[int], mode: str, start: int = 0):
     engine.store.begin_request()
-    logits, stats = prefill(engine.model, engine.store, engine.kv, torch.tensor(ids[start:]), start, mode,
+    logits, stats = prefill(engine.model, engine.store, engine.kv, torch.tensor(ids[start:], device=engine.device), start, mode,
                             chunk_tokens=engine.config.chunk_tokens,
                             window_tokens=engine.config.layer_major_window_tokens,
                             demand_max_tokens=engine.config.demand_max_tokens)
@@ -137,6 +137,8 @@ def test_config_from_hf_and_presets(hf):
 
 # -- numerics against transformers -----------------------------------------------------------------------
 
+@pytest.mark.skipif(KNOBS["device"] != "cpu", reason="float32 agreement with transformers is checked on CPU "
+                    "(with fla installed, transformers runs its Triton kernels, which take no CPU tensors)")
 def test_matches_transformers_past_the_indexer_budget(hf):
     _, model, engine = hf
     assert isinstance(engine.model, Qwen4Model)
