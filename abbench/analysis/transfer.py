@@ -30,7 +30,7 @@ from abbench.results import RunRecord
 FLOOR_KINDS = ("fresh", "cold")
 H2D_COLUMNS = ["arm", "kind", "target_tokens", "n", "h2d_bytes", "prefill_h2d_bytes", "decode_h2d_bytes",
                "bank_bytes", "banks", "nvml_bytes", "engine_over_nvml", "n_windows", "measured_h2d_gbps",
-               "floor_s", "ttft_s", "ttft_over_floor"]
+               "floor_s", "ttft_s", "ttft_over_floor", "copy_wait_s"]
 
 
 def h2d_table(record: RunRecord) -> pd.DataFrame:
@@ -40,7 +40,8 @@ def h2d_table(record: RunRecord) -> pd.DataFrame:
     ratios of the whole request's bytes), and the copy floor = n_windows x bank_bytes / measured H2D
     bandwidth (GB/s = 1e9 bytes/s; one bank per window), with the median TTFT over that floor. The floor is
     given only for prompts that start from an empty cache (kinds in :data:`FLOOR_KINDS`): a continuation
-    served from the prefix cache may legitimately copy less. Rows only where the engine or NVML gave
+    served from the prefix cache may legitimately copy less. ``copy_wait_s``: the engine's GPU time spent
+    waiting for streamed expert copies in prefill (the part of TTFT the copies did not hide). Rows only where the engine or NVML gave
     numbers."""
     df = measured_ok_frame(record)
     rows = []
@@ -64,7 +65,8 @@ def h2d_table(record: RunRecord) -> pd.DataFrame:
              "banks": median_of((prefill / bank.where(bank > 0)).dropna()),
              "nvml_bytes": median_of(nvml), "engine_over_nvml": median_of(ratio),
              "n_windows": median_of(g["n_windows"]), "measured_h2d_gbps": median_of(gbps), "floor_s": floor_s,
-             "ttft_s": ttft, "ttft_over_floor": ttft / floor_s if ttft and floor_s else None}
+             "ttft_s": ttft, "ttft_over_floor": ttft / floor_s if ttft and floor_s else None,
+             "copy_wait_s": median_of(g["copy_wait_s"])}
         )
     out = frame(rows, H2D_COLUMNS, ints=["target_tokens"])
     return sort_rows(out, record, ["arm", "kind", "target_tokens"])

@@ -189,6 +189,7 @@ class ExpertStore:
         self.cuda = device.type == "cuda"
         self.lifetime, self.request = Traffic(), Traffic()
         self.slot_lifetime, self.slot_request = SlotStats(), SlotStats()
+        self._stalls: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # (before, after) each streamed wait
         self.startup_h2d_bytes = 0
         e, i, h = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
         self.buf_gate_up = [torch.zeros((e, 2 * i, h), device=device, dtype=bank.dtype) for _ in range(2)]
@@ -218,6 +219,14 @@ class ExpertStore:
     def begin_request(self) -> None:
         self.request = Traffic()
         self.slot_request = SlotStats()
+        self._stalls = []
+
+    def copy_stall_seconds(self) -> float | None:
+        """GPU time the compute stream spent waiting for streamed layer copies since ``begin_request`` (CUDA
+        timing events on either side of each wait; the caller has synchronised). None off CUDA."""
+        if not self.cuda:
+            return None
+        return sum(a.elapsed_time(b) for a, b in self._stalls) / 1e3
 
     # -- copies ---------------------------------------------------------------------------------------
     def _copy_experts(self, buf: int, layer: int, experts: Sequence[int]) -> None:
@@ -274,8 +283,13 @@ class ExpertStore:
             buf = i % 2
             if i + 1 < len(order):
                 self._issue_layer(1 - buf, order[i + 1])
-            if self.cuda:
-                torch.cuda.current_stream(self.device).wait_event(self.ready[buf])
+            if self.cuda:  # the compute stream waits for the copy; timing events either side measure the stall
+                cur = torch.cuda.current_stream(self.device)
+                before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                before.record(cur)
+                cur.wait_event(self.ready[buf])
+                after.record(cur)
+                self._stalls.append((before, after))
             yield layer, self.buf_gate_up[buf], self.buf_down[buf]
 
     def load_experts(self, layer: int, experts: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -92,6 +92,7 @@ class RequestStats:
     decode_steps_whole: int = 0  # decode steps that ran as one piece (no expert could miss)
     decode_steps_per_layer: int = 0  # decode steps that read the router back layer by layer
     peak_device_bytes: int | None = None  # torch's peak allocated device memory during the request (CUDA)
+    copy_wait_s: float | None = None  # prefill: GPU time compute waited for streamed expert copies (CUDA)
     layer_trace: list | None = None  # trace_layers: per layer and sub-block, the last prompt position (trace.py)
 
 
@@ -306,6 +307,7 @@ class Engine:
             finally:
                 self.model.trace = None
             prefill_end = time.perf_counter()
+            copy_wait_s = store.copy_stall_seconds()  # _prefill synchronised the device
             self._kv_tokens = list(prompt)
             if self._hybrid:
                 with self._on_device():
@@ -343,6 +345,7 @@ class Engine:
                 decode_steps_per_layer=self.decoder.steps["per_layer"] - steps0["per_layer"],
                 peak_device_bytes=(int(torch.cuda.max_memory_allocated(self.device))
                                    if self.device.type == "cuda" else None),
+                copy_wait_s=copy_wait_s,
                 layer_trace=tracer.export() if tracer is not None else None)
         except Cancelled:
             counters["requests_cancelled"] += 1

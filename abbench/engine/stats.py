@@ -94,6 +94,8 @@ class AbbenchStats(_Lenient):
     queue_wait_s: float | None = Field(None, description="Seconds the request waited for the worker.")
     decode: AbbenchDecode | None = Field(None, description="Decode steps and the slot cache (newer engines).")
     peak_device_bytes: int | None = Field(None, description="Peak device memory during the request.")
+    copy_wait_s: float | None = Field(None, description="Prefill: GPU time the compute stream waited for "
+                                      "streamed expert copies (CUDA timing events; None off CUDA).")
     layer_trace: list[dict[str, Any]] | None = Field(
         None, description="With trace_layers: per layer and sub-block {layer, block, hash, rms, values} of the last "
         "prompt position (abbench.engine.trace)."

@@ -162,10 +162,13 @@ def h2d_section(ri: ReportInput) -> list[str]:
                         "(another engine, or no GPU).")]
     has_engine = a.h2d["h2d_bytes"].notna().any()
     has_nvml = a.h2d["nvml_bytes"].notna().any()
+    has_wait = a.h2d["copy_wait_s"].notna().any()  # engines that time their copy stalls (the vendored one on CUDA)
     lines += [
         ("Medians per request. Banks = prefill H2D bytes / the engine's bank size (all layers' experts). "
         "Floor = windows x bank / measured H2D bandwidth: the copy-bound lower limit of a prompt's TTFT "
-        "(given for prompts that start from an empty cache)."), "",
+        "(given for prompts that start from an empty cache)."
+        + (" Copy wait = GPU time the engine's compute stream waited for streamed expert copies during prefill "
+           "(CUDA timing events): the part of the copies that compute did not hide." if has_wait else "")), "",
         table(a.h2d, [Col("arm", "Arm", descriptive=True, right=False),
                       Col("kind", "Kind", descriptive=True, right=False),
                       Col("target_tokens", "Prompt tokens", fmt_int, descriptive=True),
@@ -177,7 +180,8 @@ def h2d_section(ri: ReportInput) -> list[str]:
                       Col("n_windows", "Windows", fmt_num, descriptive=True),
                       Col("measured_h2d_gbps", "H2D GB/s", lambda v: fmt_num(v, 1), descriptive=True),
                       Col("floor_s", "Floor", fmt_s), Col("ttft_s", "TTFT", fmt_s),
-                      Col("ttft_over_floor", "TTFT/floor", fmt_ratio)]),
+                      Col("ttft_over_floor", "TTFT/floor", fmt_ratio)]
+              + ([Col("copy_wait_s", "Copy wait", fmt_s)] if has_wait else [])),
     ]
     if not has_engine:
         lines += ["", "The engine reported no H2D counters: only NVML's estimate is shown."]

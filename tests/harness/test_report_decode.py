@@ -120,3 +120,45 @@ def test_ttft_memory_table_pairs_median_ttft_with_the_highest_peak() -> None:
     resident = table[table["arm"] == "resident"]["peak_bytes"]
     offloaded = table[table["arm"] != "resident"]["peak_bytes"]
     assert offloaded.max() < 24e9 < resident.min()  # torch's own peak stays under the 24 GB budget
+
+
+def test_copy_wait_column_and_a_moved_run(tmp_path: Path) -> None:
+    """Engine copy-stall times (``copy_wait_s``) appear as the H2D section's "Copy wait" column, medians per
+    cell; a run whose directory was renamed is reported under the new name, with a note of the recorded id.
+    Runs without the figure (every committed one) show no such column."""
+    run = tmp_path / "moved-run"
+    run.mkdir()
+    record = json.loads((RUN / "run.json").read_text())
+
+    def wait(s: dict) -> float:
+        return 0.001 * (s["step"] % 7) + (0.5 if s["arm"] == "layer-major" else 0.0)
+
+    for s in record["samples"]:
+        s["engine"]["copy_wait_s"] = wait(s)
+    (run / "run.json").write_text(json.dumps(record))
+    waits: dict[tuple, list[float]] = {}
+    lines = []
+    for line in (RUN / "requests.jsonl").read_text().splitlines():
+        s = json.loads(line)
+        s["engine"]["copy_wait_s"] = wait(s)
+        if s["ok"] and not s["excluded"]:
+            waits.setdefault((s["arm"], s["kind"], s["prompt_tokens"]), []).append(wait(s))
+        lines.append(json.dumps(s))
+    (run / "requests.jsonl").write_text("\n".join(lines) + "\n")
+    out = tmp_path / "reports"
+    env = {**os.environ, "COLUMNS": "400", "NO_COLOR": "1"}
+    res = subprocess.run([sys.executable, "-m", "abbench", "report", str(run), "--out", str(out)], cwd=REPO,
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert res.returncode == 0, res.stderr
+    text = (out / "moved-run.md").read_text()
+    assert "# abbench report: moved-run" in text
+    assert f"run recorded as '{RUN.name}'; named after its directory, 'moved-run'" in text
+    (rows,) = mt.tables(mt.sections(text)["Host-to-device transfers"])
+    assert len(rows) == 28
+    for r in rows:
+        want = statistics.median(waits[(r["Arm"], r["Kind"], int(r["Prompt tokens"]))])
+        assert _close(_s(r["Copy wait"]), want), (r, want)
+    res = subprocess.run([sys.executable, "-m", "abbench", "report", str(RUN), "--out", str(tmp_path / "plain")],
+                         cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+    assert res.returncode == 0, res.stderr
+    assert "Copy wait" not in (tmp_path / "plain" / f"{RUN.name}.md").read_text()
