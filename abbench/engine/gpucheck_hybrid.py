@@ -91,6 +91,7 @@ def run(argv: list[str] | None = None) -> tuple[bool, list[tuple[str, str]]]:
         logits, stats = prefill(model, engine.store, kv, ids, 0, mode, chunk_tokens=chunk, window_tokens=2 * chunk,
                                 demand_max_tokens=chunk)
         _sync(dev)
+        stats.copy_wait_s = engine.store.copy_stall_seconds()
         cache = [t[:, :tokens].clone() for t in kv.k + kv.v] + [t.clone() for t in kv.states()]
         cache += [t[:tokens].clone() for t in getattr(kv, "ik", [])]  # Qwen4-Exp's indexer keys
         return logits.clone(), stats, cache
@@ -111,7 +112,9 @@ def run(argv: list[str] | None = None) -> tuple[bool, list[tuple[str, str]]]:
         ok &= same
         rows.append((f"prefill {mode}", f"{'bitwise equal' if same else 'DIFFERS'}; path {stats.path}, "
                                         f"{stats.n_chunks} chunks, {stats.n_windows} windows, "
-                                        f"H2D {stats.h2d_bytes / 1e9:.2f} GB, {secs:.3f} s"))
+                                        f"H2D {stats.h2d_bytes / 1e9:.2f} GB, {secs:.3f} s"
+                                        + (f", copy wait {stats.copy_wait_s:.3f} s" if stats.copy_wait_s is not None
+                                           else "")))
 
     # timings per chunk: DeltaNet mixer, a whole DeltaNet layer (resident experts), a gated-attention layer at
     # the last chunk of the prompt (its KV prefix written by the prefills above)

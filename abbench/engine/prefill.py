@@ -66,6 +66,7 @@ class PrefillStats:
     h2d_bytes: int = 0
     d2d_bytes: int = 0
     expert_copies: int = 0
+    copy_wait_s: float | None = None  # set by callers after a device sync (ExpertStore.copy_stall_seconds)
 
 
 def plan_chunks(start: int, end: int, chunk_tokens: int) -> list[tuple[int, int]]:
