@@ -166,6 +166,7 @@ def test_report_gate_diff_take_the_latest_run_and_say_which(tmp_path: Path, monk
     assert res.exit_code == 0, res.output
     assert "results/newer" in res.output
     run_id = json.loads((FIXTURE / "run.json").read_text())["run_id"]
-    assert (tmp_path / "reports" / f"{run_id}.md").is_file()
+    report = tmp_path / "reports" / "newer.md"  # a copied run is reported under its directory's name
+    assert report.is_file() and f"run recorded as '{run_id}'" in report.read_text()
     res = runner.invoke(app, ["diff", "--prompt", "no-such-prompt"])
     assert "using the latest under results/: results/newer" in res.output and res.exit_code == 2
