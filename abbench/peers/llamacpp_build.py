@@ -26,7 +26,9 @@ Contract
   ``status`` prints that state. Re-running ``build`` on the same build dir is incremental.
 
 No network is needed by ``build``: the UI is not downloaded (``LLAMA_USE_PREBUILT_UI=OFF``), nothing is
-fetched by CMake.
+fetched by CMake. ggml's CUDA backend links cuBLAS: a CUDA toolkit without ``cublas_v2.h`` (this CPU
+machine's nvcc 13.0 install has none: the configure stops at ``CUDA::cublas``) needs it pointed at with
+``--cmake-arg`` (e.g. the ``nvidia-cublas`` wheel's ``include``/``lib``).
 """
 
 from __future__ import annotations
@@ -241,14 +243,21 @@ def _write_status(build_dir: Path, **fields) -> None:
 
 
 def run_build(src: Path, build_dir: Path, *, cuda: bool, cuda_arch: str, jobs: int, native: bool,
-              dry_run: bool = False) -> dict | None:
+              dry_run: bool = False, extra: list[str] | None = None) -> dict | None:
     build_dir = build_dir.resolve()
     if dry_run:
         tree = src if src.is_dir() else build_dir / "src" / "llama.cpp"
         source = {}
         if src.is_dir() and (tree / SOURCE_INFO_NAME).is_file():
             source = json.loads((tree / SOURCE_INFO_NAME).read_text())
+        elif src.is_file():
+            with tarfile.open(src) as tf:
+                try:
+                    source = json.loads(tf.extractfile(f"llama.cpp/{SOURCE_INFO_NAME}").read())
+                except (KeyError, AttributeError, ValueError):
+                    source = {}
         flags = cmake_flags(source.get("llama_cpp_commit"), cuda=cuda, cuda_arch=cuda_arch, native=native)
+        flags += list(extra or [])
         if not src.is_dir():
             print(f"+ tar xzf {src} -C {build_dir / 'src'}")
         for cmd in _commands(tree, build_dir, flags, jobs):
@@ -264,6 +273,7 @@ def run_build(src: Path, build_dir: Path, *, cuda: bool, cuda_arch: str, jobs: i
         source = json.loads(source_file.read_text()) if source_file.is_file() else {
             "llama_cpp_commit": _git(tree, "rev-parse", "HEAD"), "note": f"no {SOURCE_INFO_NAME}: read from git"}
         flags = cmake_flags(source.get("llama_cpp_commit"), cuda=cuda, cuda_arch=cuda_arch, native=native)
+        flags += list(extra or [])
         for cmd in _commands(tree, build_dir, flags, jobs):
             print("+", " ".join(cmd), flush=True)
             subprocess.run(cmd, check=True)
@@ -355,6 +365,8 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--cuda-arch", default=CUDA_ARCH_H200, help="CMAKE_CUDA_ARCHITECTURES with --cuda")
     b.add_argument("--jobs", "-j", type=int, default=os.cpu_count() or 2)
     b.add_argument("--no-native", action="store_true", help="GGML_NATIVE=OFF (portable CPU code)")
+    b.add_argument("--cmake-arg", action="append", default=[], metavar="-DX=Y",
+                   help="extra CMake cache flag (repeatable; recorded), e.g. hints to a cuBLAS outside the toolkit")
     b.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     b.add_argument("--detach", action="store_true", help="build in the background (see status)")
     st = sub.add_parser("status", help="state of a (detached) build")
@@ -372,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.detach and not args.dry_run:
         return _detach(argv, args.build_dir.resolve())
     info = run_build(args.src.resolve(), args.build_dir, cuda=args.cuda, cuda_arch=args.cuda_arch,
-                     jobs=args.jobs, native=not args.no_native, dry_run=args.dry_run)
+                     jobs=args.jobs, native=not args.no_native, dry_run=args.dry_run, extra=args.cmake_arg)
     if info is not None:
         print(json.dumps(info, indent=2))
     return 0
