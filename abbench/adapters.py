@@ -415,6 +415,12 @@ class LlamaCppAdapter(Adapter):
     None and that final event is marked ``final``. Usage is read from it. With ``post_sampling_probs``
     the server sends ``prob``/``top_probs`` instead; they are turned into logprobs.
 
+    Mid-character tokens (seen against a real llama-server, commit 0c1e570): while the generated text ends
+    inside a UTF-8 character the server sends no event, and the event that completes the character lists
+    only its own token, so a stream carries fewer ids than ``tokens_predicted`` and the sample fails as
+    ``protocol``. Not streamed, the final body's ``tokens`` has every id but ``completion_probabilities``
+    leaves those positions out: the ids are kept and the logprobs dropped (they cannot be aligned).
+
     Cold samples: the default reset is ``POST /slots/0?action=erase`` (slot 0's KV cache). The server
     serves slot actions only with ``--slot-save-path DIR`` (even erase), the erase covers every slot only
     with ``-np 1``, and ``--cache-ram 0`` keeps it from restoring the prompt from its host-memory prompt
@@ -462,6 +468,11 @@ class LlamaCppAdapter(Adapter):
         probs = event.get("completion_probabilities")
         if probs is not None:
             parts.logprobs = [self._position(p) for p in probs]
+            if tokens is not None and len(probs) < len(tokens):
+                # Non-streamed: the server leaves out the probabilities of tokens whose text ended inside a
+                # UTF-8 character (server-context.cpp process_token: slot.add_token is skipped while the text
+                # is incomplete), while `tokens` holds every id. The ids stay; the logprobs cannot be placed.
+                parts.logprobs = None
         if event.get("stop") is True:
             parts.final = True
             parts.finish_reason = self._finish_reason(event)

@@ -2,7 +2,7 @@
 codes (0 ok, 1 gate failed, 2 usage/config/results error, 130 interrupted).
 
 Commands: ``run``, ``report``, ``gate``, ``compare`` (two runs), ``diff`` and ``probe`` (divergence diagnostics), ``prompts``,
-``profiles``, ``serve`` (the vendored engine).
+``profiles``, ``serve`` (the vendored engine), ``export-gguf`` (the engine's weights as a llama.cpp GGUF).
 """
 
 from __future__ import annotations
@@ -520,6 +520,46 @@ def serve(ctx: typer.Context) -> None:
     from abbench.engine.server import main as engine_main
 
     engine_main(args)
+
+
+@app.command("export-gguf")
+def export_gguf_cmd(
+    model: Annotated[str, typer.Option(help="The engine's preset (a Qwen3-MoE shape: tiny, qwen3-30b-a3b-half, ...).")] = "tiny",
+    weights: Annotated[str, typer.Option(help="random:SEED, the engine's --weights.")] = "random:0",
+    dtype: Annotated[str, typer.Option(help="float32 or bfloat16: the engine's --dtype; the GGUF's matrices in it.")] = "float32",
+    device: Annotated[str, typer.Option(help="Device the weights are drawn on: the one the engine runs on (cpu, "
+                                             "cuda); a CUDA draw differs from a CPU one.")] = "cpu",
+    out_path: Annotated[Optional[Path], typer.Option("--out", help="GGUF to write (default: the cache path the "
+                                                     "profiles' llama.cpp command reads).")] = None,
+    tokenizer: Annotated[Optional[str], typer.Option(help="Built-in vocabulary (default: qwen3 for 151,936 "
+                                                          "rows).")] = None,
+) -> None:
+    """Write a llama.cpp `qwen3moe` GGUF of the vendored engine's own random weights (same values, same
+    tokenizer), tensor by tensor, for an A/B run of the engine against llama.cpp (README "Against llama.cpp")."""
+    try:
+        from abbench.peers.gguf_export import export_gguf
+        from abbench.peers.llamacpp_serve import gguf_cache_path
+
+        import gguf  # noqa: F401  (the writer's one extra dependency)
+    except ImportError as e:
+        _fail(ConfigError(f"{e}: the GGUF export needs the gguf package: pip install 'abbench[peer]'"))
+        return
+    target = out_path or gguf_cache_path(model, weights, dtype, device)
+    done = {"bytes": 0}
+
+    def progress(name: str, nbytes: int) -> None:
+        done["bytes"] += nbytes
+        if name.endswith("ffn_down_exps.weight") or not name.startswith("blk."):
+            console.print(f"  {name}: {done['bytes'] / 1e9:.2f} GB written", highlight=False)
+
+    try:
+        summary = export_gguf(model, target, weights=weights, dtype=dtype, device=device, tokenizer=tokenizer,
+                              progress=progress)
+    except (ValueError, AbbenchError) as e:
+        _fail(e if isinstance(e, AbbenchError) else ConfigError(str(e)))
+        return
+    console.print(f"wrote {summary['path']}: {summary['bytes'] / 1e9:.3f} GB, {summary['tensors']} tensors, "
+                  f"{summary['seconds']:.1f} s", highlight=False)
 
 
 def main() -> None:  # pragma: no cover - console entry

@@ -13,6 +13,8 @@ Contract
 * :data:`KEY_FIELDS` are the fields that must match before two runs are compared; :func:`key_value` reads
   one from a fingerprint, :func:`comparable` lists the key fields of two fingerprints that differ
   (``[]`` = comparable) and :func:`differences` says how, so two runs are never compared silently.
+* ``peers`` (only when a service command starts llama.cpp's server): per such command the binary, its build
+  record (llama.cpp commit and build flags) and the GGUF it serves (:mod:`abbench.peers.llamacpp_serve`).
 
 GPUs are read through :mod:`abbench.nvml` (the NVML session shared with :mod:`abbench.telemetry`).
 """
@@ -276,7 +278,28 @@ def environment_fingerprint(
         "env": {k: os.environ[k] for k in ENV_VARS if k in os.environ},
         "commands": [list(c) for c in commands] if commands is not None else [],
     }
+    peers = _peer_engines(commands or [])
+    if peers:
+        fp["peers"] = peers
     return fp
+
+
+def _peer_engines(commands: list[list[str]]) -> list[dict[str, Any]]:
+    """For each llama.cpp service command: its binary, the build record beside it (llama.cpp commit, CMake
+    flags, compilers) and the GGUF it serves (:func:`abbench.peers.llamacpp_serve.describe`)."""
+    found: list[dict[str, Any]] = []
+    try:
+        from abbench.peers.llamacpp_serve import describe
+    except ImportError:
+        return found
+    for argv in commands:
+        try:
+            d = describe([str(a) for a in argv])
+        except Exception as e:  # never raise from a fingerprint
+            d = {"error": f"{type(e).__name__}: {e}"}
+        if d is not None and d not in found:
+            found.append(d)
+    return found
 
 
 def key_value(fp: dict[str, Any], field: str) -> Any:

@@ -69,26 +69,48 @@ class Draw:
         return torch.full((n,), value, device=self.device, dtype=self.dtype)
 
 
-def random_weights(cfg: ModelConfig, seed: int, bank: ExpertBank, device: torch.device,
-                   dtype: torch.dtype) -> DenseWeights:
-    normal = Draw(seed, device, dtype).normal
+def random_layer(cfg: ModelConfig, draw: Draw, l: int) -> tuple[LayerWeights, torch.Tensor, torch.Tensor]:
+    """Layer ``l`` of a random Qwen3-MoE model: its dense weights and its experts (gate_up [E, 2I, H], down
+    [E, H, I]) on ``draw``'s device. ``random_weights`` builds every layer with this, and so does the GGUF
+    exporter (:mod:`abbench.peers.gguf_export`), so both hold the same values."""
+    normal = draw.normal
 
     def ones(n: int) -> torch.Tensor:
-        return torch.ones(n, device=device, dtype=dtype)
+        return torch.ones(n, device=draw.device, dtype=draw.dtype)
 
     h, d, e, i = cfg.hidden_size, cfg.head_dim, cfg.num_experts, cfg.moe_intermediate_size
     hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
+    lw = LayerWeights(
+        input_norm=ones(h), q_proj=normal((hq * d, h), l, _Q), k_proj=normal((hkv * d, h), l, _K),
+        v_proj=normal((hkv * d, h), l, _V), o_proj=normal((h, hq * d), l, _O), q_norm=ones(d),
+        k_norm=ones(d), post_norm=ones(h), router=normal((e, h), l, _ROUTER))
+    return lw, normal((e, 2 * i, h), l, _GATE_UP), normal((e, h, i), l, _DOWN)
+
+
+def random_embed(cfg: ModelConfig, draw: Draw) -> torch.Tensor:
+    """The random embedding [V, H] (N(0, 1))."""
+    return draw.normal((cfg.vocab_size, cfg.hidden_size), -1, _EMBED, std=1.0)
+
+
+def random_lm_head(cfg: ModelConfig, draw: Draw) -> torch.Tensor:
+    """The random untied lm_head [V, H] (callers use the embedding itself when the embeddings are tied)."""
+    return draw.normal((cfg.vocab_size, cfg.hidden_size), -1, _LM_HEAD)
+
+
+def random_weights(cfg: ModelConfig, seed: int, bank: ExpertBank, device: torch.device,
+                   dtype: torch.dtype) -> DenseWeights:
+    draw = Draw(seed, device, dtype)
     layers = []
     for l in range(cfg.num_hidden_layers):
-        layers.append(LayerWeights(
-            input_norm=ones(h), q_proj=normal((hq * d, h), l, _Q), k_proj=normal((hkv * d, h), l, _K),
-            v_proj=normal((hkv * d, h), l, _V), o_proj=normal((h, hq * d), l, _O), q_norm=ones(d),
-            k_norm=ones(d), post_norm=ones(h), router=normal((e, h), l, _ROUTER)))
-        bank.gate_up[l].copy_(normal((e, 2 * i, h), l, _GATE_UP))  # one layer at a time through the device
-        bank.down[l].copy_(normal((e, h, i), l, _DOWN))
-    embed = normal((cfg.vocab_size, h), -1, _EMBED, std=1.0)
-    lm_head = embed if cfg.tie_word_embeddings else normal((cfg.vocab_size, h), -1, _LM_HEAD)
-    return DenseWeights(embed=embed, layers=layers, norm=ones(h), lm_head=lm_head)
+        lw, gate_up, down = random_layer(cfg, draw, l)
+        layers.append(lw)
+        bank.gate_up[l].copy_(gate_up)  # one layer at a time through the device
+        bank.down[l].copy_(down)
+        del gate_up, down
+    embed = random_embed(cfg, draw)
+    lm_head = embed if cfg.tie_word_embeddings else random_lm_head(cfg, draw)
+    return DenseWeights(embed=embed, layers=layers, norm=torch.ones(cfg.hidden_size, device=device, dtype=dtype),
+                        lm_head=lm_head)
 
 
 class _Checkpoint:

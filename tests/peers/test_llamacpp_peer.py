@@ -1,0 +1,266 @@
+"""llama.cpp as a peer arm: the build recipe (abbench/peers/llamacpp_build.py), the launcher
+(abbench/peers/llamacpp_serve.py), the llamacpp adapter's handling of mid-character tokens, the profiles,
+and, when a llama-server binary is given ($ABBENCH_LLAMA_SERVER), the real server against the engine."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import stat
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from abbench.adapters import LlamaCppAdapter
+from abbench.peers import llamacpp_build as lb
+from abbench.peers import llamacpp_serve as ls
+from abbench.profile import load_profile
+
+REPO = Path(__file__).resolve().parents[2]
+LLAMA_SERVER = os.environ.get(ls.SERVER_ENV)
+needs_server = pytest.mark.skipif(
+    not LLAMA_SERVER or not os.access(LLAMA_SERVER, os.X_OK),
+    reason=f"no llama-server binary: set {ls.SERVER_ENV} to one built with python -m abbench.peers.llamacpp_build "
+           "(CI has no llama.cpp build)")
+
+
+# --------------------------------------------------------------------------------------------- the recipe
+
+
+def _fake_sdist(tmp: Path) -> Path:
+    """A llama_cpp_python sdist in miniature: vendor/llama.cpp is a git repository with a server, the CPU and
+    CUDA backends, and things a server build never reads."""
+    root = tmp / "llama_cpp_python-9.9.9"
+    tree = root / "vendor" / "llama.cpp"
+    for rel in ("CMakeLists.txt", "tools/server/server.cpp", "tools/ui/CMakeLists.txt", "tools/ui/src/app.ts",
+                "ggml/src/ggml-cpu/ops.cpp", "ggml/src/ggml-cuda/mmq.cu", "ggml/src/ggml-vulkan/x.cpp",
+                "docs/build.md", "models/ggml-vocab.gguf", "tests/test-x.cpp", "convert_hf_to_gguf.py"):
+        (tree / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tree / rel).write_text(rel)
+    env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+           "GIT_COMMITTER_EMAIL": "t@t"}
+    for cmd in (["init", "-q"], ["add", "-A"], ["commit", "-qm", "fake llama.cpp"]):
+        subprocess.run(["git", "-C", str(tree), *cmd], check=True, env=env)
+    sdist = tmp / "llama_cpp_python-9.9.9.tar.gz"
+    with tarfile.open(sdist, "w:gz") as tf:
+        tf.add(root, arcname=root.name)
+    return sdist
+
+
+def test_source_trims_the_tree_and_records_the_commit(tmp_path: Path) -> None:
+    sdist = _fake_sdist(tmp_path)
+    commit = subprocess.run(["git", "-C", str(tmp_path / "llama_cpp_python-9.9.9/vendor/llama.cpp"), "rev-parse",
+                             "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    out = tmp_path / "src.tar.gz"
+    info = lb.make_source(sdist, out)
+    assert info["llama_cpp_commit"] == commit and info["sdist_sha256"] == lb._sha256(sdist)
+    with tarfile.open(out) as tf:
+        names = set(tf.getnames())
+        recorded = json.loads(tf.extractfile(f"llama.cpp/{lb.SOURCE_INFO_NAME}").read())
+    kept = {"CMakeLists.txt", "tools/server/server.cpp", "tools/ui/CMakeLists.txt", "ggml/src/ggml-cpu/ops.cpp",
+            "ggml/src/ggml-cuda/mmq.cu"}
+    gone = {"tools/ui/src/app.ts", "ggml/src/ggml-vulkan/x.cpp", "docs/build.md", "models/ggml-vocab.gguf",
+            "tests/test-x.cpp", "convert_hf_to_gguf.py", ".git/HEAD"}
+    assert {f"llama.cpp/{k}" for k in kept} <= names
+    assert not {f"llama.cpp/{g}" for g in gone} & names
+    assert recorded["llama_cpp_commit"] == commit and ".git" in recorded["trimmed"]
+    with pytest.raises(SystemExit, match="max-mib"):
+        lb.make_source(sdist, tmp_path / "small.tar.gz", max_mib=1e-6)
+
+
+def test_build_dry_run_prints_the_cuda_configure_and_the_server_target(tmp_path: Path) -> None:
+    info = lb.make_source(_fake_sdist(tmp_path), tmp_path / "src.tar.gz")
+    r = subprocess.run([sys.executable, "-m", "abbench.peers.llamacpp_build", "build", "--src",
+                        str(tmp_path / "src.tar.gz"), "--build-dir", str(tmp_path / "b"), "--cuda", "--jobs", "16",
+                        "--cmake-arg=-DCUDA_cublas_LIBRARY=/x/libcublas.so.13", "--dry-run"],
+                       capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert f"-DLLAMA_BUILD_COMMIT={info['llama_cpp_commit'][:12]}" in r.stdout  # read from inside the tarball
+    assert "-DCUDA_cublas_LIBRARY=/x/libcublas.so.13" in r.stdout
+    assert "-DGGML_CUDA=ON" in r.stdout and "-DCMAKE_CUDA_ARCHITECTURES=90" in r.stdout
+    assert "-DLLAMA_USE_PREBUILT_UI=OFF" in r.stdout  # no download on a machine without network
+    assert "--target llama-server -j 16" in r.stdout
+    assert not (tmp_path / "b").exists()  # a dry run creates nothing
+    help_ = subprocess.run([sys.executable, "-m", "abbench.peers.llamacpp_build", "--help"], capture_output=True,
+                           text=True, cwd=REPO, timeout=60)
+    assert help_.returncode == 0 and "source" in help_.stdout and "build" in help_.stdout
+    st = subprocess.run([sys.executable, "-m", "abbench.peers.llamacpp_build", "status", "--build-dir",
+                         str(tmp_path / "none")], capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert st.returncode == 1 and "no build" in st.stdout
+
+
+def test_cmake_flags() -> None:
+    cpu = lb.cmake_flags("0c1e57098bba43ac29e6e3b677cdceebdd22334f", cuda=False)
+    assert "-DLLAMA_BUILD_COMMIT=0c1e57098bba" in cpu and not any("CUDA" in f for f in cpu)
+    assert "-DBUILD_SHARED_LIBS=OFF" in cpu  # one self-contained binary
+    gpu = lb.cmake_flags(None, cuda=True, cuda_arch="90a")
+    assert "-DCMAKE_CUDA_ARCHITECTURES=90a" in gpu and "-DLLAMA_BUILD_COMMIT=unknown" in gpu
+
+
+# ------------------------------------------------------------------------------------------- the launcher
+
+
+def _fake_server(tmp: Path) -> Path:
+    """An executable 'llama-server' that prints its argv, with a build record beside it."""
+    binary = tmp / "bin" / "llama-server"
+    binary.parent.mkdir(parents=True)
+    binary.write_text("#!/bin/sh\necho ARGV \"$@\"\n")
+    binary.chmod(binary.stat().st_mode | stat.S_IEXEC)
+    (binary.parent / lb.BUILD_INFO_NAME).write_text(json.dumps({"source": {"llama_cpp_commit": "abc123"}}))
+    return binary
+
+
+def test_launcher_execs_the_server_on_the_gguf(tmp_path: Path) -> None:
+    binary = _fake_server(tmp_path)
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"not read by the fake server")
+    env = {**os.environ, ls.SERVER_ENV: str(binary), "PYTHONPATH": str(REPO)}
+    r = subprocess.run([sys.executable, "-m", "abbench.peers.llamacpp_serve", "--model", "tiny", "--gguf", str(gguf),
+                        "--", "--port", "9", "-np", "1"], capture_output=True, text=True, env=env, timeout=60)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    record = json.loads(lines[0].removeprefix("abbench-peer: "))
+    assert record["build"]["source"]["llama_cpp_commit"] == "abc123" and record["llama_server"] == str(binary)
+    assert lines[-1] == f"ARGV -m {gguf} --port 9 -np 1"
+    missing = subprocess.run([sys.executable, "-m", "abbench.peers.llamacpp_serve", "--model", "tiny", "--gguf",
+                              str(gguf)], capture_output=True, text=True, timeout=60,
+                             env={**env, ls.SERVER_ENV: str(tmp_path / "nope")})
+    assert missing.returncode == 2 and ls.SERVER_ENV in missing.stderr
+
+
+def test_describe_is_what_the_fingerprint_records(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from abbench.fingerprint import environment_fingerprint
+
+    binary = _fake_server(tmp_path)
+    monkeypatch.setenv(ls.SERVER_ENV, str(binary))
+    monkeypatch.setenv("ABBENCH_CACHE_DIR", str(tmp_path / "cache"))
+    argv = ["{python}", "-m", "abbench.peers.llamacpp_serve", "--model", "tiny", "--dtype", "bfloat16", "--",
+            "--port", "{port}"]
+    d = ls.describe(argv)
+    assert d["build"]["source"]["llama_cpp_commit"] == "abc123"
+    assert d["gguf"] == {"path": str(tmp_path / "cache" / "gguf" / "tiny-random0-bfloat16-cpu-v1.gguf"),
+                         "exists": False}
+    assert ls.describe(["python", "-m", "abbench.engine"]) is None
+    assert ls.describe([str(binary), "-m", "x.gguf"])["build"]["source"]["llama_cpp_commit"] == "abc123"
+    fp = environment_fingerprint([argv, ["python", "-m", "abbench.engine"]])
+    assert fp["peers"] == [d]
+    assert "peers" not in environment_fingerprint([["python", "-m", "abbench.engine"]])
+
+
+# ---------------------------------------------------------------------------------------------- the adapter
+
+
+def test_llamacpp_body_without_probabilities_of_mid_character_tokens_keeps_its_ids() -> None:
+    """llama.cpp's non-streamed body lists every id in `tokens` but leaves mid-character tokens out of
+    completion_probabilities (seen on the real server): the ids stay, the unalignable logprobs go."""
+    def pos(i: int) -> dict:
+        return {"id": i, "logprob": -1.0, "top_logprobs": [{"id": i, "logprob": -1.0}, {"id": 7, "logprob": -2.0}]}
+
+    body = {"content": "x", "tokens": [5, 6, 8], "stop": True, "stop_type": "limit", "tokens_evaluated": 4,
+            "tokens_predicted": 3, "completion_probabilities": [pos(5), pos(8)]}
+    parts = LlamaCppAdapter().parse_event(body)
+    assert parts.token_ids == [5, 6, 8] and parts.logprobs is None and parts.final
+    whole = LlamaCppAdapter().parse_event({**body, "completion_probabilities": [pos(5), pos(6), pos(8)]})
+    assert whole.token_ids == [5, 6, 8] and [p[0][0] for p in whole.logprobs] == [5, 6, 8]
+
+
+# --------------------------------------------------------------------------------------------- the profiles
+
+
+def test_peer_profiles_load_with_per_arm_engines() -> None:
+    h200 = load_profile(str(REPO / "profiles" / "h200-peer-llamacpp.toml"))
+    arms = {a.name: a for a in h200.arms}
+    assert list(arms) == ["chunked", "layer-major", "resident", "llamacpp-host", "llamacpp-host-ub2048",
+                          "llamacpp-host-ubmax", "llamacpp-gpu"]
+    assert h200.prompts.lengths == [4096, 16384, 32768]
+    for name in ("chunked", "layer-major"):
+        assert h200.launch_spec(name).argv[-2:] == ["--gpu-memory-budget", "24"]
+    for name, a in arms.items():
+        argv = h200.launch_spec(name).argv
+        if not name.startswith("llamacpp"):
+            assert h200.arm_engine(name).adapter == "openai" and "qwen3-30b-a3b-half" in argv
+            continue
+        assert h200.arm_engine(name).adapter == "llamacpp" and not a.args  # an own command takes no args
+        assert argv[argv.index("--model") + 1] == "qwen3-30b-a3b-half" and "--device" in argv
+        assert argv[argv.index("--dtype") + 1] == "bfloat16" and argv[argv.index("--device") + 1] == "cuda"
+        server = argv[argv.index("--") + 1:]
+        assert ("--cpu-moe" in server) == (name != "llamacpp-gpu")
+        ub = server[server.index("-ub") + 1] if "-ub" in server else None
+        assert ub == {"llamacpp-host": None, "llamacpp-host-ub2048": "2048", "llamacpp-host-ubmax": "8192",
+                      "llamacpp-gpu": None}[name]
+    assert "peak_vram_gb[llamacpp-host-ubmax] <= 24" in h200.gate.checks
+    cpu = load_profile(str(REPO / "profiles" / "cpu-tiny-llamacpp.toml"))
+    assert [cpu.arm_engine(a.name).adapter for a in cpu.arms] == ["openai", "llamacpp"]
+    assert cpu.arm_engine("llamacpp").reset_path == "/slots/0?action=erase"
+
+
+# ------------------------------------------------------------------------------------- a real llama-server
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@needs_server
+@pytest.mark.slow
+def test_real_llama_server_tokenizes_like_the_harness_and_matches_the_engine(tmp_path: Path) -> None:
+    """The launcher exports the tiny float32 GGUF into the cache and starts the real server on it: it counts
+    and splits prompt text exactly as the harness's tokenizer does, and its greedy ids and logprobs equal the
+    vendored engine's in-process ones (float32, no flash attention, f32 KV cache)."""
+    pytest.importorskip("torch")
+    pytest.importorskip("gguf")
+    from abbench.engine import Engine, EngineConfig
+    from abbench.prompts import build_prompts
+    from abbench.tokenizers import encode_ids, load_tokenizer
+
+    port = _free_port()
+    env = {**os.environ, "ABBENCH_CACHE_DIR": str(tmp_path / "cache"), "PYTHONPATH": str(REPO)}
+    log = open(tmp_path / "server.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "abbench.peers.llamacpp_serve", "--model", "tiny", "--dtype",
+                             "float32", "--", "--host", "127.0.0.1", "--port", str(port), "-c", "2048", "-np", "1",
+                             "-t", "2", "-fa", "off", "-ctk", "f32", "-ctv", "f32"],
+                            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 180
+        while True:
+            assert proc.poll() is None, (tmp_path / "server.log").read_text()[-2000:]
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "llama-server did not become healthy"
+            time.sleep(0.5)
+        tok = load_tokenizer("qwen3")
+        prof = load_profile(str(REPO / "profiles" / "cpu-tiny-llamacpp.toml"))
+        texts = [b.text for b in build_prompts(tok, prof.prompts)]
+        texts += ["Hello, world! 123 4567 ...\n\n  tabs\tand spaces  ", "日本語のテキストと emoji 🚀 mixed", "<|im_start|>user\nhi<|im_end|>"]
+        for text in texts:
+            got = httpx.post(url + "/tokenize", json={"content": text, "add_special": False, "parse_special": True},
+                             timeout=60).json()["tokens"]
+            assert got == encode_ids(tok, text), text[:60]
+        engine = Engine(EngineConfig(model="tiny", weights="random:0", device="cpu", dtype="float32",
+                                     chunk_tokens=128))
+        for text in texts[:2]:
+            ids = encode_ids(tok, text)
+            body = httpx.post(url + "/completion", json={"prompt": ids, "n_predict": 12, "temperature": 0,
+                                                         "ignore_eos": True, "return_tokens": True, "n_probs": 2},
+                              timeout=120).json()
+            events = list(engine.generate(ids, 12, temperature=0.0, ignore_eos=True, logprobs=2))
+            assert body["tokens"] == [e.token_id for e in events], text[:60]
+            if len(body["completion_probabilities"]) == len(events):  # else a mid-character token left them out
+                theirs = [p["logprob"] for p in body["completion_probabilities"]]
+                assert max(abs(a - e.logprob) for a, e in zip(theirs, events)) < 1e-4
+    finally:
+        os.killpg(proc.pid, 15)
+        proc.wait(timeout=30)
+        log.close()
