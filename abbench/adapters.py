@@ -99,6 +99,9 @@ class Adapter:
     done_marker: ClassVar[str | None] = "[DONE]"  # data payload ending the stream; None: see EventParts.final
     protected_fields: ClassVar[frozenset[str]] = frozenset({"prompt", "stream", "stream_options"})
     counters: ClassVar[Counters] = MappingProxyType({})
+    # the server's stream may leave out ids that its usage counts; the client then asks again, not streamed,
+    # for the ids alone (see EngineClient.complete)
+    refetch_short_stream_ids: ClassVar[bool] = False
 
     def build_body(
         self, prompt: Prompt, *, request: RequestSpec, extra: Mapping[str, Any], model: str | None
@@ -417,9 +420,12 @@ class LlamaCppAdapter(Adapter):
 
     Mid-character tokens (seen against a real llama-server, commit 0c1e570): while the generated text ends
     inside a UTF-8 character the server sends no event, and the event that completes the character lists
-    only its own token, so a stream carries fewer ids than ``tokens_predicted`` and the sample fails as
-    ``protocol``. Not streamed, the final body's ``tokens`` has every id but ``completion_probabilities``
-    leaves those positions out: the ids are kept and the logprobs dropped (they cannot be aligned).
+    only its own token, so a stream carries fewer ids than ``tokens_predicted``. Not streamed, the final
+    body's ``tokens`` has every id but ``completion_probabilities`` leaves those positions out: the ids are
+    kept and the logprobs dropped (they cannot be aligned). A short stream is therefore completed by one more
+    request, not streamed, from the prompt the server has just cached (``refetch_short_stream_ids``; see
+    ``EngineClient.complete``): its ids replace the stream's only if they contain every streamed id in order
+    and give the same text and count; TTFT and total time stay the stream's.
 
     Cold samples: the default reset is ``POST /slots/0?action=erase`` (slot 0's KV cache). The server
     serves slot actions only with ``--slot-save-path DIR`` (even erase), the erase covers every slot only
@@ -435,6 +441,7 @@ class LlamaCppAdapter(Adapter):
     done_marker: ClassVar[str | None] = None
     protected_fields: ClassVar[frozenset[str]] = frozenset({"prompt", "stream"})
     counters: ClassVar[Counters] = ENGINE_COUNTERS["llamacpp"]
+    refetch_short_stream_ids: ClassVar[bool] = True
 
     def build_body(
         self, prompt: Prompt, *, request: RequestSpec, extra: Mapping[str, Any], model: str | None

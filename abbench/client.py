@@ -73,7 +73,7 @@ from abbench.adapters import (
 )
 from abbench.errors import RequestError
 from abbench.profile import RequestSpec
-from abbench.response import Completion, IdsSource, RawResponse, finish
+from abbench.response import Completion, IdsSource, RawResponse, ShortIds, finish
 from abbench.sse import SNIPPET as _SNIPPET
 from abbench.sse import SSEEvent, SSEParser
 
@@ -348,7 +348,15 @@ class EngineClient:
                 response.close()
         finally:
             self._watchdog.disarm(deadline)
-        return finish(raw, ad, ignore_eos, started_at, target_prompt_tokens, retokenize, what)
+        try:
+            return finish(raw, ad, ignore_eos, started_at, target_prompt_tokens, retokenize, what)
+        except ShortIds as short:
+            if not ad.refetch_short_stream_ids or raw.ttft is None:
+                raise
+            again = self.complete(base_url, prompt, request=request.model_copy(update={"stream": False}),
+                                  extra=extra, target_prompt_tokens=target_prompt_tokens, model=model,
+                                  retokenize=retokenize, adapter=ad, headers=headers)
+            return _with_refetched_ids(short, again, raw, started_at, what)
 
     def _read_stream(
         self, response: httpx.Response, ad: Adapter, t0: float, what: str, deadline: _Deadline
@@ -414,6 +422,27 @@ class EngineClient:
 
 
 # --------------------------------------------------------------------------------------------- helpers
+
+
+def _with_refetched_ids(short: ShortIds, again: Completion, raw: RawResponse, started_at: float,
+                         what: str) -> Completion:
+    """The streamed completion with the ids of a non-streamed repeat of the request (same prompt, now cached by
+    the server), if that repeat agrees with everything the stream did carry: the same text, as many ids as the
+    stream's usage counted, and every streamed id in order among them. Else the stream's protocol error."""
+    ids, it = again.output_ids, iter(again.output_ids)
+    in_order = all(any(i == j for j in it) for i in short.streamed_ids)
+    if not (again.ids_source == "native" and len(ids) == short.completion_tokens and again.text == short.text
+            and in_order and again.finish_reason == short.finish_reason):
+        raise RequestError("protocol", f"{short.detail}; a non-streamed repeat did not reproduce the stream "
+                                       f"({len(ids)} ids, same text: {again.text == short.text}, streamed ids in "
+                                       f"order: {in_order})")
+    engine = dict(short.engine or {})
+    engine["ids_refetched"] = {"streamed_ids": len(short.streamed_ids), "ids": len(ids),
+                               "why": "the stream left out ids of tokens ending inside a UTF-8 character"}
+    return Completion(started_at=started_at, ttft_s=raw.ttft, total_s=raw.total, output_ids=list(ids),
+                      ids_source="native", text=short.text, finish_reason=again.finish_reason,
+                      prompt_tokens=again.prompt_tokens, completion_tokens=short.completion_tokens,
+                      saw_done=True, logprobs=again.logprobs, engine=engine)
 
 
 def _url(base_url: str, path: str) -> str:

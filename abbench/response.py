@@ -24,6 +24,17 @@ from abbench.sse import SNIPPET
 IdsSource = Literal["native", "retokenized", "none"]
 
 
+class ShortIds(RequestError):
+    """A stream carried fewer native ids than its usage counts (llama.cpp sends no id for a token whose text
+    ends inside a UTF-8 character). Holds what the stream did carry, for a caller that can recover the rest."""
+
+    def __init__(self, message: str, *, streamed_ids: list[int], text: str, completion_tokens: int,
+                 finish_reason: str | None, engine: dict[str, Any] | None) -> None:
+        super().__init__("protocol", message)
+        self.streamed_ids, self.text, self.completion_tokens = streamed_ids, text, completion_tokens
+        self.finish_reason, self.engine = finish_reason, engine
+
+
 @dataclass(slots=True)
 class Completion:
     """One complete, verified response: the fields a :class:`abbench.results.Sample` takes from it."""
@@ -147,6 +158,10 @@ def verify(m: Merged, raw: RawResponse, ad: Adapter, *, ignore_eos: bool, target
             )
     elif finish not in ("length", "stop"):
         raise RequestError("finish-reason", f"{what}: finish_reason={finish!r}; expected 'length' or 'stop'")
+    if m.native and raw.streamed and completion_tokens > len(m.ids):
+        raise ShortIds(f"{what}: usage.completion_tokens={completion_tokens} but the stream carried {len(m.ids)} "
+                       "token ids", streamed_ids=list(m.ids), text="".join(m.text),
+                       completion_tokens=completion_tokens, finish_reason=m.finish, engine=m.engine)
     if m.native and completion_tokens != len(m.ids):
         raise RequestError(
             "protocol",

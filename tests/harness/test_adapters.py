@@ -211,6 +211,50 @@ def test_llamacpp_stream_end(llamacpp: fake_engines.FakeEngine, client: EngineCl
     assert e.value.kind == kind and words in e.value.detail
 
 
+def test_llamacpp_stream_without_mid_character_ids_is_completed_by_a_refetch(
+        llamacpp: fake_engines.FakeEngine, client: EngineClient) -> None:
+    """llama.cpp's stream sends no id for a token whose text ends inside a UTF-8 character (the fake does as
+    the real server: `fake_mid_char`). The client asks once more, not streamed, and keeps the stream's TTFT
+    with the repeat's ids, which must contain every streamed id in order; the logprobs cannot be placed."""
+    prompt_ids = llamacpp.tokenizer.encode(PROMPT)
+    ids, text = expected(llamacpp, prompt_ids, 8)
+    before = llamacpp.stats()["completions"]
+    c = client.complete(llamacpp.base_url, PROMPT, request=spec(), extra={"fake_mid_char": [2, 5]},
+                        target_prompt_tokens=len(prompt_ids), adapter="llamacpp")
+    assert c.output_ids == ids and c.ids_source == "native" and c.text == text and c.completion_tokens == 8
+    assert c.ttft_s is not None and c.saw_done and c.logprobs is None
+    assert c.engine["ids_refetched"] == {"streamed_ids": 6, "ids": 8, "why": c.engine["ids_refetched"]["why"]}
+    assert llamacpp.stats()["completions"] == before + 2  # the stream and its repeat
+    # without the need, one request and the logprobs
+    c = client.complete(llamacpp.base_url, PROMPT, request=spec(), extra={}, target_prompt_tokens=len(prompt_ids),
+                        adapter="llamacpp")
+    assert c.output_ids == ids and c.logprobs is not None and "ids_refetched" not in (c.engine or {})
+
+
+def test_a_short_stream_is_not_refetched_from_other_engines_or_against_a_changed_answer(
+        llamacpp: fake_engines.FakeEngine, client: EngineClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only an adapter that declares it refetches; a repeat that disagrees with the stream is a protocol error."""
+    prompt_ids = llamacpp.tokenizer.encode(PROMPT)
+    monkeypatch.setattr(LlamaCppAdapter, "refetch_short_stream_ids", False)
+    with pytest.raises(RequestError) as e:
+        client.complete(llamacpp.base_url, PROMPT, request=spec(), extra={"fake_mid_char": [3]},
+                        target_prompt_tokens=len(prompt_ids), adapter="llamacpp")
+    assert e.value.kind == "protocol" and "carried 7 token ids" in e.value.detail
+    monkeypatch.setattr(LlamaCppAdapter, "refetch_short_stream_ids", True)
+    real = EngineClient.complete
+
+    def changed(self, *a, **kw):  # the repeat (not streamed) diverges from position 1 on
+        if not kw["request"].stream:
+            kw["extra"] = {**kw["extra"], "fake_diverge_at": 1}
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(EngineClient, "complete", changed)
+    with pytest.raises(RequestError) as e:
+        client.complete(llamacpp.base_url, PROMPT, request=spec(), extra={"fake_mid_char": [3]},
+                        target_prompt_tokens=len(prompt_ids), adapter="llamacpp")
+    assert e.value.kind == "protocol" and "a non-streamed repeat did not reproduce the stream" in e.value.detail
+
+
 def test_llamacpp_older_and_probability_fields(llamacpp: fake_engines.FakeEngine, client: EngineClient) -> None:
     n = len(llamacpp.tokenizer.encode(PROMPT))
     c = client.complete(llamacpp.base_url, PROMPT, request=spec(), target_prompt_tokens=n, adapter="llamacpp",

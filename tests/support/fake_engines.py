@@ -25,7 +25,10 @@ with empty text and its text S seconds later with the second token (to test time
 ``fake_token_delay_s`` sleeps between token events. ``fake_mode`` misbehaves on purpose: ``abort`` (SGLang:
 the last event's finish reason is an abort), ``no-final`` (llama.cpp: the stream ends without its
 ``stop: true`` event), ``after-final`` (llama.cpp: one more event after it), ``old-stop-fields`` (llama.cpp:
-``stopped_limit`` instead of ``stop_type``, as servers before late 2024).
+``stopped_limit`` instead of ``stop_type``, as servers before late 2024). ``fake_mid_char: [j, ...]``
+(llama.cpp): the tokens at those output positions end inside a UTF-8 character, as the real server (commit
+0c1e570) handles them: streamed, they send no event and the next event carries their text but only its own
+id; not streamed, ``completion_probabilities`` leaves them out while ``tokens`` lists every id.
 
 A prefix cache is simulated per server: a prompt reuses the longest common prefix with any prompt served
 since the last reset (at most all but its last token), reported the way each engine reports it; the reset
@@ -531,16 +534,22 @@ class _Handler(BaseHTTPRequestHandler):
         if mode == "old-stop-fields":
             del final["stop_type"]
             final.update(stopped_eos=False, stopped_word=False, stopped_limit=True)
+        mid = {int(j) for j in body.get("fake_mid_char") or ()}
         if not body.get("stream"):
             final["content"] = "".join(pieces)
             final["tokens"] = ids if body.get("return_tokens") else []
             if k:
-                final["completion_probabilities"] = [probs(j) for j in range(len(ids))]
+                final["completion_probabilities"] = [probs(j) for j in range(len(ids)) if j not in mid]
             self._json(200, final)
             return
         self._stream_start()
+        held = ""
         for j, (i, piece) in enumerate(zip(ids, pieces)):
             time.sleep(run["delays"][j])
+            if j in mid:  # text ends inside a character: no event, the text waits for the next token's
+                held += piece
+                continue
+            piece, held = held + piece, ""
             ev: dict[str, Any] = {"index": 0, "content": piece, "tokens": [i], "stop": False, "id_slot": 0,
                                   "tokens_predicted": j + 1, "tokens_evaluated": n_prompt}
             if k:
