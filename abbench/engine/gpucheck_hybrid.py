@@ -66,6 +66,9 @@ def run(argv: list[str] | None = None) -> tuple[bool, list[tuple[str, str]]]:
     p.add_argument("--tokens", type=int, default=None, help="prompt length (default 4096 on cuda, 300 on cpu)")
     p.add_argument("--chunk-tokens", type=int, default=None, help="a multiple of 64 (default 2048 on cuda, 64 on cpu)")
     p.add_argument("--repeats", type=int, default=5, help="timed repetitions (median)")
+    p.add_argument("--window-chunks", type=int, default=2,
+                   help="chunks per layer-major window (default 2: several windows on a long prompt; a large value "
+                        "puts a long prompt in one window, to compare layer-major with resident at full length)")
     args = p.parse_args(argv)
     cuda = args.device.startswith("cuda")
     preset = PRESETS[args.model or ("qwen3.5-35b-a3b" if cuda else "qwen3.5-tiny")]
@@ -74,12 +77,15 @@ def run(argv: list[str] | None = None) -> tuple[bool, list[tuple[str, str]]]:
     n_layers = min(args.layers or (8 if cuda else preset.num_hidden_layers), preset.num_hidden_layers)
     tokens = args.tokens or (4096 if cuda else 300)
     chunk = args.chunk_tokens or (2048 if cuda else 64)
+    if args.window_chunks < 2:
+        p.error("--window-chunks must be at least 2 (one chunk per window is the chunked path)")
+    window = args.window_chunks * chunk
     extra = {"ple_layer_ids": tuple(i for i in preset.ple_layer_ids if i <= n_layers)} if preset.is_qwen4 else {}
     mc = dataclasses.replace(preset, num_hidden_layers=n_layers, layer_types=preset.layer_types[:n_layers],
                              name=f"{preset.name}[:{n_layers}]", **extra)
     t0 = time.perf_counter()
     engine = Engine(EngineConfig(model=mc, weights="random:0", device=args.device, prefill_mode="resident",
-                                 chunk_tokens=chunk, layer_major_window_tokens=2 * chunk, demand_max_tokens=chunk,
+                                 chunk_tokens=chunk, layer_major_window_tokens=window, demand_max_tokens=chunk,
                                  max_context=tokens + 64, bandwidth_probe_bytes=0))
     build_s = time.perf_counter() - t0
     dev, model, kv = engine.device, engine.model, engine.kv
@@ -88,7 +94,7 @@ def run(argv: list[str] | None = None) -> tuple[bool, list[tuple[str, str]]]:
     def prefill_mode(mode: str):
         engine.reset()
         engine.store.begin_request()
-        logits, stats = prefill(model, engine.store, kv, ids, 0, mode, chunk_tokens=chunk, window_tokens=2 * chunk,
+        logits, stats = prefill(model, engine.store, kv, ids, 0, mode, chunk_tokens=chunk, window_tokens=window,
                                 demand_max_tokens=chunk)
         _sync(dev)
         stats.copy_wait_s = engine.store.copy_stall_seconds()
