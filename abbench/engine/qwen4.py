@@ -55,7 +55,6 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from . import gdn
 from .config import Qwen4Config
 from .hybrid import AttnWeights, HybridCache, HybridModel, LinearWeights, zc_rms_norm
 from .model import decode_gqa, moe_experts, rotate_half, route

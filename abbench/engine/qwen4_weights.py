@@ -22,10 +22,9 @@ import torch
 
 from .config import Qwen4Config
 from .experts import ExpertBank
-from .hybrid import LinearWeights
 from .qwen4 import (IndexedAttnWeights, MixerWeights, PLEWeights, Qwen4LayerWeights, Qwen4Weights, ngram_head_sizes,
                     ngram_multipliers, ple_table_rows)
-from .weights import Draw, _Checkpoint, _load_experts, _seed
+from .weights import Draw, _Checkpoint, _load_experts, _seed, load_linear_mixer, random_linear_mixer
 
 # Tensor kinds for seeding (the hybrid's kinds 0..18 keep their meaning).
 (_EMBED, _LM_HEAD, _Q, _K, _V, _O, _ROUTER, _GATE_UP, _DOWN, _QKV, _Z, _B, _A, _CONV, _ALOG, _OUT, _SH_GATE_UP,
@@ -46,12 +45,11 @@ def _ple_static(cfg: Qwen4Config, index: int):
 def random_qwen4_weights(cfg: Qwen4Config, seed: int, bank: ExpertBank, device: torch.device,
                          dtype: torch.dtype) -> Qwen4Weights:
     draw = Draw(seed, device, dtype)
-    gen, normal, const = draw.gen, draw.normal, draw.const
+    normal, const = draw.normal, draw.const
     host_gen = torch.Generator(device="cpu")
 
     h, d, e, i = cfg.hidden_size, cfg.head_dim, cfg.num_experts, cfg.moe_intermediate_size
     hq, hkv, i_s = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.shared_expert_intermediate_size
-    hv, dv, c = cfg.linear_num_value_heads, cfg.linear_value_head_dim, cfg.conv_dim
     w, r, hc, p = cfg.stream_width, cfg.hc_lowrank, cfg.hc_count, cfg.ple_embed_dim
     di, hi = cfg.indexer_head_dim, cfg.indexer_n_heads
 
@@ -69,13 +67,7 @@ def random_qwen4_weights(cfg: Qwen4Config, seed: int, bank: ExpertBank, device: 
                 k_norm=const(d, 0.0), index_qk=normal(((hi + 1) * di, h), l, _IDX), index_q_norm=const(di, 0.0),
                 index_k_norm=const(di, 0.0))
         else:
-            gen.manual_seed(_seed(seed, l, _ALOG))
-            a = torch.rand(hv, generator=gen, device=device, dtype=torch.float32) * 15 + 1  # [Hv] U(1, 16)
-            mx = LinearWeights(
-                in_proj_qkv=normal((c, h), l, _QKV), in_proj_z=normal((hv * dv, h), l, _Z),
-                in_proj_b=normal((hv, h), l, _B), in_proj_a=normal((hv, h), l, _A),
-                conv=normal((c, cfg.linear_conv_kernel_dim), l, _CONV), dt_bias=const(hv, 1.0),
-                A_log=a.log().to(dtype), norm=const(dv, 1.0), out_proj=normal((h, hv * dv), l, _OUT))
+            mx = random_linear_mixer(cfg, draw, l)
         ple = None
         if l in cfg.ple_layers:
             index = cfg.ple_layers.index(l)
@@ -103,7 +95,6 @@ def load_qwen4_checkpoint(path: str | Path, cfg: Qwen4Config, bank: ExpertBank, 
     root = "model.language_model." if "model.language_model.embed_tokens.weight" in ck else "model."
     h, d = cfg.hidden_size, cfg.head_dim
     hq, hkv, i_s = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.shared_expert_intermediate_size
-    hv, dv, c = cfg.linear_num_value_heads, cfg.linear_value_head_dim, cfg.conv_dim
     w, r, hc, p = cfg.stream_width, cfg.hc_lowrank, cfg.hc_count, cfg.ple_embed_dim
     di, hi = cfg.indexer_head_dim, cfg.indexer_n_heads
 
@@ -144,13 +135,7 @@ def load_qwen4_checkpoint(path: str | Path, cfg: Qwen4Config, bank: ExpertBank, 
                 index_q_norm=dev(a + "indexer.q_layernorm.weight", (di,)),
                 index_k_norm=dev(a + "indexer.k_layernorm.weight", (di,)))
         else:
-            a = pre + "linear_attn."
-            mx = LinearWeights(
-                in_proj_qkv=dev(a + "in_proj_qkv.weight", (c, h)), in_proj_z=dev(a + "in_proj_z.weight", (hv * dv, h)),
-                in_proj_b=dev(a + "in_proj_b.weight", (hv, h)), in_proj_a=dev(a + "in_proj_a.weight", (hv, h)),
-                conv=dev(a + "conv1d.weight", (c, 1, cfg.linear_conv_kernel_dim))[:, 0].contiguous(),
-                dt_bias=dev(a + "dt_bias", (hv,)), A_log=dev(a + "A_log", (hv,)),
-                norm=dev(a + "norm.weight", (dv,)), out_proj=dev(a + "out_proj.weight", (h, hv * dv)))
+            mx = load_linear_mixer(cfg, dev, pre + "linear_attn.")
         ple = None
         if l in cfg.ple_layers:
             index = cfg.ple_layers.index(l)

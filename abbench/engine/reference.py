@@ -279,13 +279,12 @@ TINY_QWEN3_MOE = dict(vocab_size=151936, hidden_size=64, intermediate_size=128, 
 fit), everything else tiny."""
 
 
-def save_tiny_qwen3_moe(out_dir: str | Path, *, seed: int = 0) -> Path:
-    """A random transformers ``Qwen3MoeForCausalLM`` of :data:`TINY_QWEN3_MOE`'s shape, saved with
-    ``save_pretrained`` (safetensors) into ``out_dir``. Every tensor is redrawn so that each matters:
-    matrices N(0, 1/fan_in), embeddings N(0, 1), norm weights 1 + N(0, 0.2^2)."""
+def random_qwen3_moe(cfg: Any, seed: int) -> Any:
+    """A transformers ``Qwen3MoeForCausalLM`` of ``cfg`` (a ``Qwen3MoeConfig``) with every tensor redrawn under
+    ``torch.manual_seed(seed)`` so that each matters: matrices N(0, 1/fan_in), embeddings N(0, 1), norm weights
+    1 + N(0, 0.2^2) (a swapped or ignored norm would show)."""
     import transformers
 
-    cfg = transformers.Qwen3MoeConfig(**TINY_QWEN3_MOE, eos_token_id=151645)
     torch.manual_seed(seed)
     model = transformers.Qwen3MoeForCausalLM(cfg).eval()
     with torch.no_grad():
@@ -296,6 +295,17 @@ def save_tiny_qwen3_moe(out_dir: str | Path, *, seed: int = 0) -> Path:
                 p.normal_(0, 1.0)
             else:
                 p.normal_(0, p.shape[-1] ** -0.5)
+    return model
+
+
+def save_tiny_qwen3_moe(out_dir: str | Path, *, seed: int = 0) -> Path:
+    """A random transformers ``Qwen3MoeForCausalLM`` of :data:`TINY_QWEN3_MOE`'s shape, saved with
+    ``save_pretrained`` (safetensors) into ``out_dir``. Every tensor is redrawn so that each matters:
+    matrices N(0, 1/fan_in), embeddings N(0, 1), norm weights 1 + N(0, 0.2^2)."""
+    import transformers
+
+    cfg = transformers.Qwen3MoeConfig(**TINY_QWEN3_MOE, eos_token_id=151645)
+    model = random_qwen3_moe(cfg, seed)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)

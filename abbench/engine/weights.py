@@ -31,6 +31,7 @@ Contract:
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -185,14 +186,27 @@ def load_checkpoint(path: str | Path, cfg: ModelConfig, bank: ExpertBank, device
     return DenseWeights(embed=embed, layers=layers, norm=dev("model.norm.weight", (h,)), lm_head=lm_head)
 
 
+def random_linear_mixer(cfg: HybridConfig, draw: Draw, l: int) -> LinearWeights:
+    """The Gated DeltaNet mixer of linear layer ``l`` (the Qwen3.5 hybrid's and Qwen4-Exp's): A = U(1, 16) as
+    transformers initialises it, dt_bias 1, the output norm's weight 1, matrices N(0, 1/fan_in)."""
+    normal, const = draw.normal, draw.const
+    h, hv, dv, c = cfg.hidden_size, cfg.linear_num_value_heads, cfg.linear_value_head_dim, cfg.conv_dim
+    draw.gen.manual_seed(_seed(draw.seed, l, _ALOG))
+    a = torch.rand(hv, generator=draw.gen, device=draw.device, dtype=torch.float32) * 15 + 1  # [Hv] U(1, 16)
+    return LinearWeights(
+        in_proj_qkv=normal((c, h), l, _QKV), in_proj_z=normal((hv * dv, h), l, _Z),
+        in_proj_b=normal((hv, h), l, _B), in_proj_a=normal((hv, h), l, _A),
+        conv=normal((c, cfg.linear_conv_kernel_dim), l, _CONV), dt_bias=const(hv, 1.0),
+        A_log=a.log().to(draw.dtype), norm=const(dv, 1.0), out_proj=normal((h, hv * dv), l, _OUT))
+
+
 def random_hybrid_weights(cfg: HybridConfig, seed: int, bank: ExpertBank, device: torch.device,
                           dtype: torch.dtype) -> HybridWeights:
     draw = Draw(seed, device, dtype)
-    gen, normal, const = draw.gen, draw.normal, draw.const
+    normal, const = draw.normal, draw.const
 
     h, d, e, i = cfg.hidden_size, cfg.head_dim, cfg.num_experts, cfg.moe_intermediate_size
     hq, hkv, i_s = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.shared_expert_intermediate_size
-    hv, dv, c = cfg.linear_num_value_heads, cfg.linear_value_head_dim, cfg.conv_dim
     layers = []
     for l in range(cfg.num_hidden_layers):
         if cfg.layer_types[l] == "full_attention":
@@ -200,13 +214,7 @@ def random_hybrid_weights(cfg: HybridConfig, seed: int, bank: ExpertBank, device
                                 v_proj=normal((hkv * d, h), l, _V), o_proj=normal((h, hq * d), l, _O),
                                 q_norm=const(d, 0.0), k_norm=const(d, 0.0))
         else:
-            gen.manual_seed(_seed(seed, l, _ALOG))
-            a = torch.rand(hv, generator=gen, device=device, dtype=torch.float32) * 15 + 1  # [Hv] U(1, 16)
-            mixer = LinearWeights(
-                in_proj_qkv=normal((c, h), l, _QKV), in_proj_z=normal((hv * dv, h), l, _Z),
-                in_proj_b=normal((hv, h), l, _B), in_proj_a=normal((hv, h), l, _A),
-                conv=normal((c, cfg.linear_conv_kernel_dim), l, _CONV), dt_bias=const(hv, 1.0),
-                A_log=a.log().to(dtype), norm=const(dv, 1.0), out_proj=normal((h, hv * dv), l, _OUT))
+            mixer = random_linear_mixer(cfg, draw, l)
         layers.append(HybridLayerWeights(
             input_norm=const(h, 0.0), mixer=mixer, post_norm=const(h, 0.0), router=normal((e, h), l, _ROUTER),
             shared_gate_up=normal((2 * i_s, h), l, _SH_GATE_UP), shared_down=normal((h, i_s), l, _SH_DOWN),
@@ -233,13 +241,25 @@ def _load_experts(ck: _Checkpoint, p: str, l: int, cfg: ModelConfig, bank: Exper
         bank.down[l][x].copy_(ck.get(q + "down_proj.weight", (h, i)))
 
 
+def load_linear_mixer(cfg: HybridConfig, dev: Callable[[str, tuple[int, ...]], torch.Tensor],
+                      a: str) -> LinearWeights:
+    """A Gated DeltaNet mixer from checkpoint keys under ``a`` (``...layers.{l}.linear_attn.``); ``dev(key,
+    shape)`` reads one tensor onto the device. The depthwise conv is stored [C, 1, K] and kept as [C, K]."""
+    h, hv, dv, c = cfg.hidden_size, cfg.linear_num_value_heads, cfg.linear_value_head_dim, cfg.conv_dim
+    return LinearWeights(
+        in_proj_qkv=dev(a + "in_proj_qkv.weight", (c, h)), in_proj_z=dev(a + "in_proj_z.weight", (hv * dv, h)),
+        in_proj_b=dev(a + "in_proj_b.weight", (hv, h)), in_proj_a=dev(a + "in_proj_a.weight", (hv, h)),
+        conv=dev(a + "conv1d.weight", (c, 1, cfg.linear_conv_kernel_dim))[:, 0].contiguous(),
+        dt_bias=dev(a + "dt_bias", (hv,)), A_log=dev(a + "A_log", (hv,)),
+        norm=dev(a + "norm.weight", (dv,)), out_proj=dev(a + "out_proj.weight", (h, hv * dv)))
+
+
 def load_hybrid_checkpoint(path: str | Path, cfg: HybridConfig, bank: ExpertBank, device: torch.device,
                            dtype: torch.dtype) -> HybridWeights:
     ck = _Checkpoint(Path(path))
     root = "model.language_model." if "model.language_model.embed_tokens.weight" in ck else "model."
     h, d = cfg.hidden_size, cfg.head_dim
     hq, hkv, i_s = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.shared_expert_intermediate_size
-    hv, dv, c = cfg.linear_num_value_heads, cfg.linear_value_head_dim, cfg.conv_dim
 
     def dev(key: str, shape: tuple[int, ...]) -> torch.Tensor:
         return ck.get(key, shape).to(device=device, dtype=dtype)
@@ -255,13 +275,7 @@ def load_hybrid_checkpoint(path: str | Path, cfg: HybridConfig, bank: ExpertBank
                                 o_proj=dev(a + "o_proj.weight", (h, hq * d)),
                                 q_norm=dev(a + "q_norm.weight", (d,)), k_norm=dev(a + "k_norm.weight", (d,)))
         else:
-            a = p + "linear_attn."
-            mixer = LinearWeights(
-                in_proj_qkv=dev(a + "in_proj_qkv.weight", (c, h)), in_proj_z=dev(a + "in_proj_z.weight", (hv * dv, h)),
-                in_proj_b=dev(a + "in_proj_b.weight", (hv, h)), in_proj_a=dev(a + "in_proj_a.weight", (hv, h)),
-                conv=dev(a + "conv1d.weight", (c, 1, cfg.linear_conv_kernel_dim))[:, 0].contiguous(),
-                dt_bias=dev(a + "dt_bias", (hv,)), A_log=dev(a + "A_log", (hv,)),
-                norm=dev(a + "norm.weight", (dv,)), out_proj=dev(a + "out_proj.weight", (h, hv * dv)))
+            mixer = load_linear_mixer(cfg, dev, p + "linear_attn.")
         s = p + "mlp.shared_expert."
         layers.append(HybridLayerWeights(
             input_norm=dev(p + "input_layernorm.weight", (h,)), mixer=mixer,

@@ -19,6 +19,7 @@ from abbench.engine import PRESETS, EngineConfig, ModelConfig  # noqa: E402
 from abbench.engine.experts import ExpertBank  # noqa: E402
 from abbench.engine.model import looped_mm, moe_experts  # noqa: E402
 from abbench.engine.prefill import prefill  # noqa: E402
+from abbench.engine.reference import random_qwen3_moe  # noqa: E402
 from abbench.engine.runtime import ContextOverflow, Engine  # noqa: E402
 from abbench.engine.weights import load_checkpoint  # noqa: E402
 
@@ -34,16 +35,7 @@ def _hf_model(tmp: Path, *, norm_topk_prob: bool, tie: bool, seed: int = 0):
     weights 1 + N(0, 0.2^2) (a swapped or ignored norm would show), the lm_head independent unless tied."""
     cfg = transformers.Qwen3MoeConfig(**HF_SHAPE, norm_topk_prob=norm_topk_prob, tie_word_embeddings=tie,
                                       eos_token_id=None)
-    torch.manual_seed(seed)
-    model = transformers.Qwen3MoeForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 1:
-                p.copy_(1 + 0.2 * torch.randn_like(p))
-            elif "embed_tokens" in name:
-                p.normal_(0, 1.0)
-            else:
-                p.normal_(0, p.shape[-1] ** -0.5)
+    model = random_qwen3_moe(cfg, seed)
     model.save_pretrained(tmp)
     return model
 
