@@ -307,7 +307,6 @@ class Engine:
             finally:
                 self.model.trace = None
             prefill_end = time.perf_counter()
-            copy_wait_s = store.copy_stall_seconds()  # _prefill synchronised the device
             self._kv_tokens = list(prompt)
             if self._hybrid:
                 with self._on_device():
@@ -345,7 +344,7 @@ class Engine:
                 decode_steps_per_layer=self.decoder.steps["per_layer"] - steps0["per_layer"],
                 peak_device_bytes=(int(torch.cuda.max_memory_allocated(self.device))
                                    if self.device.type == "cuda" else None),
-                copy_wait_s=copy_wait_s,
+                copy_wait_s=store.copy_stall_seconds(),  # prefill's waits, read once the request is done
                 layer_trace=tracer.export() if tracer is not None else None)
         except Cancelled:
             counters["requests_cancelled"] += 1
