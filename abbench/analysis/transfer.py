@@ -14,6 +14,7 @@ from abbench.analysis.frames import (
     expected_paths,
     frame,
     int_or_none,
+    max_of,
     measured_ok,
     measured_ok_frame,
     median_of,
@@ -30,7 +31,7 @@ from abbench.results import RunRecord
 FLOOR_KINDS = ("fresh", "cold")
 H2D_COLUMNS = ["arm", "kind", "target_tokens", "n", "h2d_bytes", "prefill_h2d_bytes", "decode_h2d_bytes",
                "bank_bytes", "banks", "nvml_bytes", "engine_over_nvml", "n_windows", "measured_h2d_gbps",
-               "floor_s", "ttft_s", "ttft_over_floor", "copy_wait_s"]
+               "floor_s", "ttft_s", "ttft_over_floor", "copy_wait_s", "alloc_retries"]
 
 
 def h2d_table(record: RunRecord) -> pd.DataFrame:
@@ -41,7 +42,9 @@ def h2d_table(record: RunRecord) -> pd.DataFrame:
     bandwidth (GB/s = 1e9 bytes/s; one bank per window), with the median TTFT over that floor. The floor is
     given only for prompts that start from an empty cache (kinds in :data:`FLOOR_KINDS`): a continuation
     served from the prefix cache may legitimately copy less. ``copy_wait_s``: the engine's GPU time spent
-    waiting for streamed expert copies in prefill (the part of TTFT the copies did not hide). Rows only where the engine or NVML gave
+    waiting for streamed expert copies in prefill (the part of TTFT the copies did not hide);
+    ``alloc_retries``: the most CUDA caching-allocator retries of one request (cache freed, cudaMalloc again:
+    memory pressure that costs time). Rows only where the engine or NVML gave
     numbers."""
     df = measured_ok_frame(record)
     rows = []
@@ -66,7 +69,7 @@ def h2d_table(record: RunRecord) -> pd.DataFrame:
              "nvml_bytes": median_of(nvml), "engine_over_nvml": median_of(ratio),
              "n_windows": median_of(g["n_windows"]), "measured_h2d_gbps": median_of(gbps), "floor_s": floor_s,
              "ttft_s": ttft, "ttft_over_floor": ttft / floor_s if ttft and floor_s else None,
-             "copy_wait_s": median_of(g["copy_wait_s"])}
+             "copy_wait_s": median_of(g["copy_wait_s"]), "alloc_retries": max_of(g["alloc_retries"])}
         )
     out = frame(rows, H2D_COLUMNS, ints=["target_tokens"])
     return sort_rows(out, record, ["arm", "kind", "target_tokens"])

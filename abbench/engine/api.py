@@ -56,6 +56,11 @@ class CompletionRequest(BaseModel):
     prefill_mode: Literal[PREFILL_MODES] | None = Field(  # type: ignore[valid-type]
         None, description="Per-request prefill mode; needs --allow-request-overrides."
     )
+    chunk_tokens: StrictInt | None = Field(
+        None, gt=0, description="Per-request prefill chunk length (default: the server's --chunk-tokens); needs "
+        "--allow-request-overrides. With --gpu-memory-budget, at most the server's chunk length (the budget was "
+        "planned for it)."
+    )
     trace_layers: StrictBool | None = Field(
         None, description="Return abbench.layer_trace: per layer and sub-block the hash and RMS of the last prompt "
         "position's hidden state (abbench.engine.trace); needs --allow-request-overrides."
@@ -222,6 +227,7 @@ def abbench_object(ctx: RequestContext, stats: Any, finished: float, engine: Any
                              steps_whole=stats.decode_steps_whole, steps_per_layer=stats.decode_steps_per_layer,
                              mode=engine.decoder.mode, slots_per_layer=engine.slots_per_layer),
         peak_device_bytes=stats.peak_device_bytes,
+        chunk_tokens=getattr(stats, "chunk_tokens", None), alloc_retries=getattr(stats, "alloc_retries", None),
         copy_wait_s=(None if getattr(stats, "copy_wait_s", None) is None else round(stats.copy_wait_s, 6)),
         layer_trace=getattr(stats, "layer_trace", None),
     ).model_dump()

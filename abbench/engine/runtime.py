@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import PREFILL_MODES, EngineConfig, ModelConfig
+from .config import GDN_BLOCK, PREFILL_MODES, EngineConfig, ModelConfig
 from .memory import MemoryPlan, plan_device_memory
 from .decode import Decoder, Sampler
 from .experts import ExpertBank, ExpertStore
@@ -92,6 +92,8 @@ class RequestStats:
     decode_steps_whole: int = 0  # decode steps that ran as one piece (no expert could miss)
     decode_steps_per_layer: int = 0  # decode steps that read the router back layer by layer
     peak_device_bytes: int | None = None  # torch's peak allocated device memory during the request (CUDA)
+    chunk_tokens: int | None = None  # the prefill chunk length this request ran with
+    alloc_retries: int | None = None  # CUDA caching-allocator retries (free cache + cudaMalloc again) during it
     copy_wait_s: float | None = None  # prefill: GPU time compute waited for streamed expert copies (CUDA)
     layer_trace: list | None = None  # trace_layers: per layer and sub-block, the last prompt position (trace.py)
 
@@ -205,12 +207,14 @@ class Engine:
     def generate(self, prompt_ids: list[int], max_tokens: int, *, temperature: float = 0.0,
                  seed: int | None = None, ignore_eos: bool = False, logprobs: int | None = None,
                  prefill_mode: str | None = None, cancel: threading.Event | None = None,
-                 trace_layers: bool = False) -> Iterator[TokenEvent]:
+                 trace_layers: bool = False, chunk_tokens: int | None = None) -> Iterator[TokenEvent]:
         """Generator; yields one TokenEvent per output token; its return value (StopIteration.value) is
         RequestStats. Raises Cancelled (checked every layer step and every decode step), ContextOverflow
         before any work. ``trace_layers``: ``RequestStats.layer_trace`` holds the prefill's layer trace
-        (:mod:`abbench.engine.trace`)."""
+        (:mod:`abbench.engine.trace`). ``chunk_tokens``: this request's prefill chunk length (default the
+        config's; :meth:`check_chunk_tokens`)."""
         mode = prefill_mode or self.config.prefill_mode
+        chunk = self.check_chunk_tokens(chunk_tokens)
         vocab = self.model_config.vocab_size
         prompt = check_request(prompt_ids, max_tokens, vocab, self.config.max_context)
         if mode not in PREFILL_MODES:
@@ -222,7 +226,29 @@ class Engine:
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
         return self._generate(prompt, int(max_tokens), float(temperature), seed, ignore_eos,
-                              None if logprobs is None else int(logprobs), mode, cancel, bool(trace_layers))
+                              None if logprobs is None else int(logprobs), mode, cancel, bool(trace_layers),
+                              chunk)
+
+    def check_chunk_tokens(self, chunk_tokens: int | None) -> int:
+        """A request's prefill chunk length: the config's when None. Every mode runs the same chunk shapes, so
+        any chunk length keeps chunked, layer-major, demand and resident bitwise equal to each other at that
+        length (not across lengths: the chunking changes the summation order). ValueError when it is not
+        positive, not a multiple of the delta rule's block on a hybrid model, or larger than the config's chunk
+        length on an engine held to a device-memory budget (the budget was planned for that chunk length)."""
+        cfg = self.config
+        if chunk_tokens is None:
+            return cfg.chunk_tokens
+        chunk = int(chunk_tokens)
+        if chunk <= 0:
+            raise ValueError(f"chunk_tokens must be positive, got {chunk}")
+        if self._hybrid and chunk % GDN_BLOCK:
+            raise ValueError(f"chunk_tokens must be a multiple of {GDN_BLOCK} for the hybrid model "
+                             f"{self.model_config.name!r} (got {chunk})")
+        if cfg.gpu_memory_budget_gb is not None and chunk > cfg.chunk_tokens:
+            raise ValueError(f"chunk_tokens {chunk} > the engine's {cfg.chunk_tokens}: its "
+                             f"{cfg.gpu_memory_budget_gb:g} GB device-memory budget was planned for "
+                             f"{cfg.chunk_tokens}-token chunks (start it with a larger --chunk-tokens)")
+        return chunk
 
     def run(self, prompt_ids: list[int], max_tokens: int, **kwargs) -> tuple[list[TokenEvent], RequestStats]:
         """Drain ``generate``: (events, stats)."""
@@ -242,15 +268,16 @@ class Engine:
             self._lock.release()
 
     # -- internals --------------------------------------------------------------------------------------
-    def _prefill(self, ids: list[int], start: int, mode: str, cancel: CancelLike) -> tuple[torch.Tensor,
-                                                                                            PrefillStats]:
+    def _prefill(self, ids: list[int], start: int, mode: str, cancel: CancelLike,
+                 chunk_tokens: int | None = None) -> tuple[torch.Tensor, PrefillStats]:
         cfg = self.config
         if self._fault == "oom-once":
             cancel = self._inject_oom(cancel)
         with self._on_device():
             t = torch.tensor(ids, dtype=torch.long, device=self.device)  # [T]
             logits, stats = prefill(self.model, self.store, self.kv, t, start, mode,
-                                    chunk_tokens=cfg.chunk_tokens, window_tokens=cfg.layer_major_window_tokens,
+                                    chunk_tokens=chunk_tokens or cfg.chunk_tokens,
+                                    window_tokens=cfg.layer_major_window_tokens,
                                     demand_max_tokens=cfg.demand_max_tokens, cancel=cancel)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
@@ -273,6 +300,12 @@ class Engine:
 
         return check
 
+    def _alloc_retries(self) -> int | None:
+        """The CUDA caching allocator's retry count so far (None off CUDA)."""
+        if self.device.type != "cuda":
+            return None
+        return int(torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0))
+
     def _decode(self, token: int, pos: int, cancel: CancelLike) -> torch.Tensor:
         with self._on_device():
             return self.decoder.step(token, pos, cancel)
@@ -282,7 +315,8 @@ class Engine:
             return TokenEvent(*sampler(logits))
 
     def _generate(self, prompt: list[int], max_tokens: int, temperature: float, seed: int | None,
-                  ignore_eos: bool, logprobs: int | None, mode: str, cancel: CancelLike, trace_layers: bool = False):
+                  ignore_eos: bool, logprobs: int | None, mode: str, cancel: CancelLike, trace_layers: bool = False,
+                  chunk_tokens: int | None = None):
         if not self._lock.acquire(blocking=False):
             raise RuntimeError("Engine.generate() while another request is running (one at a time)")
         store, counters = self.store, self.counters
@@ -290,6 +324,7 @@ class Engine:
         steps0 = dict(self.decoder.steps)
         try:
             store.begin_request()
+            retries0 = self._alloc_retries()
             if self.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(self.device)
             reuse = min(_common_prefix(self._kv_tokens, prompt), len(prompt) - 1)
@@ -303,7 +338,7 @@ class Engine:
             tracer = LayerTrace() if trace_layers else None
             self.model.trace = tracer
             try:
-                logits, pstats = self._prefill(prompt[reuse:], reuse, mode, cancel)
+                logits, pstats = self._prefill(prompt[reuse:], reuse, mode, cancel, chunk_tokens)
             finally:
                 self.model.trace = None
             prefill_end = time.perf_counter()
@@ -344,6 +379,8 @@ class Engine:
                 decode_steps_per_layer=self.decoder.steps["per_layer"] - steps0["per_layer"],
                 peak_device_bytes=(int(torch.cuda.max_memory_allocated(self.device))
                                    if self.device.type == "cuda" else None),
+                chunk_tokens=chunk_tokens or self.config.chunk_tokens,
+                alloc_retries=(None if retries0 is None else self._alloc_retries() - retries0),
                 copy_wait_s=store.copy_stall_seconds(),  # prefill's waits, read once the request is done
                 layer_trace=tracer.export() if tracer is not None else None)
         except Cancelled:

@@ -193,7 +193,7 @@ async def completions(request: Request) -> Response:
     if req.model is not None and req.model != st.name:
         raise APIError(404, f"the model '{req.model}' does not exist; this server serves '{st.name}'",
                        param="model", code="model_not_found")
-    for field in ("prefill_mode", "trace_layers"):
+    for field in ("prefill_mode", "chunk_tokens", "trace_layers"):
         if getattr(req, field) not in (None, False) and not st.allow_request_overrides:
             raise APIError(400, f"per-request {field} needs the server flag --allow-request-overrides",
                            param=field, code="override_not_allowed")
@@ -205,6 +205,8 @@ async def completions(request: Request) -> Response:
                       prefill_mode=req.prefill_mode)
     if req.trace_layers:
         gen_kwargs["trace_layers"] = True
+    if req.chunk_tokens is not None:
+        gen_kwargs["chunk_tokens"] = req.chunk_tokens
     queued = time.perf_counter()
     try:
         await st.service.acquire(request)
@@ -424,7 +426,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
                    help="ask the engine for deterministic kernels")
     s = p.add_argument_group("server")
     s.add_argument("--allow-request-overrides", action="store_true",
-                   help="accept the per-request prefill_mode and trace_layers fields")
+                   help="accept the per-request prefill_mode, chunk_tokens and trace_layers fields")
     s.add_argument("--queue-limit", type=int, default=64, help="max waiting requests; more get 429 (default 64)")
     s.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only; any other address "
                    "needs --api-key or --insecure-no-auth)")

@@ -94,6 +94,9 @@ class AbbenchStats(_Lenient):
     queue_wait_s: float | None = Field(None, description="Seconds the request waited for the worker.")
     decode: AbbenchDecode | None = Field(None, description="Decode steps and the slot cache (newer engines).")
     peak_device_bytes: int | None = Field(None, description="Peak device memory during the request.")
+    chunk_tokens: int | None = Field(None, description="The prefill chunk length this request ran with.")
+    alloc_retries: int | None = Field(None, description="CUDA caching-allocator retries during the request (it "
+                                      "freed its cache and called cudaMalloc again: a sign of memory pressure).")
     copy_wait_s: float | None = Field(None, description="Prefill: GPU time the compute stream waited for "
                                       "streamed expert copies (CUDA timing events; None off CUDA).")
     layer_trace: list[dict[str, Any]] | None = Field(

@@ -163,12 +163,15 @@ def h2d_section(ri: ReportInput) -> list[str]:
     has_engine = a.h2d["h2d_bytes"].notna().any()
     has_nvml = a.h2d["nvml_bytes"].notna().any()
     has_wait = a.h2d["copy_wait_s"].notna().any()  # engines that time their copy stalls (the vendored one on CUDA)
+    has_retries = bool((a.h2d["alloc_retries"].fillna(0) > 0).any())  # shown only when the allocator retried
     lines += [
         ("Medians per request. Banks = prefill H2D bytes / the engine's bank size (all layers' experts). "
         "Floor = windows x bank / measured H2D bandwidth: the copy-bound lower limit of a prompt's TTFT "
         "(given for prompts that start from an empty cache)."
         + (" Copy wait = GPU time the engine's compute stream waited for streamed expert copies during prefill "
-           "(CUDA timing events): the part of the copies that compute did not hide." if has_wait else "")), "",
+           "(CUDA timing events): the part of the copies that compute did not hide." if has_wait else "")
+        + (" Alloc retries = the most CUDA caching-allocator retries in one request (it freed its cache and "
+           "called cudaMalloc again: memory pressure that costs time)." if has_retries else "")), "",
         table(a.h2d, [Col("arm", "Arm", descriptive=True, right=False),
                       Col("kind", "Kind", descriptive=True, right=False),
                       Col("target_tokens", "Prompt tokens", fmt_int, descriptive=True),
@@ -181,7 +184,8 @@ def h2d_section(ri: ReportInput) -> list[str]:
                       Col("measured_h2d_gbps", "H2D GB/s", lambda v: fmt_num(v, 1), descriptive=True),
                       Col("floor_s", "Floor", fmt_s), Col("ttft_s", "TTFT", fmt_s),
                       Col("ttft_over_floor", "TTFT/floor", fmt_ratio)]
-              + ([Col("copy_wait_s", "Copy wait", fmt_s)] if has_wait else [])),
+              + ([Col("copy_wait_s", "Copy wait", fmt_s)] if has_wait else [])
+              + ([Col("alloc_retries", "Alloc retries", fmt_int)] if has_retries else [])),
     ]
     if not has_engine:
         lines += ["", "The engine reported no H2D counters: only NVML's estimate is shown."]

@@ -246,6 +246,26 @@ def test_all_modes_give_bitwise_identical_logits_kv_and_states(resident, n):
             assert stats.n_windows == -(-6 // (window // 64))
 
 
+def test_a_per_request_chunk_length_equals_an_engine_started_with_it(resident):
+    """The delta rule's state crosses chunks the same way at any legal chunk length: per request, each mode at
+    128 or 256 tokens is bitwise an engine started with that length; lengths off the 64-token grid are refused."""
+    ids = _prompt(333, seed=21)
+    engine = _engine(prefill_mode="resident", layer_major_window_tokens=512)  # started at 64-token chunks
+    for chunk in (128, 384):
+        other = _engine(prefill_mode="resident", chunk_tokens=chunk, layer_major_window_tokens=512)
+        ref_events, ref_stats = other.run(ids, 4, logprobs=3)
+        for mode in MODES:
+            engine.reset()
+            events, stats = engine.run(ids, 4, prefill_mode=mode, logprobs=3, chunk_tokens=chunk)
+            if mode == "layer-major":
+                assert stats.prefill_path == ("layer-major" if chunk == 128 else "chunked")
+            assert [(e.token_id, e.top_logprobs) for e in events] == [(e.token_id, e.top_logprobs)
+                                                                       for e in ref_events], (chunk, mode)
+            assert (stats.chunk_tokens, stats.n_chunks) == (chunk, ref_stats.n_chunks)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        engine.run(ids, 2, chunk_tokens=96)
+
+
 def test_states_carry_across_chunks_and_windows(resident):
     """A prompt prefilled in two calls split at a multiple of 64 (the second starting from the first's KV and
     states, as a prefix-cache hit does) equals the one-call prefill bit for bit, in every mode; and the

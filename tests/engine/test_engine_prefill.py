@@ -167,6 +167,41 @@ def test_d2d_from_slot_cache_moves_cached_experts_on_device(resident):
     assert all(torch.equal(a, b) for a, b in zip(kv, ref_kv, strict=True))
 
 
+def test_a_per_request_chunk_length_equals_an_engine_started_with_it(resident):
+    """``chunk_tokens`` per request (the giant-chunk and larger-compute-chunk arms on one service): every mode
+    at that length is bitwise what an engine started with ``--chunk-tokens`` of that length gives, and what the
+    request ran with is reported."""
+    prompt = _prompt(150, seed=12)
+    for chunk in (16, 64, 150, 512):  # smaller, larger, exactly the prompt, beyond it (one giant chunk)
+        other = _engine(prefill_mode="resident", chunk_tokens=chunk)
+        ref_ids, ref_lps, ref_stats, ref_kv = _serve(other, [prompt], "chunked")[0]
+        assert ref_stats.chunk_tokens == chunk and ref_stats.n_chunks == -(-150 // chunk)
+        for mode in MODES:
+            resident.reset()
+            events, stats = resident.run(prompt, 5, prefill_mode=mode, logprobs=4, chunk_tokens=chunk)
+            assert [e.token_id for e in events] == ref_ids and [e.top_logprobs for e in events] == ref_lps, mode
+            assert all(torch.equal(a, b) for a, b in zip(_kv(resident, 154), ref_kv, strict=True)), (chunk, mode)
+            assert (stats.chunk_tokens, stats.n_chunks) == (chunk, ref_stats.n_chunks)
+            if mode == "layer-major":  # a 64-token window holds one 64-token chunk: no layer-major then
+                want = "layer-major" if chunk < 64 else "chunked"
+                assert stats.prefill_path == want, chunk
+    resident.reset()
+    assert resident.run(prompt, 2)[1].chunk_tokens == 32  # the engine's own without an override
+    retries = resident.run(prompt, 2)[1].alloc_retries  # the CUDA caching allocator's count; None on CPU
+    assert retries is None if resident.device.type == "cpu" else retries >= 0
+
+
+def test_a_per_request_chunk_length_is_checked():
+    engine = _engine()
+    for bad in (0, -32):
+        with pytest.raises(ValueError, match="chunk_tokens must be positive"):
+            engine.run(_prompt(10), 2, chunk_tokens=bad)
+    budget = _engine(gpu_memory_budget_gb=10.0)
+    with pytest.raises(ValueError, match="planned for 32-token chunks"):
+        budget.run(_prompt(10), 2, chunk_tokens=64)
+    assert budget.run(_prompt(40), 2, chunk_tokens=16)[1].n_chunks == 3  # smaller fits the plan
+
+
 def test_optimised_modes_report_their_fallbacks():
     engine = _engine(demand_max_tokens=8, layer_major_window_tokens=32)
     _, stats = engine.run(_prompt(100, seed=9), 1, prefill_mode="demand")  # chunks 32, 32, 32, 4: mixed

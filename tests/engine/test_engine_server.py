@@ -282,6 +282,15 @@ def test_prefill_mode_override_keeps_greedy_ids(tiny):
         assert (ab["prefill_path"], ab["fallback_reason"], ab["n_chunks"]) == (mode, None, 3)
     ids = {mode: run["choices"][0]["token_ids"] for mode, run in runs.items()}
     assert ids["layer-major"] == ids["chunked"]  # bitwise-equal prefill -> the same greedy ids
+    # a per-request chunk length: 8-token chunks in layer-major, and one chunk for the whole prompt
+    for mode, chunk, n_chunks in (("layer-major", 8, 5), ("chunked", 40, 1)):
+        assert client.post("/reset").status_code == 200
+        r = client.post("/v1/completions", json=greedy(long_prompt, max_tokens=4, prefill_mode=mode,
+                                                       chunk_tokens=chunk))
+        assert r.status_code == 200, r.text
+        ab = r.json()["abbench"]
+        assert (ab["prefill_path"], ab["chunk_tokens"], ab["n_chunks"]) == (mode, chunk, n_chunks)
+    assert runs["chunked"]["abbench"]["chunk_tokens"] == 16
 
 
 @pytest.mark.parametrize("content, status, param", [
@@ -292,6 +301,7 @@ def test_prefill_mode_override_keeps_greedy_ids(tiny):
     (json.dumps({"prompt": "hi", "max_tokens": -3}).encode(), 400, "max_tokens"),
     (json.dumps({"prompt": "hi", "max_tokens": "5"}).encode(), 400, "max_tokens"),
     (json.dumps({"prompt": "hi", "logprobs": 21}).encode(), 400, "logprobs"),
+    (json.dumps({"prompt": "hi", "chunk_tokens": 0}).encode(), 400, "chunk_tokens"),
     (json.dumps({"prompt": "hi", "n": 2}).encode(), 400, "n"),
     (json.dumps({"prompt": "hi", "stop": ["\n"]}).encode(), 400, "stop"),
     (json.dumps({"prompt": ["a", "b"]}).encode(), 400, "prompt"),
@@ -425,8 +435,9 @@ def test_cli_main_serves_and_refuses_overrides_by_default():
             assert client.get("/health").status_code == 200
             r = client.post("/v1/completions", json=greedy("Hello", max_tokens=2))
             assert r.status_code == 200 and len(r.json()["choices"][0]["token_ids"]) == 2
-            refused = client.post("/v1/completions", json=greedy("Hello", max_tokens=2, prefill_mode="layer-major"))
-            assert assert_openai_error(refused, 400, "prefill_mode")["code"] == "override_not_allowed"
+            for field, value in (("prefill_mode", "layer-major"), ("chunk_tokens", 64)):
+                refused = client.post("/v1/completions", json=greedy("Hello", max_tokens=2, **{field: value}))
+                assert assert_openai_error(refused, 400, field)["code"] == "override_not_allowed"
     finally:
         proc.terminate()
         assert proc.wait(20) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal after a clean shutdown
