@@ -34,7 +34,7 @@ from collections.abc import Callable
 import torch
 
 from .experts import ExpertStore
-from .model import KVCache, Model, attention_backends
+from .model import KVCache, Model, attention_backends, probe_graph_capture
 from .prefill import CancelLike, check_cancel
 
 MIN_KV_LEN = 1024
@@ -98,8 +98,10 @@ class Decoder:
         self.slot_ids = torch.zeros(self.n_layers, 1, self.k, dtype=torch.long, device=dev)  # [L, 1, k]
         self.logits = torch.zeros(cfg.vocab_size, dtype=torch.float32, device=dev)  # [V]
         # a graph cannot hold a host read-back: with the looped expert kernel (no grouped GEMM for this
-        # device/dtype, e.g. float32 on CUDA) every step runs eagerly
-        self.graphs = _Graphs(dev) if (graphs and dev.type == "cuda" and model.grouped) else None
+        # device/dtype), or a grouped GEMM that reads its offsets back (float32 on CUDA in torch 2.11), every
+        # step runs eagerly
+        self.graphs = (_Graphs(dev) if graphs and dev.type == "cuda" and model.grouped
+                       and probe_graph_capture(dev, model.dtype) else None)
         self.host_ids = torch.zeros(self.n_layers, 1, self.k, dtype=torch.long,
                                     pin_memory=dev.type == "cuda")  # [L, 1, k] slot ids on their way up
         self.steps = {"whole": 0, "per_layer": 0}

@@ -185,6 +185,33 @@ def probe_grouped_mm(device: torch.device, dtype: torch.dtype) -> bool:
         return False
 
 
+def probe_graph_capture(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether torch._grouped_mm can be captured in a CUDA graph on this device/dtype. It runs for float32 on
+    CUDA too (torch 2.11), but through a fallback that reads the group offsets back to the host, which graph
+    capture refuses ("Cannot copy between CPU and CUDA tensors during CUDA graph capture"); the bf16 kernel on
+    Hopper captures. False off CUDA and wherever the capture fails (the failed capture is discarded)."""
+    if device.type != "cuda" or not hasattr(torch, "_grouped_mm"):
+        return False
+    x = torch.ones(24, 32, device=device, dtype=dtype)  # [M, K]
+    w = torch.ones(4, 16, 32, device=device, dtype=dtype)  # [G, N, K]
+    offs = torch.tensor([5, 5, 17, 24], dtype=torch.int32, device=device)  # [G]
+    try:
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            grouped_mm(x, w, offs)  # warm up outside the capture, as every captured piece is
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y = grouped_mm(x, w, offs)  # [M, N]
+        graph.replay()
+        torch.cuda.synchronize(device)
+        return bool(torch.all(y == 32))  # ones . ones over K=32 (exact in any float dtype)
+    except (RuntimeError, NotImplementedError, TypeError):
+        torch.cuda.synchronize(device)
+        return False
+
+
 def rope_tables(dim: int, theta: float, max_context: int, device: torch.device,
                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """RoPE cos/sin [S, dim] exactly as transformers computes them: float32 angles, cast to the model dtype."""
@@ -196,7 +223,8 @@ def rope_tables(dim: int, theta: float, max_context: int, device: torch.device,
 
 
 def expert_kernel(device: torch.device, dtype: torch.dtype):
-    """(grouped GEMM works, its name for reports, the mm function every MoE call uses) on this device/dtype."""
+    """(grouped GEMM works, its name for reports, the mm function every MoE call uses) on this device/dtype.
+    Decode captures CUDA graphs only where :func:`probe_graph_capture` says the grouped GEMM captures."""
     grouped = probe_grouped_mm(device, dtype)
     name = "torch._grouped_mm" if grouped else "per-expert loop (torch._grouped_mm failed)"
     return grouped, name, grouped_mm if grouped else looped_mm
