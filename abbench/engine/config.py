@@ -521,6 +521,15 @@ PRESETS: dict[str, ModelConfig] = {
 }
 
 
+def check_hybrid_chunk(mc: ModelConfig, chunk_tokens: int) -> None:
+    """ValueError when ``chunk_tokens`` is off the delta rule's block grid on a hybrid model (the engine's chunk
+    length, or one request's)."""
+    if mc.is_hybrid and chunk_tokens % GDN_BLOCK:
+        raise ValueError(f"chunk_tokens must be a multiple of {GDN_BLOCK} for the hybrid model {mc.name!r} "
+                         f"(got {chunk_tokens}): the gated delta rule's {GDN_BLOCK}-token blocks must fall the "
+                         "same way in every prefill mode")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Knobs of one engine instance. ``None`` fields get device-dependent defaults in ``resolved()``."""
@@ -607,8 +616,5 @@ class EngineConfig:
             if slots < mc.num_experts_per_tok:
                 raise ValueError(f"expert_slots_per_layer ({slots}) must hold at least one token's experts "
                                  f"(num_experts_per_tok={mc.num_experts_per_tok})")
-        if mc.is_hybrid and self.chunk_tokens % GDN_BLOCK:
-            raise ValueError(f"chunk_tokens must be a multiple of {GDN_BLOCK} for the hybrid model {mc.name!r} "
-                             f"(got {self.chunk_tokens}): the gated delta rule's {GDN_BLOCK}-token blocks must "
-                             "fall the same way in every prefill mode")
+        check_hybrid_chunk(mc, self.chunk_tokens)
         return dataclasses.replace(self, model=mc, dtype=dtype, max_context=max_context)

@@ -165,12 +165,15 @@ class ReferenceEngine:
     def generate(self, prompt_ids: list[int], max_tokens: int, *, temperature: float = 0.0,
                  seed: int | None = None, ignore_eos: bool = False, logprobs: int | None = None,
                  prefill_mode: str | None = None, cancel: CancelLike = None,
-                 trace_layers: bool = False) -> Iterator[TokenEvent]:
+                 trace_layers: bool = False, chunk_tokens: int | None = None) -> Iterator[TokenEvent]:
         """As :meth:`abbench.engine.runtime.Engine.generate`; validates eagerly."""
         vocab = self.model_config.vocab_size
         prompt = check_request(prompt_ids, max_tokens, vocab, self.config.max_context)
         if prefill_mode is not None:
             raise ValueError("the transformers reference has no prefill modes (prefill_mode must be omitted)")
+        if chunk_tokens is not None:
+            raise ValueError("the transformers reference prefills in one forward pass (chunk_tokens must be "
+                             "omitted)")
         if logprobs is not None and not 0 <= int(logprobs) <= vocab:
             raise ValueError(f"logprobs must be in [0, {vocab}], got {logprobs}")
         sampler = Sampler(float(temperature), seed, self.device, None if logprobs is None else int(logprobs))

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import GDN_BLOCK, PREFILL_MODES, EngineConfig, ModelConfig
+from .config import PREFILL_MODES, EngineConfig, ModelConfig, check_hybrid_chunk
 from .memory import MemoryPlan, plan_device_memory
 from .decode import Decoder, Sampler
 from .experts import ExpertBank, ExpertStore
@@ -241,9 +241,7 @@ class Engine:
         chunk = int(chunk_tokens)
         if chunk <= 0:
             raise ValueError(f"chunk_tokens must be positive, got {chunk}")
-        if self._hybrid and chunk % GDN_BLOCK:
-            raise ValueError(f"chunk_tokens must be a multiple of {GDN_BLOCK} for the hybrid model "
-                             f"{self.model_config.name!r} (got {chunk})")
+        check_hybrid_chunk(self.model_config, chunk)
         if cfg.gpu_memory_budget_gb is not None and chunk > cfg.chunk_tokens:
             raise ValueError(f"chunk_tokens {chunk} > the engine's {cfg.chunk_tokens}: its "
                              f"{cfg.gpu_memory_budget_gb:g} GB device-memory budget was planned for "
@@ -269,14 +267,14 @@ class Engine:
 
     # -- internals --------------------------------------------------------------------------------------
     def _prefill(self, ids: list[int], start: int, mode: str, cancel: CancelLike,
-                 chunk_tokens: int | None = None) -> tuple[torch.Tensor, PrefillStats]:
+                 chunk_tokens: int) -> tuple[torch.Tensor, PrefillStats]:
         cfg = self.config
         if self._fault == "oom-once":
             cancel = self._inject_oom(cancel)
         with self._on_device():
             t = torch.tensor(ids, dtype=torch.long, device=self.device)  # [T]
             logits, stats = prefill(self.model, self.store, self.kv, t, start, mode,
-                                    chunk_tokens=chunk_tokens or cfg.chunk_tokens,
+                                    chunk_tokens=chunk_tokens,
                                     window_tokens=cfg.layer_major_window_tokens,
                                     demand_max_tokens=cfg.demand_max_tokens, cancel=cancel)
             if self.device.type == "cuda":
@@ -315,8 +313,8 @@ class Engine:
             return TokenEvent(*sampler(logits))
 
     def _generate(self, prompt: list[int], max_tokens: int, temperature: float, seed: int | None,
-                  ignore_eos: bool, logprobs: int | None, mode: str, cancel: CancelLike, trace_layers: bool = False,
-                  chunk_tokens: int | None = None):
+                  ignore_eos: bool, logprobs: int | None, mode: str, cancel: CancelLike, trace_layers: bool,
+                  chunk_tokens: int):
         if not self._lock.acquire(blocking=False):
             raise RuntimeError("Engine.generate() while another request is running (one at a time)")
         store, counters = self.store, self.counters
@@ -379,7 +377,7 @@ class Engine:
                 decode_steps_per_layer=self.decoder.steps["per_layer"] - steps0["per_layer"],
                 peak_device_bytes=(int(torch.cuda.max_memory_allocated(self.device))
                                    if self.device.type == "cuda" else None),
-                chunk_tokens=chunk_tokens or self.config.chunk_tokens,
+                chunk_tokens=chunk_tokens,
                 alloc_retries=(None if retries0 is None else self._alloc_retries() - retries0),
                 copy_wait_s=store.copy_stall_seconds(),  # prefill's waits, read once the request is done
                 layer_trace=tracer.export() if tracer is not None else None)

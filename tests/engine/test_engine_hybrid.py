@@ -246,9 +246,9 @@ def test_all_modes_give_bitwise_identical_logits_kv_and_states(resident, n):
             assert stats.n_windows == -(-6 // (window // 64))
 
 
-def test_a_per_request_chunk_length_equals_an_engine_started_with_it(resident):
+def test_a_per_request_chunk_length_equals_an_engine_started_with_it():
     """The delta rule's state crosses chunks the same way at any legal chunk length: per request, each mode at
-    128 or 256 tokens is bitwise an engine started with that length; lengths off the 64-token grid are refused."""
+    128 or 384 tokens is bitwise an engine started with that length; lengths off the 64-token grid are refused."""
     ids = _prompt(333, seed=21)
     engine = _engine(prefill_mode="resident", layer_major_window_tokens=512)  # started at 64-token chunks
     for chunk in (128, 384):

@@ -84,6 +84,8 @@ def test_reference_layer_trace_localizes_against_the_engine(checkpoint: Path, re
 def test_reference_validates_and_cancels(reference: ReferenceEngine) -> None:
     with pytest.raises(ValueError, match="prefill modes"):
         reference.generate([1, 2], 4, prefill_mode="chunked")
+    with pytest.raises(ValueError, match="one forward pass"):
+        reference.generate([1, 2], 4, chunk_tokens=64)
     with pytest.raises(ContextOverflow):
         reference.generate([1] * 2040, 16)
     with pytest.raises(ValueError, match="vocab|token ids"):
@@ -126,6 +128,7 @@ def test_reference_serves_the_engine_api(reference: ReferenceEngine) -> None:
             assert events[-1]["usage"]["completion_tokens"] == 4 and "abbench" in events[-1]
             assert_openai_error(c.post("/v1/completions", json={**body, "prefill_mode": "chunked"}), 400,
                                 "prefill_mode")
+            assert_openai_error(c.post("/v1/completions", json={**body, "chunk_tokens": 64}), 400, "chunk_tokens")
             metrics = c.get("/metrics").text
             assert 'abbench_engine_requests_total{path="reference"}' in metrics  # the engine's metrics, its path
     finally:
