@@ -118,11 +118,16 @@ def plan_device_memory(config: EngineConfig, budget_bytes: int) -> MemoryPlan:
     # one chunk: hidden states, q/k/v/attention output, and the MoE's [T*k, H] rows, [T*k, 2I] and [T*k, I]
     # intermediates as they overlap between consecutive ops; plus the parked layer-major activations of one
     # window and the float32 logits.
-    # (Qwen4-Exp: the hyper-connection streams are hc_count x wider, and indexed attention builds a [T, S] mask)
+    # (Qwen4-Exp: the hyper-connection streams are hc_count x wider; indexed attention below)
     w = mc.stream_width
     chunk_ws = chunk * (8 * w + 4 * mc.num_attention_heads * mc.head_dim + k * (3 * h + 3 * i)) * item
-    if mc.is_qwen4:
-        chunk_ws += chunk * config.max_context
+    if mc.is_qwen4:  # indexed attention: the [T, S] mask (bool temporaries, then as a bias in the model
+        # dtype, maybe padded), one key/value head's keys and values copied out to its query heads, the
+        # float32 block scores [T, Hi, S/c]
+        s = config.max_context
+        chunk_ws += (chunk * s * (3 + 2 * item)
+                     + 2 * (mc.num_attention_heads // mc.num_key_value_heads) * s * mc.head_dim * item
+                     + chunk * mc.indexer_n_heads * (s // mc.indexer_compress_ratio) * 4)
     parked = min(config.layer_major_window_tokens, config.max_context) * w * item
     plan = dict(
         budget_bytes=int(budget_bytes), dense_bytes=dense_params(mc) * item,
