@@ -495,13 +495,15 @@ class Profile(_Model):
 
 def _checks_within(exprs: list[str], arms: list[str], reference: str) -> list[str]:
     """The declared checks that still apply after ``--arms`` picked ``arms``: those naming a dropped arm
-    (or a ratio against a dropped reference) go, as allow_fallback entries do."""
-    from abbench.analysis.declared import parse_check
+    (their own, or the one a paired metric divides by) or pairing an arm with itself go, as allow_fallback
+    entries do."""
+    from abbench.analysis.declared import PAIRED, parse_check
 
     keep = []
     for e in exprs:
         c = parse_check(e)
-        if c.arm in arms and not (c.metric == "ttft_ratio" and c.arm == reference):
+        if c.arm in arms and (c.vs is None or c.vs in arms) and not (
+                c.metric in PAIRED and c.arm == (c.vs or reference)):
             keep.append(e)
     return keep
 

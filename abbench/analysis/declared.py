@@ -5,26 +5,32 @@ Grammar
 -------
 ::
 
-    METRIC[ARM(, KIND)(, >=TOKENS | <=TOKENS | TOKENS)] OP VALUE        OP: <=  >=  ==
+    METRIC[ARM(, KIND)(, >=TOKENS | <=TOKENS | TOKENS)(, vs ARM)] OP VALUE        OP: <=  >=  ==
 
 ``ARM`` is an arm of the run; ``KIND`` one of fresh, cold, continuation (default: every kind); ``TOKENS`` a
-prompt length (``32768`` or ``32k``) with ``>=``/``<=`` for a range, bare for exactly that length. Examples:
+prompt length (``32768`` or ``32k``) with ``>=``/``<=`` for a range, bare for exactly that length; ``vs ARM``
+(the paired metrics only) the arm to divide by, instead of the run's reference arm. Examples:
 ``ttft_ratio[layer-major, fresh, >=32768] <= 0.15``, ``h2d_banks[layer-major, fresh, <=65536] == 1``,
-``x_floor[layer-major] <= 1.10``, ``decode_tok_s[layer-major] >= 100``.
+``x_floor[layer-major] <= 1.10``, ``decode_tok_s[layer-major] >= 100``,
+``ttft_ratio[layer-major-8k, fresh, >=32768, vs giant-chunk] <= 1.05``,
+``peak_vram_ratio[layer-major-8k, fresh, >=32768, vs giant-chunk] <= 0.60``.
 
 Metrics (:data:`METRICS`), each per (arm, kind, prompt length) cell over measured ok samples:
 
 * interval metrics, judged on the 95% bootstrap interval of the cell's median (:func:`~abbench.analysis.
   timing.median_ci`): ``ttft_ratio`` (paired TTFT(arm) / TTFT(reference), same prompt and round), ``x_floor``
   (TTFT / the cell's floor, :func:`~abbench.analysis.transfer.floor_table`), ``ttft_s``, ``decode_tok_s``.
+  With ``vs ARM``, ``ttft_ratio`` pairs with that arm instead of the reference.
   ``<=``: pass when the whole interval is at or below VALUE, fail when it is wholly above, otherwise
   *inconclusive* (which fails, with a rough estimate of the rounds that might settle it: the interval's
   half-width taken to shrink as 1/sqrt(n)). One sample gives no interval: inconclusive. ``==`` is refused.
 * counter metrics, judged on every sample: ``h2d_banks`` (prefill H2D bytes / the bank; the whole
   request's bytes when the engine gives no split), ``banks_per_window`` (the same over the engine's
   layer-major windows, at least 1: one bank per window is the layer-major promise at any length) and ``peak_vram_gb`` (the engine's ``peak_device_bytes``
-  when present, else NVML's peak for the service's processes; GiB = 2^30 bytes). ``<=``: the largest sample
-  <= VALUE; ``>=``: the smallest >= VALUE; ``==``: every sample equal (relative tolerance 1e-6).
+  when present, else NVML's peak for the service's processes; GiB = 2^30 bytes) and ``peak_vram_ratio``
+  (that peak over the peak of the reference arm, or of ``vs ARM``, for the same prompt in the same round:
+  one value per pair). ``<=``: the largest sample <= VALUE; ``>=``: the smallest >= VALUE; ``==``: every
+  sample equal (relative tolerance 1e-6).
 
 Every cell the selector picks must pass; a selector that picks no cell with data fails (the gate never
 passes on missing data). :func:`parse_check` raises :class:`~abbench.errors.ConfigError` (exit 2) naming
@@ -71,11 +77,16 @@ METRICS: dict[str, Metric] = {m.name: m for m in (
     Metric("h2d_banks", "banks", False, False, "prefill host-to-device bytes / the expert bank"),
     Metric("banks_per_window", "banks", False, False, "h2d_banks / the engine's layer-major windows (at least 1)"),
     Metric("peak_vram_gb", "GiB", False, False, "peak device memory (engine's peak_device_bytes, else NVML)"),
+    Metric("peak_vram_ratio", "x", False, False,
+           "paired peak device memory(arm) / peak(reference arm, or vs ARM), same prompt and round"),
 )}
+PAIRED = ("ttft_ratio", "peak_vram_ratio")
+"""Metrics that divide by another arm's sample of the same prompt and round (``vs ARM``, else the reference)."""
 
 _EXPR = re.compile(r"^\s*(?P<metric>[A-Za-z_][A-Za-z0-9_]*)\s*\[(?P<sel>[^\[\]]*)\]\s*(?P<op><=|>=|==|=<|=>|<|>|=)?"
                    r"\s*(?P<value>\S*)\s*$")
 _TOKENS = re.compile(r"^(?P<op><=|>=|==)?\s*(?P<n>\d+)(?P<k>[kK])?$")
+_VS = re.compile(r"^vs\s+(?P<arm>\S.*)$")
 
 
 @dataclass(frozen=True)
@@ -91,12 +102,16 @@ class DeclaredCheck:
     tokens: int | None
     op: str
     value: float
+    vs: str | None = None
+    """The arm a paired metric divides by (None: the run's reference arm)."""
 
     @property
     def name(self) -> str:
         sel = [self.arm] + ([self.kind] if self.kind else [])
         if self.tokens is not None:
             sel.append(f"{'' if self.tokens_op == '==' else self.tokens_op}{self.tokens}")
+        if self.vs is not None:
+            sel.append(f"vs {self.vs}")
         return f"{self.metric}[{', '.join(sel)}] {self.op} {self.value:g}"
 
     @property
@@ -141,18 +156,26 @@ def parse_check(expr: str) -> DeclaredCheck:
     parts = [p.strip() for p in m["sel"].split(",")]
     if not parts[0]:
         raise ConfigError(f"{where}: the selector needs an arm first, e.g. {metric}[layer-major]")
-    arm, kind, tokens_op, tokens = parts[0], None, None, None
+    arm, kind, tokens_op, tokens, vs = parts[0], None, None, None, None
     for p in parts[1:]:
-        t = _TOKENS.match(p)
+        t, v = _TOKENS.match(p), _VS.match(p)
+        if vs is not None:
+            raise ConfigError(f"{where}: 'vs ARM' comes last in the selector (ARM, KIND, LENGTH, vs ARM)")
         if p in KINDS and kind is None and tokens is None:
             kind = p
         elif t and tokens is None:
             tokens_op, tokens = t["op"] or "==", int(t["n"]) * (1024 if t["k"] else 1)
+        elif v:
+            if metric not in PAIRED:
+                raise ConfigError(f"{where}: 'vs ARM' is for the paired metrics ({', '.join(PAIRED)}); {metric} "
+                                  "is not measured against another arm")
+            vs = v["arm"].strip()
         else:
-            raise ConfigError(f"{where}: selector part {p!r} is neither a kind ({', '.join(KINDS)}) nor a "
-                              "prompt length (>=32768, <=65536 or 32768), in the order ARM, KIND, LENGTH")
+            raise ConfigError(f"{where}: selector part {p!r} is neither a kind ({', '.join(KINDS)}), a "
+                              "prompt length (>=32768, <=65536 or 32768) nor 'vs ARM', in the order ARM, KIND, "
+                              "LENGTH, vs ARM")
     return DeclaredCheck(expr=expr, metric=metric, arm=arm, kind=kind, tokens_op=tokens_op, tokens=tokens, op=op,
-                         value=value)
+                         value=value, vs=vs)
 
 
 def parse_checks(exprs: list[str]) -> list[DeclaredCheck]:
@@ -160,14 +183,15 @@ def parse_checks(exprs: list[str]) -> list[DeclaredCheck]:
 
 
 def check_arms(checks: list[DeclaredCheck], arms: list[str], reference: str | None, where: str) -> None:
-    """:class:`ConfigError` when a check names an arm that is not there, or compares the reference with
-    itself."""
+    """:class:`ConfigError` when a check names an arm that is not there, or compares an arm with itself."""
     for c in checks:
-        if c.arm not in arms:
-            raise ConfigError(f"{where}: check {c.expr!r}: unknown arm {c.arm!r}; arms are {', '.join(arms)}")
-        if c.metric == "ttft_ratio" and c.arm == reference:
-            raise ConfigError(f"{where}: check {c.expr!r}: {c.arm} is the reference arm; ttft_ratio compares "
-                              "another arm with it")
+        for a in (c.arm, c.vs):
+            if a is not None and a not in arms:
+                raise ConfigError(f"{where}: check {c.expr!r}: unknown arm {a!r}; arms are {', '.join(arms)}")
+        if c.metric in PAIRED and c.arm == (c.vs or reference):
+            raise ConfigError(f"{where}: check {c.expr!r}: {c.arm} is " + (
+                "the arm it is compared with" if c.vs else "the reference arm") + f"; {c.metric} compares another "
+                "arm with it" + ("" if c.vs else " (or name one with 'vs ARM')"))
 
 
 def bind(record: RunRecord, exprs: list[str], where: str = "--check") -> list[DeclaredCheck]:
@@ -197,6 +221,42 @@ def _rows(df: pd.DataFrame, values: pd.Series) -> pd.DataFrame:
 def _ttft_ratio(record: RunRecord) -> pd.DataFrame:
     p = paired_ratios(record)
     return _rows(p, p["ratio"]) if not p.empty else pd.DataFrame(columns=VALUE_COLUMNS)
+
+
+def _peak_bytes(df: pd.DataFrame) -> pd.Series:
+    peak = df["peak_device_bytes"].where(df["peak_device_bytes"].notna(), df["proc_gpu_mem_peak"])
+    return pd.to_numeric(peak, errors="coerce")
+
+
+def _paired(record: RunRecord, vs: str, column: Callable[[pd.DataFrame], pd.Series]) -> pd.DataFrame:
+    """One row per (arm other than ``vs``, prompt, round) where both have a measured ok sample with a positive
+    value: value(arm) / value(vs) (the latest sample of each, as ``paired_ratios``)."""
+    df = measured_ok_frame(record)
+    if df.empty:
+        return pd.DataFrame(columns=VALUE_COLUMNS)
+    df = df.assign(_v=column(df)).sort_values("step")
+    df = df[df["_v"] > 0].drop_duplicates(["arm", "prompt_id", "round"], keep="last")
+    base = {(p, r): v for a, p, r, v in zip(df["arm"], df["prompt_id"], df["round"], df["_v"]) if a == vs}
+    df = df[df["arm"] != vs]
+    denom = [base.get((p, r)) for p, r in zip(df["prompt_id"], df["round"])]
+    return _rows(df, df["_v"] / pd.Series(denom, index=df.index, dtype=float))
+
+
+def _values(record: RunRecord, c: DeclaredCheck) -> pd.DataFrame:
+    """The check's values: a paired metric against ``c.vs`` when given, else ``VALUES`` (against the
+    reference)."""
+    if c.vs is not None:
+        return _paired(record, c.vs, _peak_bytes if c.metric == "peak_vram_ratio" else _ttft)
+    return VALUES[c.metric](record)
+
+
+def _ttft(df: pd.DataFrame) -> pd.Series:
+    return pd.to_numeric(df["ttft_s"], errors="coerce")
+
+
+def _peak_vram_ratio(record: RunRecord) -> pd.DataFrame:
+    ref = reference_arm(record)
+    return _paired(record, ref, _peak_bytes) if ref else pd.DataFrame(columns=VALUE_COLUMNS)
 
 
 def _x_floor(record: RunRecord) -> pd.DataFrame:
@@ -240,16 +300,16 @@ def _peak_vram(record: RunRecord) -> pd.DataFrame:
     df = measured_ok_frame(record)
     if df.empty:
         return pd.DataFrame(columns=VALUE_COLUMNS)
-    peak = df["peak_device_bytes"].where(df["peak_device_bytes"].notna(), df["proc_gpu_mem_peak"])
-    return _rows(df, pd.to_numeric(peak, errors="coerce") / 2**30)
+    return _rows(df, _peak_bytes(df) / 2**30)
 
 
 VALUES: dict[str, Callable[[RunRecord], pd.DataFrame]] = {
     "ttft_ratio": _ttft_ratio, "x_floor": _x_floor, "ttft_s": _column("ttft_s"),
     "decode_tok_s": _column("decode_tok_s"), "h2d_banks": _h2d_banks, "banks_per_window": _banks_per_window,
-    "peak_vram_gb": _peak_vram,
+    "peak_vram_gb": _peak_vram, "peak_vram_ratio": _peak_vram_ratio,
 }
-"""Per metric: one row per measured ok sample (or pair): arm, kind, target_tokens, round, value."""
+"""Per metric, against the reference arm where paired: one row per measured ok sample (or pair): arm, kind,
+target_tokens, round, value (:func:`_values` pairs with another arm)."""
 
 
 # ------------------------------------------------------------------------------------------ judging
@@ -324,7 +384,7 @@ def _judge_counter(c: DeclaredCheck, vals: np.ndarray) -> tuple[float, float, fl
 
 def judge(record: RunRecord, c: DeclaredCheck, values: pd.DataFrame | None = None) -> list[Cell]:
     """The check's cells (kind, length) for its arm, each with its value, interval and verdict."""
-    df = VALUES[c.metric](record) if values is None else values
+    df = _values(record, c) if values is None else values
     df = df[df["arm"] == c.arm]
     cells: list[Cell] = []
     for (kind, tokens), g in df.groupby(["kind", "target_tokens"], sort=False, dropna=False):
@@ -348,7 +408,7 @@ def fmt_value(v: float | None) -> str:
 
 def describe_cell(c: DeclaredCheck, cell: Cell) -> str:
     """'fresh 32768: 0.146 (95% CI 0.143-0.148, n=2 pairs) pass'."""
-    what = "pairs" if c.metric == "ttft_ratio" else "samples"
+    what = "pairs" if c.metric in PAIRED else "samples"
     if cell.low is None:
         span = f"n={cell.n} {what}"
     else:

@@ -10,7 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from abbench import analysis as an
-from abbench.analysis.declared import METRICS, judge, parse_check, rounds_to_settle
+from abbench.analysis.declared import METRICS, describe_cell, judge, parse_check, rounds_to_settle
 from abbench.cli import app
 from abbench.errors import ConfigError
 from abbench.profile import load_profile, profile_from_dict
@@ -69,6 +69,50 @@ def test_grammar_errors_name_the_problem(expr: str, words: str) -> None:
     assert words in str(e.value)
 
 
+def test_vs_names_the_arm_a_paired_metric_divides_by() -> None:
+    c = parse_check("peak_vram_ratio[layer-major-8k, fresh, >=32k, vs giant-chunk] <= 0.60")
+    assert (c.metric, c.arm, c.kind, c.tokens_op, c.tokens, c.vs, c.op, c.value) == \
+        ("peak_vram_ratio", "layer-major-8k", "fresh", ">=", 32768, "giant-chunk", "<=", 0.6)
+    assert c.name == "peak_vram_ratio[layer-major-8k, fresh, >=32768, vs giant-chunk] <= 0.6"
+    assert parse_check(c.name) == parse_check(c.name) and parse_check(c.name).vs == "giant-chunk"
+    assert parse_check("ttft_ratio[B,vs A] <= 2").vs == "A" and parse_check("ttft_ratio[B] <= 2").vs is None
+    with pytest.raises(ConfigError, match="'vs ARM' is for the paired metrics"):
+        parse_check("ttft_s[B, vs A] <= 1")
+    with pytest.raises(ConfigError, match="'vs ARM' comes last"):
+        parse_check("ttft_ratio[B, vs A, fresh] <= 1")
+    record = make_run(arms=("A", "B", "C"))
+    with pytest.raises(ConfigError, match="unknown arm 'Z'"):
+        an.gate(record, checks=["ttft_ratio[B, vs Z] <= 1"])
+    with pytest.raises(ConfigError, match="B is the arm it is compared with"):
+        an.gate(record, checks=["peak_vram_ratio[B, vs B] <= 1"])
+    with pytest.raises(ConfigError, match="A is the reference arm.*vs ARM"):
+        an.gate(record, checks=["peak_vram_ratio[A] <= 1"])
+    # the reference against another arm is fine once that arm is named
+    assert by_name(an.gate(record, checks=["ttft_ratio[A, vs B] >= 1"]))["ttft_ratio[A, vs B] >= 1"].passed
+
+
+def test_paired_metrics_against_another_arm_on_the_committed_h200_run(h200) -> None:
+    """layer-major over resident, the same prompt in the same round, computed here from the samples."""
+    from abbench.analysis.frames import measured_ok
+
+    got = {(s.arm, s.round): s for s in measured_ok(h200) if s.prompt_id == "fresh-32768-0"}
+    for metric, value in (("ttft_ratio", lambda s: s.ttft_s), ("peak_vram_ratio",
+                                                               lambda s: s.engine["peak_device_bytes"])):
+        want = sorted(value(got[("layer-major", r)]) / value(got[("resident", r)]) for r in (1, 2))
+        cells = judge(h200, parse_check(f"{metric}[layer-major, fresh, 32768, vs resident] <= 10"))
+        assert len(cells) == 1 and cells[0].n == 2 and cells[0].status == "pass"
+        assert cells[0].value == pytest.approx(sum(want) / 2, rel=1e-12)
+        assert (cells[0].low, cells[0].high) == pytest.approx((want[0], want[1]), rel=1e-12)  # 2 values: min, max
+    # without vs, against the reference (chunked): the committed report's 0.146 at 32K
+    assert judge(h200, parse_check("ttft_ratio[layer-major, fresh, 32768] <= 1"))[0].value == \
+        pytest.approx(0.146, abs=5e-4)
+    mem = judge(h200, parse_check("peak_vram_ratio[layer-major, fresh, 32768] <= 1"))[0]
+    per_round = [got[("layer-major", r)].engine["peak_device_bytes"] / got[("chunked", r)].engine["peak_device_bytes"]
+                 for r in (1, 2)]
+    assert mem.n == 2 and mem.value == pytest.approx(sum(per_round) / 2, rel=1e-12)
+    assert "2 pairs" in describe_cell(parse_check("peak_vram_ratio[layer-major] <= 1"), mem)
+
+
 def test_unknown_arm_and_ratio_of_the_reference_are_refused() -> None:
     record = make_run()
     with pytest.raises(ConfigError, match="unknown arm 'C'; arms are A, B"):
@@ -115,7 +159,7 @@ def test_peak_vram_falls_back_to_nvml_without_the_engine_figure() -> None:
 def test_every_metric_has_values_on_a_cpu_run() -> None:
     record, _ = load_run(CPU)
     for metric in METRICS:
-        if metric in ("peak_vram_gb", "x_floor"):  # no GPU, and no resident arm in this run
+        if metric in ("peak_vram_gb", "peak_vram_ratio", "x_floor"):  # no GPU, no resident arm in this run
             continue
         arm = "layer-major"
         assert judge(record, parse_check(f"{metric}[{arm}] >= 0")), metric
@@ -180,6 +224,10 @@ def test_profiles_validate_their_checks() -> None:
     base["gate"]["checks"] = ["ttft_ratio[layer-major] <= 1.5", "ttft_s[demand] <= 9"]
     assert profile_from_dict(base).with_overrides(arms=["chunked", "layer-major"]).gate.checks == \
         ["ttft_ratio[layer-major] <= 1.5"]
+    base["gate"]["checks"] = ["ttft_ratio[layer-major, vs demand] <= 1.5", "peak_vram_ratio[demand, vs chunked] <= 1",
+                              "ttft_ratio[chunked, vs layer-major] >= 1"]
+    assert profile_from_dict(base).with_overrides(arms=["chunked", "layer-major"]).gate.checks == \
+        ["ttft_ratio[chunked, vs layer-major] >= 1"]
 
 
 def test_the_bundled_h200_profiles_declare_their_targets() -> None:
