@@ -14,7 +14,10 @@ decode slot cache held the routed experts, and the device memory each request pe
   ``over_expected`` = step_s / expected_step_s: how close an offloaded decode comes to "the copies it must
   make, plus a step with nothing to copy";
 - ``peak_device_bytes``: torch's peak allocated device memory during the request (the engine's own figure),
-  and ``proc_gpu_mem_peak``: NVML's peak for the service's processes while the request ran.
+  and ``proc_gpu_mem_peak``: NVML's peak for the service's processes while the request ran;
+  ``added_device_bytes``: the most any request added to what the engine held when it started (peak -
+  ``start_device_bytes``: weights, KV cache, buffers and slot cache are held between requests), i.e. the
+  memory the request's own prefill and decode needed (None when the engine gives no start figure).
 
 :func:`ttft_memory_table` pairs each arm's median TTFT with its peak device memory, per kind and length: the
 speed/memory trade (layer-major against one giant chunk, say) at a glance.
@@ -29,7 +32,7 @@ from abbench.results import RunRecord
 
 DECODE_COLUMNS = ["arm", "kind", "target_tokens", "n", "step_s", "tok_s", "h2d_per_step", "hit_rate",
                   "slots_per_layer", "decode_mode", "cached_step_s", "expected_step_s", "over_expected",
-                  "peak_device_bytes", "proc_gpu_mem_peak"]
+                  "peak_device_bytes", "added_device_bytes", "proc_gpu_mem_peak"]
 
 
 def decode_table(record: RunRecord) -> pd.DataFrame:
@@ -38,7 +41,8 @@ def decode_table(record: RunRecord) -> pd.DataFrame:
         return pd.DataFrame(columns=DECODE_COLUMNS)
     steps = (df["completion_tokens"] - 1).where(df["completion_tokens"] > 1)
     df = df.assign(step_s=df["decode_s"] / steps, h2d_per_step=df["decode_h2d_bytes"] / steps,
-                   hits_total=df["slot_hits"] + df["slot_misses"])
+                   hits_total=df["slot_hits"] + df["slot_misses"],
+                   added=pd.to_numeric(df["peak_device_bytes"]) - pd.to_numeric(df["start_device_bytes"]))
     # the cached step of each prompt: the median step of arms whose decode copied nothing
     no_copy = df[(df["decode_h2d_bytes"] == 0) & df["step_s"].notna()]
     cached = {pid: median_of(g["step_s"]) for pid, g in no_copy.groupby("prompt_id")}
@@ -63,7 +67,8 @@ def decode_table(record: RunRecord) -> pd.DataFrame:
             "slots_per_layer": median_of(g["slots_per_layer"]), "decode_mode": ", ".join(modes) or None,
             "cached_step_s": cached_step, "expected_step_s": expected,
             "over_expected": step / expected if expected else None,
-            "peak_device_bytes": max_of(g["peak_device_bytes"]), "proc_gpu_mem_peak": max_of(g["proc_gpu_mem_peak"]),
+            "peak_device_bytes": max_of(g["peak_device_bytes"]), "added_device_bytes": max_of(g["added"]),
+            "proc_gpu_mem_peak": max_of(g["proc_gpu_mem_peak"]),
         })
     out = pd.DataFrame(rows, columns=DECODE_COLUMNS)
     return sort_rows(out, record, ["arm", "kind", "target_tokens"])

@@ -226,7 +226,7 @@ def abbench_object(ctx: RequestContext, stats: Any, finished: float, engine: Any
         decode=AbbenchDecode(slot_hits=stats.slot_hits, slot_misses=stats.slot_misses,
                              steps_whole=stats.decode_steps_whole, steps_per_layer=stats.decode_steps_per_layer,
                              mode=engine.decoder.mode, slots_per_layer=engine.slots_per_layer),
-        peak_device_bytes=stats.peak_device_bytes,
+        peak_device_bytes=stats.peak_device_bytes, start_device_bytes=getattr(stats, "start_device_bytes", None),
         chunk_tokens=getattr(stats, "chunk_tokens", None), alloc_retries=getattr(stats, "alloc_retries", None),
         copy_wait_s=(None if getattr(stats, "copy_wait_s", None) is None else round(stats.copy_wait_s, 6)),
         layer_trace=getattr(stats, "layer_trace", None),

@@ -229,8 +229,10 @@ class ReferenceEngine:
             raise RuntimeError("generate() while another request is running (one at a time)")
         counters = self.counters
         try:
+            start_bytes = None
             if self.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(self.device)
+                start_bytes = int(torch.cuda.memory_allocated(self.device))
             check_cancel(cancel)
             prefill_start = time.perf_counter()
             tracer = LayerTrace() if trace_layers else None
@@ -262,7 +264,7 @@ class ReferenceEngine:
                 finish_reason="stop" if event.token_id in eos else "length",
                 peak_device_bytes=(int(torch.cuda.max_memory_allocated(self.device))
                                    if self.device.type == "cuda" else None),
-                layer_trace=tracer.export() if tracer is not None else None)
+                start_device_bytes=start_bytes, layer_trace=tracer.export() if tracer is not None else None)
         except Cancelled:
             counters["requests_cancelled"] += 1
             raise

@@ -92,6 +92,7 @@ class RequestStats:
     decode_steps_whole: int = 0  # decode steps that ran as one piece (no expert could miss)
     decode_steps_per_layer: int = 0  # decode steps that read the router back layer by layer
     peak_device_bytes: int | None = None  # torch's peak allocated device memory during the request (CUDA)
+    start_device_bytes: int | None = None  # torch's allocated device memory when it started: what the engine holds
     chunk_tokens: int | None = None  # the prefill chunk length this request ran with
     alloc_retries: int | None = None  # CUDA caching-allocator retries (free cache + cudaMalloc again) during it
     copy_wait_s: float | None = None  # prefill: GPU time compute waited for streamed expert copies (CUDA)
@@ -323,8 +324,10 @@ class Engine:
         try:
             store.begin_request()
             retries0 = self._alloc_retries()
+            start_bytes = None
             if self.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(self.device)
+                start_bytes = int(torch.cuda.memory_allocated(self.device))
             reuse = min(_common_prefix(self._kv_tokens, prompt), len(prompt) - 1)
             if self._hybrid:  # resume exactly at the snapshot (a continuation of the last prompt) or not at all
                 reuse = self._states_at if 0 < self._states_at <= reuse else 0
@@ -377,7 +380,7 @@ class Engine:
                 decode_steps_per_layer=self.decoder.steps["per_layer"] - steps0["per_layer"],
                 peak_device_bytes=(int(torch.cuda.max_memory_allocated(self.device))
                                    if self.device.type == "cuda" else None),
-                chunk_tokens=chunk_tokens,
+                start_device_bytes=start_bytes, chunk_tokens=chunk_tokens,
                 alloc_retries=(None if retries0 is None else self._alloc_retries() - retries0),
                 copy_wait_s=store.copy_stall_seconds(),  # prefill's waits, read once the request is done
                 layer_trace=tracer.export() if tracer is not None else None)

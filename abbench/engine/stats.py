@@ -94,6 +94,9 @@ class AbbenchStats(_Lenient):
     queue_wait_s: float | None = Field(None, description="Seconds the request waited for the worker.")
     decode: AbbenchDecode | None = Field(None, description="Decode steps and the slot cache (newer engines).")
     peak_device_bytes: int | None = Field(None, description="Peak device memory during the request.")
+    start_device_bytes: int | None = Field(None, description="Device memory allocated when the request started: "
+                                           "what the engine holds between requests (weights, caches, buffers); "
+                                           "peak - start is what the request itself added.")
     chunk_tokens: int | None = Field(None, description="The prefill chunk length this request ran with.")
     alloc_retries: int | None = Field(None, description="CUDA caching-allocator retries during the request (it "
                                       "freed its cache and called cudaMalloc again: a sign of memory pressure).")

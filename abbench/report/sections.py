@@ -229,11 +229,15 @@ def decode_section(ri: ReportInput) -> list[str]:
     if a.decode.empty:
         return lines + ["No decode data: no measured request generated more than one token."]
     has_model = a.decode["expected_step_s"].notna().any()
+    has_added = a.decode["added_device_bytes"].notna().any()  # engines that report memory held at the start
     lines += [
         ("Medians per request. Step = (total - TTFT) / (output tokens - 1) as the harness saw it; decode H2D per "
          "step = experts copied into the decode slot cache; hit rate = routed (layer, expert) pairs found in "
          "the slot cache. Peak device memory: the engine's own peak allocation during the request (torch), and "
          "NVML's peak for the service's processes."
+         + (" Added = the most a request added to what the engine held when it started (weights, KV cache, "
+            "buffers and slot cache stay between requests): the memory the request itself needed."
+            if has_added else "")
          + (" Expected = decode H2D per step / measured H2D bandwidth + the cached step (the median step, for "
             "the same prompt, of an arm whose decode copied nothing)." if has_model else "")), "",
         table(a.decode, [Col("arm", "Arm", descriptive=True, right=False),
@@ -248,8 +252,9 @@ def decode_section(ri: ReportInput) -> list[str]:
                          Col("decode_mode", "Decoder", descriptive=True, right=False),
                          Col("expected_step_s", "Expected step", fmt_s),
                          Col("over_expected", "Step/expected", fmt_ratio),
-                         Col("peak_device_bytes", "Peak device (engine)", fmt_gib),
-                         Col("proc_gpu_mem_peak", "Peak device (NVML)", fmt_gib)]),
+                         Col("peak_device_bytes", "Peak device (engine)", fmt_gib)]
+                        + ([Col("added_device_bytes", "Added (engine)", fmt_gib)] if has_added else [])
+                        + [Col("proc_gpu_mem_peak", "Peak device (NVML)", fmt_gib)]),
     ]
     return lines + _plot_link(ri.plots, "ttft_memory", "TTFT against peak device memory")
 

@@ -6,7 +6,6 @@ The keyed engine is tests/support/fakeserver.py with ``--api-key-env`` (every ro
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import ssl

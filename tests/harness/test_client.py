@@ -3,7 +3,6 @@ tricky byte streams. Each misbehaviour of a server must surface as a RequestErro
 
 from __future__ import annotations
 
-import json
 import random
 import socket
 import statistics

@@ -14,7 +14,6 @@ import shutil
 import signal
 import socket
 import sys
-import time
 from pathlib import Path
 from typing import Any
 

@@ -162,3 +162,34 @@ def test_copy_wait_column_and_a_moved_run(tmp_path: Path) -> None:
                          cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
     assert res.returncode == 0, res.stderr
     assert "Copy wait" not in (tmp_path / "plain" / f"{RUN.name}.md").read_text()
+
+
+def test_memory_added_by_each_request_next_to_its_peak() -> None:
+    """An engine that reports what it held when a request started (``start_device_bytes``) gets an "Added"
+    column: the most any request of the cell added to that (peak - start), in GiB. The committed runs predate
+    the figure and show no such column."""
+    from abbench import analysis as an
+    from abbench.analysis.decode import decode_table
+    from abbench.report.sections import ReportInput, decode_section
+    from abbench.results import load_run
+
+    record, _ = load_run(RUN)
+    assert not any("Added" in line for line in decode_section(ReportInput(record=record, analysis=an.analyze(record))))
+    added: dict[tuple, list[int]] = {}
+    for s in record.samples:
+        peak = s.engine["peak_device_bytes"]
+        start = 14 * 2**30 + (s.step % 5) * 2**28  # a different start per request: the column takes peak - start
+        s.engine["start_device_bytes"] = start
+        if s.ok and not s.excluded and s.completion_tokens and s.completion_tokens > 1:
+            added.setdefault((s.arm, s.kind, s.prompt_tokens), []).append(peak - start)
+    table = decode_table(record)
+    assert len(table) == len(added) and table["added_device_bytes"].notna().all()
+    for row in table.itertuples():
+        assert row.added_device_bytes == max(added[(row.arm, row.kind, row.target_tokens)])
+    text = "\n".join(decode_section(ReportInput(record=record, analysis=an.analyze(record))))
+    (rows,) = mt.tables(text)
+    for r in rows:  # "1.23 GiB"
+        assert r["Added (engine)"].endswith(" GiB")
+        assert _close(float(r["Added (engine)"].split()[0]), max(added[(r["Arm"], r["Kind"], int(r["Prompt tokens"]))])
+                      / 2**30)
+    assert "Added = the most a request added" in text
