@@ -24,7 +24,8 @@ from .config import Qwen4Config
 from .experts import ExpertBank
 from .qwen4 import (IndexedAttnWeights, MixerWeights, PLEWeights, Qwen4LayerWeights, Qwen4Weights, ngram_head_sizes,
                     ngram_multipliers, ple_table_rows)
-from .weights import Draw, _Checkpoint, _load_experts, _seed, load_linear_mixer, random_linear_mixer
+from .weights import (Draw, _Checkpoint, _load_experts, _seed, load_embed_and_head, load_linear_mixer,
+                      random_linear_mixer)
 
 # Tensor kinds for seeding (the hybrid's kinds 0..18 keep their meaning).
 (_EMBED, _LM_HEAD, _Q, _K, _V, _O, _ROUTER, _GATE_UP, _DOWN, _QKV, _Z, _B, _A, _CONV, _ALOG, _OUT, _SH_GATE_UP,
@@ -157,12 +158,6 @@ def load_qwen4_checkpoint(path: str | Path, cfg: Qwen4Config, bank: ExpertBank, 
             shared_down=dev(s + "down_proj.weight", (h, i_s)),
             shared_gate=dev(pre + "mlp.shared_expert_gate.weight", (1, h)), ple=ple))
         _load_experts(ck, pre, l, cfg, bank)
-    embed = dev(root + "embed_tokens.weight", (cfg.vocab_size, h))
-    if cfg.tie_word_embeddings:
-        lm_head = embed
-    elif "lm_head.weight" in ck:
-        lm_head = dev("lm_head.weight", (cfg.vocab_size, h))
-    else:
-        raise ValueError(f"{path}: lm_head.weight is missing and tie_word_embeddings is false")
+    embed, lm_head = load_embed_and_head(ck, dev, root, cfg, path)
     return Qwen4Weights(embed=embed, layers=layers, final_mix=mixer(root + "hyper_connection_mixer.", False),
                         lm_head=lm_head)

@@ -176,14 +176,19 @@ def load_checkpoint(path: str | Path, cfg: ModelConfig, bank: ExpertBank, device
                 bank.gate_up[l][x, :i].copy_(ck.get(q + "gate_proj.weight", (i, h)))
                 bank.gate_up[l][x, i:].copy_(ck.get(q + "up_proj.weight", (i, h)))
                 bank.down[l][x].copy_(ck.get(q + "down_proj.weight", (h, i)))
-    embed = dev("model.embed_tokens.weight", (cfg.vocab_size, h))
-    if "lm_head.weight" in ck and not cfg.tie_word_embeddings:
-        lm_head = dev("lm_head.weight", (cfg.vocab_size, h))
-    elif cfg.tie_word_embeddings:
-        lm_head = embed
-    else:
-        raise ValueError(f"{path}: lm_head.weight is missing and tie_word_embeddings is false")
+    embed, lm_head = load_embed_and_head(ck, dev, "model.", cfg, path)
     return DenseWeights(embed=embed, layers=layers, norm=dev("model.norm.weight", (h,)), lm_head=lm_head)
+
+
+def load_embed_and_head(ck: _Checkpoint, dev, root: str, cfg, path) -> tuple[torch.Tensor, torch.Tensor]:
+    """The token embedding (``{root}embed_tokens.weight``) and lm_head of a checkpoint, through ``dev`` (the
+    loader's key, shape -> device tensor); a tied lm_head is the embedding itself."""
+    embed = dev(root + "embed_tokens.weight", (cfg.vocab_size, cfg.hidden_size))
+    if cfg.tie_word_embeddings:
+        return embed, embed
+    if "lm_head.weight" not in ck:
+        raise ValueError(f"{path}: lm_head.weight is missing and tie_word_embeddings is false")
+    return embed, dev("lm_head.weight", (cfg.vocab_size, cfg.hidden_size))
 
 
 def random_linear_mixer(cfg: HybridConfig, draw: Draw, l: int) -> LinearWeights:
@@ -285,11 +290,5 @@ def load_hybrid_checkpoint(path: str | Path, cfg: HybridConfig, bank: ExpertBank
             shared_down=dev(s + "down_proj.weight", (h, i_s)),
             shared_gate=dev(p + "mlp.shared_expert_gate.weight", (1, h))))
         _load_experts(ck, p, l, cfg, bank)
-    embed = dev(root + "embed_tokens.weight", (cfg.vocab_size, h))
-    if cfg.tie_word_embeddings:
-        lm_head = embed
-    elif "lm_head.weight" in ck:
-        lm_head = dev("lm_head.weight", (cfg.vocab_size, h))
-    else:
-        raise ValueError(f"{path}: lm_head.weight is missing and tie_word_embeddings is false")
+    embed, lm_head = load_embed_and_head(ck, dev, root, cfg, path)
     return HybridWeights(embed=embed, layers=layers, norm=dev(root + "norm.weight", (h,)), lm_head=lm_head)

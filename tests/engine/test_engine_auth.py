@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -23,33 +21,16 @@ from abbench.engine.config import EngineConfig  # noqa: E402
 from abbench.engine.runtime import Engine  # noqa: E402
 from abbench.engine.server import API_KEY_ENV, create_app, is_loopback  # noqa: E402
 from abbench.engine.tokenizer import load_tokenizer  # noqa: E402
+from tests.support.uvicorn_thread import ServerThread  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 KEY = "engine-key-5c2e8a1f9d3b7e60"
 
 
-class _Served:
-    def __init__(self, app) -> None:  # type: ignore[no-untyped-def]
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 20
-        while not self.server.started:
-            assert time.monotonic() < deadline and self.thread.is_alive(), "server did not start"
-            time.sleep(0.01)
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
-
-
 @pytest.fixture(scope="module")
 def keyed():  # type: ignore[no-untyped-def]
     engine = Engine(EngineConfig(model="tiny", weights="random:0", device="cpu", chunk_tokens=16, max_context=128))
-    served = _Served(create_app(engine, load_tokenizer("qwen3"), served_model_name="tiny", api_key=KEY))
+    served = ServerThread(create_app(engine, load_tokenizer("qwen3"), served_model_name="tiny", api_key=KEY))
     with httpx.Client(base_url=served.url, timeout=60) as client:
         yield client
     served.stop()

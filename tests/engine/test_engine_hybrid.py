@@ -25,6 +25,7 @@ from abbench.engine import PRESETS, EngineConfig, ModelConfig  # noqa: E402
 from abbench.engine.config import HybridConfig  # noqa: E402
 from abbench.engine.prefill import prefill  # noqa: E402
 from abbench.engine.runtime import Engine  # noqa: E402
+from tests.support.hf_models import save_random_hybrid  # noqa: E402
 
 L, F = "linear_attention", "full_attention"
 MINI = HybridConfig(
@@ -80,28 +81,8 @@ def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
 
 
 def _hf_model(tmp: Path, seed: int = 0):
-    """A random transformers Qwen3_5MoeForCausalLM saved with save_pretrained into ``tmp``.
-
-    Every tensor redrawn so that it matters: matrices N(0, 1/fan_in), embeddings N(0, 1), the conv N(0, 0.25),
-    zero-centred norm weights N(0, 0.2^2), the gated norm and dt_bias 1 + N(0, 0.2^2), A_log = log U(1, 16)."""
-    cfg = transformers.Qwen3_5MoeTextConfig(**HF_SHAPE)
-    torch.manual_seed(seed)
-    model = transformers.Qwen3_5MoeForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "A_log" in name:
-                p.copy_(torch.empty_like(p).uniform_(1, 16).log())
-            elif p.dim() == 1:
-                centre = 1.0 if ("linear_attn.norm" in name or "dt_bias" in name) else 0.0
-                p.copy_(centre + 0.2 * torch.randn_like(p))
-            elif "embed_tokens" in name:
-                p.normal_(0, 1.0)
-            elif "conv1d" in name:
-                p.normal_(0, 0.5)
-            else:
-                p.normal_(0, p.shape[-1] ** -0.5)
-    model.save_pretrained(tmp)
-    return model
+    """A random transformers Qwen3.5-MoE model saved into ``tmp`` (``save_random_hybrid``: every tensor redrawn so that it matters)."""
+    return save_random_hybrid(transformers.Qwen3_5MoeForCausalLM, transformers.Qwen3_5MoeTextConfig(**HF_SHAPE), tmp, seed, unit=("embed_tokens",))
 
 
 @pytest.fixture(scope="module")

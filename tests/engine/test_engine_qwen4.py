@@ -24,6 +24,7 @@ from abbench.engine.memory import dense_params, kv_cache_bytes, plan_device_memo
 from abbench.engine.prefill import prefill  # noqa: E402
 from abbench.engine.qwen4 import Qwen4Model  # noqa: E402
 from abbench.engine.runtime import Engine  # noqa: E402
+from tests.support.hf_models import save_random_hybrid  # noqa: E402
 
 EOS = 7
 MODES = ("chunked", "layer-major", "demand", "resident")
@@ -46,27 +47,8 @@ def _prompt(n: int, seed: int = 0, vocab: int = 512, eos_every: int = 37) -> lis
 
 
 def _hf_model(tmp: Path, seed: int = 0):
-    """A random Qwen4ExpForCausalLM saved into ``tmp``, every tensor redrawn so that it matters: matrices
-    N(0, 1/fan_in), embeddings and PLE tables N(0, 1), convs N(0, 0.25), zero-centred norms N(0, 0.2^2), the
-    gated norm and dt_bias 1 + N(0, 0.2^2), A_log = log U(1, 16)."""
-    cfg = transformers.Qwen4ExpTextConfig(**HF_SHAPE)
-    torch.manual_seed(seed)
-    model = transformers.Qwen4ExpForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "A_log" in name:
-                p.copy_(torch.empty_like(p).uniform_(1, 16).log())
-            elif p.dim() == 1:
-                centre = 1.0 if ("linear_attn.norm" in name or "dt_bias" in name) else 0.0
-                p.copy_(centre + 0.2 * torch.randn_like(p))
-            elif "embed_tokens" in name or "ngram_embedding" in name:
-                p.normal_(0, 1.0)
-            elif "conv1d" in name:
-                p.normal_(0, 0.5)
-            else:
-                p.normal_(0, p.shape[-1] ** -0.5)
-    model.save_pretrained(tmp)
-    return model
+    """A random Qwen4-Exp model saved into ``tmp`` (``save_random_hybrid``: every tensor redrawn so that it matters)."""
+    return save_random_hybrid(transformers.Qwen4ExpForCausalLM, transformers.Qwen4ExpTextConfig(**HF_SHAPE), tmp, seed, unit=("embed_tokens", "ngram_embedding"))
 
 
 @pytest.fixture(scope="module")

@@ -32,6 +32,7 @@ from abbench.engine.config import PRESETS, EngineConfig  # noqa: E402
 from abbench.engine.runtime import Cancelled, ContextOverflow, Engine, RequestStats, TokenEvent  # noqa: E402
 from abbench.engine.server import create_app  # noqa: E402
 from abbench.engine.tokenizer import IncrementalDetokenizer, TokenizerSpecError, load_tokenizer  # noqa: E402
+from tests.support.uvicorn_thread import ServerThread  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 MAX_CONTEXT = 128
@@ -44,26 +45,6 @@ FLAMINGO = "🦩"  # qwen3: two tokens, the first ends in an incomplete UTF-8 se
 # --------------------------------------------------------------------------------------------------
 # Harness: a uvicorn server in a thread, SSE parsing, the scripted stand-in engine
 # --------------------------------------------------------------------------------------------------
-
-
-class ServerThread:
-    """Serve ``app`` with uvicorn on a free loopback port in a daemon thread."""
-
-    def __init__(self, app):
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 20
-        while not self.server.started:
-            assert time.monotonic() < deadline and self.thread.is_alive(), "server did not start"
-            time.sleep(0.01)
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
 
 
 def sse_events(response: httpx.Response) -> tuple[list[dict], bool]:
