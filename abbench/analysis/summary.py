@@ -12,7 +12,7 @@ from abbench.analysis.frames import Completeness, arm_names, completeness, memor
 from abbench.analysis.parity import NEAR_TIE_NATS, parity_frame, parity_tokens_of
 from abbench.analysis.paths import active_path_samples, active_path_summary
 from abbench.analysis.timing import overhead_table, paired_ratios, ratio_summary, small_n_notes, ttft_table
-from abbench.analysis.transfer import engine_counter_table, floor_table, h2d_table
+from abbench.analysis.transfer import engine_counter_table, floor_table, gap_table, h2d_table
 from abbench.results import RunRecord
 
 
@@ -32,6 +32,7 @@ class Analysis:
     path_summary: pd.DataFrame
     h2d: pd.DataFrame
     floor: pd.DataFrame
+    gap: pd.DataFrame
     engine_counters: pd.DataFrame
     decode: pd.DataFrame
     ttft_memory: pd.DataFrame
@@ -57,7 +58,7 @@ def analyze(record: RunRecord, *, parity_tokens: int | None = None, near_tie_nat
         reference=reference_arm(record), arms=arm_names(record), parity_tokens=k,
         samples=samples_frame(record), ttft=ttft, pairs=pairs, ratios=ratios, parity=parity,
         path_samples=path_samples, path_summary=path_summary, h2d=h2d_table(record),
-        floor=floor_table(record), engine_counters=engine_counter_table(record), decode=decode_table(record),
+        floor=floor_table(record), gap=gap_table(record), engine_counters=engine_counter_table(record), decode=decode_table(record),
         ttft_memory=ttft_memory_table(record), overhead=overhead_table(record),
         memory=memory_table(record), completeness=comp,
         notes=small_n_notes(record, ratios, ttft),

@@ -117,6 +117,48 @@ FLOOR_COLUMNS = ["arm", "kind", "target_tokens", "n", "ttft_s", "compute_floor_s
                  "copy_floor_s", "floor_s", "bound", "over_floor"]
 
 
+GAP_COLUMNS = ["arm", "kind", "target_tokens", "n", "ttft_s", "chunk_tokens", "resident_arm", "resident_ttft_s",
+               "gap_s", "copy_wait_s", "rest_s", "rest_share"]
+
+
+def gap_table(record: RunRecord) -> pd.DataFrame:
+    """Where a streaming arm's time goes, for prompts that start from an empty cache: its median TTFT =
+    the median TTFT of a resident arm at the same chunk length (the same kernels with every expert on the
+    device: ``resident_arm``; the fastest resident arm when none ran at that length) + ``gap_s``, and the gap
+    = the median copy wait (GPU time compute stalled on streamed experts: the copies not hidden) + ``rest_s``
+    (everything else streaming cost: host work, allocator pressure, kernels slowed beside the copies);
+    ``rest_share`` = rest / gap. Rows only for arms whose engine timed its copy waits (``copy_wait_s``) and
+    kinds/lengths with a resident arm."""
+    df = measured_ok_frame(record)
+    if df.empty:
+        return frame([], GAP_COLUMNS)
+    df = df[df["kind"].isin(FLOOR_KINDS)]
+    resident_arms = {a for a, p in expected_paths(record).items() if p == "resident"}
+    rows = []
+    for (kind, tokens), g in df.groupby(["kind", "target_tokens"], sort=False, dropna=False):
+        res: dict[str, tuple[float, float | None]] = {}
+        for a, ga in g[g["arm"].isin(resident_arms)].groupby("arm", sort=False):
+            t = median_of(ga["ttft_s"])
+            if t is not None:
+                res[a] = (t, median_of(ga["chunk_tokens"]))
+        if not res:
+            continue
+        for arm, ga in g[~g["arm"].isin(resident_arms)].groupby("arm", sort=False):
+            wait, ttft, chunk = median_of(ga["copy_wait_s"]), median_of(ga["ttft_s"]), median_of(ga["chunk_tokens"])
+            if wait is None or ttft is None:
+                continue
+            same = [a for a, (_, c) in res.items() if chunk is not None and c == chunk]
+            ref = min(same or res, key=lambda a: res[a][0])
+            gap = ttft - res[ref][0]
+            rest = gap - wait
+            rows.append({"arm": arm, "kind": kind, "target_tokens": int_or_none(tokens), "n": len(ga),
+                         "ttft_s": ttft, "chunk_tokens": int_or_none(chunk), "resident_arm": ref,
+                         "resident_ttft_s": res[ref][0], "gap_s": gap, "copy_wait_s": wait, "rest_s": rest,
+                         "rest_share": rest / gap if gap > 0 else None})
+    out = frame(rows, GAP_COLUMNS, ints=["target_tokens", "chunk_tokens"])
+    return sort_rows(out, record, ["arm", "kind", "target_tokens"])
+
+
 
 ENGINE_COUNTER_COLUMNS = ["arm", "kind", "target_tokens", "n", "prompt_tokens", "engine_cached",
                           "metrics_prompt", "metrics_cached"]

@@ -422,6 +422,29 @@ def floor_section(ri: ReportInput) -> list[str]:
                         Col("floor_s", "Floor", fmt_s), Col("bound", "Bound by", descriptive=True, right=False),
                         Col("over_floor", "x floor", fmt_ratio)]),
         "",
+    ] + _gap_lines(a)
+
+
+def _gap_lines(a: an.Analysis) -> list[str]:
+    if a.gap.empty:
+        return []
+    return [
+        ("Where a streaming arm's time goes (medians): TTFT = a resident arm's TTFT at the same chunk length "
+         "(the same kernels with every expert on the device; 'Resident') + the gap; gap = copy wait (GPU time "
+         "compute stalled on streamed experts: the copies not hidden) + the rest (host work, allocator "
+         "pressure, kernels slowed beside the copies). A copy wait near the gap means the copies were not "
+         "hidden; a large rest is the part no counter explains yet."), "",
+        table(a.gap, [Col("arm", "Arm", descriptive=True, right=False),
+                      Col("kind", "Kind", descriptive=True, right=False),
+                      Col("target_tokens", "Prompt tokens", fmt_int, descriptive=True),
+                      Col("n", "n", fmt_int, descriptive=True),
+                      Col("chunk_tokens", "Chunk", fmt_int, descriptive=True),
+                      Col("ttft_s", "TTFT", fmt_s),
+                      Col("resident_arm", "Resident", descriptive=True, right=False),
+                      Col("resident_ttft_s", "Resident TTFT", fmt_s), Col("gap_s", "Gap", fmt_s),
+                      Col("copy_wait_s", "Copy wait", fmt_s), Col("rest_s", "Rest", fmt_s),
+                      Col("rest_share", "Rest / gap", lambda v: DASH if is_na(v) else f"{100 * v:.0f}%")]),
+        "",
     ]
 
 

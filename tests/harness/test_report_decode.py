@@ -193,3 +193,60 @@ def test_memory_added_by_each_request_next_to_its_peak() -> None:
         assert _close(float(r["Added (engine)"].split()[0]), max(added[(r["Arm"], r["Kind"], int(r["Prompt tokens"]))])
                       / 2**30)
     assert "Added = the most a request added" in text
+
+
+def test_where_a_streaming_arms_time_goes_on_the_qwen4_run() -> None:
+    """TTFT = the resident arm's TTFT at the same chunk length + copy wait + the rest, per cell, from the
+    committed Qwen4-Exp run that timed its copy waits (recomputed here from its samples); the report's floor
+    section shows the table; runs without copy waits show none."""
+    from abbench import analysis as an
+    from abbench.analysis.frames import measured_ok
+    from abbench.analysis.transfer import gap_table
+    from abbench.report.sections import ReportInput, floor_section
+    from abbench.results import load_run
+
+    record, _ = load_run(REPO / "results" / "20261201-h200-qwen4-exp-half")
+    cell: dict[tuple, list] = {}
+    for s in measured_ok(record):
+        cell.setdefault((s.arm, s.kind, s.prompt_tokens), []).append(s)
+    gap = gap_table(record)
+    assert set(gap["arm"]) == {"chunked", "layer-major", "demand"} and set(gap["kind"]) == {"fresh", "cold"}
+    for r in gap.itertuples():
+        mine = cell[(r.arm, r.kind, r.target_tokens)]
+        resident = statistics.median(s.ttft_s for s in cell[("resident", r.kind, r.target_tokens)])
+        wait = statistics.median(s.engine["copy_wait_s"] for s in mine)
+        ttft = statistics.median(s.ttft_s for s in mine)
+        assert (r.chunk_tokens, r.resident_arm) == (2048, "resident")
+        assert r.gap_s == pytest.approx(ttft - resident) and r.copy_wait_s == pytest.approx(wait)
+        assert r.rest_s == pytest.approx(ttft - resident - wait) and r.rest_share == pytest.approx(r.rest_s / r.gap_s)
+    lm16 = gap[(gap["arm"] == "layer-major") & (gap["kind"] == "fresh") & (gap["target_tokens"] == 16384)].iloc[0]
+    assert lm16.copy_wait_s > 0.4 and lm16.rest_share < 0.3  # the indexed-attention run: copies not hidden
+    text = "\n".join(floor_section(ReportInput(record=record, analysis=an.analyze(record))))
+    assert "Where a streaming arm's time goes" in text and "| Rest / gap |" in text
+    old, _ = load_run(RUN)  # no copy waits recorded
+    assert gap_table(old).empty
+    assert "Where a streaming" not in "\n".join(floor_section(ReportInput(record=old, analysis=an.analyze(old))))
+
+
+def test_the_gap_is_taken_to_the_resident_arm_at_the_same_chunk_length() -> None:
+    """With resident arms at two chunk lengths, a streaming arm pairs with the one at its own length (the same
+    kernels), not with the faster one; with none at its length, with the fastest."""
+    from abbench.analysis.transfer import gap_table
+    from tests.harness.test_analysis import make_run
+
+    def ttft(arm: str, prompt, rnd: int) -> float:
+        return {"A": 4.0, "B": 3.0, "C": 2.5, "R2k": 2.0, "R8k": 1.5}[arm] * prompt.target_tokens / 4096
+
+    record = make_run(arms=("A", "B", "C", "R2k", "R8k"), lengths=(4096,), ttft=ttft,
+                      expect_path={"B": "layer-major", "C": "layer-major", "R2k": "resident", "R8k": "resident"})
+    chunk = {"A": 2048, "B": 2048, "C": 4096, "R2k": 2048, "R8k": 8192}
+    for s in record.samples:
+        s.engine["chunk_tokens"] = chunk[s.arm]
+        if s.arm in ("B", "C"):
+            s.engine["copy_wait_s"] = 0.25
+    rows = {r.arm: r for r in gap_table(record).itertuples()}
+    assert set(rows) == {"B", "C"}  # A timed no copy waits; resident arms are the reference, not rows
+    assert (rows["B"].resident_arm, rows["B"].gap_s, rows["B"].rest_s) == ("R2k", pytest.approx(1.0),
+                                                                          pytest.approx(0.75))
+    assert (rows["C"].resident_arm, rows["C"].gap_s, rows["C"].rest_share) == ("R8k", pytest.approx(1.0),
+                                                                              pytest.approx(0.75))
