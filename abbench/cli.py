@@ -522,6 +522,65 @@ def serve(ctx: typer.Context) -> None:
     engine_main(args)
 
 
+@app.command("memory-plan")
+def memory_plan_cmd(
+    model: Annotated[str, typer.Option(help="The engine's preset (e.g. qwen3-30b-a3b-2507, qwen3.5-35b-a3b, "
+                                            "qwen4-exp-half) or a local HF model directory.")] = "tiny",
+    budget: Annotated[Optional[float], typer.Option(help="Device-memory budget in GB (1e9 bytes), the engine's "
+                                                         "--gpu-memory-budget; without it, the smallest budget "
+                                                         "each chunk length needs.")] = None,
+    chunk_tokens: Annotated[str, typer.Option(help="Comma-separated prefill chunk lengths to compare.")] =
+        "2048,4096,8192,16384",
+    max_context: Annotated[int, typer.Option(help="The engine's --max-context (the KV cache's length).")] = 65536,
+    window_tokens: Annotated[Optional[int], typer.Option(help="The engine's --layer-major-window-tokens "
+                                                              "(default: the engine's).")] = None,
+    dtype: Annotated[str, typer.Option(help="float32 or bfloat16 (the engine's --dtype on CUDA).")] = "bfloat16",
+    resident: Annotated[bool, typer.Option(help="Plan for --prefill-mode resident (every expert on the "
+                                                "device) instead of offloaded experts.")] = False,
+) -> None:
+    """What the vendored engine keeps on the GPU at each prefill chunk length, and the decode slot cache a
+    budget leaves (the plan `--gpu-memory-budget` applies at start-up; no GPU needed). A longer chunk runs
+    fewer, larger GEMMs but needs a larger workspace, so fewer experts stay cached for decode: choose the
+    chunk length per budget here, then start the engine with it (`--chunk-tokens`)."""
+    from abbench.engine.config import EngineConfig
+    from abbench.engine.memory import plan_device_memory
+
+    try:
+        chunks = [int(c) for c in (_parse_csv(chunk_tokens, "--chunk-tokens") or [])]
+    except ValueError:
+        chunks = []
+    if not chunks or any(c <= 0 for c in chunks):
+        _fail(ConfigError(f"--chunk-tokens {chunk_tokens!r}: give positive token counts, e.g. 2048,8192"))
+        return
+    table = Table(title=f"device-memory plan: {model}, {dtype}, max context {max_context:,}"
+                  + (f", budget {budget:g} GB" if budget is not None else "") + (", resident" if resident else ""))
+    for col in ("chunk tokens", "workspace", "fixed (GB)", "slots/layer", "slot cache", "total", "note"):
+        table.add_column(col, justify="left" if col == "note" else "right")
+    gb = lambda b: f"{b / 1e9:.2f}"  # noqa: E731
+    for chunk in chunks:
+        knobs = dict(layer_major_window_tokens=window_tokens) if window_tokens else {}
+        try:
+            cfg = EngineConfig(model=model, device="cuda", dtype=dtype, chunk_tokens=chunk, max_context=max_context,
+                               prefill_mode="resident" if resident else "chunked", **knobs).resolved()
+        except (ValueError, AbbenchError) as e:
+            _fail(e if isinstance(e, AbbenchError) else ConfigError(str(e)))
+            return
+        try:
+            if budget is None:  # the least decode can run with: one token's experts in every layer
+                k = 0 if resident else cfg.model.num_experts_per_tok
+                unbounded = plan_device_memory(cfg, 1 << 62)
+                plan = plan_device_memory(cfg, unbounded.fixed_bytes + k * unbounded.slot_bytes)
+                note = f"needs at least {plan.total_bytes / 1e9:.2f} GB" + ("" if resident else f" ({k} slots per layer)")
+            else:
+                plan, note = plan_device_memory(cfg, int(budget * 1e9)), ""
+        except ValueError as e:
+            table.add_row(f"{chunk:,}", "", "", "", "", "", f"[red]does not fit[/]: {str(e).split(';')[0]}")
+            continue
+        table.add_row(f"{chunk:,}", gb(plan.workspace_bytes), gb(plan.fixed_bytes), str(plan.slots_per_layer),
+                      gb(plan.slots_per_layer * plan.slot_bytes), gb(plan.total_bytes), note)
+    out.print(table)
+
+
 @app.command("export-gguf")
 def export_gguf_cmd(
     model: Annotated[str, typer.Option(help="The engine's preset (a Qwen3-MoE shape: tiny, qwen3-30b-a3b-half, ...).")] = "tiny",

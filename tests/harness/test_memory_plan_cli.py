@@ -1,0 +1,67 @@
+"""`abbench memory-plan`: the engine's device-memory plan per chunk length, as the engine applies it."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from typer.testing import CliRunner
+
+from abbench.cli import app
+from abbench.engine.config import EngineConfig
+from abbench.engine.memory import plan_device_memory
+
+
+def _rows(output: str) -> dict[int, list[str]]:
+    rows = {}
+    for line in output.splitlines():
+        cells = [c.strip() for c in line.strip("│ ").split("│")]
+        if cells and re.fullmatch(r"[\d,]+", cells[0]):
+            rows[int(cells[0].replace(",", ""))] = cells
+    return rows
+
+
+def test_each_chunk_length_gets_the_plan_the_engine_applies() -> None:
+    res = CliRunner().invoke(app, ["memory-plan", "--model", "qwen3-30b-a3b-2507", "--max-context", "65600",
+                                   "--budget", "24", "--chunk-tokens", "2048,8192,16384"],
+                             env={"COLUMNS": "200"})
+    assert res.exit_code == 0, res.output
+    rows = _rows(res.output)
+    assert sorted(rows) == [2048, 8192, 16384]
+    slots = []
+    for chunk, cells in rows.items():
+        cfg = EngineConfig(model="qwen3-30b-a3b-2507", device="cuda", dtype="bfloat16", chunk_tokens=chunk,
+                           max_context=65600).resolved()
+        plan = plan_device_memory(cfg, 24_000_000_000)
+        assert cells[1:6] == [f"{plan.workspace_bytes / 1e9:.2f}", f"{plan.fixed_bytes / 1e9:.2f}",
+                              str(plan.slots_per_layer), f"{plan.slots_per_layer * plan.slot_bytes / 1e9:.2f}",
+                              f"{plan.total_bytes / 1e9:.2f}"]
+        assert plan.total_bytes <= 24e9
+        slots.append(plan.slots_per_layer)
+    assert slots == sorted(slots, reverse=True) and slots[0] > slots[-1]  # longer chunks leave fewer slots
+
+
+def test_without_a_budget_it_gives_the_least_each_length_needs_and_a_small_budget_does_not_fit() -> None:
+    runner = CliRunner()
+    res = runner.invoke(app, ["memory-plan", "--model", "qwen3-30b-a3b-2507", "--chunk-tokens", "2048"],
+                        env={"COLUMNS": "200"})
+    assert res.exit_code == 0, res.output
+    (cells,) = _rows(res.output).values()
+    need = float(re.search(r"needs at least ([\d.]+) GB \(8 slots per layer\)", cells[6])[1])
+    assert cells[3] == "8" and need == float(cells[5])
+    tight = runner.invoke(app, ["memory-plan", "--model", "qwen3-30b-a3b-2507", "--chunk-tokens", "2048",
+                                "--budget", str(need - 0.2)], env={"COLUMNS": "200"})
+    assert tight.exit_code == 0 and "does not fit" in tight.output and "decode needs 8" in tight.output
+    ok = runner.invoke(app, ["memory-plan", "--model", "qwen3-30b-a3b-2507", "--chunk-tokens", "2048",
+                             "--budget", str(need + 0.01)], env={"COLUMNS": "200"})
+    assert _rows(ok.output)[2048][3] == "8"
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--chunk-tokens", "0"], "positive token counts"),
+    (["--chunk-tokens", "big"], "positive token counts"),
+    (["--model", "no-such-preset"], "no-such-preset"),
+])
+def test_bad_input_is_exit_2_naming_it(args: list[str], words: str) -> None:
+    res = CliRunner().invoke(app, ["memory-plan", *args], env={"COLUMNS": "200"})
+    assert res.exit_code == 2 and words in res.output, res.output
