@@ -42,11 +42,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 from . import gdn
 from .config import HybridConfig
-from .model import decode_gqa, expert_kernel, moe_experts, rope_tables, rotate_half, route
+from .model import decode_gqa, expert_kernel, lower_right_causal, moe_experts, rope_tables, rotate_half, route
 
 
 @dataclass
@@ -205,8 +204,9 @@ class HybridModel:
             out = F.scaled_dot_product_attention(q[None], keys, values, is_causal=True, scale=self.scale,
                                                  enable_gqa=gqa)
         else:
-            out = F.scaled_dot_product_attention(q[None], keys, values, attn_mask=causal_lower_right(T, end),
-                                                 scale=self.scale, enable_gqa=gqa)  # [1, Hq, T, D]
+            out = F.scaled_dot_product_attention(q[None], keys, values,
+                                                 attn_mask=lower_right_causal(T, end, x.device), scale=self.scale,
+                                                 enable_gqa=gqa)  # [1, Hq, T, D]
         return self._attn_out(aw, out, gate)  # [T, H]
 
     # -- Gated DeltaNet -----------------------------------------------------------------------------------

@@ -8,8 +8,8 @@ Contract:
   (a streamed layer buffer, the decode slot cache, or resident weights). Every mode calls exactly these
   functions with the same shapes, which is why their results are bitwise equal on one device.
 - A chunk of T tokens at positions [p, p+T) attends to the KV cache [0, p+T) with a lower-right causal
-  mask (``is_causal`` when p == 0; ``causal_lower_right`` otherwise, which SDPA serves with the flash kernel
-  on CUDA; no mask for T == 1). Callers run the layers inside ``attention_backends()``, which leaves out
+  mask (``is_causal`` when p == 0; ``lower_right_causal`` otherwise: on CUDA torch's ``causal_lower_right``,
+  which SDPA serves with the flash kernel; no mask for T == 1). Callers run the layers inside ``attention_backends()``, which leaves out
   cuDNN attention: it builds an execution plan for every new shape, i.e. for every decode step's KV
   length (measured on an H200: 35 ms/token decode became 70-160 ms/token on lengths not seen before).
 - Decode has its own attention (``decode_attention``/``decode_attn_block``): static shapes, the position in a
@@ -34,7 +34,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.nn.attention.bias import causal_lower_right
 
 from .config import MAX_GROUPED_MM_GROUPS, ModelConfig
 
@@ -84,6 +83,19 @@ _SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SD
 def attention_backends():
     """Context for running layers: SDPA may use flash, memory-efficient or math kernels, not cuDNN."""
     return sdpa_kernel(_SDPA_BACKENDS)
+
+
+def lower_right_causal(T: int, S: int, device: torch.device):
+    """The mask of T queries at positions [S-T, S) over keys [0, S): causal, aligned bottom right. On CUDA
+    torch's ``causal_lower_right`` (SDPA serves it with the flash kernel, nothing materialised); elsewhere the
+    boolean mask that ``causal_lower_right`` materialises there itself (the same SDPA call, bit for bit:
+    checked on CPU in float32 and bf16, with and without grouped heads), without importing
+    ``torch.nn.attention.bias``, which pulls in torch._dynamo: ~1.8 s of every CPU engine's start."""
+    if device.type == "cuda":
+        from torch.nn.attention.bias import causal_lower_right
+
+        return causal_lower_right(T, S)
+    return torch.ones(T, S, dtype=torch.bool, device=device).tril(S - T)  # [T, S]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -271,7 +283,7 @@ class Model:
             out = F.scaled_dot_product_attention(q[None], keys, values, is_causal=True, scale=self.scale,
                                                  enable_gqa=gqa)
         else:  # queries [start, end) over keys [0, end): bottom-right aligned causal mask
-            out = F.scaled_dot_product_attention(q[None], keys, values, attn_mask=causal_lower_right(T, end),
+            out = F.scaled_dot_product_attention(q[None], keys, values, attn_mask=lower_right_causal(T, end, x.device),
                                                  scale=self.scale, enable_gqa=gqa)
         out = out[0].transpose(0, 1).reshape(T, hq * d)  # [T, Hq*D]
         return F.linear(out, lw.o_proj)  # [T, H]
