@@ -7,9 +7,18 @@ import re
 import pytest
 from typer.testing import CliRunner
 
+from abbench import cli
 from abbench.cli import app
 from abbench.engine.config import EngineConfig
 from abbench.engine.memory import plan_device_memory
+
+
+@pytest.fixture(autouse=True)
+def wide(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CLI's console took its width when it was created (80 columns without a terminal): widen it so that
+    no cell wraps."""
+    monkeypatch.setattr(cli.out, "_width", 250)
+    monkeypatch.setattr(cli.console, "_width", 250)
 
 
 def _rows(output: str) -> dict[int, list[str]]:
@@ -23,8 +32,7 @@ def _rows(output: str) -> dict[int, list[str]]:
 
 def test_each_chunk_length_gets_the_plan_the_engine_applies() -> None:
     res = CliRunner().invoke(app, ["memory-plan", "--model", "qwen3-30b-a3b-2507", "--max-context", "65600",
-                                   "--budget", "24", "--chunk-tokens", "2048,8192,16384"],
-                             env={"COLUMNS": "200"})
+                                   "--budget", "24", "--chunk-tokens", "2048,8192,16384"])
     assert res.exit_code == 0, res.output
     rows = _rows(res.output)
     assert sorted(rows) == [2048, 8192, 16384]
@@ -43,17 +51,16 @@ def test_each_chunk_length_gets_the_plan_the_engine_applies() -> None:
 
 def test_without_a_budget_it_gives_the_least_each_length_needs_and_a_small_budget_does_not_fit() -> None:
     runner = CliRunner()
-    res = runner.invoke(app, ["memory-plan", "--model", "qwen3-30b-a3b-2507", "--chunk-tokens", "2048"],
-                        env={"COLUMNS": "200"})
+    res = runner.invoke(app, ["memory-plan", "--model", "qwen3-30b-a3b-2507", "--chunk-tokens", "2048"])
     assert res.exit_code == 0, res.output
     (cells,) = _rows(res.output).values()
     need = float(re.search(r"needs at least ([\d.]+) GB \(8 slots per layer\)", cells[6])[1])
     assert cells[3] == "8" and need == float(cells[5])
     tight = runner.invoke(app, ["memory-plan", "--model", "qwen3-30b-a3b-2507", "--chunk-tokens", "2048",
-                                "--budget", str(need - 0.2)], env={"COLUMNS": "200"})
+                                "--budget", str(need - 0.2)])
     assert tight.exit_code == 0 and "does not fit" in tight.output and "decode needs 8" in tight.output
     ok = runner.invoke(app, ["memory-plan", "--model", "qwen3-30b-a3b-2507", "--chunk-tokens", "2048",
-                             "--budget", str(need + 0.01)], env={"COLUMNS": "200"})
+                             "--budget", str(need + 0.01)])
     assert _rows(ok.output)[2048][3] == "8"
 
 
@@ -63,5 +70,5 @@ def test_without_a_budget_it_gives_the_least_each_length_needs_and_a_small_budge
     (["--model", "no-such-preset"], "no-such-preset"),
 ])
 def test_bad_input_is_exit_2_naming_it(args: list[str], words: str) -> None:
-    res = CliRunner().invoke(app, ["memory-plan", *args], env={"COLUMNS": "200"})
+    res = CliRunner().invoke(app, ["memory-plan", *args])
     assert res.exit_code == 2 and words in res.output, res.output
