@@ -46,6 +46,12 @@ class ReportInput:
     plot_missing: dict[str, str] = field(default_factory=dict)
 
 
+CELL_COLS = (Col("arm", "Arm", descriptive=True, right=False), Col("kind", "Kind", descriptive=True, right=False),
+             Col("target_tokens", "Prompt tokens", fmt_int, descriptive=True),
+             Col("n", "n", fmt_int, descriptive=True))
+"""The first columns of every per-cell table: arm, kind, prompt length and samples."""
+
+
 def header_section(ri: ReportInput) -> list[str]:
     record, a = ri.record, ri.analysis
     prof = record.profile
@@ -103,10 +109,7 @@ def ttft_section(ri: ReportInput) -> list[str]:
     lines += [
         ("Time to first token measured by the harness (from just before the request to the first streamed "
         "text), measured ok samples only."), "",
-        table(a.ttft, [Col("arm", "Arm", descriptive=True, right=False),
-                       Col("kind", "Kind", descriptive=True, right=False),
-                       Col("target_tokens", "Prompt tokens", fmt_int, descriptive=True),
-                       Col("n", "n", fmt_int, descriptive=True), Col("median_s", "Median", fmt_s),
+        table(a.ttft, [*CELL_COLS, Col("median_s", "Median", fmt_s),
                        Col("min_s", "Min", fmt_s), Col("max_s", "Max", fmt_s),
                        Col("decode_tok_s", "Decode tok/s", lambda v: fmt_num(v, 1), descriptive=True)]),
     ]
@@ -172,10 +175,7 @@ def h2d_section(ri: ReportInput) -> list[str]:
            "(CUDA timing events): the part of the copies that compute did not hide." if has_wait else "")
         + (" Alloc retries = the most CUDA caching-allocator retries in one request (it freed its cache and "
            "called cudaMalloc again: memory pressure that costs time)." if has_retries else "")), "",
-        table(a.h2d, [Col("arm", "Arm", descriptive=True, right=False),
-                      Col("kind", "Kind", descriptive=True, right=False),
-                      Col("target_tokens", "Prompt tokens", fmt_int, descriptive=True),
-                      Col("n", "n", fmt_int, descriptive=True), Col("h2d_bytes", "Engine H2D", fmt_gb),
+        table(a.h2d, [*CELL_COLS, Col("h2d_bytes", "Engine H2D", fmt_gb),
                       Col("prefill_h2d_bytes", "Prefill", fmt_gb, descriptive=True),
                       Col("decode_h2d_bytes", "Decode", fmt_gb, descriptive=True),
                       Col("bank_bytes", "Bank", fmt_gb, descriptive=True), Col("banks", "Banks", fmt_num),
@@ -212,10 +212,7 @@ def engine_counters_section(ri: ReportInput) -> list[str]:
          "/metrics: the engine's Prometheus counters after minus before the request (llama.cpp counts only "
          "the prompt tokens it computed). A cold prompt should show 0 cached: more means the cache reset did "
          "not take."), "",
-        table(df, [Col("arm", "Arm", descriptive=True, right=False), Col("kind", "Kind", descriptive=True, right=False),
-                   Col("target_tokens", "Prompt tokens", fmt_int, descriptive=True),
-                   Col("n", "n", fmt_int, descriptive=True),
-                   Col("prompt_tokens", "Server prompt tokens", fmt_num),
+        table(df, [*CELL_COLS, Col("prompt_tokens", "Server prompt tokens", fmt_num),
                    Col("engine_cached", "Cached (response)", fmt_num),
                    Col("metrics_prompt", "Prompt tokens (/metrics)", fmt_num),
                    Col("metrics_cached", "Cached (/metrics)", fmt_num)]),
@@ -240,11 +237,7 @@ def decode_section(ri: ReportInput) -> list[str]:
             if has_added else "")
          + (" Expected = decode H2D per step / measured H2D bandwidth + the cached step (the median step, for "
             "the same prompt, of an arm whose decode copied nothing)." if has_model else "")), "",
-        table(a.decode, [Col("arm", "Arm", descriptive=True, right=False),
-                         Col("kind", "Kind", descriptive=True, right=False),
-                         Col("target_tokens", "Prompt tokens", fmt_int, descriptive=True),
-                         Col("n", "n", fmt_int, descriptive=True),
-                         Col("tok_s", "Decode tok/s", lambda v: fmt_num(v, 1)),
+        table(a.decode, [*CELL_COLS, Col("tok_s", "Decode tok/s", lambda v: fmt_num(v, 1)),
                          Col("step_s", "Step", fmt_s),
                          Col("h2d_per_step", "Decode H2D/step", fmt_gb),
                          Col("hit_rate", "Slot hit rate", lambda v: DASH if is_na(v) else f"{100 * v:.1f}%"),
@@ -412,10 +405,7 @@ def floor_section(ri: ReportInput) -> list[str]:
          "names it, so a run with resident arms at several chunk sizes is judged against the best of them); "
          "copy floor = one bank / the engine's measured H2D bandwidth. 'x floor' = the arm's median TTFT over "
          "that floor (1.00x = at the floor)."), "",
-        table(a.floor, [Col("arm", "Arm", descriptive=True, right=False),
-                        Col("kind", "Kind", descriptive=True, right=False),
-                        Col("target_tokens", "Prompt tokens", fmt_int, descriptive=True),
-                        Col("n", "n", fmt_int, descriptive=True), Col("ttft_s", "TTFT", fmt_s),
+        table(a.floor, [*CELL_COLS, Col("ttft_s", "TTFT", fmt_s),
                         Col("compute_floor_s", "Compute floor", fmt_s),
                         Col("compute_floor_arm", "Set by", descriptive=True, right=False),
                         Col("copy_floor_s", "Copy floor", fmt_s),
@@ -434,11 +424,7 @@ def _gap_lines(a: an.Analysis) -> list[str]:
          "compute stalled on streamed experts: the copies not hidden) + the rest (host work, allocator "
          "pressure, kernels slowed beside the copies). A copy wait near the gap means the copies were not "
          "hidden; a large rest is the part no counter explains yet."), "",
-        table(a.gap, [Col("arm", "Arm", descriptive=True, right=False),
-                      Col("kind", "Kind", descriptive=True, right=False),
-                      Col("target_tokens", "Prompt tokens", fmt_int, descriptive=True),
-                      Col("n", "n", fmt_int, descriptive=True),
-                      Col("chunk_tokens", "Chunk", fmt_int, descriptive=True),
+        table(a.gap, [*CELL_COLS, Col("chunk_tokens", "Chunk", fmt_int, descriptive=True),
                       Col("ttft_s", "TTFT", fmt_s),
                       Col("resident_arm", "Resident", descriptive=True, right=False),
                       Col("resident_ttft_s", "Resident TTFT", fmt_s), Col("gap_s", "Gap", fmt_s),
