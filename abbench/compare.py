@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from abbench.analysis.frames import arm_rank, measured_ok_frame
+from abbench.analysis.frames import arm_rank, measured_ok_frame, peak_bytes
 from abbench.errors import AbbenchError
 from abbench.fingerprint import key_value
 from abbench.report.format import DASH, Col, bullets, code, fmt_gb, fmt_gib, fmt_int, fmt_num, fmt_s, table, when
@@ -186,8 +186,7 @@ def _frame(record: RunRecord) -> pd.DataFrame:
     df = measured_ok_frame(record)
     if df.empty:
         return df.assign(peak_bytes=pd.Series(dtype=float))
-    peak = df["peak_device_bytes"].where(df["peak_device_bytes"].notna(), df["proc_gpu_mem_peak"])
-    return df.assign(peak_bytes=pd.to_numeric(peak, errors="coerce"))
+    return df.assign(peak_bytes=peak_bytes(df))
 
 
 def _cells(df: pd.DataFrame) -> dict[tuple[str, str, int], pd.DataFrame]:

@@ -47,7 +47,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from abbench.analysis.frames import arm_names, measured_ok_frame, reference_arm
+from abbench.analysis.frames import arm_names, measured_ok_frame, peak_bytes, reference_arm, sample_peak_bytes
 from abbench.analysis.timing import CONFIDENCE, median_ci, paired_ratios
 from abbench.analysis.transfer import FLOOR_KINDS, floor_table
 from abbench.errors import ConfigError
@@ -218,45 +218,25 @@ def _rows(df: pd.DataFrame, values: pd.Series) -> pd.DataFrame:
     return out[out["value"].notna()].reset_index(drop=True)
 
 
-def _ttft_ratio(record: RunRecord) -> pd.DataFrame:
-    p = paired_ratios(record)
+def _pairs(p: pd.DataFrame) -> pd.DataFrame:
     return _rows(p, p["ratio"]) if not p.empty else pd.DataFrame(columns=VALUE_COLUMNS)
 
 
-def _peak_bytes(df: pd.DataFrame) -> pd.Series:
-    peak = df["peak_device_bytes"].where(df["peak_device_bytes"].notna(), df["proc_gpu_mem_peak"])
-    return pd.to_numeric(peak, errors="coerce")
+def _ttft_ratio(record: RunRecord) -> pd.DataFrame:
+    return _pairs(paired_ratios(record))
 
 
-def _paired(record: RunRecord, vs: str, column: Callable[[pd.DataFrame], pd.Series]) -> pd.DataFrame:
-    """One row per (arm other than ``vs``, prompt, round) where both have a measured ok sample with a positive
-    value: value(arm) / value(vs) (the latest sample of each, as ``paired_ratios``)."""
-    df = measured_ok_frame(record)
-    if df.empty:
-        return pd.DataFrame(columns=VALUE_COLUMNS)
-    df = df.assign(_v=column(df)).sort_values("step")
-    df = df[df["_v"] > 0].drop_duplicates(["arm", "prompt_id", "round"], keep="last")
-    base = {(p, r): v for a, p, r, v in zip(df["arm"], df["prompt_id"], df["round"], df["_v"]) if a == vs}
-    df = df[df["arm"] != vs]
-    denom = [base.get((p, r)) for p, r in zip(df["prompt_id"], df["round"])]
-    return _rows(df, df["_v"] / pd.Series(denom, index=df.index, dtype=float))
+def _peak_vram_ratio(record: RunRecord) -> pd.DataFrame:
+    return _pairs(paired_ratios(record, value=sample_peak_bytes))
 
 
 def _values(record: RunRecord, c: DeclaredCheck) -> pd.DataFrame:
     """The check's values: a paired metric against ``c.vs`` when given, else ``VALUES`` (against the
     reference)."""
     if c.vs is not None:
-        return _paired(record, c.vs, _peak_bytes if c.metric == "peak_vram_ratio" else _ttft)
+        value = sample_peak_bytes if c.metric == "peak_vram_ratio" else (lambda s: s.ttft_s)
+        return _pairs(paired_ratios(record, against=c.vs, value=value))
     return VALUES[c.metric](record)
-
-
-def _ttft(df: pd.DataFrame) -> pd.Series:
-    return pd.to_numeric(df["ttft_s"], errors="coerce")
-
-
-def _peak_vram_ratio(record: RunRecord) -> pd.DataFrame:
-    ref = reference_arm(record)
-    return _paired(record, ref, _peak_bytes) if ref else pd.DataFrame(columns=VALUE_COLUMNS)
 
 
 def _x_floor(record: RunRecord) -> pd.DataFrame:
@@ -300,7 +280,7 @@ def _peak_vram(record: RunRecord) -> pd.DataFrame:
     df = measured_ok_frame(record)
     if df.empty:
         return pd.DataFrame(columns=VALUE_COLUMNS)
-    return _rows(df, _peak_bytes(df) / 2**30)
+    return _rows(df, peak_bytes(df) / 2**30)
 
 
 VALUES: dict[str, Callable[[RunRecord], pd.DataFrame]] = {

@@ -254,6 +254,19 @@ def measured_ok_frame(record: RunRecord) -> pd.DataFrame:
     return sample_frame(record, measured_ok(record))
 
 
+def peak_bytes(df: pd.DataFrame) -> pd.Series:
+    """Each sample's peak device memory: the engine's own figure (``peak_device_bytes``), else NVML's peak
+    for the service's processes during the request."""
+    peak = df["peak_device_bytes"].where(df["peak_device_bytes"].notna(), df["proc_gpu_mem_peak"])
+    return pd.to_numeric(peak, errors="coerce")
+
+
+def sample_peak_bytes(s: Sample) -> float | None:
+    """:func:`peak_bytes` of one sample."""
+    peak = AbbenchStats.read(s.engine).peak_device_bytes
+    return float(peak) if peak is not None else num(s.telemetry.proc_gpu_mem_peak)
+
+
 # ------------------------------------------------------------------------------------------ memory
 
 

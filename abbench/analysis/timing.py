@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import inspect
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,28 +68,35 @@ PAIR_COLUMNS = ["arm", "reference", "prompt_id", "kind", "target_tokens", "round
                 "ref_position", "arm_ttft_s", "ref_ttft_s", "ratio"]
 
 
-def paired_ratios(record: RunRecord) -> pd.DataFrame:
-    """One row per (non-reference arm, prompt, round) where both the arm and the reference have a measured
-    ok sample with a TTFT in that round: ``ratio`` = arm TTFT / reference TTFT."""
-    ref = reference_arm(record)
+def _ttft(s: Sample) -> float | None:
+    return s.ttft_s
+
+
+def paired_ratios(record: RunRecord, against: str | None = None,
+                  value: Callable[[Sample], float | None] = _ttft) -> pd.DataFrame:
+    """One row per (arm other than the reference, prompt, round) where both the arm and the reference have a
+    measured ok sample with a positive TTFT in that round (the latest of each): ``ratio`` = arm TTFT /
+    reference TTFT. ``against`` pairs with that arm instead of the run's reference; ``value`` divides another
+    per-sample figure (``arm_ttft_s``/``ref_ttft_s`` then hold it)."""
+    ref = against or reference_arm(record)
     targets = prompt_targets(record)
-    latest: dict[tuple[str, str, int], Sample] = {}
+    latest: dict[tuple[str, str, int], tuple[Sample, float]] = {}
     for s in sorted(measured_ok(record), key=lambda x: x.step):
-        if s.ttft_s is not None and s.ttft_s > 0:
-            latest[(s.arm, s.prompt_id, s.round)] = s
+        v = value(s)
+        if v is not None and v > 0:
+            latest[(s.arm, s.prompt_id, s.round)] = (s, v)
     rows = []
-    for (arm, pid, rnd), s in latest.items():
+    for (arm, pid, rnd), (s, v) in latest.items():
         if arm == ref:
             continue
-        r = latest.get((ref, pid, rnd)) if ref else None
-        if r is None:
+        got = latest.get((ref, pid, rnd)) if ref else None
+        if got is None:
             continue
-        assert s.ttft_s is not None and r.ttft_s is not None
+        r, rv = got
         rows.append(
             {"arm": arm, "reference": ref, "prompt_id": pid, "kind": s.kind,
              "target_tokens": targets.get(pid, s.prompt_tokens), "round": rnd, "arm_position": s.position,
-             "ref_position": r.position, "arm_ttft_s": s.ttft_s, "ref_ttft_s": r.ttft_s,
-             "ratio": s.ttft_s / r.ttft_s}
+             "ref_position": r.position, "arm_ttft_s": v, "ref_ttft_s": rv, "ratio": v / rv}
         )
     out = frame(rows, PAIR_COLUMNS, ints=["target_tokens"])
     return sort_rows(out, record, ["arm", "kind", "target_tokens", "prompt_id", "round"])
