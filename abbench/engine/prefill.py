@@ -32,7 +32,7 @@ mode. Layer-major is copy-bound (58 GB / 54.7 GB/s = 1.06 s) until resident comp
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -114,16 +114,19 @@ def _streamed_chunks(model: Model, store: ExpertStore, kv: KVCache, ids: torch.T
     return x
 
 
-def _layer_major(model: Model, store: ExpertStore, kv: KVCache, ids: torch.Tensor, start: int,
-                 windows: list[list[tuple[int, int]]], cancel: CancelLike) -> torch.Tensor:
+def layer_major_loop(model: Model, weights: Iterator[tuple[torch.Tensor, torch.Tensor]], kv: KVCache,
+                     ids: torch.Tensor, start: int, windows: list[list[tuple[int, int]]],
+                     cancel: CancelLike = None) -> torch.Tensor:
+    """The layer-major loop over ``weights``: one (gate_up, down) per (window, layer), in that order (the
+    streamed banks; ``gpucheck_hybrid`` also passes the resident experts, to time the loop order without
+    copies). Returns the last chunk's hidden states."""
     n_layers = model.cfg.num_hidden_layers
-    stream = store.stream_layers([layer for _ in windows for layer in range(n_layers)])
     acts: list[torch.Tensor] = []
     for window in windows:
         acts = [model.embed(ids[a - start:b - start]) for a, b in window]  # parked, [T_c, H] each
         for layer in range(n_layers):
             check_cancel(cancel)
-            _, gate_up, down = next(stream)
+            gate_up, down = next(weights)
             for c, (a, _b) in enumerate(window):  # in order: chunk c sees chunks < c at this layer
                 if c:
                     check_cancel(cancel)
@@ -164,7 +167,10 @@ def _run(model: Model, store: ExpertStore, kv: KVCache, ids: torch.Tensor, start
         return _resident_chunks(model, store, kv, ids, start, chunks, cancel), 0
     if path == "layer-major":
         windows = [chunks[i:i + chunks_per_window] for i in range(0, len(chunks), chunks_per_window)]
-        return _layer_major(model, store, kv, ids, start, windows, cancel), len(windows)
+        n_layers = model.cfg.num_hidden_layers
+        stream = store.stream_layers([layer for _ in windows for layer in range(n_layers)])
+        weights = ((gate_up, down) for _, gate_up, down in stream)
+        return layer_major_loop(model, weights, kv, ids, start, windows, cancel), len(windows)
     # demand: runs of long chunks stream whole banks, short chunks load only their routed experts
     i, x = 0, None
     while i < len(chunks):
