@@ -66,6 +66,9 @@ def run(argv: list[str] | None = None) -> tuple[bool, list[tuple[str, str]]]:
     p.add_argument("--tokens", type=int, default=None, help="prompt length (default 4096 on cuda, 300 on cpu)")
     p.add_argument("--chunk-tokens", type=int, default=None, help="a multiple of 64 (default 2048 on cuda, 64 on cpu)")
     p.add_argument("--repeats", type=int, default=5, help="timed repetitions (median)")
+    p.add_argument("--modes", default=",".join(MODES),
+                   help=f"comma-separated prefill modes to check and time (default: all of {', '.join(MODES)}); "
+                        "chunked always runs once as the reference")
     p.add_argument("--mode-repeats", type=int, default=1,
                    help="prefills per mode (default 1); the table gives each mode's median wall time and median "
                         "host enqueue time (until prefill returns, before the device sync: near the wall time "
@@ -74,6 +77,9 @@ def run(argv: list[str] | None = None) -> tuple[bool, list[tuple[str, str]]]:
                    help="chunks per layer-major window (default 2: several windows on a long prompt; a large value "
                         "puts a long prompt in one window, to compare layer-major with resident at full length)")
     args = p.parse_args(argv)
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if not modes or any(m not in MODES for m in modes):
+        p.error(f"--modes takes a comma-separated subset of {', '.join(MODES)}, got {args.modes!r}")
     cuda = args.device.startswith("cuda")
     preset = PRESETS[args.model or ("qwen3.5-35b-a3b" if cuda else "qwen3.5-tiny")]
     if not preset.is_hybrid:
@@ -117,7 +123,7 @@ def run(argv: list[str] | None = None) -> tuple[bool, list[tuple[str, str]]]:
     prefill_mode("chunked")  # warm-up: kernels, autotuning, allocator
     ref_logits, _, ref_cache, _ = prefill_mode("chunked")
     ok = True
-    for mode in MODES:
+    for mode in modes:
         walls, enqueues = [], []
         for _ in range(max(1, args.mode_repeats)):
             logits, stats, cache, (wall, enqueue) = prefill_mode(mode)

@@ -129,6 +129,8 @@ def plan_device_memory(config: EngineConfig, budget_bytes: int) -> MemoryPlan:
                      + 2 * (mc.num_attention_heads // mc.num_key_value_heads) * s * mc.head_dim * item
                      + chunk * mc.indexer_n_heads * (s // mc.indexer_compress_ratio) * 4)
     parked = min(config.layer_major_window_tokens, config.max_context) * w * item
+    if mc.is_qwen4 and mc.ple_layers:  # layer-major uploads one PLE layer's rows for a window ahead
+        parked += min(config.layer_major_window_tokens, config.max_context) * mc.ple_embed_dim * item
     plan = dict(
         budget_bytes=int(budget_bytes), dense_bytes=dense_params(mc) * item,
         kv_bytes=kv_cache_bytes(mc, config.max_context, item),

@@ -121,11 +121,14 @@ def layer_major_loop(model: Model, weights: Iterator[tuple[torch.Tensor, torch.T
     streamed banks; ``gpucheck_hybrid`` also passes the resident experts, to time the loop order without
     copies). Returns the last chunk's hidden states."""
     n_layers = model.cfg.num_hidden_layers
+    prepare = getattr(model, "prepare_layer_window", None)  # Qwen4-Exp: PLE rows uploaded ahead of the bank
     acts: list[torch.Tensor] = []
     for window in windows:
         acts = [model.embed(ids[a - start:b - start]) for a, b in window]  # parked, [T_c, H] each
         for layer in range(n_layers):
             check_cancel(cancel)
+            if prepare is not None:
+                prepare(layer, kv, window)
             gate_up, down = next(weights)
             for c, (a, _b) in enumerate(window):  # in order: chunk c sees chunks < c at this layer
                 if c:

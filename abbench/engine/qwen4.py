@@ -183,6 +183,9 @@ class Qwen4Cache(HybridCache):
         width = (cfg.ple_conv_kernel_size - 1) * cfg.ngram_size
         self.ple_conv = [torch.zeros(cfg.stream_width, width, device=device, dtype=dtype) for _ in cfg.ple_layers]
         self._saved_ple = [torch.zeros_like(t) for t in self.ple_conv]
+        # layer-major: (PLE layer, chunk start) -> the chunk's gathered rows [T, P] on the device, uploaded
+        # ahead of the layer's bank (Qwen4Model.prepare_layer_window); emptied at every prefill's start
+        self.ple_ready: dict[tuple[int, int], torch.Tensor] = {}
 
     @property
     def nbytes(self) -> int:
@@ -190,8 +193,10 @@ class Qwen4Cache(HybridCache):
         return super().nbytes + sum(t.numel() * t.element_size() for t in extra)
 
     def write_tokens(self, start: int, ids: torch.Tensor) -> None:
-        """Record the token ids [T] at positions [start, start+T) (prefill calls it before the layers)."""
+        """Record the token ids [T] at positions [start, start+T) (prefill calls it before the layers); rows
+        uploaded ahead for an earlier prefill (one cancelled mid-layer) are dropped."""
         self.host_tokens[start:start + ids.shape[0]] = ids.cpu()
+        self.ple_ready.clear()
 
     def states(self) -> list[torch.Tensor]:
         return self.conv + self.rec + self.ple_conv
@@ -210,6 +215,7 @@ class Qwen4Cache(HybridCache):
         super().clear()
         for t in self.ple_conv + self._saved_ple:
             t.zero_()
+        self.ple_ready.clear()
 
 
 def group_norm(x: torch.Tensor, weight: torch.Tensor, group: int, eps: float) -> torch.Tensor:
@@ -314,6 +320,19 @@ class Qwen4Model(HybridModel):
         if self.device.type == "cuda":
             return emb.pin_memory().to(self.device, non_blocking=True)
         return emb.to(self.device)  # [T, P]
+
+    def prepare_layer_window(self, layer: int, cache: Qwen4Cache, spans: list[tuple[int, int]]) -> None:
+        """Layer-major, before ``layer``'s bank is asked for: upload a PLE layer's rows for every chunk [a, b)
+        of the window at once (into ``cache.ple_ready``; ``attn_block`` takes them). Asking for a layer's bank
+        queues the next layer's bank copy, which orders after everything the compute stream holds by then:
+        these uploads go first. Uploaded per chunk, each PLE layer's first one queued behind a whole bank
+        copy (one bank copy at a time crosses the link; ~58 ms at full width per PLE layer and window,
+        measured on the H200). The same rows as the per-chunk path, so the results are bitwise the same;
+        one PLE layer's rows for one window are on the device at a time (the memory plan counts them)."""
+        if layer not in cache.ple_slot:
+            return
+        for a, b in spans:
+            cache.ple_ready[(layer, a)] = self._upload(self.gather(layer, self._history(cache, a, b - a)))
 
     def ple(self, layer: int, x: torch.Tensor, emb: torch.Tensor,
             conv_state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -441,7 +460,9 @@ class Qwen4Model(HybridModel):
         if layer in cache.ple_slot:
             j = cache.ple_slot[layer]
             state = torch.zeros_like(cache.ple_conv[j]) if start == 0 else cache.ple_conv[j]
-            emb = self._upload(self.gather(layer, self._history(cache, start, T)))  # [T, P]
+            emb = cache.ple_ready.pop((layer, start), None)  # [T, P] uploaded ahead (layer-major)
+            if emb is None:
+                emb = self._upload(self.gather(layer, self._history(cache, start, T)))  # [T, P]
             x, state = self.ple(layer, x, emb, state)  # [T, hc*H]
             cache.ple_conv[j].copy_(state)
         hn, inj = mix(x, self.w.layers[layer].attn_mix, cfg.hc_count, cfg.rms_norm_eps)  # [T, H], [T, hc]

@@ -150,6 +150,37 @@ def test_prefill_modes_bitwise_equal(hf):
         assert _same(runs[m][2], ref[2]), m
 
 
+def test_layer_major_uploads_ple_rows_before_the_next_bank_copy(hf, monkeypatch):
+    """Layer-major uploads a PLE layer's rows for every chunk of the window before it asks for the layer's
+    bank (which queues the next layer's bank copy): per chunk, each PLE layer's first upload waited behind a
+    whole bank copy on the H200. Chunked keeps its per-chunk uploads; both compute the same (bitwise)."""
+    _, _, engine = hf
+    model, store, cfg = engine.model, engine.store, engine.model_config
+    events: list[tuple] = []
+    upload, issue = model._upload, store._issue_layer
+    monkeypatch.setattr(model, "_upload", lambda emb: (events.append(("upload", emb.shape[0])), upload(emb))[1])
+    monkeypatch.setattr(store, "_issue_layer", lambda buf, layer: (events.append(("bank", layer)),
+                                                                   issue(buf, layer))[1])
+    prompt = _prompt(300, seed=3)  # windows of 2 chunks: [0, 128), [128, 256), [256, 300)
+    ref = _raw_prefill(engine, prompt, "chunked")
+    events.clear()
+    lm = _raw_prefill(engine, prompt, "layer-major")
+    assert torch.equal(lm[0], ref[0]) and _same(lm[2], ref[2])
+    assert not engine.kv.ple_ready  # every row uploaded ahead was used
+    n_layers, (p0, p1) = cfg.num_hidden_layers, cfg.ple_layers
+    banks = [i for i, e in enumerate(events) if e[0] == "bank"]
+    assert [events[i][1] for i in banks] == list(range(n_layers)) * 3  # one bank per layer and window
+    for w, sizes in enumerate([(64, 64), (64, 64), (44,)]):
+        for ple_layer in (p0, p1):
+            # the rows go up before the copy of the next layer's bank is queued (asking for a layer's bank
+            # queues the next one's; the first ask queues the first two), after the layer before was asked for
+            i = w * n_layers + ple_layer
+            lo, hi = (banks[i - 1] if i else -1), banks[i + 1]
+            assert tuple(e[1] for e in events[lo + 1:hi] if e[0] == "upload") == sizes, (w, ple_layer, events)
+    engine.kv.ple_ready[(p0, 0)] = torch.zeros(1)  # left by a prefill cancelled mid-layer
+    assert torch.equal(_raw_prefill(engine, prompt, "chunked")[0], ref[0])  # dropped at the next prefill
+
+
 def test_continuation_equals_one_call_prefill(hf):
     _, _, engine = hf
     prompt = _prompt(256, seed=4)
