@@ -34,7 +34,7 @@ from __future__ import annotations
 import time
 import weakref
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -271,16 +271,22 @@ class ExpertStore:
             self._copy_experts(buf, layer, everything)
             self.ready[buf].record(self.copy_stream)
 
-    def stream_layers(self, order: Sequence[int]) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+    def stream_layers(self, order: Sequence[int], before_next: Callable[[int], None] | None = None,
+                      ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
         """Yield (layer, gate_up [E, 2I, H], down [E, H, I]) for each layer in ``order``, each a full copy of
         that layer's bank, double-buffered: item i+1's copy is issued before item i is yielded, so it
-        overlaps item i's compute. The consumer must enqueue its compute before asking for the next item."""
+        overlaps item i's compute. The consumer must enqueue its compute before asking for the next item.
+        ``before_next(i)`` runs when item i's copy is queued and item i+1's is not yet: what it enqueues on
+        the compute stream (host-to-device uploads item i's compute needs) reaches the link ahead of item
+        i+1's copy, which orders after it."""
         order = list(order)
         if not order:
             return
         self._issue_layer(0, order[0])
         for i, layer in enumerate(order):
             buf = i % 2
+            if before_next is not None:
+                before_next(i)
             if i + 1 < len(order):
                 self._issue_layer(1 - buf, order[i + 1])
             if self.cuda:  # the compute stream waits for the copy; timing events either side measure the stall

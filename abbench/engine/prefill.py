@@ -121,14 +121,11 @@ def layer_major_loop(model: Model, weights: Iterator[tuple[torch.Tensor, torch.T
     streamed banks; ``gpucheck_hybrid`` also passes the resident experts, to time the loop order without
     copies). Returns the last chunk's hidden states."""
     n_layers = model.cfg.num_hidden_layers
-    prepare = getattr(model, "prepare_layer_window", None)  # Qwen4-Exp: PLE rows uploaded ahead of the bank
     acts: list[torch.Tensor] = []
     for window in windows:
         acts = [model.embed(ids[a - start:b - start]) for a, b in window]  # parked, [T_c, H] each
         for layer in range(n_layers):
             check_cancel(cancel)
-            if prepare is not None:
-                prepare(layer, kv, window)
             gate_up, down = next(weights)
             for c, (a, _b) in enumerate(window):  # in order: chunk c sees chunks < c at this layer
                 if c:
@@ -170,8 +167,10 @@ def _run(model: Model, store: ExpertStore, kv: KVCache, ids: torch.Tensor, start
         return _resident_chunks(model, store, kv, ids, start, chunks, cancel), 0
     if path == "layer-major":
         windows = [chunks[i:i + chunks_per_window] for i in range(0, len(chunks), chunks_per_window)]
-        n_layers = model.cfg.num_hidden_layers
-        stream = store.stream_layers([layer for _ in windows for layer in range(n_layers)])
+        items = [(window, layer) for window in windows for layer in range(model.cfg.num_hidden_layers)]
+        prepare = getattr(model, "prepare_layer_window", None)  # Qwen4-Exp: PLE rows ahead of the next bank
+        hook = None if prepare is None else (lambda i: prepare(items[i][1], kv, items[i][0]))
+        stream = store.stream_layers([layer for _, layer in items], before_next=hook)
         weights = ((gate_up, down) for _, gate_up, down in stream)
         return layer_major_loop(model, weights, kv, ids, start, windows, cancel), len(windows)
     # demand: runs of long chunks stream whole banks, short chunks load only their routed experts

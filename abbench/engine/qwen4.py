@@ -322,12 +322,12 @@ class Qwen4Model(HybridModel):
         return emb.to(self.device)  # [T, P]
 
     def prepare_layer_window(self, layer: int, cache: Qwen4Cache, spans: list[tuple[int, int]]) -> None:
-        """Layer-major, before ``layer``'s bank is asked for: upload a PLE layer's rows for every chunk [a, b)
-        of the window at once (into ``cache.ple_ready``; ``attn_block`` takes them). Asking for a layer's bank
-        queues the next layer's bank copy, which orders after everything the compute stream holds by then:
-        these uploads go first. Uploaded per chunk, each PLE layer's first one queued behind a whole bank
-        copy (one bank copy at a time crosses the link; ~58 ms at full width per PLE layer and window,
-        measured on the H200). The same rows as the per-chunk path, so the results are bitwise the same;
+        """Layer-major: upload a PLE layer's rows for every chunk [a, b) of the window at once (into
+        ``cache.ple_ready``; ``attn_block`` takes them). Prefill calls it through the bank stream's
+        ``before_next`` hook: once ``layer``'s bank copy is queued and before the next layer's is, which
+        orders after these uploads. Uploaded per chunk, each PLE layer's first upload queued behind the next
+        layer's whole bank copy (on the H200, Qwen4-Exp shape at 32K: ~100 ms per request over 2 PLE layers
+        that no copy wait counted). The same rows as the per-chunk path, so the results are bitwise the same;
         one PLE layer's rows for one window are on the device at a time (the memory plan counts them)."""
         if layer not in cache.ple_slot:
             return

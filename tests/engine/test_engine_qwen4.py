@@ -151,9 +151,9 @@ def test_prefill_modes_bitwise_equal(hf):
 
 
 def test_layer_major_uploads_ple_rows_before_the_next_bank_copy(hf, monkeypatch):
-    """Layer-major uploads a PLE layer's rows for every chunk of the window before it asks for the layer's
-    bank (which queues the next layer's bank copy): per chunk, each PLE layer's first upload waited behind a
-    whole bank copy on the H200. Chunked keeps its per-chunk uploads; both compute the same (bitwise)."""
+    """Layer-major uploads a PLE layer's rows for every chunk of the window between the copy of that layer's
+    bank and the next layer's: per chunk, each PLE layer's first upload waited behind the next layer's whole
+    bank copy on the H200. Chunked keeps its per-chunk uploads; both compute the same (bitwise)."""
     _, _, engine = hf
     model, store, cfg = engine.model, engine.store, engine.model_config
     events: list[tuple] = []
@@ -172,10 +172,9 @@ def test_layer_major_uploads_ple_rows_before_the_next_bank_copy(hf, monkeypatch)
     assert [events[i][1] for i in banks] == list(range(n_layers)) * 3  # one bank per layer and window
     for w, sizes in enumerate([(64, 64), (64, 64), (44,)]):
         for ple_layer in (p0, p1):
-            # the rows go up before the copy of the next layer's bank is queued (asking for a layer's bank
-            # queues the next one's; the first ask queues the first two), after the layer before was asked for
+            # the rows go up once the copy of ple_layer's bank is queued and before the next layer's is
             i = w * n_layers + ple_layer
-            lo, hi = (banks[i - 1] if i else -1), banks[i + 1]
+            lo, hi = banks[i], banks[i + 1]
             assert tuple(e[1] for e in events[lo + 1:hi] if e[0] == "upload") == sizes, (w, ple_layer, events)
     engine.kv.ple_ready[(p0, 0)] = torch.zeros(1)  # left by a prefill cancelled mid-layer
     assert torch.equal(_raw_prefill(engine, prompt, "chunked")[0], ref[0])  # dropped at the next prefill
