@@ -72,6 +72,11 @@ def fmt_ratio(v: Any) -> str:
     return DASH if is_na(v) else f"{float(v):.3f}x"
 
 
+def fmt_pct(v: Any, digits: int = 0) -> str:
+    """A share (0.42) as a percentage ('42%')."""
+    return DASH if is_na(v) else f"{100 * float(v):.{digits}f}%"
+
+
 def fmt_num(v: Any, digits: int = 2) -> str:
     if is_na(v):
         return DASH

@@ -23,6 +23,7 @@ from abbench.report.format import (
     fmt_gib,
     fmt_int,
     fmt_num,
+    fmt_pct,
     fmt_ratio,
     fmt_s,
     is_na,
@@ -240,7 +241,7 @@ def decode_section(ri: ReportInput) -> list[str]:
         table(a.decode, [*CELL_COLS, Col("tok_s", "Decode tok/s", lambda v: fmt_num(v, 1)),
                          Col("step_s", "Step", fmt_s),
                          Col("h2d_per_step", "Decode H2D/step", fmt_gb),
-                         Col("hit_rate", "Slot hit rate", lambda v: DASH if is_na(v) else f"{100 * v:.1f}%"),
+                         Col("hit_rate", "Slot hit rate", lambda v: fmt_pct(v, 1)),
                          Col("slots_per_layer", "Slots/layer", fmt_int, descriptive=True),
                          Col("decode_mode", "Decoder", descriptive=True, right=False),
                          Col("expected_step_s", "Expected step", fmt_s),
@@ -418,6 +419,7 @@ def floor_section(ri: ReportInput) -> list[str]:
 def _gap_lines(a: an.Analysis) -> list[str]:
     if a.gap.empty:
         return []
+    host = a.gap["host_share"].notna().any() or a.gap["resident_host_share"].notna().any()
     return [
         ("Where a streaming arm's time goes (medians): TTFT = a resident arm's TTFT at the same chunk length "
          "(the same kernels with every expert on the device; 'Resident') + the gap; gap = copy wait (GPU time "
@@ -429,9 +431,15 @@ def _gap_lines(a: an.Analysis) -> list[str]:
                       Col("resident_arm", "Resident", descriptive=True, right=False),
                       Col("resident_ttft_s", "Resident TTFT", fmt_s), Col("gap_s", "Gap", fmt_s),
                       Col("copy_wait_s", "Copy wait", fmt_s), Col("rest_s", "Rest", fmt_s),
-                      Col("rest_share", "Rest / gap", lambda v: DASH if is_na(v) else f"{100 * v:.0f}%")]),
+                      Col("rest_share", "Rest / gap", fmt_pct)]
+              + ([Col("host_share", "Host share", fmt_pct),
+                  Col("resident_host_share", "Resident host share", fmt_pct)]
+                 if host else [])),
         "",
-    ]
+    ] + ([("Host share = the engine's host time until a prefill's GPU work was all queued, over the prefill's "
+           "time (medians; CUDA only). Near 100% the host set the pace (kernel launches, host-side work), not "
+           "the GPU: then host time the streaming arm loses (copy bookkeeping, host gathers) is rest, and "
+           "fewer launches per chunk would shorten both arms."), ""] if host else [])
 
 
 def overhead_section(ri: ReportInput) -> list[str]:
