@@ -553,6 +553,9 @@ class EngineConfig:
     gpu_memory_budget_gb: float | None = None
     host_memory_check: bool = True  # refuse to build a bank larger than the host's available memory
     decode_graphs: bool = True  # CUDA: replay decode steps as CUDA graphs (ignored on CPU)
+    # CUDA with decode graphs: at start, run and capture every decode KV-length bucket's graphs (two throwaway
+    # steps per bucket, then a reset), so no request pays a bucket's first eager step and capture
+    warm_decode_graphs: bool = True
     d2d_from_slot_cache: bool = False  # prefill takes experts already in the slot cache device-to-device
     max_context: int | None = None  # KV cache length; default max_position_embeddings
     deterministic: bool = False  # torch.use_deterministic_algorithms(True) (the kernels used already are)

@@ -40,6 +40,16 @@ from .prefill import CancelLike, check_cancel
 MIN_KV_LEN = 1024
 
 
+def kv_buckets(max_context: int) -> list[int]:
+    """Every attention length a decode step can use with a cache of ``max_context`` positions, ascending."""
+    out, n = [], MIN_KV_LEN
+    while True:
+        out.append(min(n, max_context))
+        if n >= max_context:
+            return sorted(set(out))
+        n *= 2
+
+
 def kv_len_for(pos: int, max_context: int) -> int:
     """The attention length of a decode step at ``pos``: a power of two >= pos + 1 (>= MIN_KV_LEN), capped at
     the cache length. Few distinct values, so few graphs; at most 2x the keys actually needed."""
@@ -143,6 +153,18 @@ class Decoder:
             fn()
         else:
             self.graphs.run(key, fn)
+
+    # -- warm-up ---------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def warm(self, token_id: int = 0) -> list[int]:
+        """Two throwaway steps at the last position of every KV-length bucket (``kv_buckets``): the first runs
+        each piece eagerly, the second captures its graph. They write KV, states, token history and slots at
+        those positions: the caller resets the engine afterwards. Returns the buckets."""
+        buckets = kv_buckets(self.kv.max_context)
+        for kv_len in buckets:
+            for _ in range(2):
+                self.step(token_id, kv_len - 1)
+        return buckets
 
     # -- a step ----------------------------------------------------------------------------------------
     @torch.no_grad()

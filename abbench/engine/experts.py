@@ -357,6 +357,11 @@ class ExpertStore:
         if self.slots is not None:
             self.slots.flush()
 
+    def forget_traffic(self) -> None:
+        """Zero the lifetime and request counters (after start-up work that is not a request's)."""
+        self.lifetime, self.request = Traffic(), Traffic()
+        self.slot_lifetime, self.slot_request = SlotStats(), SlotStats()
+
     # -- bandwidth ------------------------------------------------------------------------------------
     def measure_h2d_gbps(self, probe_bytes: int, trials: int = 3) -> float:
         """Host->device GB/s (1e9 bytes/s) of whole-layer bank copies into a layer buffer: the best of

@@ -166,6 +166,9 @@ class Engine:
             self.store = ExpertStore(bank, self.device, self.slots_per_layer, resident, cfg.d2d_from_slot_cache)
             self.decoder = Decoder(self.model, self.store, self.kv, graphs=cfg.decode_graphs)
             self.measured_h2d_gbps = self.store.measure_h2d_gbps(cfg.bandwidth_probe_bytes)
+            self.decode_warmup: dict | None = None
+            if cfg.warm_decode_graphs and self.decoder.graphs is not None:
+                self._warm_decode()
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
         self.bank_bytes = bank.bank_bytes
@@ -187,6 +190,23 @@ class Engine:
         self._states_at = 0
         self._lock = threading.Lock()
         self.startup_s = time.perf_counter() - t0
+
+    def _warm_decode(self) -> None:
+        """Capture every decode KV-length bucket's graphs now (``Decoder.warm``), then put back what the
+        throwaway steps wrote (KV and states are garbage there, the slot cache holds their experts): the
+        prefix cache and the hybrids' states are cleared, the slots flushed, the decoder's step counts kept."""
+        t0 = time.perf_counter()
+        steps = dict(self.decoder.steps)
+        buckets = self.decoder.warm()
+        self.decoder.steps = steps
+        self._kv_tokens, self._states_at = [], 0
+        if self.model_config.is_hybrid:
+            self.kv.clear()
+        self.store.flush_slots()
+        self.store.forget_traffic()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.decode_warmup = {"kv_buckets": buckets, "seconds": round(time.perf_counter() - t0, 3)}
 
     def _plan_memory(self) -> MemoryPlan | None:
         """The device-memory plan (slots per layer from the budget); None on CPU without a budget, where the

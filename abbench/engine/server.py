@@ -420,6 +420,9 @@ def build_arg_parser() -> argparse.ArgumentParser:
                    help="build the host expert bank even if /proc/meminfo says it will not fit")
     e.add_argument("--no-decode-graphs", dest="decode_graphs", action="store_false", default=None,
                    help="CUDA: run decode steps eagerly instead of replaying CUDA graphs")
+    e.add_argument("--no-warm-decode-graphs", dest="warm_decode_graphs", action="store_false", default=None,
+                   help="CUDA: capture a decode KV length's graphs when a request first reaches it, instead of "
+                   "every length's at start (then that request's first steps run eagerly and capture, slower)")
     e.add_argument("--d2d-from-slot-cache", action="store_true", default=None)
     e.add_argument("--max-context", type=int, default=None)
     e.add_argument("--deterministic", action="store_true", default=None,
@@ -444,7 +447,8 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
     kwargs: dict[str, Any] = dict(model=args.model, weights=args.weights, device=args.device,
                                   prefill_mode=args.prefill_mode, chunk_tokens=args.chunk_tokens)
     for field in ("dtype", "layer_major_window_tokens", "demand_max_tokens", "gpu_memory_budget_gb",
-                  "expert_slots_per_layer", "host_memory_check", "decode_graphs", "d2d_from_slot_cache",
+                  "expert_slots_per_layer", "host_memory_check", "decode_graphs", "warm_decode_graphs",
+                  "d2d_from_slot_cache",
                   "max_context", "deterministic"):
         if getattr(args, field) is not None:  # leave the engine's defaults alone
             kwargs[field] = getattr(args, field)
@@ -524,6 +528,9 @@ def main(argv: list[str] | None = None) -> int:
              engine.bank_bytes, engine.measured_h2d_gbps)
     if engine.memory_plan is not None:
         log.info("device memory plan: %s", engine.memory_plan.describe())
+    if engine.decode_warmup is not None:
+        log.info("decode graphs captured for KV lengths %s in %.2fs",
+                 ", ".join(map(str, engine.decode_warmup["kv_buckets"])), engine.decode_warmup["seconds"])
 
     app = create_app(engine, tokenizer, served_model_name=args.served_model_name or args.model,
                      allow_request_overrides=args.allow_request_overrides, queue_limit=args.queue_limit,

@@ -17,7 +17,7 @@ import torch
 from abbench.engine import Engine, EngineConfig
 from abbench.engine.config import MAX_GROUPED_MM_GROUPS, PRESETS, ModelConfig
 from abbench.engine.memory import GIB, RUNTIME_RESERVE_BYTES, dense_params, plan_device_memory
-from abbench.engine.decode import kv_len_for
+from abbench.engine.decode import kv_buckets, kv_len_for
 from abbench.engine.experts import check_host_memory, host_memory_available
 from abbench.engine.model import TooManyGroups, grouped_mm
 
@@ -161,6 +161,45 @@ def test_host_memory_check_refuses_a_bank_that_does_not_fit():
 def test_kv_len_is_a_power_of_two_cover_capped_at_the_cache():
     assert [kv_len_for(p, 40960) for p in (0, 1023, 1024, 4100, 40959)] == [1024, 1024, 2048, 8192, 40960]
     assert kv_len_for(10, 512) == 512
+
+
+def test_kv_buckets_are_every_length_a_step_can_use():
+    assert kv_buckets(131200) == [1024 * 2**i for i in range(8)] + [131200]
+    assert kv_buckets(4096) == [1024, 2048, 4096] and kv_buckets(512) == [512]
+    for n in (512, 1000, 3000, 131200):
+        assert kv_buckets(n) == sorted({kv_len_for(p, n) for p in range(n)})
+
+
+@pytest.mark.parametrize("preset", ["tiny", "qwen3.5-tiny", "qwen4-exp-tiny"])
+def test_decode_warmup_leaves_no_trace(preset):
+    """The start-up decode warm-up (on CUDA with graphs: every KV-length bucket captured before any request)
+    runs two steps at the end of every bucket, then leaves nothing behind: an engine that ran it answers
+    bitwise like one that did not (ids, logprobs, slot hits and misses, no prefix-cache hit), with its traffic
+    and step counts at zero. Offloaded decode (slots below the experts: the per-layer path) and the hybrids'
+    states and token history included."""
+    cfg = EngineConfig(model=preset, weights="random:0", chunk_tokens=64, layer_major_window_tokens=128,
+                       bandwidth_probe_bytes=0, max_context=2100,
+                       expert_slots_per_layer=PRESETS[preset].num_experts_per_tok + 2,
+                       warm_decode_graphs=False, device=KNOBS["device"])
+    fresh, warmed = Engine(cfg), Engine(cfg)
+    positions: list[int] = []
+    real_step = warmed.decoder.step
+    warmed.decoder.step = lambda token, pos, cancel=None: (positions.append(pos), real_step(token, pos, cancel))[1]
+    warmed._warm_decode()
+    del warmed.decoder.step
+    assert positions == [1023, 1023, 2047, 2047, 2099, 2099]
+    assert warmed.decode_warmup["kv_buckets"] == [1024, 2048, 2100]
+    assert warmed.decoder.steps == {"whole": 0, "per_layer": 0} and warmed.store.lifetime.h2d_bytes == 0
+    assert not any(warmed.store.slots.lru)  # the throwaway steps' experts are gone from the slot cache
+    prompt = torch.randint(0, 400, (70,), generator=torch.Generator().manual_seed(2)).tolist()
+    for mode in ("chunked", "layer-major"):
+        a_events, a = fresh.run(prompt, 6, ignore_eos=True, logprobs=3, prefill_mode=mode)
+        b_events, b = warmed.run(prompt, 6, ignore_eos=True, logprobs=3, prefill_mode=mode)
+        assert [(e.token_id, e.top_logprobs) for e in a_events] == [(e.token_id, e.top_logprobs) for e in b_events]
+        assert (a.slot_hits, a.slot_misses, a.cached_prompt_tokens) == (b.slot_hits, b.slot_misses,
+                                                                        b.cached_prompt_tokens)
+        fresh.reset()
+        warmed.reset()
 
 
 def test_decode_gqa_equals_repeated_kv_attention_with_the_mask():
