@@ -188,7 +188,7 @@ SAMPLE_COLUMNS = [
     "engine_ttft_s", "engine_prefill_s", "queue_wait_s", "client_overhead_s", "after_write_s", "nvml_pcie_rx_bytes",
     "gpu_mem_used_peak", "proc_gpu_mem_peak", "host_rss_peak", "slot_hits", "slot_misses", "decode_steps_whole",
     "decode_steps_per_layer", "decode_mode", "slots_per_layer", "peak_device_bytes", "start_device_bytes", "copy_wait_s",
-    "chunk_tokens", "alloc_retries", "prefill_enqueue_s",
+    "chunk_tokens", "alloc_retries",
 ]
 
 
@@ -244,7 +244,6 @@ def sample_frame(record: RunRecord, samples: list[Sample]) -> pd.DataFrame:
                 "peak_device_bytes": num(e.peak_device_bytes), "start_device_bytes": num(e.start_device_bytes),
                 "copy_wait_s": num(e.copy_wait_s),
                 "chunk_tokens": num(e.chunk_tokens), "alloc_retries": num(e.alloc_retries),
-                "prefill_enqueue_s": num(e.prefill_enqueue_s),
             }
         )
     df = pd.DataFrame(rows, columns=SAMPLE_COLUMNS)

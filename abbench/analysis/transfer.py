@@ -118,13 +118,7 @@ FLOOR_COLUMNS = ["arm", "kind", "target_tokens", "n", "ttft_s", "compute_floor_s
 
 
 GAP_COLUMNS = ["arm", "kind", "target_tokens", "n", "ttft_s", "chunk_tokens", "resident_arm", "resident_ttft_s",
-               "gap_s", "copy_wait_s", "rest_s", "rest_share", "host_share", "resident_host_share"]
-
-
-def _host_share(g: pd.DataFrame) -> float | None:
-    """Median over samples of the engine's host enqueue time / its prefill time (None without both)."""
-    host, prefill = (pd.to_numeric(g[c], errors="coerce") for c in ("prefill_enqueue_s", "engine_prefill_s"))
-    return median_of(host / prefill.where(prefill > 0))
+               "gap_s", "copy_wait_s", "rest_s", "rest_share"]
 
 
 def gap_table(record: RunRecord) -> pd.DataFrame:
@@ -133,11 +127,8 @@ def gap_table(record: RunRecord) -> pd.DataFrame:
     device: ``resident_arm``; the fastest resident arm when none ran at that length) + ``gap_s``, and the gap
     = the median copy wait (GPU time compute stalled on streamed experts: the copies not hidden) + ``rest_s``
     (everything else streaming cost: host work, allocator pressure, kernels slowed beside the copies);
-    ``rest_share`` = rest / gap. ``host_share`` / ``resident_host_share``: the median of the engine's host
-    enqueue time over its prefill time (``prefill_enqueue_s`` / ``engine_prefill_s``), for the arm and for its
-    resident arm: near 1 the host, not the GPU, set the prefill's pace (launch overhead, host work), so time the
-    host loses (to the copies' bookkeeping, host-side gathers) shows as rest. Rows only for arms whose engine
-    timed its copy waits (``copy_wait_s``) and kinds/lengths with a resident arm."""
+    ``rest_share`` = rest / gap. Rows only for arms whose engine timed its copy waits (``copy_wait_s``) and
+    kinds/lengths with a resident arm."""
     df = measured_ok_frame(record)
     if df.empty:
         return frame([], GAP_COLUMNS)
@@ -146,12 +137,10 @@ def gap_table(record: RunRecord) -> pd.DataFrame:
     rows = []
     for (kind, tokens), g in df.groupby(["kind", "target_tokens"], sort=False, dropna=False):
         res: dict[str, tuple[float, float | None]] = {}
-        res_host: dict[str, float | None] = {}
         for a, ga in g[g["arm"].isin(resident_arms)].groupby("arm", sort=False):
             t = median_of(ga["ttft_s"])
             if t is not None:
                 res[a] = (t, median_of(ga["chunk_tokens"]))
-                res_host[a] = _host_share(ga)
         if not res:
             continue
         for arm, ga in g[~g["arm"].isin(resident_arms)].groupby("arm", sort=False):
@@ -165,8 +154,7 @@ def gap_table(record: RunRecord) -> pd.DataFrame:
             rows.append({"arm": arm, "kind": kind, "target_tokens": int_or_none(tokens), "n": len(ga),
                          "ttft_s": ttft, "chunk_tokens": int_or_none(chunk), "resident_arm": ref,
                          "resident_ttft_s": res[ref][0], "gap_s": gap, "copy_wait_s": wait, "rest_s": rest,
-                         "rest_share": rest / gap if gap > 0 else None, "host_share": _host_share(ga),
-                         "resident_host_share": res_host[ref]})
+                         "rest_share": rest / gap if gap > 0 else None})
     out = frame(rows, GAP_COLUMNS, ints=["target_tokens", "chunk_tokens"])
     return sort_rows(out, record, ["arm", "kind", "target_tokens"])
 

@@ -229,8 +229,6 @@ def abbench_object(ctx: RequestContext, stats: Any, finished: float, engine: Any
         peak_device_bytes=stats.peak_device_bytes, start_device_bytes=getattr(stats, "start_device_bytes", None),
         chunk_tokens=getattr(stats, "chunk_tokens", None), alloc_retries=getattr(stats, "alloc_retries", None),
         copy_wait_s=(None if getattr(stats, "copy_wait_s", None) is None else round(stats.copy_wait_s, 6)),
-        prefill_enqueue_s=(None if getattr(stats, "prefill_enqueue_s", None) is None
-                           else round(stats.prefill_enqueue_s, 6)),
         layer_trace=getattr(stats, "layer_trace", None),
     ).model_dump()
 

@@ -54,6 +54,34 @@ def _timed(fn, device: torch.device, repeats: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def union_seconds(spans_us: list[tuple[float, float]]) -> float:
+    """The length of the union of [start, end) intervals given in microseconds, in seconds."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(spans_us):
+        if b <= end:
+            continue
+        total += b - max(a, end)
+        end = b
+    return total / 1e6
+
+
+def gpu_compute_seconds(fn, device: torch.device) -> tuple[float, float]:
+    """(seconds the GPU spent in kernels, wall seconds) of one ``fn()`` on CUDA, from the profiler's device
+    activity (CUPTI): the union of kernel intervals on every stream; memory copies and sets are not compute."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    _sync(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        wall = time.perf_counter() - t0
+    spans = [(e.time_range.start, e.time_range.end) for e in prof.events()
+             if e.device_type == DeviceType.CUDA and not e.name.startswith(("Memcpy", "Memset"))]
+    return union_seconds(spans), wall
+
+
 def run(argv: list[str] | None = None) -> tuple[bool, list[tuple[str, str]]]:
     """Run the check; returns (all modes bitwise equal, table rows (what, value))."""
     from .runtime import Engine
@@ -70,9 +98,12 @@ def run(argv: list[str] | None = None) -> tuple[bool, list[tuple[str, str]]]:
                    help=f"comma-separated prefill modes to check and time (default: all of {', '.join(MODES)}); "
                         "chunked always runs once as the reference")
     p.add_argument("--mode-repeats", type=int, default=1,
-                   help="prefills per mode (default 1); the table gives each mode's median wall time and median "
-                        "host enqueue time (until prefill returns, before the device sync: near the wall time "
-                        "means the host, not the GPU, set the pace)")
+                   help="prefills per mode (default 1); the table gives each mode's median wall time")
+    p.add_argument("--gpu-busy", action="store_true",
+                   help="CUDA: profile one more prefill per mode (kernel activity through the profiler) and give "
+                        "the time the GPU spent computing (the union of kernel intervals, copies excluded) against "
+                        "the wall time: near the wall time the GPU set the pace; the rest the GPU sat idle, waiting "
+                        "for the host's launches or for streamed copies (the copy wait says how much for copies)")
     p.add_argument("--window-chunks", type=int, default=2,
                    help="chunks per layer-major window (default 2: several windows on a long prompt; a large value "
                         "puts a long prompt in one window, to compare layer-major with resident at full length)")
@@ -107,13 +138,19 @@ def run(argv: list[str] | None = None) -> tuple[bool, list[tuple[str, str]]]:
         t0 = time.perf_counter()
         logits, stats = prefill(model, engine.store, kv, ids, 0, mode, chunk_tokens=chunk, window_tokens=window,
                                 demand_max_tokens=chunk)
-        enqueue = time.perf_counter() - t0
         _sync(dev)
         wall = time.perf_counter() - t0
         stats.copy_wait_s = engine.store.copy_stall_seconds()
         cache = [t[:, :tokens].clone() for t in kv.k + kv.v] + [t.clone() for t in kv.states()]
         cache += [t[:tokens].clone() for t in getattr(kv, "ik", [])]  # Qwen4-Exp's indexer keys
-        return logits.clone(), stats, cache, (wall, enqueue)
+        return logits.clone(), stats, cache, wall
+
+    def busy(fn) -> str:
+        """', GPU computing X of Y s (Z%)' for one profiled run of fn (``--gpu-busy`` on CUDA), else ''."""
+        if not (args.gpu_busy and cuda):
+            return ""
+        compute, wall = gpu_compute_seconds(fn, dev)
+        return f", GPU computing {compute:.3f} of {wall:.3f} s ({100 * compute / wall:.0f}%)"
 
     rows = [("device", f"{dev} ({torch.cuda.get_device_name(dev) if cuda else 'cpu'})"),
             ("model", f"{mc.name}: {len(mc.linear_layers)} DeltaNet + {len(mc.attention_layers)} attention layers, "
@@ -124,21 +161,19 @@ def run(argv: list[str] | None = None) -> tuple[bool, list[tuple[str, str]]]:
     ref_logits, _, ref_cache, _ = prefill_mode("chunked")
     ok = True
     for mode in modes:
-        walls, enqueues = [], []
+        walls = []
         for _ in range(max(1, args.mode_repeats)):
-            logits, stats, cache, (wall, enqueue) = prefill_mode(mode)
+            logits, stats, cache, wall = prefill_mode(mode)
             walls.append(wall)
-            enqueues.append(enqueue)
             same = torch.equal(logits, ref_logits) and all(torch.equal(a, b)
                                                            for a, b in zip(cache, ref_cache, strict=True))
             ok &= same
-        secs, enq = sorted(walls)[len(walls) // 2], sorted(enqueues)[len(enqueues) // 2]
+        secs = sorted(walls)[len(walls) // 2]
         rows.append((f"prefill {mode}", f"{'bitwise equal' if same else 'DIFFERS'}; path {stats.path}, "
                                         f"{stats.n_chunks} chunks, {stats.n_windows} windows, "
-                                        f"H2D {stats.h2d_bytes / 1e9:.2f} GB, {secs:.3f} s (host enqueue "
-                                        f"{enq:.3f} s)"
+                                        f"H2D {stats.h2d_bytes / 1e9:.2f} GB, {secs:.3f} s"
                                         + (f", copy wait {stats.copy_wait_s:.3f} s" if stats.copy_wait_s is not None
-                                           else "")))
+                                           else "") + busy(lambda m=mode: prefill_mode(m))))
 
     # the layer-major loop over the resident experts: the loop order without copies, to tell apart what the
     # order costs (host launch queue, parked activations) from what running beside the copies costs
@@ -152,18 +187,16 @@ def run(argv: list[str] | None = None) -> tuple[bool, list[tuple[str, str]]]:
         t0 = time.perf_counter()
         with torch.no_grad(), attention_backends():
             logits = model.logits(layer_major_loop(model, weights, kv, ids, 0, windows)[-1:])
-        enqueue = time.perf_counter() - t0
         _sync(dev)
-        return logits, time.perf_counter() - t0, enqueue
+        return logits, time.perf_counter() - t0
 
     if len(plan_chunks(0, tokens, chunk)) > 1:
         runs = [layer_major_resident() for _ in range(max(1, args.mode_repeats))]
         same = all(torch.equal(r[0], ref_logits) for r in runs)
         ok &= same
         secs = sorted(r[1] for r in runs)[len(runs) // 2]
-        enq = sorted(r[2] for r in runs)[len(runs) // 2]
         rows.append(("layer-major order, resident experts", f"{'bitwise equal' if same else 'DIFFERS'} (logits); "
-                                                            f"{secs:.3f} s (host enqueue {enq:.3f} s)"))
+                                                            f"{secs:.3f} s" + busy(layer_major_resident)))
 
     # timings per chunk: DeltaNet mixer, a whole DeltaNet layer (resident experts), a gated-attention layer at
     # the last chunk of the prompt (its KV prefix written by the prefills above)

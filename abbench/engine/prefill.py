@@ -67,7 +67,6 @@ class PrefillStats:
     d2d_bytes: int = 0
     expert_copies: int = 0
     copy_wait_s: float | None = None  # set by callers after a device sync (ExpertStore.copy_stall_seconds)
-    enqueue_s: float | None = None  # set by callers on CUDA: host seconds until every chunk's work was queued
 
 
 def plan_chunks(start: int, end: int, chunk_tokens: int) -> list[tuple[int, int]]:

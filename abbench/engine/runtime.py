@@ -96,7 +96,6 @@ class RequestStats:
     chunk_tokens: int | None = None  # the prefill chunk length this request ran with
     alloc_retries: int | None = None  # CUDA caching-allocator retries (free cache + cudaMalloc again) during it
     copy_wait_s: float | None = None  # prefill: GPU time compute waited for streamed expert copies (CUDA)
-    prefill_enqueue_s: float | None = None  # prefill: host time until all its GPU work was queued (CUDA)
     layer_trace: list | None = None  # trace_layers: per layer and sub-block, the last prompt position (trace.py)
 
 
@@ -294,14 +293,12 @@ class Engine:
         if self._fault == "oom-once":
             cancel = self._inject_oom(cancel)
         with self._on_device():
-            t0 = time.perf_counter()
             t = torch.tensor(ids, dtype=torch.long, device=self.device)  # [T]
             logits, stats = prefill(self.model, self.store, self.kv, t, start, mode,
                                     chunk_tokens=chunk_tokens,
                                     window_tokens=cfg.layer_major_window_tokens,
                                     demand_max_tokens=cfg.demand_max_tokens, cancel=cancel)
-            if self.device.type == "cuda":  # the host has queued everything: how long that took vs the GPU
-                stats.enqueue_s = time.perf_counter() - t0
+            if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             return logits, stats
 
@@ -406,7 +403,6 @@ class Engine:
                 start_device_bytes=start_bytes, chunk_tokens=chunk_tokens,
                 alloc_retries=(None if retries0 is None else self._alloc_retries() - retries0),
                 copy_wait_s=store.copy_stall_seconds(),  # prefill's waits, read once the request is done
-                prefill_enqueue_s=pstats.enqueue_s,
                 layer_trace=tracer.export() if tracer is not None else None)
         except Cancelled:
             counters["requests_cancelled"] += 1

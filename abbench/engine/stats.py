@@ -102,9 +102,6 @@ class AbbenchStats(_Lenient):
                                       "freed its cache and called cudaMalloc again: a sign of memory pressure).")
     copy_wait_s: float | None = Field(None, description="Prefill: GPU time the compute stream waited for "
                                       "streamed expert copies (CUDA timing events; None off CUDA).")
-    prefill_enqueue_s: float | None = Field(
-        None, description="Prefill: host seconds until every chunk's GPU work was queued (before the device "
-        "sync; None off CUDA). Near the prefill's duration, the host set its pace, not the GPU.")
     layer_trace: list[dict[str, Any]] | None = Field(
         None, description="With trace_layers: per layer and sub-block {layer, block, hash, rms, values} of the last "
         "prompt position (abbench.engine.trace)."

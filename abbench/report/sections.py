@@ -419,7 +419,6 @@ def floor_section(ri: ReportInput) -> list[str]:
 def _gap_lines(a: an.Analysis) -> list[str]:
     if a.gap.empty:
         return []
-    host = a.gap["host_share"].notna().any() or a.gap["resident_host_share"].notna().any()
     return [
         ("Where a streaming arm's time goes (medians): TTFT = a resident arm's TTFT at the same chunk length "
          "(the same kernels with every expert on the device; 'Resident') + the gap; gap = copy wait (GPU time "
@@ -431,15 +430,9 @@ def _gap_lines(a: an.Analysis) -> list[str]:
                       Col("resident_arm", "Resident", descriptive=True, right=False),
                       Col("resident_ttft_s", "Resident TTFT", fmt_s), Col("gap_s", "Gap", fmt_s),
                       Col("copy_wait_s", "Copy wait", fmt_s), Col("rest_s", "Rest", fmt_s),
-                      Col("rest_share", "Rest / gap", fmt_pct)]
-              + ([Col("host_share", "Host share", fmt_pct),
-                  Col("resident_host_share", "Resident host share", fmt_pct)]
-                 if host else [])),
+                      Col("rest_share", "Rest / gap", fmt_pct)]),
         "",
-    ] + ([("Host share = the engine's host time until a prefill's GPU work was all queued, over the prefill's "
-           "time (medians; CUDA only). Near 100% the host set the pace (kernel launches, host-side work), not "
-           "the GPU: then host time the streaming arm loses (copy bookkeeping, host gathers) is rest, and "
-           "fewer launches per chunk would shorten both arms."), ""] if host else [])
+    ]
 
 
 def overhead_section(ri: ReportInput) -> list[str]:

@@ -380,3 +380,13 @@ def test_gpucheck_runs_on_cpu_at_the_tiny_shape(capsys):
     assert gpucheck_hybrid.main(["--device", "cpu", "--tokens", "200", "--repeats", "1"]) == 0
     out = capsys.readouterr().out
     assert out.count("bitwise equal;") == 4 and "DeltaNet mixer / 64-token chunk" in out and "PASS" in out
+    assert "layer-major order, resident experts    bitwise equal (logits)" in out
+
+
+def test_gpu_busy_is_the_union_of_kernel_intervals():
+    """``gpucheck_hybrid --gpu-busy`` counts overlapping kernels (several streams) once and idle gaps not."""
+    from abbench.engine.gpucheck_hybrid import union_seconds
+
+    assert union_seconds([]) == 0.0
+    assert union_seconds([(0, 10), (5, 20), (30, 40), (32, 35), (40, 41)]) == pytest.approx(31e-6)
+    assert union_seconds([(30, 40), (0, 1e6)]) == pytest.approx(1.0)

@@ -187,12 +187,8 @@ def test_a_per_request_chunk_length_equals_an_engine_started_with_it(resident):
                 assert stats.prefill_path == want, chunk
     resident.reset()
     assert resident.run(prompt, 2)[1].chunk_tokens == 32  # the engine's own without an override
-    stats = resident.run(prompt, 2)[1]
-    retries = stats.alloc_retries  # the CUDA caching allocator's count; None on CPU
+    retries = resident.run(prompt, 2)[1].alloc_retries  # the CUDA caching allocator's count; None on CPU
     assert retries is None if resident.device.type == "cpu" else retries >= 0
-    host = stats.prefill_enqueue_s  # host time until the prefill's GPU work was queued; None on CPU
-    prefill = stats.prefill_end - stats.prefill_start
-    assert host is None if resident.device.type == "cpu" else 0 < host <= prefill
 
 
 def test_a_per_request_chunk_length_is_checked():

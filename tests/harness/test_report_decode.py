@@ -15,7 +15,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pandas as pd
 import pytest
 
 from tests.support import mdtables as mt
@@ -251,33 +250,3 @@ def test_the_gap_is_taken_to_the_resident_arm_at_the_same_chunk_length() -> None
                                                                           pytest.approx(0.75))
     assert (rows["C"].resident_arm, rows["C"].gap_s, rows["C"].rest_share) == ("R8k", pytest.approx(1.0),
                                                                               pytest.approx(0.75))
-    assert rows["B"].host_share is None or pd.isna(rows["B"].host_share)  # no engine reported enqueue times
-
-
-def test_host_share_in_the_gap_table_and_the_report() -> None:
-    """The engine's host enqueue time over its prefill time, per streaming arm and for its resident arm (medians
-    of per-sample shares); the report shows both columns and says what they mean, and only when reported."""
-    from abbench import analysis as an
-    from abbench.analysis.transfer import gap_table
-    from abbench.report.sections import ReportInput, floor_section
-    from tests.harness.test_analysis import make_run
-
-    record = make_run(arms=("LM", "R"), lengths=(4096,), ttft=lambda arm, p, rnd: 2.0 if arm == "LM" else 1.5,
-                      expect_path={"LM": "layer-major", "R": "resident"})
-    for s in record.samples:
-        s.engine["chunk_tokens"] = 2048
-        t = s.engine["timings"]
-        prefill = t["prefill_end"] - t["prefill_start"]
-        s.engine["prefill_enqueue_s"] = prefill * (0.95 if s.arm == "LM" else 0.5) * (1 + 0.01 * s.round)
-        if s.arm == "LM":
-            s.engine["copy_wait_s"] = 0.1
-    row = gap_table(record).iloc[0]
-    assert row.arm == "LM" and row.host_share == pytest.approx(0.95 * 1.015, rel=1e-3)
-    assert row.resident_host_share == pytest.approx(0.5 * 1.015, rel=1e-3)
-    text = "\n".join(floor_section(ReportInput(record=record, analysis=an.analyze(record))))
-    assert "| Host share | Resident host share |" in text and "| 96% | 51% |" in text
-    assert "Host share = the engine's host time" in text
-    for s in record.samples:
-        s.engine["prefill_enqueue_s"] = None
-    text = "\n".join(floor_section(ReportInput(record=record, analysis=an.analyze(record))))
-    assert "Where a streaming" in text and "Host share" not in text
