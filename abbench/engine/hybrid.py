@@ -45,7 +45,7 @@ import torch.nn.functional as F
 
 from . import gdn
 from .config import HybridConfig
-from .model import decode_gqa, expert_kernel, lower_right_causal, moe_experts, rope_tables, rotate_half, route
+from .model import Model, decode_gqa, expert_kernel, lower_right_causal, rope_tables, rotate_half, route
 
 
 @dataclass
@@ -302,15 +302,8 @@ class HybridModel:
             x = x + out  # [1, H]
         return self._post_mixer(layer, x)
 
-    def moe_block(self, x: torch.Tensor, h: torch.Tensor, top_w: torch.Tensor, top_ids: torch.Tensor,
-                  gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-        """Second half of a layer: x (already + shared expert) + routed experts(h)."""
-        y = moe_experts(h, top_w, top_ids, gate_up, down, self._mm)  # [T, H]
-        out = x + y  # [T, H]
-        if self.trace is not None:
-            self.trace(self._trace_layer, "experts", y)
-            self.trace(self._trace_layer, "residual", out)
-        return out
+    # Second half of a layer: x (already + the shared expert) + routed experts(h), as the Qwen3-MoE model's
+    moe_block = Model.moe_block
 
     def logits(self, x_last: torch.Tensor) -> torch.Tensor:
         """Final zero-centred norm and lm_head of x_last [1, H] -> float32 logits [V]."""
