@@ -75,6 +75,17 @@ def h2d_table(record: RunRecord) -> pd.DataFrame:
     return sort_rows(out, record, ["arm", "kind", "target_tokens"])
 
 
+def _resident_medians(g: pd.DataFrame, resident_arms: set[str]) -> dict[str, tuple[float, float | None]]:
+    """Per resident arm in one (kind, length) cell: (median TTFT, median chunk length); arms without a TTFT
+    are left out."""
+    out: dict[str, tuple[float, float | None]] = {}
+    for a, ga in g[g["arm"].isin(resident_arms)].groupby("arm", sort=False):
+        t = median_of(ga["ttft_s"])
+        if t is not None:
+            out[a] = (t, median_of(ga["chunk_tokens"]))
+    return out
+
+
 def floor_table(record: RunRecord) -> pd.DataFrame:
     """The physical floor of a fresh prompt's TTFT, per kind and length (prompts that start from an empty
     cache): max(compute floor, copy floor), where the compute floor is the fastest median TTFT among the arms
@@ -87,16 +98,15 @@ def floor_table(record: RunRecord) -> pd.DataFrame:
     if df.empty:
         return frame([], FLOOR_COLUMNS)
     df = df[df["kind"].isin(FLOOR_KINDS)]
-    resident_arms = [a for a, p in expected_paths(record).items() if p == "resident"]
+    resident_arms = {a for a, p in expected_paths(record).items() if p == "resident"}
     rows = []
     for (kind, tokens), g in df.groupby(["kind", "target_tokens"], sort=False, dropna=False):
         gbps = g["measured_h2d_gbps"]
         copy = (g["bank_bytes"] / (gbps.where(gbps > 0) * 1e9)).dropna()
         copy_s = median_of(copy)
-        by_arm = {a: median_of(ga["ttft_s"]) for a, ga in g[g["arm"].isin(resident_arms)].groupby("arm", sort=False)}
-        by_arm = {a: v for a, v in by_arm.items() if v is not None}
-        set_by = min(by_arm, key=lambda a: by_arm[a]) if by_arm else None
-        compute_s = by_arm[set_by] if set_by else None
+        res = _resident_medians(g, resident_arms)
+        set_by = min(res, key=lambda a: res[a][0]) if res else None
+        compute_s = res[set_by][0] if set_by else None
         known = [v for v in (copy_s, compute_s) if v is not None]
         if not known:
             continue
@@ -136,11 +146,7 @@ def gap_table(record: RunRecord) -> pd.DataFrame:
     resident_arms = {a for a, p in expected_paths(record).items() if p == "resident"}
     rows = []
     for (kind, tokens), g in df.groupby(["kind", "target_tokens"], sort=False, dropna=False):
-        res: dict[str, tuple[float, float | None]] = {}
-        for a, ga in g[g["arm"].isin(resident_arms)].groupby("arm", sort=False):
-            t = median_of(ga["ttft_s"])
-            if t is not None:
-                res[a] = (t, median_of(ga["chunk_tokens"]))
+        res = _resident_medians(g, resident_arms)
         if not res:
             continue
         for arm, ga in g[~g["arm"].isin(resident_arms)].groupby("arm", sort=False):
