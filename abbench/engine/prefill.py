@@ -99,11 +99,21 @@ def _layer(model: Model, layer: int, x: torch.Tensor, kv: KVCache, start: int, g
     return model.moe_block(x, h, top_w, top_ids, gate_up, down)  # [T, H]
 
 
+def _bank_stream(model: Model, store: ExpertStore, kv: KVCache,
+                 visits: list[tuple[list[tuple[int, int]], int]]) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+    """The streamed banks for ``visits`` [(the chunks that run through the layer on this visit, layer)], in
+    order. What a model needs uploaded for a visit's chunks (``prepare_layer_window``: Qwen4-Exp's PLE rows)
+    goes up once the visit's bank copy is queued and before the next one's, so it does not wait behind it."""
+    prepare = getattr(model, "prepare_layer_window", None)
+    hook = None if prepare is None else (lambda i: prepare(visits[i][1], kv, visits[i][0]))
+    return store.stream_layers([layer for _, layer in visits], before_next=hook)
+
+
 def _streamed_chunks(model: Model, store: ExpertStore, kv: KVCache, ids: torch.Tensor, start: int,
                      chunks: list[tuple[int, int]], cancel: CancelLike) -> torch.Tensor:
     """Chunk-major with every layer visit streaming the whole layer bank; returns the last chunk's x."""
     n_layers = model.cfg.num_hidden_layers
-    stream = store.stream_layers([layer for _ in chunks for layer in range(n_layers)])
+    stream = _bank_stream(model, store, kv, [([c], layer) for c in chunks for layer in range(n_layers)])
     x = None
     for a, b in chunks:
         x = model.embed(ids[a - start:b - start])  # [T, H]
@@ -167,10 +177,8 @@ def _run(model: Model, store: ExpertStore, kv: KVCache, ids: torch.Tensor, start
         return _resident_chunks(model, store, kv, ids, start, chunks, cancel), 0
     if path == "layer-major":
         windows = [chunks[i:i + chunks_per_window] for i in range(0, len(chunks), chunks_per_window)]
-        items = [(window, layer) for window in windows for layer in range(model.cfg.num_hidden_layers)]
-        prepare = getattr(model, "prepare_layer_window", None)  # Qwen4-Exp: PLE rows ahead of the next bank
-        hook = None if prepare is None else (lambda i: prepare(items[i][1], kv, items[i][0]))
-        stream = store.stream_layers([layer for _, layer in items], before_next=hook)
+        stream = _bank_stream(model, store, kv, [(window, layer) for window in windows
+                                                 for layer in range(model.cfg.num_hidden_layers)])
         weights = ((gate_up, down) for _, gate_up, down in stream)
         return layer_major_loop(model, weights, kv, ids, start, windows, cancel), len(windows)
     # demand: runs of long chunks stream whole banks, short chunks load only their routed experts

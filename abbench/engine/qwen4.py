@@ -322,13 +322,14 @@ class Qwen4Model(HybridModel):
         return emb.to(self.device)  # [T, P]
 
     def prepare_layer_window(self, layer: int, cache: Qwen4Cache, spans: list[tuple[int, int]]) -> None:
-        """Layer-major: upload a PLE layer's rows for every chunk [a, b) of the window at once (into
-        ``cache.ple_ready``; ``attn_block`` takes them). Prefill calls it through the bank stream's
-        ``before_next`` hook: once ``layer``'s bank copy is queued and before the next layer's is, which
-        orders after these uploads. Uploaded per chunk, each PLE layer's first upload queued behind the next
-        layer's whole bank copy (on the H200, Qwen4-Exp shape at 32K: ~100 ms per request over 2 PLE layers
-        that no copy wait counted). The same rows as the per-chunk path, so the results are bitwise the same;
-        one PLE layer's rows for one window are on the device at a time (the memory plan counts them)."""
+        """Streamed prefill (chunked: one chunk; layer-major: the window): upload a PLE layer's rows for every
+        chunk [a, b) of ``spans`` at once (into ``cache.ple_ready``; ``attn_block`` takes them). Prefill calls
+        it through the bank stream's ``before_next`` hook: once ``layer``'s bank copy is queued and before the
+        next layer's is, which orders after these uploads. Uploaded inside the layer, an upload queued behind
+        the next layer's whole bank copy (layer-major on the H200, Qwen4-Exp shape at 32K: ~100 ms per request
+        over 2 PLE layers that no copy wait counted). The same rows as the resident path's per-chunk uploads,
+        so the results are bitwise the same; one PLE layer's rows for one window are on the device at a time
+        (the memory plan counts them)."""
         if layer not in cache.ple_slot:
             return
         for a, b in spans:

@@ -150,10 +150,11 @@ def test_prefill_modes_bitwise_equal(hf):
         assert _same(runs[m][2], ref[2]), m
 
 
-def test_layer_major_uploads_ple_rows_before_the_next_bank_copy(hf, monkeypatch):
-    """Layer-major uploads a PLE layer's rows for every chunk of the window between the copy of that layer's
-    bank and the next layer's: per chunk, each PLE layer's first upload waited behind the next layer's whole
-    bank copy on the H200. Chunked keeps its per-chunk uploads; both compute the same (bitwise)."""
+def test_streamed_prefill_uploads_ple_rows_before_the_next_bank_copy(hf, monkeypatch):
+    """A streamed prefill uploads a PLE layer's rows for the chunks of a layer visit (layer-major: the window;
+    chunked: the chunk) between the copy of that layer's bank and the next one's: uploaded inside the layer,
+    they waited behind the next layer's whole bank copy on the H200. Bitwise the same as resident, which
+    uploads per chunk; rows left by a prefill cancelled mid-layer are dropped at the next one."""
     _, _, engine = hf
     model, store, cfg = engine.model, engine.store, engine.model_config
     events: list[tuple] = []
@@ -161,23 +162,24 @@ def test_layer_major_uploads_ple_rows_before_the_next_bank_copy(hf, monkeypatch)
     monkeypatch.setattr(model, "_upload", lambda emb: (events.append(("upload", emb.shape[0])), upload(emb))[1])
     monkeypatch.setattr(store, "_issue_layer", lambda buf, layer: (events.append(("bank", layer)),
                                                                    issue(buf, layer))[1])
-    prompt = _prompt(300, seed=3)  # windows of 2 chunks: [0, 128), [128, 256), [256, 300)
-    ref = _raw_prefill(engine, prompt, "chunked")
-    events.clear()
-    lm = _raw_prefill(engine, prompt, "layer-major")
-    assert torch.equal(lm[0], ref[0]) and _same(lm[2], ref[2])
-    assert not engine.kv.ple_ready  # every row uploaded ahead was used
+    prompt = _prompt(300, seed=3)  # chunks of 64 (the last 44); layer-major windows of 2 chunks
+    ref = _raw_prefill(engine, prompt, "resident")
     n_layers, (p0, p1) = cfg.num_hidden_layers, cfg.ple_layers
-    banks = [i for i, e in enumerate(events) if e[0] == "bank"]
-    assert [events[i][1] for i in banks] == list(range(n_layers)) * 3  # one bank per layer and window
-    for w, sizes in enumerate([(64, 64), (64, 64), (44,)]):
-        for ple_layer in (p0, p1):
-            # the rows go up once the copy of ple_layer's bank is queued and before the next layer's is
-            i = w * n_layers + ple_layer
-            lo, hi = banks[i], banks[i + 1]
-            assert tuple(e[1] for e in events[lo + 1:hi] if e[0] == "upload") == sizes, (w, ple_layer, events)
+    for mode, visits in (("layer-major", [(64, 64), (64, 64), (44,)]), ("chunked", [(64,)] * 4 + [(44,)])):
+        events.clear()
+        out = _raw_prefill(engine, prompt, mode)
+        assert torch.equal(out[0], ref[0]) and _same(out[2], ref[2]), mode
+        assert not engine.kv.ple_ready  # every row uploaded ahead was used
+        banks = [i for i, e in enumerate(events) if e[0] == "bank"]
+        assert [events[i][1] for i in banks] == list(range(n_layers)) * len(visits)  # one bank a layer visit
+        for v, sizes in enumerate(visits):
+            for ple_layer in (p0, p1):
+                # the rows go up once the copy of ple_layer's bank is queued and before the next layer's is
+                i = v * n_layers + ple_layer
+                got = tuple(e[1] for e in events[banks[i] + 1:banks[i + 1]] if e[0] == "upload")
+                assert got == sizes, (mode, v, ple_layer, events)
     engine.kv.ple_ready[(p0, 0)] = torch.zeros(1)  # left by a prefill cancelled mid-layer
-    assert torch.equal(_raw_prefill(engine, prompt, "chunked")[0], ref[0])  # dropped at the next prefill
+    assert torch.equal(_raw_prefill(engine, prompt, "resident")[0], ref[0])  # dropped at the next prefill
 
 
 def test_continuation_equals_one_call_prefill(hf):
