@@ -28,6 +28,7 @@ Contract:
 
 from __future__ import annotations
 
+import gc
 import secrets
 from collections.abc import Callable
 
@@ -83,8 +84,18 @@ class _Graphs:
             current = torch.cuda.current_stream(self.device)
             self.stream.wait_stream(current)
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"):
-                fn()
+            # No cyclic garbage collection inside a capture: a collection that frees another CUDA graph (an
+            # engine dropped earlier in the process) destroys it mid-capture, which CUDA does not permit and
+            # which invalidates this capture (seen on the H200: the decode warm-up of a second engine in one
+            # test process failed with cudaErrorStreamCaptureInvalidated)
+            collecting = gc.isenabled()
+            gc.disable()
+            try:
+                with torch.cuda.graph(g, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"):
+                    fn()
+            finally:
+                if collecting:
+                    gc.enable()
             current.wait_stream(self.stream)
             self.graphs[key] = g
         g.replay()
