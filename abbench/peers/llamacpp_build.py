@@ -25,10 +25,25 @@ Contract
   state in ``<build-dir>/build.status.json``) so a build longer than one device call goes on across calls;
   ``status`` prints that state. Re-running ``build`` on the same build dir is incremental.
 
+* ``build --cuda`` finds what ggml's CUDA backend links besides the toolkit (:func:`cuda_dependency_flags`):
+  cuBLAS from the toolkit, else from an ``nvidia-cublas`` wheel (``--cublas auto``: the running Python's
+  ``nvidia/cu13`` or ``nvidia/cublas``, the layout torch's CUDA wheels install; or ``--cublas DIR`` with
+  ``include/cublas_v2.h`` and ``lib/libcublas.so*``), and the driver library ``libcuda.so`` from the toolkit's
+  stubs or the driver, else (a machine without a GPU driver) a link-time stub it compiles (:data:`DRIVER_STUB`,
+  the driver functions ggml's CUDA memory pool calls; the real ``libcuda.so.1`` is loaded at run time). The
+  choices go into the CMake flags and the build record (``cuda_dependencies``). So one command builds a CUDA
+  server on a CPU machine as well as on the GPU machine.
+* ``pack`` strips the built binary and puts it with its build record into one ``.tar.xz`` (~42 MB for the
+  CUDA server) to carry to another machine; ``tar xJf`` there gives ``llama-server`` and
+  ``llama-server.build.json`` side by side, which is where the fingerprint looks for the record.
+
 No network is needed by ``build``: the UI is not downloaded (``LLAMA_USE_PREBUILT_UI=OFF``), nothing is
-fetched by CMake. ggml's CUDA backend links cuBLAS: a CUDA toolkit without ``cublas_v2.h`` (this CPU
-machine's nvcc 13.0 install has none: the configure stops at ``CUDA::cublas``) needs it pointed at with
-``--cmake-arg`` (e.g. the ``nvidia-cublas`` wheel's ``include``/``lib``).
+fetched by CMake. ``--cmake-arg -DX=Y`` and ``--cmake-arg=-DX=Y`` are the same (a value that starts with a dash
+is taken as the value).
+
+Run time: a CUDA build links ``libcudart``/``libcublas`` dynamically; :func:`runtime_library_dirs` lists the
+Python ``nvidia`` wheel directories that hold them, which :mod:`abbench.peers.llamacpp_serve` puts on
+``LD_LIBRARY_PATH`` before it starts the server.
 """
 
 from __future__ import annotations
@@ -45,7 +60,8 @@ import tempfile
 import time
 from pathlib import Path
 
-__all__ = ["BUILD_INFO_NAME", "SOURCE_INFO_NAME", "TRIM", "build_info_path", "cmake_flags", "main", "read_build_info"]
+__all__ = ["BUILD_INFO_NAME", "DRIVER_STUB", "SOURCE_INFO_NAME", "TRIM", "build_info_path", "cmake_flags",
+           "cuda_dependency_flags", "main", "pack", "read_build_info", "runtime_library_dirs"]
 
 SOURCE_INFO_NAME = "LLAMACPP_SOURCE.json"
 BUILD_INFO_NAME = "llama-server.build.json"
@@ -175,6 +191,124 @@ def cmake_flags(commit: str | None, *, cuda: bool, cuda_arch: str = CUDA_ARCH_H2
     return flags
 
 
+#: The CUDA driver functions ggml's CUDA backend (its virtual-memory pool) links against, at llama.cpp 0c1e570;
+#: a stub exporting them lets the link succeed where no driver is installed (the real library loads at run time).
+DRIVER_STUB: tuple[str, ...] = (
+    "cuDeviceGet", "cuDeviceGetAttribute", "cuGetErrorString", "cuMemAddressFree", "cuMemAddressReserve",
+    "cuMemCreate", "cuMemGetAllocationGranularity", "cuMemMap", "cuMemRelease", "cuMemSetAccess", "cuMemUnmap",
+)
+_DRIVER_PATHS = ("/usr/local/nvidia/lib64/libcuda.so.1", "/usr/lib/x86_64-linux-gnu/libcuda.so.1",
+                 "/usr/lib64/libcuda.so.1", "/usr/lib/wsl/lib/libcuda.so.1")
+
+
+def _toolkit_root() -> Path | None:
+    """The CUDA toolkit CMake will find: ``$CUDAToolkit_ROOT``, ``$CUDA_PATH``, ``$CUDA_HOME``, the directory
+    above the nvcc it uses (``$CUDACXX``, else nvcc on PATH) or /usr/local/cuda, the first that holds
+    ``include/cuda_runtime.h``."""
+    nvcc = os.environ.get("CUDACXX") or shutil.which("nvcc")
+    cands = [os.environ.get(v) for v in ("CUDAToolkit_ROOT", "CUDA_PATH", "CUDA_HOME")]
+    cands += [str(Path(nvcc).resolve().parent.parent) if nvcc else None, "/usr/local/cuda"]
+    for c in cands:
+        if c and (Path(c) / "include" / "cuda_runtime.h").is_file():
+            return Path(c).resolve()
+    return None
+
+
+def _nvidia_wheel_dirs() -> list[Path]:
+    """The directories of the running Python's ``nvidia`` namespace package (pip's CUDA wheels)."""
+    out: list[Path] = []
+    for entry in sys.path:
+        d = Path(entry or ".") / "nvidia"
+        if d.is_dir() and d.resolve() not in [o.resolve() for o in out]:
+            out.append(d)
+    return out
+
+
+def _cublas_in(d: Path) -> tuple[Path, Path, Path | None] | None:
+    """(include dir, libcublas, libcublasLt) if ``d`` holds cuBLAS's header and library."""
+    libs = sorted((d / "lib").glob("libcublas.so*")) if (d / "lib").is_dir() else []
+    lts = sorted((d / "lib").glob("libcublasLt.so*")) if (d / "lib").is_dir() else []
+    if not (d / "include" / "cublas_v2.h").is_file() or not libs:
+        return None
+    return d / "include", libs[0], (lts[0] if lts else None)
+
+
+def runtime_library_dirs() -> list[str]:
+    """The ``lib`` directories of the running Python's CUDA wheels (``nvidia/cu13``, ``nvidia/cublas``,
+    ``nvidia/cuda_runtime``, ...) that hold ``libcudart`` or ``libcublas``: where a CUDA llama-server built
+    against those wheels, or on another machine, finds them at run time."""
+    out: list[str] = []
+    for base in _nvidia_wheel_dirs():
+        for lib in sorted(base.glob("*/lib")):
+            if any(lib.glob("libcudart.so*")) or any(lib.glob("libcublas.so*")):
+                if str(lib) not in out:
+                    out.append(str(lib))
+    return out
+
+
+def _write_driver_stub(build_dir: Path, dry_run: bool) -> Path:
+    stub = build_dir / "cuda-driver-stub" / "libcuda.so"
+    if dry_run:
+        return stub
+    stub.parent.mkdir(parents=True, exist_ok=True)
+    c = stub.with_name("cuda_driver_stub.c")
+    c.write_text("/* link-time stand-in for libcuda.so.1 (abbench.peers.llamacpp_build: no GPU driver on the build machine);\n"
+                 "   the real driver library is loaded at run time */\n"
+                 + "".join(f"int {name}(void) {{ return 999; }}\n" for name in DRIVER_STUB))
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or "cc"
+    subprocess.run([cc, "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", "-o", str(stub), str(c)], check=True)
+    return stub
+
+
+def cuda_dependency_flags(build_dir: Path, *, cublas: str = "auto", driver: str = "auto", dry_run: bool = False,
+                          given: list[str] | None = None) -> tuple[list[str], dict]:
+    """CMake flags for cuBLAS and the driver library of a CUDA build, and what was chosen (the build record's
+    ``cuda_dependencies``). ``cublas``: ``auto`` (the toolkit's, else a wheel's), ``toolkit`` or a directory;
+    ``driver``: ``auto`` (the toolkit's stubs or the installed driver, else a stub), ``stub`` or a file. A
+    library already set in ``given`` (the user's ``--cmake-arg`` flags) is left as given."""
+    toolkit = _toolkit_root()
+    flags: list[str] = []
+    record: dict = {"toolkit": str(toolkit) if toolkit else None}
+    in_toolkit = toolkit is not None and (toolkit / "include" / "cublas_v2.h").is_file()
+    preset = " ".join(given or [])
+    if "-DCUDA_cublas_LIBRARY=" in preset:
+        record["cublas"] = {"source": "--cmake-arg"}
+    elif cublas == "toolkit" or (cublas == "auto" and in_toolkit):
+        record["cublas"] = {"source": "toolkit"}
+    else:
+        candidates = ([Path(cublas)] if cublas != "auto" else
+                      [d / sub for d in _nvidia_wheel_dirs() for sub in ("cu13", "cu12", "cublas")])
+        found = next((f for f in (_cublas_in(c) for c in candidates) if f), None)
+        if found is None:
+            where = (f"looked in {', '.join(str(c) for c in candidates)}" if candidates
+                     else "this Python has no nvidia package")
+            raise SystemExit(f"no cuBLAS: the CUDA toolkit ({toolkit}) has no cublas_v2.h and no nvidia-cublas wheel "
+                             f"was found ({where}); pip install nvidia-cublas (or pip download it and unzip it), "
+                             "then pass --cublas DIR: the directory with include/cublas_v2.h and lib/libcublas.so*")
+        inc, lib, lt = found
+        flags += [f"-DCUDA_cublas_LIBRARY={lib}", f"-DCMAKE_CUDA_FLAGS=-I{inc}", f"-DCMAKE_CXX_FLAGS=-I{inc}"]
+        if lt is not None:
+            flags.append(f"-DCUDA_cublasLt_LIBRARY={lt}")
+        record["cublas"] = {"source": "wheel" if cublas == "auto" else "given", "include": str(inc),
+                            "library": str(lib)}
+    stubs = [toolkit / rel for rel in ("lib64/stubs/libcuda.so", "targets/x86_64-linux/lib/stubs/libcuda.so")
+             ] if toolkit else []
+    if "-DCUDA_cuda_driver_LIBRARY=" in preset:
+        path, how = None, "--cmake-arg"
+    elif driver not in ("auto", "stub"):
+        path, how = Path(driver), "given"
+    elif driver == "auto" and any(p.is_file() for p in stubs):
+        path, how = None, "toolkit stubs"
+    elif driver == "auto" and any(Path(p).is_file() for p in _DRIVER_PATHS):
+        path, how = next(Path(p) for p in _DRIVER_PATHS if Path(p).is_file()), "driver"
+    else:
+        path, how = _write_driver_stub(build_dir, dry_run), "stub"
+    if path is not None:
+        flags.append(f"-DCUDA_cuda_driver_LIBRARY={path}")
+    record["driver"] = {"source": how, "library": str(path) if path else None}
+    return flags, record
+
+
 def _unpack(src: Path, build_dir: Path) -> Path:
     """The llama.cpp tree to build: ``src`` itself if it is a directory, else the tarball unpacked once."""
     if src.is_dir():
@@ -243,8 +377,14 @@ def _write_status(build_dir: Path, **fields) -> None:
 
 
 def run_build(src: Path, build_dir: Path, *, cuda: bool, cuda_arch: str, jobs: int, native: bool,
-              dry_run: bool = False, extra: list[str] | None = None) -> dict | None:
+              dry_run: bool = False, extra: list[str] | None = None, cublas: str = "auto",
+              driver: str = "auto") -> dict | None:
     build_dir = build_dir.resolve()
+    deps: dict | None = None
+    if cuda:
+        dep_flags, deps = cuda_dependency_flags(build_dir, cublas=cublas, driver=driver, dry_run=dry_run,
+                                                given=extra)
+        extra = dep_flags + list(extra or [])
     if dry_run:
         tree = src if src.is_dir() else build_dir / "src" / "llama.cpp"
         source = {}
@@ -258,6 +398,8 @@ def run_build(src: Path, build_dir: Path, *, cuda: bool, cuda_arch: str, jobs: i
                     source = {}
         flags = cmake_flags(source.get("llama_cpp_commit"), cuda=cuda, cuda_arch=cuda_arch, native=native)
         flags += list(extra or [])
+        if deps and deps["driver"]["source"] == "stub":
+            print(f"+ cc -shared -Wl,-soname,libcuda.so.1 -o {deps['driver']['library']}  # driver stub")
         if not src.is_dir():
             print(f"+ tar xzf {src} -C {build_dir / 'src'}")
         for cmd in _commands(tree, build_dir, flags, jobs):
@@ -292,6 +434,7 @@ def run_build(src: Path, build_dir: Path, *, cuda: bool, cuda_arch: str, jobs: i
             "cmake_flags": flags,
             "cuda": cuda,
             "cuda_architectures": cache.get("CMAKE_CUDA_ARCHITECTURES") if cuda else None,
+            "cuda_dependencies": deps,
             "cxx_compiler": cache.get("CMAKE_CXX_COMPILER"),
             "cxx_compiler_version": _tool_version([cache.get("CMAKE_CXX_COMPILER", "c++"), "--version"]),
             "cuda_compiler": cache.get("CMAKE_CUDA_COMPILER") if cuda else None,
@@ -311,6 +454,31 @@ def run_build(src: Path, build_dir: Path, *, cuda: bool, cuda_arch: str, jobs: i
     except BaseException as e:
         _write_status(build_dir, state="failed", pid=os.getpid(), started_at=started, error=repr(e)[:500])
         raise
+
+
+def pack(build_dir: Path, out: Path, *, strip: bool = True) -> dict:
+    """``<build-dir>/bin/llama-server`` (stripped) and its build record in one ``.tar.xz`` to carry."""
+    bindir = build_dir.resolve() / "bin"
+    binary, record = bindir / "llama-server", build_info_path(build_dir.resolve())
+    if not binary.is_file() or not record.is_file():
+        raise SystemExit(f"nothing to pack: {binary} and {record} come from a finished build")
+    info = json.loads(record.read_text())
+    with tempfile.TemporaryDirectory(prefix="llamacpp-pack-") as tmp:
+        packed = Path(tmp) / "llama-server"
+        if strip:
+            subprocess.run([os.environ.get("STRIP") or "strip", "-o", str(packed), str(binary)], check=True)
+        else:
+            shutil.copy2(binary, packed)
+        info["packed"] = {"stripped": strip, "binary_sha256": _sha256(packed), "from": str(binary),
+                          "packed_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        (Path(tmp) / BUILD_INFO_NAME).write_text(json.dumps(info, indent=2) + "\n")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        partial = out.with_name(out.name + ".partial")
+        with tarfile.open(partial, "w:xz", preset=9) as tf:
+            tf.add(packed, arcname="llama-server")
+            tf.add(Path(tmp) / BUILD_INFO_NAME, arcname=BUILD_INFO_NAME)
+        partial.replace(out)
+    return {"tarball": str(out), "bytes": out.stat().st_size, "binary_sha256": info["packed"]["binary_sha256"]}
 
 
 def _detach(argv: list[str], build_dir: Path) -> int:
@@ -366,11 +534,24 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--jobs", "-j", type=int, default=os.cpu_count() or 2)
     b.add_argument("--no-native", action="store_true", help="GGML_NATIVE=OFF (portable CPU code)")
     b.add_argument("--cmake-arg", action="append", default=[], metavar="-DX=Y",
-                   help="extra CMake cache flag (repeatable; recorded), e.g. hints to a cuBLAS outside the toolkit")
+                   help="extra CMake cache flag (repeatable; recorded)")
+    b.add_argument("--cublas", default="auto", metavar="auto|toolkit|DIR",
+                   help="with --cuda: where cuBLAS comes from (default auto: the toolkit's, else the running "
+                        "Python's nvidia-cublas wheel; DIR holds include/cublas_v2.h and lib/libcublas.so*)")
+    b.add_argument("--cuda-driver", default="auto", metavar="auto|stub|FILE",
+                   help="with --cuda: the libcuda.so to link (default auto: the toolkit's stubs or the installed "
+                        "driver, else a link-time stub, for a build machine without a GPU driver)")
     b.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     b.add_argument("--detach", action="store_true", help="build in the background (see status)")
     st = sub.add_parser("status", help="state of a (detached) build")
     st.add_argument("--build-dir", type=Path, required=True)
+    pk = sub.add_parser("pack", help="the built binary (stripped) and its build record in one .tar.xz to carry")
+    pk.add_argument("--build-dir", type=Path, required=True)
+    pk.add_argument("--out", type=Path, required=True, help="the tarball to write (.tar.xz)")
+    pk.add_argument("--no-strip", action="store_true", help="pack the binary as built")
+    # "--cmake-arg -DX=Y": argparse would read -DX=Y as an option; take it as the value
+    argv = [f"--cmake-arg={argv[i + 1]}" if a == "--cmake-arg" and i + 1 < len(argv) else a
+            for i, a in enumerate(argv) if not (i and argv[i - 1] == "--cmake-arg")]
     args = ap.parse_args(argv)
 
     if args.cmd == "source":
@@ -381,10 +562,17 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.cmd == "status":
         return _status(args.build_dir)
+    if args.cmd == "pack":
+        packed = pack(args.build_dir, args.out, strip=not args.no_strip)
+        print(json.dumps(packed, indent=2))
+        print(f"{args.out}: {packed['bytes'] / 2**20:.1f} MiB; on the other machine: mkdir -p D && tar xJf "
+              f"{args.out.name} -C D && export ABBENCH_LLAMA_SERVER=D/llama-server")
+        return 0
     if args.detach and not args.dry_run:
         return _detach(argv, args.build_dir.resolve())
     info = run_build(args.src.resolve(), args.build_dir, cuda=args.cuda, cuda_arch=args.cuda_arch,
-                     jobs=args.jobs, native=not args.no_native, dry_run=args.dry_run, extra=args.cmake_arg)
+                     jobs=args.jobs, native=not args.no_native, dry_run=args.dry_run, extra=args.cmake_arg,
+                     cublas=args.cublas, driver=args.cuda_driver)
     if info is not None:
         print(json.dumps(info, indent=2))
     return 0

@@ -11,8 +11,11 @@ Contract
   ``~/.cache/abbench``, named by model, weights, dtype, device type and exporter version), exported with
   :func:`abbench.peers.gguf_export.export_gguf` on first use under a file lock (a big model is better
   exported beforehand with ``abbench export-gguf``, which writes the same path when ``--out`` is left out).
-* It prints one ``abbench-peer:`` JSON line (binary, its build record, the GGUF) to stdout, then replaces
-  itself with ``llama-server -m GGUF ARGS...`` (``os.execv``: the service's process is the server).
+* It prints one ``abbench-peer:`` JSON line (binary, its build record, the GGUF, the library directories it
+  added) to stdout, then replaces itself with ``llama-server -m GGUF ARGS...`` (``os.execve``: the service's
+  process is the server). For a CUDA build (its record says ``cuda``) the running Python's CUDA wheel library
+  directories go ahead of ``LD_LIBRARY_PATH`` (:func:`_library_env`): a CUDA server built on another machine
+  links ``libcudart``/``libcublas`` dynamically and finds torch's own copies.
 * :func:`describe` is what the run's fingerprint records for such a command (``peers``): the binary, its
   build record (``llama-server.build.json``: llama.cpp commit, CMake flags, compilers) and the GGUF's
   identity; also for a plain ``llama-server`` command.
@@ -146,10 +149,28 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from abbench.peers.llamacpp_build import read_build_info
 
-    print("abbench-peer: " + json.dumps({"llama_server": binary, "build": read_build_info(binary),
-                                         "gguf": _gguf_identity(gguf)}), flush=True)
-    os.execv(binary, [binary, "-m", str(gguf), *server_args])
+    build = read_build_info(binary)
+    env, added = _library_env(build)
+    print("abbench-peer: " + json.dumps({"llama_server": binary, "build": build, "gguf": _gguf_identity(gguf),
+                                         "ld_library_path_added": added}), flush=True)
+    os.execve(binary, [binary, "-m", str(gguf), *server_args], env)
     return 0  # not reached
+
+
+def _library_env(build: dict | None) -> tuple[dict[str, str], list[str]]:
+    """The server's environment: for a CUDA build, the running Python's CUDA wheel library directories
+    (``libcudart``, ``libcublas``: :func:`abbench.peers.llamacpp_build.runtime_library_dirs`) ahead of
+    ``LD_LIBRARY_PATH``, so a binary built elsewhere finds the ones torch uses here. Returns (env, added)."""
+    from abbench.peers.llamacpp_build import runtime_library_dirs
+
+    env = dict(os.environ)
+    if not (build or {}).get("cuda"):
+        return env, []
+    have = [d for d in env.get("LD_LIBRARY_PATH", "").split(":") if d]
+    added = [d for d in runtime_library_dirs() if d not in have]
+    if added:
+        env["LD_LIBRARY_PATH"] = ":".join(added + have)
+    return env, added
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import stat
 import subprocess
@@ -95,6 +96,87 @@ def test_build_dry_run_prints_the_cuda_configure_and_the_server_target(tmp_path:
     assert st.returncode == 1 and "no build" in st.stdout
 
 
+def _fake_toolkit_and_wheel(tmp: Path) -> tuple[Path, Path]:
+    """A CUDA toolkit without cuBLAS (like this CPU machine's) and a Python path with an nvidia-cublas wheel
+    in torch's cu13 layout."""
+    toolkit = tmp / "cuda"
+    (toolkit / "include").mkdir(parents=True)
+    (toolkit / "include" / "cuda_runtime.h").write_text("")
+    site = tmp / "site"
+    for rel in ("nvidia/cu13/include/cublas_v2.h", "nvidia/cu13/lib/libcublas.so.13", "nvidia/cu13/lib/libcublasLt.so.13",
+                "nvidia/cu13/lib/libcudart.so.13", "nvidia/cudnn/lib/libcudnn.so.9"):
+        (site / rel).parent.mkdir(parents=True, exist_ok=True)
+        (site / rel).write_text("")
+    return toolkit, site
+
+
+def test_cuda_dependencies_come_from_the_wheel_and_a_driver_stub(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a machine whose toolkit has no cublas_v2.h and that has no GPU driver, cuBLAS comes from the
+    nvidia-cublas wheel on the Python path and libcuda.so from a stub that exports the driver functions ggml
+    links; both are in the flags and the record. A toolkit with cuBLAS and stubs needs neither."""
+    import ctypes
+
+    toolkit, site = _fake_toolkit_and_wheel(tmp_path)
+    monkeypatch.setenv("CUDA_PATH", str(toolkit))
+    monkeypatch.setattr(sys, "path", [str(site), *sys.path])
+    monkeypatch.setattr(lb, "_DRIVER_PATHS", ())  # no driver installed
+    wheel = site / "nvidia" / "cu13"
+    flags, record = lb.cuda_dependency_flags(tmp_path / "b", dry_run=True)
+    assert f"-DCUDA_cublas_LIBRARY={wheel}/lib/libcublas.so.13" in flags
+    assert f"-DCUDA_cublasLt_LIBRARY={wheel}/lib/libcublasLt.so.13" in flags
+    assert f"-DCMAKE_CUDA_FLAGS=-I{wheel}/include" in flags and f"-DCMAKE_CXX_FLAGS=-I{wheel}/include" in flags
+    stub = tmp_path / "b" / "cuda-driver-stub" / "libcuda.so"
+    assert f"-DCUDA_cuda_driver_LIBRARY={stub}" in flags and not stub.exists()  # a dry run writes nothing
+    assert record["cublas"]["source"] == "wheel" and record["driver"]["source"] == "stub"
+    assert lb.runtime_library_dirs()[:1] == [str(wheel / "lib")]  # cudnn's lib holds neither library
+    if shutil.which("cc") or shutil.which("gcc"):
+        lb.cuda_dependency_flags(tmp_path / "b")
+        lib = ctypes.CDLL(str(stub))
+        for name in lb.DRIVER_STUB:
+            assert getattr(lib, name)() == 999  # exported: the link resolves them
+        soname = subprocess.run(["objdump", "-p", str(stub)], capture_output=True, text=True).stdout
+        assert "libcuda.so.1" in soname or not shutil.which("objdump")
+    (toolkit / "include" / "cublas_v2.h").write_text("")
+    (toolkit / "lib64" / "stubs").mkdir(parents=True)
+    (toolkit / "lib64" / "stubs" / "libcuda.so").write_text("")
+    flags, record = lb.cuda_dependency_flags(tmp_path / "c", dry_run=True)
+    assert flags == [] and record["cublas"] == {"source": "toolkit"} and record["driver"]["source"] == "toolkit stubs"
+    with pytest.raises(SystemExit, match="no cuBLAS"):
+        lb.cuda_dependency_flags(tmp_path / "d", cublas=str(tmp_path / "nowhere"), dry_run=True)
+    given = ["-DCUDA_cublas_LIBRARY=/x/libcublas.so.13", "-DCUDA_cuda_driver_LIBRARY=/x/libcuda.so.1"]
+    flags, record = lb.cuda_dependency_flags(tmp_path / "e", cublas=str(tmp_path / "nowhere"), driver="stub",
+                                             dry_run=True, given=given)
+    assert flags == [] and record["cublas"]["source"] == record["driver"]["source"] == "--cmake-arg"
+
+
+def test_cmake_arg_takes_a_value_that_starts_with_a_dash(tmp_path: Path) -> None:
+    lb.make_source(_fake_sdist(tmp_path), tmp_path / "src.tar.gz")
+    r = subprocess.run([sys.executable, "-m", "abbench.peers.llamacpp_build", "build", "--src",
+                        str(tmp_path / "src.tar.gz"), "--build-dir", str(tmp_path / "b"), "--cmake-arg",
+                        "-DGGML_CUDA_FORCE_CUBLAS=ON", "--dry-run"], capture_output=True, text=True, cwd=REPO,
+                       timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "-DGGML_CUDA_FORCE_CUBLAS=ON" in r.stdout and "-DGGML_CUDA=ON" not in r.stdout
+
+
+def test_pack_carries_the_stripped_binary_with_its_record(tmp_path: Path) -> None:
+    binary = tmp_path / "b" / "bin" / "llama-server"
+    binary.parent.mkdir(parents=True)
+    shutil.copy2(shutil.which("true"), binary)  # a real ELF executable, so strip works
+    (binary.parent / lb.BUILD_INFO_NAME).write_text(json.dumps({"cuda": True, "source": {"llama_cpp_commit": "c0"}}))
+    packed = lb.pack(tmp_path / "b", tmp_path / "out" / "srv.tar.xz")
+    with tarfile.open(packed["tarball"]) as tf:
+        assert sorted(tf.getnames()) == ["llama-server", lb.BUILD_INFO_NAME]
+        tf.extractall(tmp_path / "there", filter="data")
+    there = tmp_path / "there" / "llama-server"
+    assert os.access(there, os.X_OK) and subprocess.run([str(there)]).returncode == 0
+    info = lb.read_build_info(there)  # where the fingerprint looks: beside the binary
+    assert info["source"]["llama_cpp_commit"] == "c0" and info["packed"]["binary_sha256"] == lb._sha256(there)
+    with pytest.raises(SystemExit, match="nothing to pack"):
+        lb.pack(tmp_path / "empty", tmp_path / "x.tar.xz")
+
+
 def test_cmake_flags() -> None:
     cpu = lb.cmake_flags("0c1e57098bba43ac29e6e3b677cdceebdd22334f", cuda=False)
     assert "-DLLAMA_BUILD_COMMIT=0c1e57098bba" in cpu and not any("CUDA" in f for f in cpu)
@@ -106,13 +188,14 @@ def test_cmake_flags() -> None:
 # ------------------------------------------------------------------------------------------- the launcher
 
 
-def _fake_server(tmp: Path) -> Path:
-    """An executable 'llama-server' that prints its argv, with a build record beside it."""
+def _fake_server(tmp: Path, cuda: bool = False) -> Path:
+    """An executable 'llama-server' that prints its argv and library path, with a build record beside it."""
     binary = tmp / "bin" / "llama-server"
     binary.parent.mkdir(parents=True)
-    binary.write_text("#!/bin/sh\necho ARGV \"$@\"\n")
+    binary.write_text("#!/bin/sh\necho LIBS \"$LD_LIBRARY_PATH\"\necho ARGV \"$@\"\n")
     binary.chmod(binary.stat().st_mode | stat.S_IEXEC)
-    (binary.parent / lb.BUILD_INFO_NAME).write_text(json.dumps({"source": {"llama_cpp_commit": "abc123"}}))
+    (binary.parent / lb.BUILD_INFO_NAME).write_text(json.dumps({"source": {"llama_cpp_commit": "abc123"},
+                                                                "cuda": cuda}))
     return binary
 
 
@@ -128,10 +211,28 @@ def test_launcher_execs_the_server_on_the_gguf(tmp_path: Path) -> None:
     record = json.loads(lines[0].removeprefix("abbench-peer: "))
     assert record["build"]["source"]["llama_cpp_commit"] == "abc123" and record["llama_server"] == str(binary)
     assert lines[-1] == f"ARGV -m {gguf} --port 9 -np 1"
+    assert lines[-2] == "LIBS " + os.environ.get("LD_LIBRARY_PATH", "")  # a CPU build: the library path as is
     missing = subprocess.run([sys.executable, "-m", "abbench.peers.llamacpp_serve", "--model", "tiny", "--gguf",
                               str(gguf)], capture_output=True, text=True, timeout=60,
                              env={**env, ls.SERVER_ENV: str(tmp_path / "nope")})
     assert missing.returncode == 2 and ls.SERVER_ENV in missing.stderr
+
+
+def test_launcher_puts_the_python_cuda_libraries_first_for_a_cuda_build(tmp_path: Path) -> None:
+    """A CUDA llama-server built elsewhere links libcudart/libcublas dynamically: the launcher puts the running
+    Python's CUDA wheel library directories ahead of LD_LIBRARY_PATH and says so in its record line."""
+    binary = _fake_server(tmp_path, cuda=True)
+    _, site = _fake_toolkit_and_wheel(tmp_path)
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"x")
+    env = {**os.environ, ls.SERVER_ENV: str(binary), "PYTHONPATH": f"{REPO}:{site}", "LD_LIBRARY_PATH": "/opt/x"}
+    r = subprocess.run([sys.executable, "-m", "abbench.peers.llamacpp_serve", "--model", "tiny", "--gguf", str(gguf),
+                        "--", "-np", "1"], capture_output=True, text=True, env=env, timeout=60)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    lib = str(site / "nvidia" / "cu13" / "lib")
+    assert json.loads(lines[0].removeprefix("abbench-peer: "))["ld_library_path_added"] == [lib]
+    assert lines[-2] == f"LIBS {lib}:/opt/x" and lines[-1] == f"ARGV -m {gguf} -np 1"
 
 
 def test_describe_is_what_the_fingerprint_records(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -191,8 +292,9 @@ def test_peer_profiles_load_with_per_arm_engines() -> None:
         assert argv[argv.index("--dtype") + 1] == "bfloat16" and argv[argv.index("--device") + 1] == "cuda"
         server = argv[argv.index("--") + 1:]
         assert ("--cpu-moe" in server) == (name != "llamacpp-gpu")
+        assert "--no-mmap" not in server and server[server.index("--load-mode") + 1] == "none"  # 0c1e570's flag
         ub = server[server.index("-ub") + 1] if "-ub" in server else None
-        assert ub == {"llamacpp-host": None, "llamacpp-host-ub2048": "2048", "llamacpp-host-ubmax": "8192",
+        assert ub == {"llamacpp-host": None, "llamacpp-host-ub2048": "2048", "llamacpp-host-ubmax": "32768",
                       "llamacpp-gpu": None}[name]
     assert "peak_vram_gb[llamacpp-host-ubmax] <= 24" in h200.gate.checks
     cpu = load_profile(str(REPO / "profiles" / "cpu-tiny-llamacpp.toml"))
