@@ -42,13 +42,12 @@ MIN_KV_LEN = 1024
 
 
 def kv_buckets(max_context: int) -> list[int]:
-    """Every attention length a decode step can use with a cache of ``max_context`` positions, ascending."""
-    out, n = [], MIN_KV_LEN
-    while True:
-        out.append(min(n, max_context))
-        if n >= max_context:
-            return sorted(set(out))
-        n *= 2
+    """Every attention length a decode step can use with a cache of ``max_context`` positions, ascending
+    (each one :func:`kv_len_for` gives from the position after the last)."""
+    out: list[int] = []
+    while not out or out[-1] < max_context:
+        out.append(kv_len_for(out[-1] if out else 0, max_context))
+    return out
 
 
 def kv_len_for(pos: int, max_context: int) -> int:

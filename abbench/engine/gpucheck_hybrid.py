@@ -31,7 +31,7 @@ import torch
 
 from .config import PRESETS, EngineConfig
 from .model import attention_backends
-from .prefill import layer_major_loop, plan_chunks, prefill
+from .prefill import layer_major_loop, plan_chunks, plan_windows, prefill
 
 MODES = ("chunked", "layer-major", "demand", "resident")
 
@@ -180,7 +180,7 @@ def run(argv: list[str] | None = None) -> tuple[bool, list[tuple[str, str]]]:
     def layer_major_resident():
         engine.reset()
         chunks = plan_chunks(0, tokens, chunk)
-        windows = [chunks[i:i + args.window_chunks] for i in range(0, len(chunks), args.window_chunks)]
+        windows = plan_windows(chunks, args.window_chunks)
         weights = (engine.store.resident[layer] for _ in windows for layer in range(mc.num_hidden_layers))
         if hasattr(kv, "write_tokens"):
             kv.write_tokens(0, ids)

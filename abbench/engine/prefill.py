@@ -74,6 +74,11 @@ def plan_chunks(start: int, end: int, chunk_tokens: int) -> list[tuple[int, int]
     return [(a, min(a + chunk_tokens, end)) for a in range(start, end, chunk_tokens)]
 
 
+def plan_windows(chunks: list[tuple[int, int]], chunks_per_window: int) -> list[list[tuple[int, int]]]:
+    """Layer-major windows: consecutive runs of ``chunks_per_window`` chunks (the last may be shorter)."""
+    return [chunks[i:i + chunks_per_window] for i in range(0, len(chunks), chunks_per_window)]
+
+
 def choose_path(mode: str, chunks: list[tuple[int, int]], chunk_tokens: int, window_tokens: int,
                 demand_max_tokens: int) -> tuple[str, str | None]:
     """(path that will run, fallback reason or None)."""
@@ -176,7 +181,7 @@ def _run(model: Model, store: ExpertStore, kv: KVCache, ids: torch.Tensor, start
     if path == "resident":
         return _resident_chunks(model, store, kv, ids, start, chunks, cancel), 0
     if path == "layer-major":
-        windows = [chunks[i:i + chunks_per_window] for i in range(0, len(chunks), chunks_per_window)]
+        windows = plan_windows(chunks, chunks_per_window)
         stream = _bank_stream(model, store, kv, [(window, layer) for window in windows
                                                  for layer in range(model.cfg.num_hidden_layers)])
         weights = ((gate_up, down) for _, gate_up, down in stream)

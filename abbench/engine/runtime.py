@@ -155,6 +155,12 @@ class Engine:
                 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.use_deterministic_algorithms(True, warn_only=True)
         mc = self.model_config
+        self._kv_tokens: list[int] = []  # tokens whose KV is valid at positions [0, len) in every layer
+        # Hybrid models: the linear layers' states are valid only where they were snapshotted, at the end of
+        # the last prefilled prompt (0: no snapshot). A prompt reuses the prefix cache only up to that point.
+        self._hybrid = mc.is_hybrid
+        self._states_at = 0
+        self._lock = threading.Lock()
         with self._on_device():
             self.memory_plan = self._plan_memory()
             bank = ExpertBank(mc, self.dtype, pin=self.device.type == "cuda", check_memory=cfg.host_memory_check)
@@ -182,12 +188,6 @@ class Engine:
         if fault and fault not in FAULTS:
             raise ValueError(f"{FAULT_ENV}={fault!r}: unknown fault (known: {', '.join(FAULTS)}); unset it")
         self._fault: str | None = fault or None  # test-only, see the module docstring
-        self._kv_tokens: list[int] = []  # tokens whose KV is valid at positions [0, len) in every layer
-        # Hybrid models: the linear layers' states are valid only where they were snapshotted, at the end of
-        # the last prefilled prompt (0: no snapshot). A prompt reuses the prefix cache only up to that point.
-        self._hybrid = mc.is_hybrid
-        self._states_at = 0
-        self._lock = threading.Lock()
         self.startup_s = time.perf_counter() - t0
 
     def _warm_decode(self) -> None:
@@ -198,10 +198,7 @@ class Engine:
         steps = dict(self.decoder.steps)
         buckets = self.decoder.warm()
         self.decoder.steps = steps
-        self._kv_tokens, self._states_at = [], 0
-        if self.model_config.is_hybrid:
-            self.kv.clear()
-        self.store.flush_slots()
+        self.reset()
         self.store.forget_traffic()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
