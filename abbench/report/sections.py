@@ -117,6 +117,50 @@ def ttft_section(ri: ReportInput) -> list[str]:
     return lines + _plot_link(plots, "ttft", "TTFT per arm and length")
 
 
+def _cells(frame: pd.DataFrame, cols: list[str]) -> pd.DataFrame:
+    """``frame``'s per-cell key columns and ``cols`` (the ones it has), for a left join on the cell."""
+    keys = ["arm", "kind", "target_tokens"]
+    if frame.empty or not set(keys) <= set(frame.columns):
+        return pd.DataFrame(columns=keys)
+    return frame[keys + [c for c in cols if c in frame.columns]]
+
+
+def engines_section(ri: ReportInput) -> list[str]:
+    """Arms of different engines (adapters) side by side: one row per cell with TTFT, the paired ratio, the
+    bytes over PCIe and the peak device memory by the same yardstick for every arm (NVML) beside the
+    engine's own counters where it has them, and the decode rate. Only for runs whose arms speak more than one
+    wire format (another engine beside the vendored one)."""
+    record, a = ri.record, ri.analysis
+    adapters = an.frames.arm_adapters(record)
+    if len(set(adapters.values())) < 2 or a.ttft.empty:
+        return []
+    rows = _cells(a.ttft, ["n", "median_s"])
+    ratios = a.ratios[a.ratios["reference"] == a.reference] if "reference" in a.ratios.columns else a.ratios
+    for frame, cols in ((ratios, ["median_ratio"]), (a.h2d, ["nvml_bytes", "h2d_bytes"]),
+                        (a.decode, ["proc_gpu_mem_peak", "peak_device_bytes", "tok_s"])):
+        rows = rows.merge(_cells(frame, cols), on=["arm", "kind", "target_tokens"], how="left")
+    for c in ("median_ratio", "nvml_bytes", "h2d_bytes", "proc_gpu_mem_peak", "peak_device_bytes", "tok_s"):
+        if c not in rows.columns:
+            rows[c] = None
+    rows.insert(1, "adapter", [adapters.get(arm, DASH) for arm in rows["arm"]])
+    return [
+        "## Engines side by side", "",
+        (f"The arms speak {len(set(adapters.values()))} wire formats ({', '.join(sorted(set(adapters.values())))}): "
+         "one engine's counters cannot be read for another, so PCIe bytes and peak device memory are given by "
+         "the same yardstick for every arm, NVML (PCIe RX during the request; the peak of the service's "
+         "processes), beside the engine's own figures where it reports them. Medians per request; ratio = "
+         f"paired TTFT / TTFT({a.reference}), as in *Paired ratios*."), "",
+        table(rows, [Col("arm", "Arm", descriptive=True, right=False),
+                     Col("adapter", "Adapter", descriptive=True, right=False),
+                     *CELL_COLS[1:], Col("median_s", "TTFT", fmt_s),
+                     Col("median_ratio", f"vs {a.reference}", fmt_ratio),
+                     Col("nvml_bytes", "PCIe RX (NVML)", fmt_gb), Col("h2d_bytes", "H2D (engine)", fmt_gb),
+                     Col("proc_gpu_mem_peak", "Peak device (NVML)", fmt_gib),
+                     Col("peak_device_bytes", "Peak device (engine)", fmt_gib),
+                     Col("tok_s", "Decode tok/s", lambda v: fmt_num(v, 1))]),
+    ]
+
+
 def _verdict_words(r: Any) -> str:
     if r.verdict == "faster":
         return f"{1 / r.median_ratio:.2f}x faster"
@@ -581,7 +625,7 @@ def plots_section(ri: ReportInput) -> list[str]:
 
 
 SECTIONS = [
-    header_section, verdict_section, ttft_section, ratios_section, h2d_section, floor_section,
+    header_section, verdict_section, ttft_section, engines_section, ratios_section, h2d_section, floor_section,
     engine_counters_section, decode_section, memory_section, parity_section, active_path_section, overhead_section,
     environment_section, small_n_section, problems_section, plots_section,
 ]
@@ -593,4 +637,4 @@ def render_markdown(record: RunRecord, problems: list[str], a: an.Analysis, plot
     """The report's Markdown, given the analysis and the plots' relative links (pure)."""
     ri = ReportInput(record=record, analysis=a, problems=list(problems), plots=dict(plot_links),
                      plot_missing=dict(plot_missing))
-    return "\n\n".join("\n".join(section(ri)) for section in SECTIONS).rstrip() + "\n"
+    return "\n\n".join("\n".join(lines) for section in SECTIONS if (lines := section(ri))).rstrip() + "\n"

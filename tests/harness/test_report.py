@@ -56,6 +56,30 @@ def test_full_run_renders_every_section_and_plot(tmp_path: Path) -> None:
     assert "gpus[0].name: `NVIDIA H200`" in env  # the full fingerprint, flattened
 
 
+def test_arms_of_two_engines_are_shown_side_by_side_by_one_yardstick(tmp_path: Path) -> None:
+    """A run whose arms speak two wire formats (the vendored engine and llama.cpp, say) gets one table with
+    TTFT, the paired ratio, NVML's PCIe bytes and peak device memory for every arm (the engine's own counters
+    beside them where it has them: llama.cpp reports none) and the decode rate; a run of one engine does not."""
+    rec = make_run(arms=("A", "B"))
+    rec.profile["arms"][1]["adapter"] = "llamacpp"
+    for s in rec.samples:
+        if s.arm == "B":
+            s.engine = None  # llama.cpp: no transfer counters
+    text, _, _ = render(tmp_path, rec)
+    side = text.split("## Engines side by side")[1].split("\n## ")[0]
+    assert text.index("## Engines side by side") < text.index("## Paired ratios")
+    rows = {(r[0], r[2]): r for r in ([c.strip() for c in line.strip("|").split("|")] for line in side.splitlines()
+                                      if line.startswith("| A ") or line.startswith("| B "))}
+    assert set(rows) == {("A", "1024"), ("A", "4096"), ("B", "1024"), ("B", "4096")}
+    assert rows[("B", "4096")][1] == "llamacpp" and rows[("A", "4096")][1] == "openai"
+    assert rows[("B", "4096")][4] == "0.514x" and rows[("A", "4096")][4] == "—"  # vs the reference, A
+    assert rows[("B", "4096")][5].endswith(" GB") and rows[("B", "4096")][6] == "—"  # NVML yes, engine no
+    assert rows[("A", "4096")][6].endswith(" GB")
+    one, _, _ = render(tmp_path / "one", make_run(arms=("A", "B")))
+    assert "## Engines side by side" not in one
+    assert "TTFT per arm and length](" in one.split("## Paired ratios")[0][-200:]  # no empty section between
+
+
 def test_constant_columns_are_dropped_and_stated_once() -> None:
     df = pd.DataFrame({"arm": ["A", "B"], "kind": ["fresh", "fresh"], "median_s": [0.5, 0.5]})
     cols = [rp.Col("arm", "Arm", descriptive=True, right=False), rp.Col("kind", "Kind", descriptive=True),
