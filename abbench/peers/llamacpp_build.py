@@ -257,7 +257,25 @@ def _write_driver_stub(build_dir: Path, dry_run: bool) -> Path:
                  + "".join(f"int {name}(void) {{ return 999; }}\n" for name in DRIVER_STUB))
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or "cc"
     subprocess.run([cc, "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", "-o", str(stub), str(c)], check=True)
+    soname = stub.with_name("libcuda.so.1")  # what the binary asks the loader for (its --version, here)
+    if not soname.exists():
+        soname.symlink_to(stub.name)
     return stub
+
+
+def _version_env(deps: dict | None) -> dict[str, str] | None:
+    """The environment ``llama-server --version`` runs in after a CUDA build whose libraries are not on the
+    loader's path (a wheel's cuBLAS, the driver stub, whose functions are never called by --version)."""
+    dirs = []
+    if deps and deps.get("cublas", {}).get("library"):
+        dirs.append(str(Path(deps["cublas"]["library"]).parent))
+    if deps and deps.get("driver", {}).get("source") == "stub":
+        dirs.append(str(Path(deps["driver"]["library"]).parent))
+    if not dirs:
+        return None
+    env = dict(os.environ)
+    env["LD_LIBRARY_PATH"] = ":".join(dirs + [d for d in env.get("LD_LIBRARY_PATH", "").split(":") if d])
+    return env
 
 
 def cuda_dependency_flags(build_dir: Path, *, cublas: str = "auto", driver: str = "auto", dry_run: bool = False,
@@ -360,9 +378,9 @@ def _cmake_cache(obj: Path) -> dict[str, str]:
     return out
 
 
-def _tool_version(argv: list[str]) -> str | None:
+def _tool_version(argv: list[str], env: dict[str, str] | None = None) -> str | None:
     try:
-        r = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=env)
     except (OSError, subprocess.TimeoutExpired):
         return None
     text = (r.stdout + r.stderr).strip()
@@ -441,7 +459,7 @@ def run_build(src: Path, build_dir: Path, *, cuda: bool, cuda_arch: str, jobs: i
             "cuda_compiler_version": (_tool_version([cache["CMAKE_CUDA_COMPILER"], "--version"])
                                       if cuda and cache.get("CMAKE_CUDA_COMPILER") else None),
             "cmake_version": _tool_version(["cmake", "--version"]),
-            "server_version": _tool_version([str(bindir / "llama-server"), "--version"]),
+            "server_version": _tool_version([str(bindir / "llama-server"), "--version"], _version_env(deps)),
             "build_seconds": round(time.time() - started, 1),
             "built_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "host": os.uname().nodename,

@@ -132,6 +132,7 @@ def test_cuda_dependencies_come_from_the_wheel_and_a_driver_stub(tmp_path: Path,
     assert lb.runtime_library_dirs()[:1] == [str(wheel / "lib")]  # cudnn's lib holds neither library
     if shutil.which("cc") or shutil.which("gcc"):
         lb.cuda_dependency_flags(tmp_path / "b")
+        assert (stub.parent / "libcuda.so.1").resolve() == stub.resolve()  # the name the loader is asked for
         lib = ctypes.CDLL(str(stub))
         for name in lb.DRIVER_STUB:
             assert getattr(lib, name)() == 999  # exported: the link resolves them
