@@ -298,6 +298,8 @@ def test_peer_profiles_load_with_per_arm_engines() -> None:
         assert ub == {"llamacpp-host": None, "llamacpp-host-ub2048": "2048", "llamacpp-host-ubmax": "32768",
                       "llamacpp-gpu": None}[name]
     assert "peak_vram_gb[llamacpp-host-ubmax] <= 24" in h200.gate.checks
+    for peer in ("llamacpp-host-ub2048", "llamacpp-host-ubmax"):  # faster than each host-expert arm in 24 GB
+        assert f"ttft_ratio[layer-major, fresh, 32768, vs {peer}] <= 1.0" in h200.gate.checks
     cpu = load_profile(str(REPO / "profiles" / "cpu-tiny-llamacpp.toml"))
     assert [cpu.arm_engine(a.name).adapter for a in cpu.arms] == ["openai", "llamacpp"]
     assert cpu.arm_engine("llamacpp").reset_path == "/slots/0?action=erase"
