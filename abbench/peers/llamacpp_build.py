@@ -61,7 +61,8 @@ import time
 from pathlib import Path
 
 __all__ = ["BUILD_INFO_NAME", "DRIVER_STUB", "SOURCE_INFO_NAME", "TRIM", "build_info_path", "cmake_flags",
-           "cuda_dependency_flags", "main", "pack", "read_build_info", "runtime_library_dirs"]
+           "cuda_dependency_flags", "main", "pack", "read_build_info", "runtime_library_dirs",
+           "with_library_dirs"]
 
 SOURCE_INFO_NAME = "LLAMACPP_SOURCE.json"
 BUILD_INFO_NAME = "llama-server.build.json"
@@ -263,6 +264,16 @@ def _write_driver_stub(build_dir: Path, dry_run: bool) -> Path:
     return stub
 
 
+def with_library_dirs(env: dict[str, str], dirs: list[str]) -> tuple[dict[str, str], list[str]]:
+    """``env`` with ``dirs`` ahead of its ``LD_LIBRARY_PATH`` (those not on it already); returns (env, added)."""
+    have = [d for d in env.get("LD_LIBRARY_PATH", "").split(":") if d]
+    added = [d for d in dict.fromkeys(dirs) if d not in have]
+    out = dict(env)
+    if added:
+        out["LD_LIBRARY_PATH"] = ":".join(added + have)
+    return out, added
+
+
 def _version_env(deps: dict | None) -> dict[str, str] | None:
     """The environment ``llama-server --version`` runs in after a CUDA build whose libraries are not on the
     loader's path (a wheel's cuBLAS, the driver stub, whose functions are never called by --version)."""
@@ -271,11 +282,7 @@ def _version_env(deps: dict | None) -> dict[str, str] | None:
         dirs.append(str(Path(deps["cublas"]["library"]).parent))
     if deps and deps.get("driver", {}).get("source") == "stub":
         dirs.append(str(Path(deps["driver"]["library"]).parent))
-    if not dirs:
-        return None
-    env = dict(os.environ)
-    env["LD_LIBRARY_PATH"] = ":".join(dirs + [d for d in env.get("LD_LIBRARY_PATH", "").split(":") if d])
-    return env
+    return with_library_dirs(dict(os.environ), dirs)[0] if dirs else None
 
 
 def cuda_dependency_flags(build_dir: Path, *, cublas: str = "auto", driver: str = "auto", dry_run: bool = False,

@@ -161,16 +161,11 @@ def _library_env(build: dict | None) -> tuple[dict[str, str], list[str]]:
     """The server's environment: for a CUDA build, the running Python's CUDA wheel library directories
     (``libcudart``, ``libcublas``: :func:`abbench.peers.llamacpp_build.runtime_library_dirs`) ahead of
     ``LD_LIBRARY_PATH``, so a binary built elsewhere finds the ones torch uses here. Returns (env, added)."""
-    from abbench.peers.llamacpp_build import runtime_library_dirs
+    from abbench.peers.llamacpp_build import runtime_library_dirs, with_library_dirs
 
-    env = dict(os.environ)
     if not (build or {}).get("cuda"):
-        return env, []
-    have = [d for d in env.get("LD_LIBRARY_PATH", "").split(":") if d]
-    added = [d for d in runtime_library_dirs() if d not in have]
-    if added:
-        env["LD_LIBRARY_PATH"] = ":".join(added + have)
-    return env, added
+        return dict(os.environ), []
+    return with_library_dirs(dict(os.environ), runtime_library_dirs())
 
 
 if __name__ == "__main__":

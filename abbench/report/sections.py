@@ -139,9 +139,9 @@ def engines_section(ri: ReportInput) -> list[str]:
     for frame, cols in ((ratios, ["median_ratio"]), (a.h2d, ["nvml_bytes", "h2d_bytes"]),
                         (a.decode, ["proc_gpu_mem_peak", "peak_device_bytes", "tok_s"])):
         rows = rows.merge(_cells(frame, cols), on=["arm", "kind", "target_tokens"], how="left")
-    for c in ("median_ratio", "nvml_bytes", "h2d_bytes", "proc_gpu_mem_peak", "peak_device_bytes", "tok_s"):
-        if c not in rows.columns:
-            rows[c] = None
+        for c in cols:  # a frame without the column (no such data in this run): shown as a dash
+            if c not in rows.columns:
+                rows[c] = None
     rows.insert(1, "adapter", [adapters.get(arm, DASH) for arm in rows["arm"]])
     return [
         "## Engines side by side", "",
