@@ -4,7 +4,10 @@ TTFT, native token ids, loud failures.
 Contract
 --------
 :class:`EngineClient` owns ONE pooled ``httpx.Client`` for the whole run (keep-alive, ``trust_env=False`` so
-no proxy or ``.netrc`` from the environment is used). ``complete()`` sends one request and returns a
+no proxy or ``.netrc`` from the environment is used; an idle connection is dropped after
+:data:`KEEPALIVE_EXPIRY_S`, before the usual servers close it themselves). The control requests (``reset``,
+``metrics_text``: idempotent) are sent once more on a fresh connection when the first attempt's connection was
+dropped before any response; a completion never is. ``complete()`` sends one request and returns a
 :class:`Completion` only when the response is complete and correct; anything else raises
 :class:`abbench.errors.RequestError` whose ``kind`` says what went wrong:
 
@@ -94,6 +97,8 @@ __all__ = [
     "get_adapter",
 ]
 
+KEEPALIVE_EXPIRY_S = 2.0
+"""Seconds an idle pooled connection is kept: below the 5 s keep-alive timeout of uvicorn and cpp-httplib."""
 _ERROR_BODY_LIMIT = 64 * 1024  # bytes of an error body read for its message
 
 
@@ -218,7 +223,10 @@ class EngineClient:
             limits=httpx.Limits(
                 max_connections=max_connections,
                 max_keepalive_connections=max_connections,
-                keepalive_expiry=600.0,
+                # Idle pooled connections are dropped before the common servers' own keep-alive timeouts
+                # (uvicorn's and cpp-httplib's, llama-server's, are 5 s): a connection the server is closing
+                # as a request goes out fails with "Server disconnected without sending a response".
+                keepalive_expiry=KEEPALIVE_EXPIRY_S,
             ),
             timeout=httpx.Timeout(control_timeout_s, connect=connect_timeout_s),
             headers={"accept-encoding": "identity"},
@@ -260,7 +268,7 @@ class EngineClient:
         """``POST path`` (flush the engine's caches). ``RequestError`` unless it answers 2xx."""
         url = _url(base_url, path)
         try:
-            r = self._http.post(url, timeout=self.control_timeout_s, headers=headers)
+            r = self._control("POST", url, headers)
         except httpx.HTTPError as e:
             raise _transport_error(e, f"POST {url}", self.control_timeout_s) from None
         if not 200 <= r.status_code < 300:
@@ -276,7 +284,7 @@ class EngineClient:
             return None
         url = _url(base_url, path)
         try:
-            r = self._http.get(url, timeout=self.control_timeout_s, headers=headers)
+            r = self._control("GET", url, headers)
         except httpx.HTTPError as e:
             raise _transport_error(e, f"GET {url}", self.control_timeout_s) from None
         if r.status_code == 404:
@@ -286,6 +294,17 @@ class EngineClient:
                 "http", f"GET {url}: HTTP {r.status_code}: {_error_message(r.content)}", status=r.status_code
             )
         return r.text
+
+    def _control(self, method: str, url: str, headers: Mapping[str, str] | None) -> httpx.Response:
+        """A control request (reset, metrics: idempotent), sent once more on a fresh connection when the
+        first attempt's connection was dropped before any response came back (a pooled keep-alive
+        connection the server closed as the request went out). A second drop, or any other error, raises."""
+        try:
+            return self._http.request(method, url, timeout=self.control_timeout_s, headers=headers)
+        except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as e:
+            if not _dropped_unanswered(e):
+                raise
+        return self._http.request(method, url, timeout=self.control_timeout_s, headers=headers)
 
     # ------------------------------------------------------------------------------------------ requests
 
@@ -443,6 +462,13 @@ def _with_refetched_ids(short: ShortIds, again: Completion, raw: RawResponse, st
                       ids_source="native", text=short.text, finish_reason=again.finish_reason,
                       prompt_tokens=again.prompt_tokens, completion_tokens=short.completion_tokens,
                       saw_done=True, logprobs=again.logprobs, engine=engine)
+
+
+def _dropped_unanswered(e: httpx.HTTPError) -> bool:
+    """Whether a request failed because its connection closed or reset before a response began."""
+    if isinstance(e, httpx.RemoteProtocolError):
+        return "without sending a response" in str(e)
+    return isinstance(e, (httpx.ReadError, httpx.WriteError))
 
 
 def _url(base_url: str, path: str) -> str:

@@ -312,6 +312,94 @@ def test_control_endpoints(client: EngineClient, server: fakeserver.FakeServer) 
         assert client.health(sick.base_url) is False
 
 
+# ------------------------------------------------------------------- a keep-alive connection closed late
+
+
+class _ClosingServer:
+    """A raw HTTP/1.1 server on loopback that answers the first ``answered`` requests of each connection with
+    200 and keep-alive, then reads the next request and closes the socket without a byte of response: what a
+    server does when its keep-alive timeout fires as a request arrives on the idle connection (the race
+    llama-server's 5 s timeout lost once on the H200). ``answered=0``: every request is dropped."""
+
+    def __init__(self, answered: int) -> None:
+        import socketserver
+        import threading
+
+        self.requests: list[tuple[int, str]] = []  # (connection number, request line)
+        srv = self
+        answered_per_conn = answered
+
+        class Handler(socketserver.StreamRequestHandler):
+            def handle(self) -> None:
+                with lock:
+                    srv.connections += 1
+                    conn = srv.connections
+                for n in range(answered_per_conn + 1):
+                    line = self.rfile.readline().decode().strip()
+                    if not line:
+                        return
+                    length = 0
+                    while (h := self.rfile.readline().decode().strip()):
+                        if h.lower().startswith("content-length:"):
+                            length = int(h.split(":", 1)[1])
+                    self.rfile.read(length)
+                    with lock:
+                        srv.requests.append((conn, line))
+                    if n == answered_per_conn:
+                        return  # closed unanswered
+                    body = b"ok"
+                    self.wfile.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\n"
+                                     b"content-length: 2\r\nconnection: keep-alive\r\n\r\n" + body)
+                    self.wfile.flush()
+
+        lock = threading.Lock()
+        self.connections = 0
+        self._server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        self.base_url = f"http://127.0.0.1:{self._server.server_address[1]}"
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+
+    def __enter__(self) -> _ClosingServer:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+
+def test_control_request_resent_once_when_its_keepalive_connection_is_dropped(client: EngineClient) -> None:
+    with _ClosingServer(answered=1) as srv:
+        client.reset(srv.base_url, "/slots/0?action=erase")      # connection 1, answered
+        client.reset(srv.base_url, "/slots/0?action=erase")      # connection 1 dropped -> resent on 2
+        assert client.metrics_text(srv.base_url, "/metrics") is not None   # connection 2 dropped -> 3
+        assert srv.requests == [(1, "POST /slots/0?action=erase HTTP/1.1"), (1, "POST /slots/0?action=erase HTTP/1.1"),
+                                (2, "POST /slots/0?action=erase HTTP/1.1"), (2, "GET /metrics HTTP/1.1"),
+                                (3, "GET /metrics HTTP/1.1")]
+
+
+def test_control_request_dropped_twice_fails_and_a_completion_is_never_resent(client: EngineClient) -> None:
+    with _ClosingServer(answered=0) as srv:
+        with pytest.raises(RequestError) as e:
+            client.reset(srv.base_url, "/reset")
+        assert e.value.kind == "connect" and "without sending a response" in str(e.value)
+        assert [c for c, _ in srv.requests] == [1, 2]
+        with pytest.raises(RequestError) as e:
+            client.complete(srv.base_url, PROMPT, request=spec(), extra={}, target_prompt_tokens=N_PROMPT)
+        assert e.value.kind == "connect"
+        assert [line.split()[0] for _, line in srv.requests] == ["POST", "POST", "POST"]
+
+
+def test_idle_connections_expire_before_a_five_second_server_timeout() -> None:
+    from abbench.client import KEEPALIVE_EXPIRY_S
+
+    assert KEEPALIVE_EXPIRY_S < 5.0
+    with fakeserver.FakeServer() as srv, EngineClient(connect_timeout_s=2.0) as c:
+        first = run(c, srv).engine["connection"]["peer_port"]
+        time.sleep(KEEPALIVE_EXPIRY_S + 0.3)
+        assert run(c, srv).engine["connection"]["peer_port"] != first  # a fresh connection, not the idle one
+
+
 # ----------------------------------------------------------------------------- the fake as a service
 
 
