@@ -224,10 +224,11 @@ def gate(
         "before its profile declared them.")] = None,
     accept_near_ties: Annotated[
         Optional[float], typer.Option(min=1e-9, help="Accept near-tie flips whose top-2 margin is "
-                                      "below this many nats. Default: the profile's gate.accept_near_ties.")
+                                      "below this many nats (arms with their own accept_near_ties keep it). Default: the "
+                                      "profile's gate.accept_near_ties.")
     ] = None,
 ) -> None:
-    """Exit 0 when every prompt's first K ids match the reference arm (or, where accepted, flip at a near
+    """Exit 0 when every prompt's first K ids match the parity reference arm (or, where accepted, flip at a near
     tie) and the declared checks hold; 1 when
     not (naming prompt, arm and position, or the check and its cell); 2 on a usage or results error (a bad
     check expression or an unknown arm included)."""
@@ -411,7 +412,7 @@ def _probe_layers(run: Path, prompt: str, arm: str, *, position: int, round_: in
         record, _ = load_run(run, RESULTS_ROOT)
         from abbench.profile import profile_from_dict
 
-        ref = profile_from_dict(record.profile, where=f"run {record.run_id} profile").reference_arm
+        ref = profile_from_dict(record.profile, where=f"run {record.run_id} profile").parity_reference_arm
         console.print(f"layer probe: arm {arm} against {ref} on prompt {prompt} (launching what has no URL)")
         urls = {k: v for k, v in ((arm, base_url), (ref, ref_base_url)) if v}
         result = probe_layers(record, prompt, arm, position=position, round=round_, base_urls=urls)

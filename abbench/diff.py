@@ -113,7 +113,7 @@ def diff_prompt(record: RunRecord, prompt_id: str, *, arm: str | None = None, ro
     if prompt_id not in prompts:
         listed = ", ".join(p.id for p in record.prompts) or "(none)"
         raise ConfigError(f"--prompt: run {record.run_id} has no prompt {prompt_id!r}; its prompts are {listed}")
-    ref = an.reference_arm(record)
+    ref = an.parity_reference_arm(record)
     arms = an.arm_names(record)
     if ref is None:
         raise ConfigError(f"run {record.run_id} has no arms")

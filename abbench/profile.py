@@ -234,6 +234,12 @@ class ArmSpec(_Model):
     expect_path: str | None = Field(
         None, description="The engine must report this prefill path (abbench.prefill_path) when eligible."
     )
+    accept_near_ties: float | None = Field(
+        None, gt=0,
+        description="This arm's own parity tolerance (nats), replacing gate.accept_near_ties for its rows: a "
+        "near-tie flip against the parity reference below it is accepted. For an arm of another engine, whose "
+        "arithmetic differs from the reference's; say in the profile what measurement the value comes from.",
+    )
 
     @model_validator(mode="after")
     def _adapter_paths(self) -> ArmSpec:
@@ -306,7 +312,12 @@ class GateSpec(_Model):
         gt=0,
         description="Tolerance (nats) under which a parity mismatch that is a near-tie flip (each side's choice "
         "is the other's runner-up, top-2 margin below this) is accepted; reported either way. Unset: every "
-        "mismatch within parity_tokens fails.",
+        "mismatch within parity_tokens fails (an arm's own accept_near_ties replaces it for that arm).",
+    )
+    parity_reference: str | None = Field(
+        None,
+        description="The arm every other arm's ids are checked against (default: run.reference, which stays the "
+        "arm TTFT ratios divide by): e.g. an engine's own resident floor for parity, another engine for speed.",
     )
 
 
@@ -338,6 +349,9 @@ class Profile(_Model):
                     f"arm {arm.name!r} has no way to reach an engine: set engine.command, engine.base_url, "
                     "or the arm's command/base_url"
                 )
+        if self.gate.parity_reference is not None and self.gate.parity_reference not in names:
+            raise ValueError(f"gate.parity_reference {self.gate.parity_reference!r} is not an arm; arms are "
+                             f"{', '.join(names)}")
         for name in self.gate.allow_fallback:
             if name not in names:
                 raise ValueError(f"gate.allow_fallback names {name!r}, which is not an arm")
@@ -407,6 +421,11 @@ class Profile(_Model):
     @property
     def reference_arm(self) -> str:
         return self.run.reference or self.arms[0].name
+
+    @property
+    def parity_reference_arm(self) -> str:
+        """The arm parity compares with: gate.parity_reference, else the reference arm."""
+        return self.gate.parity_reference or self.reference_arm
 
     def arm(self, name: str) -> ArmSpec:
         for a in self.arms:
@@ -484,6 +503,8 @@ class Profile(_Model):
             data["arms"] = [known[a] for a in arms]
             if data["run"]["reference"] not in arms:
                 data["run"]["reference"] = None
+            if data["gate"]["parity_reference"] not in arms:
+                data["gate"]["parity_reference"] = None
             data["gate"]["allow_fallback"] = [a for a in data["gate"]["allow_fallback"] if a in arms]
             data["gate"]["checks"] = _checks_within(data["gate"]["checks"], arms, data["run"]["reference"] or arms[0])
         if rounds is not None:  # a fixed number of rounds replaces "auto" and its rule

@@ -13,13 +13,15 @@ The gate passes only when every check passes; it never passes on missing data.
   sample (a missing step always fails), no sample contradicts the plan (a step index that is not planned,
   or planned for another arm or prompt), and at most ``gate.max_failed_samples`` steps have only failed
   samples.
-* ``reference``: the reference arm has ok measured samples.
+* ``reference``: the reference arm (and the parity reference, ``gate.parity_reference``, when that is
+  another arm) has ok measured samples.
 * ``token-ids``: no measured ok sample has ``ids_source`` 'none'.
-* ``parity``: every non-reference sample equals the reference over the first K ids, and every prompt has
-  a reference sample to compare with. With ``gate.accept_near_ties = T`` (nats) a mismatch whose verdict
-  is a near-tie flip under T (:func:`abbench.analysis.parity.flip_verdict`) is accepted and listed in the
-  notes; every failure names its verdict (near-tie flip or broken) either way.
-* ``reference-stable``: the reference's first K ids are equal across rounds.
+* ``parity``: every sample of another arm equals the parity reference over the first K ids, and every
+  prompt has a reference sample to compare with. With a tolerance T (nats: the arm's own
+  ``accept_near_ties``, else ``gate.accept_near_ties``) a mismatch whose verdict is a near-tie flip under T
+  (:func:`abbench.analysis.parity.flip_verdict`) is accepted and listed in the notes; every failure names
+  its verdict (near-tie flip or broken) either way.
+* ``reference-stable``: the parity reference's first K ids are equal across rounds.
 * ``active-path`` (when ``gate.require_active_path``): for an arm with ``expect_path``, each measured ok
   sample must report that path, or another path *with* the engine's ``fallback_reason`` where either the
   prompt was *ineligible* (the engine reports ``n_chunks`` <= 1: one chunk, where a multi-chunk path and
@@ -42,12 +44,14 @@ import pandas as pd
 from abbench.analysis.declared import DeclaredCheck, bind, declared_exprs, describe_cell, fmt_value, judge, overall
 from abbench.analysis.frames import (
     Completeness,
+    arm_tolerances,
     completeness,
     expected_paths,
     gate_spec,
     is_missing,
     is_value,
     measured_ok,
+    parity_reference_arm,
     reference_arm,
     where,
 )
@@ -105,6 +109,7 @@ class GateInput:
     parity_tokens: int
     spec: GateSpec
     reference: str | None
+    parity_reference: str | None
     completeness: Completeness
     parity: pd.DataFrame
     paths: pd.DataFrame
@@ -114,6 +119,7 @@ class GateInput:
     def of(cls, record: RunRecord, k: int, comp: Completeness | None = None, parity: pd.DataFrame | None = None,
            paths: pd.DataFrame | None = None) -> GateInput:
         return cls(record=record, parity_tokens=k, spec=gate_spec(record), reference=reference_arm(record),
+                   parity_reference=parity_reference_arm(record),
                    completeness=completeness(record) if comp is None else comp,
                    parity=parity_frame(record, parity_tokens=k) if parity is None else parity,
                    paths=active_path_samples(record) if paths is None else paths,
@@ -185,13 +191,19 @@ def check_samples(g: GateInput) -> CheckResult:
 
 
 def check_reference(g: GateInput) -> CheckResult:
-    """The reference arm has ok measured samples."""
-    ref = g.reference
-    ref_ok = [s for s in g.ok_samples if s.arm == ref]
-    if ref is None or not ref_ok:
-        msg = "no reference arm" if ref is None else f"reference arm {ref} has no ok measured sample"
-        return CheckResult("reference", False, msg, [msg])
-    return CheckResult("reference", True, f"{ref}: {len(ref_ok)} ok measured samples")
+    """The reference arm, and the parity reference when it is another arm, have ok measured samples."""
+    if g.reference is None:
+        return CheckResult("reference", False, "no reference arm", ["no reference arm"])
+    details, failures = [], []
+    for ref, what in ((g.reference, "reference arm"), (g.parity_reference, "parity reference")):
+        if ref is None or (what == "parity reference" and ref == g.reference):
+            continue
+        n = sum(1 for s in g.ok_samples if s.arm == ref)
+        if n:
+            details.append(f"{ref}: {n} ok measured samples" + (" (parity reference)" if what != "reference arm" else ""))
+        else:
+            failures.append(f"{what} {ref} has no ok measured sample")
+    return CheckResult("reference", not failures, "; ".join(failures or details), failures)
 
 
 def check_token_ids(g: GateInput) -> CheckResult:
@@ -212,20 +224,22 @@ def _parity_rows(g: GateInput, check: str, name: str) -> CheckResult:
     rows = g.parity[g.parity["check"] == check]
     mismatch = _flags(rows["match"], False)
     unchecked = (rows["match"].isna() & (rows["ids_source"] != "none")).to_numpy(dtype=bool)
-    tol = g.spec.accept_near_ties
-    accepted = mismatch & (rows["verdict"] == "near-tie flip").to_numpy(dtype=bool) if (
-        check == "parity" and tol) else np.zeros(len(rows), dtype=bool)
+    accepted = mismatch & (rows["verdict"] == "near-tie flip").to_numpy(dtype=bool) & _flags(rows["accepts"], True)
     bad = rows[(mismatch & ~accepted) | unchecked]
-    failures = [f"{name}: {_parity_failure(r, g.reference)}" for r in bad.itertuples()]
+    ref = g.parity_reference
+    failures = [f"{name}: {_parity_failure(r, ref)}" for r in bad.itertuples()]
     n_checked = int(rows["match"].notna().sum())
-    notes = [f"{name}: accepted near-tie flip (gate.accept_near_ties = {tol:g}): {_parity_failure(r, g.reference)}"
-             for r in rows[accepted].itertuples()]
+    own = arm_tolerances(g.record)
+    notes = [f"{name}: accepted near-tie flip ({_tolerance_source(r.arm, own)} = {float(r.tolerance):g}): "
+             f"{_parity_failure(r, ref)}" for r in rows[accepted].itertuples()]
     if check == "stability" and rows.empty:
         detail = "one round of the reference per prompt: stability not checked"
     else:
         detail = f"{n_checked - int(mismatch.sum())}/{n_checked} equal over the first {g.parity_tokens} ids"
         if accepted.any():
-            detail += f", {int(accepted.sum())} near-tie flip(s) accepted (< {tol:g} nats)"
+            tols = sorted({float(t) for t in rows[accepted]["tolerance"]})
+            detail += (f", {int(accepted.sum())} near-tie flip(s) accepted (< "
+                       f"{' / '.join(f'{t:g}' for t in tols)} nats)")
         n_unchecked = int(rows["match"].isna().sum())
         if n_unchecked:
             detail += f", {n_unchecked} not checked"
@@ -236,6 +250,10 @@ def _parity_rows(g: GateInput, check: str, name: str) -> CheckResult:
         notes.append(f"{int(other.sum())} parity row(s) compared with the reference of another round (its own "
                      "round's sample missing or failed)")
     return CheckResult(name, bad.empty, detail, failures, notes)
+
+
+def _tolerance_source(arm: str, own: dict[str, float]) -> str:
+    return f"arm {arm}'s accept_near_ties" if arm in own else "gate.accept_near_ties"
 
 
 def check_parity(g: GateInput) -> CheckResult:

@@ -62,6 +62,18 @@ def reference_arm(record: RunRecord) -> str | None:
     return names[0] if names else None
 
 
+def parity_reference_arm(record: RunRecord) -> str | None:
+    """``gate.parity_reference`` of the profile (the arm parity compares with), else :func:`reference_arm`."""
+    ref = (record.profile.get("gate") or {}).get("parity_reference")
+    return str(ref) if ref else reference_arm(record)
+
+
+def arm_tolerances(record: RunRecord) -> dict[str, float]:
+    """The arms that set their own ``accept_near_ties``: name -> nats."""
+    return {str(a["name"]): float(a["accept_near_ties"]) for a in record.profile.get("arms") or []
+            if isinstance(a, dict) and a.get("accept_near_ties")}
+
+
 def gate_spec(record: RunRecord) -> GateSpec:
     """The profile's ``gate`` table, with the schema's defaults filled in."""
     try:

@@ -2,8 +2,9 @@
 
 Parity
 ------
-Each measured ok sample of a non-reference arm is compared with the reference arm's sample of the same
-prompt in the same round (the nearest other round when that one is missing, failed or carries no ids; the
+Each measured ok sample of a non-reference arm is compared with the parity reference's sample of the same
+prompt in the same round (``gate.parity_reference``, else ``run.reference``: one arm can be the yardstick of
+speed and another that of ids) (the nearest other round when that one is missing, failed or carries no ids; the
 row says so). The first K ids (``gate.parity_tokens``) must be equal. Rows also give the first diverging
 position over the whole output, the agreeing prefix out of ``request.max_tokens``, and at the divergence
 the top-2 logprob margin of both sides: "near-tie" when either margin is below :data:`NEAR_TIE_NATS`,
@@ -17,9 +18,12 @@ Every row also gets a ``verdict`` over the first K ids (:func:`flip_verdict`): `
 before K); ``near-tie flip`` (the first divergence is a flip between two near-tied tokens: on every side that
 captured top-2 logprobs there, its two best are exactly the two chosen tokens, its own first, and the gap
 between them is below the tolerance); ``broken`` (anything else: another token, a clear margin, different
-lengths, or no logprobs to show a near tie); ``unchecked``. The tolerance is ``gate.accept_near_ties`` when
-the profile sets it (the gate then accepts near-tie flips of ``parity`` rows; the reference's own
-``stability`` rows must stay equal), else :data:`NEAR_TIE_NATS` (reported, not accepted).
+lengths, or no logprobs to show a near tie); ``unchecked``. The tolerance of a ``parity`` row is its arm's
+own ``accept_near_ties``, else ``gate.accept_near_ties``; where either is set the gate accepts that row's
+near-tie flip (the reference's own ``stability`` rows must stay equal). Where neither is, the tolerance is
+:data:`NEAR_TIE_NATS` (reported, not accepted). Each row also says how closely the two sides' logprobs agree
+over the prefix where their ids agree (:func:`logprob_agreement`): the measured spread a tolerance for
+another engine should come from.
 
 :func:`classify` names a divergence from the top-2 margins at its position (:mod:`abbench.diff` and the
 probe use it too).
@@ -37,8 +41,9 @@ from abbench.analysis.frames import (
     max_tokens,
     measured_ok,
     num,
+    arm_tolerances,
+    parity_reference_arm,
     prompt_targets,
-    reference_arm,
     sort_rows,
 )
 from abbench.results import RunRecord, Sample
@@ -54,7 +59,8 @@ PARITY_COLUMNS = [
     "check", "prompt_id", "kind", "target_tokens", "arm", "round", "position", "step", "against_arm",
     "against_round", "other_round", "k", "match", "first_diverging", "agree", "max_tokens", "n_ids",
     "n_ids_against", "id", "id_against", "margin", "margin_against", "classification", "verdict",
-    "flip_margin", "tolerance", "verdict_why", "ids_source", "ids_source_against", "note",
+    "flip_margin", "tolerance", "accepts", "verdict_why", "ids_source", "ids_source_against",
+    "lp_positions", "lp_delta_median", "lp_delta_max", "margin_delta_max", "note",
 ]
 
 
@@ -134,19 +140,45 @@ def near_tie_tolerance(record: RunRecord) -> float:
     return gate_spec(record).accept_near_ties or NEAR_TIE_NATS
 
 
+def logprob_agreement(a: Sample, b: Sample, upto: int) -> dict[str, Any]:
+    """How closely two samples' logprobs agree over their first ``upto`` positions (where their ids agree):
+    the number of positions with the chosen token's logprob on both sides, the median and largest absolute
+    difference of that logprob, and the largest absolute difference of the top-2 margin. Two engines that
+    compute the same model differ here by their arithmetic alone; a flip whose margin lies within that
+    spread is what such noise produces."""
+    lp: list[float] = []
+    dm: list[float] = []
+    for pos in range(min(upto, len(a.output_ids), len(b.output_ids))):
+        tok = a.output_ids[pos]
+        x, y = _top_lp(_at(a.logprobs, pos), tok), _top_lp(_at(b.logprobs, pos), tok)
+        if x is not None and y is not None:
+            lp.append(abs(x - y))
+        ma, mb = logprob_margin(a.logprobs, pos), logprob_margin(b.logprobs, pos)
+        if ma is not None and mb is not None:
+            dm.append(abs(ma - mb))
+    return {"lp_positions": len(lp), "lp_delta_median": float(pd.Series(lp).median()) if lp else None,
+            "lp_delta_max": max(lp) if lp else None, "margin_delta_max": max(dm) if dm else None}
+
+
 def parity_tokens_of(record: RunRecord, parity_tokens: int | None = None) -> int:
     return int(parity_tokens) if parity_tokens else gate_spec(record).parity_tokens
 
 
 def parity_frame(record: RunRecord, *, parity_tokens: int | None = None,
                  near_tie_nats: float = NEAR_TIE_NATS, tolerance: float | None = None) -> pd.DataFrame:
-    """Parity rows: ``check`` 'parity' (a non-reference sample vs the reference) and 'stability' (a
-    reference sample of a later round vs its lowest round). ``match`` is None when the row could not be
-    checked (``note`` says why); ``classification``: identical / near-tie / divergence / margin unknown /
-    unchecked; ``verdict`` (module docstring) with ``tolerance`` (default :func:`near_tie_tolerance`)."""
+    """Parity rows: ``check`` 'parity' (a sample vs the parity reference, :func:`parity_reference_arm`) and
+    'stability' (a reference sample of a later round vs its lowest round). ``match`` is None when the row
+    could not be checked (``note`` says why); ``classification``: identical / near-tie / divergence / margin
+    unknown / unchecked; ``verdict`` (module docstring) with the row's ``tolerance``: the arm's own
+    ``accept_near_ties``, else ``tolerance`` (the gate's, default :func:`near_tie_tolerance`); ``accepts``:
+    whether the gate accepts that row's near-tie flip (a parity row with a tolerance set by its arm, by
+    ``gate.accept_near_ties`` or by ``tolerance``). ``lp_*``/``margin_delta_max``: :func:`logprob_agreement`
+    over the agreeing prefix."""
     k = parity_tokens_of(record, parity_tokens)
-    tol = near_tie_tolerance(record) if tolerance is None else tolerance
-    ref = reference_arm(record)
+    gate_tol = near_tie_tolerance(record) if tolerance is None else tolerance
+    gate_accepts = tolerance is not None or gate_spec(record).accept_near_ties is not None
+    own_tol = arm_tolerances(record)
+    ref = parity_reference_arm(record)
     n_max = max_tokens(record)
     targets = prompt_targets(record)
     samples = sorted(measured_ok(record), key=lambda s: s.step)
@@ -157,6 +189,8 @@ def parity_frame(record: RunRecord, *, parity_tokens: int | None = None,
     rows: list[dict[str, Any]] = []
 
     def row(check: str, s: Sample, r: Sample | None, other_round: bool, note: list[str]) -> None:
+        tol = own_tol.get(s.arm, gate_tol) if check == "parity" else gate_tol
+        accepts = check == "parity" and (s.arm in own_tol or gate_accepts)
         base = {
             "check": check, "prompt_id": s.prompt_id, "kind": s.kind,
             "target_tokens": targets.get(s.prompt_id, s.prompt_tokens), "arm": s.arm, "round": s.round,
@@ -169,7 +203,7 @@ def parity_frame(record: RunRecord, *, parity_tokens: int | None = None,
             if s.ids_source == "none":
                 note.append("engine returned no token ids")
             rows.append({**base, "against_arm": ref, "match": None, "classification": "unchecked",
-                         "verdict": "unchecked", "tolerance": tol, "other_round": other_round,
+                         "verdict": "unchecked", "tolerance": tol, "accepts": accepts, "other_round": other_round,
                          "note": "; ".join(note)})
             return
         if r.ids_source == "retokenized":
@@ -191,8 +225,8 @@ def parity_frame(record: RunRecord, *, parity_tokens: int | None = None,
              "match": match, "first_diverging": first, "agree": agree, "n_ids_against": len(r.output_ids),
              "id": id_s, "id_against": id_r, "margin": m_s, "margin_against": m_r,
              "classification": classify(first, [m_s, m_r], near_tie_nats), "verdict": verdict,
-             "flip_margin": flip_margin, "tolerance": tol, "verdict_why": why,
-             "ids_source_against": r.ids_source, "note": "; ".join(note)}
+             "flip_margin": flip_margin, "tolerance": tol, "accepts": accepts, "verdict_why": why,
+             "ids_source_against": r.ids_source, **logprob_agreement(s, r, agree), "note": "; ".join(note)}
         )
 
     for s in samples:
@@ -216,6 +250,6 @@ def parity_frame(record: RunRecord, *, parity_tokens: int | None = None,
         if s.arm == ref and s.ids_source == "none":
             row("stability", s, None, False, [])
     out = frame(rows, PARITY_COLUMNS, ints=["target_tokens", "against_round", "first_diverging", "agree",
-                                             "n_ids_against", "id", "id_against"],
-                 bools=["match", "other_round"])
+                                             "n_ids_against", "id", "id_against", "lp_positions"],
+                 bools=["match", "other_round", "accepts"])
     return sort_rows(out, record, ["check", "arm", "kind", "target_tokens", "prompt_id", "round"])

@@ -8,7 +8,15 @@ import pandas as pd
 
 from abbench.analysis.checks import GateInput, GateVerdict, gate_checks, run_checks
 from abbench.analysis.decode import decode_table, ttft_memory_table
-from abbench.analysis.frames import Completeness, arm_names, completeness, memory_table, reference_arm, samples_frame
+from abbench.analysis.frames import (
+    Completeness,
+    arm_names,
+    completeness,
+    memory_table,
+    parity_reference_arm,
+    reference_arm,
+    samples_frame,
+)
 from abbench.analysis.parity import NEAR_TIE_NATS, parity_frame, parity_tokens_of
 from abbench.analysis.paths import active_path_samples, active_path_summary
 from abbench.analysis.timing import overhead_table, paired_ratios, ratio_summary, small_n_notes, ttft_table
@@ -21,6 +29,7 @@ class Analysis:
     """Everything :mod:`abbench.report` shows, computed once."""
 
     reference: str | None
+    parity_reference: str | None
     arms: list[str]
     parity_tokens: int
     samples: pd.DataFrame
@@ -55,7 +64,8 @@ def analyze(record: RunRecord, *, parity_tokens: int | None = None, near_tie_nat
     path_summary = active_path_summary(record, path_samples)
     comp = completeness(record)
     return Analysis(
-        reference=reference_arm(record), arms=arm_names(record), parity_tokens=k,
+        reference=reference_arm(record), parity_reference=parity_reference_arm(record), arms=arm_names(record),
+        parity_tokens=k,
         samples=samples_frame(record), ttft=ttft, pairs=pairs, ratios=ratios, parity=parity,
         path_samples=path_samples, path_summary=path_summary, h2d=h2d_table(record),
         floor=floor_table(record), gap=gap_table(record), engine_counters=engine_counter_table(record), decode=decode_table(record),

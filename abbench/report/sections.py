@@ -354,6 +354,34 @@ def _verdicts_per_prompt(p: pd.DataFrame) -> list[str]:
         Col("flip_margin", "Flip margin", lambda v: DASH if is_na(v) else f"{float(v):.4f}")], drop_constant=False)]
 
 
+def _logprob_agreement(p: pd.DataFrame, ref: str | None) -> list[str]:
+    """Per arm: how closely its logprobs agree with the parity reference's where their ids agree (the spread
+    its arithmetic alone makes), beside its tolerance and its largest flip margin."""
+    rows = p[(p["check"] == "parity") & (p["lp_positions"].fillna(0) > 0)]
+    if rows.empty:
+        return []
+    out = []
+    for arm, g in rows.groupby("arm", sort=False):
+        flips = g["flip_margin"].dropna()
+        out.append({"arm": arm, "positions": int(g["lp_positions"].sum()),
+                    "median": float(g["lp_delta_median"].median()), "max": float(g["lp_delta_max"].max()),
+                    "margin": None if g["margin_delta_max"].isna().all() else float(g["margin_delta_max"].max()),
+                    "tolerance": float(g["tolerance"].iloc[0]), "accepts": bool(g["accepts"].fillna(False).any()),
+                    "flip": float(flips.max()) if not flips.empty else None})
+    nats = lambda v: DASH if is_na(v) else f"{float(v):.4f}"  # noqa: E731
+    return ["", f"Logprob agreement with {ref} where the ids agree (the positions before each row's first "
+            "divergence): |Δ| of the chosen token's logprob (median of the rows' medians, and the largest) and "
+            "the largest |Δ| of the top-2 margin. An engine that computes the same model differs from the "
+            "reference by its arithmetic alone; a flip whose margin lies within that spread is such noise.", "",
+            table(pd.DataFrame(out), [
+                Col("arm", "Arm", right=False), Col("positions", "Positions", fmt_int),
+                Col("median", "Median |Δ logprob|", nats), Col("max", "Max |Δ logprob|", nats),
+                Col("margin", "Max |Δ margin|", nats),
+                Col("tolerance", "Tolerance", lambda v: f"{float(v):g}"),
+                Col("accepts", "Accepted by the gate", fmt_bool),
+                Col("flip", "Largest flip margin", nats)], drop_constant=False)]
+
+
 def parity_section(ri: ReportInput) -> list[str]:
     a = ri.analysis
     k = a.parity_tokens
@@ -361,15 +389,25 @@ def parity_section(ri: ReportInput) -> list[str]:
     p = a.parity
     if p.empty:
         return lines + ["No parity rows: there is no measured ok sample to compare."]
-    tol = float(p["tolerance"].dropna().iloc[0]) if p["tolerance"].notna().any() else an.NEAR_TIE_NATS
     accept = an.gate_spec(ri.record).accept_near_ties
-    lines += [(f"Each measured sample's first {k} greedy ids against the reference ({a.reference}) in the same "
+    own = {arm: t for arm, t in an.arm_tolerances(ri.record).items() if arm != a.parity_reference}
+    tolerances = ([f"{accept:g} nats (gate.accept_near_ties)"] if accept else
+                  [f"{an.NEAR_TIE_NATS:g} nats (the default; reported, not accepted)"])
+    tolerances += [f"arm {arm}: {t:g} nats (its own accept_near_ties)" for arm, t in own.items()]
+    if accept:
+        accepts = "The gate accepts the near-tie flips of parity rows."
+    elif own:
+        accepts = f"The gate accepts near-tie flips of {', '.join(own)} only."
+    else:
+        accepts = "The gate accepts no mismatch (gate.accept_near_ties is not set)."
+    against = (f"the parity reference ({a.parity_reference}, gate.parity_reference)"
+               if a.parity_reference != a.reference else f"the reference ({a.reference})")
+    lines += [(f"Each measured sample's first {k} greedy ids against {against} in the same "
               "round; 'stability' rows compare the reference with its own lowest round. Margin = top-2 "
               f"logprob gap (nats) at the first divergence; below {an.NEAR_TIE_NATS} in either arm: near-tie. "
               f"Verdict over the first {k} ids: equal; near-tie flip (each side's choice is the other's "
-              f"runner-up, margin below {tol:g} nats); broken (anything else). "
-              + (f"The gate accepts near-tie flips of parity rows (gate.accept_near_ties = {accept:g})."
-                 if accept else "The gate accepts no mismatch (gate.accept_near_ties is not set).")),
+              "runner-up, margin below the row's tolerance); broken (anything else). Tolerance: "
+              + "; ".join(tolerances) + ". " + accepts),
               ""]
     summary = []
     for (check, arm), g in p.groupby(["check", "arm"], sort=False):
@@ -393,7 +431,7 @@ def parity_section(ri: ReportInput) -> list[str]:
         Col("near", "Near-ties", fmt_int), Col("div", "Divergences", fmt_int),
         Col("unchecked", "Unchecked", fmt_int), Col("v_equal", "Verdict: equal", fmt_int),
         Col("v_flip", "near-tie flip", fmt_int), Col("v_broken", "broken", fmt_int)], drop_constant=False))
-    lines += ["", *_verdicts_per_prompt(p)]
+    lines += ["", *_verdicts_per_prompt(p), *_logprob_agreement(p, a.parity_reference)]
     rows = p.copy()
     rows["against"] = [DASH if is_na(ar) else (f"{ar} r{int(rr)}" if not is_na(rr) else str(ar))
                        for ar, rr in zip(rows["against_arm"], rows["against_round"])]

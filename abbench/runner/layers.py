@@ -66,7 +66,7 @@ def _history(record: RunRecord, profile: Profile, prompt_id: str, position: int,
     ids = list(tok.encode(prompt.text, add_special_tokens=True))
     if position == 0:
         return ids
-    ref = profile.reference_arm
+    ref = profile.parity_reference_arm
     samples = pick_round([s for s in record.samples if s.prompt_id == prompt_id and s.arm == ref and usable(s)],
                          round_no)
     if not samples:
@@ -85,7 +85,7 @@ def probe_layers(record: RunRecord, prompt_id: str, arm: str, *, position: int =
     names = [a.name for a in profile.arms]
     if arm not in names:
         raise ConfigError(f"--arm: run {record.run_id} has no arm {arm!r}; its arms are {', '.join(names)}")
-    ref = profile.reference_arm
+    ref = profile.parity_reference_arm
     if arm == ref:
         raise ConfigError(f"--arm {arm} is the reference arm; probe another arm against it")
     for name in (ref, arm):

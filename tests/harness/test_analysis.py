@@ -686,6 +686,87 @@ def test_verdict_equal_beyond_k_and_stability_never_accepts_a_flip() -> None:
     assert not v.passed and checks(v)["reference-stable"] is False  # the reference must be deterministic
 
 
+def test_parity_reference_and_an_arms_own_tolerance() -> None:
+    """gate.parity_reference: ids against C while ratios stay against A; an arm's own accept_near_ties
+    accepts its flips (and only its), the others stay exact."""
+    rec = make_run(arms=("A", "B", "C"), gate={"parity_reference": "C"})
+    rec.profile["arms"][1]["accept_near_ties"] = 0.03  # B: another engine, say
+    for arm in ("A", "B"):  # both flip against C at position 3, 0.02 nats apart
+        s, r = find(rec, arm, "fresh-1024-0", 1), find(rec, "C", "fresh-1024-0", 1)
+        ref_id = r.output_ids[3]
+        s.output_ids[3] = ref_id + 1
+        s.logprobs[3] = [(ref_id + 1, -0.70), (ref_id, -0.72)]
+        r.logprobs[3] = [(ref_id, -0.70), (ref_id + 1, -0.72)]
+    p = an.parity_frame(rec)
+    assert set(p[p["check"] == "parity"]["arm"]) == {"A", "B"} and set(p["against_arm"]) == {"C"}
+    assert set(p[p["check"] == "stability"]["arm"]) == {"C"}
+    row_b, row_a = _row(rec, "B"), _row(rec, "A")
+    assert row_b["verdict"] == "near-tie flip" and row_b["tolerance"] == pytest.approx(0.03) and row_b["accepts"]
+    assert row_a["verdict"] == "near-tie flip" and row_a["tolerance"] == pytest.approx(an.NEAR_TIE_NATS)
+    assert not row_a["accepts"]
+    v = an.gate(rec)
+    assert not v.passed and len(v.failures) == 1 and "arm A" in v.failures[0] and "vs C" in v.failures[0]
+    assert any("arm B's accept_near_ties = 0.03" in n for n in v.notes)
+    assert checks(v)["reference"] is True
+    assert "A:" in next(c for c in v.checks if c.name == "reference").detail  # ratios still divide by A
+    assert set(an.paired_ratios(rec)["reference"]) == {"A"}
+    assert an.gate(rec, accept_near_ties=0.05).passed  # the gate-wide tolerance covers A; B keeps its own
+    tight = make_run(arms=("A", "B", "C"), gate={"parity_reference": "C", "accept_near_ties": 0.05})
+    tight.profile["arms"][1]["accept_near_ties"] = 0.01
+    _flip_against(tight, "B", "C", 3)
+    row = _row(tight, "B")
+    assert row["verdict"] == "broken" and row["tolerance"] == pytest.approx(0.01)  # the arm's own wins
+    assert not an.gate(tight).passed
+
+
+def _flip_against(rec: RunRecord, arm: str, ref: str, pos: int) -> None:
+    s, r = find(rec, arm, "fresh-1024-0", 1), find(rec, ref, "fresh-1024-0", 1)
+    ref_id = r.output_ids[pos]
+    s.output_ids[pos] = ref_id + 1
+    s.logprobs[pos] = [(ref_id + 1, -0.70), (ref_id, -0.72)]
+    r.logprobs[pos] = [(ref_id, -0.70), (ref_id + 1, -0.72)]
+
+
+def test_parity_reference_missing_samples_fails_the_reference_check() -> None:
+    rec = make_run(arms=("A", "B", "C"), gate={"parity_reference": "C"})
+    for s in rec.samples:
+        if s.arm == "C":
+            s.ok, s.error_kind, s.error, s.output_ids = False, "connect", "down", []
+    v = an.gate(rec)
+    assert checks(v)["reference"] is False
+    assert any("parity reference C has no ok measured sample" in f for f in v.failures)
+
+
+def test_logprob_agreement_over_the_agreeing_prefix() -> None:
+    rec = make_run()
+    s, r = find(rec, "B", "fresh-1024-0", 1), find(rec, "A", "fresh-1024-0", 1)
+    for pos, d in ((0, 0.10), (1, 0.02), (2, 0.04)):  # B's chosen-token logprob off by d; its runner-up not
+        tok = s.output_ids[pos]
+        s.logprobs[pos] = [(tok, r.logprobs[pos][0][1] - d), r.logprobs[pos][1]]
+    row = _row(rec)
+    assert row["lp_positions"] == MAX_TOKENS  # identical ids: every position counts
+    assert row["lp_delta_max"] == pytest.approx(0.10) and row["margin_delta_max"] == pytest.approx(0.10)
+    assert row["lp_delta_median"] == pytest.approx(0.0)
+    _flip(rec, "B", "fresh-1024-0", 1, 1)  # diverging at 1: only position 0 is compared
+    row = _row(rec)
+    assert row["lp_positions"] == 1 and row["lp_delta_max"] == pytest.approx(0.10)
+
+
+def test_profile_parity_reference_must_be_an_arm_and_arms_subset_drops_it() -> None:
+    from abbench.profile import profile_from_dict
+
+    base = {"name": "x", "engine": {"command": ["e", "{port}"]},
+            "arms": [{"name": "a"}, {"name": "b", "accept_near_ties": 0.2}, {"name": "c"}]}
+    with pytest.raises(Exception, match="parity_reference 'z' is not an arm"):
+        profile_from_dict({**base, "gate": {"parity_reference": "z"}})
+    with pytest.raises(Exception, match="accept_near_ties"):
+        profile_from_dict({**base, "arms": [{"name": "a"}, {"name": "b", "accept_near_ties": -1}]})
+    p = profile_from_dict({**base, "gate": {"parity_reference": "c"}})
+    assert p.parity_reference_arm == "c" and p.reference_arm == "a" and p.arm("b").accept_near_ties == 0.2
+    sub = p.with_overrides(arms=["b", "a"])
+    assert sub.gate.parity_reference is None and sub.parity_reference_arm == "b"
+
+
 def test_flip_verdict_rules() -> None:
     from abbench.analysis.parity import flip_verdict
 
