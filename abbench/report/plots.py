@@ -58,7 +58,7 @@ def plot_ttft(a: an.Analysis, path: Path) -> None:
     ax.set_ylabel("TTFT (s): median, min–max")
     _log_if_wide(ax, list(df["min_s"]) + list(df["max_s"]))
     ax.grid(True, axis="y", alpha=0.3)
-    ax.legend(title="arm")
+    ax.legend(title="arm", fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # outside: never on a point
     ax.set_title("Time to first token")
     fig.savefig(path)
 
@@ -136,12 +136,12 @@ def plot_ttft_memory(a: an.Analysis, path: Path) -> None:
         for x, y, t in zip(xs, ys, g["target_tokens"]):
             ax.annotate(group_label("", t).strip(), (x, y), textcoords="offset points", xytext=(4, 3), fontsize=7)
     sources = sorted(set(df["peak_source"]))
-    ax.set_xlabel("peak device memory per request (GiB, " + " / ".join(
+    ax.set_xlabel("peak device memory per request (GiB)\n(" + " / ".join(
         {"engine": "engine's own peak", "nvml": "NVML, service processes"}[s] for s in sources) + ")")
     ax.set_ylabel("median TTFT (s)")
     _log_if_wide(ax, list(df["ttft_s"]))
     ax.grid(True, alpha=0.3)
-    ax.legend(title="arm", fontsize=8)
+    ax.legend(title="arm", fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     ax.set_title("TTFT against peak device memory (labels: prompt tokens)")
     fig.savefig(path)
 
