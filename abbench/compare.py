@@ -111,8 +111,10 @@ def _check_same_inputs(base: RunRecord, cand: RunRecord) -> None:
 # --------------------------------------------------------------------------------------- differences
 
 
-ENV_FIELDS = ("engine_commit", "git.commit", "git.dirty", "git.branch", "hostname", "gpu_models", "driver_version",
-              "cuda_driver_version", "python.version", "cpu.model", "cpu.logical", "ram_total")
+ENV_FIELDS = ("engine_commit", "git.commit", "git.dirty", "git.branch", "hostname", "platform.release", "gpu_models",
+              "gpus[].uuid", "gpus[].clocks_mhz.sm_max", "gpus[].clocks_mhz.mem_max", "gpus[].power_limit_w",
+              "driver_version", "cuda_driver_version", "python.version", "cpu.model", "cpu.logical",
+              "cpu.freq_max_mhz", "ram_total")
 
 
 def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:

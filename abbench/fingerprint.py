@@ -235,8 +235,49 @@ def _nvml_fingerprint() -> dict[str, Any]:
                 "width_current": get("nvmlDeviceGetCurrPcieLinkWidth", h),
                 "gpu_gen_max": get("nvmlDeviceGetGpuMaxPcieLinkGeneration", h),
             },
+            # The state the run started in: two machines of one model can differ here (clocks, power cap,
+            # temperature, why the clocks are held down: nvmlClocksEventReasons bits, 0 = none).
+            "clocks_mhz": {
+                "sm": get("nvmlDeviceGetClockInfo", h, getattr(m, "NVML_CLOCK_SM", 1)),
+                "sm_max": get("nvmlDeviceGetMaxClockInfo", h, getattr(m, "NVML_CLOCK_SM", 1)),
+                "mem": get("nvmlDeviceGetClockInfo", h, getattr(m, "NVML_CLOCK_MEM", 2)),
+                "mem_max": get("nvmlDeviceGetMaxClockInfo", h, getattr(m, "NVML_CLOCK_MEM", 2)),
+            },
+            "clocks_event_reasons": get("nvmlDeviceGetCurrentClocksEventReasons", h),
+            "power_limit_w": _milli(get("nvmlDeviceGetEnforcedPowerLimit", h)),
+            "power_w": _milli(get("nvmlDeviceGetPowerUsage", h)),
+            "temperature_c": get("nvmlDeviceGetTemperature", h, getattr(m, "NVML_TEMPERATURE_GPU", 0)),
+            "persistence_mode": get("nvmlDeviceGetPersistenceMode", h),
         })
     return fp
+
+
+def _milli(v: Any) -> float | None:
+    return None if v is None else float(v) / 1000.0
+
+
+def _host_state() -> dict[str, Any]:
+    """The host CPU's state when the run started: clock (psutil's current/max MHz, the first CPU's where
+    it reports per CPU), load averages, and the share of CPU time the hypervisor has stolen since boot
+    (Linux guests). Any piece the platform lacks is None."""
+    out: dict[str, Any] = {"freq_mhz": None, "freq_max_mhz": None, "loadavg": None, "steal_since_boot": None}
+    try:
+        f = psutil.cpu_freq()
+        if f is not None:
+            out["freq_mhz"], out["freq_max_mhz"] = float(f.current), (float(f.max) or None)
+    except (OSError, NotImplementedError, AttributeError):
+        pass
+    try:
+        out["loadavg"] = [round(x, 2) for x in os.getloadavg()]
+    except (OSError, AttributeError):
+        pass
+    try:
+        t = psutil.cpu_times()
+        total = sum(t)
+        out["steal_since_boot"] = round(t.steal / total, 4) if "steal" in t._fields and total > 0 else None
+    except (OSError, AttributeError):
+        pass
+    return out
 
 
 def environment_fingerprint(
@@ -269,7 +310,8 @@ def environment_fingerprint(
             "machine": platform.machine(),
             "platform": platform.platform(),
         },
-        "cpu": {"model": _cpu_model(), "logical": os.cpu_count(), "physical": psutil.cpu_count(logical=False)},
+        "cpu": {"model": _cpu_model(), "logical": os.cpu_count(), "physical": psutil.cpu_count(logical=False),
+                **_host_state()},
         "ram_total": int(vm.total),
         **_nvml_fingerprint(),
         "packages": {name: _pkg_version(name) for name in PACKAGES},
@@ -303,10 +345,13 @@ def _peer_engines(commands: list[list[str]]) -> list[dict[str, Any]]:
 
 
 def key_value(fp: dict[str, Any], field: str) -> Any:
-    """The value of a :data:`KEY_FIELDS` entry (dotted path) in a fingerprint; None when absent."""
+    """The value of a :data:`KEY_FIELDS` entry (dotted path) in a fingerprint; None when absent.
+    ``gpus[].PATH`` is PATH of every GPU, as a list (``gpu_models`` = ``gpus[].name``)."""
     if field == "gpu_models":
+        field = "gpus[].name"
+    if field.startswith("gpus[]."):  # that field of every GPU, as a list
         gpus = fp.get("gpus")
-        return [g.get("name") for g in gpus] if isinstance(gpus, list) else None
+        return [key_value(g, field[len("gpus[]."):]) for g in gpus] if isinstance(gpus, list) else None
     cur: Any = fp
     for part in field.split("."):
         if not isinstance(cur, dict):

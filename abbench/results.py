@@ -74,6 +74,11 @@ class Telemetry(_Model):
     gpu_mem_used_peak: int | None = None
     proc_gpu_mem_peak: int | None = None
     host_rss_peak: int | None = Field(None, description="Peak RSS of the service's process tree (bytes).")
+    host_cpu_busy: float | None = Field(None, description="Fraction of all host CPUs' time busy during the request.")
+    host_cpu_steal: float | None = Field(
+        None, description="Fraction of all host CPUs' time stolen by the hypervisor during the request (Linux).")
+    service_cpu_s: float | None = Field(
+        None, description="CPU seconds (user + system) of the service's process tree during the request.")
 
 
 class Sample(_Model):

@@ -29,7 +29,12 @@ run (``NVMLError`` of any kind) turn the affected field into ``None`` and are lo
   ``gpu_mem_used_peak``, ``proc_gpu_mem_peak``, ``host_rss_peak``). Peaks are over the memory samples
   taken inside the window plus one taken synchronously when ``window`` is called (so a short request has
   at least one). ``nvml_pcie_rx_bytes`` is the trapezoid integral of RX bytes/s over [mark, window],
-  per device, summed.
+  per device, summed. The host's CPU over the same window (:func:`host_cpu_fractions`, psutil's system-wide
+  CPU times): ``host_cpu_busy`` (the fraction of all CPUs' time not idle or waiting on I/O) and
+  ``host_cpu_steal`` (the fraction a hypervisor gave to others: Linux guests; None elsewhere); and
+  ``service_cpu_s``, the CPU seconds (user + system) the service's process tree spent in the window (a
+  process that starts inside it counts from zero; one that exits inside it is lost). These say how the host
+  was doing while the request ran: a contended or throttled CPU slows an engine that works on the CPU.
 
   *Accuracy of* ``nvml_pcie_rx_bytes``. NVML offers no cumulative PCIe byte counter, only a rate in KB/s
   measured by the driver over a ~20 ms interval (:data:`PCIE_COUNTER_WINDOW_S`; the call typically blocks
@@ -217,6 +222,30 @@ def process_tree(pid: int) -> list[psutil.Process]:
         return []
 
 
+def tree_cpu(procs: list[psutil.Process]) -> dict[int, float]:
+    """pid -> CPU seconds (user + system) of each process that can still be read."""
+    out: dict[int, float] = {}
+    for p in procs:
+        try:
+            t = p.cpu_times()
+        except psutil.Error:
+            continue
+        out[p.pid] = float(t.user + t.system)
+    return out
+
+
+def host_cpu_fractions(before: Any, after: Any) -> tuple[float | None, float | None]:
+    """(busy, steal) fractions of all CPUs' time between two ``psutil.cpu_times()`` readings; (None, None)
+    when no time passed. ``steal`` is None where the platform has no such field."""
+    fields = before._fields
+    total = sum(getattr(after, f) - getattr(before, f) for f in fields)
+    if total <= 0:
+        return None, None
+    idle = sum(getattr(after, f) - getattr(before, f) for f in ("idle", "iowait") if f in fields)
+    steal = (after.steal - before.steal) / total if "steal" in fields else None
+    return max(0.0, min(1.0, 1.0 - idle / total)), (max(0.0, min(1.0, steal)) if steal is not None else None)
+
+
 def tree_rss(procs: list[psutil.Process]) -> int | None:
     total, seen = 0, False
     for p in procs:
@@ -261,6 +290,7 @@ class ServiceMonitor:
         self._mem: list[_MemSample] = []
         self._pcie: dict[int, _PcieSeries] = {d: _PcieSeries() for d in (gpu.devices() if gpu else [])}
         self._marks: dict[int, float] = {}
+        self._cpu_marks: dict[int, tuple[Any, dict[int, float]]] = {}
         self._next_mark = 0
         self._stop = threading.Event()
         self._wake = {d: threading.Event() for d in self._pcie}
@@ -419,12 +449,15 @@ class ServiceMonitor:
         return len(self._mem)
 
     def mark(self) -> int:
-        """Open a window now (cheap: no sampling here) and return its handle for :meth:`window`. While a
-        window is open, PCIe RX is read about every 20 ms on each device."""
+        """Open a window now and return its handle for :meth:`window`: it reads the host's and the service's
+        CPU times (a few ms; no memory sample). While a window is open, PCIe RX is read about every 20 ms on
+        each device."""
+        cpu = (psutil.cpu_times(), tree_cpu(process_tree(self.pid)) if self.pid is not None else {})
         with self._lock:
             m = self._next_mark
             self._next_mark += 1
             self._marks[m] = time.monotonic()
+            self._cpu_marks[m] = cpu
         for e in self._wake.values():
             e.set()
         return m
@@ -447,9 +480,11 @@ class ServiceMonitor:
                 if done:
                     break
                 time.sleep(0.002)
+        cpu_after = (psutil.cpu_times(), tree_cpu(process_tree(self.pid)) if self.pid is not None else {})
         self.sample_now()  # the state at the end: a short request gets at least one memory sample
         with self._lock:
             del self._marks[start_mark]
+            cpu_before = self._cpu_marks.pop(start_mark)
             mem = self._mem[bisect.bisect_left(self._mem, start, key=lambda s: s.mono):]
             rx_total: float | None = None
             max_gap = max(2 * self.interval_s, 0.5)
@@ -467,8 +502,15 @@ class ServiceMonitor:
             got = [v for v in vals if v is not None]
             return max(got) if got else None
 
+        busy, steal = host_cpu_fractions(cpu_before[0], cpu_after[0])
+        tree_before, tree_after = cpu_before[1], cpu_after[1]
+        service_cpu = (sum(max(0.0, t - tree_before.get(pid, 0.0)) for pid, t in tree_after.items())
+                       if tree_after else None)
         return {
             "nvml_pcie_rx_bytes": None if rx_total is None or math.isnan(rx_total) else rx_total,
+            "host_cpu_busy": busy,
+            "host_cpu_steal": steal,
+            "service_cpu_s": service_cpu,
             "gpu_mem_used_peak": peak([s.gpu_mem_used for s in mem]),
             "proc_gpu_mem_peak": peak([s.proc_gpu_mem for s in mem]),
             "host_rss_peak": peak([s.host_rss for s in mem]),

@@ -30,6 +30,7 @@ from abbench.report.format import (
     table,
     when,
 )
+from abbench.analysis.frames import measured_ok_frame, sort_rows
 from abbench.results import RunRecord
 
 PLOTS = ("ttft", "ratios", "h2d", "memory", "ttft_memory")
@@ -295,6 +296,34 @@ def decode_section(ri: ReportInput) -> list[str]:
                         + [Col("proc_gpu_mem_peak", "Peak device (NVML)", fmt_gib)]),
     ]
     return lines + _plot_link(ri.plots, "ttft_memory", "TTFT against peak device memory")
+
+
+def host_cpu_section(ri: ReportInput) -> list[str]:
+    """Per arm and prompt: how busy the host's CPUs were while the requests ran, the hypervisor's steal, and
+    the CPU seconds the service spent; skipped for runs recorded before these were measured."""
+    df = measured_ok_frame(ri.record)
+    if df.empty or (df["service_cpu_s"].isna().all() and df["host_cpu_busy"].isna().all()):
+        return []
+    rows = []
+    for (arm, kind, tokens), g in df.groupby(["arm", "kind", "target_tokens"], sort=False):
+        busy, steal, cpu = g["host_cpu_busy"].dropna(), g["host_cpu_steal"].dropna(), g["service_cpu_s"].dropna()
+        rows.append({"arm": arm, "kind": kind, "target_tokens": tokens, "n": len(g),
+                     "busy": busy.median() if not busy.empty else None,
+                     "steal": steal.median() if not steal.empty else None,
+                     "cpu_s": cpu.median() if not cpu.empty else None,
+                     "ttft_s": g["ttft_s"].median()})
+    pct = lambda v: fmt_pct(v, 1)  # noqa: E731
+    secs = lambda v: DASH if is_na(v) else f"{float(v):.2f} s"  # noqa: E731
+    return ["## Host CPU", "",
+            ("Medians per request: the fraction of all the host's CPU time busy while it ran, the fraction the "
+             "hypervisor stole (a virtual machine sharing its cores), and the CPU seconds of the service's "
+             "process tree (an engine that works on the CPU shows it here). A slower or contended host slows "
+             "such an engine more than one that only waits on the GPU."), "",
+            table(sort_rows(pd.DataFrame(rows), ri.record, ["arm", "kind", "target_tokens"]), [
+                Col("arm", "Arm", right=False), Col("kind", "Kind", descriptive=True, right=False),
+                Col("target_tokens", "Prompt tokens", fmt_int), Col("n", "n", fmt_int),
+                Col("ttft_s", "TTFT", fmt_s), Col("busy", "Host CPU busy", pct), Col("steal", "Steal", pct),
+                Col("cpu_s", "Service CPU", secs)])]
 
 
 def memory_section(ri: ReportInput) -> list[str]:
@@ -664,7 +693,7 @@ def plots_section(ri: ReportInput) -> list[str]:
 
 SECTIONS = [
     header_section, verdict_section, ttft_section, engines_section, ratios_section, h2d_section, floor_section,
-    engine_counters_section, decode_section, memory_section, parity_section, active_path_section, overhead_section,
+    engine_counters_section, decode_section, host_cpu_section, memory_section, parity_section, active_path_section, overhead_section,
     environment_section, small_n_section, problems_section, plots_section,
 ]
 """The report's sections, in order."""

@@ -144,3 +144,20 @@ def test_change_ci() -> None:
     assert change_ci(np.array([0.0]), np.array([0.0])) == (0.0, 0.0, 0.0)
     assert change_ci(np.array([0.0]), np.array([1.0])) == (None, None, None)
     assert change_ci(np.array([2.0]), np.array([3.0]))[1:] == (None, None)
+
+
+def test_environment_differences_name_the_machine() -> None:
+    """Two runs on two machines of one model: the GPU's uuid, its clock and power configuration, the host's
+    kernel build and CPU clock are listed; a GPU's current clock (it idles down) is not."""
+    from abbench.compare import env_differences
+
+    def fp(uuid: str, release: str, sm: int, power: float) -> dict:
+        return {"platform": {"release": release}, "cpu": {"model": "Xeon", "freq_max_mhz": None},
+                "gpus": [{"name": "NVIDIA H200", "uuid": uuid, "power_limit_w": power,
+                          "clocks_mhz": {"sm": sm, "sm_max": 1980, "mem": 3201, "mem_max": 3201}}]}
+
+    same = env_differences(fp("GPU-a", "6.18-v657", 345, 700.0), fp("GPU-a", "6.18-v657", 1980, 700.0))
+    assert same == []
+    diff = env_differences(fp("GPU-a", "6.18-v657", 345, 700.0), fp("GPU-b", "6.18-v973", 345, 600.0))
+    assert diff == ["platform.release: '6.18-v657' -> '6.18-v973'", "gpus[].uuid: ['GPU-a'] -> ['GPU-b']",
+                    "gpus[].power_limit_w: [700.0] -> [600.0]"]

@@ -80,6 +80,23 @@ def test_arms_of_two_engines_are_shown_side_by_side_by_one_yardstick(tmp_path: P
     assert "TTFT per arm and length](" in one.split("## Paired ratios")[0][-200:]  # no empty section between
 
 
+def test_host_cpu_section_from_the_request_windows(tmp_path: Path) -> None:
+    """The per-request host CPU figures become a per arm and length table; a run without them (recorded
+    before they were measured) has no such section."""
+    rec = make_run(arms=("A", "B"))
+    for s in rec.samples:
+        s.telemetry.host_cpu_busy = 0.25 if s.arm == "A" else 0.5
+        s.telemetry.host_cpu_steal = 0.0 if s.arm == "A" else 0.125
+        s.telemetry.service_cpu_s = 1.5 if s.arm == "A" else 4.0
+    text, _, _ = render(tmp_path, rec)
+    sec = text.split("## Host CPU")[1].split("\n## ")[0]
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in sec.splitlines() if line.startswith("| B ")]
+    assert len(rows) == 2 and all(r[-3:] == ["50.0%", "12.5%", "4.00 s"] for r in rows), rows
+    assert text.index("## Host CPU") < text.index("## Memory")
+    plain, _, _ = render(tmp_path / "plain", make_run(arms=("A", "B")))
+    assert "## Host CPU" not in plain
+
+
 def test_constant_columns_are_dropped_and_stated_once() -> None:
     df = pd.DataFrame({"arm": ["A", "B"], "kind": ["fresh", "fresh"], "median_s": [0.5, 0.5]})
     cols = [rp.Col("arm", "Arm", descriptive=True, right=False), rp.Col("kind", "Kind", descriptive=True),

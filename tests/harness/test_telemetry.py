@@ -82,6 +82,44 @@ def test_sampler_host_rss_of_real_process_tree(helper: Service) -> None:
         s.window(m)  # closed
 
 
+def test_window_host_cpu_and_the_service_trees_cpu_seconds() -> None:
+    """A child that burns ~0.6 s of CPU inside the window: the service's CPU seconds see it, an idle child
+    does not; the host's busy and steal shares are fractions."""
+    import subprocess
+    import sys
+
+    burn = ("import sys, time\nsys.stdin.readline()\nt = time.process_time()\n"
+            "while time.process_time() - t < 0.6: pass\ntime.sleep(30)")  # burns once told to
+    idle = "import time; time.sleep(30)"
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, text=True) for code in (idle, burn)]
+    try:
+        time.sleep(0.5)  # interpreter start-up is outside the windows
+        with tm.ServiceMonitor("idle", procs[0].pid, gpu=None) as quiet, \
+                tm.ServiceMonitor("busy", procs[1].pid, gpu=None) as s:
+            m, q = s.mark(), quiet.mark()
+            procs[1].stdin.write("go\n")
+            procs[1].stdin.flush()
+            deadline = time.monotonic() + 10
+            start_cpu = sum(psutil.Process(procs[1].pid).cpu_times()[:2])
+            while sum(psutil.Process(procs[1].pid).cpu_times()[:2]) - start_cpu < 0.55 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            w, wq = s.window(m), quiet.window(q)
+        assert 0.5 < w["service_cpu_s"] < 1.5, w
+        assert wq["service_cpu_s"] < 0.05, wq
+        assert 0 < w["host_cpu_busy"] <= 1
+        assert w["host_cpu_steal"] is None or 0 <= w["host_cpu_steal"] <= 1
+        Telemetry(**w)
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+            p.stdin.close()
+    before = psutil.cpu_times()
+    assert tm.host_cpu_fractions(before, before) == (None, None)  # no time passed
+    with tm.ServiceMonitor("gone", None, gpu=None) as none:
+        assert none.window(none.mark())["service_cpu_s"] is None  # no process to account
+
+
 def test_sampler_survives_service_death(helper: Service) -> None:
     s = tm.ServiceMonitor("svc", helper.pid, interval_s=0.05, gpu=None).start()
     try:
@@ -240,6 +278,10 @@ def test_environment_fingerprint_without_gpu() -> None:
         assert key in fp
     assert fp["commands"] == cmds
     assert fp["ram_total"] > 0 and fp["cpu"]["logical"] >= 1
+    cpu = fp["cpu"]
+    assert set(cpu) >= {"freq_mhz", "freq_max_mhz", "loadavg", "steal_since_boot"}
+    assert cpu["loadavg"] is None or (len(cpu["loadavg"]) == 3 and min(cpu["loadavg"]) >= 0)
+    assert cpu["steal_since_boot"] is None or 0 <= cpu["steal_since_boot"] <= 1
     assert set(fp["packages"]) >= {"abbench", "torch", "transformers", "tokenizers", "httpx", "numpy", "pandas"}
     assert fp["packages"]["httpx"] == httpx.__version__ and fp["packages"]["abbench"]
     if not tm.nvml_available():
@@ -330,6 +372,16 @@ def _fake_pynvml(procs: dict[int, list[tuple[int, int | None]]]):
         nvmlDeviceGetCurrPcieLinkGeneration=lambda h: 1,
         nvmlDeviceGetCurrPcieLinkWidth=lambda h: 16,
         nvmlDeviceGetGpuMaxPcieLinkGeneration=gpu_max_gen,
+        NVML_CLOCK_SM=1,
+        NVML_CLOCK_MEM=2,
+        NVML_TEMPERATURE_GPU=0,
+        nvmlDeviceGetClockInfo=lambda h, c: {1: 1980, 2: 3201}[c] - 1000 * h[1] * (c == 1),
+        nvmlDeviceGetMaxClockInfo=lambda h, c: {1: 1980, 2: 3201}[c],
+        nvmlDeviceGetCurrentClocksEventReasons=lambda h: 4 * h[1],  # GPU 1: 0x4, a power cap
+        nvmlDeviceGetEnforcedPowerLimit=lambda h: 700_000,
+        nvmlDeviceGetPowerUsage=lambda h: 95_500,
+        nvmlDeviceGetTemperature=lambda h, s: 31 + h[1],
+        nvmlDeviceGetPersistenceMode=gpu_max_gen,  # not supported here
     )
 
 
@@ -385,6 +437,12 @@ def test_nvml_paths_with_fake_pynvml(fake_nvml) -> None:
     assert g["name"] == "NVIDIA H200" and g["memory_total"] == 150_000 * MiB and g["pci_bus_id"] == "00000000:01:00.0"
     assert g["pcie"] == {"gen_max": 5, "width_max": 16, "gen_current": 1, "width_current": 16, "gpu_gen_max": None}
     assert fingerprint.key_value(fp, "gpu_models") == ["NVIDIA H200", "NVIDIA H200"]
+    assert g["clocks_mhz"] == {"sm": 980, "sm_max": 1980, "mem": 3201, "mem_max": 3201}
+    assert g["clocks_event_reasons"] == 4 and fp["gpus"][0]["clocks_event_reasons"] == 0
+    assert g["power_limit_w"] == 700.0 and g["power_w"] == 95.5 and g["temperature_c"] == 32
+    assert g["persistence_mode"] is None  # an NVML error is None, never raised
+    assert fingerprint.key_value(fp, "gpus[].uuid") == ["GPU-0000-0", "GPU-0000-1"]
+    assert fingerprint.key_value(fp, "gpus[].clocks_mhz.sm") == [1980, 980]
 
 
 def test_gpu_idle_with_fake_pynvml(fake_nvml) -> None:
