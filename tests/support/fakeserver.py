@@ -467,10 +467,10 @@ class _Handler(BaseHTTPRequestHandler):
             if j == 1 and mode == "error-event":
                 write_event({"error": {"message": "fake engine failed mid-stream", "type": "InternalServerError", "code": 500}})
                 break
+            if t_first is None and text:  # stamped before the write: once written, this thread may be
+                t_first = time.perf_counter() - self.t_recv  # descheduled while the client already reads it
             write_event({**head, "choices": [choice(text, tok, offset, None)]})
             offset += len(text)
-            if t_first is None and text:
-                t_first = time.perf_counter() - self.t_recv
         else:
             # as the vendored engine: a finish chunk (no ids), then with include_usage a choices-[] chunk with
             # usage; the last chunk before [DONE] carries the abbench object
