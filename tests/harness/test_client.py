@@ -318,8 +318,8 @@ def test_control_endpoints(client: EngineClient, server: fakeserver.FakeServer) 
 class _ClosingServer:
     """A raw HTTP/1.1 server on loopback that answers the first ``answered`` requests of each connection with
     200 and keep-alive, then reads the next request and closes the socket without a byte of response: what a
-    server does when its keep-alive timeout fires as a request arrives on the idle connection (the race
-    llama-server's 5 s timeout lost once on the H200). ``answered=0``: every request is dropped."""
+    server does when its keep-alive timeout fires as a request arrives on the idle connection, and what
+    llama-server did once per H200 run, for a cause not yet known. ``answered=0``: every request is dropped."""
 
     def __init__(self, answered: int) -> None:
         import socketserver
