@@ -102,6 +102,9 @@ class Adapter:
     # the server's stream may leave out ids that its usage counts; the client then asks again, not streamed,
     # for the ids alone (see EngineClient.complete)
     refetch_short_stream_ids: ClassVar[bool] = False
+    # the server closes the connection after every streamed response, without saying so (no "Connection:
+    # close"): the client then asks for the close itself, so that it never sends the next request on it
+    closes_after_stream: ClassVar[bool] = False
 
     def build_body(
         self, prompt: Prompt, *, request: RequestSpec, extra: Mapping[str, Any], model: str | None
@@ -432,7 +435,17 @@ class LlamaCppAdapter(Adapter):
     with ``-np 1``, and ``--cache-ram 0`` keeps it from restoring the prompt from its host-memory prompt
     cache. The alternative, ``cache_prompt: false``, would also stop continuations from reusing the cold
     prompt, which the pairs exist to measure, so it is not used. Metrics need ``--metrics``:
-    ``llamacpp:prompt_tokens_total`` counts prompt tokens actually processed (cache hits excluded)."""
+    ``llamacpp:prompt_tokens_total`` counts prompt tokens actually processed (cache hits excluded).
+
+    Connections (0c1e570's ``server-http.cpp`` with its vendored cpp-httplib): the stream's content provider
+    returns false on its last call, right after ``sink.done()``, which cpp-httplib's
+    ``write_content_chunked`` takes for a cancelled write, so the server closes the connection after every
+    streamed response, once the completion callback has run, with the response complete and no
+    ``Connection: close`` header. A request the client sends on that connection meanwhile is dropped
+    unanswered ("Server disconnected without sending a response": one request per H200 run). So a streamed
+    completion asks for ``Connection: close`` itself (``closes_after_stream``) and the next request opens a
+    new connection; the completion itself goes on the connection its reset or metrics scrape just used, so no
+    connect falls inside TTFT."""
 
     name: ClassVar[str] = "llamacpp"
     completion_path: ClassVar[str] = "/completion"
@@ -442,6 +455,7 @@ class LlamaCppAdapter(Adapter):
     protected_fields: ClassVar[frozenset[str]] = frozenset({"prompt", "stream"})
     counters: ClassVar[Counters] = ENGINE_COUNTERS["llamacpp"]
     refetch_short_stream_ids: ClassVar[bool] = True
+    closes_after_stream: ClassVar[bool] = True
 
     def build_body(
         self, prompt: Prompt, *, request: RequestSpec, extra: Mapping[str, Any], model: str | None

@@ -343,6 +343,7 @@ class EngineClient:
             headers={
                 "content-type": "application/json",
                 "accept": "text/event-stream" if stream else "application/json",
+                **({"connection": "close"} if stream and ad.closes_after_stream else {}),
                 **(headers or {}),
             },
             timeout=httpx.Timeout(timeout, connect=min(self.connect_timeout_s, timeout)),

@@ -27,7 +27,7 @@ CASES = {
     "vllm": ("vllm", {}),
     "sglang": ("sglang", {}),
     "sglang-incremental": ("sglang", {"sglang_incremental": True}),
-    "llamacpp": ("llamacpp", {}),
+    "llamacpp": ("llamacpp", {"llamacpp_close_after_stream_s": 0.02}),  # as llama-server closes after a stream
 }
 RESET = {"vllm": "/reset_prefix_cache", "sglang": "/flush_cache", "llamacpp": "/slots/0?action=erase"}
 
@@ -52,6 +52,28 @@ def spec(**kw: object) -> RequestSpec:
 def expected(eng: fake_engines.FakeEngine, prompt_ids: list[int], n: int) -> tuple[list[int], str]:
     ids = fake_engines.output_ids(prompt_ids, n, eng.tokenizer.encode(fake_engines._SENTENCE))
     return ids, eng.tokenizer.decode(ids)
+
+
+def test_llamacpp_stream_asks_to_close_its_connection(monkeypatch: pytest.MonkeyPatch) -> None:
+    """llama-server closes the connection after a streamed response, a moment later and without saying so,
+    dropping a request sent on it meanwhile. The adapter asks for the close, so back-to-back streamed
+    completions (and the reset between them) each go out on a connection that will answer; without that the
+    second completion is dropped unanswered."""
+    from abbench.adapters import LlamaCppAdapter
+
+    cfg = fake_engines.FakeEngineConfig("llamacpp", llamacpp_close_after_stream_s=0.3)
+    with fake_engines.FakeEngine(cfg) as eng, EngineClient(connect_timeout_s=2.0) as c:
+        n = len(eng.tokenizer.encode(PROMPT))
+        for _ in range(3):
+            got = c.complete(eng.base_url, PROMPT, request=spec(), extra={}, target_prompt_tokens=n,
+                             adapter="llamacpp")
+            assert got.saw_done and len(got.output_ids) == 8
+            c.reset(eng.base_url, RESET["llamacpp"])
+        monkeypatch.setattr(LlamaCppAdapter, "closes_after_stream", False)
+        c.complete(eng.base_url, PROMPT, request=spec(), extra={}, target_prompt_tokens=n, adapter="llamacpp")
+        with pytest.raises(RequestError) as e:  # sent on the connection the server is about to close
+            c.complete(eng.base_url, PROMPT, request=spec(), extra={}, target_prompt_tokens=n, adapter="llamacpp")
+        assert e.value.kind == "connect" and "without sending a response" in str(e.value)
 
 
 # ------------------------------------------------------------------------------------------ round trips

@@ -87,6 +87,10 @@ class FakeEngineConfig:
     sglang_metrics: bool = True  # SGLang --enable-metrics
     llamacpp_slot_save_path: str | None = "/tmp"  # llama.cpp --slot-save-path (slot actions need it)
     llamacpp_metrics: bool = True  # llama.cpp --metrics
+    # llama.cpp (0c1e570) closes the connection after every streamed response, once its completion callback
+    # has run, and drops a request that arrived on it meanwhile unanswered: after this many seconds (None: keep
+    # the connection alive, as other servers do)
+    llamacpp_close_after_stream_s: float | None = None
     token_delay_s: float = 0.0
     flip_at_length: int | None = None  # a near-tied choice flips when the history is this long
 
@@ -560,6 +564,10 @@ class _Handler(BaseHTTPRequestHandler):
         if mode == "after-final":
             self._event({"index": 0, "content": " extra", "tokens": [0], "stop": False})
         self._stream_end()
+        if cfg.llamacpp_close_after_stream_s is not None:
+            self.wfile.flush()
+            time.sleep(cfg.llamacpp_close_after_stream_s)
+            self.close_connection = True  # without reading what the client sent since
 
 
 # ------------------------------------------------------------------------------------- in-process and CLI
