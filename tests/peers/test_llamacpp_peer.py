@@ -369,3 +369,73 @@ def test_real_llama_server_tokenizes_like_the_harness_and_matches_the_engine(tmp
         os.killpg(proc.pid, 15)
         proc.wait(timeout=30)
         log.close()
+
+
+@needs_server
+@pytest.mark.slow
+def test_real_llama_server_closes_after_a_stream_and_the_client_never_reuses_it(tmp_path: Path) -> None:
+    """The premise of ``LlamaCppAdapter.closes_after_stream``: llama-server keeps a connection open after a
+    plain response but closes it right after a streamed one (advertising keep-alive all the same), so a request
+    sent on it meanwhile is dropped. With the adapter asking for the close, back-to-back streamed completions
+    never fail to connect."""
+    import collections
+
+    from abbench.client import EngineClient
+    from abbench.errors import RequestError
+    from abbench.profile import RequestSpec
+
+    port = _free_port()
+    env = {**os.environ, "ABBENCH_CACHE_DIR": str(tmp_path / "cache"), "PYTHONPATH": str(REPO)}
+    log = open(tmp_path / "server.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "abbench.peers.llamacpp_serve", "--model", "tiny", "--dtype",
+                             "float32", "--", "--host", "127.0.0.1", "--port", str(port), "-c", "2048", "-np", "1",
+                             "-t", "2", "-ngl", "0", "--slot-save-path", str(tmp_path), "--cache-ram", "0"],
+                            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 180
+        while True:
+            assert proc.poll() is None, (tmp_path / "server.log").read_text()[-2000:]
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "llama-server did not become healthy"
+            time.sleep(0.5)
+
+        def after_response(stream: bool) -> str:
+            body = json.dumps({"prompt": [1000, 2000, 3000], "n_predict": 4, "temperature": 0,
+                               "stream": stream}).encode()
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+                s.sendall(b"POST /completion HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                          b"Connection: keep-alive\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+                data = b""
+                while not (data.endswith(b"\r\n0\r\n\r\n") and b'"stop":true' in data if stream else
+                           b"\r\n\r\n" in data and data.rstrip().endswith(b"}")):
+                    chunk = s.recv(65536)
+                    assert chunk, "the server closed before the response was complete"
+                    data += chunk
+                assert b"keep-alive" in data.split(b"\r\n\r\n")[0].lower()  # it says it keeps the connection
+                s.settimeout(1.0)
+                try:
+                    return "closed" if s.recv(100) == b"" else "data"
+                except socket.timeout:
+                    return "open"
+
+        assert after_response(stream=False) == "open"
+        assert after_response(stream=True) == "closed"
+        kinds: collections.Counter = collections.Counter()
+        with EngineClient() as c:
+            for i in range(100):
+                try:
+                    c.complete(url, [1000 + i, 2000, 3000, 4000], request=RequestSpec(max_tokens=4, timeout_s=30),
+                               extra={}, target_prompt_tokens=4, adapter="llamacpp")
+                    kinds["ok"] += 1
+                except RequestError as e:
+                    kinds[e.kind] += 1
+        assert kinds["connect"] == 0 and kinds["ok"] >= 90, dict(kinds)
+    finally:
+        os.killpg(proc.pid, 15)
+        proc.wait(timeout=30)
+        log.close()
