@@ -444,8 +444,8 @@ class LlamaCppAdapter(Adapter):
     ``Connection: close`` header. A request the client sends on that connection meanwhile is dropped
     unanswered ("Server disconnected without sending a response": one request per H200 run). So a streamed
     completion asks for ``Connection: close`` itself (``closes_after_stream``) and the next request opens a
-    new connection; the completion itself goes on the connection its reset or metrics scrape just used, so no
-    connect falls inside TTFT."""
+    new connection; the completion itself goes on the connection its reset or metrics scrape just used (the
+    runner sends both by default), so no connect falls inside TTFT."""
 
     name: ClassVar[str] = "llamacpp"
     completion_path: ClassVar[str] = "/completion"
