@@ -4,6 +4,7 @@ and, when a llama-server binary is given ($ABBENCH_LLAMA_SERVER), the real serve
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -13,6 +14,7 @@ import subprocess
 import sys
 import tarfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -314,24 +316,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@needs_server
-@pytest.mark.slow
-def test_real_llama_server_tokenizes_like_the_harness_and_matches_the_engine(tmp_path: Path) -> None:
-    """The launcher exports the tiny float32 GGUF into the cache and starts the real server on it: it counts
-    and splits prompt text exactly as the harness's tokenizer does, and its greedy ids and logprobs equal the
-    vendored engine's in-process ones (float32, no flash attention, f32 KV cache)."""
-    pytest.importorskip("torch")
-    pytest.importorskip("gguf")
-    from abbench.engine import Engine, EngineConfig
-    from abbench.prompts import build_prompts
-    from abbench.tokenizers import encode_ids, load_tokenizer
-
+@contextlib.contextmanager
+def _real_server(tmp_path: Path, *flags: str) -> Iterator[tuple[str, int]]:
+    """The real llama-server through the launcher on the tiny float32 GGUF (exported into a fresh cache),
+    healthy; yields (base URL, port) and stops it after."""
     port = _free_port()
     env = {**os.environ, "ABBENCH_CACHE_DIR": str(tmp_path / "cache"), "PYTHONPATH": str(REPO)}
     log = open(tmp_path / "server.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "abbench.peers.llamacpp_serve", "--model", "tiny", "--dtype",
                              "float32", "--", "--host", "127.0.0.1", "--port", str(port), "-c", "2048", "-np", "1",
-                             "-t", "2", "-fa", "off", "-ctk", "f32", "-ctv", "f32"],
+                             "-t", "2", *flags],
                             env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         url = f"http://127.0.0.1:{port}"
@@ -345,6 +339,26 @@ def test_real_llama_server_tokenizes_like_the_harness_and_matches_the_engine(tmp
                 pass
             assert time.monotonic() < deadline, "llama-server did not become healthy"
             time.sleep(0.5)
+        yield url, port
+    finally:
+        os.killpg(proc.pid, 15)
+        proc.wait(timeout=30)
+        log.close()
+
+
+@needs_server
+@pytest.mark.slow
+def test_real_llama_server_tokenizes_like_the_harness_and_matches_the_engine(tmp_path: Path) -> None:
+    """The launcher exports the tiny float32 GGUF into the cache and starts the real server on it: it counts
+    and splits prompt text exactly as the harness's tokenizer does, and its greedy ids and logprobs equal the
+    vendored engine's in-process ones (float32, no flash attention, f32 KV cache)."""
+    pytest.importorskip("torch")
+    pytest.importorskip("gguf")
+    from abbench.engine import Engine, EngineConfig
+    from abbench.prompts import build_prompts
+    from abbench.tokenizers import encode_ids, load_tokenizer
+
+    with _real_server(tmp_path, "-fa", "off", "-ctk", "f32", "-ctv", "f32") as (url, _):
         tok = load_tokenizer("qwen3")
         prof = load_profile(str(REPO / "profiles" / "cpu-tiny-llamacpp.toml"))
         texts = [b.text for b in build_prompts(tok, prof.prompts)]
@@ -365,10 +379,6 @@ def test_real_llama_server_tokenizes_like_the_harness_and_matches_the_engine(tmp
             if len(body["completion_probabilities"]) == len(events):  # else a mid-character token left them out
                 theirs = [p["logprob"] for p in body["completion_probabilities"]]
                 assert max(abs(a - e.logprob) for a, e in zip(theirs, events)) < 1e-4
-    finally:
-        os.killpg(proc.pid, 15)
-        proc.wait(timeout=30)
-        log.close()
 
 
 @needs_server
@@ -384,25 +394,7 @@ def test_real_llama_server_closes_after_a_stream_and_the_client_never_reuses_it(
     from abbench.errors import RequestError
     from abbench.profile import RequestSpec
 
-    port = _free_port()
-    env = {**os.environ, "ABBENCH_CACHE_DIR": str(tmp_path / "cache"), "PYTHONPATH": str(REPO)}
-    log = open(tmp_path / "server.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "abbench.peers.llamacpp_serve", "--model", "tiny", "--dtype",
-                             "float32", "--", "--host", "127.0.0.1", "--port", str(port), "-c", "2048", "-np", "1",
-                             "-t", "2", "-ngl", "0", "--slot-save-path", str(tmp_path), "--cache-ram", "0"],
-                            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 180
-        while True:
-            assert proc.poll() is None, (tmp_path / "server.log").read_text()[-2000:]
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "llama-server did not become healthy"
-            time.sleep(0.5)
+    with _real_server(tmp_path, "-ngl", "0", "--slot-save-path", str(tmp_path), "--cache-ram", "0") as (url, port):
 
         def after_response(stream: bool) -> str:
             body = json.dumps({"prompt": [1000, 2000, 3000], "n_predict": 4, "temperature": 0,
@@ -435,7 +427,3 @@ def test_real_llama_server_closes_after_a_stream_and_the_client_never_reuses_it(
                 except RequestError as e:
                     kinds[e.kind] += 1
         assert kinds["connect"] == 0 and kinds["ok"] >= 90, dict(kinds)
-    finally:
-        os.killpg(proc.pid, 15)
-        proc.wait(timeout=30)
-        log.close()
