@@ -447,14 +447,29 @@ class EngineClient:
 def _with_refetched_ids(short: ShortIds, again: Completion, raw: RawResponse, started_at: float,
                          what: str) -> Completion:
     """The streamed completion with the ids of a non-streamed repeat of the request (same prompt, now cached by
-    the server), if that repeat agrees with everything the stream did carry: the same text, as many ids as the
-    stream's usage counted, and every streamed id in order among them. Else the stream's protocol error."""
-    ids, it = again.output_ids, iter(again.output_ids)
-    in_order = all(any(i == j for j in it) for i in short.streamed_ids)
-    if not (again.ids_source == "native" and len(ids) == short.completion_tokens and again.text == short.text
+    the server), if that repeat agrees with everything the stream did carry: the same text (or the stream's
+    text plus the tail of an output ending inside a character, see below), as many ids as the stream's usage
+    counted, and every streamed id in order among them. The text stays the stream's. Else the stream's
+    protocol error."""
+    ids = again.output_ids
+    pos, in_order = 0, True
+    for i in short.streamed_ids:  # each streamed id, in order, among the repeat's
+        while pos < len(ids) and ids[pos] != i:
+            pos += 1
+        if pos == len(ids):
+            in_order = False
+            break
+        pos += 1
+    # An output that ends inside a UTF-8 character: the stream never sent its last token(s), and the body
+    # holds their text up to U+FFFD for the incomplete bytes. So the repeat may add such a tail after the
+    # stream's text, only where ids follow the last streamed one.
+    tail = again.text[len(short.text):] if again.text.startswith(short.text) else None
+    same_text = again.text == short.text or (
+        in_order and pos < len(ids) and tail is not None and tail.endswith("\ufffd"))
+    if not (again.ids_source == "native" and len(ids) == short.completion_tokens and same_text
             and in_order and again.finish_reason == short.finish_reason):
         raise RequestError("protocol", f"{short.detail}; a non-streamed repeat did not reproduce the stream "
-                                       f"({len(ids)} ids, same text: {again.text == short.text}, streamed ids in "
+                                       f"({len(ids)} ids, same text: {same_text}, streamed ids in "
                                        f"order: {in_order})")
     engine = dict(short.engine or {})
     engine["ids_refetched"] = {"streamed_ids": len(short.streamed_ids), "ids": len(ids),

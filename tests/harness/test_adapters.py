@@ -4,6 +4,7 @@ rule, and a whole ``runner.execute`` run per engine launched as a service."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from collections.abc import Iterator
@@ -251,6 +252,32 @@ def test_llamacpp_stream_without_mid_character_ids_is_completed_by_a_refetch(
     c = client.complete(llamacpp.base_url, PROMPT, request=spec(), extra={}, target_prompt_tokens=len(prompt_ids),
                         adapter="llamacpp")
     assert c.output_ids == ids and c.logprobs is not None and "ids_refetched" not in (c.engine or {})
+
+
+def test_llamacpp_output_ending_inside_a_character_is_completed_by_the_refetch(
+        llamacpp: fake_engines.FakeEngine, client: EngineClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The last token ends inside a UTF-8 character: the stream never carries it, the body's text ends with
+    U+FFFD for the incomplete bytes (as the real server, 0c1e570, at 6 of 200 two-token outputs of the tiny
+    preset). The refetch completes the ids and keeps the stream's text; a tail without that mark, or one
+    where the stream carried the last id, is still a protocol error."""
+    prompt_ids = llamacpp.tokenizer.encode(PROMPT)
+    ids, text = expected(llamacpp, prompt_ids, 8)
+    c = client.complete(llamacpp.base_url, PROMPT, request=spec(), extra={"fake_mid_char": [7]},
+                        target_prompt_tokens=len(prompt_ids), adapter="llamacpp")
+    last = llamacpp.tokenizer.decode(ids[7:])
+    assert c.output_ids == ids and c.completion_tokens == 8 and c.text == text[:len(text) - len(last)]
+    assert c.engine["ids_refetched"]["streamed_ids"] == 7
+    real = EngineClient.complete
+
+    def unmarked(self, *a, **kw):  # the repeat's tail lacks the replacement character: not that case
+        got = real(self, *a, **kw)
+        return got if kw["request"].stream else dataclasses.replace(got, text=got.text[:-1] + "x")
+
+    monkeypatch.setattr(EngineClient, "complete", unmarked)
+    with pytest.raises(RequestError) as e:
+        client.complete(llamacpp.base_url, PROMPT, request=spec(), extra={"fake_mid_char": [7]},
+                        target_prompt_tokens=len(prompt_ids), adapter="llamacpp")
+    assert e.value.kind == "protocol" and "same text: False" in e.value.detail
 
 
 def test_a_short_stream_is_not_refetched_from_other_engines_or_against_a_changed_answer(

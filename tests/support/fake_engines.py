@@ -28,7 +28,10 @@ the last event's finish reason is an abort), ``no-final`` (llama.cpp: the stream
 ``stopped_limit`` instead of ``stop_type``, as servers before late 2024). ``fake_mid_char: [j, ...]``
 (llama.cpp): the tokens at those output positions end inside a UTF-8 character, as the real server (commit
 0c1e570) handles them: streamed, they send no event and the next event carries their text but only its own
-id; not streamed, ``completion_probabilities`` leaves them out while ``tokens`` lists every id.
+id; not streamed, ``completion_probabilities`` leaves them out while ``tokens`` lists every id. When the
+last output token is one of them (the output ends inside a character), the stream never carries its text and
+the body's ``content`` ends with U+FFFD in place of its last character, as the real server decodes the
+incomplete bytes.
 
 A prefix cache is simulated per server: a prompt reuses the longest common prefix with any prompt served
 since the last reset (at most all but its last token), reported the way each engine reports it; the reset
@@ -541,6 +544,8 @@ class _Handler(BaseHTTPRequestHandler):
         mid = {int(j) for j in body.get("fake_mid_char") or ()}
         if not body.get("stream"):
             final["content"] = "".join(pieces)
+            if len(ids) - 1 in mid and final["content"]:  # the incomplete last character, decoded
+                final["content"] = final["content"][:-1] + "\ufffd"
             final["tokens"] = ids if body.get("return_tokens") else []
             if k:
                 final["completion_probabilities"] = [probs(j) for j in range(len(ids)) if j not in mid]
