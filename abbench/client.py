@@ -301,7 +301,7 @@ class EngineClient:
         connection the server closed as the request went out). A second drop, or any other error, raises."""
         try:
             return self._http.request(method, url, timeout=self.control_timeout_s, headers=headers)
-        except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as e:
+        except httpx.TransportError as e:
             if not _dropped_unanswered(e):
                 raise
         return self._http.request(method, url, timeout=self.control_timeout_s, headers=headers)

@@ -206,6 +206,15 @@ class _MemSample:
     tx: float | None
 
 
+@dataclass
+class _Mark:
+    """An open telemetry window: when it opened, the host's CPU times and the service tree's CPU seconds."""
+
+    mono: float
+    host_cpu: Any
+    tree_cpu: dict[int, float]
+
+
 class _PcieSeries:
     def __init__(self) -> None:
         self.t: list[float] = []
@@ -289,8 +298,7 @@ class ServiceMonitor:
         self._lock = threading.Lock()
         self._mem: list[_MemSample] = []
         self._pcie: dict[int, _PcieSeries] = {d: _PcieSeries() for d in (gpu.devices() if gpu else [])}
-        self._marks: dict[int, float] = {}
-        self._cpu_marks: dict[int, tuple[Any, dict[int, float]]] = {}
+        self._marks: dict[int, _Mark] = {}
         self._next_mark = 0
         self._stop = threading.Event()
         self._wake = {d: threading.Event() for d in self._pcie}
@@ -336,9 +344,13 @@ class ServiceMonitor:
         tx = [s.tx for s in self._pcie.values() if s.tx is not None]
         return (sum(rx) if rx else None), (sum(tx) if tx else None)
 
-    def sample_now(self) -> MemoryPoint:
-        """Take one memory sample now (it joins the series) and return it."""
-        procs = process_tree(self.pid) if self.pid is not None else []
+    def _procs(self) -> list[psutil.Process]:
+        return process_tree(self.pid) if self.pid is not None else []
+
+    def sample_now(self, procs: list[psutil.Process] | None = None) -> MemoryPoint:
+        """Take one memory sample now (it joins the series) and return it; ``procs``: the service's process
+        tree when the caller has just listed it."""
+        procs = self._procs() if procs is None else procs
         rss = tree_rss(procs)
         gpu_used = proc_gpu = None
         if self.gpu is not None:
@@ -431,7 +443,7 @@ class ServiceMonitor:
         with self._lock:
             keep_from = time.monotonic() - _PCIE_KEEP_S
             if self._marks:
-                keep_from = min(keep_from, min(self._marks.values()) - 1.0)
+                keep_from = min(keep_from, min(m.mono for m in self._marks.values()) - 1.0)
             i = bisect.bisect_left(series.t, keep_from)
             if i > 0:
                 del series.t[:i]
@@ -452,12 +464,11 @@ class ServiceMonitor:
         """Open a window now and return its handle for :meth:`window`: it reads the host's and the service's
         CPU times (a few ms; no memory sample). While a window is open, PCIe RX is read about every 20 ms on
         each device."""
-        cpu = (psutil.cpu_times(), tree_cpu(process_tree(self.pid)) if self.pid is not None else {})
+        host, tree = psutil.cpu_times(), tree_cpu(self._procs())
         with self._lock:
             m = self._next_mark
             self._next_mark += 1
-            self._marks[m] = time.monotonic()
-            self._cpu_marks[m] = cpu
+            self._marks[m] = _Mark(time.monotonic(), host, tree)
         for e in self._wake.values():
             e.set()
         return m
@@ -468,7 +479,7 @@ class ServiceMonitor:
         with self._lock:
             if start_mark not in self._marks:
                 raise KeyError(f"unknown or already closed telemetry mark {start_mark}")
-            start = self._marks[start_mark]
+            start = self._marks[start_mark].mono
         end = time.monotonic()
         if self._threads and not self._stop.is_set():
             deadline = end + settle_s
@@ -480,11 +491,11 @@ class ServiceMonitor:
                 if done:
                     break
                 time.sleep(0.002)
-        cpu_after = (psutil.cpu_times(), tree_cpu(process_tree(self.pid)) if self.pid is not None else {})
-        self.sample_now()  # the state at the end: a short request gets at least one memory sample
+        procs = self._procs()
+        host_after, tree_after = psutil.cpu_times(), tree_cpu(procs)
+        self.sample_now(procs)  # the state at the end: a short request gets at least one memory sample
         with self._lock:
-            del self._marks[start_mark]
-            cpu_before = self._cpu_marks.pop(start_mark)
+            opened = self._marks.pop(start_mark)
             mem = self._mem[bisect.bisect_left(self._mem, start, key=lambda s: s.mono):]
             rx_total: float | None = None
             max_gap = max(2 * self.interval_s, 0.5)
@@ -502,9 +513,8 @@ class ServiceMonitor:
             got = [v for v in vals if v is not None]
             return max(got) if got else None
 
-        busy, steal = host_cpu_fractions(cpu_before[0], cpu_after[0])
-        tree_before, tree_after = cpu_before[1], cpu_after[1]
-        service_cpu = (sum(max(0.0, t - tree_before.get(pid, 0.0)) for pid, t in tree_after.items())
+        busy, steal = host_cpu_fractions(opened.host_cpu, host_after)
+        service_cpu = (sum(max(0.0, t - opened.tree_cpu.get(pid, 0.0)) for pid, t in tree_after.items())
                        if tree_after else None)
         return {
             "nvml_pcie_rx_bytes": None if rx_total is None or math.isnan(rx_total) else rx_total,

@@ -194,14 +194,14 @@ def check_reference(g: GateInput) -> CheckResult:
     """The reference arm, and the parity reference when it is another arm, have ok measured samples."""
     if g.reference is None:
         return CheckResult("reference", False, "no reference arm", ["no reference arm"])
+    refs = [(g.reference, "reference arm", "")]
+    if g.parity_reference not in (None, g.reference):
+        refs.append((g.parity_reference, "parity reference", " (parity reference)"))
     details, failures = [], []
-    for ref, what in ((g.reference, "reference arm"), (g.parity_reference, "parity reference")):
-        if ref is None or (what == "parity reference" and ref == g.reference):
-            continue
+    for ref, what, suffix in refs:
         n = sum(1 for s in g.ok_samples if s.arm == ref)
-        if n:
-            details.append(f"{ref}: {n} ok measured samples" + (" (parity reference)" if what != "reference arm" else ""))
-        else:
+        details.append(f"{ref}: {n} ok measured samples{suffix}")
+        if not n:
             failures.append(f"{what} {ref} has no ok measured sample")
     return CheckResult("reference", not failures, "; ".join(failures or details), failures)
 

@@ -2,9 +2,9 @@
 
 Parity
 ------
-Each measured ok sample of a non-reference arm is compared with the parity reference's sample of the same
-prompt in the same round (``gate.parity_reference``, else ``run.reference``: one arm can be the yardstick of
-speed and another that of ids) (the nearest other round when that one is missing, failed or carries no ids; the
+Each measured ok sample of another arm is compared with the parity reference's sample of the same prompt
+(``gate.parity_reference``, else ``run.reference``: one arm can be the yardstick of speed and another that
+of ids) in the same round (the nearest other round when that one is missing, failed or carries no ids; the
 row says so). The first K ids (``gate.parity_tokens``) must be equal. Rows also give the first diverging
 position over the whole output, the agreeing prefix out of ``request.max_tokens``, and at the divergence
 the top-2 logprob margin of both sides: "near-tie" when either margin is below :data:`NEAR_TIE_NATS`,
@@ -31,6 +31,7 @@ probe use it too).
 
 from __future__ import annotations
 
+import statistics
 from typing import Any
 
 import pandas as pd
@@ -156,7 +157,7 @@ def logprob_agreement(a: Sample, b: Sample, upto: int) -> dict[str, Any]:
         ma, mb = logprob_margin(a.logprobs, pos), logprob_margin(b.logprobs, pos)
         if ma is not None and mb is not None:
             dm.append(abs(ma - mb))
-    return {"lp_positions": len(lp), "lp_delta_median": float(pd.Series(lp).median()) if lp else None,
+    return {"lp_positions": len(lp), "lp_delta_median": statistics.median(lp) if lp else None,
             "lp_delta_max": max(lp) if lp else None, "margin_delta_max": max(dm) if dm else None}
 
 

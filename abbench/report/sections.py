@@ -304,14 +304,9 @@ def host_cpu_section(ri: ReportInput) -> list[str]:
     df = measured_ok_frame(ri.record)
     if df.empty or (df["service_cpu_s"].isna().all() and df["host_cpu_busy"].isna().all()):
         return []
-    rows = []
-    for (arm, kind, tokens), g in df.groupby(["arm", "kind", "target_tokens"], sort=False):
-        busy, steal, cpu = g["host_cpu_busy"].dropna(), g["host_cpu_steal"].dropna(), g["service_cpu_s"].dropna()
-        rows.append({"arm": arm, "kind": kind, "target_tokens": tokens, "n": len(g),
-                     "busy": busy.median() if not busy.empty else None,
-                     "steal": steal.median() if not steal.empty else None,
-                     "cpu_s": cpu.median() if not cpu.empty else None,
-                     "ttft_s": g["ttft_s"].median()})
+    rows = df.groupby(["arm", "kind", "target_tokens"], sort=False).agg(
+        n=("ttft_s", "size"), ttft_s=("ttft_s", "median"), busy=("host_cpu_busy", "median"),
+        steal=("host_cpu_steal", "median"), cpu_s=("service_cpu_s", "median")).reset_index()
     pct = lambda v: fmt_pct(v, 1)  # noqa: E731
     secs = lambda v: DASH if is_na(v) else f"{float(v):.2f} s"  # noqa: E731
     return ["## Host CPU", "",
@@ -319,7 +314,7 @@ def host_cpu_section(ri: ReportInput) -> list[str]:
              "hypervisor stole (a virtual machine sharing its cores), and the CPU seconds of the service's "
              "process tree (an engine that works on the CPU shows it here). A slower or contended host slows "
              "such an engine more than one that only waits on the GPU."), "",
-            table(sort_rows(pd.DataFrame(rows), ri.record, ["arm", "kind", "target_tokens"]), [
+            table(sort_rows(rows, ri.record, ["arm", "kind", "target_tokens"]), [
                 Col("arm", "Arm", right=False), Col("kind", "Kind", descriptive=True, right=False),
                 Col("target_tokens", "Prompt tokens", fmt_int), Col("n", "n", fmt_int),
                 Col("ttft_s", "TTFT", fmt_s), Col("busy", "Host CPU busy", pct), Col("steal", "Steal", pct),
