@@ -66,7 +66,7 @@ def main(out: str) -> None:
         export_gguf("tiny", gguf, weights="random:0", dtype="float32", device="cpu")
     port = 8977
     proc = subprocess.Popen([resolve_server(), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-np", "1",
-                             "-ngl", "0", "-t", "1", "--slot-save-path", "/tmp", "--cache-ram", "0", "-c", "2048"],
+                             "-ngl", "0", "-t", "2", "--slot-save-path", "/tmp", "--cache-ram", "0", "-c", "2048"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
