@@ -5,7 +5,7 @@ the tiny preset (float32 GGUF of the engine's random:0 weights, -ngl 0):
    meanwhile is dropped: back-to-back streamed completions with and without LlamaCppAdapter.closes_after_stream;
 2. an output that ends inside a UTF-8 character: the stream never sends its last token, the refetch completes it.
 
-    ABBENCH_LLAMA_SERVER=... python results/20261201-cpu-llamacpp-connection-checks/check.py OUT.json
+    ABBENCH_LLAMA_SERVER=... python results/20261201-cpu-llamacpp-connection-checks/check.py OUT.json [THREADS]
 """
 
 from __future__ import annotations
@@ -60,13 +60,13 @@ def streams(url: str, n_prompts: int, max_tokens: int) -> dict[str, int]:
     return dict(kinds)
 
 
-def main(out: str) -> None:
+def main(out: str, threads: int) -> None:
     gguf = gguf_cache_path("tiny", "random:0", "float32", "cpu")
     if not gguf.is_file():
         export_gguf("tiny", gguf, weights="random:0", dtype="float32", device="cpu")
     port = 8977
     proc = subprocess.Popen([resolve_server(), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-np", "1",
-                             "-ngl", "0", "-t", "2", "--slot-save-path", "/tmp", "--cache-ram", "0", "-c", "2048"],
+                             "-ngl", "0", "-t", str(threads), "--slot-save-path", "/tmp", "--cache-ram", "0", "-c", "2048"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -80,7 +80,7 @@ def main(out: str) -> None:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
         dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
                                     text=True).stdout.strip())
-        res: dict = {"commit": commit, "dirty": dirty, "server": resolve_server(),
+        res: dict = {"commit": commit, "dirty": dirty, "server": resolve_server(), "threads": threads,
                      "after_plain_response": after_response(port, False),
                      "after_streamed_response": after_response(port, True), "back_to_back": []}
         for flag in (False, True, False, True):
@@ -97,4 +97,4 @@ def main(out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "output.json")
+    main(sys.argv[1] if len(sys.argv) > 1 else "output.json", int(sys.argv[2]) if len(sys.argv) > 2 else 2)
