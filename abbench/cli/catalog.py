@@ -1,0 +1,78 @@
+"""What a profile reaches before anything runs: ``prompts`` (the built prompts, their token counts and hashes)
+and ``profiles`` (every profile a name finds, and where it came from).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Annotated, Optional
+
+import typer
+from rich.table import Table
+
+from abbench.cli.common import ProfileOpt, _fail, _parse_lengths, console, out
+from abbench.errors import AbbenchError, ConfigError
+
+
+
+def prompts(
+    profile: ProfileOpt = None,
+    lengths: Annotated[Optional[str], typer.Option(help="Fresh prompt lengths, e.g. 512,2k.")] = None,
+    show: Annotated[Optional[str], typer.Option(help="Print the full text of this prompt id.")] = None,
+) -> None:
+    """Build the profile's prompts and print their ids, token counts and sha256 (for inspection)."""
+    from abbench.profile import load_profile
+    from abbench.prompts import build_prompts
+    from abbench.runner import profile_dir
+    from abbench.tokenizers import load_tokenizer
+
+    try:
+        prof = load_profile(profile).with_overrides(lengths=_parse_lengths(lengths))
+        t0 = time.perf_counter()
+        tok = load_tokenizer(prof.tokenizer.source, base_dir=profile_dir(prof))
+        t1 = time.perf_counter()
+        built = build_prompts(tok, prof.prompts, base_dir=profile_dir(prof))
+        t2 = time.perf_counter()
+    except AbbenchError as e:
+        _fail(e)
+        return
+    if show:
+        match = [b for b in built if b.record.id == show]
+        if not match:
+            _fail(ConfigError(f"--show: no prompt {show!r}; ids are {', '.join(b.record.id for b in built)}"))
+        sys.stdout.write(match[0].text)
+        return
+    total = sum(b.record.token_count for b in built)
+    table = Table(title=f"{prof.name}: {len(built)} prompts, {total:,} tokens")
+    for col, width in (("id", 16), ("kind", 12), ("tokens", 7), ("corpus", 8), ("sha256", 12)):
+        table.add_column(col, no_wrap=True, min_width=width, justify="right" if col == "tokens" else "left")
+    table.add_column("preview", no_wrap=True, overflow="ellipsis")
+    for b in built:
+        r = b.record
+        table.add_row(r.id, r.kind, str(r.token_count), r.corpus, r.sha256[:12],
+                      " ".join(r.preview.split())[:48])
+    out.print(table)
+    console.print(f"tokenizer {prof.tokenizer.source!r} loaded in {t1 - t0:.2f} s; prompts built and "
+                  f"checked (exact length, re-encoded) in {t2 - t1:.2f} s")
+
+
+def profiles() -> None:
+    """List the profiles a name reaches: ./profiles in the working directory first, then the bundled ones
+    (each row says where it came from; a bundled profile hidden by a ./profiles file of the same name is
+    marked)."""
+    from abbench.profile import available_profiles, load_profile, profile_dirs
+
+    table = Table(title="profiles (" + ", then ".join(f"{src}: {d}" for src, d in profile_dirs()) + ")")
+    table.add_column("name")
+    table.add_column("source")
+    table.add_column("arms")
+    table.add_column("description")
+    for e in available_profiles():
+        source = e.source if e.shadowed_by is None else f"{e.source} (hidden by {e.shadowed_by})"
+        try:
+            prof = load_profile(str(e.path))
+            table.add_row(e.name, source, ",".join(a.name for a in prof.arms), prof.description)
+        except AbbenchError as err:
+            table.add_row(e.name, source, "[red]invalid[/]", str(err).splitlines()[-1])
+    out.print(table)

@@ -1,0 +1,92 @@
+"""What every command group of the ``abbench`` command line shares: the two consoles (messages and progress on
+stderr, results on stdout), the default results and reports folders, the error-to-exit-code mapping
+(:func:`_fail`), the list and length option parsers, the common option and argument types, and the lookup of the
+latest run. Imports nothing from the command modules.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+
+from abbench.errors import AbbenchError, ConfigError
+
+console = Console(stderr=True)
+out = Console()
+
+RESULTS_ROOT = Path("results")
+REPORTS_ROOT = Path("reports")
+
+
+def _fail(e: AbbenchError) -> None:
+    from rich.markup import escape
+
+    console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False)
+    raise typer.Exit(e.exit_code)
+
+
+def _parse_csv(value: Optional[str], flag: str) -> Optional[list[str]]:
+    if value is None:
+        return None
+    items = [v.strip() for v in value.split(",") if v.strip()]
+    if not items:
+        raise ConfigError(f"{flag}: give a comma-separated list")
+    return items
+
+
+def _parse_lengths(value: Optional[str]) -> Optional[list[int]]:
+    items = _parse_csv(value, "--lengths")
+    if items is None:
+        return None
+    out_: list[int] = []
+    for it in items:
+        mult = 1
+        s = it.lower()
+        if s.endswith("k"):
+            mult, s = 1024, s[:-1]
+        try:
+            n = int(s) * mult
+        except ValueError:
+            raise ConfigError(f"--lengths: {it!r} is not a token count (e.g. 512, 4k, 32768)") from None
+        if n <= 0:
+            raise ConfigError(f"--lengths: {it!r} must be positive")
+        out_.append(n)
+    return out_
+
+
+ProfileOpt = Annotated[
+    Optional[str],
+    typer.Option("--profile", "-p", help="A path to a .toml file, or a profile name: looked up in ./profiles, then "
+                 "among the bundled profiles (`abbench profiles` lists them). Default: cpu-tiny."),
+]
+
+
+
+def _run_or_latest(run: Optional[Path]) -> Path:
+    """``run`` as given, or the most recent run under ./results (said on stderr); ResultsError when none."""
+    if run is not None:
+        return run
+    from abbench.results import latest_run
+
+    found = latest_run(RESULTS_ROOT)
+    console.print(f"no run given: using the latest under {RESULTS_ROOT}/: {found}", highlight=False)
+    return found
+
+
+RunArg = Annotated[Optional[Path], typer.Argument(
+    help="Run directory (or run id under results/). Default: the most recent run under ./results/.")]
+
+
+def _render_report(run: Path, out: Optional[Path] = None) -> Path:
+    from abbench.report import write_report
+    from abbench.results import load_run
+
+    record, problems = load_run(run, RESULTS_ROOT)
+    root = out or REPORTS_ROOT
+    md = write_report(record, problems, root / f"{record.run_id}.md", root / record.run_id)
+    console.print(f"report -> {md}")
+    return md
+

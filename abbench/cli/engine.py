@@ -1,0 +1,138 @@
+"""The vendored engine's commands: ``serve`` (the engine, or the transformers reference, behind one API; its
+options pass through), ``memory-plan`` (the device-memory plan a budget leaves, no GPU needed) and
+``export-gguf`` (the engine's weights as a llama.cpp GGUF).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.table import Table
+
+from abbench.cli.common import _fail, _parse_csv, console, out
+from abbench.errors import AbbenchError, ConfigError
+
+
+def serve(ctx: typer.Context) -> None:
+    """Serve the vendored offloaded-MoE engine (OpenAI-compatible), or with `--backend transformers` a model's
+    transformers implementation behind the same API (the reference). All other options pass through; see
+    `abbench serve --help` and `abbench serve --backend transformers --help`."""
+    args, backend = list(ctx.args), "engine"
+    for i, a in enumerate(args):
+        if a == "--backend" and i + 1 < len(args):
+            backend = args[i + 1]
+            del args[i:i + 2]
+            break
+        if a.startswith("--backend="):
+            backend = a.split("=", 1)[1]
+            del args[i]
+            break
+    if backend == "transformers":
+        from abbench.engine.reference import main as reference_main
+
+        raise typer.Exit(reference_main(args))
+    if backend != "engine":
+        raise typer.BadParameter(f"--backend {backend!r}: expected engine (the vendored engine, the default) or "
+                                 "transformers (the reference)")
+    from abbench.engine.server import main as engine_main
+
+    engine_main(args)
+
+
+def memory_plan_cmd(
+    model: Annotated[str, typer.Option(help="The engine's preset (e.g. qwen3-30b-a3b-2507, qwen3.5-35b-a3b, "
+                                            "qwen4-exp-half) or a local HF model directory.")] = "tiny",
+    budget: Annotated[Optional[float], typer.Option(help="Device-memory budget in GB (1e9 bytes), the engine's "
+                                                         "--gpu-memory-budget; without it, the smallest budget "
+                                                         "each chunk length needs.")] = None,
+    chunk_tokens: Annotated[str, typer.Option(help="Comma-separated prefill chunk lengths to compare.")] =
+        "2048,4096,8192,16384",
+    max_context: Annotated[int, typer.Option(help="The engine's --max-context (the KV cache's length).")] = 65536,
+    window_tokens: Annotated[Optional[int], typer.Option(help="The engine's --layer-major-window-tokens "
+                                                              "(default: the engine's).")] = None,
+    dtype: Annotated[str, typer.Option(help="float32 or bfloat16 (the engine's --dtype on CUDA).")] = "bfloat16",
+    resident: Annotated[bool, typer.Option(help="Plan for --prefill-mode resident (every expert on the "
+                                                "device) instead of offloaded experts.")] = False,
+) -> None:
+    """What the vendored engine keeps on the GPU at each prefill chunk length, and the decode slot cache a
+    budget leaves (the plan `--gpu-memory-budget` applies at start-up; no GPU needed). A longer chunk runs
+    fewer, larger GEMMs but needs a larger workspace, so fewer experts stay cached for decode: choose the
+    chunk length per budget here, then start the engine with it (`--chunk-tokens`)."""
+    from abbench.engine.config import EngineConfig
+    from abbench.engine.memory import plan_device_memory
+
+    try:
+        chunks = [int(c) for c in (_parse_csv(chunk_tokens, "--chunk-tokens") or [])]
+    except ValueError:
+        chunks = []
+    if not chunks or any(c <= 0 for c in chunks):
+        _fail(ConfigError(f"--chunk-tokens {chunk_tokens!r}: give positive token counts, e.g. 2048,8192"))
+        return
+    table = Table(title=f"device-memory plan: {model}, {dtype}, max context {max_context:,}"
+                  + (f", budget {budget:g} GB" if budget is not None else "") + (", resident" if resident else ""))
+    for col in ("chunk tokens", "workspace", "fixed (GB)", "slots/layer", "slot cache", "total", "note"):
+        table.add_column(col, justify="left" if col == "note" else "right")
+    gb = lambda b: f"{b / 1e9:.2f}"  # noqa: E731
+    for chunk in chunks:
+        knobs = dict(layer_major_window_tokens=window_tokens) if window_tokens else {}
+        try:
+            cfg = EngineConfig(model=model, device="cuda", dtype=dtype, chunk_tokens=chunk, max_context=max_context,
+                               prefill_mode="resident" if resident else "chunked", **knobs).resolved()
+        except (ValueError, AbbenchError) as e:
+            _fail(e if isinstance(e, AbbenchError) else ConfigError(str(e)))
+            return
+        try:
+            if budget is None:  # the least decode can run with: one token's experts in every layer
+                k = 0 if resident else cfg.model.num_experts_per_tok
+                unbounded = plan_device_memory(cfg, 1 << 62)
+                plan = plan_device_memory(cfg, unbounded.fixed_bytes + k * unbounded.slot_bytes)
+                note = f"needs at least {plan.total_bytes / 1e9:.2f} GB" + ("" if resident else f" ({k} slots per layer)")
+            else:
+                plan, note = plan_device_memory(cfg, int(budget * 1e9)), ""
+        except ValueError as e:
+            table.add_row(f"{chunk:,}", "", "", "", "", "", f"[red]does not fit[/]: {str(e).split(';')[0]}")
+            continue
+        table.add_row(f"{chunk:,}", gb(plan.workspace_bytes), gb(plan.fixed_bytes), str(plan.slots_per_layer),
+                      gb(plan.slots_per_layer * plan.slot_bytes), gb(plan.total_bytes), note)
+    out.print(table)
+
+
+def export_gguf_cmd(
+    model: Annotated[str, typer.Option(help="The engine's preset (a Qwen3-MoE shape: tiny, qwen3-30b-a3b-half, ...).")] = "tiny",
+    weights: Annotated[str, typer.Option(help="random:SEED, the engine's --weights.")] = "random:0",
+    dtype: Annotated[str, typer.Option(help="float32 or bfloat16: the engine's --dtype; the GGUF's matrices in it.")] = "float32",
+    device: Annotated[str, typer.Option(help="Device the weights are drawn on: the one the engine runs on (cpu, "
+                                             "cuda); a CUDA draw differs from a CPU one.")] = "cpu",
+    out_path: Annotated[Optional[Path], typer.Option("--out", help="GGUF to write (default: the cache path the "
+                                                     "profiles' llama.cpp command reads).")] = None,
+    tokenizer: Annotated[Optional[str], typer.Option(help="Built-in vocabulary (default: qwen3 for 151,936 "
+                                                          "rows).")] = None,
+) -> None:
+    """Write a llama.cpp `qwen3moe` GGUF of the vendored engine's own random weights (same values, same
+    tokenizer), tensor by tensor, for an A/B run of the engine against llama.cpp (README "Against llama.cpp")."""
+    try:
+        from abbench.peers.gguf_export import export_gguf
+        from abbench.peers.llamacpp_serve import gguf_cache_path
+
+        import gguf  # noqa: F401  (the writer's one extra dependency)
+    except ImportError as e:
+        _fail(ConfigError(f"{e}: the GGUF export needs the gguf package: pip install 'abbench[peer]'"))
+        return
+    target = out_path or gguf_cache_path(model, weights, dtype, device)
+    done = {"bytes": 0}
+
+    def progress(name: str, nbytes: int) -> None:
+        done["bytes"] += nbytes
+        if name.endswith("ffn_down_exps.weight") or not name.startswith("blk."):
+            console.print(f"  {name}: {done['bytes'] / 1e9:.2f} GB written", highlight=False)
+
+    try:
+        summary = export_gguf(model, target, weights=weights, dtype=dtype, device=device, tokenizer=tokenizer,
+                              progress=progress)
+    except (ValueError, AbbenchError) as e:
+        _fail(e if isinstance(e, AbbenchError) else ConfigError(str(e)))
+        return
+    console.print(f"wrote {summary['path']}: {summary['bytes'] / 1e9:.3f} GB, {summary['tensors']} tensors, "
+                  f"{summary['seconds']:.1f} s", highlight=False)
