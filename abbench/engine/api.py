@@ -61,6 +61,10 @@ class CompletionRequest(BaseModel):
         "--allow-request-overrides. With --gpu-memory-budget, at most the server's chunk length (the budget was "
         "planned for it)."
     )
+    attention_batch: StrictInt | None = Field(
+        None, ge=1, le=8, description="Per-request chunks per attention call in layer-major prefill (default: the "
+        "server's --attention-batch); needs --allow-request-overrides."
+    )
     trace_layers: StrictBool | None = Field(
         None, description="Return abbench.layer_trace: per layer and sub-block the hash and RMS of the last prompt "
         "position's hidden state (abbench.engine.trace); needs --allow-request-overrides."
@@ -229,6 +233,10 @@ def abbench_object(ctx: RequestContext, stats: Any, finished: float, engine: Any
         peak_device_bytes=stats.peak_device_bytes, start_device_bytes=getattr(stats, "start_device_bytes", None),
         chunk_tokens=getattr(stats, "chunk_tokens", None), alloc_retries=getattr(stats, "alloc_retries", None),
         copy_wait_s=(None if getattr(stats, "copy_wait_s", None) is None else round(stats.copy_wait_s, 6)),
+        prefill_graph_replays=getattr(stats, "prefill_graph_replays", None),
+        attention_batch=getattr(stats, "attention_batch", None),
+        attention_batched=getattr(stats, "attention_batched", None),
+        attention_fallbacks=getattr(stats, "attention_fallbacks", None),
         layer_trace=getattr(stats, "layer_trace", None),
     ).model_dump()
 

@@ -28,13 +28,13 @@ Contract:
 
 from __future__ import annotations
 
-import gc
 import secrets
 from collections.abc import Callable
 
 import torch
 
 from .experts import ExpertStore
+from .graphs import GraphCache
 from .model import KVCache, Model, attention_backends, probe_graph_capture
 from .prefill import CancelLike, check_cancel
 
@@ -59,47 +59,6 @@ def kv_len_for(pos: int, max_context: int) -> int:
     return min(n, max_context)
 
 
-class _Graphs:
-    """CUDA graphs keyed by (piece, kv_len) sharing one memory pool. A piece runs eagerly the first time its key
-    is seen (that run is the step's real work and warms lazy initialisation, workspaces and autotuning), is
-    captured the second time (capture executes nothing) and replayed from then on. So every step executes
-    each piece exactly once, which matters for pieces that update state in place (a DeltaNet recurrent
-    state), and eager and replayed pieces run the same kernels."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.pool = torch.cuda.graph_pool_handle()
-        self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
-        self.seen: set[tuple] = set()
-        self.stream = torch.cuda.Stream(device)
-
-    def run(self, key: tuple, fn: Callable[[], None]) -> None:
-        g = self.graphs.get(key)
-        if g is None:
-            if key not in self.seen:
-                self.seen.add(key)
-                fn()
-                return
-            current = torch.cuda.current_stream(self.device)
-            self.stream.wait_stream(current)
-            g = torch.cuda.CUDAGraph()
-            # No cyclic garbage collection inside a capture: a collection that frees another CUDA graph (an
-            # engine dropped earlier in the process) destroys it mid-capture, which CUDA does not permit and
-            # which invalidates this capture (seen on the H200: the decode warm-up of a second engine in one
-            # test process failed with cudaErrorStreamCaptureInvalidated)
-            collecting = gc.isenabled()
-            gc.disable()
-            try:
-                with torch.cuda.graph(g, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"):
-                    fn()
-            finally:
-                if collecting:
-                    gc.enable()
-            current.wait_stream(self.stream)
-            self.graphs[key] = g
-        g.replay()
-
-
 class Decoder:
     """Static buffers and the step functions of decode; see the module docstring."""
 
@@ -120,7 +79,7 @@ class Decoder:
         # a graph cannot hold a host read-back: with the looped expert kernel (no grouped GEMM for this
         # device/dtype), or a grouped GEMM that reads its offsets back (float32 on CUDA in torch 2.11), every
         # step runs eagerly
-        self.graphs = (_Graphs(dev) if graphs and dev.type == "cuda" and model.grouped
+        self.graphs = (GraphCache(dev) if graphs and dev.type == "cuda" and model.grouped
                        and probe_graph_capture(dev, model.dtype) else None)
         self.host_ids = torch.zeros(self.n_layers, 1, self.k, dtype=torch.long,
                                     pin_memory=dev.type == "cuda")  # [L, 1, k] slot ids on their way up

@@ -16,6 +16,9 @@ last chunk. It prints a short table and exits 1 on any mismatch. On CPU it runs 
 ``--model qwen4-exp-tiny`` / ``qwen4-exp-half`` check Qwen4-Exp the same way (PLE layers kept within ``--layers``;
 the indexer keys compared too).
 
+``--no-prefill-graphs`` runs every prefill layer step eagerly (to compare with the CUDA graphs of full chunks'
+fixed-shape steps, the default); ``--attention-batch 2`` adds layer-major with two chunks per attention call.
+
 It reports which delta-rule implementation ran (``fla`` when flash-linear-attention imports on CUDA, else the
 torch path) and the expert kernel.
 """
@@ -82,10 +85,7 @@ def gpu_compute_seconds(fn, device: torch.device) -> tuple[float, float]:
     return union_seconds(spans), wall
 
 
-def run(argv: list[str] | None = None) -> tuple[bool, list[tuple[str, str]]]:
-    """Run the check; returns (all modes bitwise equal, table rows (what, value))."""
-    from .runtime import Engine
-
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m abbench.engine.gpucheck_hybrid", description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--model", default=None,
@@ -107,10 +107,20 @@ def run(argv: list[str] | None = None) -> tuple[bool, list[tuple[str, str]]]:
     p.add_argument("--window-chunks", type=int, default=2,
                    help="chunks per layer-major window (default 2: several windows on a long prompt; a large value "
                         "puts a long prompt in one window, to compare layer-major with resident at full length)")
-    args = p.parse_args(argv)
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    if not modes or any(m not in MODES for m in modes):
-        p.error(f"--modes takes a comma-separated subset of {', '.join(MODES)}, got {args.modes!r}")
+    p.add_argument("--no-prefill-graphs", dest="prefill_graphs", action="store_false",
+                   help="run every prefill layer step eagerly (the engine's --no-prefill-graphs), to compare")
+    p.add_argument("--attention-batch", type=int, default=1, metavar="K",
+                   help="also run layer-major with K chunks per attention call (where bit-identical, up to "
+                        "--attention-batch-max-context) and check it against chunked")
+    p.add_argument("--attention-batch-max-context", type=int, default=None, metavar="TOKENS",
+                   help="the engine's batching limit (default: the engine's)")
+    return p
+
+
+def _build(args, p: argparse.ArgumentParser):
+    """(engine, model config, tokens, chunk, window) for the parsed arguments."""
+    from .runtime import Engine
+
     cuda = args.device.startswith("cuda")
     preset = PRESETS[args.model or ("qwen3.5-35b-a3b" if cuda else "qwen3.5-tiny")]
     if not preset.is_hybrid:
@@ -124,20 +134,26 @@ def run(argv: list[str] | None = None) -> tuple[bool, list[tuple[str, str]]]:
     extra = {"ple_layer_ids": tuple(i for i in preset.ple_layer_ids if i <= n_layers)} if preset.is_qwen4 else {}
     mc = dataclasses.replace(preset, num_hidden_layers=n_layers, layer_types=preset.layer_types[:n_layers],
                              name=f"{preset.name}[:{n_layers}]", **extra)
-    t0 = time.perf_counter()
+    knobs = {} if args.attention_batch_max_context is None else {
+        "attention_batch_max_context": args.attention_batch_max_context}
     engine = Engine(EngineConfig(model=mc, weights="random:0", device=args.device, prefill_mode="resident",
                                  chunk_tokens=chunk, layer_major_window_tokens=window, demand_max_tokens=chunk,
-                                 max_context=tokens + 64, bandwidth_probe_bytes=0))
-    build_s = time.perf_counter() - t0
-    dev, model, kv = engine.device, engine.model, engine.kv
+                                 max_context=tokens + 64, bandwidth_probe_bytes=0, prefill_graphs=args.prefill_graphs,
+                                 **knobs))
+    return engine, mc, tokens, chunk, window
+
+
+def _check_modes(args, engine, mc, tokens: int, chunk: int, window: int) -> tuple[bool, list[tuple[str, str]]]:
+    """Every asked mode (and layer-major with --attention-batch) against chunked: bitwise, timed, GPU busy."""
+    dev, model, kv, cuda = engine.device, engine.model, engine.kv, args.device.startswith("cuda")
     ids = torch.randint(0, mc.vocab_size, (tokens,), generator=torch.Generator().manual_seed(0)).to(dev)
 
-    def prefill_mode(mode: str):
+    def prefill_mode(mode: str, k: int = 1):
         engine.reset()
         engine.store.begin_request()
         t0 = time.perf_counter()
-        logits, stats = prefill(model, engine.store, kv, ids, 0, mode, chunk_tokens=chunk, window_tokens=window,
-                                demand_max_tokens=chunk)
+        logits, stats = prefill(engine.steps, engine.store, kv, ids, 0, mode, chunk_tokens=chunk,
+                                window_tokens=window, demand_max_tokens=chunk, batching=engine._batching(k, chunk))
         _sync(dev)
         wall = time.perf_counter() - t0
         stats.copy_wait_s = engine.store.copy_stall_seconds()
@@ -152,41 +168,44 @@ def run(argv: list[str] | None = None) -> tuple[bool, list[tuple[str, str]]]:
         compute, wall = gpu_compute_seconds(fn, dev)
         return f", GPU computing {compute:.3f} of {wall:.3f} s ({100 * compute / wall:.0f}%)"
 
-    rows = [("device", f"{dev} ({torch.cuda.get_device_name(dev) if cuda else 'cpu'})"),
-            ("model", f"{mc.name}: {len(mc.linear_layers)} DeltaNet + {len(mc.attention_layers)} attention layers, "
-                      f"{engine.dtype}"),
-            ("kernels", f"delta rule {model.gdn_backend}, experts {model.moe_kernel}"),
-            ("build", f"{build_s:.1f} s (bank {engine.bank_bytes / 1e9:.2f} GB)")]
     prefill_mode("chunked")  # warm-up: kernels, autotuning, allocator
+    prefill_mode("chunked")  # and, with prefill graphs, their capture
     ref_logits, _, ref_cache, _ = prefill_mode("chunked")
-    ok = True
-    for mode in modes:
+    modes = [(m.strip(), 1) for m in args.modes.split(",") if m.strip()]
+    if args.attention_batch > 1:
+        modes.append(("layer-major", args.attention_batch))
+    ok, rows = True, []
+    for mode, k in modes:
         walls = []
+        if k > 1:
+            prefill_mode(mode, k)  # the joint calls' own warm-up
         for _ in range(max(1, args.mode_repeats)):
-            logits, stats, cache, wall = prefill_mode(mode)
+            logits, stats, cache, wall = prefill_mode(mode, k)
             walls.append(wall)
             same = torch.equal(logits, ref_logits) and all(torch.equal(a, b)
                                                            for a, b in zip(cache, ref_cache, strict=True))
             ok &= same
         secs = sorted(walls)[len(walls) // 2]
-        rows.append((f"prefill {mode}", f"{'bitwise equal' if same else 'DIFFERS'}; path {stats.path}, "
-                                        f"{stats.n_chunks} chunks, {stats.n_windows} windows, "
-                                        f"H2D {stats.h2d_bytes / 1e9:.2f} GB, {secs:.3f} s"
-                                        + (f", copy wait {stats.copy_wait_s:.3f} s" if stats.copy_wait_s is not None
-                                           else "") + busy(lambda m=mode: prefill_mode(m))))
+        batch = (f", attention groups batched {stats.attention_batched}, fallbacks {stats.attention_fallbacks}"
+                 if k > 1 else "")
+        rows.append((f"prefill {mode}" + (f" k={k}" if k > 1 else ""),
+                     f"{'bitwise equal' if same else 'DIFFERS'}; path {stats.path}, {stats.n_chunks} chunks, "
+                     f"{stats.n_windows} windows, H2D {stats.h2d_bytes / 1e9:.2f} GB, {secs:.3f} s"
+                     + (f", copy wait {stats.copy_wait_s:.3f} s" if stats.copy_wait_s is not None else "")
+                     + f", graph replays {stats.graph_replays}" + batch
+                     + busy(lambda m=mode, k=k: prefill_mode(m, k))))
 
     # the layer-major loop over the resident experts: the loop order without copies, to tell apart what the
     # order costs (host launch queue, parked activations) from what running beside the copies costs
     def layer_major_resident():
         engine.reset()
-        chunks = plan_chunks(0, tokens, chunk)
-        windows = plan_windows(chunks, args.window_chunks)
+        windows = plan_windows(plan_chunks(0, tokens, chunk), args.window_chunks)
         weights = (engine.store.resident[layer] for _ in windows for layer in range(mc.num_hidden_layers))
         if hasattr(kv, "write_tokens"):
             kv.write_tokens(0, ids)
         t0 = time.perf_counter()
         with torch.no_grad(), attention_backends():
-            logits = model.logits(layer_major_loop(model, weights, kv, ids, 0, windows)[-1:])
+            logits = model.logits(layer_major_loop(engine.steps, weights, kv, ids, 0, windows)[-1:])
         _sync(dev)
         return logits, time.perf_counter() - t0
 
@@ -197,9 +216,13 @@ def run(argv: list[str] | None = None) -> tuple[bool, list[tuple[str, str]]]:
         secs = sorted(r[1] for r in runs)[len(runs) // 2]
         rows.append(("layer-major order, resident experts", f"{'bitwise equal' if same else 'DIFFERS'} (logits); "
                                                             f"{secs:.3f} s" + busy(layer_major_resident)))
+    return ok, rows
 
-    # timings per chunk: DeltaNet mixer, a whole DeltaNet layer (resident experts), a gated-attention layer at
-    # the last chunk of the prompt (its KV prefix written by the prefills above)
+
+def _time_pieces(args, engine, mc, tokens: int, chunk: int) -> list[tuple[str, str]]:
+    """Per chunk: a DeltaNet mixer, a whole DeltaNet layer (resident experts), a gated-attention layer at the
+    prompt's last chunk (its KV prefix written by the prefills before), all eager."""
+    dev, model, kv = engine.device, engine.model, engine.kv
     lin, attn = mc.linear_layers[0], (mc.attention_layers[0] if mc.attention_layers else None)
     g = torch.Generator(device=dev).manual_seed(1)
     x = torch.randn(chunk, mc.stream_width, generator=g, device=dev, dtype=engine.dtype)  # [C, W] a layer's input
@@ -207,6 +230,7 @@ def run(argv: list[str] | None = None) -> tuple[bool, list[tuple[str, str]]]:
     i = kv.slot[lin]
     conv0, rec0 = kv.conv[i].clone(), kv.rec[i].clone()
     gate_up, down = engine.store.resident[lin]
+    rows = []
     with torch.no_grad(), attention_backends():
         mixer_s = _timed(lambda: model.linear_mixer(lin, xm, conv0, rec0), dev, args.repeats)
         layer_s = _timed(lambda: model.moe_block(*model.attn_block(lin, x, kv, chunk), gate_up, down), dev,
@@ -219,6 +243,28 @@ def run(argv: list[str] | None = None) -> tuple[bool, list[tuple[str, str]]]:
             attn_s = _timed(lambda: model.moe_block(*model.attn_block(attn, x, kv, start), a_gu, a_dn), dev,
                             args.repeats)
             rows.append((f"attention layer + MoE / chunk at {start}", f"{attn_s * 1e3:.2f} ms"))
+    return rows
+
+
+def run(argv: list[str] | None = None) -> tuple[bool, list[tuple[str, str]]]:
+    """Run the check; returns (all modes bitwise equal, table rows (what, value))."""
+    p = _parser()
+    args = p.parse_args(argv)
+    if not [m for m in args.modes.split(",") if m.strip()] or any(
+            m.strip() not in MODES for m in args.modes.split(",") if m.strip()):
+        p.error(f"--modes takes a comma-separated subset of {', '.join(MODES)}, got {args.modes!r}")
+    t0 = time.perf_counter()
+    engine, mc, tokens, chunk, window = _build(args, p)
+    build_s = time.perf_counter() - t0
+    dev, cuda = engine.device, args.device.startswith("cuda")
+    rows = [("device", f"{dev} ({torch.cuda.get_device_name(dev) if cuda else 'cpu'})"),
+            ("model", f"{mc.name}: {len(mc.linear_layers)} DeltaNet + {len(mc.attention_layers)} attention layers, "
+                      f"{engine.dtype}"),
+            ("kernels", f"delta rule {engine.model.gdn_backend}, experts {engine.model.moe_kernel}, prefill steps "
+                        f"{engine.prefill_graphs_mode}"),
+            ("build", f"{build_s:.1f} s (bank {engine.bank_bytes / 1e9:.2f} GB)")]
+    ok, mode_rows = _check_modes(args, engine, mc, tokens, chunk, window)
+    rows += mode_rows + _time_pieces(args, engine, mc, tokens, chunk)
     engine.reset()
     return ok, rows
 

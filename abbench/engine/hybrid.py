@@ -146,12 +146,51 @@ def zc_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tens
     return (xf * (1.0 + weight.float())).to(x.dtype)  # [..., N]
 
 
+def causal_sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
+                gqa: bool) -> torch.Tensor:
+    """Causal attention of q [Hq, T, D] at the last T positions of keys, values [Hkv, S, D] -> [1, Hq, T, D]
+    (one query: no mask; T == S: ``is_causal``; else the lower-right causal mask)."""
+    T, S = q.shape[1], keys.shape[1]
+    kw = dict(scale=scale, enable_gqa=gqa)
+    if T == 1:  # one query sees the whole prefix
+        return F.scaled_dot_product_attention(q[None], keys[None], values[None], **kw)
+    if T == S:
+        return F.scaled_dot_product_attention(q[None], keys[None], values[None], is_causal=True, **kw)
+    return F.scaled_dot_product_attention(q[None], keys[None], values[None],
+                                          attn_mask=lower_right_causal(T, S, q.device), **kw)  # [1, Hq, T, D]
+
+
+def attention_batching_exact(cfg: HybridConfig, chunk: int, k: int, starts: list[int], device: torch.device,
+                             dtype: torch.dtype, scale: float) -> bool:
+    """Whether one ``causal_sdpa`` call over ``k`` adjacent ``chunk``-token chunks gives every query row bit for
+    bit what each chunk's own call gives, on this device and dtype, for groups starting at each of ``starts``
+    (random queries, keys and values with the model's head shapes; the caller runs it inside
+    ``attention_backends()``). The attention kernels compute each row from its own query and the keys up to
+    its position, in key blocks counted from position 0, so this holds unless the kernel splits the keys
+    differently for the two calls (FlashAttention does so only for calls too small to fill the device)."""
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    for s in starts:
+        end = s + k * chunk
+        q = torch.randn(hq, k * chunk, d, generator=gen).to(device, dtype)  # [Hq, kT, D]
+        keys = torch.randn(hkv, end, d, generator=gen).to(device, dtype)  # [Hkv, S, D]
+        values = torch.randn(hkv, end, d, generator=gen).to(device, dtype)  # [Hkv, S, D]
+        whole = causal_sdpa(q, keys, values, scale, hq != hkv)  # [1, Hq, kT, D]
+        for c in range(k):
+            a, b = c * chunk, (c + 1) * chunk
+            part = causal_sdpa(q[:, a:b], keys[:, :s + b], values[:, :s + b], scale, hq != hkv)  # [1, Hq, T, D]
+            if not torch.equal(whole[:, :, a:b], part):
+                return False
+    return True
+
+
 class HybridModel:
     """Dense weights, RoPE tables and the layer functions of a ``HybridConfig`` model; stateless between
     calls except for the cache passed in."""
 
     trace = None  # as Model.trace (abbench.engine.trace); the hybrid adds the shared expert
     _trace_layer = -1
+    attention_batching = True  # attn_block_group: adjacent chunks share one attention call (layer-major)
 
     def __init__(self, cfg: HybridConfig, weights: HybridWeights, max_context: int, device: torch.device,
                  dtype: torch.dtype):
@@ -161,6 +200,9 @@ class HybridModel:
         self.cos, self.sin = rope_tables(cfg.rotary_dim, cfg.rope_theta, max_context, device, dtype)  # [S, R] x2
         self.grouped, self.moe_kernel, self._mm = expert_kernel(device, dtype)
         self.gdn_backend = gdn.backend(device)
+        # prefill CUDA graphs (steps.LayerSteps): the first halves of the DeltaNet layers and every MoE half
+        self.prefill_graph_layers = frozenset(cfg.linear_layers)
+        self.prefill_graph_moe = True
 
     def new_cache(self, max_context: int | None = None) -> HybridCache:
         return HybridCache(self.cfg, max_context or self.max_context, self.device, self.dtype)
@@ -190,24 +232,26 @@ class HybridModel:
 
     def attention(self, layer: int, x: torch.Tensor, cache: HybridCache, start: int) -> torch.Tensor:
         """Gated attention of x [T, H] (normed) at positions [start, start+T); writes the KV cache."""
+        q, gate = self.attention_qkv(layer, x, cache, start)  # [Hq, T, D], [T, Hq*D]
+        return self._attn_out(self.w.layers[layer].mixer, self.attention_core(layer, q, cache, start), gate)
+
+    def attention_qkv(self, layer: int, x: torch.Tensor, cache: HybridCache,
+                      start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] (normed) at positions [start, start+T) -> (q [Hq, T, D], gate [T, Hq*D]); writes its K and V
+        into the cache at those positions."""
         aw, i = self.w.layers[layer].mixer, cache.slot[layer]
-        T = x.shape[0]
-        end = start + T
+        end = start + x.shape[0]
         q, k, v, gate = self._qkv(aw, x, self.cos[start:end], self.sin[start:end])
         cache.k[i][:, start:end] = k
         cache.v[i][:, start:end] = v
-        keys, values = cache.k[i][None, :, :end], cache.v[i][None, :, :end]  # [1, Hkv, end, D] x2
+        return q, gate
+
+    def attention_core(self, layer: int, q: torch.Tensor, cache: HybridCache, start: int) -> torch.Tensor:
+        """The queries q [Hq, T, D] at positions [start, start+T) over the cache's keys and values [0, start+T)
+        -> [1, Hq, T, D]."""
+        i, end = cache.slot[layer], start + q.shape[1]
         gqa = self.cfg.num_attention_heads != self.cfg.num_key_value_heads
-        if T == 1:  # one query sees the whole prefix
-            out = F.scaled_dot_product_attention(q[None], keys, values, scale=self.scale, enable_gqa=gqa)
-        elif start == 0:
-            out = F.scaled_dot_product_attention(q[None], keys, values, is_causal=True, scale=self.scale,
-                                                 enable_gqa=gqa)
-        else:
-            out = F.scaled_dot_product_attention(q[None], keys, values,
-                                                 attn_mask=lower_right_causal(T, end, x.device), scale=self.scale,
-                                                 enable_gqa=gqa)  # [1, Hq, T, D]
-        return self._attn_out(aw, out, gate)  # [T, H]
+        return causal_sdpa(q, cache.k[i][:, :end], cache.v[i][:, :end], self.scale, gqa)
 
     # -- Gated DeltaNet -----------------------------------------------------------------------------------
     def linear_mixer(self, layer: int, x: torch.Tensor, conv_state: torch.Tensor,
@@ -236,11 +280,11 @@ class HybridModel:
 
     def linear_attention(self, layer: int, x: torch.Tensor, cache: HybridCache, start: int) -> torch.Tensor:
         i = cache.slot[layer]
-        if start == 0:  # a sequence start: no history, whatever the cache holds
-            conv0, rec0 = torch.zeros_like(cache.conv[i]), None
-        else:
-            conv0, rec0 = cache.conv[i], cache.rec[i]
-        out, conv, rec = self.linear_mixer(layer, x, conv0, rec0)  # [T, H]
+        if start == 0:  # a sequence start: no history, whatever the cache holds (zeros in place: the same
+            # values as fresh zeros, and the step then reads and writes the same buffers at every start)
+            cache.conv[i].zero_()
+            cache.rec[i].zero_()
+        out, conv, rec = self.linear_mixer(layer, x, cache.conv[i], cache.rec[i])  # [T, H]
         cache.conv[i].copy_(conv)
         cache.rec[i].copy_(rec)
         return out
@@ -274,6 +318,29 @@ class HybridModel:
             self._trace_layer = layer
             self.trace(layer, "attention", a)
         return self._post_mixer(layer, x)
+
+    def attn_block_group(self, layer: int, xs: list[torch.Tensor], cache: HybridCache,
+                         starts: list[int]) -> list[tuple[torch.Tensor, ...]]:
+        """``attn_block`` of a full-attention layer for adjacent chunks xs [T_c, H] at ``starts`` (each chunk
+        starts where the one before ends) with one attention call over all their queries: the norms,
+        projections, KV writes, output gates and the rest of the layer run per chunk with the shapes of
+        ``attn_block``, so each chunk's result equals ``attn_block``'s wherever the attention kernel computes
+        every query row of the joint call as it does in the chunk's own call (``attention_batching_exact``)."""
+        cfg, lw = self.cfg, self.w.layers[layer]
+        assert cfg.layer_types[layer] == "full_attention", "attention batching is for full-attention layers"
+        qg = [self.attention_qkv(layer, zc_rms_norm(x, lw.input_norm, cfg.rms_norm_eps), cache, s)
+              for x, s in zip(xs, starts, strict=True)]  # (q [Hq, T_c, D], gate [T_c, Hq*D]) per chunk
+        out = self.attention_core(layer, torch.cat([q for q, _ in qg], dim=1), cache, starts[0])  # [1, Hq, sum T, D]
+        results, o = [], 0
+        for x, (q, gate) in zip(xs, qg, strict=True):
+            T = q.shape[1]
+            a = self._attn_out(lw.mixer, out[:, :, o:o + T], gate)  # [T, H]
+            o += T
+            if self.trace is not None:
+                self._trace_layer = layer
+                self.trace(layer, "attention", a)
+            results.append(self._post_mixer(layer, x + a))
+        return results
 
     def decode_attn_block(self, layer: int, x: torch.Tensor, cache: HybridCache, pos_t: torch.Tensor,
                           kv_len: int):

@@ -3,7 +3,7 @@
 Contract:
 - ``plan_device_memory`` sizes the decode slot cache from a device-memory budget: it adds up what the engine
   keeps on the device (dense weights, KV cache, the prefill double buffer, a workspace bound for one chunk
-  and the parked layer-major activations, resident experts; Qwen4-Exp's PLE tables stay in host memory) and
+  (twice with prefill CUDA graphs) and the parked layer-major activations, resident experts; Qwen4-Exp's PLE tables stay in host memory) and
   gives the rest to expert slots, the same number for every layer. A budget that cannot hold one token's experts in every layer is refused with
   every term named.
 - ``RUNTIME_RESERVE_BYTES``: what a budget sets aside beyond the engine's own tensors (CUDA context,
@@ -128,6 +128,12 @@ def plan_device_memory(config: EngineConfig, budget_bytes: int) -> MemoryPlan:
         chunk_ws += (chunk * s * (3 + 2 * item)
                      + 2 * (mc.num_attention_heads // mc.num_key_value_heads) * s * mc.head_dim * item
                      + chunk * mc.indexer_n_heads * (s // mc.indexer_compress_ratio) * 4)
+    if config.prefill_graphs and config.device.startswith("cuda") and mc.is_hybrid and not mc.is_qwen4:
+        # prefill CUDA graphs (abbench.engine.steps): their private pool holds one chunk's temporaries beside
+        # the eager ones, plus the static input, output and mid-layer buffers
+        chunk_ws += chunk_ws + chunk * (3 * w + h + 2 * k) * item
+    if config.attention_batch > 1:  # the joint call's queries and output beyond one chunk's
+        chunk_ws += 2 * (config.attention_batch - 1) * chunk * mc.num_attention_heads * mc.head_dim * item
     parked = min(config.layer_major_window_tokens, config.max_context) * w * item
     if mc.is_qwen4 and mc.ple_layers:  # layer-major uploads one PLE layer's rows for a window ahead
         parked += min(config.layer_major_window_tokens, config.max_context) * mc.ple_embed_dim * item

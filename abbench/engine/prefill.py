@@ -39,6 +39,7 @@ import torch
 
 from .experts import ExpertStore
 from .model import KVCache, Model, attention_backends
+from .steps import BatchingStats, LayerSteps, plan_attention_groups
 
 CancelLike = threading.Event | Callable[[], bool] | None
 
@@ -67,6 +68,20 @@ class PrefillStats:
     d2d_bytes: int = 0
     expert_copies: int = 0
     copy_wait_s: float | None = None  # set by callers after a device sync (ExpertStore.copy_stall_seconds)
+    graph_replays: int = 0  # layer half-steps replayed from CUDA graphs (steps.LayerSteps)
+    attention_batch: int = 1  # chunks per attention call asked for (layer-major)
+    attention_batched: int = 0  # attention groups of attention_batch chunks that ran as one call
+    attention_fallbacks: dict[str, int] | None = None  # groups that ran one call per chunk, by reason
+
+
+@dataclass(frozen=True)
+class Batching:
+    """Layer-major attention batching for one prefill: ``k`` chunks per call, the context length up to which a
+    group may be batched, and whether the device computes a joint call exactly (steps.plan_attention_groups)."""
+
+    k: int = 1
+    max_context: int = 0
+    exact: bool = False
 
 
 def plan_chunks(start: int, end: int, chunk_tokens: int) -> list[tuple[int, int]]:
@@ -98,12 +113,6 @@ def choose_path(mode: str, chunks: list[tuple[int, int]], chunk_tokens: int, win
     raise ValueError(f"unknown prefill mode {mode!r}")
 
 
-def _layer(model: Model, layer: int, x: torch.Tensor, kv: KVCache, start: int, gate_up: torch.Tensor,
-           down: torch.Tensor) -> torch.Tensor:
-    x, h, top_w, top_ids = model.attn_block(layer, x, kv, start)  # [T, H], [T, H], [T, k], [T, k]
-    return model.moe_block(x, h, top_w, top_ids, gate_up, down)  # [T, H]
-
-
 def _bank_stream(model: Model, store: ExpertStore, kv: KVCache,
                  visits: list[tuple[list[tuple[int, int]], int]]) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
     """The streamed banks for ``visits`` [(the chunks that run through the layer on this visit, layer)], in
@@ -114,9 +123,10 @@ def _bank_stream(model: Model, store: ExpertStore, kv: KVCache,
     return store.stream_layers([layer for _, layer in visits], before_next=hook)
 
 
-def _streamed_chunks(model: Model, store: ExpertStore, kv: KVCache, ids: torch.Tensor, start: int,
+def _streamed_chunks(steps: LayerSteps, store: ExpertStore, kv: KVCache, ids: torch.Tensor, start: int,
                      chunks: list[tuple[int, int]], cancel: CancelLike) -> torch.Tensor:
     """Chunk-major with every layer visit streaming the whole layer bank; returns the last chunk's x."""
+    model = steps.model
     n_layers = model.cfg.num_hidden_layers
     stream = _bank_stream(model, store, kv, [([c], layer) for c in chunks for layer in range(n_layers)])
     x = None
@@ -125,88 +135,109 @@ def _streamed_chunks(model: Model, store: ExpertStore, kv: KVCache, ids: torch.T
         for layer in range(n_layers):
             check_cancel(cancel)
             _, gate_up, down = next(stream)
-            x = _layer(model, layer, x, kv, a, gate_up, down)  # [T, H]
+            steps.layer(layer, x, kv, a, gate_up, down)  # x [T, H] in place
     return x
 
 
-def layer_major_loop(model: Model, weights: Iterator[tuple[torch.Tensor, torch.Tensor]], kv: KVCache,
+def layer_major_loop(steps: LayerSteps | Model, weights: Iterator[tuple[torch.Tensor, torch.Tensor]], kv: KVCache,
                      ids: torch.Tensor, start: int, windows: list[list[tuple[int, int]]],
-                     cancel: CancelLike = None) -> torch.Tensor:
+                     cancel: CancelLike = None, batching: Batching = Batching(),
+                     batch_stats: BatchingStats | None = None) -> torch.Tensor:
     """The layer-major loop over ``weights``: one (gate_up, down) per (window, layer), in that order (the
     streamed banks; ``gpucheck_hybrid`` also passes the resident experts, to time the loop order without
-    copies). Returns the last chunk's hidden states."""
+    copies). In full-attention layers, adjacent chunks share an attention call as ``batching`` allows
+    (``steps.plan_attention_groups``). Returns the last chunk's hidden states."""
+    steps = steps if isinstance(steps, LayerSteps) else LayerSteps(steps)
+    model = steps.model
     n_layers = model.cfg.num_hidden_layers
+    chunk_tokens = max(b - a for window in windows for a, b in window)
     acts: list[torch.Tensor] = []
     for window in windows:
         acts = [model.embed(ids[a - start:b - start]) for a, b in window]  # parked, [T_c, H] each
         for layer in range(n_layers):
             check_cancel(cancel)
             gate_up, down = next(weights)
-            for c, (a, _b) in enumerate(window):  # in order: chunk c sees chunks < c at this layer
-                if c:
+            k = batching.k if batching.k > 1 and model.cfg.layer_types[layer] == "full_attention" else 1
+            groups = plan_attention_groups(window, k, chunk_tokens, batching.max_context, batching.exact,
+                                           batch_stats)
+            for g, group in enumerate(groups):  # in order: chunk c sees chunks < c at this layer
+                if g:
                     check_cancel(cancel)
-                acts[c] = _layer(model, layer, acts[c], kv, a, gate_up, down)  # [T_c, H]
+                if len(group) == 1:
+                    c = group[0]
+                    steps.layer(layer, acts[c], kv, window[c][0], gate_up, down)  # acts[c] [T_c, H] in place
+                    continue
+                mids = model.attn_block_group(layer, [acts[c] for c in group], kv, [window[c][0] for c in group])
+                for c, mid in zip(group, mids, strict=True):
+                    steps.set_mid(acts[c], mid)
+                    steps.moe(acts[c], gate_up, down)
     return acts[-1]
 
 
-def _demand_chunk(model: Model, store: ExpertStore, kv: KVCache, x: torch.Tensor, a: int,
+def _demand_chunk(steps: LayerSteps, store: ExpertStore, kv: KVCache, x: torch.Tensor, a: int,
                   cancel: CancelLike) -> torch.Tensor:
-    for layer in range(model.cfg.num_hidden_layers):
+    for layer in range(steps.model.cfg.num_hidden_layers):
         check_cancel(cancel)
-        x, h, top_w, top_ids = model.attn_block(layer, x, kv, a)  # [T, H], [T, H], [T, k], [T, k]
+        top_ids = steps.attn(layer, x, kv, a)  # [T, k]
         gate_up, down = store.load_experts(layer, torch.unique(top_ids).tolist())  # host sync: which experts
-        x = model.moe_block(x, h, top_w, top_ids, gate_up, down)  # [T, H]
+        steps.moe(x, gate_up, down)  # x [T, H] in place
     return x
 
 
-def _resident_chunks(model: Model, store: ExpertStore, kv: KVCache, ids: torch.Tensor, start: int,
+def _resident_chunks(steps: LayerSteps, store: ExpertStore, kv: KVCache, ids: torch.Tensor, start: int,
                      chunks: list[tuple[int, int]], cancel: CancelLike) -> torch.Tensor:
     assert store.resident is not None
+    model = steps.model
     x = None
     for a, b in chunks:
         x = model.embed(ids[a - start:b - start])  # [T, H]
         for layer in range(model.cfg.num_hidden_layers):
             check_cancel(cancel)
             gate_up, down = store.resident[layer]
-            x = _layer(model, layer, x, kv, a, gate_up, down)  # [T, H]
+            steps.layer(layer, x, kv, a, gate_up, down)  # x [T, H] in place
     return x
 
 
-def _run(model: Model, store: ExpertStore, kv: KVCache, ids: torch.Tensor, start: int,
+def _run(steps: LayerSteps, store: ExpertStore, kv: KVCache, ids: torch.Tensor, start: int,
          chunks: list[tuple[int, int]], path: str, chunks_per_window: int, demand_max_tokens: int,
-         cancel: CancelLike) -> tuple[torch.Tensor, int]:
+         cancel: CancelLike, batching: Batching, batch_stats: BatchingStats) -> tuple[torch.Tensor, int]:
     """Run ``path``; returns (the last chunk's hidden states [T, H], number of layer-major windows)."""
+    model = steps.model
     if path == "chunked":
-        return _streamed_chunks(model, store, kv, ids, start, chunks, cancel), 0
+        return _streamed_chunks(steps, store, kv, ids, start, chunks, cancel), 0
     if path == "resident":
-        return _resident_chunks(model, store, kv, ids, start, chunks, cancel), 0
+        return _resident_chunks(steps, store, kv, ids, start, chunks, cancel), 0
     if path == "layer-major":
         windows = plan_windows(chunks, chunks_per_window)
         stream = _bank_stream(model, store, kv, [(window, layer) for window in windows
                                                  for layer in range(model.cfg.num_hidden_layers)])
         weights = ((gate_up, down) for _, gate_up, down in stream)
-        return layer_major_loop(model, weights, kv, ids, start, windows, cancel), len(windows)
+        return layer_major_loop(steps, weights, kv, ids, start, windows, cancel, batching,
+                                batch_stats), len(windows)
     # demand: runs of long chunks stream whole banks, short chunks load only their routed experts
     i, x = 0, None
     while i < len(chunks):
         a, b = chunks[i]
         if b - a <= demand_max_tokens:
-            x = _demand_chunk(model, store, kv, model.embed(ids[a - start:b - start]), a, cancel)
+            x = _demand_chunk(steps, store, kv, model.embed(ids[a - start:b - start]), a, cancel)
             i += 1
             continue
         j = i
         while j < len(chunks) and chunks[j][1] - chunks[j][0] > demand_max_tokens:
             j += 1
-        x = _streamed_chunks(model, store, kv, ids, start, chunks[i:j], cancel)
+        x = _streamed_chunks(steps, store, kv, ids, start, chunks[i:j], cancel)
         i = j
     return x, 0
 
 
 @torch.no_grad()
-def prefill(model: Model, store: ExpertStore, kv: KVCache, ids: torch.Tensor, start: int, mode: str, *,
+def prefill(model: Model | LayerSteps, store: ExpertStore, kv: KVCache, ids: torch.Tensor, start: int, mode: str, *,
             chunk_tokens: int, window_tokens: int, demand_max_tokens: int,
-            cancel: CancelLike = None) -> tuple[torch.Tensor, PrefillStats]:
-    """Prefill ``ids`` [T] (on the compute device) at positions [start, start+T); see the module docstring."""
+            cancel: CancelLike = None, batching: Batching = Batching()) -> tuple[torch.Tensor, PrefillStats]:
+    """Prefill ``ids`` [T] (on the compute device) at positions [start, start+T); see the module docstring.
+    ``model`` may be the engine's ``LayerSteps`` (CUDA graphs of fixed-shape layer steps)."""
+    steps = model if isinstance(model, LayerSteps) else LayerSteps(model)
+    model = steps.model
     n = int(ids.shape[0])
     if n < 1:
         raise ValueError("prefill needs at least one token")
@@ -218,13 +249,18 @@ def prefill(model: Model, store: ExpertStore, kv: KVCache, ids: torch.Tensor, st
     path, reason = choose_path(mode, chunks, chunk_tokens, window_tokens, demand_max_tokens)
     if hasattr(kv, "write_tokens"):  # models that read token ids inside layers (Qwen4-Exp's PLE)
         kv.write_tokens(start, ids)
-    before = store.request.snapshot()
+    before, replays = store.request.snapshot(), steps.replays
+    batch_stats = BatchingStats()
     with attention_backends():
-        x, n_windows = _run(model, store, kv, ids, start, chunks, path, window_tokens // chunk_tokens,
-                            demand_max_tokens, cancel)
+        x, n_windows = _run(steps, store, kv, ids, start, chunks, path, window_tokens // chunk_tokens,
+                            demand_max_tokens, cancel, batching, batch_stats)
         logits = model.logits(x[-1:])  # [V]
     moved = store.request.minus(before)
+    batched = path == "layer-major" and batching.k > 1
     stats = PrefillStats(requested_mode=mode, path=path, fallback_reason=reason, n_tokens=n,
                          n_chunks=len(chunks), n_windows=n_windows, h2d_bytes=moved.h2d_bytes,
-                         d2d_bytes=moved.d2d_bytes, expert_copies=moved.expert_copies)
+                         d2d_bytes=moved.d2d_bytes, expert_copies=moved.expert_copies,
+                         graph_replays=steps.replays - replays, attention_batch=batching.k,
+                         attention_batched=batch_stats.batched,
+                         attention_fallbacks=dict(batch_stats.fallbacks) if batched else None)
     return logits, stats

@@ -272,6 +272,10 @@ class Qwen4Model(HybridModel):
     def __init__(self, cfg: Qwen4Config, weights: Qwen4Weights, max_context: int, device: torch.device,
                  dtype: torch.dtype):
         super().__init__(cfg, weights, max_context, device, dtype)
+        # its first halves read per-chunk PLE uploads and its streams are wider: every step runs eagerly
+        self.prefill_graph_layers, self.prefill_graph_moe = frozenset(), False
+
+    attention_batching = False  # indexed attention has no joint call
 
     def new_cache(self, max_context: int | None = None) -> Qwen4Cache:
         return Qwen4Cache(self.cfg, max_context or self.max_context, self.device, self.dtype)

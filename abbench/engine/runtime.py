@@ -42,12 +42,16 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import PREFILL_MODES, EngineConfig, ModelConfig, check_hybrid_chunk
+from .config import MAX_ATTENTION_BATCH, PREFILL_MODES, EngineConfig, ModelConfig, check_hybrid_chunk
 from .memory import MemoryPlan, plan_device_memory
 from .decode import Decoder, Sampler
 from .experts import ExpertBank, ExpertStore
 from .factory import build_model
-from .prefill import CancelLike, Cancelled, PrefillStats, check_cancel, prefill
+from .graphs import GraphCache
+from .hybrid import attention_batching_exact
+from .model import attention_backends, probe_graph_capture
+from .prefill import Batching, CancelLike, Cancelled, PrefillStats, check_cancel, prefill
+from .steps import LayerSteps
 from .trace import LayerTrace
 
 __all__ = ["Cancelled", "ContextOverflow", "Engine", "RequestStats", "TokenEvent"]
@@ -96,6 +100,10 @@ class RequestStats:
     chunk_tokens: int | None = None  # the prefill chunk length this request ran with
     alloc_retries: int | None = None  # CUDA caching-allocator retries (free cache + cudaMalloc again) during it
     copy_wait_s: float | None = None  # prefill: GPU time compute waited for streamed expert copies (CUDA)
+    prefill_graph_replays: int | None = None  # prefill layer half-steps replayed from CUDA graphs
+    attention_batch: int | None = None  # layer-major: chunks per attention call asked for
+    attention_batched: int | None = None  # attention groups that ran as one call
+    attention_fallbacks: dict | None = None  # groups that ran one call per chunk, by reason (steps.py)
     layer_trace: list | None = None  # trace_layers: per layer and sub-block, the last prompt position (trace.py)
 
 
@@ -170,6 +178,10 @@ class Engine:
             resident = cfg.prefill_mode == "resident"
             self.store = ExpertStore(bank, self.device, self.slots_per_layer, resident, cfg.d2d_from_slot_cache)
             self.decoder = Decoder(self.model, self.store, self.kv, graphs=cfg.decode_graphs)
+            self.steps = self._layer_steps()
+            self._batch_exact: dict[tuple[int, int], bool] = {}
+            if cfg.attention_batch > 1:  # probe the configured chunk length now, not in the first request
+                self._batching(cfg.attention_batch, cfg.chunk_tokens)
             self.measured_h2d_gbps = self.store.measure_h2d_gbps(cfg.bandwidth_probe_bytes)
             self.decode_warmup: dict | None = None
             if cfg.warm_decode_graphs and self.decoder.graphs is not None:
@@ -204,6 +216,37 @@ class Engine:
             torch.cuda.synchronize(self.device)
         self.decode_warmup = {"kv_buckets": buckets, "seconds": round(time.perf_counter() - t0, 3)}
 
+    def _layer_steps(self) -> LayerSteps:
+        """The prefill layer steps: CUDA graphs of full chunks' fixed-shape half-steps where the model has them
+        (``EngineConfig.prefill_graphs``, CUDA, a grouped expert kernel that captures), else eager."""
+        cfg, model = self.config, self.model
+        graphs = None
+        if (cfg.prefill_graphs and self.device.type == "cuda" and getattr(model, "prefill_graph_moe", False)
+                and model.grouped and probe_graph_capture(self.device, self.dtype)):
+            graphs = GraphCache(self.device)
+        return LayerSteps(model, graphs, cfg.chunk_tokens)
+
+    @property
+    def prefill_graphs_mode(self) -> str:
+        return "eager" if self.steps.graphs is None else "cuda-graphs"
+
+    def _batching(self, k: int, chunk: int) -> Batching:
+        """Attention batching of ``k`` chunks of ``chunk`` tokens; whether the device computes the joint call bit
+        for bit is probed once per (k, chunk) (``hybrid.attention_batching_exact``) at the start of a prompt, at
+        its second chunk and at the batching limit."""
+        if k <= 1:
+            return Batching()
+        cfg = self.config
+        exact = self._batch_exact.get((k, chunk))
+        if exact is None:
+            limit = min(cfg.attention_batch_max_context, cfg.max_context)
+            starts = sorted({0, chunk, max(0, (limit - k * chunk) // chunk * chunk)})
+            with self._on_device(), torch.no_grad(), attention_backends():
+                exact = attention_batching_exact(self.model_config, chunk, k, starts, self.device, self.dtype,
+                                                 self.model.scale)
+            self._batch_exact[(k, chunk)] = exact
+        return Batching(k, cfg.attention_batch_max_context, exact)
+
     def _plan_memory(self) -> MemoryPlan | None:
         """The device-memory plan (slots per layer from the budget); None on CPU without a budget, where the
         slot cache holds every expert unless expert_slots_per_layer says otherwise."""
@@ -225,13 +268,21 @@ class Engine:
     def generate(self, prompt_ids: list[int], max_tokens: int, *, temperature: float = 0.0,
                  seed: int | None = None, ignore_eos: bool = False, logprobs: int | None = None,
                  prefill_mode: str | None = None, cancel: threading.Event | None = None,
-                 trace_layers: bool = False, chunk_tokens: int | None = None) -> Iterator[TokenEvent]:
+                 trace_layers: bool = False, chunk_tokens: int | None = None,
+                 attention_batch: int | None = None) -> Iterator[TokenEvent]:
         """Generator; yields one TokenEvent per output token; its return value (StopIteration.value) is
         RequestStats. Raises Cancelled (checked every layer step and every decode step), ContextOverflow
         before any work. ``trace_layers``: ``RequestStats.layer_trace`` holds the prefill's layer trace
         (:mod:`abbench.engine.trace`). ``chunk_tokens``: this request's prefill chunk length (default the
-        config's; :meth:`check_chunk_tokens`)."""
+        config's; :meth:`check_chunk_tokens`). ``attention_batch``: this request's chunks per attention call in
+        layer-major prefill (default the config's; hybrid Qwen3.5/3.6 models only)."""
         mode = prefill_mode or self.config.prefill_mode
+        k = self.config.attention_batch if attention_batch is None else int(attention_batch)
+        if not 1 <= k <= MAX_ATTENTION_BATCH:
+            raise ValueError(f"attention_batch must be in [1, {MAX_ATTENTION_BATCH}], got {k}")
+        if k > 1 and not getattr(self.model, "attention_batching", False):
+            raise ValueError(f"attention_batch {k} needs a model with joint attention calls (the Qwen3.5/3.6 "
+                             f"hybrid); {self.model_config.name} has none")
         chunk = self.check_chunk_tokens(chunk_tokens)
         vocab = self.model_config.vocab_size
         prompt = check_request(prompt_ids, max_tokens, vocab, self.config.max_context)
@@ -245,7 +296,7 @@ class Engine:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
         return self._generate(prompt, int(max_tokens), float(temperature), seed, ignore_eos,
                               None if logprobs is None else int(logprobs), mode, cancel, bool(trace_layers),
-                              chunk)
+                              chunk, k)
 
     def check_chunk_tokens(self, chunk_tokens: int | None) -> int:
         """A request's prefill chunk length: the config's when None. Every mode runs the same chunk shapes, so
@@ -285,16 +336,17 @@ class Engine:
 
     # -- internals --------------------------------------------------------------------------------------
     def _prefill(self, ids: list[int], start: int, mode: str, cancel: CancelLike,
-                 chunk_tokens: int) -> tuple[torch.Tensor, PrefillStats]:
+                 chunk_tokens: int, attention_batch: int = 1) -> tuple[torch.Tensor, PrefillStats]:
         cfg = self.config
         if self._fault == "oom-once":
             cancel = self._inject_oom(cancel)
         with self._on_device():
             t = torch.tensor(ids, dtype=torch.long, device=self.device)  # [T]
-            logits, stats = prefill(self.model, self.store, self.kv, t, start, mode,
+            logits, stats = prefill(self.steps, self.store, self.kv, t, start, mode,
                                     chunk_tokens=chunk_tokens,
                                     window_tokens=cfg.layer_major_window_tokens,
-                                    demand_max_tokens=cfg.demand_max_tokens, cancel=cancel)
+                                    demand_max_tokens=cfg.demand_max_tokens, cancel=cancel,
+                                    batching=self._batching(attention_batch, chunk_tokens))
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             return logits, stats
@@ -332,7 +384,7 @@ class Engine:
 
     def _generate(self, prompt: list[int], max_tokens: int, temperature: float, seed: int | None,
                   ignore_eos: bool, logprobs: int | None, mode: str, cancel: CancelLike, trace_layers: bool,
-                  chunk_tokens: int):
+                  chunk_tokens: int, attention_batch: int = 1):
         if not self._lock.acquire(blocking=False):
             raise RuntimeError("Engine.generate() while another request is running (one at a time)")
         store, counters = self.store, self.counters
@@ -356,7 +408,7 @@ class Engine:
             tracer = LayerTrace() if trace_layers else None
             self.model.trace = tracer
             try:
-                logits, pstats = self._prefill(prompt[reuse:], reuse, mode, cancel, chunk_tokens)
+                logits, pstats = self._prefill(prompt[reuse:], reuse, mode, cancel, chunk_tokens, attention_batch)
             finally:
                 self.model.trace = None
             prefill_end = time.perf_counter()
@@ -400,6 +452,8 @@ class Engine:
                 start_device_bytes=start_bytes, chunk_tokens=chunk_tokens,
                 alloc_retries=(None if retries0 is None else self._alloc_retries() - retries0),
                 copy_wait_s=store.copy_stall_seconds(),  # prefill's waits, read once the request is done
+                prefill_graph_replays=pstats.graph_replays, attention_batch=pstats.attention_batch,
+                attention_batched=pstats.attention_batched, attention_fallbacks=pstats.attention_fallbacks,
                 layer_trace=tracer.export() if tracer is not None else None)
         except Cancelled:
             counters["requests_cancelled"] += 1

@@ -193,7 +193,7 @@ async def completions(request: Request) -> Response:
     if req.model is not None and req.model != st.name:
         raise APIError(404, f"the model '{req.model}' does not exist; this server serves '{st.name}'",
                        param="model", code="model_not_found")
-    for field in ("prefill_mode", "chunk_tokens", "trace_layers"):
+    for field in ("prefill_mode", "chunk_tokens", "attention_batch", "trace_layers"):
         if getattr(req, field) not in (None, False) and not st.allow_request_overrides:
             raise APIError(400, f"per-request {field} needs the server flag --allow-request-overrides",
                            param=field, code="override_not_allowed")
@@ -207,6 +207,8 @@ async def completions(request: Request) -> Response:
         gen_kwargs["trace_layers"] = True
     if req.chunk_tokens is not None:
         gen_kwargs["chunk_tokens"] = req.chunk_tokens
+    if req.attention_batch is not None:
+        gen_kwargs["attention_batch"] = req.attention_batch
     queued = time.perf_counter()
     try:
         await st.service.acquire(request)
@@ -423,13 +425,23 @@ def build_arg_parser() -> argparse.ArgumentParser:
     e.add_argument("--no-warm-decode-graphs", dest="warm_decode_graphs", action="store_false", default=None,
                    help="CUDA: capture a decode KV length's graphs when a request first reaches it, instead of "
                    "every length's at start (then that request's first steps run eagerly and capture, slower)")
+    e.add_argument("--no-prefill-graphs", dest="prefill_graphs", action="store_false", default=None,
+                   help="CUDA, hybrid models: run every prefill layer step eagerly instead of replaying CUDA graphs "
+                   "of full chunks' fixed-shape steps")
+    e.add_argument("--attention-batch", type=int, default=None, metavar="K",
+                   help="layer-major prefill: K adjacent chunks share one attention call in full-attention layers "
+                   "where that is bit-identical on the device and the group ends within "
+                   "--attention-batch-max-context (default 1: one call per chunk; hybrid Qwen3.5/3.6 models)")
+    e.add_argument("--attention-batch-max-context", type=int, default=None, metavar="TOKENS",
+                   help="the longest context a batched attention group may end at (default 16384: on the H200 the "
+                   "joint call was faster below ~6K tokens, even at 16K-64K and slower at 128K)")
     e.add_argument("--d2d-from-slot-cache", action="store_true", default=None)
     e.add_argument("--max-context", type=int, default=None)
     e.add_argument("--deterministic", action="store_true", default=None,
                    help="ask the engine for deterministic kernels")
     s = p.add_argument_group("server")
     s.add_argument("--allow-request-overrides", action="store_true",
-                   help="accept the per-request prefill_mode, chunk_tokens and trace_layers fields")
+                   help="accept the per-request prefill_mode, chunk_tokens, attention_batch and trace_layers fields")
     s.add_argument("--queue-limit", type=int, default=64, help="max waiting requests; more get 429 (default 64)")
     s.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only; any other address "
                    "needs --api-key or --insecure-no-auth)")
@@ -448,7 +460,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
                                   prefill_mode=args.prefill_mode, chunk_tokens=args.chunk_tokens)
     for field in ("dtype", "layer_major_window_tokens", "demand_max_tokens", "gpu_memory_budget_gb",
                   "expert_slots_per_layer", "host_memory_check", "decode_graphs", "warm_decode_graphs",
-                  "d2d_from_slot_cache",
+                  "prefill_graphs", "attention_batch", "attention_batch_max_context", "d2d_from_slot_cache",
                   "max_context", "deterministic"):
         if getattr(args, field) is not None:  # leave the engine's defaults alone
             kwargs[field] = getattr(args, field)

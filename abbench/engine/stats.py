@@ -102,6 +102,14 @@ class AbbenchStats(_Lenient):
                                       "freed its cache and called cudaMalloc again: a sign of memory pressure).")
     copy_wait_s: float | None = Field(None, description="Prefill: GPU time the compute stream waited for "
                                       "streamed expert copies (CUDA timing events; None off CUDA).")
+    prefill_graph_replays: int | None = Field(None, description="Prefill layer half-steps replayed from CUDA "
+                                              "graphs (0: every step ran eagerly).")
+    attention_batch: int | None = Field(None, description="Layer-major: chunks per attention call asked for.")
+    attention_batched: int | None = Field(None, description="Attention groups of attention_batch chunks that ran "
+                                          "as one call.")
+    attention_fallbacks: dict[str, int] | None = Field(
+        None, description="Attention groups that ran one call per chunk instead, by reason (not-bit-identical, "
+        "window-end, short-chunk, long-context); None when no batching was asked for.")
     layer_trace: list[dict[str, Any]] | None = Field(
         None, description="With trace_layers: per layer and sub-block {layer, block, hash, rms, values} of the last "
         "prompt position (abbench.engine.trace)."

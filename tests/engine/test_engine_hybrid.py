@@ -25,6 +25,7 @@ from abbench.engine import PRESETS, EngineConfig, ModelConfig  # noqa: E402
 from abbench.engine.config import HybridConfig  # noqa: E402
 from abbench.engine.prefill import prefill  # noqa: E402
 from abbench.engine.runtime import Engine  # noqa: E402
+from abbench.engine.steps import BatchingStats, plan_attention_groups  # noqa: E402
 from tests.support.hf_models import save_random_hybrid  # noqa: E402
 
 L, F = "linear_attention", "full_attention"
@@ -69,7 +70,7 @@ def _cache(engine: Engine, n: int) -> list[torch.Tensor]:
 def _raw_prefill(engine: Engine, ids: list[int], mode: str, start: int = 0, window_tokens: int | None = None):
     """One prefill through the module API from whatever the cache holds: (logits, stats, cache)."""
     engine.store.begin_request()
-    logits, stats = prefill(engine.model, engine.store, engine.kv, torch.tensor(ids[start:], device=engine.device), start, mode,
+    logits, stats = prefill(engine.steps, engine.store, engine.kv, torch.tensor(ids[start:], device=engine.device), start, mode,
                             chunk_tokens=engine.config.chunk_tokens,
                             window_tokens=window_tokens or engine.config.layer_major_window_tokens,
                             demand_max_tokens=engine.config.demand_max_tokens)
@@ -225,6 +226,87 @@ def test_all_modes_give_bitwise_identical_logits_kv_and_states(resident, n):
             logits, stats, cache = _raw_prefill(resident, ids, "layer-major", window_tokens=window)
             assert torch.equal(logits, ref_logits) and _same(cache, ref_cache), window
             assert stats.n_windows == -(-6 // (window // 64))
+
+
+def test_prefill_graphs_replay_bitwise_what_eager_steps_compute():
+    """CUDA: an engine that replays full chunks' fixed-shape layer steps as CUDA graphs gives, in every mode and
+    across requests (eager first sighting, capture, replays), exactly the logits, KV and states of an engine
+    that runs every step eagerly; a prompt's shorter last chunk runs eagerly in both. On CPU there are no graphs
+    and the engine says so."""
+    graphed = _engine(prefill_mode="resident")
+    if CPU:
+        assert graphed.prefill_graphs_mode == "eager" and graphed.steps.graphs is None
+        return
+    eager = _engine(prefill_mode="resident", prefill_graphs=False)
+    assert (graphed.prefill_graphs_mode, eager.prefill_graphs_mode) == ("cuda-graphs", "eager")
+    for n in (192, 200, 333):
+        ids = _prompt(n, seed=40 + n)
+        eager.reset()
+        ref_logits, _, ref_cache = _raw_prefill(eager, ids, "chunked")
+        for repeat in range(3):  # first sighting eager, then capture, then replays
+            for mode in MODES:
+                graphed.reset()
+                logits, stats, cache = _raw_prefill(graphed, ids, mode)
+                assert torch.equal(logits, ref_logits) and _same(cache, ref_cache), (n, mode, repeat)
+                if repeat:
+                    assert stats.graph_replays > 0, (n, mode)
+    ids = _prompt(200, seed=3)
+    graphed.reset()
+    ref = graphed.run(ids, 6, logprobs=2)[0]
+    eager.reset()
+    assert [(e.token_id, e.top_logprobs) for e in eager.run(ids, 6, logprobs=2)[0]] == \
+        [(e.token_id, e.top_logprobs) for e in ref]
+
+
+def test_attention_groups_follow_the_stated_rule():
+    """Groups of k chunks share an attention call only when the device is exact, the window has k chunks left,
+    every chunk is full and the group ends within the context limit; each other group is counted once with its
+    reason, and every chunk appears exactly once, in order."""
+    window = [(a, min(a + 64, 500)) for a in range(0, 500, 64)]  # 8 chunks, the last of 52 tokens
+    stats = BatchingStats()
+    groups = plan_attention_groups(window, 2, 64, 256, True, stats)
+    assert [c for g in groups for c in g] == list(range(8))
+    assert groups[:2] == [[0, 1], [2, 3]]  # ends at 128 and 256 <= 256
+    assert groups[2:] == [[4], [5], [6], [7]]
+    assert (stats.batched, stats.fallbacks) == (2, {"long-context": 1, "short-chunk": 1})
+    stats = BatchingStats()
+    groups = plan_attention_groups(window[:7], 2, 64, 4096, True, stats)  # 7 full chunks: one left over
+    assert groups == [[0, 1], [2, 3], [4, 5], [6]]
+    assert (stats.batched, stats.fallbacks) == (3, {"window-end": 1})
+    for k in (2, 3):
+        stats = BatchingStats()
+        groups = plan_attention_groups(window, k, 64, 4096, False, stats)
+        assert groups == [[c] for c in range(8)]
+        assert (stats.batched, stats.fallbacks) == (0, {"not-bit-identical": -(-8 // k)})
+    assert plan_attention_groups(window, 1, 64, 4096, True) == [[c] for c in range(8)]
+
+
+def test_attention_batching_is_bitwise_one_call_per_chunk_or_falls_back_with_its_reason():
+    """Layer-major with two chunks per attention call gives the ids and logprobs of one call per chunk. Where the
+    device computes the joint call bit for bit (probed at start), groups run batched and the prompt's shorter last
+    chunk and the groups past the context limit fall back with their reasons; where it does not, every group
+    falls back as not bit-identical. Batching is refused for a model without joint attention calls."""
+    ids = _prompt(333, seed=8)  # 6 chunks: 5 full and one of 13 tokens; one 512-token window
+    engine = _engine(prefill_mode="chunked", attention_batch=2, attention_batch_max_context=192,
+                     layer_major_window_tokens=512)
+    ref, _ = engine.run(ids, 4, prefill_mode="layer-major", logprobs=3, attention_batch=1)
+    engine.reset()
+    events, stats = engine.run(ids, 4, prefill_mode="layer-major", logprobs=3)
+    assert [(e.token_id, e.top_logprobs) for e in events] == [(e.token_id, e.top_logprobs) for e in ref]
+    n_attn = len(MINI.attention_layers)
+    exact = engine._batch_exact[(2, 64)]
+    if exact:  # groups [0,1] (ends at 128), [2,3] past 192, [4,5] with a short chunk
+        assert (stats.attention_batched, stats.attention_fallbacks) == (
+            n_attn, {"long-context": n_attn, "short-chunk": n_attn})
+    else:
+        assert (stats.attention_batched, stats.attention_fallbacks) == (0, {"not-bit-identical": 3 * n_attn})
+    engine.reset()
+    _, chunked = engine.run(ids, 2, prefill_mode="chunked")
+    assert (chunked.attention_batched, chunked.attention_fallbacks) == (0, None)  # only layer-major batches
+    qwen3 = Engine(EngineConfig(model=PRESETS["tiny"], weights="random:1", device=KNOBS["device"],
+                                bandwidth_probe_bytes=0))
+    with pytest.raises(ValueError, match="joint attention"):
+        qwen3.run(ids[:10], 1, attention_batch=2)
 
 
 def test_a_per_request_chunk_length_equals_an_engine_started_with_it():
