@@ -114,7 +114,36 @@ def _parser() -> argparse.ArgumentParser:
                         "--attention-batch-max-context) and check it against chunked")
     p.add_argument("--attention-batch-max-context", type=int, default=None, metavar="TOKENS",
                    help="the engine's batching limit (default: the engine's)")
+    p.add_argument("--attention-batch-positions", default=None, metavar="P1,P2,...",
+                   help="time one attention call over --attention-batch adjacent chunks against one call per chunk "
+                        "for groups starting at each position (the model's head shapes, random data; no model "
+                        "is built beyond what the check needs), and check them bitwise equal")
     return p
+
+
+def attention_batch_timing(mc, chunk: int, k: int, positions: list[int], device: torch.device, dtype: torch.dtype,
+                           repeats: int) -> list[tuple[str, str]]:
+    """Rows 'attention k=K at P': the joint call's time over the per-chunk calls' (median of ``repeats``), and
+    whether every row is bitwise equal."""
+    from .hybrid import causal_sdpa
+
+    hq, hkv, d = mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim
+    scale, gqa, rows = d**-0.5, mc.num_attention_heads != mc.num_key_value_heads, []
+    gen = torch.Generator(device="cpu").manual_seed(2)
+    with torch.no_grad(), attention_backends():
+        for s in positions:
+            end = s + k * chunk
+            q = torch.randn(hq, k * chunk, d, generator=gen).to(device, dtype)  # [Hq, kT, D]
+            keys = torch.randn(hkv, end, d, generator=gen).to(device, dtype)  # [Hkv, S, D]
+            values = torch.randn(hkv, end, d, generator=gen).to(device, dtype)  # [Hkv, S, D]
+            joint = lambda: causal_sdpa(q, keys, values, scale, gqa)  # noqa: E731
+            parts = lambda: [causal_sdpa(q[:, c * chunk:(c + 1) * chunk], keys[:, :s + (c + 1) * chunk],  # noqa: E731
+                                         values[:, :s + (c + 1) * chunk], scale, gqa) for c in range(k)]
+            same = all(torch.equal(joint()[:, :, c * chunk:(c + 1) * chunk], part) for c, part in enumerate(parts()))
+            tj, tp = _timed(joint, device, repeats), _timed(parts, device, repeats)
+            rows.append((f"attention k={k} at {s}", f"{'bitwise equal' if same else 'DIFFERS'}; joint {tj * 1e3:.3f} ms"
+                                                    f" / per chunk {tp * 1e3:.3f} ms = {tj / tp:.3f}x"))
+    return rows
 
 
 def _build(args, p: argparse.ArgumentParser):
@@ -266,6 +295,10 @@ def run(argv: list[str] | None = None) -> tuple[bool, list[tuple[str, str]]]:
     ok, mode_rows = _check_modes(args, engine, mc, tokens, chunk, window)
     rows += mode_rows + _time_pieces(args, engine, mc, tokens, chunk)
     engine.reset()
+    if args.attention_batch_positions:
+        positions = [int(v) for v in args.attention_batch_positions.split(",") if v.strip()]
+        rows += attention_batch_timing(mc, chunk, max(2, args.attention_batch), positions, dev, engine.dtype,
+                                       args.repeats)  # where it differs the engine falls back: reported only
     return ok, rows
 
 
