@@ -8,8 +8,11 @@ RequestSpec's fields in the engine's own names plus the profile's and arm's extr
 the protocol depends on protected), says whether a decoded event carries text (``has_text``, cheap: it runs
 on every event until the first text), and turns one decoded event into :class:`EventParts` (text, ids,
 finish reason in OpenAI's words, usage, logprobs best first, the engine's own object). It also names the
-engine's default health, cache-reset and metrics paths (:data:`abbench.profile.ADAPTER_PATHS`), its done
-marker, and the Prometheus counters behind the report's common keys (:func:`engine_counters`).
+engine's default health, cache-reset and metrics paths (its class attributes; :data:`ADAPTER_PATHS` collects
+the reset and metrics defaults, which the profile fills in when it leaves them out), its done marker, and the
+Prometheus counters behind the report's common keys (:func:`engine_counters`). The request's fields come from
+any object with :class:`RequestParams`'s attributes (the profile's ``RequestSpec`` is one), so this module
+imports nothing of the profile.
 
 Adapters are registered in :data:`ADAPTERS` under the ``EngineSpec.adapter`` name and looked up with
 :func:`get_adapter`. The documented wire formats each one follows (its docstring cites them in full):
@@ -37,18 +40,20 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal, Protocol
 
 from abbench.errors import ConfigError, RequestError
-from abbench.profile import ADAPTER_PATHS, RequestSpec
 from abbench.prometheus import ENGINE_COUNTERS, Counters, common_counters
 
 __all__ = [
     "ADAPTERS",
+    "ADAPTER_PATHS",
     "Adapter",
+    "AdapterName",
     "EventParts",
     "LlamaCppAdapter",
     "OpenAIAdapter",
+    "RequestParams",
     "SGLangAdapter",
     "VLLMAdapter",
     "engine_counters",
@@ -57,6 +62,19 @@ __all__ = [
 
 TopLogprobs = list[tuple[int, float]]
 Prompt = str | list[int]  # text, or token ids (an engine that takes them: all four adapters' engines do)
+AdapterName = Literal["openai", "vllm", "sglang", "llamacpp"]
+"""The names :data:`ADAPTERS` registers (``EngineSpec.adapter``/``ArmSpec.adapter`` take one)."""
+
+
+class RequestParams(Protocol):
+    """The request fields an adapter sends (``abbench.profile.RequestSpec`` has them)."""
+
+    max_tokens: int
+    temperature: float
+    ignore_eos: bool
+    logprobs: int | None
+    stream: bool
+    extra: dict[str, Any]
 
 
 @dataclass(slots=True)
@@ -84,8 +102,8 @@ class Adapter:
     (the client then refuses any event after it); a format whose events repeat the whole output so far sets
     ``EventParts.cumulative``.
 
-    ``reset_path``/``metrics_path`` are the engine's own defaults (:data:`abbench.profile.ADAPTER_PATHS`,
-    which ``EngineSpec`` fills in when a profile leaves them out). ``counters`` names the engine's Prometheus
+    ``reset_path``/``metrics_path`` are the engine's own defaults ("" = none; collected in
+    :data:`ADAPTER_PATHS`, which the profile fills in when it leaves them out). ``counters`` names the engine's Prometheus
     counters behind the report's common keys (``prompt_tokens``: prompt tokens the engine processed or
     looked up; ``cached_prompt_tokens``: prompt tokens served from its prefix cache); the per-request
     ``engine`` dict uses the keys ``cached_prompt_tokens`` and ``engine_prompt_tokens`` where the engine
@@ -94,8 +112,8 @@ class Adapter:
     name: ClassVar[str] = ""
     completion_path: ClassVar[str] = "/v1/completions"
     health_path: ClassVar[str] = "/health"
-    reset_path: ClassVar[str | None] = ADAPTER_PATHS["openai"]["reset_path"]
-    metrics_path: ClassVar[str | None] = ADAPTER_PATHS["openai"]["metrics_path"]
+    reset_path: ClassVar[str] = "/reset"  # the vendored engine's
+    metrics_path: ClassVar[str] = "/metrics"
     done_marker: ClassVar[str | None] = "[DONE]"  # data payload ending the stream; None: see EventParts.final
     protected_fields: ClassVar[frozenset[str]] = frozenset({"prompt", "stream", "stream_options"})
     counters: ClassVar[Counters] = MappingProxyType({})
@@ -107,7 +125,7 @@ class Adapter:
     closes_after_stream: ClassVar[bool] = False
 
     def build_body(
-        self, prompt: Prompt, *, request: RequestSpec, extra: Mapping[str, Any], model: str | None
+        self, prompt: Prompt, *, request: RequestParams, extra: Mapping[str, Any], model: str | None
     ) -> dict[str, Any]:
         raise NotImplementedError
 
@@ -150,7 +168,7 @@ class OpenAIAdapter(Adapter):
     tokens_as_ids: bool = False
 
     def build_body(
-        self, prompt: Prompt, *, request: RequestSpec, extra: Mapping[str, Any], model: str | None
+        self, prompt: Prompt, *, request: RequestParams, extra: Mapping[str, Any], model: str | None
     ) -> dict[str, Any]:
         body: dict[str, Any] = {
             "prompt": prompt,
@@ -254,8 +272,8 @@ class VLLMAdapter(OpenAIAdapter):
     """
 
     name: ClassVar[str] = "vllm"
-    reset_path: ClassVar[str | None] = ADAPTER_PATHS["vllm"]["reset_path"]
-    metrics_path: ClassVar[str | None] = ADAPTER_PATHS["vllm"]["metrics_path"]
+    reset_path: ClassVar[str] = "/reset_prefix_cache"  # needs VLLM_SERVER_DEV_MODE=1
+    metrics_path: ClassVar[str] = "/metrics"
     counters: ClassVar[Counters] = ENGINE_COUNTERS["vllm"]
     return_token_ids: bool = True
     tokens_as_ids: bool = True
@@ -301,14 +319,14 @@ class SGLangAdapter(Adapter):
 
     name: ClassVar[str] = "sglang"
     completion_path: ClassVar[str] = "/generate"
-    reset_path: ClassVar[str | None] = ADAPTER_PATHS["sglang"]["reset_path"]
-    metrics_path: ClassVar[str | None] = ADAPTER_PATHS["sglang"]["metrics_path"]
+    reset_path: ClassVar[str] = "/flush_cache"
+    metrics_path: ClassVar[str] = "/metrics"  # needs --enable-metrics
     protected_fields: ClassVar[frozenset[str]] = frozenset({"text", "input_ids", "stream"})
     counters: ClassVar[Counters] = ENGINE_COUNTERS["sglang"]
     incremental: bool | None = None  # None: detect per event; True/False: the server's streaming mode
 
     def build_body(
-        self, prompt: Prompt, *, request: RequestSpec, extra: Mapping[str, Any], model: str | None
+        self, prompt: Prompt, *, request: RequestParams, extra: Mapping[str, Any], model: str | None
     ) -> dict[str, Any]:
         sampling: dict[str, Any] = {
             "temperature": request.temperature,
@@ -449,8 +467,8 @@ class LlamaCppAdapter(Adapter):
 
     name: ClassVar[str] = "llamacpp"
     completion_path: ClassVar[str] = "/completion"
-    reset_path: ClassVar[str | None] = ADAPTER_PATHS["llamacpp"]["reset_path"]
-    metrics_path: ClassVar[str | None] = ADAPTER_PATHS["llamacpp"]["metrics_path"]
+    reset_path: ClassVar[str] = "/slots/0?action=erase"  # erase slot 0's KV: needs --slot-save-path and -np 1
+    metrics_path: ClassVar[str] = "/metrics"  # needs --metrics
     done_marker: ClassVar[str | None] = None
     protected_fields: ClassVar[frozenset[str]] = frozenset({"prompt", "stream"})
     counters: ClassVar[Counters] = ENGINE_COUNTERS["llamacpp"]
@@ -458,7 +476,7 @@ class LlamaCppAdapter(Adapter):
     closes_after_stream: ClassVar[bool] = True
 
     def build_body(
-        self, prompt: Prompt, *, request: RequestSpec, extra: Mapping[str, Any], model: str | None
+        self, prompt: Prompt, *, request: RequestParams, extra: Mapping[str, Any], model: str | None
     ) -> dict[str, Any]:
         body: dict[str, Any] = {
             "prompt": prompt,
@@ -535,6 +553,13 @@ ADAPTERS: Mapping[str, Adapter] = MappingProxyType(
         "llamacpp": LlamaCppAdapter(),
     }
 )
+
+ADAPTER_PATHS: Mapping[str, Mapping[str, str]] = MappingProxyType({
+    name: MappingProxyType({"reset_path": a.reset_path, "metrics_path": a.metrics_path})
+    for name, a in ADAPTERS.items()
+})
+"""Per adapter name, its engine's default ``reset_path`` and ``metrics_path`` ("" = none): what a profile's
+``engine``, or an arm that names an adapter, gets when it leaves them out."""
 
 
 def engine_counters(adapter: str | Adapter, metrics: Mapping[str, float] | None) -> dict[str, float]:

@@ -35,12 +35,14 @@ Metrics (:data:`METRICS`), each per (arm, kind, prompt length) cell over measure
 Every cell the selector picks must pass; a selector that picks no cell with data fails (the gate never
 passes on missing data). :func:`parse_check` raises :class:`~abbench.errors.ConfigError` (exit 2) naming
 the problem; :func:`bind` also checks the arm against a run.
+
+The grammar itself (metrics, kinds, operators, :func:`parse_check`, :func:`check_arms`) is
+:mod:`abbench.checkexpr`, below both the profile and this module; it is re-exported here.
 """
 
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -50,148 +52,16 @@ import pandas as pd
 from abbench.analysis.frames import arm_names, measured_ok_frame, peak_bytes, reference_arm, sample_peak_bytes
 from abbench.analysis.timing import CONFIDENCE, median_ci, paired_ratios
 from abbench.analysis.transfer import FLOOR_KINDS, floor_table
-from abbench.errors import ConfigError
+from abbench.checkexpr import KINDS, METRICS, OPS, PAIRED, DeclaredCheck, Metric, check_arms, parse_check, parse_checks
 from abbench.results import RunRecord
 
-KINDS = ("fresh", "cold", "continuation")
-OPS = ("<=", ">=", "==")
+__all__ = [  # the grammar (abbench.checkexpr) is re-exported: callers of the analysis reach it here too
+    "KINDS", "METRICS", "OPS", "PAIRED", "TOLERANCE", "VALUES", "Cell", "DeclaredCheck", "Metric", "bind",
+    "check_arms", "declared_exprs", "describe_cell", "fmt_value", "judge", "overall", "parse_check",
+    "parse_checks", "rounds_to_settle",
+]
+
 TOLERANCE = 1e-6
-
-
-@dataclass(frozen=True)
-class Metric:
-    name: str
-    unit: str
-    interval: bool
-    """True: judged on the 95% interval of the median; False: a counter judged on every sample."""
-    ratio: bool
-    """A ratio (what auto rounds narrow)."""
-    description: str
-
-
-METRICS: dict[str, Metric] = {m.name: m for m in (
-    Metric("ttft_ratio", "x", True, True, "paired TTFT(arm) / TTFT(reference arm), same prompt and round"),
-    Metric("x_floor", "x", True, True, "TTFT / the floor (max of the resident TTFT and one bank's copy)"),
-    Metric("ttft_s", "s", True, False, "time to first token (seconds)"),
-    Metric("decode_tok_s", "tok/s", True, False, "decode rate after the first token"),
-    Metric("h2d_banks", "banks", False, False, "prefill host-to-device bytes / the expert bank"),
-    Metric("banks_per_window", "banks", False, False, "h2d_banks / the engine's layer-major windows (at least 1)"),
-    Metric("peak_vram_gb", "GiB", False, False, "peak device memory (engine's peak_device_bytes, else NVML)"),
-    Metric("peak_vram_ratio", "x", False, False,
-           "paired peak device memory(arm) / peak(reference arm, or vs ARM), same prompt and round"),
-)}
-PAIRED = ("ttft_ratio", "peak_vram_ratio")
-"""Metrics that divide by another arm's sample of the same prompt and round (``vs ARM``, else the reference)."""
-
-_EXPR = re.compile(r"^\s*(?P<metric>[A-Za-z_][A-Za-z0-9_]*)\s*\[(?P<sel>[^\[\]]*)\]\s*(?P<op><=|>=|==|=<|=>|<|>|=)?"
-                   r"\s*(?P<value>\S*)\s*$")
-_TOKENS = re.compile(r"^(?P<op><=|>=|==)?\s*(?P<n>\d+)(?P<k>[kK])?$")
-_VS = re.compile(r"^vs\s+(?P<arm>\S.*)$")
-
-
-@dataclass(frozen=True)
-class DeclaredCheck:
-    """One parsed expression."""
-
-    expr: str
-    metric: str
-    arm: str
-    kind: str | None
-    tokens_op: str | None
-    """'>=', '<=' or '==' (a bare length), None: every length."""
-    tokens: int | None
-    op: str
-    value: float
-    vs: str | None = None
-    """The arm a paired metric divides by (None: the run's reference arm)."""
-
-    @property
-    def name(self) -> str:
-        sel = [self.arm] + ([self.kind] if self.kind else [])
-        if self.tokens is not None:
-            sel.append(f"{'' if self.tokens_op == '==' else self.tokens_op}{self.tokens}")
-        if self.vs is not None:
-            sel.append(f"vs {self.vs}")
-        return f"{self.metric}[{', '.join(sel)}] {self.op} {self.value:g}"
-
-    @property
-    def spec(self) -> Metric:
-        return METRICS[self.metric]
-
-    def selects(self, kind: str, tokens: int | None) -> bool:
-        if self.kind is not None and kind != self.kind:
-            return False
-        if self.tokens is None:
-            return True
-        if tokens is None:
-            return False
-        return {"<=": tokens <= self.tokens, ">=": tokens >= self.tokens, "==": tokens == self.tokens}[
-            str(self.tokens_op)]
-
-
-def parse_check(expr: str) -> DeclaredCheck:
-    """Parse one expression (grammar in the module docstring); :class:`ConfigError` names the problem."""
-    where = f"check {expr!r}"
-    m = _EXPR.match(expr or "")
-    if not m:
-        raise ConfigError(f"{where}: not of the form METRIC[ARM(, KIND)(, >=TOKENS|<=TOKENS)] OP VALUE, e.g. "
-                          "'ttft_ratio[layer-major, fresh, >=32768] <= 0.15'")
-    metric = m["metric"]
-    if metric not in METRICS:
-        raise ConfigError(f"{where}: unknown metric {metric!r}; metrics are {', '.join(METRICS)}")
-    op = m["op"]
-    if op not in OPS:
-        raise ConfigError(f"{where}: " + ("missing comparison" if not op else f"unknown comparison {op!r}")
-                          + "; use <=, >= or ==")
-    try:
-        value = float(m["value"])
-    except ValueError:
-        raise ConfigError(f"{where}: {m['value']!r} is not a number" if m["value"] else
-                          f"{where}: no value after {op}") from None
-    if not math.isfinite(value):
-        raise ConfigError(f"{where}: the value must be a finite number")
-    if op == "==" and METRICS[metric].interval:
-        raise ConfigError(f"{where}: {metric} is judged on an interval; use <= or >= (== is for counters: "
-                          "h2d_banks, banks_per_window, peak_vram_gb)")
-    parts = [p.strip() for p in m["sel"].split(",")]
-    if not parts[0]:
-        raise ConfigError(f"{where}: the selector needs an arm first, e.g. {metric}[layer-major]")
-    arm, kind, tokens_op, tokens, vs = parts[0], None, None, None, None
-    for p in parts[1:]:
-        t, v = _TOKENS.match(p), _VS.match(p)
-        if vs is not None:
-            raise ConfigError(f"{where}: 'vs ARM' comes last in the selector (ARM, KIND, LENGTH, vs ARM)")
-        if p in KINDS and kind is None and tokens is None:
-            kind = p
-        elif t and tokens is None:
-            tokens_op, tokens = t["op"] or "==", int(t["n"]) * (1024 if t["k"] else 1)
-        elif v:
-            if metric not in PAIRED:
-                raise ConfigError(f"{where}: 'vs ARM' is for the paired metrics ({', '.join(PAIRED)}); {metric} "
-                                  "is not measured against another arm")
-            vs = v["arm"].strip()
-        else:
-            raise ConfigError(f"{where}: selector part {p!r} is neither a kind ({', '.join(KINDS)}), a "
-                              "prompt length (>=32768, <=65536 or 32768) nor 'vs ARM', in the order ARM, KIND, "
-                              "LENGTH, vs ARM")
-    return DeclaredCheck(expr=expr, metric=metric, arm=arm, kind=kind, tokens_op=tokens_op, tokens=tokens, op=op,
-                         value=value, vs=vs)
-
-
-def parse_checks(exprs: list[str]) -> list[DeclaredCheck]:
-    return [parse_check(e) for e in exprs]
-
-
-def check_arms(checks: list[DeclaredCheck], arms: list[str], reference: str | None, where: str) -> None:
-    """:class:`ConfigError` when a check names an arm that is not there, or compares an arm with itself."""
-    for c in checks:
-        for a in (c.arm, c.vs):
-            if a is not None and a not in arms:
-                raise ConfigError(f"{where}: check {c.expr!r}: unknown arm {a!r}; arms are {', '.join(arms)}")
-        if c.metric in PAIRED and c.arm == (c.vs or reference):
-            raise ConfigError(f"{where}: check {c.expr!r}: {c.arm} is " + (
-                "the arm it is compared with" if c.vs else "the reference arm") + f"; {c.metric} compares another "
-                "arm with it" + ("" if c.vs else " (or name one with 'vs ARM')"))
 
 
 def bind(record: RunRecord, exprs: list[str], where: str = "--check") -> list[DeclaredCheck]:
