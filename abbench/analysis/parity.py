@@ -25,8 +25,8 @@ near-tie flip (the reference's own ``stability`` rows must stay equal). Where ne
 over the prefix where their ids agree (:func:`logprob_agreement`): the measured spread a tolerance for
 another engine should come from.
 
-:func:`classify` names a divergence from the top-2 margins at its position (:mod:`abbench.diff` and the
-probe use it too).
+:func:`classify` names a divergence from the top-2 margins at its position (:mod:`abbench.diagnostics.diff`
+and the probe use it too).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The divergence diagnostics: ``diff`` (two arms' ids side by side, the first divergence classified) and
 ``probe`` (the forced-continuation probe; with ``--layers`` the first layer and sub-block whose hidden states
-differ). They load :mod:`abbench.diff` and the probes only when called.
+differ). They load :mod:`abbench.diagnostics` only when called.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ def diff(
 ) -> None:
     """Print the reference arm's and another arm's ids for one prompt side by side (token text, top-2
     logprobs), the first divergence marked and classified (near-tie or not)."""
-    from abbench.diff import diff_prompt, format_diff, load_run_tokenizer
+    from abbench.diagnostics.diff import diff_prompt, format_diff, load_run_tokenizer
     from abbench.results import load_run
 
     try:
@@ -74,8 +74,8 @@ def probe(
     """Forced-continuation probe: feed the arm the prompt plus the reference's own ids, one position at a
     time, and compare its logprobs and choices with what the reference captured. With --layers: where in
     the network the arm's hidden state first differs from the reference's."""
-    from abbench.diff import format_probe, load_run_tokenizer
-    from abbench.runner import probe_prompt
+    from abbench.diagnostics.diff import format_probe, load_run_tokenizer
+    from abbench.diagnostics.probe import probe_prompt
     from abbench.results import load_run
 
     if layers:
@@ -100,9 +100,9 @@ def probe(
 
 def _probe_layers(run: Path, prompt: str, arm: str, *, position: int, round_: int | None, base_url: str | None,
                   ref_base_url: str | None, out: Path | None) -> None:
-    from abbench.layertrace import format_layers, layers_markdown, plot_layers
+    from abbench.diagnostics.layertrace import format_layers, layers_markdown, plot_layers
     from abbench.results import load_run
-    from abbench.runner.layers import probe_layers
+    from abbench.diagnostics.layers import probe_layers
 
     try:
         record, _ = load_run(run, RESULTS_ROOT)

@@ -5,11 +5,13 @@
 * :mod:`abbench.runner.slot`: the service slot (launch, attach, stop, monitor) and the launch-command check.
 * :mod:`abbench.runner.lock`: the run lock and the signal handling.
 * :mod:`abbench.runner.resume`: what must match before a partial run is resumed.
-* :mod:`abbench.runner.probe`: the forced-continuation probe (``abbench probe``).
+* :mod:`abbench.runner.rounds`: ``rounds = "auto"``: the stopping rule and the plan extended.
+
+The divergence diagnostics (``abbench diff``/``probe``), which launch services through this package, are
+:mod:`abbench.diagnostics`; nothing here loads them.
 """
 
 from abbench.runner.lock import LOCK_FILE, RunLock
-from abbench.runner.probe import ProbeResult, ProbeStep, logprob_delta, probe_prompt
 from abbench.runner.run import (
     DEATH_GRACE_S,
     WARMUP_KINDS,
@@ -27,7 +29,7 @@ from abbench.runner.run import (
 from abbench.runner.slot import ServiceSlot, check_launch_commands
 
 __all__ = [
-    "DEATH_GRACE_S", "LOCK_FILE", "WARMUP_KINDS", "Interrupted", "Observer", "ProbeResult", "ProbeStep",
-    "ProgressEvent", "Run", "RunLock", "ServiceSlot", "check_launch_commands", "check_run_dir_free", "execute",
-    "logprob_delta", "new_run_id", "prepare", "priming_steps", "probe_prompt", "profile_dir",
+    "DEATH_GRACE_S", "LOCK_FILE", "WARMUP_KINDS", "Interrupted", "Observer", "ProgressEvent", "Run", "RunLock",
+    "ServiceSlot", "check_launch_commands", "check_run_dir_free", "execute", "new_run_id", "prepare",
+    "priming_steps", "profile_dir",
 ]

@@ -68,7 +68,7 @@ def test_reference_matches_the_vendored_engine_in_process(checkpoint: Path, refe
 def test_reference_layer_trace_localizes_against_the_engine(checkpoint: Path, reference: ReferenceEngine) -> None:
     """The reference traces attention / experts / residual per layer from forward hooks; against the vendored
     engine in float32 the states differ by summation order only (relative RMS of the difference < 1e-5)."""
-    from abbench.layertrace import compare_traces
+    from abbench.diagnostics.layertrace import compare_traces
 
     engine = Engine(EngineConfig(model=str(checkpoint), weights=str(checkpoint), device="cpu", chunk_tokens=16))
     prompt = list(range(1000, 1040))

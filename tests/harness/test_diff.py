@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from abbench.diff import diff_prompt, format_diff, format_probe
-from abbench.runner import logprob_delta, probe_prompt
+from abbench.diagnostics.diff import diff_prompt, format_diff, format_probe, logprob_delta
+from abbench.diagnostics.probe import probe_prompt
 from abbench.errors import ConfigError
 from abbench.results import PromptRecord, RunRecord, Sample, save_run
 

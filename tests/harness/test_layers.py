@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from abbench.layertrace import LayerProbe, compare_traces, format_layers, layers_markdown
+from abbench.diagnostics.layertrace import LayerProbe, compare_traces, format_layers, layers_markdown
 
 
 def _e(layer: int, block: str, values: list[float] | None, h: str | None = None) -> dict:
@@ -48,8 +48,8 @@ def test_compare_traces_names_the_first_differing_block_and_the_growth() -> None
 @pytest.mark.slow
 def test_probe_layers_on_real_engine_services(tmp_path: Path) -> None:
     from abbench import runner
+    from abbench.diagnostics.layers import probe_layers
     from abbench.profile import profile_from_dict
-    from abbench.runner.layers import probe_layers
 
     pytest.importorskip("torch")
     command = [sys.executable, "-m", "abbench.engine", "--model", "tiny", "--weights", "random:0", "--device", "cpu",

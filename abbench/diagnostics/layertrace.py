@@ -8,7 +8,7 @@ reference's RMS. :attr:`LayerProbe.first_difference` names the first layer and s
 the rows after it show how the difference grows. :func:`format_layers` renders plain text,
 :func:`layers_markdown` a report section, :func:`plot_layers` a PNG (matplotlib, imported when drawing).
 
-No torch: the values are decoded with numpy. :mod:`abbench.runner.layers` gets the traces (it launches the
+No torch: the values are decoded with numpy. :mod:`abbench.diagnostics.layers` gets the traces (it launches the
 services).
 """
 

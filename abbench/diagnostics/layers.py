@@ -1,11 +1,11 @@
-"""The layer probe (``abbench probe RUN --prompt P --arm A --layers``): it launches services, so it lives
-beside the runner.
+"""The layer probe (``abbench probe RUN --prompt P --arm A --layers``): it launches services as the runner
+would.
 
 :func:`probe_layers` sends one token history (the prompt, plus the reference's first ``position`` output ids
 when ``position`` > 0) to the reference arm's service and to the probed arm's, each with its arm's request
 fields and ``trace_layers: true``, ``max_tokens`` 1, after a cache reset (so the whole history is prefilled
 the way the arm prefills), and compares the two ``abbench.layer_trace`` objects
-(:func:`abbench.layertrace.compare_traces`). Both arms must speak the vendored engine's API (adapter
+(:func:`abbench.diagnostics.layertrace.compare_traces`). Both arms must speak the vendored engine's API (adapter
 ``openai``: the vendored engine or ``abbench serve --backend transformers``); a launched service gets
 ``--allow-request-overrides`` appended when its command lacks it. ``base_urls`` maps an arm to a server
 already running with that arm's configuration (and the flag). Other engines: the token-level probe.
@@ -19,9 +19,9 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from abbench.client import EngineClient
-from abbench.diff import pick_round, usable
+from abbench.diagnostics.diff import pick_round, usable
 from abbench.errors import ConfigError
-from abbench.layertrace import LayerProbe, compare_traces
+from abbench.diagnostics.layertrace import LayerProbe, compare_traces
 from abbench.profile import Profile, RequestSpec, profile_from_dict
 from abbench.results import RunRecord
 from abbench.runner.run import prepare

@@ -10,8 +10,8 @@ Contract
   when captured. The first diverging position and its classification (identical / near-tie / divergence /
   margin unknown) follow :mod:`abbench.analysis` exactly (:func:`~abbench.analysis.compare_ids`,
   :data:`~abbench.analysis.NEAR_TIE_NATS`). :func:`format_diff` renders it as plain text.
-* :func:`format_probe` renders a forced-continuation probe (:func:`abbench.runner.probe.probe_prompt`,
-  which launches services and so lives beside the runner). This module reads results only.
+* :class:`ProbeResult` is what a forced-continuation probe found (:func:`abbench.diagnostics.probe.probe_prompt`,
+  which launches services) and :func:`format_probe` renders it. This module reads results only.
 
 Errors are :class:`~abbench.errors.ConfigError` (unknown prompt, arm, round; nothing to compare) or the
 service/request errors of the layers below.
@@ -20,17 +20,15 @@ service/request errors of the layers below.
 from __future__ import annotations
 
 import json
+import math
 import unicodedata
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from abbench import analysis as an
 from abbench.errors import ConfigError
 from abbench.results import RunRecord, Sample
-
-if TYPE_CHECKING:
-    from abbench.runner.probe import ProbeResult
 
 TopLogprobs = list[tuple[int, float]]
 DEFAULT_PROBE_THRESHOLD = 0.01
@@ -241,6 +239,63 @@ def format_diff(d: PromptDiff, *, tokenizer: Any = None, context: int | None = N
 
 
 # ------------------------------------------------------------------------------------------------ probe
+
+
+@dataclass(frozen=True)
+class ProbeStep:
+    index: int
+    ref_id: int
+    ref_top: TopLogprobs | None  # what the reference captured at this position in its own run
+    probe_id: int  # what the probed engine chooses, given prompt + ref[:index]
+    probe_top: TopLogprobs | None
+    delta: float | None  # max |logprob difference| over the ids both top lists hold; inf: none in common
+
+    @property
+    def same(self) -> bool:
+        return self.ref_id == self.probe_id
+
+    @property
+    def probe_margin(self) -> float | None:
+        return Side(None, None, self.probe_top).margin
+
+    @property
+    def ref_margin(self) -> float | None:
+        return Side(None, None, self.ref_top).margin
+
+
+@dataclass
+class ProbeResult:
+    prompt_id: str
+    arm: str
+    reference: str
+    ref_round: int
+    base_url: str
+    threshold: float
+    steps: list[ProbeStep]
+    free_run_divergence: int | None  # where the arm's own free-running output left the reference's (if known)
+    free_run_arm_id: int | None
+    reset_each: bool
+
+    @property
+    def first_over_threshold(self) -> ProbeStep | None:
+        return next((s for s in self.steps if s.delta is not None and s.delta > self.threshold), None)
+
+    @property
+    def first_choice_change(self) -> ProbeStep | None:
+        return next((s for s in self.steps if not s.same), None)
+
+
+def logprob_delta(a: TopLogprobs | None, b: TopLogprobs | None) -> float | None:
+    """Max |logprob(a) - logprob(b)| over the ids both lists hold (inf when they share none, None when
+    either is missing)."""
+    if not a or not b:
+        return None
+    da, db = dict(a), dict(b)
+    common = set(da) & set(db)
+    if not common:
+        return math.inf
+    return max(abs(da[i] - db[i]) for i in common)
+
 
 
 def format_probe(p: ProbeResult, *, tokenizer: Any = None) -> str:

@@ -1,5 +1,4 @@
-"""The forced-continuation probe (``abbench probe``): it launches an arm's service, so it lives beside the
-runner.
+"""The forced-continuation probe (``abbench probe``): it launches an arm's service as the runner would.
 
 :func:`probe_prompt` feeds an engine the prompt followed by the reference's own ids, one position at a time
 (prompt + ref[:i] -> 1 token with top-k logprobs, i = 0..N-1; no engine here returns logprobs for echoed
@@ -12,83 +11,35 @@ supplies a running server (``base_url``) or lets :func:`probe_prompt` launch the
 would (:meth:`abbench.profile.Profile.launch_spec`). The service's prefix cache is reset once before the
 probe and then left alone, so step i reuses the KV of prompt + ref[:i-1] and computes one new position, as
 in the arm's own decode (``reset_each=True`` resets before every step: each step then prefills the whole
-history). :func:`abbench.diff.format_probe` renders the result.
+history). Its result (:class:`~abbench.diagnostics.diff.ProbeResult`) and rendering
+(:func:`~abbench.diagnostics.diff.format_probe`) are pure, in :mod:`abbench.diagnostics.diff`.
 """
 
 from __future__ import annotations
 
-import math
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 from abbench import auth
 from abbench.analysis import compare_ids
 from abbench.client import EngineClient
-from abbench.diff import DEFAULT_PROBE_THRESHOLD, Side, TopLogprobs, pick_round, usable
+from abbench.diagnostics.diff import (
+    DEFAULT_PROBE_THRESHOLD,
+    ProbeResult,
+    ProbeStep,
+    logprob_delta,
+    pick_round,
+    usable,
+)
 from abbench.errors import ConfigError, RequestError
 from abbench.profile import RequestSpec, profile_from_dict
 from abbench.results import RunRecord
 from abbench.runner.run import prepare, run_credentials
 from abbench.runner.slot import health_check
+
+__all__ = ["ProbeResult", "ProbeStep", "logprob_delta", "probe_prompt"]
 from abbench.services import Service
-
-
-@dataclass(frozen=True)
-class ProbeStep:
-    index: int
-    ref_id: int
-    ref_top: TopLogprobs | None  # what the reference captured at this position in its own run
-    probe_id: int  # what the probed engine chooses, given prompt + ref[:index]
-    probe_top: TopLogprobs | None
-    delta: float | None  # max |logprob difference| over the ids both top lists hold; inf: none in common
-
-    @property
-    def same(self) -> bool:
-        return self.ref_id == self.probe_id
-
-    @property
-    def probe_margin(self) -> float | None:
-        return Side(None, None, self.probe_top).margin
-
-    @property
-    def ref_margin(self) -> float | None:
-        return Side(None, None, self.ref_top).margin
-
-
-@dataclass
-class ProbeResult:
-    prompt_id: str
-    arm: str
-    reference: str
-    ref_round: int
-    base_url: str
-    threshold: float
-    steps: list[ProbeStep]
-    free_run_divergence: int | None  # where the arm's own free-running output left the reference's (if known)
-    free_run_arm_id: int | None
-    reset_each: bool
-
-    @property
-    def first_over_threshold(self) -> ProbeStep | None:
-        return next((s for s in self.steps if s.delta is not None and s.delta > self.threshold), None)
-
-    @property
-    def first_choice_change(self) -> ProbeStep | None:
-        return next((s for s in self.steps if not s.same), None)
-
-
-def logprob_delta(a: TopLogprobs | None, b: TopLogprobs | None) -> float | None:
-    """Max |logprob(a) - logprob(b)| over the ids both lists hold (inf when they share none, None when
-    either is missing)."""
-    if not a or not b:
-        return None
-    da, db = dict(a), dict(b)
-    common = set(da) & set(db)
-    if not common:
-        return math.inf
-    return max(abs(da[i] - db[i]) for i in common)
 
 
 def probe_prompt(
