@@ -19,26 +19,9 @@ def serve(ctx: typer.Context) -> None:
     """Serve the vendored offloaded-MoE engine (OpenAI-compatible), or with `--backend transformers` a model's
     transformers implementation behind the same API (the reference). All other options pass through; see
     `abbench serve --help` and `abbench serve --backend transformers --help`."""
-    args, backend = list(ctx.args), "engine"
-    for i, a in enumerate(args):
-        if a == "--backend" and i + 1 < len(args):
-            backend = args[i + 1]
-            del args[i:i + 2]
-            break
-        if a.startswith("--backend="):
-            backend = a.split("=", 1)[1]
-            del args[i]
-            break
-    if backend == "transformers":
-        from abbench.engine.reference import main as reference_main
+    from abbench.engine.launch import main as serve_main  # --backend is the launcher's option
 
-        raise typer.Exit(reference_main(args))
-    if backend != "engine":
-        raise typer.BadParameter(f"--backend {backend!r}: expected engine (the vendored engine, the default) or "
-                                 "transformers (the reference)")
-    from abbench.engine.server import main as engine_main
-
-    engine_main(args)
+    raise typer.Exit(serve_main(list(ctx.args)))
 
 
 def memory_plan_cmd(

@@ -1,6 +1,7 @@
-"""``python -m abbench.engine [flags]``: serve the vendored engine (see ``abbench.engine.server``)."""
+"""``python -m abbench.engine [--backend engine|transformers] [flags]``: serve the vendored engine, or the
+transformers reference (see :mod:`abbench.engine.launch`)."""
 
-from abbench.engine.server import main
+from abbench.engine.launch import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -1,7 +1,8 @@
 """The reference backend: a model's own transformers implementation behind the vendored engine's API.
 
 ``abbench serve --backend transformers --model DIR [--device cpu|cuda] [--dtype ...] --port P`` (or
-``python -m abbench.engine.reference ...``) serves the same OpenAI-compatible API as the vendored engine
+``python -m abbench.engine --backend transformers ...``; the command line is :mod:`abbench.engine.launch`,
+which this module does not import) serves the same OpenAI-compatible API as the vendored engine
 (:mod:`abbench.engine.server`: native ``token_ids``, top-k logprobs with ``top_logprob_ids``, SSE, usage,
 ``/health``, ``/reset``, ``/metrics``, OpenAI-shaped errors) by running ``AutoModelForCausalLM`` from a local
 checkpoint directory, any architecture transformers knows. So an arm can ask "does my engine match the
@@ -27,19 +28,17 @@ at the last prompt position; hashes of two implementations rarely agree, the RMS
 the localizing.
 
 :func:`save_tiny_qwen3_moe` writes the random tiny Qwen3-MoE checkpoint ``profiles/cpu-tiny-reference.toml``
-serves from both backends (``python -m abbench.engine.reference --make-tiny-checkpoint DIR``).
+serves from both backends (``abbench serve --backend transformers --make-tiny-checkpoint DIR``).
 
 Imports nothing from the harness; transformers is imported only when a model is loaded.
 """
 
 from __future__ import annotations
 
-import argparse
 import inspect
 import logging
 import os
 import shutil
-import sys
 import tempfile
 import threading
 import time
@@ -50,17 +49,17 @@ from typing import Any
 
 import torch
 
+from abbench.engine.config import DTYPES
 from abbench.engine.decode import Sampler
 from abbench.engine.prefill import CancelLike, check_cancel
 from abbench.engine.runtime import Cancelled, RequestStats, TokenEvent, check_request, drain
 from abbench.engine.trace import LayerTrace
 
-__all__ = ["ReferenceEngine", "save_tiny_qwen3_moe", "main"]
+__all__ = ["ReferenceEngine", "resolve_checkpoint", "save_tiny_qwen3_moe"]
 
 log = logging.getLogger("abbench.engine.reference")
 
 PATH = "reference"
-DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)
@@ -341,82 +340,3 @@ def resolve_checkpoint(spec: str) -> str:
         except OSError:  # another process put it there first
             shutil.rmtree(tmp, ignore_errors=True)
     return str(out)
-
-
-# ------------------------------------------------------------------------------------------------ the server
-
-
-def build_arg_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="abbench serve --backend transformers",
-                                description="Serve a model's transformers implementation (greedy reference) "
-                                "over the vendored engine's OpenAI-compatible API.")
-    p.add_argument("--model", help="local Hugging Face checkpoint directory (config.json + weights), or "
-                   f"{TINY_SPEC}SEED: the random tiny Qwen3-MoE checkpoint, made once in abbench's cache")
-    p.add_argument("--tokenizer", default=None, help="qwen3, qwen3.6 or a local HF tokenizer directory "
-                   "(default: the model directory)")
-    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
-    p.add_argument("--dtype", default=None, choices=DTYPES, help="default: float32 on cpu, bfloat16 on cuda")
-    p.add_argument("--max-context", type=int, default=None)
-    p.add_argument("--attn-implementation", default=None, help="transformers attn_implementation (eager, sdpa, ...)")
-    p.add_argument("--allow-request-overrides", action="store_true",
-                   help="accept the per-request trace_layers field")
-    p.add_argument("--queue-limit", type=int, default=64, help="max waiting requests; more get 429 (default 64)")
-    p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
-    p.add_argument("--port", type=int, default=8000, help="port (0 picks a free one; default 8000)")
-    p.add_argument("--served-model-name", default=None, help="model name in the API (default: --model)")
-    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
-    p.add_argument("--make-tiny-checkpoint", metavar="DIR", default=None,
-                   help="write the random tiny Qwen3-MoE checkpoint (profiles/cpu-tiny-reference.toml) to DIR "
-                   "and exit")
-    return p
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Parse ``argv``, load the model, serve until SIGINT/SIGTERM (as :func:`abbench.engine.server.main`:
-    the port is bound before the model loads, a ready line is printed when it listens; exit 2 on usage
-    errors, 1 when the port cannot be bound or the model cannot be loaded)."""
-    import uvicorn
-
-    from abbench.engine.server import _bind, _Server, create_app
-    from abbench.engine.tokenizer import TokenizerSpecError, load_tokenizer
-
-    parser = build_arg_parser()
-    args = parser.parse_args(argv)
-    if args.make_tiny_checkpoint:
-        print(save_tiny_qwen3_moe(args.make_tiny_checkpoint))
-        return 0
-    if not args.model:
-        parser.error("--model DIR is required")
-    args.model = resolve_checkpoint(args.model)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        tokenizer = load_tokenizer(args.tokenizer or args.model)
-    except TokenizerSpecError as exc:
-        parser.error(str(exc))
-    try:
-        sock = _bind(args.host, args.port)
-    except OSError as exc:
-        print(f"abbench reference: cannot bind {args.host}:{args.port}: {exc}", file=sys.stderr, flush=True)
-        raise SystemExit(1) from None
-    try:
-        engine = ReferenceEngine(args.model, device_name=args.device, dtype_name=args.dtype,
-                                 max_context=args.max_context, attn_implementation=args.attn_implementation)
-    except (ValueError, TypeError, RuntimeError, OSError, ImportError) as exc:
-        print(f"abbench reference: cannot load the model: {exc}", file=sys.stderr, flush=True)
-        sock.close()
-        raise SystemExit(1) from None
-    log.info("%s loaded in %.2fs (%s, %s)", type(engine.model).__name__, engine.startup_s, engine.config.device,
-             engine.config.dtype)
-    app = create_app(engine, tokenizer, served_model_name=args.served_model_name or args.model,
-                     allow_request_overrides=args.allow_request_overrides, queue_limit=args.queue_limit)
-    host, port = sock.getsockname()[:2]
-    shown = f"[{host}]" if ":" in host else host
-    server = _Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5, lifespan="on"))
-    server.ready_message = (f"abbench engine ready: http://{shown}:{port} (transformers reference "
-                            f"{type(engine.model).__name__}, model {args.model}, device {args.device})")
-    server.run(sockets=[sock])
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -2,12 +2,11 @@
 
 Contract
 --------
-``create_app(engine, tokenizer, ...)`` builds the ASGI app around an already-built
-:class:`abbench.engine.runtime.Engine`; ``main(argv)`` parses the command line, builds the engine, binds
-the socket and serves until SIGINT/SIGTERM (``python -m abbench.engine`` and ``abbench serve`` both end
-here). The socket is bound before the engine is built (a busy port fails at once) but listens only after,
-so "port accepts connections" means "ready"; one line ``abbench engine ready: http://HOST:PORT ...`` is
-printed (and flushed) when it listens. ``--port 0`` picks a free port; the ready line names it.
+``create_app(engine, tokenizer, ...)`` builds the ASGI app around an already-built backend: the vendored
+:class:`abbench.engine.runtime.Engine` or the transformers :class:`abbench.engine.reference.ReferenceEngine`,
+both with the runtime ``Engine``'s serving contract. The command line that builds a backend,
+binds the socket and serves (``abbench serve``, ``python -m abbench.engine``) is :mod:`abbench.engine.launch`;
+this module does not import it.
 
 Endpoints
 * ``POST /v1/completions``: OpenAI text completions, streamed (SSE) or not, one prompt per request (text
@@ -24,11 +23,9 @@ Endpoints
 * ``POST /reset`` flushes the prefix cache and the decode slot cache. ``GET /health``, ``GET /v1/models``,
   ``GET /metrics`` (Prometheus text from a private registry).
 
-Authentication: with ``--api-key KEY`` (or ``ABBENCH_ENGINE_API_KEY`` in the environment, which keeps the key
-out of the process list) every route except ``GET /health`` needs ``Authorization: Bearer KEY``; anything
-else is a 401 in OpenAI's shape (``code: invalid_api_key``) before the body is read, and the key is never
-logged. Without a key the server binds loopback addresses only: ``--host`` naming any other address is
-refused (exit 2) unless ``--insecure-no-auth`` says so explicitly.
+Authentication: with ``api_key`` (the launcher's ``--api-key``) every route except ``GET /health`` needs
+``Authorization: Bearer KEY``; anything else is a 401 in OpenAI's shape (``code: invalid_api_key``) before the
+body is read, and the key is never logged. The launcher refuses to bind beyond loopback without a key.
 
 Errors use OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``: 400 for malformed JSON,
 unknown fields, bad values and prompts over the context, 404 for another model name or route, 413 for a
@@ -39,21 +36,16 @@ Device OOM can be injected for tests with ``ABBENCH_ENGINE_FAULT=oom-once`` (see
 
 Layout: the request schema, API errors and response pieces are :mod:`abbench.engine.api`; the queue (one
 request at a time, FIFO, cancellable) and the Prometheus metrics are :mod:`abbench.engine.serving`; this
-module holds the routes (module-level functions reading :class:`ServerState` from ``app.state``),
-:func:`create_app` and the command line.
+module holds the routes (module-level functions reading :class:`ServerState` from ``app.state``) and
+:func:`create_app`.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import hmac
-import ipaddress
 import json
 import logging
-import os
-import socket
-import sys
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -61,7 +53,6 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
-import uvicorn
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -78,11 +69,10 @@ from abbench.engine.api import (
     sse_event,
     usage,
 )
-from abbench.engine.config import DTYPES, PREFILL_MODES, PRESETS, EngineConfig
 from abbench.engine.serving import ClientGone, EngineService, Finished, Job, ReceivedAt, ServiceMetrics, next_item
-from abbench.engine.tokenizer import IncrementalDetokenizer, TokenizerSpecError, load_tokenizer
+from abbench.engine.tokenizer import IncrementalDetokenizer
 
-__all__ = ["CompletionRequest", "ServerState", "create_app", "build_arg_parser", "main"]
+__all__ = ["CompletionRequest", "RequireAPIKey", "ServerState", "create_app"]
 
 log = logging.getLogger("abbench.engine.server")
 
@@ -104,7 +94,6 @@ class ServerState:
     max_body_bytes: int
 
 
-API_KEY_ENV = "ABBENCH_ENGINE_API_KEY"
 OPEN_PATHS = frozenset({"/health"})
 
 
@@ -132,22 +121,6 @@ class RequireAPIKey:
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                                 (b"www-authenticate", b"Bearer")]})
         await send({"type": "http.response.body", "body": body})
-
-
-def is_loopback(host: str) -> bool:
-    """Whether every address ``host`` resolves to is a loopback address (``localhost``, 127.0.0.0/8, ::1).
-    A wildcard (``0.0.0.0``, ``::``, empty) is not."""
-    if host in ("", "0.0.0.0", "::"):
-        return False
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        pass
-    try:
-        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
-    except OSError:
-        return False
-    return bool(infos) and all(ipaddress.ip_address(i[4][0].split("%")[0]).is_loopback for i in infos)
 
 
 def _state(request: Request) -> ServerState:
@@ -388,170 +361,3 @@ def create_app(engine: Any, tokenizer: Any, *, served_model_name: str | None = N
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.include_router(router)
     return app
-
-
-# ----------------------------------------------------------------------------------------------- command line
-
-
-def build_arg_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m abbench.engine",
-                                description="Serve the vendored offloaded-MoE engine over an OpenAI-compatible API.")
-    e = p.add_argument_group("engine")
-    e.add_argument("--model", default=None, help=f"preset ({', '.join(PRESETS)}) or a local HF model directory "
-                   "with config.json (default: tiny, or the checkpoint's config when --weights is a directory)")
-    e.add_argument("--weights", default="random:0", help="'random:SEED', an HF checkpoint directory, or "
-                   "'tiny-qwen3-moe:SEED' (a random tiny Qwen3-MoE checkpoint written once into abbench's cache)")
-    e.add_argument("--tokenizer", default=None, help="qwen3, qwen3.6 or a local HF tokenizer directory "
-                   "(default: qwen3.6 for the qwen3.5-* presets, qwen3 for the other presets, the model "
-                   "directory otherwise)")
-    e.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
-    e.add_argument("--dtype", default=None, choices=DTYPES, help="default: float32 on cpu, bfloat16 on cuda")
-    e.add_argument("--prefill-mode", default="chunked", choices=PREFILL_MODES)
-    e.add_argument("--chunk-tokens", type=int, default=2048)
-    e.add_argument("--layer-major-window-tokens", type=int, default=None)
-    e.add_argument("--demand-max-tokens", type=int, default=None)
-    e.add_argument("--gpu-memory-budget", dest="gpu_memory_budget_gb", type=float, default=None, metavar="GB",
-                   help="device memory the engine may use, in GB (1e9 bytes), CUDA context included: the decode "
-                   "slot cache gets what the dense weights, KV cache, prefill buffers and workspace leave; a "
-                   "budget that cannot hold one token's experts per layer is refused (default: the device's "
-                   "free memory at start; on CPU every expert)")
-    e.add_argument("--expert-slots-per-layer", type=int, default=None, metavar="N",
-                   help="decode slot cache size per layer (default: what --gpu-memory-budget leaves, at most "
-                   "num_experts)")
-    e.add_argument("--no-host-memory-check", dest="host_memory_check", action="store_false", default=None,
-                   help="build the host expert bank even if /proc/meminfo says it will not fit")
-    e.add_argument("--no-decode-graphs", dest="decode_graphs", action="store_false", default=None,
-                   help="CUDA: run decode steps eagerly instead of replaying CUDA graphs")
-    e.add_argument("--no-warm-decode-graphs", dest="warm_decode_graphs", action="store_false", default=None,
-                   help="CUDA: capture a decode KV length's graphs when a request first reaches it, instead of "
-                   "every length's at start (then that request's first steps run eagerly and capture, slower)")
-    e.add_argument("--no-prefill-graphs", dest="prefill_graphs", action="store_false", default=None,
-                   help="CUDA, hybrid models: run every prefill layer step eagerly instead of replaying CUDA graphs "
-                   "of full chunks' fixed-shape steps")
-    e.add_argument("--attention-batch", type=int, default=None, metavar="K",
-                   help="layer-major prefill: K adjacent chunks share one attention call in full-attention layers "
-                   "where that is bit-identical on the device and the group ends within "
-                   "--attention-batch-max-context (default 1: one call per chunk; hybrid Qwen3.5/3.6 models)")
-    e.add_argument("--attention-batch-max-context", type=int, default=None, metavar="TOKENS",
-                   help="the longest context a batched attention group may end at (default 16384: on the H200 the "
-                   "joint call was faster below ~6K tokens, even at 16K-64K and slower at 128K)")
-    e.add_argument("--d2d-from-slot-cache", action="store_true", default=None)
-    e.add_argument("--max-context", type=int, default=None)
-    e.add_argument("--deterministic", action="store_true", default=None,
-                   help="ask the engine for deterministic kernels")
-    s = p.add_argument_group("server")
-    s.add_argument("--allow-request-overrides", action="store_true",
-                   help="accept the per-request prefill_mode, chunk_tokens, attention_batch and trace_layers fields")
-    s.add_argument("--queue-limit", type=int, default=64, help="max waiting requests; more get 429 (default 64)")
-    s.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only; any other address "
-                   "needs --api-key or --insecure-no-auth)")
-    s.add_argument("--api-key", default=None, help=f"require 'Authorization: Bearer KEY' on every route but "
-                   f"/health (default: ${API_KEY_ENV}, which keeps the key out of the process list)")
-    s.add_argument("--insecure-no-auth", action="store_true",
-                   help="allow a non-loopback --host without an API key (anyone who can reach it can use it)")
-    s.add_argument("--port", type=int, default=8000, help="port (0 picks a free one; default 8000)")
-    s.add_argument("--served-model-name", default=None, help="model name in the API (default: --model)")
-    s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
-    return p
-
-
-def _engine_config(args: argparse.Namespace) -> EngineConfig:
-    kwargs: dict[str, Any] = dict(model=args.model, weights=args.weights, device=args.device,
-                                  prefill_mode=args.prefill_mode, chunk_tokens=args.chunk_tokens)
-    for field in ("dtype", "layer_major_window_tokens", "demand_max_tokens", "gpu_memory_budget_gb",
-                  "expert_slots_per_layer", "host_memory_check", "decode_graphs", "warm_decode_graphs",
-                  "prefill_graphs", "attention_batch", "attention_batch_max_context", "d2d_from_slot_cache",
-                  "max_context", "deterministic"):
-        if getattr(args, field) is not None:  # leave the engine's defaults alone
-            kwargs[field] = getattr(args, field)
-    return EngineConfig(**kwargs)
-
-
-def _bind(host: str, port: int) -> socket.socket:
-    family, type_, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-    sock = socket.socket(family, type_, proto)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(addr)
-    sock.set_inheritable(True)
-    return sock
-
-
-class _Server(uvicorn.Server):
-    ready_message = ""
-
-    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-        await super().startup(sockets=sockets)
-        if self.started and self.ready_message:
-            print(self.ready_message, flush=True)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Parse ``argv``, build the engine, serve until SIGINT/SIGTERM; returns 0 after a clean shutdown.
-    Failures raise ``SystemExit`` (so a caller that ignores the return value still exits non-zero): 2 for
-    usage errors (argparse, a bad tokenizer spec), 1 when the port cannot be bound or the engine cannot be
-    built, each with a one-line message on stderr."""
-    parser = build_arg_parser()
-    args = parser.parse_args(argv)
-    if args.queue_limit < 0:
-        parser.error("--queue-limit must be >= 0")
-    for name in ("model", "weights"):  # tiny-qwen3-moe:SEED -> the cached tiny checkpoint (made on first use)
-        value = getattr(args, name)
-        if isinstance(value, str) and value.startswith("tiny-qwen3-moe:"):
-            from abbench.engine.reference import resolve_checkpoint
-
-            setattr(args, name, resolve_checkpoint(value))
-    if args.model is None:  # tiny, unless --weights names a checkpoint: then its own config.json
-        args.model = args.weights if os.path.isdir(args.weights) else "tiny"
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
-    api_key = api_key.strip() if api_key else None
-    if args.api_key is not None and not api_key:
-        parser.error("--api-key is empty")
-    if not api_key and not args.insecure_no_auth and not is_loopback(args.host):
-        parser.error(f"--host {args.host} is not a loopback address and no API key is set: anyone who can reach "
-                     f"it could use the engine (/v1/completions, /reset). Set {API_KEY_ENV} (or --api-key), or "
-                     "pass --insecure-no-auth to serve it open anyway")
-
-    model_dir = args.model if os.path.isdir(args.model) else os.path.dirname(args.model) or None
-    if args.model in PRESETS or not os.path.exists(args.model):
-        model_dir = None
-    try:
-        preset = PRESETS.get(args.model)
-        default_tokenizer = "qwen3.6" if preset is not None and preset.is_hybrid else "qwen3"
-        tokenizer = load_tokenizer(args.tokenizer or model_dir or default_tokenizer)
-    except TokenizerSpecError as exc:
-        parser.error(str(exc))
-
-    try:  # bound (not listening) before the slow engine build: a busy port fails at once
-        sock = _bind(args.host, args.port)
-    except OSError as exc:
-        print(f"abbench engine: cannot bind {args.host}:{args.port}: {exc}", file=sys.stderr, flush=True)
-        raise SystemExit(1) from None
-
-    from abbench.engine.runtime import Engine
-
-    try:
-        engine = Engine(_engine_config(args))
-    except (ValueError, TypeError, RuntimeError, OSError) as exc:
-        print(f"abbench engine: cannot build the engine: {exc}", file=sys.stderr, flush=True)
-        sock.close()
-        raise SystemExit(1) from None
-    log.info("engine built in %.2fs (bank %d bytes, measured H2D %.2f GB/s)", engine.startup_s,
-             engine.bank_bytes, engine.measured_h2d_gbps)
-    if engine.memory_plan is not None:
-        log.info("device memory plan: %s", engine.memory_plan.describe())
-    if engine.decode_warmup is not None:
-        log.info("decode graphs captured for KV lengths %s in %.2fs",
-                 ", ".join(map(str, engine.decode_warmup["kv_buckets"])), engine.decode_warmup["seconds"])
-
-    app = create_app(engine, tokenizer, served_model_name=args.served_model_name or args.model,
-                     allow_request_overrides=args.allow_request_overrides, queue_limit=args.queue_limit,
-                     api_key=api_key)
-    host, port = sock.getsockname()[:2]
-    shown = f"[{host}]" if ":" in host else host
-    server = _Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5, lifespan="on"))
-    auth = "API key required" if api_key else "no API key"
-    server.ready_message = (f"abbench engine ready: http://{shown}:{port} (model {args.model}, "
-                            f"prefill {args.prefill_mode}, device {args.device}, {auth})")
-    server.run(sockets=[sock])
-    return 0

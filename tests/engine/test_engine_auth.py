@@ -1,5 +1,6 @@
-"""The vendored engine's API key: every route but /health refuses a request without it, and the server refuses
-to listen beyond loopback without one unless told ``--insecure-no-auth``."""
+"""The serving API key: every route but /health refuses a request without it, and the launcher (both backends:
+the vendored engine and the transformers reference) refuses to listen beyond loopback without one unless told
+``--insecure-no-auth``."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ uvicorn = pytest.importorskip("uvicorn")
 
 from abbench.engine.config import EngineConfig  # noqa: E402
 from abbench.engine.runtime import Engine  # noqa: E402
-from abbench.engine.server import API_KEY_ENV, create_app, is_loopback  # noqa: E402
+from abbench.engine.launch import API_KEY_ENV, is_loopback  # noqa: E402
+from abbench.engine.server import create_app  # noqa: E402
 from abbench.engine.tokenizer import load_tokenizer  # noqa: E402
 from tests.support.uvicorn_thread import ServerThread  # noqa: E402
 
@@ -72,17 +74,31 @@ def test_loopback_addresses() -> None:
         assert not is_loopback(host), host
 
 
+BACKEND_ARGS = {"engine": [], "transformers": ["--backend", "transformers", "--model", "tiny-qwen3-moe:0"]}
+
+
+def _refusal(backend: str, host: str, extra: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "abbench.engine", *BACKEND_ARGS[backend], "--host", host, *extra],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+
+
 @pytest.mark.parametrize("host", ["0.0.0.0", "::", "10.1.2.3"])
-def test_unkeyed_non_loopback_bind_is_refused(host: str) -> None:
-    env = {k: v for k, v in os.environ.items() if k != API_KEY_ENV}
-    res = subprocess.run([sys.executable, "-m", "abbench.engine", "--host", host, "--port", "0"], cwd=REPO, env=env,
-                         capture_output=True, text=True, timeout=120)
+@pytest.mark.parametrize("backend", ["engine", "transformers"])
+def test_unkeyed_non_loopback_bind_is_refused(backend: str, host: str, tmp_path: Path) -> None:
+    """Both backends go through one launcher and one guard: the same refusal, before anything is loaded (the
+    transformers backend writes no tiny checkpoint into the cache first)."""
+    env = {k: v for k, v in os.environ.items() if k != API_KEY_ENV} | {"ABBENCH_CACHE_DIR": str(tmp_path)}
+    res = _refusal(backend, host, ["--port", "0"], env)
     assert res.returncode == 2, res.stderr
     assert f"--host {host} is not a loopback address and no API key is set" in res.stderr
     assert API_KEY_ENV in res.stderr and "--insecure-no-auth" in res.stderr
-    empty = subprocess.run([sys.executable, "-m", "abbench.engine", "--host", host, "--api-key", " "], cwd=REPO,
-                           env=env, capture_output=True, text=True, timeout=120)
+    empty = _refusal(backend, host, ["--api-key", " "], env)
     assert empty.returncode == 2 and "--api-key is empty" in empty.stderr
+    assert list(tmp_path.iterdir()) == []
+    if backend == "transformers":  # word for word the engine's refusal (the error line, after the program name)
+        engine = _refusal("engine", host, ["--port", "0"], env)
+        assert res.stderr.splitlines()[-1].split(": error: ", 1)[1] == \
+            engine.stderr.splitlines()[-1].split(": error: ", 1)[1]
 
 
 def _start(args: list[str], env: dict[str, str]) -> tuple[subprocess.Popen[str], str, list[str]]:
@@ -132,3 +148,22 @@ def test_keyed_engine_process_on_all_interfaces(tmp_path: Path) -> None:
         assert httpx.post(url + "/v1/completions", json=BODY, timeout=60).status_code == 200
     finally:
         _stop(proc)
+
+
+@pytest.mark.slow
+def test_keyed_reference_process() -> None:
+    """The transformers backend takes the key the same way: unauthenticated requests are refused, keyed ones
+    served, the key never printed."""
+    args = [*BACKEND_ARGS["transformers"], "--tokenizer", "qwen3", "--host", "0.0.0.0", "--log-level", "info"]
+    proc, url, lines = _start(args, {**os.environ, API_KEY_ENV: KEY})
+    try:
+        assert "transformers reference" in lines[-1] and "API key required" in lines[-1]
+        with httpx.Client(base_url=url, timeout=60) as client:
+            assert client.get("/health").status_code == 200
+            assert client.post("/v1/completions", json=BODY).status_code == 401
+            assert client.post("/reset").status_code == 401
+            r = client.post("/v1/completions", json=BODY, headers={"Authorization": f"Bearer {KEY}"})
+            assert r.status_code == 200 and len(r.json()["choices"][0]["token_ids"]) == 2
+    finally:
+        out = "".join(lines) + _stop(proc)
+    assert KEY not in out
