@@ -1,0 +1,181 @@
+"""The package's import structure, computed from its own source (``ast``, no import executed): no circle of
+imports anywhere in ``abbench/``, and no import from a floor to a higher one.
+
+Every import counts: at module level, inside functions (a deferred import still ties the two modules) and
+under ``TYPE_CHECKING``. Module A imports module B when A names B, or a name from B, in an import statement;
+``from abbench.x import y`` imports ``abbench.x.y`` when that is a module, else ``abbench.x``.
+
+The floors, lowest first (:data:`FLOORS`): a module may import modules of its own floor and of the floors
+below it, never above. Every module of the package must sit on a floor, so a new module is placed
+deliberately.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[2] / "abbench"
+
+FLOORS: list[tuple[str, tuple[str, ...]]] = [
+    ("base", ("abbench", "abbench.errors")),
+    # the vendored runtime and its HTTP server: imports nothing above it (see also the test below)
+    ("engine", ("abbench.engine",)),
+    # the one command line of both serving backends; neither backend imports it
+    ("engine launcher", ("abbench.engine.launch", "abbench.engine.__main__")),
+    # pure formats and records, nothing of the profile: the declared checks' grammar and the wire adapters
+    # sit here, below the profile that validates with them
+    ("formats and records", ("abbench.prometheus", "abbench.nvml", "abbench.sse", "abbench.results",
+                             "abbench.tokenizers", "abbench.auth", "abbench.checkexpr", "abbench.schedule",
+                             "abbench.adapters")),
+    ("peer engines", ("abbench.peers",)),
+    ("profile", ("abbench.profile",)),
+    ("analysis", ("abbench.analysis",)),  # pure: derived numbers and the gate, from results
+    ("services and requests", ("abbench.response", "abbench.client", "abbench.services", "abbench.telemetry",
+                               "abbench.prompts", "abbench.fingerprint")),
+    ("runner", ("abbench.runner",)),
+    # what reads runs (report, compare) and the diagnostics, which launch services through the runner
+    ("reports and diagnostics", ("abbench.report", "abbench.compare", "abbench.diagnostics")),
+    ("command line", ("abbench.cli", "abbench.__main__")),
+]
+
+
+def _modules() -> dict[str, Path]:
+    out: dict[str, Path] = {}
+    for p in sorted(PACKAGE.rglob("*.py")):
+        parts = list(p.relative_to(PACKAGE.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = p
+    return out
+
+
+MODULES = _modules()
+
+
+def _owner(name: str) -> str | None:
+    """The module that ``name`` (a dotted name under abbench) is, or is in."""
+    while name and name not in MODULES:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def _imports(module: str, path: Path) -> Iterator[str]:
+    """The abbench modules ``module`` imports (module docstring)."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                source = ".".join(base + ([node.module] if node.module else []))
+            else:
+                source = node.module or ""
+            targets = [f"{source}.{a.name}" if f"{source}.{a.name}" in MODULES else source for a in node.names]
+        else:
+            continue
+        for t in targets:
+            if t == "abbench" or t.startswith("abbench."):
+                owner = _owner(t)
+                if owner is not None and owner != module:
+                    yield owner
+
+
+GRAPH = {m: sorted(set(_imports(m, p))) for m, p in MODULES.items()}
+
+
+def _floor(module: str) -> int | None:
+    best, best_len = None, -1
+    for i, (_, members) in enumerate(FLOORS):
+        for m in members:
+            hit = module == m or (m != "abbench" and module.startswith(m + "."))
+            if hit and len(m) > best_len:
+                best, best_len = i, len(m)
+    return best
+
+
+def _circles(graph: dict[str, list[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan), and modules that import themselves."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:  # the package is a few dozen modules deep at most
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, []):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                found.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_graph_is_read_from_the_source() -> None:
+    """The walk sees what it must: deferred imports, relative imports and ``from abbench import x``."""
+    assert "abbench.engine.launch" in GRAPH["abbench.cli.engine"]  # inside the serve command's body
+    assert "abbench.engine.config" in GRAPH["abbench.engine"]  # `from .config import ...`
+    assert "abbench.runner" in GRAPH["abbench.cli.experiment"]  # `from abbench import runner`
+    assert len(MODULES) > 80
+
+
+def test_the_circle_finder_finds_circles() -> None:
+    assert _circles({"a": ["b"], "b": ["c"], "c": ["a"], "d": ["a"]}) == [["a", "b", "c"]]
+    assert _circles({"a": ["b"], "b": []}) == []
+
+
+def test_no_import_circle_in_the_package() -> None:
+    circles = _circles(GRAPH)
+    assert not circles, "import circles: " + "; ".join(" <-> ".join(c) for c in circles)
+
+
+def test_every_module_sits_on_a_floor() -> None:
+    unplaced = [m for m in MODULES if _floor(m) is None]
+    assert not unplaced, f"modules on no floor (add them to FLOORS): {unplaced}"
+
+
+def test_no_import_runs_up_a_floor() -> None:
+    upward = []
+    for m, targets in GRAPH.items():
+        for t in targets:
+            fm, ft = _floor(m), _floor(t)
+            if fm is not None and ft is not None and ft > fm:
+                upward.append(f"{m} ({FLOORS[fm][0]}) imports {t} ({FLOORS[ft][0]})")
+    assert not upward, "imports from a lower floor to a higher one:\n" + "\n".join(upward)
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if m.startswith("abbench.engine")))
+def test_the_engine_imports_nothing_of_the_harness(module: str) -> None:
+    outside = [t for t in GRAPH[module] if not (t == "abbench.engine" or t.startswith("abbench.engine."))]
+    assert not outside, f"{module} imports {outside}"
+
+
+def test_neither_backend_imports_the_launcher_and_the_runner_no_diagnostics() -> None:
+    for backend in ("abbench.engine.server", "abbench.engine.reference"):
+        assert "abbench.engine.launch" not in GRAPH[backend]
+    assert {"abbench.engine.server", "abbench.engine.reference"} <= set(GRAPH["abbench.engine.launch"])
+    runner = [m for m in MODULES if m == "abbench.runner" or m.startswith("abbench.runner.")]
+    for m in runner:
+        assert not [t for t in GRAPH[m] if t.startswith("abbench.diagnostics")], m
