@@ -8,11 +8,11 @@ which this module does not import) serves the same OpenAI-compatible API as the 
 checkpoint directory, any architecture transformers knows. So an arm can ask "does my engine match the
 model's reference implementation?" in the same run, prompts and ABBA plan as the engine's other arms.
 
-Contract: :class:`ReferenceEngine` has the ``generate(...)`` / ``reset()`` contract of
-:class:`abbench.engine.runtime.Engine` (a generator of ``TokenEvent``, one per output token, whose return
-value is a ``RequestStats``; ``ValueError``/``ContextOverflow`` before any work; ``Cancelled`` at the next
-step after the cancel flag is set; one request at a time), so the vendored server's routes, queue, request
-schema, SSE framing and errors serve it unchanged.
+Contract: :class:`ReferenceEngine` is a :class:`abbench.engine.backend.Backend`, as
+:class:`abbench.engine.runtime.Engine` is (``generate(...)`` / ``reset()``: a generator of ``TokenEvent``,
+one per output token, whose return value is a ``RequestStats``; ``ValueError``/``ContextOverflow`` before any
+work; ``Cancelled`` at the next step after the cancel flag is set; one request at a time), so the vendored
+server's routes, queue, request schema, SSE framing and errors serve it unchanged.
 
 How it computes: the whole prompt in one forward pass with a fresh KV cache (transformers' ``DynamicCache``),
 then one token per forward pass with that cache; the logits of the last position in float32, chosen by the
@@ -164,14 +164,19 @@ class ReferenceEngine:
     def generate(self, prompt_ids: list[int], max_tokens: int, *, temperature: float = 0.0,
                  seed: int | None = None, ignore_eos: bool = False, logprobs: int | None = None,
                  prefill_mode: str | None = None, cancel: CancelLike = None,
-                 trace_layers: bool = False, chunk_tokens: int | None = None) -> Iterator[TokenEvent]:
-        """As :meth:`abbench.engine.runtime.Engine.generate`; validates eagerly."""
+                 trace_layers: bool = False, chunk_tokens: int | None = None,
+                 attention_batch: int | None = None) -> Iterator[TokenEvent]:
+        """As :meth:`abbench.engine.runtime.Engine.generate` (the :class:`abbench.engine.backend.Backend`
+        contract); validates eagerly."""
         vocab = self.model_config.vocab_size
         prompt = check_request(prompt_ids, max_tokens, vocab, self.config.max_context)
         if prefill_mode is not None:
             raise ValueError("the transformers reference has no prefill modes (prefill_mode must be omitted)")
         if chunk_tokens is not None:
             raise ValueError("the transformers reference prefills in one forward pass (chunk_tokens must be "
+                             "omitted)")
+        if attention_batch is not None:
+            raise ValueError("the transformers reference has no layer-major prefill (attention_batch must be "
                              "omitted)")
         if logprobs is not None and not 0 <= int(logprobs) <= vocab:
             raise ValueError(f"logprobs must be in [0, {vocab}], got {logprobs}")

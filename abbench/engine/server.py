@@ -4,7 +4,8 @@ Contract
 --------
 ``create_app(engine, tokenizer, ...)`` builds the ASGI app around an already-built backend: the vendored
 :class:`abbench.engine.runtime.Engine` or the transformers :class:`abbench.engine.reference.ReferenceEngine`,
-both with the runtime ``Engine``'s serving contract. The command line that builds a backend,
+both of which honour the contract of :mod:`abbench.engine.backend` (the route hands each completion to the
+backend as a :class:`~abbench.engine.backend.GenerateRequest`). The command line that builds a backend,
 binds the socket and serves (``abbench serve``, ``python -m abbench.engine``) is :mod:`abbench.engine.launch`;
 this module does not import it.
 
@@ -69,6 +70,7 @@ from abbench.engine.api import (
     sse_event,
     usage,
 )
+from abbench.engine.backend import Backend, GenerateRequest
 from abbench.engine.serving import ClientGone, EngineService, Finished, Job, ReceivedAt, ServiceMetrics, next_item
 from abbench.engine.tokenizer import IncrementalDetokenizer
 
@@ -83,7 +85,7 @@ DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
 class ServerState:
     """Everything the routes use, built once by :func:`create_app` (``app.state.server``); nothing is global."""
 
-    engine: Any  # an abbench.engine.runtime.Engine, or anything with its contract
+    engine: Backend  # the vendored Engine or the transformers ReferenceEngine
     tokenizer: Any
     service: EngineService
     metrics: ServiceMetrics
@@ -173,15 +175,10 @@ async def completions(request: Request) -> Response:
     ids = await _prompt_ids(req, st)
     ctx = RequestContext(rid=f"cmpl-{uuid.uuid4().hex}", created=int(time.time()), model=st.name,
                          received=received, logprobs=req.logprobs)
-    gen_kwargs = dict(prompt_ids=ids, max_tokens=req.max_tokens or 16, temperature=req.temperature,
-                      seed=req.seed, ignore_eos=req.ignore_eos, logprobs=req.logprobs,
-                      prefill_mode=req.prefill_mode)
-    if req.trace_layers:
-        gen_kwargs["trace_layers"] = True
-    if req.chunk_tokens is not None:
-        gen_kwargs["chunk_tokens"] = req.chunk_tokens
-    if req.attention_batch is not None:
-        gen_kwargs["attention_batch"] = req.attention_batch
+    work = GenerateRequest(prompt_ids=ids, max_tokens=req.max_tokens or 16, temperature=req.temperature,
+                           seed=req.seed, ignore_eos=req.ignore_eos, logprobs=req.logprobs,
+                           prefill_mode=req.prefill_mode, chunk_tokens=req.chunk_tokens,
+                           attention_batch=req.attention_batch, trace_layers=bool(req.trace_layers))
     queued = time.perf_counter()
     try:
         await st.service.acquire(request)
@@ -193,7 +190,7 @@ async def completions(request: Request) -> Response:
         st.metrics.outcomes.labels("client_gone").inc()
         return Response(status_code=499)
     ctx.queue_wait_s = time.perf_counter() - queued
-    job = st.service.start(gen_kwargs)
+    job = st.service.start(work)
     try:
         first = await next_item(job, request)
         ctx.first_item = time.perf_counter()
@@ -327,12 +324,11 @@ async def _http_error(_req: Request, exc: StarletteHTTPException) -> JSONRespons
     return APIError(exc.status_code, str(exc.detail)).response()
 
 
-def create_app(engine: Any, tokenizer: Any, *, served_model_name: str | None = None,
+def create_app(engine: Backend, tokenizer: Any, *, served_model_name: str | None = None,
                allow_request_overrides: bool = False, queue_limit: int = 64,
                max_context: int | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                api_key: str | None = None) -> FastAPI:
-    """The ASGI app serving ``engine`` (an ``abbench.engine.runtime.Engine`` or anything with its
-    contract). Its state is one :class:`ServerState` in ``app.state.server``; nothing is global. With
+    """The ASGI app serving ``engine`` (a :class:`~abbench.engine.backend.Backend`). Its state is one :class:`ServerState` in ``app.state.server``; nothing is global. With
     ``api_key`` every route but /health needs ``Authorization: Bearer <api_key>`` (:class:`RequireAPIKey`)."""
     model_field = engine.config.model
     name = served_model_name or (model_field if isinstance(model_field, str) else engine.model_config.name)

@@ -26,6 +26,7 @@ from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from abbench.engine.api import APIError
+from abbench.engine.backend import Backend, GenerateRequest
 
 DISCONNECT_POLL_S = 0.02
 
@@ -92,7 +93,7 @@ class CountedCancel:
 class EngineService:
     """Owns the engine, its worker thread and the FIFO gate; all methods run on the event loop."""
 
-    def __init__(self, engine: Any, *, queue_limit: int):
+    def __init__(self, engine: Backend, *, queue_limit: int):
         self.engine = engine
         self.queue_limit = queue_limit
         self.cancel_checks = 0
@@ -122,12 +123,12 @@ class EngineService:
         finally:
             self.waiting -= 1
 
-    def start(self, gen_kwargs: dict[str, Any]) -> Job:
-        """Run one ``engine.generate`` in the worker thread (the caller holds the gate). The gate is
-        released when the generator has returned or raised, whatever the HTTP side does."""
+    def start(self, request: GenerateRequest) -> Job:
+        """Run ``request`` on the engine (``engine.generate``) in the worker thread (the caller holds the
+        gate). The gate is released when the generator has returned or raised, whatever the HTTP side does."""
         job = Job(asyncio.get_running_loop())
         self.running = job
-        fut = job.loop.run_in_executor(self._executor, self._run, job, gen_kwargs)
+        fut = job.loop.run_in_executor(self._executor, self._run, job, request)
         fut.add_done_callback(lambda _f: self._finish(job))
         return job
 
@@ -136,9 +137,10 @@ class EngineService:
             self.running = None
         self._lock.release()
 
-    def _run(self, job: Job, gen_kwargs: dict[str, Any]) -> None:  # worker thread
+    def _run(self, job: Job, request: GenerateRequest) -> None:  # worker thread
         try:
-            gen = self.engine.generate(cancel=CountedCancel(job.cancel, self), **gen_kwargs)
+            gen = self.engine.generate(request.prompt_ids, request.max_tokens,
+                                       cancel=CountedCancel(job.cancel, self), **request.options())
             while True:
                 try:
                     event = next(gen)

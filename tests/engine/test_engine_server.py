@@ -95,7 +95,7 @@ class ScriptedEngine:
         self.active = self.max_active = self.resets = 0
 
     def generate(self, prompt_ids, max_tokens, *, temperature=0.0, seed=None, ignore_eos=False, logprobs=None,
-                 prefill_mode=None, cancel=None):
+                 prefill_mode=None, cancel=None, trace_layers=False, chunk_tokens=None, attention_batch=None):
         if len(prompt_ids) + max_tokens > self.config.max_context:
             raise ContextOverflow(f"{len(prompt_ids)} + {max_tokens} > {self.config.max_context}")
         self.active += 1

@@ -9,6 +9,8 @@ speaks the vendored server's API (token_ids, top_logprob_ids, SSE, usage, /reset
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import json
 import random
 import threading
@@ -23,6 +25,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("fastapi")
 
 from abbench.engine import Engine, EngineConfig  # noqa: E402
+from abbench.engine.backend import GenerateRequest  # noqa: E402
 from abbench.engine.reference import ReferenceEngine, save_tiny_qwen3_moe  # noqa: E402
 from abbench.engine.runtime import Cancelled, ContextOverflow  # noqa: E402
 from abbench.engine.server import create_app  # noqa: E402
@@ -131,6 +134,32 @@ def test_reference_serves_the_engine_api(reference: ReferenceEngine) -> None:
             assert_openai_error(c.post("/v1/completions", json={**body, "chunk_tokens": 64}), 400, "chunk_tokens")
             metrics = c.get("/metrics").text
             assert 'abbench_engine_requests_total{path="reference"}' in metrics  # the engine's metrics, its path
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("backend", [Engine, ReferenceEngine])
+def test_both_backends_take_the_whole_request_contract(backend: type) -> None:
+    """``generate`` of each backend takes exactly the fields of the typed request (plus ``cancel``), so the
+    server can hand either one any request (abbench.engine.backend)."""
+    params = inspect.signature(backend.generate).parameters
+    fields = [f.name for f in dataclasses.fields(GenerateRequest)]
+    assert set(params) - {"self"} == set(fields) | {"cancel"}
+    assert list(params)[1:3] == ["prompt_ids", "max_tokens"]
+    assert all(params[f].kind is inspect.Parameter.KEYWORD_ONLY for f in fields[2:])
+
+
+def test_reference_refuses_what_it_has_no_use_for(reference: ReferenceEngine) -> None:
+    """With per-request overrides allowed, the reference answers each engine-only field with a 400 naming
+    it (a ValueError from the backend), never a 500."""
+    server = ServerThread(create_app(reference, load_tokenizer("qwen3"), allow_request_overrides=True))
+    body = {"prompt": [1, 2, 3], "max_tokens": 2, "temperature": 0}
+    try:
+        with httpx.Client(base_url=server.url, timeout=30) as c:
+            for field, value in (("prefill_mode", "chunked"), ("chunk_tokens", 64), ("attention_batch", 2)):
+                r = c.post("/v1/completions", json={**body, field: value})
+                assert r.status_code == 400 and field in r.json()["error"]["message"], (field, r.text)
+            assert c.post("/v1/completions", json={**body, "trace_layers": True}).status_code == 200
     finally:
         server.stop()
 
