@@ -1,6 +1,7 @@
 """Layer traces of the vendored engine (``trace_layers``, abbench/engine/trace.py): they observe without
-changing a bit, every prefill path traces the same states, a different float order shows up at a named layer
-and sub-block, and the server gives them only behind ``--allow-request-overrides``."""
+changing a bit, every prefill path traces the same states, a change shows up at the layer and sub-block where it
+enters, one configuration traces the same bits every time, and the server gives them only behind
+``--allow-request-overrides``."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from abbench.engine import Engine, EngineConfig  # noqa: E402
 from abbench.engine.server import create_app  # noqa: E402
 from abbench.engine.tokenizer import load_tokenizer  # noqa: E402
 from abbench.engine.trace import BLOCKS, LayerTrace, entry  # noqa: E402
+from abbench.layertrace import compare_traces  # noqa: E402
 
 from tests.engine.test_engine_server import ServerThread, assert_openai_error  # noqa: E402
 
@@ -45,15 +47,42 @@ def test_trace_observes_without_changing_anything_and_every_path_traces_the_same
     assert bf16.run(PROMPT, 1)[1].layer_trace is None
 
 
-def test_another_chunk_size_differs_at_a_named_layer_and_block() -> None:
-    # float32: CPU sgemm picks its blocking by the number of rows, so another chunk length sums in another
-    # order. bf16 does not always: on a CPU without AVX-512 (an AMD EPYC, 2026-12-01) bf16 matmuls gave
-    # bitwise-equal traces at chunk lengths 64 and 24.
-    a, b = (Engine(EngineConfig(model="tiny", weights="random:0", chunk_tokens=c, dtype="float32"))
-            .run(PROMPT, 1, trace_layers=True)[1].layer_trace for c in (64, 24))
-    first = next(x for x, y in zip(a, b, strict=True) if x["hash"] != y["hash"])
-    assert first["block"] in BLOCKS and 0 <= first["layer"] < 4
-    assert a[0]["hash"] == b[0]["hash"]  # layer 0's attention at the last position sees the same inputs
+def _trace(engine: Engine) -> list[dict]:
+    return engine.run(PROMPT, 1, trace_layers=True)[1].layer_trace
+
+
+def test_a_difference_is_found_and_named_where_it_enters() -> None:
+    # A change at a known place (layer 2's attention output projection, scaled by 1 + 2**-4) must be found there
+    # and nowhere earlier: the same shapes on the same machine sum in the same order, so every state before it
+    # is bitwise equal on any CPU.
+    cfg = EngineConfig(model="tiny", weights="random:0", chunk_tokens=32, dtype="float32")
+    plain, changed = Engine(cfg), Engine(cfg)
+    lw = changed.model.w.layers[2]
+    lw.o_proj = lw.o_proj * (1 + 2**-4)
+    ref, arm = _trace(plain), _trace(changed)
+    rows = compare_traces(ref, arm)
+    first = next(r for r in rows if r.same is False)
+    assert (first.layer, first.block) == (2, "attention")
+    assert all(r.same for r in rows[:rows.index(first)])
+    assert first.diff_rms is not None and first.diff_rms > 0
+
+
+def test_the_trace_is_deterministic_and_another_chunk_size_is_named_where_it_differs() -> None:
+    # Whether another chunk length changes any bit depends on the CPU's GEMM blocking (float32 sgemm picks it by
+    # the number of rows: on an Intel Xeon with AVX-512 layer 0's attention already differs at chunk lengths 64
+    # and 24, on an AMD EPYC it did not), so only the properties are asserted: one configuration traces
+    # bitwise-equal states run after run, and where two chunk lengths differ, the first difference is a named
+    # layer and sub-block, every state before it equal.
+    traces = {c: [_trace(Engine(EngineConfig(model="tiny", weights="random:0", chunk_tokens=c, dtype="float32")))
+                  for _ in range(2)] for c in (64, 24)}
+    for c, (one, two) in traces.items():
+        assert [e["hash"] for e in one] == [e["hash"] for e in two], f"chunk length {c} traced differently twice"
+    rows = compare_traces(traces[64][0], traces[24][0])
+    assert [(r.layer, r.block) for r in rows] == [(e["layer"], e["block"]) for e in traces[64][0]]
+    first = next((r for r in rows if r.same is False), None)
+    if first is not None:
+        assert first.block in BLOCKS and 0 <= first.layer < 4
+        assert all(r.same for r in rows[:rows.index(first)])
 
 
 def test_entry_hashes_the_raw_dtype_and_keeps_float32_values() -> None:
