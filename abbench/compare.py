@@ -2,16 +2,20 @@
 
 Per arm, prompt kind and length (measured ok samples): median TTFT, decode rate, engine H2D bytes and peak
 device memory (the engine's ``peak_device_bytes``, else NVML's peak for the service's processes) in each
-run, and the change cand/base - 1 with a 95% percentile-bootstrap interval (each run resampled on its own,
-seed 0, ratio of the medians). "not significant" when the interval contains 0; "same" when both runs hold
-the same values (a deterministic counter, or a run against a copy of itself). A *regression* is a metric worse than ``threshold`` (TTFT, H2D and memory higher, the
-decode rate lower) with its whole interval beyond it.
+run, and the change cand/base - 1 with a 95% percentile-bootstrap interval (``scipy.stats.bootstrap``, the
+two runs resampled independently, seed 0, ratio of the medians). "not significant" when the interval
+contains 0; "same" when both runs hold the same values (a deterministic counter, or a run against a copy of
+itself); "too few to judge" when either run has fewer than :data:`MIN_N` samples in the cell (an interval
+of two samples is about their range: noise, not evidence). A *regression* is a metric worse than
+``threshold`` (TTFT, H2D and memory higher, the decode rate lower) with its whole interval beyond it; a cell
+too few to judge is never one.
 
 Contract:
 
-* :func:`compare` raises :class:`CompareRefused` (exit 2) when the two runs built a prompt of the same id
-  from different text (prompt sha256) or used a different tokenizer: their numbers do not measure the same
-  thing. Prompts and cells present in one run only are listed, not compared.
+* :func:`compare` raises :class:`CompareRefused` (exit 2) when the two runs do not measure the same thing:
+  another profile (its name), another prompt set (a prompt id in one run only, or one id built from other
+  text: prompt sha256) or another tokenizer. The message says what differs. Cells (arm, kind, length)
+  present in one run only (e.g. ``--arms``) are listed, not compared.
 * :func:`render_markdown` gives GitHub Markdown to paste into a PR: the verdict, the environment and
   profile differences, and one row per (arm, kind, length, metric); descriptive columns that are the same
   in every row are stated once above the table, and a metric equal in every cell of both runs is named
@@ -21,6 +25,7 @@ Contract:
 
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,10 +45,13 @@ RESAMPLES = 4000
 CONFIDENCE = 0.95
 DEFAULT_THRESHOLD = 0.05
 SMALL_N = 5
+MIN_N = 3
+"""Fewer samples than this in a cell on either side: "too few to judge", never a regression."""
+TOO_FEW = "too few to judge"
 
 
 class CompareRefused(AbbenchError):
-    """The two runs do not measure the same thing (prompts or tokenizer differ): exit 2."""
+    """The two runs do not measure the same thing (profile, prompt set or tokenizer differ): exit 2."""
 
 
 @dataclass(frozen=True)
@@ -77,25 +85,42 @@ class Comparison:
     profile_diffs: list[str]
     only_base: list[str] = field(default_factory=list)
     only_cand: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    """What the verdict cannot tell apart (see :func:`drift_notes`)."""
 
     @property
     def regressions(self) -> pd.DataFrame:
         return self.changes[self.changes["regression"]]
 
+    @property
+    def too_few(self) -> pd.DataFrame:
+        """Cells with fewer than :data:`MIN_N` samples on a side (not judged)."""
+        return self.changes[self.changes["verdict"].str.startswith(TOO_FEW)]
+
 
 # ---------------------------------------------------------------------------------------- refusals
 
 
+def _ids(ids: list[str], most: int = 8) -> str:
+    return ", ".join(ids[:most]) + (f" and {len(ids) - most} more" if len(ids) > most else "")
+
+
 def _check_same_inputs(base: RunRecord, cand: RunRecord) -> None:
+    nb, nc = base.profile.get("name"), cand.profile.get("name")
+    if nb != nc:
+        raise CompareRefused(f"the runs are of different profiles: {base.run_id} ran {nb!r}, {cand.run_id} ran "
+                             f"{nc!r}; compare runs of one profile at two commits (an A/B of arms is one run's "
+                             "report)")
     b = {p.id: p.sha256 for p in base.prompts}
     c = {p.id: p.sha256 for p in cand.prompts}
     differ = sorted(i for i in b.keys() & c.keys() if b[i] != c[i])
-    if differ:
-        raise CompareRefused(f"the prompts differ: {', '.join(differ)} have another sha256 in {cand.run_id} than "
-                             f"in {base.run_id} (another corpus, seed or tokenizer); the runs do not measure "
-                             "the same prompts")
-    if not b.keys() & c.keys():
-        raise CompareRefused(f"{base.run_id} and {cand.run_id} share no prompt id: nothing to compare")
+    only_b, only_c = sorted(b.keys() - c.keys()), sorted(c.keys() - b.keys())
+    if differ or only_b or only_c:
+        what = ([f"{_ids(differ)} have another sha256 in {cand.run_id} than in {base.run_id} (another corpus, "
+                 "seed or tokenizer)"] if differ else [])
+        what += [f"{_ids(ids)} only in {rid}" for ids, rid in ((only_b, base.run_id), (only_c, cand.run_id)) if ids]
+        raise CompareRefused(f"the prompt sets differ: {'; '.join(what)}; the runs do not measure the same "
+                             "prompts (run both with the same profile and --lengths)")
     tb, tc = base.environment.get("tokenizer") or {}, cand.environment.get("tokenizer") or {}
     src_b = (base.profile.get("tokenizer") or {}).get("source")
     src_c = (cand.profile.get("tokenizer") or {}).get("source")
@@ -145,33 +170,46 @@ def profile_differences(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
 
 def change_ci(base: np.ndarray, cand: np.ndarray, *, seed: int = SEED, n_resamples: int = RESAMPLES
               ) -> tuple[float | None, float | None, float | None]:
-    """cand median / base median - 1 and its percentile-bootstrap interval (each run resampled on its own);
-    (change, None, None) with fewer than 2 samples on a side; all None when the base median is 0."""
+    """cand median / base median - 1 and its 95% percentile-bootstrap interval (``scipy.stats.bootstrap``,
+    each run resampled on its own); (change, None, None) with fewer than 2 samples on a side or when the
+    bootstrap gives no finite interval; all None when the base median is 0."""
+    from scipy import stats
+
+    base, cand = np.asarray(base, dtype=float), np.asarray(cand, dtype=float)
     mb, mc = float(np.median(base)), float(np.median(cand))
     if mb == 0:
         return (0.0, 0.0, 0.0) if mc == 0 else (None, None, None)
     change = mc / mb - 1
     if len(base) < 2 or len(cand) < 2:
         return change, None, None
-    rng = np.random.default_rng(seed)
-    rb = np.median(base[rng.integers(0, len(base), (n_resamples, len(base)))], axis=1)
-    rc = np.median(cand[rng.integers(0, len(cand), (n_resamples, len(cand)))], axis=1)
-    ok = rb != 0
-    ratios = rc[ok] / rb[ok] - 1
-    if ratios.size == 0:
+
+    def ratio(b: np.ndarray, c: np.ndarray, axis: int = -1) -> np.ndarray:
+        return np.median(c, axis=axis) / np.median(b, axis=axis) - 1
+
+    seeded = ({"rng": np.random.default_rng(seed)} if "rng" in inspect.signature(stats.bootstrap).parameters
+              else {"random_state": np.random.default_rng(seed)})  # scipy < 1.15
+    try:
+        with np.errstate(divide="ignore", invalid="ignore"):  # a resample whose base median is 0: no interval
+            res = stats.bootstrap((base, cand), ratio, paired=False, vectorized=True, n_resamples=n_resamples,
+                                  confidence_level=CONFIDENCE, method="percentile", **seeded)
+    except ValueError:  # e.g. a degenerate resample scipy refuses: no interval, said by the caller
         return change, None, None
-    alpha = (1 - CONFIDENCE) / 2
-    return change, float(np.quantile(ratios, alpha)), float(np.quantile(ratios, 1 - alpha))
+    lo, hi = float(res.confidence_interval.low), float(res.confidence_interval.high)
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        return change, None, None
+    return change, lo, hi
 
 
 def _verdict(m: MetricSpec, same: bool, change: float | None, lo: float | None, hi: float | None,
-             threshold: float) -> tuple[str, bool]:
+             threshold: float, n: int) -> tuple[str, bool]:
     if same:
         return "same", False
     if change is None:
         return "base is 0", False
+    if n < MIN_N:
+        return f"{TOO_FEW} (n={n})", False
     if lo is None or hi is None:
-        return "no interval (n=1)", False
+        return "no interval", False
     if lo <= 0 <= hi:
         return "not significant", False
     up = lo > 0
@@ -182,6 +220,32 @@ def _verdict(m: MetricSpec, same: bool, change: float | None, lo: float | None, 
     if worse and beyond:
         return f"{word}: REGRESSION (beyond {threshold:.0%})", True
     return word, False
+
+
+def drift_notes(changes: pd.DataFrame, base: RunRecord, cand: RunRecord, threshold: float) -> list[str]:
+    """Notes for what the intervals cannot hold: both runs of one clean commit (every change is the
+    machine's), and a regressing metric whose median change moved beyond the threshold, the worse way, in
+    every arm (the whole run shifted: a busier machine looks like a regression of every cell)."""
+    notes = []
+    cb, cc = base.environment.get("engine_commit"), cand.environment.get("engine_commit")
+    if cb and cb == cc and "+dirty" not in str(cb):
+        notes.append(f"Both runs are of one commit ({str(cb)[:12]}): any change here is the machine's or the "
+                     "run's, not the code's.")
+    judged = changes[~changes["verdict"].str.startswith(TOO_FEW) & changes["change"].notna()]
+    shifted = []
+    for m in METRICS:
+        if not changes[(changes["metric"] == m.key) & changes["regression"]].shape[0]:
+            continue
+        per_arm = judged[judged["metric"] == m.key].groupby("arm")["change"].median()
+        worse = per_arm > threshold if m.higher_is_worse else per_arm < -threshold
+        if len(per_arm) and bool(worse.all()):
+            shifted.append(f"{m.label} " + ", ".join(f"{a} {v * 100:+.1f}%" for a, v in per_arm.items()))
+    if shifted:
+        notes.append(f"Every arm moved the worse way (median change per arm: {'; '.join(shifted)}): drift "
+                     "between two runs (another load on the machine, another clock) looks the same as a "
+                     "regression. To tell them apart, run both commits as two arms of one run (ABBA rounds "
+                     "cancel drift) and gate on their ratio.")
+    return notes
 
 
 def _frame(record: RunRecord) -> pd.DataFrame:
@@ -207,9 +271,13 @@ def compare(base: RunRecord, cand: RunRecord, *, threshold: float = DEFAULT_THRE
             vc = pd.to_numeric(gc[m.key], errors="coerce").dropna().to_numpy(float)
             if vb.size == 0 or vc.size == 0:
                 continue
-            same = bool(vb.size == vc.size and np.array_equal(np.sort(vb), np.sort(vc)))
+            same = bool(vb.size == vc.size and np.array_equal(np.sort(vb), np.sort(vc))
+                        or np.unique(np.concatenate([vb, vc])).size == 1)  # one value throughout (a counter)
+            n = min(vb.size, vc.size)
             change, lo, hi = (0.0, None, None) if same else change_ci(vb, vc)
-            verdict, regression = _verdict(m, same, change, lo, hi, threshold)
+            if n < MIN_N:  # no interval shown where there is too little to judge
+                lo = hi = None
+            verdict, regression = _verdict(m, same, change, lo, hi, threshold, n)
             rows.append({"arm": key[0], "kind": key[1], "target_tokens": key[2], "metric": m.key,
                          "n_base": len(vb), "n_cand": len(vc), "base": float(np.median(vb)),
                          "cand": float(np.median(vc)), "change": change, "ci_low": lo, "ci_high": hi,
@@ -226,7 +294,8 @@ def compare(base: RunRecord, cand: RunRecord, *, threshold: float = DEFAULT_THRE
                       env_diffs=env_differences(base.environment, cand.environment),
                       profile_diffs=profile_differences(base.profile, cand.profile),
                       only_base=sorted(label(k) for k in cb.keys() - cc.keys()),
-                      only_cand=sorted(label(k) for k in cc.keys() - cb.keys()))
+                      only_cand=sorted(label(k) for k in cc.keys() - cb.keys()),
+                      notes=drift_notes(changes, base, cand, threshold))
 
 
 def _sorted(df: pd.DataFrame, record: RunRecord) -> pd.DataFrame:
@@ -258,26 +327,32 @@ def render_markdown(c: Comparison, plot_link: str | None = None) -> str:
     regs = c.regressions
     verdict = (f"**{len(regs)} regression(s)** beyond {c.threshold:.0%}" if len(regs) else
                f"**No regression** beyond {c.threshold:.0%}")
+    few = c.too_few
+    judged = (f"; {len(few)} of {len(c.changes)} cells {TOO_FEW} (fewer than {MIN_N} samples a side: run more "
+              "rounds)" if len(few) else "")
     lines = [f"## abbench compare: {c.base.run_id} → {c.cand.run_id}", "",
              f"- **Base:** {_run_line(c.base)}", f"- **Candidate:** {_run_line(c.cand)}",
              f"- **Verdict:** {verdict} (a metric worse by more than the threshold with its whole "
-             f"{CONFIDENCE:.0%} interval beyond it)", ""]
+             f"{CONFIDENCE:.0%} interval beyond it){judged}", ""]
     if len(regs):
         lines += [bullets(f"{r.arm} {r.kind} {r.target_tokens}: {_label(r.metric)} {_pct(r.change)} "
                           f"(CI {_pct(r.ci_low)} – {_pct(r.ci_high)})" for r in regs.itertuples()), ""]
+    for n in c.notes:
+        lines += [f"Note: {n}", ""]
     lines += ["### Environment differences", "",
               bullets(c.env_diffs) if c.env_diffs else "None in the recorded fingerprint fields.", ""]
     if c.profile_diffs:
         lines += ["### Profile differences", "", bullets(c.profile_diffs), ""]
     lines += ["### Changes", "",
               (f"Change = candidate median / base median - 1 per arm, kind and length (measured ok samples), with a "
-               f"{CONFIDENCE:.0%} percentile-bootstrap interval (each run resampled on its own, seed {SEED}, "
-               f"{RESAMPLES} resamples); \"not significant\": the interval contains 0."), ""]
+               f"{CONFIDENCE:.0%} percentile-bootstrap interval (scipy.stats.bootstrap, each run resampled on its "
+               f"own, seed {SEED}, {RESAMPLES} resamples); \"not significant\": the interval contains 0; "
+               f"\"{TOO_FEW}\": fewer than {MIN_N} samples on a side, never a regression."), ""]
     small = int(min(c.changes["n_base"].min(), c.changes["n_cand"].min())) if not c.changes.empty else 0
     if 0 < small < SMALL_N:
         lines += [f"Note: n = {small} per side in some cells. The interval holds only the spread *within* each "
-                  "run; drift *between* the two runs (another load on the machine, another boot) is not in it. "
-                  "Use more rounds, or run both commits interleaved in one run.", ""]
+                  "run (more rounds narrow it); drift *between* the two runs (another load on the machine, another "
+                  "boot) is never in it: for that, run both commits as two arms of one run.", ""]
     if c.identical:
         lines += [f"Identical in every sample of both runs (not listed): {', '.join(c.identical)}.", ""]
     shown = c.changes[~c.changes["metric"].map(_label).isin(c.identical)].copy()

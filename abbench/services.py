@@ -20,7 +20,10 @@ Contract
     engine.command in the profile").
 
 * :meth:`Service.attach` wraps an already running server (a profile's ``base_url``): health is checked the
-  same way, nothing is launched, ``stop()`` does nothing, ``pid`` is None.
+  same way, nothing is launched, ``stop()`` does nothing, ``pid`` is None. It fails fast with the cause
+  where waiting cannot help: a host that does not resolve at once, and a port that refuses connections for
+  :data:`REFUSED_GRACE_S` (a server that accepts but is not healthy yet, e.g. still loading its weights,
+  is waited for up to ``health_timeout_s``).
 * :meth:`Service.stop` is idempotent and safe from a ``finally`` block or a signal handler: it captures the
   process tree with psutil (so children that left the process group, e.g. by ``setsid``, are known even if
   the root dies first), sends SIGTERM to the process group and to those strays, waits ``stop_timeout_s``,
@@ -50,6 +53,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.parse
 from pathlib import Path
 from typing import Callable
 
@@ -65,6 +69,9 @@ POLL_MAX_S = 0.25
 HEALTH_REQUEST_TIMEOUT_S = 1.0
 LOG_TAIL_BYTES = 64 * 1024
 _REAP_GRACE_S = 5.0
+REFUSED_GRACE_S = 3.0
+"""How long an attached server's port may refuse connections before the attach fails (a server being
+restarted by hand gets these seconds; one that is not running fails in them, not after its health timeout)."""
 
 HealthCheck = Callable[[str], bool]
 
@@ -130,6 +137,43 @@ def _port_owner(port: int) -> str | None:
     except (psutil.Error, OSError):
         return None
     return None
+
+
+def _host_port(base_url: str) -> tuple[str, int]:
+    """The host and TCP port a ``base_url`` connects to (the scheme's port when none is given)."""
+    u = urllib.parse.urlsplit(base_url)
+    try:
+        port = u.port
+    except ValueError:
+        raise ConfigError(f"base_url {base_url!r}: the port is not a number") from None
+    if u.scheme not in ("http", "https") or not u.hostname:
+        raise ConfigError(f"base_url {base_url!r}: expected http://HOST:PORT or https://HOST:PORT")
+    return u.hostname, port or (443 if u.scheme == "https" else 80)
+
+
+def unreachable(base_url: str) -> str | None:
+    """Why nothing can answer at ``base_url`` right now ("cannot resolve ...", "connection refused at ..."),
+    or None when its port accepts a TCP connection (or the attempt only timed out: a busy host may yet answer).
+    Direct connections, as the client makes them (no proxy)."""
+    host, port = _host_port(base_url)
+    try:
+        addrs = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        return f"cannot resolve host {host!r} of {base_url} ({e.strerror or e})"
+    refused = ""
+    for family, kind, proto, _, addr in addrs:
+        with socket.socket(family, kind, proto) as s:
+            s.settimeout(1.0)
+            try:
+                s.connect(addr)
+                return None
+            except ConnectionRefusedError:
+                refused = f"connection refused at {base_url}: nothing listens on {host} port {port}"
+            except OSError as e:
+                if isinstance(e, TimeoutError):
+                    return None
+                refused = refused or f"cannot connect to {base_url} ({e.strerror or e})"
+    return refused or None
 
 
 def expand_command(argv: list[str], *, port: int, profile_dir: Path | None) -> list[str]:
@@ -354,7 +398,23 @@ class Service:
         )
         svc.started_at = time.time()
         svc._t0 = time.perf_counter()
-        check = health_check or _http_health_check(svc.base_url + health_path)
+        inner = health_check or _http_health_check(svc.base_url + health_path)
+        refused_since: list[float] = []
+
+        def check(url: str) -> bool:
+            if inner(url):
+                return True
+            why = unreachable(url)
+            if why is None:
+                refused_since.clear()
+                return False
+            refused_since.append(time.perf_counter())
+            if why.startswith("cannot resolve") or refused_since[-1] - refused_since[0] >= REFUSED_GRACE_S:
+                svc.error = why
+                raise ServiceError(f"service {key}: {why}; start the server first, or fix base_url in the "
+                                   "profile")
+            return False
+
         svc._wait_healthy(check, health_timeout_s, what=f"GET {health_path}")
         return svc
 

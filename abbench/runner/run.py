@@ -10,7 +10,10 @@ Contract:
 
 * ``execute(profile, run_dir, ...)`` returns the final :class:`RunRecord`; ``run.json`` is rewritten at every
   service boundary and at the end, and every finished request is appended to ``requests.jsonl`` at once
-  (before it is added to the record), so a crash or Ctrl-C loses nothing that finished.
+  (before it is added to the record), so a crash or Ctrl-C loses nothing that finished. A new run that ends
+  before its first sample (nothing measured: a ``base_url`` nothing answers at, a service that never became
+  healthy, Ctrl-C while starting) leaves no run behind: :func:`discard_unmeasured` removes it, keeping only
+  the logs of launched services, which the error names.
 * A failed request is a failed sample (``ok=False`` with ``error_kind``/``error``), never a timing. What
   happens next is the profile's choice, ``run.on_request_failure``:
 
@@ -56,8 +59,9 @@ from abbench.fingerprint import environment_fingerprint
 from abbench.profile import Profile, profile_from_dict
 from abbench.prometheus import parse_prometheus
 from abbench.prompts import BuiltPrompt, build_prompts
-from abbench.results import LOGS_DIR, RUN_FILE, RunRecord, Sample, SampleLog, Step, Telemetry, load_run, save_run
-from abbench.runner.lock import RunLock, signals_as_interrupt, signals_deferred, signals_held
+from abbench.results import (LOGS_DIR, RUN_FILE, SAMPLES_FILE, RunRecord, Sample, SampleLog, Step, Telemetry, load_run,
+                             save_run)
+from abbench.runner.lock import LOCK_FILE, RunLock, signals_as_interrupt, signals_deferred, signals_held
 from abbench.runner.resume import check_resumable, mark_resumed
 from abbench.runner.rounds import initial_rounds, is_auto, next_round, plan_for, planned_rounds
 from abbench.runner.rounds import rule as auto_rule
@@ -140,6 +144,7 @@ def execute(
 ) -> RunRecord:
     """Run the profile into ``run_dir`` (or resume the partial run there)."""
     lock = RunLock(run_dir)
+    run: Run | None = None
     try:
         with signals_as_interrupt():
             run = Run.open(profile, run_dir, lock, resume=resume, observer=observer, cache_dir=cache_dir,
@@ -150,6 +155,29 @@ def execute(
         raise Interrupted(f"interrupted ({e or 'SIGINT'}) while preparing the run; {what}") from None
     finally:
         lock.release()
+        if run is not None and not resume and not run.record.samples:
+            kept = discard_unmeasured(run_dir)
+            if observer is not None:
+                observer(ProgressEvent("warning", f"nothing was measured, so no run was saved in {run_dir}"
+                                       + (f" (the service logs stay in {kept})" if kept else "")))
+
+
+def discard_unmeasured(run_dir: Path) -> Path | None:
+    """Remove a new run that ended before its first sample (a server that is not there, a service that never
+    started, Ctrl-C while starting): a partial run that holds nothing would only become "the latest run" that
+    ``report`` and ``gate`` pick. The logs of launched services stay (an error names them); returns their
+    folder, or None when there is none and the run directory itself is gone."""
+    for name in (RUN_FILE, SAMPLES_FILE, LOCK_FILE):
+        (run_dir / name).unlink(missing_ok=True)
+    logs = run_dir / LOGS_DIR
+    try:
+        if logs.is_dir() and any(logs.iterdir()):
+            return logs
+        logs.rmdir()
+        run_dir.rmdir()
+    except OSError:  # something else is there: leave it
+        pass
+    return None
 
 
 def _load_for_resume(run_dir: Path, lock: RunLock, notify: Observer) -> RunRecord:
@@ -324,6 +352,8 @@ class Run:
         finally:
             self.finish()
         if interrupted:
+            if not self.record.samples and not self.record.environment.get("resumed"):
+                raise Interrupted("interrupted before the first sample; nothing was measured")
             raise Interrupted(f"interrupted; {len(self.record.samples)} samples saved in {self.run_dir} (resume "
                               f"with `abbench run --resume {self.run_dir}`)")
         return self.record

@@ -1,7 +1,8 @@
-"""abbench compare on real cpu-tiny runs: two runs of `abbench run --rounds 2 --lengths 256 --arms
-chunked,layer-major` made back to back at one commit on the shared 2-core machine
-(tests/support/fixtures/compare/base and cand), copies of them doctored (a candidate whose layer-major TTFTs
-are 1.5x, a prompt of other text, another tokenizer), and the committed H200 runs."""
+"""abbench compare on real cpu-tiny runs: two runs of `abbench run --rounds 3 --lengths 256 --arms
+chunked,layer-major` made back to back at one clean commit (189e3ff) on a 2-core machine shared with other
+jobs (tests/support/fixtures/compare/base and cand), copies of them doctored (a candidate whose layer-major
+TTFTs are 2x, only two rounds, a prompt of other text, another prompt set, another profile, another
+tokenizer), and the committed H200 runs."""
 
 from __future__ import annotations
 
@@ -39,10 +40,23 @@ def doctored(src: Path, dst: Path, *, samples=None, record=None) -> Path:
 
 def slower_layer_major(s: dict) -> dict:
     if s["arm"] == "layer-major" and s.get("ttft_s") is not None:
-        extra = s["ttft_s"] * 0.5
+        extra = s["ttft_s"]
         s["ttft_s"] += extra
         s["total_s"] += extra
     return s
+
+
+def two_rounds(src: Path, dst: Path) -> Path:
+    """A copy of ``src`` cut to its first two rounds (plan, samples and requests.jsonl)."""
+    def cut(run: dict) -> None:
+        run["samples"] = [s for s in run["samples"] if s["round"] <= 2]
+        run["plan"] = [s for s in run["plan"] if s["round"] <= 2]
+        run["profile"]["run"]["rounds"] = 2
+
+    doctored(src, dst, record=cut)
+    lines = [x for x in (dst / "requests.jsonl").read_text().splitlines() if x.strip()]
+    (dst / "requests.jsonl").write_text("".join(x + "\n" for x in lines if json.loads(x)["round"] <= 2))
+    return dst
 
 
 def test_a_run_against_itself_is_all_the_same(tmp_path: Path) -> None:
@@ -63,29 +77,57 @@ def test_a_doctored_regression_exits_1_and_names_the_cells(tmp_path: Path) -> No
     assert "Same in every row: Metric: TTFT" in md  # decode untouched (total_s moved with the TTFT): identical
     rows = {tuple(x.split(" | ")[:3]): x for x in md.splitlines() if x.startswith("| ")}
     cold = rows[("| layer-major", "cold", "384")]
-    assert "+50.0%" in cold and "REGRESSION" in cold
-    assert "not significant" in rows[("| layer-major", "fresh", "256")]  # its 2 samples are 50% apart
+    assert "+100.0%" in cold and "REGRESSION" in cold
+    # 2x its median, but the fresh cell's three samples spread too widely to put the interval beyond 5%
+    assert "not significant" in rows[("| layer-major", "fresh", "256")]
     assert rows[("| chunked", "fresh", "256")].endswith("| +0.0% | — | same |")
+    assert "Every arm moved the worse way" not in md  # only layer-major moved: not a shift of the whole run
     assert (out.parent / "compare.png").is_file() and "![Changes with 95% intervals](compare.png)" in md
     # a threshold above the change: no regression, the change is still shown
-    r = runner.invoke(app, ["compare", str(BASE), str(cand), "--threshold", "0.6"])
+    r = runner.invoke(app, ["compare", str(BASE), str(cand), "--threshold", "1.5"])
     assert r.exit_code == 0 and "slower" in r.output and "REGRESSION" not in r.output
 
 
-def test_two_real_runs_at_one_commit(tmp_path: Path) -> None:
-    """Back to back on a machine shared with other jobs: within-run intervals at n=2 do not hold the drift
-    between the runs, and the report says so."""
+def test_two_runs_of_one_profile_at_one_commit_do_not_regress() -> None:
+    """The two real runs, three samples a cell and side: no regression at the default threshold, every
+    interval holding the spread within each run."""
     c = compare(load_run(BASE)[0], load_run(CAND)[0])
     md = render_markdown(c)
+    assert len(c.regressions) == 0 and "**No regression** beyond 5%" in md
     assert c.env_diffs == [] and "None in the recorded fingerprint fields." in md
     assert "Engine H2D" in c.identical  # the byte counters are deterministic
-    assert "n = 2 per side" in md and "drift *between* the two runs" in md
     assert set(c.changes["metric"]) == {"ttft_s", "decode_tok_s", "h2d_bytes"}  # no GPU: no peak memory
-    # recorded outcome of these two runs (fixed data, seed 0)
-    regs = {(r.arm, r.kind, r.target_tokens, r.metric) for r in c.regressions.itertuples()}
-    assert ("layer-major", "cold", 512, "ttft_s") in regs
-    r = runner.invoke(app, ["compare", str(BASE), str(CAND), "--threshold", "0.75"])
+    assert set(c.changes["n_base"]) == set(c.changes["n_cand"]) == {3}
+    assert c.too_few.empty and c.changes[c.changes["verdict"] != "same"]["ci_low"].notna().all()
+    assert "Both runs are of one commit (189e3ff6a714)" in md
+    r = runner.invoke(app, ["compare", str(BASE), str(CAND)])
     assert r.exit_code == 0, r.output
+
+
+def test_fewer_than_three_samples_a_side_are_too_few_to_judge(tmp_path: Path) -> None:
+    """The same two runs cut to two rounds (as `--rounds 2` makes them): an interval of two samples is about
+    their range, so no cell is judged and none regresses, whichever run is the base."""
+    base, cand = two_rounds(BASE, tmp_path / "b2"), two_rounds(CAND, tmp_path / "c2")
+    for b, c in ((base, cand), (cand, base)):
+        cmp = compare(load_run(b)[0], load_run(c)[0])
+        judged = cmp.changes[cmp.changes["verdict"] != "same"]
+        assert len(judged) and (judged["verdict"] == "too few to judge (n=2)").all()
+        assert judged["ci_low"].isna().all() and len(cmp.regressions) == 0
+        r = runner.invoke(app, ["compare", str(b), str(c)])
+        assert r.exit_code == 0, r.output
+        assert f"{len(judged)} of {len(cmp.changes)} cells too few to judge (fewer than 3 samples a side" in r.output
+
+
+def test_the_machine_drifting_between_runs_is_named(tmp_path: Path) -> None:
+    """The candidate run was made while the shared machine was less busy: every arm of it is faster. Taken the
+    other way round, the within-run intervals cannot hold that drift and cells regress; the report says both
+    runs are of one commit and that every arm moved, and how to tell drift from a change."""
+    c = compare(load_run(CAND)[0], load_run(BASE)[0])
+    assert len(c.regressions) > 0
+    md = render_markdown(c)
+    assert "Both runs are of one commit (189e3ff6a714)" in md
+    assert "Every arm moved the worse way (median change per arm: TTFT chunked +" in md
+    assert "run both commits as two arms of one run" in md
 
 
 def test_prompts_of_other_text_exit_2(tmp_path: Path) -> None:
@@ -95,7 +137,30 @@ def test_prompts_of_other_text_exit_2(tmp_path: Path) -> None:
     cand = doctored(CAND, tmp_path / "other", record=other_prompt)
     pid = json.loads((cand / "run.json").read_text())["prompts"][3]["id"]
     r = runner.invoke(app, ["compare", str(BASE), str(cand)])
-    assert r.exit_code == 2 and "the prompts differ" in r.output and pid in r.output
+    assert r.exit_code == 2 and "the prompt sets differ" in r.output and pid in r.output
+
+
+def test_another_prompt_set_exits_2(tmp_path: Path) -> None:
+    """A run made with other --lengths holds other prompts: refused, naming the ids only one run has."""
+    def one_more(run: dict) -> None:
+        run["prompts"].append({**run["prompts"][0], "id": "fresh-2048-0", "target_tokens": 2048,
+                               "token_count": 2048, "sha256": "1" * 64})
+
+    cand = doctored(CAND, tmp_path / "more", record=one_more)
+    r = runner.invoke(app, ["compare", str(BASE), str(cand)])
+    assert r.exit_code == 2, r.output
+    assert "the prompt sets differ: fresh-2048-0 only in more" in " ".join(r.output.split())
+
+
+def test_another_profile_exits_2(tmp_path: Path) -> None:
+    """cpu-tiny against cpu-tiny-auto (a renamed copy here): refused, naming both profiles."""
+    def renamed(run: dict) -> None:
+        run["profile"]["name"] = "cpu-tiny-auto"
+
+    cand = doctored(CAND, tmp_path / "auto", record=renamed)
+    r = runner.invoke(app, ["compare", str(BASE), str(cand)])
+    out = " ".join(r.output.split())
+    assert r.exit_code == 2 and "the runs are of different profiles: base ran 'cpu-tiny', auto ran 'cpu-tiny-auto'" in out
 
 
 def test_another_tokenizer_exits_2(tmp_path: Path) -> None:
@@ -129,9 +194,9 @@ def test_the_h200_runs_at_two_commits() -> None:
     assert len(c.regressions) == 0 and c.identical == ["Engine H2D"]
     row = c.changes[(c.changes["arm"] == "layer-major") & (c.changes["kind"] == "fresh")
                     & (c.changes["target_tokens"] == 32768) & (c.changes["metric"] == "ttft_s")].iloc[0]
-    assert row["verdict"] == "not significant" and abs(row["change"]) < 0.01
-    # the 20261130 run built its pair prompts from another rotation (two more lengths): refused
-    with pytest.raises(CompareRefused, match="pair0-cold, pair0-cont"):
+    assert row["verdict"] == "too few to judge (n=2)" and abs(row["change"]) < 0.01  # two rounds each
+    # the 20261130 run has two more lengths, and built its pair prompts from another rotation: refused
+    with pytest.raises(CompareRefused, match="pair0-cold, pair0-cont have another sha256"):
         compare(load_run(REPO / "results/20261129b-h200-qwen3-30b-a3b")[0],
                 load_run(REPO / "results/20261130-h200-qwen3-30b-a3b")[0])
 
@@ -144,6 +209,12 @@ def test_change_ci() -> None:
     assert change_ci(np.array([0.0]), np.array([0.0])) == (0.0, 0.0, 0.0)
     assert change_ci(np.array([0.0]), np.array([1.0])) == (None, None, None)
     assert change_ci(np.array([2.0]), np.array([3.0]))[1:] == (None, None)
+    # scipy.stats.bootstrap's percentile interval: it holds the change and lies within the extreme ratios
+    base, cand = np.array([1.0, 1.1, 0.9, 1.05]), np.array([1.3, 1.2, 1.25, 1.4])
+    ch, lo, hi = change_ci(base, cand)
+    assert lo < ch < hi and 1.2 / 1.1 - 1 <= lo and hi <= 1.4 / 0.9 - 1
+    assert change_ci(base, cand) == (ch, lo, hi)  # seeded
+    assert change_ci(np.array([0.0, 0.0, 1.0]), np.array([1.0, 1.0, 1.0])) == (None, None, None)
 
 
 def test_environment_differences_name_the_machine() -> None:

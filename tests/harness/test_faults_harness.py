@@ -59,12 +59,10 @@ def test_never_healthy_stops_the_run_with_the_log_tail(tmp_path: Path) -> None:
     assert "service a@r1: not healthy after 1 s (GET /health at http://127.0.0.1:" in err
     assert "the process was killed" in err and "--- last lines of the service log ---" in err
     assert "fakeserver starting (mode=normal" in err  # the service's own words, from its log
-    record, _ = load_run(tmp_path / "run")
-    assert record.status == "partial" and "not healthy after 1 s" in record.status_reason
-    assert record.samples == []
-    (svc,) = record.services
-    assert "not healthy" in svc.error and svc.log == "logs/a_r1.log"
-    assert (tmp_path / "run" / svc.log).read_text().count("fakeserver starting") == 1
+    # nothing was measured: no run is left to become "the latest run"; the log the error names stays
+    assert f"nothing was measured, so no run was saved in {tmp_path / 'run'} (the service logs stay in" in err
+    assert not (tmp_path / "run" / RUN_FILE).exists() and not (tmp_path / "run" / SAMPLES_FILE).exists()
+    assert (tmp_path / "run" / "logs" / "a_r1.log").read_text().count("fakeserver starting") == 1
     fk.assert_no_leftovers(mark)
 
 
@@ -99,8 +97,28 @@ def test_command_not_found(tmp_path: Path) -> None:
     assert res.returncode == 2
     assert ("command not found: /nonexistent/bin/engine-server; check engine.command in the profile"
             in fk.flat(res.stderr))
-    record, _ = load_run(tmp_path / "run")
-    assert record.status == "partial" and "command not found" in record.services[0].error
+    assert not (tmp_path / "run" / RUN_FILE).exists()  # nothing was measured: no run left behind
+
+
+def test_a_base_url_nothing_answers_at_fails_fast_and_leaves_no_run(tmp_path: Path) -> None:
+    """A server the harness did not start and that is not there: exit 2 within seconds (not the 180 s health
+    timeout) naming the cause and the URL, and no run directory left behind."""
+    import time
+
+    port = services.free_port()
+    prof = fk.fake_profile(fk.new_mark(), engine={"health_timeout_s": 180})
+    del prof["engine"]["command"]
+    prof["engine"]["base_url"] = f"http://127.0.0.1:{port}"
+    toml = fk.write_profile(tmp_path / "p.toml", prof)
+    t0 = time.perf_counter()
+    res = fk.abbench("run", "-p", str(toml), "--out", str(tmp_path / "run"), "-q", cwd=tmp_path)
+    assert res.returncode == 2, res.stderr
+    assert time.perf_counter() - t0 < 60  # the interpreter and the tokenizer load, then REFUSED_GRACE_S
+    err = fk.flat(res.stderr)
+    assert f"connection refused at http://127.0.0.1:{port}: nothing listens on 127.0.0.1 port {port}" in err
+    assert "start the server first, or fix base_url in the profile" in err
+    assert f"nothing was measured, so no run was saved in {tmp_path / 'run'}" in err
+    assert not (tmp_path / "run").exists()
 
 
 def test_fixed_port_in_the_command_is_refused_before_anything_starts(tmp_path: Path) -> None:
@@ -138,8 +156,7 @@ def test_port_taken_between_pick_and_launch(tmp_path: Path, monkeypatch: pytest.
         assert owner in str(e.value), str(e.value)
     else:
         assert owner in str(e.value) or "already in use by another process;" in str(e.value), str(e.value)
-    record, _ = load_run(tmp_path / "run")
-    assert record.status == "partial" and "already in use" in record.services[0].error
+    assert not (tmp_path / "run" / RUN_FILE).exists()  # nothing was measured: no run left behind
     fk.assert_no_leftovers(mark)
 
 
@@ -289,15 +306,13 @@ def test_signal_leaves_a_valid_partial_run_and_no_process(tmp_path: Path, sig: i
 
 @pytest.mark.slow
 def test_signal_while_a_service_starts(tmp_path: Path) -> None:
-    """SIGTERM while abbench waits for the first service to become healthy: nothing is left running and the
-    run (no sample yet) is saved partial, ready to resume."""
+    """SIGTERM while abbench waits for the first service to become healthy: nothing is left running, and as
+    nothing was measured no run is left behind (the service's log stays)."""
     run_dir, mark, text = _interrupted_run(tmp_path, signal.SIGTERM, at_startup=True)
     fk.assert_no_leftovers(mark, grace_s=0.5)
-    raw = json.loads((run_dir / RUN_FILE).read_text())
-    assert raw["status"] == "partial" and raw["samples"] == []
-    assert fk.jsonl_lines(run_dir / SAMPLES_FILE) == []
-    (svc,) = raw["services"]
-    assert svc["error"] == "interrupted while starting" and (run_dir / svc["log"]).is_file()
+    assert "interrupted before the first sample; nothing was measured" in fk.flat(text)
+    assert not (run_dir / RUN_FILE).exists() and not (run_dir / SAMPLES_FILE).exists()
+    assert (run_dir / "logs" / "a_r1.log").is_file()
 
 
 def _check_resume(tmp_path: Path, run_dir: Path, mark: str) -> None:

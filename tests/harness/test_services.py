@@ -230,8 +230,32 @@ def test_attach_existing_server(tmp_path: Path) -> None:
         assert real.alive()
         assert att.record().command is None and att.record().log is None
     port = free_port()
-    with pytest.raises(HealthTimeout, match="not healthy after 0.5 s"):
+    with pytest.raises(HealthTimeout, match="not healthy after 0.5 s"):  # the health timeout comes first
         Service.attach("ext", f"http://127.0.0.1:{port}", health_timeout_s=0.5)
+
+
+def test_attach_fails_fast_with_the_cause_where_waiting_cannot_help(tmp_path: Path) -> None:
+    """A server the harness did not start: a port that refuses connections fails after REFUSED_GRACE_S (not
+    the 180 s health timeout), a host that does not resolve at once; a server that accepts connections but is
+    not healthy yet (still loading) is waited for up to the health timeout."""
+    port = free_port()
+    t0 = time.perf_counter()
+    with pytest.raises(ServiceError, match=f"connection refused at http://127.0.0.1:{port}: nothing listens on "
+                       f"127.0.0.1 port {port}; start the server first, or fix base_url") as e:
+        Service.attach("ext", f"http://127.0.0.1:{port}", health_timeout_s=180)
+    assert services.REFUSED_GRACE_S <= time.perf_counter() - t0 < services.REFUSED_GRACE_S + 5
+    assert not isinstance(e.value, HealthTimeout)
+    t0 = time.perf_counter()
+    with pytest.raises(ServiceError, match="cannot resolve host 'no-such-host.invalid' of "
+                       "http://no-such-host.invalid:8000"):
+        Service.attach("ext", "http://no-such-host.invalid:8000", health_timeout_s=180)
+    assert time.perf_counter() - t0 < services.REFUSED_GRACE_S
+    listening = lambda url: port_in_use("127.0.0.1", int(url.rsplit(":", 1)[1]))  # noqa: E731
+    with launch(tmp_path, "--never-healthy", health_check=listening) as sick:
+        t0 = time.perf_counter()
+        with pytest.raises(HealthTimeout, match="not healthy after 4 s"):
+            Service.attach("ext", sick.base_url, health_timeout_s=4)
+        assert time.perf_counter() - t0 >= 4
 
 
 def test_stop_all_from_a_signal_handler(tmp_path: Path) -> None:
