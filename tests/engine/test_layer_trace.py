@@ -15,7 +15,7 @@ from abbench.engine import Engine, EngineConfig  # noqa: E402
 from abbench.engine.server import create_app  # noqa: E402
 from abbench.engine.tokenizer import load_tokenizer  # noqa: E402
 from abbench.engine.trace import BLOCKS, LayerTrace, entry  # noqa: E402
-from abbench.layertrace import compare_traces  # noqa: E402
+from abbench.diagnostics.layertrace import compare_traces  # noqa: E402
 
 from tests.engine.test_engine_server import ServerThread, assert_openai_error  # noqa: E402
 
