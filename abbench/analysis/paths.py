@@ -109,3 +109,42 @@ def active_path_summary(record: RunRecord, samples: pd.DataFrame | None = None) 
              "passed": bool(g["allowed"].all()) and (expect.get(arm) is None or bool((st == "active").any()))}
         )
     return frame(rows, PATH_SUMMARY_COLUMNS)
+
+
+# ------------------------------------------------------------------------------------- attention batching
+
+
+BATCHING_COLUMNS = ["arm", "kind", "target_tokens", "n", "attention_batch", "batched", "fallbacks"]
+
+
+def _whole(x: float) -> float | int:
+    """A median of counts: an int when it is whole (two samples can give a half)."""
+    return int(x) if float(x).is_integer() else float(x)
+
+
+def attention_batching_table(record: RunRecord) -> pd.DataFrame:
+    """Per (arm, kind, prompt length) over measured ok samples whose engine asked for more than one chunk per
+    attention call (the vendored engine's ``attention_batch``): the chunks per call, the median number of groups
+    that ran as one call, and the median count of groups that fell back, by reason. Empty when no sample did."""
+    targets = prompt_targets(record)
+    rows = []
+    for s in measured_ok(record):
+        e = AbbenchStats.read(s.engine)
+        k = num(e.attention_batch)
+        if k is None or k <= 1:
+            continue
+        rows.append({"arm": s.arm, "kind": s.kind, "target_tokens": targets.get(s.prompt_id, s.prompt_tokens),
+                     "attention_batch": int(k), "batched": num(e.attention_batched),
+                     "fallbacks": dict(e.attention_fallbacks or {})})
+    if not rows:
+        return pd.DataFrame(columns=BATCHING_COLUMNS)
+    df = pd.DataFrame(rows)
+    out = []
+    for (arm, kind, tokens), g in df.groupby(["arm", "kind", "target_tokens"], sort=False):
+        reasons = sorted({r for d in g["fallbacks"] for r in d})
+        out.append({"arm": arm, "kind": kind, "target_tokens": tokens, "n": len(g),
+                    "attention_batch": int(g["attention_batch"].max()),
+                    "batched": _whole(pd.to_numeric(g["batched"]).median()),
+                    "fallbacks": {r: _whole(pd.Series([d.get(r, 0) for d in g["fallbacks"]]).median())
+                                  for r in reasons}})
+    return sort_rows(pd.DataFrame(out, columns=BATCHING_COLUMNS), record, ["arm", "kind", "target_tokens"])

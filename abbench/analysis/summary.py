@@ -18,7 +18,7 @@ from abbench.analysis.frames import (
     samples_frame,
 )
 from abbench.analysis.parity import NEAR_TIE_NATS, parity_frame, parity_tokens_of
-from abbench.analysis.paths import active_path_samples, active_path_summary
+from abbench.analysis.paths import active_path_samples, active_path_summary, attention_batching_table
 from abbench.analysis.timing import overhead_table, paired_ratios, ratio_summary, small_n_notes, ttft_table
 from abbench.analysis.transfer import engine_counter_table, floor_table, gap_table, h2d_table
 from abbench.results import RunRecord
@@ -39,6 +39,7 @@ class Analysis:
     parity: pd.DataFrame
     path_samples: pd.DataFrame
     path_summary: pd.DataFrame
+    attention_batching: pd.DataFrame
     h2d: pd.DataFrame
     floor: pd.DataFrame
     gap: pd.DataFrame
@@ -67,7 +68,8 @@ def analyze(record: RunRecord, *, parity_tokens: int | None = None, near_tie_nat
         reference=reference_arm(record), parity_reference=parity_reference_arm(record), arms=arm_names(record),
         parity_tokens=k,
         samples=samples_frame(record), ttft=ttft, pairs=pairs, ratios=ratios, parity=parity,
-        path_samples=path_samples, path_summary=path_summary, h2d=h2d_table(record),
+        path_samples=path_samples, path_summary=path_summary, attention_batching=attention_batching_table(record),
+        h2d=h2d_table(record),
         floor=floor_table(record), gap=gap_table(record), engine_counters=engine_counter_table(record), decode=decode_table(record),
         ttft_memory=ttft_memory_table(record), overhead=overhead_table(record),
         memory=memory_table(record), completeness=comp,

@@ -501,6 +501,25 @@ def active_path_section(ri: ReportInput) -> list[str]:
     return lines
 
 
+def attention_batching_section(ri: ReportInput) -> list[str]:
+    t = ri.analysis.attention_batching
+    if t.empty:
+        return []
+    return [
+        "## Attention batching", "",
+        ("Arms whose engine ran layer-major prefill with more than one chunk per attention call (the vendored "
+         "engine's attention_batch, in full-attention layers). Medians per request: groups of that many adjacent "
+         "chunks that ran as one call, and groups that ran one call per chunk instead, by the engine's reason "
+         "(not-bit-identical: the joint call is not exact on this device; window-end: fewer chunks left in the "
+         "window; short-chunk: a chunk shorter than the chunk length; long-context: the group ends past the "
+         "batching limit)."), "",
+        table(t, [Col("arm", "Arm", right=False), Col("kind", "Kind", descriptive=True, right=False),
+                  Col("target_tokens", "Prompt tokens", fmt_int), Col("n", "n", fmt_int, descriptive=True),
+                  Col("attention_batch", "Chunks per call", fmt_int, descriptive=True),
+                  Col("batched", "Batched groups", fmt_int), Col("fallbacks", "Fallbacks", fmt_counts, right=False)]),
+    ]
+
+
 def floor_section(ri: ReportInput) -> list[str]:
     a = ri.analysis
     if a.floor.empty:
@@ -688,7 +707,8 @@ def plots_section(ri: ReportInput) -> list[str]:
 
 SECTIONS = [
     header_section, verdict_section, ttft_section, engines_section, ratios_section, h2d_section, floor_section,
-    engine_counters_section, decode_section, host_cpu_section, memory_section, parity_section, active_path_section, overhead_section,
+    engine_counters_section, decode_section, host_cpu_section, memory_section, parity_section, active_path_section,
+    attention_batching_section, overhead_section,
     environment_section, small_n_section, problems_section, plots_section,
 ]
 """The report's sections, in order."""

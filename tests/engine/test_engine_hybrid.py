@@ -478,3 +478,22 @@ def test_gpu_busy_is_the_union_of_kernel_intervals():
     assert union_seconds([]) == 0.0
     assert union_seconds([(0, 10), (5, 20), (30, 40), (32, 35), (40, 41)]) == pytest.approx(31e-6)
     assert union_seconds([(30, 40), (0, 1e6)]) == pytest.approx(1.0)
+
+
+def test_the_memory_plan_counts_prefill_graphs_and_joint_attention_calls():
+    """On CUDA the prefill graphs' pool (a second chunk workspace) and static buffers are planned, and a joint
+    attention call's extra queries and output; the decode slots shrink to pay for them, never the budget."""
+    from abbench.engine.memory import plan_device_memory
+
+    mc = PRESETS["qwen3.5-35b-a3b"]
+    base = dict(model=mc, device="cuda", chunk_tokens=2048, layer_major_window_tokens=131072, max_context=262144)
+    plans = {name: plan_device_memory(EngineConfig(**base, **kw).resolved(), int(24e9)) for name, kw in {
+        "eager": dict(prefill_graphs=False), "graphs": {}, "graphs+k2": dict(attention_batch=2)}.items()}
+    extra = plans["graphs"].workspace_bytes - plans["eager"].workspace_bytes
+    assert extra > 2048 * 4 * mc.hidden_size * 2  # at least the static buffers, bf16
+    k2 = plans["graphs+k2"].workspace_bytes - plans["graphs"].workspace_bytes
+    assert k2 == 2 * 2048 * mc.num_attention_heads * mc.head_dim * 2
+    assert plans["eager"].slots_per_layer >= plans["graphs"].slots_per_layer >= plans["graphs+k2"].slots_per_layer
+    assert all(p.total_bytes <= int(24e9) for p in plans.values())
+    cpu = plan_device_memory(EngineConfig(**{**base, "device": "cpu", "dtype": "bfloat16"}).resolved(), int(24e9))
+    assert cpu.workspace_bytes == plans["eager"].workspace_bytes  # no graphs off CUDA
