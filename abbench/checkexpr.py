@@ -37,6 +37,8 @@ class Metric:
     ratio: bool
     """A ratio (what auto rounds narrow)."""
     description: str
+    quantile: float = 0.5
+    """Interval metrics: the quantile of the cell's values that is judged (0.5: the median; 0.9: p90)."""
 
 
 METRICS: dict[str, Metric] = {m.name: m for m in (
@@ -44,6 +46,14 @@ METRICS: dict[str, Metric] = {m.name: m for m in (
     Metric("x_floor", "x", True, True, "TTFT / the floor (max of the resident TTFT and one bank's copy)"),
     Metric("ttft_s", "s", True, False, "time to first token (seconds)"),
     Metric("decode_tok_s", "tok/s", True, False, "decode rate after the first token"),
+    Metric("ttft_p90_s", "s", True, False, "90th percentile of the TTFT (seconds; needs 10 samples)", 0.9),
+    Metric("ttft_p99_s", "s", True, False, "99th percentile of the TTFT (seconds; needs 100 samples)", 0.99),
+    Metric("tpot_s", "s", True, False, "time per output token after the first, per request (seconds)"),
+    Metric("tpot_p90_s", "s", True, False, "90th percentile of the TPOT (seconds; needs 10 requests)", 0.9),
+    Metric("tpot_p99_s", "s", True, False, "99th percentile of the TPOT (seconds; needs 100 requests)", 0.99),
+    Metric("itl_s", "s", True, False, "inter-token latency: gaps between streamed arrivals (seconds)"),
+    Metric("itl_p90_s", "s", True, False, "90th percentile of the inter-token latency (seconds)", 0.9),
+    Metric("itl_p99_s", "s", True, False, "99th percentile of the inter-token latency (seconds)", 0.99),
     Metric("h2d_banks", "banks", False, False, "prefill host-to-device bytes / the expert bank"),
     Metric("banks_per_window", "banks", False, False, "h2d_banks / the engine's layer-major windows (at least 1)"),
     Metric("peak_vram_gb", "GiB", False, False, "peak device memory (engine's peak_device_bytes, else NVML)"),

@@ -31,7 +31,10 @@ dropped before any response; a completion never is. ``complete()`` sends one req
 Timing (DESIGN §2): the request body is serialised first; then ``started_at = time.time()`` and the
 ``perf_counter`` clock starts immediately before the request is sent. ``ttft_s`` is taken when the network
 chunk that completes the first SSE event with non-empty text arrives (it is stamped before that chunk is
-parsed); ``total_s`` when the response body has ended. SSE is parsed incrementally from the raw bytes
+parsed); ``total_s`` when the response body has ended; ``token_times_s`` (streamed only), on the same clock,
+when each output token arrived: the arrival of the chunk that completed the event carrying it (one entry
+per native id; without ids, one per event that carried text). Inter-token latency and time per output token
+are derived from them (:mod:`abbench.analysis.latency`). SSE is parsed incrementally from the raw bytes
 (events split across chunks, ``\\r\\n``/``\\n``/``\\r`` line ends, comments, multi-line data). Until the first
 text event each event is decoded (a small ``json.loads``) to test for text; after it, events are only
 collected and decoded once the stream has ended, so the client does no heavy work per event.
@@ -387,6 +390,7 @@ class EngineClient:
         marker = ad.done_marker
         decoded: list[Any] = []  # events decoded on arrival, up to the first with text
         later: list[str] = []  # data of the events after it, decoded once the stream has ended
+        arrived: list[float] = []  # per event (decoded, then later), when the chunk completing it arrived
         ttft: float | None = None
         saw_done = False
         nbytes = 0
@@ -401,7 +405,9 @@ class EngineClient:
                         raise RequestError("sse", f"data after [DONE]: {data[:_SNIPPET]!r}")
                     if data == marker:
                         saw_done = True
-                    elif ttft is None:
+                        continue
+                    arrived.append(t - t0)
+                    if ttft is None:
                         obj = _loads(data, len(decoded))
                         decoded.append(obj)
                         if has_text(obj):
@@ -423,7 +429,8 @@ class EngineClient:
             raise RequestError(e.kind, f"{what}: {e.detail}", status=e.status) from None
         if deadline.fired:
             raise _timeout(what, deadline.seconds)
-        return RawResponse(events=events, ttft=ttft, total=total, saw_done=saw_done, streamed=True)
+        return RawResponse(events=events, ttft=ttft, total=total, saw_done=saw_done, streamed=True,
+                           event_times=arrived)
 
     def _read_body(self, response: httpx.Response, t0: float, what: str, deadline: _Deadline) -> RawResponse:
         _check_content_type(response, "application/json", what, deadline)
@@ -477,7 +484,8 @@ def _with_refetched_ids(short: ShortIds, again: Completion, raw: RawResponse, st
     return Completion(started_at=started_at, ttft_s=raw.ttft, total_s=raw.total, output_ids=list(ids),
                       ids_source="native", text=short.text, finish_reason=again.finish_reason,
                       prompt_tokens=again.prompt_tokens, completion_tokens=short.completion_tokens,
-                      saw_done=True, logprobs=again.logprobs, engine=engine)
+                      saw_done=True, logprobs=again.logprobs, engine=engine,
+                      token_times_s=short.token_times)  # the ids the stream carried
 
 
 def _dropped_unanswered(e: httpx.HTTPError) -> bool:

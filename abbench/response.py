@@ -29,10 +29,11 @@ class ShortIds(RequestError):
     ends inside a UTF-8 character). Holds what the stream did carry, for a caller that can recover the rest."""
 
     def __init__(self, message: str, *, streamed_ids: list[int], text: str, completion_tokens: int,
-                 finish_reason: str | None, engine: dict[str, Any] | None) -> None:
+                 finish_reason: str | None, engine: dict[str, Any] | None,
+                 token_times: list[float] | None = None) -> None:
         super().__init__("protocol", message)
         self.streamed_ids, self.text, self.completion_tokens = streamed_ids, text, completion_tokens
-        self.finish_reason, self.engine = finish_reason, engine
+        self.finish_reason, self.engine, self.token_times = finish_reason, engine, token_times
 
 
 @dataclass(slots=True)
@@ -51,6 +52,7 @@ class Completion:
     saw_done: bool
     logprobs: list[TopLogprobs] | None
     engine: dict[str, Any] | None
+    token_times_s: list[float] | None = None  # streamed: each output token's arrival (see merge_events)
 
     def sample_fields(self) -> dict[str, Any]:
         """The fields as keyword arguments for ``Sample(...)``."""
@@ -66,6 +68,7 @@ class RawResponse:
     total: float
     saw_done: bool
     streamed: bool
+    event_times: list[float] | None = None  # streamed: per event, when the chunk completing it arrived
 
 
 @dataclass
@@ -81,12 +84,24 @@ class Merged:
     have_logprobs: bool = False
     engine: dict[str, Any] | None = None
     saw_done: bool = False
+    times: list[float] = field(default_factory=list)
+    """Per output token, the arrival of the event that carried it (one per event with text, without ids)."""
+
+
+def _arrivals(m: Merged, p: Any, t: float, ids_before: int, text_before: int) -> None:
+    """Add the arrival time ``t`` of event ``p`` (already merged) for each output token it added: one per new
+    native id, else one when it added text (an engine that sends no ids: a chunk stands for its tokens)."""
+    if p.token_ids is not None:
+        m.times.extend([t] * max(0, len(m.ids) - ids_before))
+    elif p.text and not m.native and (not p.cumulative or len(p.text) > text_before):
+        m.times.append(t)
 
 
 def merge_events(raw: RawResponse, ad: Adapter, what: str) -> Merged:
     """Parse every event with the adapter and merge the parts (``protocol``/``sse`` errors on bad events)."""
     m = Merged(saw_done=raw.saw_done)
     final_at: int | None = None  # the event that ended a stream without a done marker
+    times = raw.event_times if raw.streamed else None
     for n, obj in enumerate(raw.events):
         if final_at is not None:
             raise RequestError(
@@ -100,6 +115,8 @@ def merge_events(raw: RawResponse, ad: Adapter, what: str) -> Merged:
             raise RequestError(
                 "protocol", f"{what}: event {n} has an unexpected shape ({e}): {json.dumps(obj)[:SNIPPET]}"
             ) from None
+        ids_before = len(m.ids) if not p.cumulative else len(m.times)
+        text_before = len(m.text[0]) if p.cumulative and m.text else 0
         if p.cumulative:  # the whole output so far: replaces what earlier events said
             if p.text:
                 m.text = [p.text]
@@ -118,6 +135,8 @@ def merge_events(raw: RawResponse, ad: Adapter, what: str) -> Merged:
             if p.logprobs is not None:
                 m.have_logprobs = True
                 m.logprobs.extend(p.logprobs)
+        if times is not None:
+            _arrivals(m, p, times[n], ids_before, text_before)
         if p.finish_reason is not None:
             m.finish = p.finish_reason
         if p.usage is not None:
@@ -161,7 +180,8 @@ def verify(m: Merged, raw: RawResponse, ad: Adapter, *, ignore_eos: bool, target
     if m.native and raw.streamed and completion_tokens > len(m.ids):
         raise ShortIds(f"{what}: usage.completion_tokens={completion_tokens} but the stream carried {len(m.ids)} "
                        "token ids", streamed_ids=list(m.ids), text="".join(m.text),
-                       completion_tokens=completion_tokens, finish_reason=m.finish, engine=m.engine)
+                       completion_tokens=completion_tokens, finish_reason=m.finish, engine=m.engine,
+                       token_times=_rounded(m.times) if raw.event_times is not None else None)
     if m.native and completion_tokens != len(m.ids):
         raise RequestError(
             "protocol",
@@ -211,4 +231,10 @@ def finish(
         saw_done=m.saw_done,
         logprobs=m.logprobs if m.have_logprobs and m.native else None,
         engine=m.engine,
+        token_times_s=_rounded(m.times) if raw.streamed and raw.event_times is not None else None,
     )
+
+
+def _rounded(times: list[float]) -> list[float]:
+    """Microseconds: the clock's useful resolution here, and a compact run.json."""
+    return [round(t, 6) for t in times]

@@ -98,6 +98,9 @@ class Sample(_Model):
     started_at: float = Field(description="Wall-clock time (unix seconds) just before the request.")
     ttft_s: float | None = Field(None, description="perf_counter from before the request to the first event with text.")
     total_s: float | None = Field(None, description="perf_counter from before the request to the end of the response.")
+    token_times_s: list[float] | None = Field(
+        None, description="Streamed: perf_counter from before the request to the arrival of each output token (the "
+        "chunk that carried it; one entry per native id, or per text event when the engine sends no ids).")
     output_ids: list[int] = Field(default_factory=list)
     ids_source: Literal["native", "retokenized", "none"] = "none"
     text: str = ""

@@ -7,6 +7,7 @@ I/O, no network, no adapters; results only).
 * :mod:`~abbench.analysis.paths`: the active prefill path against ``expect_path``;
 * :mod:`~abbench.analysis.transfer`: H2D bytes, the TTFT floor, the engine's prefix-cache counters;
 * :mod:`~abbench.analysis.decode`: decode rate, decode H2D per step, slot-cache hit rate, peak device memory;
+* :mod:`~abbench.analysis.latency`: TTFT, TPOT and inter-token latency percentiles (p50/p90/p99 where n allows);
 * :mod:`~abbench.analysis.checks`: the gate, a list of checks ``(GateInput) -> CheckResult``;
 * :mod:`~abbench.analysis.declared`: declared checks (``METRIC[ARM, KIND, LENGTH] OP VALUE``) and their metrics;
 * :mod:`~abbench.analysis.summary`: :func:`analyze`, everything the report shows.

@@ -19,8 +19,13 @@ Metrics (:data:`METRICS`), each per (arm, kind, prompt length) cell over measure
 
 * interval metrics, judged on the 95% bootstrap interval of the cell's median (:func:`~abbench.analysis.
   timing.median_ci`): ``ttft_ratio`` (paired TTFT(arm) / TTFT(reference), same prompt and round), ``x_floor``
-  (TTFT / the cell's floor, :func:`~abbench.analysis.transfer.floor_table`), ``ttft_s``, ``decode_tok_s``.
-  With ``vs ARM``, ``ttft_ratio`` pairs with that arm instead of the reference.
+  (TTFT / the cell's floor, :func:`~abbench.analysis.transfer.floor_table`), ``ttft_s``, ``decode_tok_s``,
+  ``tpot_s`` and ``itl_s`` (:mod:`~abbench.analysis.latency`: one TPOT per request, one ITL per gap between
+  streamed arrivals). With ``vs ARM``, ``ttft_ratio`` pairs with that arm instead of the reference.
+  The percentile metrics ``ttft_p90_s``, ``ttft_p99_s``, ``tpot_p90_s``, ``tpot_p99_s``, ``itl_p90_s`` and
+  ``itl_p99_s`` are judged the same way on the interval of that percentile
+  (:func:`~abbench.analysis.timing.quantile_ci`); a cell with fewer values than the percentile needs (10 for
+  p90, 100 for p99) is inconclusive.
   ``<=``: pass when the whole interval is at or below VALUE, fail when it is wholly above, otherwise
   *inconclusive* (which fails, with a rough estimate of the rounds that might settle it: the interval's
   half-width taken to shrink as 1/sqrt(n)). One sample gives no interval: inconclusive. ``==`` is refused.
@@ -50,7 +55,8 @@ import numpy as np
 import pandas as pd
 
 from abbench.analysis.frames import arm_names, measured_ok_frame, peak_bytes, reference_arm, sample_peak_bytes
-from abbench.analysis.timing import CONFIDENCE, median_ci, paired_ratios
+from abbench.analysis.latency import itl_values, min_n, tpot_values, ttft_values
+from abbench.analysis.timing import CONFIDENCE, paired_ratios, quantile_ci
 from abbench.analysis.transfer import FLOOR_KINDS, floor_table
 from abbench.checkexpr import KINDS, METRICS, OPS, PAIRED, DeclaredCheck, Metric, check_arms, parse_check, parse_checks
 from abbench.results import RunRecord
@@ -157,6 +163,8 @@ VALUES: dict[str, Callable[[RunRecord], pd.DataFrame]] = {
     "ttft_ratio": _ttft_ratio, "x_floor": _x_floor, "ttft_s": _column("ttft_s"),
     "decode_tok_s": _column("decode_tok_s"), "h2d_banks": _h2d_banks, "banks_per_window": _banks_per_window,
     "peak_vram_gb": _peak_vram, "peak_vram_ratio": _peak_vram_ratio,
+    "ttft_p90_s": ttft_values, "ttft_p99_s": ttft_values, "tpot_s": tpot_values, "tpot_p90_s": tpot_values,
+    "tpot_p99_s": tpot_values, "itl_s": itl_values, "itl_p90_s": itl_values, "itl_p99_s": itl_values,
 }
 """Per metric, against the reference arm where paired: one row per measured ok sample (or pair): arm, kind,
 target_tokens, round, value (:func:`_values` pairs with another arm)."""
@@ -203,7 +211,11 @@ def rounds_to_settle(value: float, low: float, high: float, bound: float, n: int
 
 def _judge_interval(c: DeclaredCheck, vals: np.ndarray, rounds: int) -> tuple[float, float | None, float | None,
                                                                               str, str]:
-    ci = median_ci(vals)
+    q = c.spec.quantile
+    if len(vals) < min_n(q):
+        return float(np.quantile(vals, q)), None, None, "inconclusive", (
+            f"n={len(vals)}: a p{q * 100:g} needs at least {min_n(q)} values; run more rounds or prompts")
+    ci = quantile_ci(vals, q)
     if ci.low is None or ci.high is None:
         return ci.median, None, None, "inconclusive", (f"n={len(vals)}: no {CONFIDENCE:.0%} interval; at least "
                                                         "2 rounds are needed")

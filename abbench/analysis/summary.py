@@ -8,6 +8,7 @@ import pandas as pd
 
 from abbench.analysis.checks import GateInput, GateVerdict, gate_checks, run_checks
 from abbench.analysis.decode import decode_table, ttft_memory_table
+from abbench.analysis.latency import latency_table
 from abbench.analysis.frames import (
     Completeness,
     arm_names,
@@ -34,6 +35,7 @@ class Analysis:
     parity_tokens: int
     samples: pd.DataFrame
     ttft: pd.DataFrame
+    latency: pd.DataFrame
     pairs: pd.DataFrame
     ratios: pd.DataFrame
     parity: pd.DataFrame
@@ -67,9 +69,9 @@ def analyze(record: RunRecord, *, parity_tokens: int | None = None, near_tie_nat
     return Analysis(
         reference=reference_arm(record), parity_reference=parity_reference_arm(record), arms=arm_names(record),
         parity_tokens=k,
-        samples=samples_frame(record), ttft=ttft, pairs=pairs, ratios=ratios, parity=parity,
-        path_samples=path_samples, path_summary=path_summary, attention_batching=attention_batching_table(record),
-        h2d=h2d_table(record),
+        samples=samples_frame(record), ttft=ttft, latency=latency_table(record), pairs=pairs, ratios=ratios,
+        parity=parity, path_samples=path_samples, path_summary=path_summary,
+        attention_batching=attention_batching_table(record), h2d=h2d_table(record),
         floor=floor_table(record), gap=gap_table(record), engine_counters=engine_counter_table(record), decode=decode_table(record),
         ttft_memory=ttft_memory_table(record), overhead=overhead_table(record),
         memory=memory_table(record), completeness=comp,

@@ -113,31 +113,40 @@ class MedianCI:
 def median_ci(values: Iterable[float], *, seed: int = BOOTSTRAP_SEED, n_resamples: int = BOOTSTRAP_RESAMPLES,
               confidence: float = CONFIDENCE) -> MedianCI:
     """Median of ``values`` and a percentile-bootstrap interval of it (None when n < 2 or it fails)."""
+    return quantile_ci(values, 0.5, seed=seed, n_resamples=n_resamples, confidence=confidence)
+
+
+def quantile_ci(values: Iterable[float], q: float, *, seed: int = BOOTSTRAP_SEED,
+                n_resamples: int = BOOTSTRAP_RESAMPLES, confidence: float = CONFIDENCE) -> MedianCI:
+    """The ``q`` quantile of ``values`` (numpy's linear interpolation, as ``vllm bench serve`` reports its
+    percentiles) and a percentile-bootstrap interval of it, in a :class:`MedianCI` (``median`` holds the
+    quantile); None bounds when n < 2 or the bootstrap fails."""
     from scipy import stats
 
     xs = np.asarray([float(v) for v in values], dtype=float)
     if xs.size == 0:
-        raise ValueError("median_ci of no values")
-    med = float(np.median(xs))
+        raise ValueError("quantile_ci of no values")
+    est = float(np.quantile(xs, q))
     if xs.size < 2:
-        return MedianCI(med, None, None, "n=1: a single pair, no interval")
+        return MedianCI(est, None, None, "n=1: a single pair, no interval")
     kwargs: dict[str, Any] = {}
     if "rng" in inspect.signature(stats.bootstrap).parameters:
         kwargs["rng"] = np.random.default_rng(seed)
     else:  # scipy < 1.15
         kwargs["random_state"] = np.random.default_rng(seed)
+    statistic = np.median if q == 0.5 else (lambda x, axis=-1: np.quantile(x, q, axis=axis))
     try:
         res = stats.bootstrap(
-            (xs,), np.median, n_resamples=n_resamples, confidence_level=confidence, method="percentile",
+            (xs,), statistic, n_resamples=n_resamples, confidence_level=confidence, method="percentile",
             vectorized=True, axis=-1, **kwargs,
         )
     except Exception as e:  # noqa: BLE001 - any failure means: no interval, said plainly
-        return MedianCI(med, None, None, f"bootstrap failed ({type(e).__name__}: {e}); no interval")
+        return MedianCI(est, None, None, f"bootstrap failed ({type(e).__name__}: {e}); no interval")
     low, high = float(res.confidence_interval.low), float(res.confidence_interval.high)
     if math.isnan(low) or math.isnan(high):
-        return MedianCI(med, None, None, "bootstrap gave no interval")
+        return MedianCI(est, None, None, "bootstrap gave no interval")
     note = f"n={xs.size}: too few pairs for a reliable interval" if xs.size < SMALL_N else None
-    return MedianCI(med, low, high, note)
+    return MedianCI(est, low, high, note)
 
 
 def verdict(low: float | None, high: float | None) -> str:

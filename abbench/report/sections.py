@@ -118,6 +118,32 @@ def ttft_section(ri: ReportInput) -> list[str]:
     return lines + _plot_link(plots, "ttft", "TTFT per arm and length")
 
 
+def latency_section(ri: ReportInput) -> list[str]:
+    """TTFT, TPOT and ITL percentiles per cell (:mod:`abbench.analysis.latency`), as serving benchmarks give
+    them."""
+    lat = ri.analysis.latency
+    if lat.empty:
+        return []
+    lines = ["## Latency percentiles", "",
+             ("TTFT per request; TPOT = (total - TTFT) / (output tokens - 1) per request; ITL = the gaps between "
+              "successive streamed arrivals of output (tokens in one chunk arrive together), over every request "
+              "of the cell. Percentiles as `vllm bench serve` computes them, each given where n allows it: p90 "
+              "from 10 values, p99 from 100 (a dash otherwise)."), ""]
+    pcols = []
+    for name, label in (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL")):
+        if name != "ttft":
+            pcols.append(Col(f"n_{name}", f"n {label}", fmt_int, descriptive=True))
+        pcols += [Col(f"{name}_p{p}_s", f"{label} p{p}", fmt_s) for p in (50, 90, 99)]
+    if not lat["n_itl"].fillna(0).astype(int).any():
+        lines += ["No sample recorded token arrival times (a run made before abbench recorded them, or no "
+                  "streamed request): no ITL.", ""]
+        pcols = [c for c in pcols if not c.key.startswith(("itl_", "n_itl"))]
+    empty = [c for c in pcols if c.key.endswith("_s") and lat[c.key].isna().all()]
+    if empty:
+        lines += [f"Not shown, n too small in every cell: {', '.join(c.header for c in empty)}.", ""]
+    return lines + [table(lat, [*CELL_COLS, *[c for c in pcols if c not in empty]])]
+
+
 def _cells(frame: pd.DataFrame, cols: list[str]) -> pd.DataFrame:
     """``frame``'s per-cell key columns and ``cols`` (the ones it has), for a left join on the cell."""
     keys = ["arm", "kind", "target_tokens"]
@@ -707,9 +733,9 @@ def plots_section(ri: ReportInput) -> list[str]:
 
 SECTIONS = [
     header_section, verdict_section, ttft_section, engines_section, ratios_section, h2d_section, floor_section,
-    engine_counters_section, decode_section, host_cpu_section, memory_section, parity_section, active_path_section,
-    attention_batching_section, overhead_section,
-    environment_section, small_n_section, problems_section, plots_section,
+    engine_counters_section, decode_section, latency_section, host_cpu_section, memory_section, parity_section,
+    active_path_section, attention_batching_section, overhead_section, environment_section, small_n_section,
+    problems_section, plots_section,
 ]
 """The report's sections, in order."""
 

@@ -175,6 +175,21 @@ def test_correct_stream(client: EngineClient, server: fakeserver.FakeServer) -> 
     assert set(c.sample_fields()) >= {"ttft_s", "output_ids", "engine", "saw_done"}
 
 
+def test_token_arrival_times(client: EngineClient, server: fakeserver.FakeServer) -> None:
+    """Streamed: one arrival time per output token on the TTFT's clock, the first at the TTFT, in order, the
+    gaps at least the server's delay between token events; without ids, one per text event; not streamed:
+    none."""
+    c = run(client, server, headers={"X-Fake-Token-Delay": "0.05"})
+    t = c.token_times_s
+    assert len(t) == c.completion_tokens == 8 and t[0] == pytest.approx(c.ttft_s, abs=1e-6)
+    assert t == sorted(t) and t[-1] <= c.total_s
+    assert min(b - a for a, b in zip(t, t[1:])) >= 0.05 - 1e-3
+    assert c.sample_fields()["token_times_s"] == t
+    none = run(client, server, "no-token-ids", retokenize=fakeserver.retokenize)
+    assert len(none.token_times_s) == 8 and none.token_times_s == sorted(none.token_times_s)
+    assert run(client, server, req=spec(stream=False)).token_times_s is None
+
+
 def test_not_streamed_and_no_logprobs(client: EngineClient, server: fakeserver.FakeServer) -> None:
     c = run(client, server, req=spec(stream=False, logprobs=None, ignore_eos=False))
     assert c.ttft_s is None and c.total_s > 0 and not c.saw_done

@@ -161,8 +161,11 @@ def test_every_metric_has_values_on_a_cpu_run() -> None:
     for metric in METRICS:
         if metric in ("peak_vram_gb", "peak_vram_ratio", "x_floor"):  # no GPU, no resident arm in this run
             continue
-        arm = "layer-major"
-        assert judge(record, parse_check(f"{metric}[{arm}] >= 0")), metric
+        cells = judge(record, parse_check(f"{metric}[layer-major] >= 0"))
+        if metric.startswith("itl_"):  # recorded before the client kept token arrival times: no ITL
+            assert cells == [], metric
+            continue
+        assert cells, metric
 
 
 # ----------------------------------------------------------------------------------- inconclusive
