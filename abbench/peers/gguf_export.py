@@ -188,6 +188,60 @@ def default_tokenizer(cfg: Any) -> str:
     return "qwen3.6" if cfg.vocab_size >= 248_044 else "qwen3"
 
 
+def _add_metadata(w: Any, cfg: Any, tok: Any, vocab: tuple[list[str], list[int], list[str]], dtype: str,
+                  provenance: dict[str, Any]) -> None:
+    """The GGUF's key-value header: ``qwen3moe``'s hyperparameters from ``cfg``, the file type, the tokenizer
+    (GPT-2 BPE with the qwen2 pre-tokenizer: ``vocab`` is :func:`gguf_vocab`'s tokens, types and merges), the
+    special ids, and the ``abbench.*`` provenance keys."""
+    import gguf
+
+    tokens, types, merges = vocab
+    w.add_name(f"abbench {cfg.name} {provenance['weights']} {dtype}")
+    w.add_type(gguf.GGUFType.MODEL)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_rope_freq_base(cfg.rope_theta)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_expert_count(cfg.num_experts)
+    w.add_expert_used_count(cfg.num_experts_per_tok)
+    w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32 if dtype == "float32" else gguf.LlamaFileType.MOSTLY_BF16)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    ids = _special_ids(tok, cfg)
+    if "bos" in ids:
+        w.add_bos_token_id(ids["bos"])
+        w.add_pad_token_id(ids["pad"])
+    if "eos" in ids:
+        w.add_eos_token_id(ids["eos"])
+    w.add_add_bos_token(False)
+    for k, v in provenance.items():
+        if isinstance(v, int):
+            w.add_uint32(f"abbench.{k}", v)
+        else:
+            w.add_string(f"abbench.{k}", str(v))
+
+
+def _add_tensor_infos(w: Any, plan: list[TensorPlan], *, bf16: bool) -> None:
+    """Every tensor's name, shape and type, in :func:`tensor_plan`'s order (float32, or bf16 stored as uint16)."""
+    import gguf
+
+    for tp in plan:
+        n = int(np.prod(tp.shape))
+        if tp.f32 or not bf16:
+            w.add_tensor_info(tp.name, tp.shape, np.dtype(np.float32), n * 4)
+        else:
+            w.add_tensor_info(tp.name, tp.shape, np.dtype(np.uint16), n * 2, raw_dtype=gguf.GGMLQuantizationType.BF16)
+
+
 def export_gguf(model: str, out: str | Path, *, weights: str = "random:0", dtype: str = "float32",
                 device: str = "cpu", tokenizer: str | None = None, progress=None) -> dict[str, Any]:
     """Write the GGUF (see the module docstring); returns a summary (path, bytes, tensors, seconds, ...)."""
@@ -216,49 +270,11 @@ def export_gguf(model: str, out: str | Path, *, weights: str = "random:0", dtype
     partial = out.with_name(out.name + ".partial")
     started = time.time()
     w = gguf.GGUFWriter(str(partial), GGUF_ARCH)
-    w.add_name(f"abbench {cfg.name} {weights} {dtype}")
-    w.add_type(gguf.GGUFType.MODEL)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_key_length(cfg.head_dim)
-    w.add_value_length(cfg.head_dim)
-    w.add_rope_freq_base(cfg.rope_theta)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_expert_count(cfg.num_experts)
-    w.add_expert_used_count(cfg.num_experts_per_tok)
-    w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
-    w.add_file_type(gguf.LlamaFileType.ALL_F32 if dtype == "float32" else gguf.LlamaFileType.MOSTLY_BF16)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen2")
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges(merges)
-    ids = _special_ids(tok, cfg)
-    if "bos" in ids:
-        w.add_bos_token_id(ids["bos"])
-        w.add_pad_token_id(ids["pad"])
-    if "eos" in ids:
-        w.add_eos_token_id(ids["eos"])
-    w.add_add_bos_token(False)
     provenance = {"model": cfg.name, "weights": weights, "dtype": dtype, "device": dev.type,
                   "tokenizer": tok_name, "exporter_version": EXPORTER_VERSION}
-    for k, v in provenance.items():
-        if isinstance(v, int):
-            w.add_uint32(f"abbench.{k}", v)
-        else:
-            w.add_string(f"abbench.{k}", str(v))
-
+    _add_metadata(w, cfg, tok, (tokens, types, merges), dtype, provenance)
     plan = tensor_plan(cfg)
-    bf16 = dtype == "bfloat16"
-    for tp in plan:
-        n = int(np.prod(tp.shape))
-        if tp.f32 or not bf16:
-            w.add_tensor_info(tp.name, tp.shape, np.dtype(np.float32), n * 4)
-        else:
-            w.add_tensor_info(tp.name, tp.shape, np.dtype(np.uint16), n * 2, raw_dtype=gguf.GGMLQuantizationType.BF16)
+    _add_tensor_infos(w, plan, bf16=dtype == "bfloat16")
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()

@@ -159,9 +159,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def _library_env(build: dict | None) -> tuple[dict[str, str], list[str]]:
     """The server's environment: for a CUDA build, the running Python's CUDA wheel library directories
-    (``libcudart``, ``libcublas``: :func:`abbench.peers.llamacpp_build.runtime_library_dirs`) ahead of
+    (``libcudart``, ``libcublas``: :func:`abbench.peers.llamacpp_cuda.runtime_library_dirs`) ahead of
     ``LD_LIBRARY_PATH``, so a binary built elsewhere finds the ones torch uses here. Returns (env, added)."""
-    from abbench.peers.llamacpp_build import runtime_library_dirs, with_library_dirs
+    from abbench.peers.llamacpp_cuda import runtime_library_dirs, with_library_dirs
 
     if not (build or {}).get("cuda"):
         return dict(os.environ), []

@@ -22,6 +22,7 @@ import pytest
 
 from abbench.adapters import LlamaCppAdapter
 from abbench.peers import llamacpp_build as lb
+from abbench.peers import llamacpp_cuda as lc
 from abbench.peers import llamacpp_serve as ls
 from abbench.profile import load_profile
 
@@ -122,33 +123,33 @@ def test_cuda_dependencies_come_from_the_wheel_and_a_driver_stub(tmp_path: Path,
     toolkit, site = _fake_toolkit_and_wheel(tmp_path)
     monkeypatch.setenv("CUDA_PATH", str(toolkit))
     monkeypatch.setattr(sys, "path", [str(site), *sys.path])
-    monkeypatch.setattr(lb, "_DRIVER_PATHS", ())  # no driver installed
+    monkeypatch.setattr(lc, "_DRIVER_PATHS", ())  # no driver installed
     wheel = site / "nvidia" / "cu13"
-    flags, record = lb.cuda_dependency_flags(tmp_path / "b", dry_run=True)
+    flags, record = lc.cuda_dependency_flags(tmp_path / "b", dry_run=True)
     assert f"-DCUDA_cublas_LIBRARY={wheel}/lib/libcublas.so.13" in flags
     assert f"-DCUDA_cublasLt_LIBRARY={wheel}/lib/libcublasLt.so.13" in flags
     assert f"-DCMAKE_CUDA_FLAGS=-I{wheel}/include" in flags and f"-DCMAKE_CXX_FLAGS=-I{wheel}/include" in flags
     stub = tmp_path / "b" / "cuda-driver-stub" / "libcuda.so"
     assert f"-DCUDA_cuda_driver_LIBRARY={stub}" in flags and not stub.exists()  # a dry run writes nothing
     assert record["cublas"]["source"] == "wheel" and record["driver"]["source"] == "stub"
-    assert lb.runtime_library_dirs()[:1] == [str(wheel / "lib")]  # cudnn's lib holds neither library
+    assert lc.runtime_library_dirs()[:1] == [str(wheel / "lib")]  # cudnn's lib holds neither library
     if shutil.which("cc") or shutil.which("gcc"):
-        lb.cuda_dependency_flags(tmp_path / "b")
+        lc.cuda_dependency_flags(tmp_path / "b")
         assert (stub.parent / "libcuda.so.1").resolve() == stub.resolve()  # the name the loader is asked for
         lib = ctypes.CDLL(str(stub))
-        for name in lb.DRIVER_STUB:
+        for name in lc.DRIVER_STUB:
             assert getattr(lib, name)() == 999  # exported: the link resolves them
         soname = subprocess.run(["objdump", "-p", str(stub)], capture_output=True, text=True).stdout
         assert "libcuda.so.1" in soname or not shutil.which("objdump")
     (toolkit / "include" / "cublas_v2.h").write_text("")
     (toolkit / "lib64" / "stubs").mkdir(parents=True)
     (toolkit / "lib64" / "stubs" / "libcuda.so").write_text("")
-    flags, record = lb.cuda_dependency_flags(tmp_path / "c", dry_run=True)
+    flags, record = lc.cuda_dependency_flags(tmp_path / "c", dry_run=True)
     assert flags == [] and record["cublas"] == {"source": "toolkit"} and record["driver"]["source"] == "toolkit stubs"
     with pytest.raises(SystemExit, match="no cuBLAS"):
-        lb.cuda_dependency_flags(tmp_path / "d", cublas=str(tmp_path / "nowhere"), dry_run=True)
+        lc.cuda_dependency_flags(tmp_path / "d", cublas=str(tmp_path / "nowhere"), dry_run=True)
     given = ["-DCUDA_cublas_LIBRARY=/x/libcublas.so.13", "-DCUDA_cuda_driver_LIBRARY=/x/libcuda.so.1"]
-    flags, record = lb.cuda_dependency_flags(tmp_path / "e", cublas=str(tmp_path / "nowhere"), driver="stub",
+    flags, record = lc.cuda_dependency_flags(tmp_path / "e", cublas=str(tmp_path / "nowhere"), driver="stub",
                                              dry_run=True, given=given)
     assert flags == [] and record["cublas"]["source"] == record["driver"]["source"] == "--cmake-arg"
 
