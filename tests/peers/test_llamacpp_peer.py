@@ -428,3 +428,38 @@ def test_real_llama_server_closes_after_a_stream_and_the_client_never_reuses_it(
                 except RequestError as e:
                     kinds[e.kind] += 1
         assert kinds["connect"] == 0 and kinds["ok"] >= 90, dict(kinds)
+
+
+@needs_server
+@pytest.mark.slow
+def test_real_llama_server_outputs_ending_inside_a_character_are_completed(tmp_path: Path) -> None:
+    """200 two-token streamed outputs of four-token prompts through the adapter as configured by default: every
+    one ok, none dropped; those whose stream never sends the last token (it ends inside a UTF-8 character) are
+    completed by the refetch (7 of 200 on the tiny preset at llama.cpp 0c1e570). tests/support/llamacpp_checks.py
+    measures the same and more (results/20261201-cpu-llamacpp-connection-checks)."""
+    from tests.support.llamacpp_checks import streams
+
+    with _real_server(tmp_path, "-ngl", "0", "--slot-save-path", str(tmp_path), "--cache-ram", "0") as (url, _):
+        kinds = streams(url, 200, 2)
+    assert kinds.get("ok") == 200 and set(kinds) <= {"ok", "refetched"}, kinds
+    assert kinds.get("refetched", 0) >= 1, kinds  # the premise: some outputs end inside a character
+
+
+@needs_server
+@pytest.mark.slow
+def test_cuda_llama_server_serves_the_engines_cuda_weights(tmp_path: Path) -> None:
+    """On a CUDA machine, with a CUDA llama-server: the GGUF of the tiny preset's weights drawn on CUDA is
+    served (float32, experts in host memory) and each prompt's greedy output starts with the vendored engine's
+    first id on the same weights. tests/support/llamacpp_peer_smoke.py measures every dtype and placement
+    (results/20261201-h200-llamacpp-cuda-checks)."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("gguf")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    from tests.support.llamacpp_peer_smoke import smoke
+
+    out = smoke(str(LLAMA_SERVER), tmp_path, dtypes=("float32",), places=("cpu-moe",), lengths=(14, 128), n=8)
+    assert "version" in out["version"]
+    row = out["float32-cpu-moe"]
+    assert [len(ids) for ids in row["llama"]] == [8, 8]
+    assert [ids[0] for ids in row["llama"]] == [ids[0] for ids in row["engine"]]
