@@ -37,6 +37,19 @@ def _parse_csv(value: Optional[str], flag: str) -> Optional[list[str]]:
     return items
 
 
+def _parse_rounds(value: Optional[str]) -> int | str | None:
+    """``--rounds``: a positive count or "auto"."""
+    if value is None or value.strip().lower() == "auto":
+        return None if value is None else "auto"
+    try:
+        n = int(value)
+    except ValueError:
+        raise ConfigError(f"--rounds: {value!r} is neither a number of rounds (e.g. 4) nor auto") from None
+    if n < 1:
+        raise ConfigError(f"--rounds: {value!r} must be at least 1")
+    return n
+
+
 def _parse_lengths(value: Optional[str]) -> Optional[list[int]]:
     items = _parse_csv(value, "--lengths")
     if items is None:

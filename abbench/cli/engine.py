@@ -94,7 +94,7 @@ def export_gguf_cmd(
                                                           "rows).")] = None,
 ) -> None:
     """Write a llama.cpp `qwen3moe` GGUF of the vendored engine's own random weights (same values, same
-    tokenizer), tensor by tensor, for an A/B run of the engine against llama.cpp (README "Against llama.cpp")."""
+    tokenizer), tensor by tensor, for an A/B run of the engine against llama.cpp (docs/llamacpp.md)."""
     try:
         from abbench.peers.gguf_export import export_gguf
         from abbench.peers.llamacpp_serve import gguf_cache_path

@@ -12,8 +12,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from abbench.cli.common import (RESULTS_ROOT, ProfileOpt, _fail, _parse_csv, _parse_lengths, _render_report,
-                                console)
+from abbench.cli.common import (RESULTS_ROOT, ProfileOpt, _fail, _parse_csv, _parse_lengths, _parse_rounds,
+                                _render_report, console)
 from abbench.errors import AbbenchError, ConfigError
 
 
@@ -21,7 +21,10 @@ from abbench.errors import AbbenchError, ConfigError
 def run(
     profile: ProfileOpt = None,
     arms: Annotated[Optional[str], typer.Option(help="Comma-separated arms to run, in order (A,B). Default: all.")] = None,
-    rounds: Annotated[Optional[int], typer.Option(min=1, help="Rounds; arm order reverses every round.")] = None,
+    rounds: Annotated[Optional[str], typer.Option(
+        metavar="N|auto", help="Rounds; arm order reverses every round. \"auto\": rounds go on until every declared "
+        "ratio check (gate.checks) has a narrow interval: the profile's run.target_halfwidth and run.max_rounds, "
+        "else 0.05 and 10.")] = None,
     lengths: Annotated[Optional[str], typer.Option(help="Fresh prompt lengths, e.g. 512,2k,4k.")] = None,
     out_dir: Annotated[Optional[Path], typer.Option("--out", help="Run directory. Default: results/<run-id>.")] = None,
     resume: Annotated[Optional[Path], typer.Option(help="Finish an interrupted run in this directory.")] = None,
@@ -39,7 +42,7 @@ def run(
             prof = None
             run_dir = resume
         else:
-            prof = load_profile(profile).with_overrides(arms=_parse_csv(arms, "--arms"), rounds=rounds,
+            prof = load_profile(profile).with_overrides(arms=_parse_csv(arms, "--arms"), rounds=_parse_rounds(rounds),
                                                         lengths=_parse_lengths(lengths))
             run_dir = out_dir or RESULTS_ROOT / runner.new_run_id(prof)
             runner.check_run_dir_free(run_dir)

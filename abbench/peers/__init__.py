@@ -1,4 +1,4 @@
-"""Other engines as arms on the vendored engine's own weights: llama.cpp (README "Against llama.cpp").
+"""Other engines as arms on the vendored engine's own weights: llama.cpp (docs/llamacpp.md).
 
 ``gguf_export``: the engine's random weights as a llama.cpp ``qwen3moe`` GGUF (``abbench export-gguf``).
 ``llamacpp_build``: the recipe that builds ``llama-server`` (CPU or CUDA) from a trimmed source tarball;

@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         where = os.environ.get(SERVER_ENV)
         print(f"error: no llama-server: {SERVER_ENV}={where!r} is not an executable file" if where else
               f"error: no llama-server on PATH and {SERVER_ENV} is unset; build one with "
-              "python -m abbench.peers.llamacpp_build (see README 'Against llama.cpp')", file=sys.stderr)
+              "python -m abbench.peers.llamacpp_build (see docs/llamacpp.md)", file=sys.stderr)
         return 2
     gguf = _ensure_gguf(args)
     if not gguf.is_file():

@@ -56,6 +56,11 @@ class ArmEngine:
     model: str | None
 
 
+AUTO_DEFAULTS = {"target_halfwidth": 0.05, "max_rounds": 10}
+"""``--rounds auto`` on a profile that sets no rule of its own: stop when every declared ratio's interval is within
+5% of its median, or after 10 rounds."""
+
+
 class Profile(_Model):
     name: str
     description: str = ""
@@ -217,9 +222,11 @@ class Profile(_Model):
         return [self.launch_spec(a.name) for a in self.arms]
 
     def with_overrides(
-        self, *, arms: list[str] | None = None, rounds: int | None = None, lengths: list[int] | None = None
+        self, *, arms: list[str] | None = None, rounds: int | str | None = None, lengths: list[int] | None = None
     ) -> Profile:
-        """The profile with ``abbench run`` flag overrides applied (validated again)."""
+        """The profile with ``abbench run`` flag overrides applied (validated again). ``rounds`` is a count, or
+        "auto" with the profile's rule (its ``target_halfwidth`` and ``max_rounds``, else
+        :data:`AUTO_DEFAULTS`)."""
         data = self.model_dump()
         where = "--arms"
         if arms is not None:
@@ -238,7 +245,11 @@ class Profile(_Model):
                 data["gate"]["parity_reference"] = None
             data["gate"]["allow_fallback"] = [a for a in data["gate"]["allow_fallback"] if a in arms]
             data["gate"]["checks"] = checks_within(data["gate"]["checks"], arms, data["run"]["reference"] or arms[0])
-        if rounds is not None:  # a fixed number of rounds replaces "auto" and its rule
+        if rounds == "auto":
+            data["run"]["rounds"] = "auto"
+            for k, v in AUTO_DEFAULTS.items():
+                data["run"][k] = data["run"].get(k) or v
+        elif rounds is not None:  # a fixed number of rounds replaces "auto" and its rule
             data["run"].update(rounds=rounds, target_halfwidth=None, max_rounds=None)
         if lengths is not None:
             data["prompts"]["lengths"] = lengths
@@ -265,7 +276,7 @@ def _format_validation_error(err: ValidationError, path: str) -> str:
         loc = ".".join(str(p) for p in e["loc"]) or "(top level)"
         msg = e["msg"]
         if e["type"] == "extra_forbidden":
-            msg = "unknown field (check the spelling; see the profile reference in the README)"
+            msg = "unknown field (check the spelling; see the profile reference in docs/profiles.md)"
         elif e["type"] == "missing":
             msg = _MISSING_HINTS.get(loc, "required field is missing")
         elif e["type"] in ("list_type", "dict_type"):

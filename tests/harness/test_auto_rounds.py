@@ -56,6 +56,31 @@ def test_the_rule_is_validated() -> None:
     assert (fixed.run.rounds, fixed.run.max_rounds, fixed.run.target_halfwidth) == (3, None, None)
 
 
+def test_rounds_auto_on_the_command_line() -> None:
+    """`--rounds auto` keeps the profile's own rule, gives a profile without one the defaults, and needs a
+    declared ratio check to narrow; anything but a count or auto is exit 2."""
+    from typer.testing import CliRunner
+
+    from abbench.cli import app
+    from abbench.profile.model import AUTO_DEFAULTS
+
+    own = profile_from_dict(auto_profile("x")).with_overrides(rounds=3).with_overrides(rounds="auto")
+    assert (own.run.rounds, own.run.target_halfwidth, own.run.max_rounds) == ("auto", 0.05, 10) == (
+        "auto", AUTO_DEFAULTS["target_halfwidth"], AUTO_DEFAULTS["max_rounds"])
+    kept = profile_from_dict(auto_profile("x")).with_overrides(rounds="auto")
+    assert (kept.run.target_halfwidth, kept.run.max_rounds) == (0.5, 4)
+    plain = fk.fake_profile("x")
+    with pytest.raises(ConfigError, match="declares none"):
+        profile_from_dict(plain).with_overrides(rounds="auto")
+    plain["gate"] = {"checks": [CHECK]}
+    plain["arms"] = [{"name": "a"}, {"name": "b"}]
+    assert profile_from_dict(plain).with_overrides(rounds="auto").run.rounds == "auto"
+    cli = CliRunner()
+    for bad, words in (("often", "neither a number of rounds"), ("0", "must be at least 1")):
+        r = cli.invoke(app, ["run", "--rounds", bad])
+        assert r.exit_code == 2 and words in r.output, r.output
+
+
 def test_the_plan_of_n_plus_one_rounds_extends_n() -> None:
     record, _ = load_run(Path(__file__).resolve().parents[2] / "results" / "20261130-h200-qwen3-30b-a3b")
     prof = profile_from_dict(record.profile)

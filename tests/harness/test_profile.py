@@ -86,13 +86,14 @@ def test_overrides(tmp_path: Path) -> None:
         prof.with_overrides(lengths=[5, 5])
 
 
-def test_the_readme_profile_reference_is_a_valid_profile() -> None:
-    """The annotated example in the README is what users copy: it must validate as it stands."""
+def test_the_profile_reference_is_a_valid_profile() -> None:
+    """The annotated example in the profile reference (docs/profiles.md) is what users copy: it must validate
+    as it stands."""
     import tomllib
 
     from abbench.profile import profile_from_dict
 
-    readme = (PROFILES_DIR.parent / "README.md").read_text()
-    block = readme.split("## Profiles", 1)[1].split("```toml", 1)[1].split("```", 1)[0]
-    prof = profile_from_dict(tomllib.loads(block), where="README.md")
+    reference = (PROFILES_DIR.parent / "docs" / "profiles.md").read_text()
+    block = reference.split("```toml", 1)[1].split("```", 1)[0]
+    prof = profile_from_dict(tomllib.loads(block), where="docs/profiles.md")
     assert prof.engine.reset_path == "/reset" and [a.name for a in prof.arms] == ["chunked"]
