@@ -237,6 +237,7 @@ def abbench_object(ctx: RequestContext, stats: Any, finished: float, engine: Any
         attention_batch=getattr(stats, "attention_batch", None),
         attention_batched=getattr(stats, "attention_batched", None),
         attention_fallbacks=getattr(stats, "attention_fallbacks", None),
+        auto=getattr(stats, "auto", None),
         layer_trace=getattr(stats, "layer_trace", None),
     ).model_dump()
 

@@ -40,7 +40,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-PREFILL_MODES = ("chunked", "layer-major", "demand", "resident")
+PREFILL_PATHS = ("chunked", "layer-major", "demand", "resident")  # what a prefill runs
+PREFILL_MODES = PREFILL_PATHS + ("auto",)  # what a request may ask for: auto picks a path (abbench.engine.policy)
 DTYPES = ("float32", "bfloat16", "float16")
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 MAX_GROUPED_MM_GROUPS = 1023
@@ -571,6 +572,12 @@ class EngineConfig:
     # call is bit-identical on the device and the group ends at or below attention_batch_max_context tokens
     attention_batch: int = 1
     attention_batch_max_context: int = ATTENTION_BATCH_MAX_CONTEXT
+    # Random weights: concentrate the routing as trained routers do (a per-layer Zipf-like router bias of this
+    # exponent, abbench.engine.model.router_skew_bias); 0 = the random router's near-uniform routing
+    router_skew: float = 0.0
+    # prefill_mode "auto": demand for prompts of at most this many uncached tokens, else the best streamed path,
+    # instead of the cost model (abbench.engine.policy); None: the cost model decides
+    auto_demand_max_tokens: int | None = None
     max_context: int | None = None  # KV cache length; default max_position_embeddings
     deterministic: bool = False  # torch.use_deterministic_algorithms(True) (the kernels used already are)
     bandwidth_probe_bytes: int = 256 * 2**20  # H2D bytes timed at start (bounded to ~0.25 s); 0 skips it
@@ -583,6 +590,12 @@ class EngineConfig:
         dev = self.device
         if not (dev == "cpu" or dev == "cuda" or (dev.startswith("cuda:") and dev[5:].isdigit())):
             raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {dev!r}")
+        if not self.router_skew >= 0:
+            raise ValueError(f"router_skew must be >= 0, got {self.router_skew}")
+        if self.router_skew > 0 and not self.weights.startswith("random:"):
+            raise ValueError("router_skew applies to random weights only (a checkpoint's router is its own)")
+        if self.auto_demand_max_tokens is not None and self.auto_demand_max_tokens < 0:
+            raise ValueError(f"auto_demand_max_tokens must be >= 0, got {self.auto_demand_max_tokens}")
         if not 1 <= int(self.attention_batch) <= MAX_ATTENTION_BATCH:
             raise ValueError(f"attention_batch must be in [1, {MAX_ATTENTION_BATCH}], got {self.attention_batch}")
         for name in ("chunk_tokens", "layer_major_window_tokens", "demand_max_tokens", "attention_batch_max_context"):

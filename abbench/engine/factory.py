@@ -14,14 +14,27 @@ import torch
 from .config import ModelConfig
 from .experts import ExpertBank
 from .hybrid import HybridCache, HybridModel
-from .model import KVCache, Model
+from .model import KVCache, Model, router_skew_bias
 from .qwen4 import Qwen4Cache, Qwen4Model
 from .qwen4_weights import load_qwen4_checkpoint, random_qwen4_weights
 from .weights import load_checkpoint, load_hybrid_checkpoint, random_hybrid_weights, random_weights
 
 
 def build_model(mc: ModelConfig, weights: str, bank: ExpertBank, max_context: int, device: torch.device,
-                dtype: torch.dtype) -> tuple[Model | HybridModel, KVCache | HybridCache]:
+                dtype: torch.dtype, router_skew: float = 0.0) -> tuple[Model | HybridModel, KVCache | HybridCache]:
+    """The model and its cache; ``router_skew`` > 0 (random weights only) concentrates the routing
+    (:func:`~abbench.engine.model.router_skew_bias`)."""
+    model, cache = _build(mc, weights, bank, max_context, device, dtype)
+    if router_skew > 0:
+        if not weights.startswith("random:"):
+            raise ValueError("router_skew applies to random weights only (a checkpoint's router is its own)")
+        model.router_bias = router_skew_bias(mc.num_experts, mc.num_hidden_layers, router_skew,
+                                             int(weights.split(":", 1)[1]), device)
+    return model, cache
+
+
+def _build(mc: ModelConfig, weights: str, bank: ExpertBank, max_context: int, device: torch.device,
+           dtype: torch.dtype) -> tuple[Model | HybridModel, KVCache | HybridCache]:
     seed = int(weights.split(":", 1)[1]) if weights.startswith("random:") else None
     if mc.is_qwen4:
         dense = (random_qwen4_weights(mc, seed, bank, device, dtype) if seed is not None

@@ -191,6 +191,8 @@ class HybridModel:
     trace = None  # as Model.trace (abbench.engine.trace); the hybrid adds the shared expert
     _trace_layer = -1
     attention_batching = True  # attn_block_group: adjacent chunks share one attention call (layer-major)
+    router_bias = None  # as Model's
+    bias_of = Model.bias_of
 
     def __init__(self, cfg: HybridConfig, weights: HybridWeights, max_context: int, device: torch.device,
                  dtype: torch.dtype):
@@ -294,7 +296,7 @@ class HybridModel:
         """x after the mixer residual [T, H] -> (x + shared expert [T, H], h [T, H], top_w [T, k], top_ids [T, k])."""
         cfg, lw = self.cfg, self.w.layers[layer]
         h = zc_rms_norm(x, lw.post_norm, cfg.rms_norm_eps)  # [T, H]
-        top_w, top_ids = route(h, lw.router, cfg.num_experts_per_tok, True)  # [T, k] x2
+        top_w, top_ids = route(h, lw.router, cfg.num_experts_per_tok, True, self.bias_of(layer))  # [T, k] x2
         gu = F.linear(h, lw.shared_gate_up)  # [T, 2Is]
         i_s = gu.shape[-1] // 2
         shared = F.linear(F.silu(gu[:, :i_s]) * gu[:, i_s:], lw.shared_down)  # [T, H]

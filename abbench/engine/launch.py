@@ -104,6 +104,13 @@ def _engine_options(e: argparse._ArgumentGroup) -> None:
     e.add_argument("--no-prefill-graphs", dest="prefill_graphs", action="store_false", default=None,
                    help="CUDA, hybrid models: run every prefill layer step eagerly instead of replaying CUDA graphs "
                    "of full chunks' fixed-shape steps")
+    e.add_argument("--router-skew", type=float, default=None, metavar="ALPHA",
+                   help="random weights: concentrate the routing as trained routers do, a per-layer Zipf-like "
+                   "preference of exponent ALPHA over the experts (default 0: the random router's near-uniform "
+                   "routing, under which a short chunk touches most experts)")
+    e.add_argument("--auto-demand-max-tokens", type=int, default=None, metavar="N",
+                   help="--prefill-mode auto: demand loading for prompts of at most N uncached tokens (a threshold "
+                   "from a sweep), the best streamed path otherwise, instead of the cost model")
     e.add_argument("--attention-batch", type=int, default=None, metavar="K",
                    help="layer-major prefill: K adjacent chunks share one attention call in full-attention layers "
                    "where that is bit-identical on the device and the group ends within "
@@ -217,7 +224,8 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
                                   prefill_mode=args.prefill_mode, chunk_tokens=args.chunk_tokens)
     for field in ("dtype", "layer_major_window_tokens", "demand_max_tokens", "gpu_memory_budget_gb",
                   "expert_slots_per_layer", "host_memory_check", "decode_graphs", "warm_decode_graphs",
-                  "prefill_graphs", "attention_batch", "attention_batch_max_context", "d2d_from_slot_cache",
+                  "prefill_graphs", "attention_batch", "attention_batch_max_context", "router_skew",
+                  "auto_demand_max_tokens", "d2d_from_slot_cache",
                   "max_context", "deterministic"):
         if getattr(args, field) is not None:  # leave the engine's defaults alone
             kwargs[field] = getattr(args, field)

@@ -109,10 +109,15 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)  # [..., D]
 
 
-def route(h: torch.Tensor, router: torch.Tensor, top_k: int, norm_topk_prob: bool):
-    """Softmax top-k router. Returns (weights [T, k] in h.dtype, expert ids [T, k] int64)."""
+def route(h: torch.Tensor, router: torch.Tensor, top_k: int, norm_topk_prob: bool,
+          bias: torch.Tensor | None = None):
+    """Softmax top-k router. Returns (weights [T, k] in h.dtype, expert ids [T, k] int64). ``bias`` [E] float32
+    (random weights with ``router_skew`` only: :func:`router_skew_bias`) is added to the logits in float32."""
     logits = F.linear(h, router)  # [T, E]
-    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # [T, E]
+    if bias is None:
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # [T, E]
+    else:
+        probs = torch.softmax(logits.float() + bias, dim=-1)  # [T, E]
     top_w, top_ids = torch.topk(probs, top_k, dim=-1)  # [T, k], [T, k]
     if norm_topk_prob:
         top_w = top_w / top_w.sum(dim=-1, keepdim=True)  # [T, k]
@@ -133,6 +138,22 @@ def decode_gqa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, hidden
     scores = torch.bmm(qg, keys.transpose(1, 2)).float() * scale  # [Hkv, G, L]
     probs = torch.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1).to(values.dtype)  # [Hkv, G, L]
     return torch.bmm(probs, values).reshape(hq, 1, d)  # [Hq, 1, D]
+
+
+def router_skew_bias(num_experts: int, num_layers: int, skew: float, seed: int,
+                     device: torch.device) -> list[torch.Tensor] | None:
+    """Per layer a router logit bias [E] float32 that concentrates routing as trained routers do: each layer ranks
+    its experts in a seeded random order and expert of rank r gets -skew x ln(r), which multiplies its softmax
+    weight by r^-skew (a Zipf-like preference of exponent ``skew``). None for skew 0 (uniform random routing)."""
+    if skew <= 0:
+        return None
+    out = []
+    for layer in range(num_layers):
+        gen = torch.Generator(device="cpu").manual_seed(seed * 7_919 + layer)
+        rank = torch.empty(num_experts, dtype=torch.float32)
+        rank[torch.randperm(num_experts, generator=gen)] = torch.arange(1, num_experts + 1, dtype=torch.float32)
+        out.append((-skew * rank.log()).to(device))  # [E]
+    return out
 
 
 class TooManyGroups(ValueError):
@@ -247,6 +268,10 @@ class Model:
 
     trace = None  # Callable[[layer, block, tensor], None] while a traced request prefills (runtime sets it)
     _trace_layer = -1  # the layer of the last attn_block call (moe_block is called for the same layer next)
+    router_bias: list[torch.Tensor] | None = None  # random weights with router_skew: router_skew_bias
+
+    def bias_of(self, layer: int) -> torch.Tensor | None:
+        return None if self.router_bias is None else self.router_bias[layer]
 
     def __init__(self, cfg: ModelConfig, weights: DenseWeights, max_context: int, device: torch.device,
                  dtype: torch.dtype):
@@ -319,7 +344,7 @@ class Model:
         cfg, lw = self.cfg, self.w.layers[layer]
         x = x + self.decode_attention(layer, rms_norm(x, lw.input_norm, cfg.rms_norm_eps), kv, pos, kv_len)
         h = rms_norm(x, lw.post_norm, cfg.rms_norm_eps)  # [1, H]
-        top_w, top_ids = route(h, lw.router, cfg.num_experts_per_tok, cfg.norm_topk_prob)  # [1, k] x2
+        top_w, top_ids = route(h, lw.router, cfg.num_experts_per_tok, cfg.norm_topk_prob, self.bias_of(layer))  # [1, k] x2
         return x, h, top_w, top_ids
 
     def attn_block(self, layer: int, x: torch.Tensor, kv: KVCache, start: int):
@@ -329,7 +354,7 @@ class Model:
         a = self.attention(layer, rms_norm(x, lw.input_norm, cfg.rms_norm_eps), kv, start)  # [T, H]
         x = x + a  # [T, H]
         h = rms_norm(x, lw.post_norm, cfg.rms_norm_eps)  # [T, H]
-        top_w, top_ids = route(h, lw.router, cfg.num_experts_per_tok, cfg.norm_topk_prob)  # [T, k] x2
+        top_w, top_ids = route(h, lw.router, cfg.num_experts_per_tok, cfg.norm_topk_prob, self.bias_of(layer))  # [T, k] x2
         if self.trace is not None:
             self._trace_layer = layer
             self.trace(layer, "attention", a)

@@ -72,6 +72,7 @@ class PrefillStats:
     attention_batch: int = 1  # chunks per attention call asked for (layer-major)
     attention_batched: int = 0  # attention groups of attention_batch chunks that ran as one call
     attention_fallbacks: dict[str, int] | None = None  # groups that ran one call per chunk, by reason
+    auto: dict | None = None  # set by the engine when prefill_mode auto picked the path (engine.policy)
 
 
 @dataclass(frozen=True)
@@ -169,7 +170,7 @@ def layer_major_loop(steps: LayerSteps | Model, weights: Iterator[tuple[torch.Te
                     continue
                 mids = model.attn_block_group(layer, [acts[c] for c in group], kv, [window[c][0] for c in group])
                 for c, mid in zip(group, mids, strict=True):
-                    steps.set_mid(acts[c], mid)
+                    steps.set_mid(layer, acts[c], mid)
                     steps.moe(acts[c], gate_up, down)
     return acts[-1]
 

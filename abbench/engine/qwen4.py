@@ -450,7 +450,7 @@ class Qwen4Model(HybridModel):
         """Streams after the attention block [T, hc*H] -> (Pending, MoE input h [T, H], top_w, top_ids)."""
         cfg, lw = self.cfg, self.w.layers[layer]
         h, inj = mix(x, lw.mlp_mix, cfg.hc_count, cfg.rms_norm_eps)  # [T, H], [T, hc]
-        top_w, top_ids = route(h, lw.router, cfg.num_experts_per_tok, True)  # [T, k] x2
+        top_w, top_ids = route(h, lw.router, cfg.num_experts_per_tok, True, self.bias_of(layer))  # [T, k] x2
         gu = F.linear(h, lw.shared_gate_up)  # [T, 2Is]
         i_s = gu.shape[-1] // 2
         shared = F.linear(F.silu(gu[:, :i_s]) * gu[:, i_s:], lw.shared_down)  # [T, H]

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import MAX_ATTENTION_BATCH, PREFILL_MODES, EngineConfig, ModelConfig, check_hybrid_chunk
+from .config import MAX_ATTENTION_BATCH, PREFILL_MODES, PREFILL_PATHS, EngineConfig, ModelConfig, check_hybrid_chunk
 from .memory import MemoryPlan, plan_device_memory
 from .decode import Decoder, Sampler
 from .experts import ExpertBank, ExpertStore
@@ -50,7 +50,8 @@ from .factory import build_model
 from .graphs import GraphCache
 from .hybrid import attention_batching_exact
 from .model import attention_backends, probe_graph_capture
-from .prefill import Batching, CancelLike, Cancelled, PrefillStats, check_cancel, prefill
+from .policy import CostModel, choose
+from .prefill import Batching, CancelLike, Cancelled, PrefillStats, check_cancel, plan_chunks, prefill
 from .steps import LayerSteps
 from .trace import LayerTrace
 
@@ -104,6 +105,7 @@ class RequestStats:
     attention_batch: int | None = None  # layer-major: chunks per attention call asked for
     attention_batched: int | None = None  # attention groups that ran as one call
     attention_fallbacks: dict | None = None  # groups that ran one call per chunk, by reason (steps.py)
+    auto: dict | None = None  # prefill_mode auto: the path it picked, why, and its estimates (policy.py)
     layer_trace: list | None = None  # trace_layers: per layer and sub-block, the last prompt position (trace.py)
 
 
@@ -172,7 +174,8 @@ class Engine:
         with self._on_device():
             self.memory_plan = self._plan_memory()
             bank = ExpertBank(mc, self.dtype, pin=self.device.type == "cuda", check_memory=cfg.host_memory_check)
-            self.model, self.kv = build_model(mc, cfg.weights, bank, cfg.max_context, self.device, self.dtype)
+            self.model, self.kv = build_model(mc, cfg.weights, bank, cfg.max_context, self.device, self.dtype,
+                                              router_skew=cfg.router_skew)
             self.slots_per_layer = self.memory_plan.slots_per_layer if self.memory_plan else (
                 cfg.expert_slots_per_layer or mc.num_experts)
             resident = cfg.prefill_mode == "resident"
@@ -186,6 +189,10 @@ class Engine:
             self.decode_warmup: dict | None = None
             if cfg.warm_decode_graphs and self.decoder.graphs is not None:
                 self._warm_decode()
+            self.policy: CostModel | None = None
+            if cfg.prefill_mode == "auto":  # the cost model's inputs, and routing counts from now on
+                self.policy = self._measure_costs()
+                self.steps.track_routing()
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
         self.bank_bytes = bank.bank_bytes
@@ -193,8 +200,8 @@ class Engine:
             "requests_total": 0, "requests_cancelled": 0, "h2d_bytes_total": 0, "d2d_bytes_total": 0,
             "expert_copies_total": 0, "startup_h2d_bytes": self.store.startup_h2d_bytes,
             "cached_prompt_tokens_total": 0,
-            "requests_by_path": {m: 0 for m in PREFILL_MODES},
-            "prefill_tokens_by_path": {m: 0 for m in PREFILL_MODES},
+            "requests_by_path": {m: 0 for m in PREFILL_PATHS},
+            "prefill_tokens_by_path": {m: 0 for m in PREFILL_PATHS},
         }
         fault = os.environ.get(FAULT_ENV, "")
         if fault and fault not in FAULTS:
@@ -247,6 +254,60 @@ class Engine:
             self._batch_exact[(k, chunk)] = exact
         return Batching(k, cfg.attention_batch_max_context, exact)
 
+    def _measure_costs(self) -> CostModel:
+        """The auto policy's inputs (:mod:`abbench.engine.policy`), measured now: the H2D bandwidth (the start-up
+        probe's, or a small probe when it was skipped), one layer step's compute time at the demand and chunk
+        lengths (layer 0, eagerly, through the first prefill buffer filled with its experts: median of 3 after a
+        warm-up) and one host round trip. The steps write KV and states: the engine is reset afterwards."""
+        cfg, mc, store, model = self.config, self.model_config, self.store, self.model
+        sync = (lambda: torch.cuda.synchronize(self.device)) if self.device.type == "cuda" else (lambda: None)
+        gbps = self.measured_h2d_gbps
+        if not gbps == gbps:  # NaN: no start-up probe
+            gbps = store.measure_h2d_gbps(min(2 * store.bank.layer_bytes, 256 * 2**20))
+        if store.resident is not None:
+            gate_up, down = store.resident[0]
+        else:
+            store._copy_experts(0, 0, range(mc.num_experts))
+            gate_up, down = store.buf_gate_up[0], store.buf_down[0]
+        step_s: dict[int, float] = {}
+        gen = torch.Generator(device="cpu").manual_seed(0)
+        with torch.no_grad(), attention_backends():
+            for t in sorted({min(cfg.demand_max_tokens, cfg.chunk_tokens), cfg.chunk_tokens}):
+                ids = torch.randint(0, mc.vocab_size, (t,), generator=gen).to(self.device)
+                times = []
+                for _ in range(4):
+                    sync()
+                    t0 = time.perf_counter()
+                    model.moe_block(*model.attn_block(0, model.embed(ids), self.kv, 0), gate_up, down)
+                    sync()
+                    times.append(time.perf_counter() - t0)
+                step_s[t] = sorted(times[1:])[1]
+            probe = torch.zeros(1, device=self.device)
+            rtts = []
+            for _ in range(9):
+                t0 = time.perf_counter()
+                probe.add_(1).tolist()
+                rtts.append(time.perf_counter() - t0)
+        store.forget_traffic()
+        self.reset()
+        return CostModel(bandwidth=gbps * 1e9, layer_bytes=store.bank.layer_bytes,
+                         expert_bytes=store.bank.expert_bytes, n_layers=mc.num_hidden_layers,
+                         num_experts=mc.num_experts, top_k=mc.num_experts_per_tok, step_s=step_s,
+                         sync_s=sorted(rtts)[len(rtts) // 2], overlap=self.device.type == "cuda")
+
+    def _auto_path(self, n: int, start: int, chunk_tokens: int) -> tuple[str, dict]:
+        """The path the auto policy picks for n uncached tokens at ``start``, and what it saw."""
+        cfg = self.config
+        counts = self.steps.route_counts
+        freqs = None
+        if counts is not None and int(counts.sum()) > 0:  # one host read of the routing seen so far
+            freqs = (counts.double() + 1.0).tolist()  # add-one: an expert never seen is not impossible
+        chunks = plan_chunks(start, start + n, chunk_tokens)
+        path, reason, est = choose(self.policy, chunks, cfg.layer_major_window_tokens // chunk_tokens,
+                                   cfg.demand_max_tokens, freqs, cfg.auto_demand_max_tokens)
+        return path, {"path": path, "reason": reason, "routing": "observed" if freqs else "uniform",
+                      "estimates_s": {k: round(v, 6) for k, v in est.items()}}
+
     def _plan_memory(self) -> MemoryPlan | None:
         """The device-memory plan (slots per layer from the budget); None on CPU without a budget, where the
         slot cache holds every expert unless expert_slots_per_layer says otherwise."""
@@ -290,6 +351,9 @@ class Engine:
             raise ValueError(f"prefill_mode must be one of {PREFILL_MODES}, got {mode!r}")
         if mode == "resident" and self.store.resident is None:
             raise ValueError("prefill_mode 'resident' needs an engine started with prefill_mode='resident'")
+        if mode == "auto" and self.policy is None:
+            raise ValueError("prefill_mode 'auto' needs an engine started with prefill_mode='auto' (it measures "
+                             "the cost model's inputs and tracks the routing from the start)")
         if logprobs is not None and not 0 <= int(logprobs) <= vocab:
             raise ValueError(f"logprobs must be in [0, {vocab}], got {logprobs}")
         if temperature < 0:
@@ -338,6 +402,9 @@ class Engine:
     def _prefill(self, ids: list[int], start: int, mode: str, cancel: CancelLike,
                  chunk_tokens: int, attention_batch: int = 1) -> tuple[torch.Tensor, PrefillStats]:
         cfg = self.config
+        auto = None
+        if mode == "auto":
+            mode, auto = self._auto_path(len(ids), start, chunk_tokens)
         if self._fault == "oom-once":
             cancel = self._inject_oom(cancel)
         with self._on_device():
@@ -349,6 +416,8 @@ class Engine:
                                     batching=self._batching(attention_batch, chunk_tokens))
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
+            if auto is not None:
+                stats.requested_mode, stats.auto = "auto", auto
             return logits, stats
 
     def _inject_oom(self, cancel: CancelLike) -> CancelLike:
@@ -454,6 +523,7 @@ class Engine:
                 copy_wait_s=store.copy_stall_seconds(),  # prefill's waits, read once the request is done
                 prefill_graph_replays=pstats.graph_replays, attention_batch=pstats.attention_batch,
                 attention_batched=pstats.attention_batched, attention_fallbacks=pstats.attention_fallbacks,
+                auto=pstats.auto,
                 layer_trace=tracer.export() if tracer is not None else None)
         except Cancelled:
             counters["requests_cancelled"] += 1

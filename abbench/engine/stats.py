@@ -110,6 +110,9 @@ class AbbenchStats(_Lenient):
     attention_fallbacks: dict[str, int] | None = Field(
         None, description="Attention groups that ran one call per chunk instead, by reason (not-bit-identical, "
         "window-end, short-chunk, long-context); None when no batching was asked for.")
+    auto: dict[str, Any] | None = Field(
+        None, description="prefill_mode auto: {path, reason, routing (uniform|observed), estimates_s per path} "
+        "(abbench.engine.policy); None for requests that named their mode.")
     layer_trace: list[dict[str, Any]] | None = Field(
         None, description="With trace_layers: per layer and sub-block {layer, block, hash, rms, values} of the last "
         "prompt position (abbench.engine.trace)."

@@ -86,6 +86,9 @@ class LayerSteps:
         self.model, self.graphs, self.T = model, graphs, graph_tokens
         self._mid: tuple[torch.Tensor, ...] | None = None
         self.static_mid: tuple[torch.Tensor, ...] | None = None
+        # routing counts [L, E] int64 on the device, when the engine tracks them (prefill mode auto): every
+        # chunk's routed expert ids are added after its first half, without a host sync
+        self.route_counts: torch.Tensor | None = None
         if graphs is not None:
             cfg, dev, dt = model.cfg, model.device, model.dtype
             T, W, H, k = graph_tokens, cfg.stream_width, cfg.hidden_size, cfg.num_experts_per_tok
@@ -106,12 +109,27 @@ class LayerSteps:
         for dst, src in zip(self.static_mid, mid, strict=True):
             dst.copy_(src)
 
+    def track_routing(self) -> None:
+        cfg = self.model.cfg
+        self.route_counts = torch.zeros(cfg.num_hidden_layers, cfg.num_experts, dtype=torch.long,
+                                        device=self.model.device)  # [L, E]
+
+    def _count(self, layer: int) -> None:
+        if self.route_counts is not None:
+            ids = self._mid[3].reshape(-1)  # [T*k]
+            self.route_counts[layer].scatter_add_(0, ids, torch.ones_like(ids))
+
     def attn(self, layer: int, x: torch.Tensor, kv, start: int) -> torch.Tensor:
         """The first half of ``layer`` for x [T, W] at [start, start+T); returns the routed expert ids [T, k]."""
+        self._attn(layer, x, kv, start)
+        self._count(layer)
+        return self._mid[3]
+
+    def _attn(self, layer: int, x: torch.Tensor, kv, start: int) -> None:
         model = self.model
         if not self._graphed(x):
             self._mid = model.attn_block(layer, x, kv, start)
-            return self._mid[3]
+            return
         self._mid = self.static_mid
         if layer in getattr(model, "prefill_graph_layers", ()):
             self.xin.copy_(x)
@@ -119,15 +137,15 @@ class LayerSteps:
             self.graphs.run(key, lambda: self._store_mid(model.attn_block(layer, self.xin, kv, start)))
         else:
             self._store_mid(model.attn_block(layer, x, kv, start))
-        return self._mid[3]
 
-    def set_mid(self, x: torch.Tensor, mid: tuple[torch.Tensor, ...]) -> None:
-        """Take a first half computed elsewhere (a batched attention group) for chunk x."""
+    def set_mid(self, layer: int, x: torch.Tensor, mid: tuple[torch.Tensor, ...]) -> None:
+        """Take ``layer``'s first half computed elsewhere (a batched attention group) for chunk x."""
         if self._graphed(x):
             self._store_mid(mid)
             self._mid = self.static_mid
         else:
             self._mid = mid
+        self._count(layer)
 
     def moe(self, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> None:
         """The MoE half over ``gate_up`` [G, 2I, H], ``down`` [G, H, I]; the layer's output goes into x."""

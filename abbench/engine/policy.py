@@ -1,0 +1,111 @@
+"""``--prefill-mode auto``: per request, the offloaded prefill path a cost model expects to be fastest.
+
+Contract:
+- ``CostModel`` holds what the engine measured at start: host-to-device bandwidth (bytes/s), the bytes of one
+  layer's experts and of one expert, the layer count, the experts per layer and per token, one layer step's
+  compute time at two or more chunk lengths (``step_s``: {tokens: seconds}, interpolated linearly in tokens,
+  extrapolated from the last two), and the host round trip that demand loading pays per layer (``sync_s``).
+- ``estimate(model, chunks, chunks_per_window, demand_max_tokens, freqs)`` -> {path: seconds} for chunked,
+  layer-major (where it applies) and demand over a chunk plan:
+  * streamed paths overlap each layer's copy with compute: chunked max(n_chunks x bank, compute), layer-major
+    max(n_windows x bank, compute) (bank = one pass over every layer's experts at the bandwidth; on CPU, where
+    a copy is a synchronous memcpy, the sum instead); layer-major only for plans of two chunks or more (one
+    chunk is the chunked path);
+  * demand runs each short chunk (<= demand_max_tokens) layer by layer with nothing to overlap: per layer the
+    step, the round trip, and the copy of the distinct experts the chunk's tokens are expected to route to;
+    longer chunks stream as in chunked. The expected distinct experts of a layer for T tokens x k choices
+    is sum_e 1 - (1 - p_e)^(T k) over that layer's routing frequencies ``freqs[layer]`` (what the engine has
+    seen routed so far; uniform before anything).
+- ``choose(...) -> (path, reason)``: the cheapest estimate (ties go to layer-major, then chunked: no host
+  syncs); or, with ``demand_max_uncached`` (``--auto-demand-max-tokens``: a threshold measured by a sweep
+  instead of the model), demand for prompts of at most that many uncached tokens and the best streamed path
+  otherwise. Every path gives bitwise the same output, so the choice changes time only.
+Pure: no torch (frequencies are lists of floats).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class CostModel:
+    bandwidth: float  # host->device bytes per second
+    layer_bytes: int  # one layer's experts
+    expert_bytes: int  # one expert
+    n_layers: int
+    num_experts: int
+    top_k: int
+    step_s: dict[int, float]  # one layer step's compute seconds at these chunk lengths
+    sync_s: float  # one host round trip (demand reads each layer's routing back)
+    overlap: bool = True  # streamed copies overlap compute (CUDA: a copy stream); on CPU they add up
+
+    def streamed(self, copy_s: float, compute_s: float) -> float:
+        return max(copy_s, compute_s) if self.overlap else copy_s + compute_s
+
+    def step(self, tokens: int) -> float:
+        """One layer step's compute seconds for a ``tokens``-token chunk (piecewise linear in tokens)."""
+        pts = sorted(self.step_s.items())
+        if len(pts) == 1:
+            t, s = pts[0]
+            return s * tokens / t
+        for (t0, s0), (t1, s1) in zip(pts, pts[1:]):
+            if tokens <= t1 or (t1, s1) == pts[-1]:
+                return max(0.0, s0 + (s1 - s0) * (tokens - t0) / (t1 - t0))
+        raise AssertionError("unreachable")
+
+    @property
+    def bank_s(self) -> float:
+        return self.n_layers * self.layer_bytes / self.bandwidth
+
+
+def expected_distinct(freqs: list[float] | None, tokens: int, top_k: int, num_experts: int) -> float:
+    """Expected distinct experts that ``tokens`` tokens with ``top_k`` choices each touch in a layer whose routing
+    frequencies are ``freqs`` (uniform when None): sum_e 1 - (1 - p_e)^(tokens x top_k), at most num_experts."""
+    n = tokens * top_k
+    if not freqs:
+        p = 1.0 / num_experts
+        return num_experts * (1.0 - (1.0 - p) ** n)
+    total = sum(freqs)
+    return min(float(num_experts), sum(1.0 - (1.0 - f / total) ** n for f in freqs if f > 0))
+
+
+def estimate(model: CostModel, chunks: list[tuple[int, int]], chunks_per_window: int, demand_max_tokens: int,
+             freqs: list[list[float]] | None = None) -> dict[str, float]:
+    """Estimated seconds of each offloaded path over ``chunks`` [(a, b))); see the module docstring."""
+    L, bank = model.n_layers, model.bank_s
+    compute = sum(L * model.step(b - a) for a, b in chunks)
+    n_windows = -(-len(chunks) // max(1, chunks_per_window))
+    out = {"chunked": model.streamed(len(chunks) * bank, compute)}
+    if len(chunks) > 1 and chunks_per_window > 1:
+        out["layer-major"] = model.streamed(n_windows * bank, compute)
+    demand = 0.0
+    for a, b in chunks:
+        t = b - a
+        if t > demand_max_tokens:
+            demand += model.streamed(bank, L * model.step(t))
+            continue
+        for layer in range(L):
+            f = freqs[layer] if freqs else None
+            copy = expected_distinct(f, t, model.top_k, model.num_experts) * model.expert_bytes / model.bandwidth
+            demand += model.step(t) + model.sync_s + copy
+    out["demand"] = demand
+    return out
+
+
+def choose(model: CostModel, chunks: list[tuple[int, int]], chunks_per_window: int, demand_max_tokens: int,
+           freqs: list[list[float]] | None = None,
+           demand_max_uncached: int | None = None) -> tuple[str, str, dict[str, float]]:
+    """(path, reason, estimates) for one request; see the module docstring."""
+    est = estimate(model, chunks, chunks_per_window, demand_max_tokens, freqs)
+    uncached = sum(b - a for a, b in chunks)
+    order = [p for p in ("layer-major", "chunked", "demand") if p in est]
+    streamed = min(order[:-1], key=lambda p: (est[p], order.index(p)))
+    if demand_max_uncached is not None:
+        if uncached <= demand_max_uncached:
+            return "demand", f"auto: {uncached} uncached tokens <= --auto-demand-max-tokens {demand_max_uncached}", est
+        return streamed, (f"auto: {uncached} uncached tokens > --auto-demand-max-tokens {demand_max_uncached}; "
+                          f"{streamed} moves the fewest banks"), est
+    best = min(order, key=lambda p: (est[p], order.index(p)))
+    others = ", ".join(f"{p} {est[p] * 1e3:.1f} ms" for p in order if p != best)
+    return best, f"auto: {best} estimated {est[best] * 1e3:.1f} ms ({others})", est

@@ -1,0 +1,118 @@
+"""The auto prefill policy and concentrated routing: what an engine developer deciding a threshold relies on.
+
+- The cost model (pure): demand wins below the suffix length where its per-layer copies of the routed experts
+  plus round trips cost as much as streaming the bank, streamed paths above; layer-major is never offered for a
+  one-chunk plan; a threshold from a sweep replaces the model.
+- ``router_skew``: a short chunk touches fewer experts than under the random router's near-uniform routing.
+- ``prefill_mode auto``: whichever path it picks, the output is bitwise that path's; the response says what it
+  picked and why; it needs an engine started in auto mode.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from abbench.engine import EngineConfig  # noqa: E402
+from abbench.engine.policy import CostModel, choose, estimate, expected_distinct  # noqa: E402
+from abbench.engine.runtime import Engine  # noqa: E402
+
+DEVICE = os.environ.get("ABBENCH_ENGINE_TEST_DEVICE", "cpu")
+E, K, L, EB = 128, 8, 48, 9_437_184  # Qwen3-30B-A3B: 128 experts top-8, 48 layers, one bf16 expert 9.4 MB
+GPU = CostModel(bandwidth=55e9, layer_bytes=E * EB, expert_bytes=EB, n_layers=L, num_experts=E, top_k=K,
+                step_s={256: 0.2e-3, 2048: 0.5e-3}, sync_s=50e-6, overlap=True)
+
+
+def _one_chunk(t: int) -> list[tuple[int, int]]:
+    return [(16384, 16384 + t)]
+
+
+def test_demand_wins_below_the_crossover_and_streaming_above():
+    """Uniform routing: the crossover is where L x (step + sync + distinct(T) x expert / bw) = max(bank, L x step);
+    demand is chosen just below it and the streamed path just above."""
+    bank = GPU.bank_s
+
+    def demand(t: int) -> float:
+        return L * (GPU.step(t) + GPU.sync_s + expected_distinct(None, t, K, E) * EB / GPU.bandwidth)
+
+    cross = next(t for t in range(1, 2049) if demand(t) >= max(bank, L * GPU.step(t)))
+    assert 10 < cross < 256  # under uniform routing top-8 of 128 touches most experts within a few dozen tokens
+    below, _, est = choose(GPU, _one_chunk(cross - 1), 64, 2048)
+    assert below == "demand" and est["demand"] < est["chunked"]
+    above, reason, _ = choose(GPU, _one_chunk(cross + 1), 64, 2048)
+    assert above == "chunked" and "chunked" in reason
+
+
+def test_concentrated_routing_moves_the_crossover_up():
+    """Routing frequencies that concentrate (Zipf-like) make a chunk touch fewer experts: demand stays cheaper to
+    longer suffixes than under uniform routing."""
+    zipf = [[1.0 / (r + 1) ** 1.5 for r in range(E)] for _ in range(L)]
+    assert expected_distinct(zipf[0], 64, K, E) < 0.7 * expected_distinct(None, 64, K, E)
+
+    def crossover(freqs):
+        return next(t for t in range(1, 4097) if choose(GPU, _one_chunk(t), 64, 4096, freqs)[0] != "demand")
+
+    assert crossover(zipf) > crossover(None)
+
+
+def test_layer_major_only_for_several_chunks_and_a_threshold_replaces_the_model():
+    assert "layer-major" not in estimate(GPU, _one_chunk(2048), 64, 256)
+    chunks = [(a, a + 2048) for a in range(0, 16384, 2048)]
+    est = estimate(GPU, chunks, 64, 256)
+    assert est["layer-major"] < est["chunked"]  # one bank instead of eight
+    assert choose(GPU, chunks, 64, 256)[0] == "layer-major"
+    path, reason, _ = choose(GPU, _one_chunk(100), 64, 256, demand_max_uncached=128)
+    assert path == "demand" and "--auto-demand-max-tokens 128" in reason
+    assert choose(GPU, _one_chunk(200), 64, 256, demand_max_uncached=128)[0] == "chunked"
+    assert choose(GPU, chunks, 64, 256, demand_max_uncached=128)[0] == "layer-major"
+
+
+def _engine(**kw) -> Engine:
+    knobs = dict(model="tiny", weights="random:0", device=DEVICE, chunk_tokens=64, layer_major_window_tokens=512,
+                 demand_max_tokens=64, max_context=2048, bandwidth_probe_bytes=0)
+    return Engine(EngineConfig(**{**knobs, **kw}))
+
+
+def _ids(n: int, seed: int, vocab: int) -> list[int]:
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_router_skew_concentrates_a_short_chunk_on_fewer_experts():
+    uniform, skewed = _engine(prefill_mode="chunked"), _engine(prefill_mode="chunked", router_skew=2.0)
+    vocab = uniform.model_config.vocab_size
+    copies = {}
+    for name, engine in (("uniform", uniform), ("skewed", skewed)):
+        copies[name] = sum(engine.run(_ids(16, s, vocab), 1, prefill_mode="demand")[1].expert_copies
+                           for s in range(4))
+    assert copies["skewed"] < copies["uniform"]
+    with pytest.raises(ValueError, match="random weights only"):
+        EngineConfig(weights="/nonexistent", router_skew=1.0)
+
+
+def test_auto_gives_bitwise_the_path_it_picked_and_says_why():
+    auto = _engine(prefill_mode="auto", router_skew=2.0)
+    vocab = auto.model_config.vocab_size
+    prefix = _ids(256, 1, vocab)
+    seen = set()
+    for n, seed in ((8, 2), (64, 3), (300, 4)):
+        prompt = prefix + _ids(n, seed, vocab)
+        auto.reset()
+        auto.run(prefix, 1)
+        events, stats = auto.run(prompt, 3, logprobs=2)
+        assert stats.auto["path"] == stats.prefill_path or stats.fallback_reason
+        assert stats.auto["reason"].startswith("auto: ") and stats.auto["routing"] == "observed"
+        assert set(stats.auto["estimates_s"]) >= {"chunked", "demand"}
+        seen.add(stats.auto["path"])
+        auto.reset()
+        auto.run(prefix, 1, prefill_mode=stats.auto["path"])
+        ref, _ = auto.run(prompt, 3, logprobs=2, prefill_mode=stats.auto["path"])
+        assert [(e.token_id, e.top_logprobs) for e in events] == [(e.token_id, e.top_logprobs) for e in ref]
+    assert "layer-major" in seen or "chunked" in seen  # 300 uncached tokens stream
+    with pytest.raises(ValueError, match="started with prefill_mode='auto'"):
+        _engine(prefill_mode="chunked").run(prefix, 1, prefill_mode="auto")
+    fixed = _engine(prefill_mode="auto", auto_demand_max_tokens=32)
+    assert fixed.run(prefix[:20], 1)[1].prefill_path == "demand"
+    assert fixed.run(prefix[:200], 1)[1].prefill_path == "layer-major"
