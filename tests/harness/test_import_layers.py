@@ -34,8 +34,8 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
     ("peer engines", ("abbench.peers",)),
     ("profile", ("abbench.profile",)),
     ("analysis", ("abbench.analysis",)),  # pure: derived numbers and the gate, from results
-    ("services and requests", ("abbench.response", "abbench.client", "abbench.services", "abbench.telemetry",
-                               "abbench.prompts", "abbench.fingerprint")),
+    ("services and requests", ("abbench.response", "abbench.client", "abbench.services", "abbench.ports",
+                               "abbench.telemetry", "abbench.prompts", "abbench.fingerprint")),
     ("runner", ("abbench.runner",)),
     # what reads runs (report, compare) and the diagnostics, which launch services through the runner
     ("reports and diagnostics", ("abbench.report", "abbench.compare", "abbench.diagnostics")),
