@@ -39,7 +39,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 # The tests a developer runs for each part (stage 1). Files missing from the suite under audit are skipped.
-ANALYSIS = ["tests/harness/test_analysis.py", "tests/harness/test_declared.py",
+ANALYSIS = ["tests/harness/test_analysis.py", "tests/harness/test_declared.py", "tests/harness/test_latency.py",
             "tests/harness/test_verdict_properties.py"]
 REPORT = ["tests/harness/test_report.py", "tests/harness/test_report_decode.py",
           "tests/harness/test_verdict_properties.py"]
@@ -71,9 +71,9 @@ MUTANTS: list[Mutant] = [
     m("O1", "compare.py", "beyond = lo > threshold if m.higher_is_worse else hi < -threshold",
       "beyond = change > threshold if m.higher_is_worse else change < -threshold", COMPARE,
       "compare judges a regression on the point change, not its interval"),
-    m("O2", "cli.py", "    if len(c.regressions):\n", "    if len(c.regressions) > 1:\n", COMPARE,
+    m("O2", "cli/results.py", "    if len(c.regressions):\n", "    if len(c.regressions) > 1:\n", COMPARE,
       "compare exits 0 with exactly one regression"),
-    m("O3", "report/sections.py", "worst = max(g[\"verdict\"]", "worst = min(g[\"verdict\"]", REPORT,
+    m("O3", "report/sections/parity.py", "worst = max(g[\"verdict\"]", "worst = min(g[\"verdict\"]", REPORT,
       "Verdict per prompt shows the best round, not the worst"),
     m("O4", "runner/run.py", "kind=step.kind, excluded=step.excluded, service=step.service)",
       "kind=step.kind, excluded=step.kind == \"warmup\", service=step.service)", RUNNER,
@@ -122,7 +122,7 @@ MUTANTS: list[Mutant] = [
     m("A12", "analysis/declared.py", "ok = ci.high <= c.value if c.op == \"<=\" else ci.low >= c.value",
       "ok = ci.median <= c.value if c.op == \"<=\" else ci.median >= c.value", ANALYSIS,
       "a declared interval check passes on its median alone"),
-    m("A13", "analysis/declared.py", "\">=\": tokens >= self.tokens,", "\">=\": tokens > self.tokens,", ANALYSIS,
+    m("A13", "checkexpr.py", "\">=\": tokens >= self.tokens,", "\">=\": tokens > self.tokens,", ANALYSIS,
       "a '>=LENGTH' selector leaves out the length itself"),
     m("A14", "analysis/declared.py", "ok, why = hi <= c.value + tol, f\"largest sample",
       "ok, why = med <= c.value + tol, f\"largest sample", ANALYSIS,
@@ -136,32 +136,37 @@ MUTANTS: list[Mutant] = [
     m("A17", "analysis/decode.py", "steps = (df[\"completion_tokens\"] - 1).where(df[\"completion_tokens\"] > 1)",
       "steps = df[\"completion_tokens\"].where(df[\"completion_tokens\"] > 1)", ANALYSIS,
       "seconds per decode step divide by every output token, the first (prefill's) included"),
+    m("L1", "analysis/latency.py", "    t = np.unique(np.asarray(s.token_times_s, dtype=float))",
+      "    t = np.asarray(s.token_times_s, dtype=float)", ANALYSIS,
+      "tokens that arrive in one network chunk count as zero inter-token latencies"),
     # -- report/
-    m("R1", "report/sections.py", "return f\"{1 / r.median_ratio:.2f}x faster\"",
+    m("R1", "report/sections/timing.py", "return f\"{1 / r.median_ratio:.2f}x faster\"",
       "return f\"{r.median_ratio:.2f}x faster\"", REPORT, "'2.00x faster' is printed as '0.50x faster'"),
     m("R2", "report/format.py", "        return f\"{x / 2**30:.2f} GiB\"", "        return f\"{x / 1e9:.2f} GiB\"",
       REPORT, "GiB printed from decimal GB"),
-    m("R3", "report/sections.py", "\"match\": int((g[\"match\"] == True).sum()),",
+    m("R3", "report/sections/parity.py", "\"match\": int((g[\"match\"] == True).sum()),",
       "\"match\": int((g[\"match\"] != False).sum()),", REPORT,
       "parity summary counts unchecked rows as matches"),
-    m("R4", "report/sections.py", "    if record.status != \"complete\":\n        items.append(f\"run status is",
+    m("R4", "report/sections/summary.py", "    if record.status != \"complete\":\n        items.append(f\"run status is",
       "    if record.status == \"partial\":\n        items.append(f\"run status is", REPORT,
       "a run that never finished (status running) is not listed as a problem"),
     m("R5", "report/format.py", "if drop_constant and c.descriptive and len(df) > 1 and",
       "if drop_constant and c.descriptive and len(df) >= 1 and", REPORT,
       "a one-row table moves its descriptive columns above it"),
     # -- compare
-    m("C1", "compare.py", "same = bool(vb.size == vc.size and np.array_equal(np.sort(vb), np.sort(vc)))",
-      "same = bool(np.median(vb) == np.median(vc))", COMPARE,
+    m("C1", "compare.py", "same = bool(vb.size == vc.size and np.array_equal(np.sort(vb), np.sort(vc))",
+      "same = bool(np.median(vb) == np.median(vc)", COMPARE,
       "runs with equal medians are 'same' whatever their samples"),
     m("C2", "compare.py", "MetricSpec(\"decode_tok_s\", \"Decode tok/s\", False, ",
       "MetricSpec(\"decode_tok_s\", \"Decode tok/s\", True, ", COMPARE,
       "a higher decode rate is judged worse (a lower one never regresses)"),
-    m("C3", "cli.py", "        c = compare_runs(rb, rc, threshold=threshold)\n", "        c = compare_runs(rb, rc)\n",
+    m("C3", "cli/results.py", "        c = compare_runs(rb, rc, threshold=threshold)\n", "        c = compare_runs(rb, rc)\n",
       COMPARE, "compare --threshold is ignored"),
     m("C4", "compare.py", "fields = sorted(k for k in tb.keys() | tc.keys() if tb.get(k) != tc.get(k))",
       "fields = sorted(k for k in tb.keys() & tc.keys() if tb.get(k) != tc.get(k))", COMPARE,
       "a tokenizer field recorded in one run only is not a difference"),
+    m("C5", "compare.py", "            n = min(vb.size, vc.size)\n", "            n = max(vb.size, vc.size)\n", COMPARE,
+      "a cell judged when only one run has enough samples"),
     # -- runner/
     m("U1", "runner/rounds.py", "widest = max(known) if known and len(known) == len(w) else None",
       "widest = max(known) if known else None", RUNNER,
@@ -281,7 +286,7 @@ def present(copy: Path, files: list[str]) -> list[str]:
 def audit_one(copy: Path, mt: Mutant, args: argparse.Namespace) -> Outcome:
     out = Outcome(mt.id, mt.what, mt.file)
     path = copy / mt.file
-    original = path.read_text(encoding="utf-8")
+    original = path.read_text(encoding="utf-8") if path.is_file() else ""
     if original.count(mt.find) != 1:
         out.status, out.detail = "not applicable", f"the code to mutate occurs {original.count(mt.find)} times"
         return out
@@ -350,8 +355,11 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     chosen = [mt for mt in MUTANTS if not args.only or mt.id in args.only.split(",")]
     if args.check:
-        bad = [(mt.id, (REPO / mt.file).read_text().count(mt.find)) for mt in chosen
-               if (REPO / mt.file).read_text().count(mt.find) != 1]
+        def count(mt: Mutant) -> int:
+            path = REPO / mt.file
+            return path.read_text(encoding="utf-8").count(mt.find) if path.is_file() else 0
+
+        bad = [(mt.id, mt.file, count(mt)) for mt in chosen if count(mt) != 1]
         print("every mutant applies once" if not bad else f"not applicable: {bad}")
         return 1 if bad else 0
     copy = Path(tempfile.mkdtemp(prefix="abbench-audit-"))

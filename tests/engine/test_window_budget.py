@@ -20,7 +20,7 @@ torch = pytest.importorskip("torch")
 from abbench.engine import EngineConfig, ModelConfig  # noqa: E402
 from abbench.engine.config import ITEMSIZE  # noqa: E402
 from abbench.engine.memory import plan_device_memory  # noqa: E402
-from abbench.engine.prefill import prefill  # noqa: E402
+from abbench.engine.prefill import plan_chunks, plan_windows, prefill  # noqa: E402
 from abbench.engine.runtime import Engine  # noqa: E402
 
 MINI = ModelConfig(vocab_size=512, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
@@ -46,14 +46,23 @@ def _windows(engine: Engine, n: int, chunk: int, window: int, mode: str = "layer
         calls.append((layer, int(start), int(x.shape[0])))
         return real(layer, x, kv, start)
 
+    def group_spy(layer, xs, kv, starts):  # hybrids' joint attention over adjacent chunks
+        calls.extend((layer, int(a), int(x.shape[0])) for x, a in zip(xs, starts))
+        return real_group(layer, xs, kv, starts)
+
+    real_group = getattr(model, "attn_block_group", None)
     engine.reset()
     engine.store.begin_request()
     model.attn_block = spy
+    if real_group is not None:
+        model.attn_block_group = group_spy
     try:
         logits, stats = prefill(model, engine.store, engine.kv, ids, 0, mode, chunk_tokens=chunk,
                                 window_tokens=window, demand_max_tokens=chunk)
     finally:
-        del model.attn_block  # the instance attribute: back to the class's method
+        del model.attn_block  # the instance attributes: back to the class's methods
+        if real_group is not None:
+            del model.attn_block_group
         engine.reset()
     windows: list[list[tuple[int, int]]] = []
     previous = None
@@ -92,6 +101,19 @@ def test_no_window_holds_more_tokens_than_its_budget(engine: Engine, chunk: int,
     # the engine's own account agrees with what ran: one bank copied per window
     assert stats.n_windows == len(windows) and stats.n_chunks == len(seen)
     assert stats.h2d_bytes == len(windows) * engine.bank_bytes
+
+
+def test_window_plans_partition_the_chunks_within_their_count() -> None:
+    """The planning functions alone, over many lengths: the windows hold every chunk once, in order, none
+    more than the count asked for, and only the last fewer."""
+    for start, n, chunk in [(0, 1, 7), (0, 230, 32), (45, 300, 32), (3, 1000, 24), (100, 95, 100)]:
+        chunks = plan_chunks(start, start + n, chunk)
+        assert chunks[0][0] == start and chunks[-1][1] == start + n
+        assert all(b - a == chunk for a, b in chunks[:-1]) and 0 < chunks[-1][1] - chunks[-1][0] <= chunk
+        for per in range(1, len(chunks) + 2):
+            windows = plan_windows(chunks, per)
+            assert [c for w in windows for c in w] == chunks
+            assert all(len(w) == per for w in windows[:-1]) and 0 < len(windows[-1]) <= per
 
 
 @pytest.mark.parametrize(("chunk", "window"), [(32, 63), (32, 32), (40, 79)])
