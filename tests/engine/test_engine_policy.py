@@ -116,3 +116,23 @@ def test_auto_gives_bitwise_the_path_it_picked_and_says_why():
     fixed = _engine(prefill_mode="auto", auto_demand_max_tokens=32)
     assert fixed.run(prefix[:20], 1)[1].prefill_path == "demand"
     assert fixed.run(prefix[:200], 1)[1].prefill_path == "layer-major"
+
+
+def test_the_sweep_brackets_a_crossover_by_the_sign_of_the_log_ratio():
+    from abbench.engine.gpucheck_policy import crossover
+
+    lengths = [64, 128, 256, 512]
+    lo, hi, x = crossover(lengths, [1.0, 2.0, 4.0, 8.0], [2.0, 2.0, 2.0, 2.0])  # equal at 128: not faster there
+    assert (lo, hi) == (64, 128) and x == pytest.approx(128)
+    lo, hi, x = crossover(lengths, [1.0, 1.0, 3.0, 9.0], [2.0, 2.0, 2.0, 2.0])
+    assert (lo, hi) == (128, 256) and 128 < x < 256
+    assert crossover(lengths, [1.0] * 4, [2.0] * 4) is None
+
+
+def test_gpucheck_policy_runs_on_cpu_and_every_mode_agrees(capsys):
+    from abbench.engine.gpucheck_policy import main
+
+    main(["--device", "cpu", "--suffixes", "8,128", "--skews", "0", "--repeats", "1", "--prefix", "64"])
+    out = capsys.readouterr().out
+    assert "modes bitwise equal: True" in out  # timings on a shared CPU are not asserted
+    assert "demand vs the faster streamed path:" in out
