@@ -98,6 +98,32 @@ def _time_steps(engine: Engine, prompt: list[int], n: int, fill_all: bool = Fals
             "mode": engine.decoder.mode}
 
 
+def profile_decode(engine: Engine, prompt: list[int], n: int, top: int = 15) -> list[tuple[str, float, int]]:
+    """CUDA: the kernels of ``n`` decode steps after a prefill of ``prompt`` (graphs replayed as the engine runs
+    them), from the profiler's device activity: (kernel name, microseconds per step, launches per step), the
+    ``top`` largest, and a last row 'all kernels' with the total; memory copies and sets included."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    engine.reset()
+    engine.run(prompt, 2, ignore_eos=True)  # prefill, capture graphs at this kv_len
+    pos, tok = len(prompt) + 1, 0
+    with engine._on_device():
+        engine.decoder.step(tok, pos)
+        _sync()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for i in range(n):
+                engine.decoder.step(tok, pos + 1 + i)
+            _sync()
+    by_name: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.device_type == DeviceType.CUDA:
+            by_name.setdefault(e.name, []).append(e.time_range.end - e.time_range.start)
+    rows = sorted(((name[:90], sum(v) / n, len(v) // n) for name, v in by_name.items()), key=lambda r: -r[1])
+    total = sum(r[1] for r in rows)
+    return rows[:top] + [("all kernels", total, sum(r[2] for r in rows))]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m abbench.engine.gpucheck", description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=4)
@@ -106,6 +132,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None)
     ap.add_argument("--preset", default="qwen3-30b-a3b", help="the shape (default: qwen3-30b-a3b)")
     ap.add_argument("--device", default="cuda", help="cuda (default); cpu only to try the script itself")
+    ap.add_argument("--profile-decode", action="store_true",
+                    help="CUDA: also list the kernels of a resident decode step (graphs) and of the offloaded "
+                         "one with the fewest slots, by time per step")
     args = ap.parse_args(argv)
     if args.device != "cpu" and not torch.cuda.is_available():
         print("gpucheck needs CUDA", file=sys.stderr)
@@ -142,12 +171,16 @@ def main(argv: list[str] | None = None) -> int:
                 first[mode] = (events[0].token_id, stats.prefill_path, stats.prefill_h2d_bytes / eng.bank_bytes)
             prefill = {"first": first, "equal": len({v[0] for v in first.values()}) == 1}
             report["timing_offloaded_min_slots"] = _time_steps(eng, prompt, 24)
+            if args.profile_decode and args.device != "cpu":
+                report["profile_offloaded_min_slots"] = profile_decode(eng, prompt, 8)
         if slots == model.num_experts:  # every slot filled: whole-step graphs from there on
             report["timing_offloaded_all_cached"] = _time_steps(eng, prompt, 24, fill_all=True)
         del eng
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     report["timing_resident_graphs"] = _time_steps(resident, prompt, 24)
+    if args.profile_decode and args.device != "cpu":
+        report["profile_resident_graphs"] = profile_decode(resident, prompt, 8)
     report["timing_resident_eager"] = _time_steps(eager_res, prompt, 24)
     report["decode_equal"], report["prefill"] = decode, prefill
     ok = ok and all(decode.values()) and prefill.get("equal", False)
@@ -165,6 +198,9 @@ def main(argv: list[str] | None = None) -> int:
         if t:
             print(f"  {k:32s} {t['mode']:12s} {t['step_s'] * 1e3 / args.layers:7.3f} ms/layer  "
                   f"-> {depth} layers {1 / (t['step_s'] * scale):7.1f} tok/s  H2D/step {t['h2d_bytes_per_step'] / 1e6:8.1f} MB")
+    for k in ("profile_resident_graphs", "profile_offloaded_min_slots"):
+        for name, us, launches in report.get(k, []):
+            print(f"  {k:28s} {us:9.1f} us/step {launches:6d} launches/step  {name}")
     print("gpucheck:", "PASS" if ok else "FAIL")
     if args.out:
         with open(args.out, "w") as f:
