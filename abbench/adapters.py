@@ -123,6 +123,10 @@ class Adapter:
     # the server closes the connection after every streamed response, without saying so (no "Connection:
     # close"): the client then asks for the close itself, so that it never sends the next request on it
     closes_after_stream: ClassVar[bool] = False
+    # what to do when the server refuses its reset or metrics path (HTTP status -> the remedy), said by the
+    # start-up probe of every service (abbench.runner.slot.probe_control_paths)
+    reset_hints: ClassVar[Mapping[int, str]] = MappingProxyType({})
+    metrics_hints: ClassVar[Mapping[int, str]] = MappingProxyType({})
 
     def build_body(
         self, prompt: Prompt, *, request: RequestParams, extra: Mapping[str, Any], model: str | None
@@ -164,6 +168,11 @@ class OpenAIAdapter(Adapter):
 
     name: ClassVar[str] = "openai"
     counters: ClassVar[Counters] = ENGINE_COUNTERS["openai"]
+    reset_hints: ClassVar[Mapping[int, str]] = MappingProxyType({
+        404: "the server has no such route (the vendored engine serves POST /reset); for a server without a "
+             "prefix cache to flush, set reset_path = \"\"",
+        405: "the route does not take POST; for a server without a prefix cache to flush, set reset_path = \"\"",
+    })
     return_token_ids: bool = False
     tokens_as_ids: bool = False
 
@@ -275,6 +284,11 @@ class VLLMAdapter(OpenAIAdapter):
     reset_path: ClassVar[str] = "/reset_prefix_cache"  # needs VLLM_SERVER_DEV_MODE=1
     metrics_path: ClassVar[str] = "/metrics"
     counters: ClassVar[Counters] = ENGINE_COUNTERS["vllm"]
+    reset_hints: ClassVar[Mapping[int, str]] = MappingProxyType({
+        404: "vLLM serves POST /reset_prefix_cache only in development mode: start it with "
+             "VLLM_SERVER_DEV_MODE=1 in its environment (in the profile: env = { VLLM_SERVER_DEV_MODE = \"1\" } "
+             "under [engine] or the arm)",
+    })
     return_token_ids: bool = True
     tokens_as_ids: bool = True
 
@@ -323,6 +337,13 @@ class SGLangAdapter(Adapter):
     metrics_path: ClassVar[str] = "/metrics"  # needs --enable-metrics
     protected_fields: ClassVar[frozenset[str]] = frozenset({"text", "input_ids", "stream"})
     counters: ClassVar[Counters] = ENGINE_COUNTERS["sglang"]
+    reset_hints: ClassVar[Mapping[int, str]] = MappingProxyType({
+        404: "SGLang's own HTTP server serves /flush_cache; is base_url a router or proxy in front of it?",
+        400: "SGLang refuses /flush_cache while requests are running: is another client using this server?",
+    })
+    metrics_hints: ClassVar[Mapping[int, str]] = MappingProxyType({
+        404: "SGLang serves /metrics only when started with --enable-metrics",
+    })
     incremental: bool | None = None  # None: detect per event; True/False: the server's streaming mode
 
     def build_body(
@@ -474,6 +495,14 @@ class LlamaCppAdapter(Adapter):
     counters: ClassVar[Counters] = ENGINE_COUNTERS["llamacpp"]
     refetch_short_stream_ids: ClassVar[bool] = True
     closes_after_stream: ClassVar[bool] = True
+    reset_hints: ClassVar[Mapping[int, str]] = MappingProxyType({
+        501: "llama-server serves slot actions, erase included, only when started with --slot-save-path DIR "
+             "(run it with -np 1 and --cache-ram 0 too: see this adapter's docstring)",
+        400: "llama-server has no such slot: the erase names slot 0 (start it with -np 1)",
+    })
+    metrics_hints: ClassVar[Mapping[int, str]] = MappingProxyType({
+        501: "llama-server serves /metrics only when started with --metrics",
+    })
 
     def build_body(
         self, prompt: Prompt, *, request: RequestParams, extra: Mapping[str, Any], model: str | None

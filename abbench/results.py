@@ -130,6 +130,9 @@ class ServiceRecord(_Model):
     gpu_idle_before: bool | None = None
     gpu_idle_after: bool | None = None
     error: str | None = None
+    control: dict[str, Any] | None = Field(
+        None, description="The start-up probe of the reset and metrics paths: each path's HTTP status, the "
+        "engine counters its /metrics holds, warnings (abbench.runner.slot.probe_control_paths).")
 
 
 class MemoryPoint(_Model):

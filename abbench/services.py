@@ -208,6 +208,7 @@ class Service:
         self.gpu_idle_before: bool | None = None
         self.gpu_idle_after: bool | None = None
         self.error: str | None = None
+        self.control: dict | None = None  # the runner's start-up probe of the reset and metrics paths
         self._ready_s: float | None = None
         self._t0: float | None = None
         self._proc: subprocess.Popen[bytes] | None = None
@@ -455,6 +456,7 @@ class Service:
             gpu_idle_before=self.gpu_idle_before,
             gpu_idle_after=self.gpu_idle_after,
             error=self.error,
+            control=self.control,
         )
 
     # -- teardown -----------------------------------------------------------------------------------

@@ -425,6 +425,8 @@ class Run:
             self.record_sample(_failed_sample(step, "service", str(e).splitlines()[0]))
             return None
         save_run(self.run_dir, self.record)
+        for warning in (svc.control or {}).get("warnings", []):
+            self.notify("warning", warning)
         return svc
 
     def _reset_if_planned(self, svc: Service, step: Step) -> None:

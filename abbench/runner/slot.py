@@ -4,17 +4,28 @@ Every launch or attach is appended to the run record's ``services`` as it happen
 with its error), and replaced by the final record when the service stops. The arm -> service rule is
 :meth:`abbench.profile.Profile.launch_spec`; :func:`check_launch_commands` refuses launched commands without
 a ``{port}`` placeholder before anything starts.
+
+Once a service is healthy, :func:`probe_control_paths` tries its reset and metrics paths once, before any
+of its requests (the result is the service record's ``control``). A reset the run will need that the server
+refuses stops the run there with a :class:`~abbench.errors.ConfigError` carrying the adapter's remedy for
+that status (``Adapter.reset_hints``: vLLM's 404 without ``VLLM_SERVER_DEV_MODE=1``, llama.cpp's 501 without
+``--slot-save-path``, ...), instead of failing every sample that follows. A metrics path that fails, or that
+holds none of the adapter's counters, is a warning (the report's engine counters will lack that arm).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from typing import Any
+
+from abbench.adapters import get_adapter
 from abbench.auth import Credentials, auth_failure, is_auth_failure
 from abbench.client import EngineClient
 from abbench.errors import AuthError, ConfigError, RequestError, ServiceError
 from abbench.nvml import gpu_idle
 from abbench.profile import Profile
+from abbench.prometheus import parse_prometheus
 from abbench.results import LOGS_DIR, RunRecord, ServiceRecord
 from abbench.services import Service
 from abbench.telemetry import ServiceMonitor
@@ -48,6 +59,56 @@ def health_check(client: EngineClient, path: str, credentials: Credentials, api_
             raise ServiceError(credentials.redact(e.detail)) from None
 
     return check
+
+
+def probe_control_paths(client: EngineClient, base_url: str, adapter: str, *, reset_path: str | None,
+                        metrics_path: str | None, headers: dict[str, str], resets: bool,
+                        where: str) -> dict[str, Any]:
+    """Try a healthy service's reset path (``POST``, only when the run ``resets``) and metrics path (``GET``)
+    once. Returns what was seen (``reset``/``metrics``: path and HTTP status; ``counters``: the adapter's
+    counters the page holds; ``warnings``). A refused reset raises :class:`ConfigError` naming ``where``, the
+    status and the remedy; a refused key raises the :class:`RequestError` (the caller makes it an
+    :class:`AuthError`)."""
+    ad = get_adapter(adapter)
+    out: dict[str, Any] = {"warnings": []}
+    if reset_path and resets:
+        try:
+            client.reset(base_url, reset_path, headers=headers)
+            out["reset"] = {"path": reset_path, "status": "ok"}
+        except RequestError as e:
+            if is_auth_failure(e):
+                raise
+            hint = ad.reset_hints.get(e.status) if e.status is not None else None
+            raise ConfigError(
+                f"{where}: the cache reset the run sends before every sample group failed at start-up "
+                f"({e.detail}). " + (f"{hint}. " if hint else "")
+                + "To run without resets set reset_path = \"\" (cold samples may then be served from the "
+                "engine's prefix cache). Stopped before any request to this service.") from None
+    if metrics_path:
+        status: int | str | None = None
+        try:
+            text = client.metrics_text(base_url, metrics_path, headers=headers)
+            status = "ok" if text is not None else 404
+        except RequestError as e:
+            if is_auth_failure(e):
+                raise
+            text, status = None, e.status if e.status is not None else e.kind
+        out["metrics"] = {"path": metrics_path, "status": status}
+        if text is None:
+            hint = ad.metrics_hints.get(status) if isinstance(status, int) else None
+            out["warnings"].append(
+                f"{where}: GET {metrics_path} failed ({status}): the report's engine counters will lack this "
+                "service" + (f"; {hint}" if hint else "") + " (metrics_path = \"\" turns the scrape off)")
+        elif ad.counters:
+            names = [n for names in ad.counters.values() for n in names]
+            samples = parse_prometheus(text, strict=False)
+            found = [n for n in names if any(k == n or k.startswith(n + "{") for k in samples)]
+            out["counters"] = found
+            if not found:
+                out["warnings"].append(f"{where}: GET {metrics_path} holds none of the {ad.name} adapter's "
+                                       f"counters ({', '.join(names)}) yet: the report's engine counters may "
+                                       "lack this service")
+    return out
 
 
 class ServiceSlot:
@@ -103,9 +164,27 @@ class ServiceSlot:
         svc.gpu_idle_before = idle_before
         self.service = svc
         self.key = key
-        self.record.services.append(svc.record(self.run_dir))
+        try:
+            self._probe(svc, arm, spec)
+        finally:
+            self.record.services.append(svc.record(self.run_dir))
         self.monitor = ServiceMonitor(key, svc.pid).start()
         return svc
+
+    def _probe(self, svc: Service, arm: str | None, spec: Any) -> None:
+        """:func:`probe_control_paths` on the new service; a refusal is recorded as its error and raised."""
+        ae = self.profile.arm_engine(arm)
+        try:
+            svc.control = probe_control_paths(
+                self.client, svc.base_url, ae.adapter, reset_path=ae.reset_path, metrics_path=ae.metrics_path,
+                headers=self.credentials.headers(spec.api_key_env), resets=self.profile.run.reset_between_samples,
+                where=f"service {svc.key} ({ae.adapter} adapter, {svc.base_url})")
+        except RequestError as e:  # only a refused key gets here
+            svc.error = "the server refused the API key"
+            raise auth_failure(e, spec.api_key_env, spec.api_key_field, self.credentials) from None
+        except ConfigError as e:
+            svc.error = str(e)
+            raise
 
     def stop(self, error: str | None = None) -> None:
         """Stop the current service (if any); ``error`` says why when it is being replaced because it died."""

@@ -88,6 +88,7 @@ class FakeEngineConfig:
     vllm_dev_mode: bool = True  # vLLM: serve /reset_prefix_cache (VLLM_SERVER_DEV_MODE=1)
     sglang_incremental: bool = False  # SGLang --incremental-streaming-output
     sglang_metrics: bool = True  # SGLang --enable-metrics
+    sglang_flush_busy: bool = False  # SGLang: /flush_cache answers 400, as while another client's requests run
     llamacpp_slot_save_path: str | None = "/tmp"  # llama.cpp --slot-save-path (slot actions need it)
     llamacpp_metrics: bool = True  # llama.cpp --metrics
     # llama.cpp (0c1e570) closes the connection after every streamed response, once its completion callback
@@ -438,6 +439,10 @@ class _Handler(BaseHTTPRequestHandler):
     # -- SGLang ----------------------------------------------------------------------------------------------
 
     def _sglang_flush(self) -> None:
+        if self.server.config.sglang_flush_busy:  # http_server.py flush_cache: BAD_REQUEST unless it flushed
+            self._text(400, "Cache flushed.\nPlease check backend logs for more details. (When there are running or "
+                            "waiting requests, the operation will not be performed.)\n", "text/plain; charset=utf-8")
+            return
         self.server.reset()
         self._text(200, "Cache flushed.\nPlease check backend logs for more details. (When there are running or "
                         "waiting requests, the operation will not be performed.)\n", "text/plain; charset=utf-8")
