@@ -59,6 +59,10 @@ METRICS: dict[str, Metric] = {m.name: m for m in (
     Metric("peak_vram_gb", "GiB", False, False, "peak device memory (engine's peak_device_bytes, else NVML)"),
     Metric("peak_vram_ratio", "x", False, False,
            "paired peak device memory(arm) / peak(reference arm, or vs ARM), same prompt and round"),
+    Metric("cached_tokens", "tokens", False, False,
+           "prompt tokens served from the engine's prefix cache, as its response says"),
+    Metric("metrics_cached_tokens", "tokens", False, False,
+           "prompt tokens served from the prefix cache, from the engine's /metrics counters around the request"),
 )}
 PAIRED = ("ttft_ratio", "peak_vram_ratio")
 """Metrics that divide by another arm's sample of the same prompt and round (``vs ARM``, else the reference)."""
@@ -132,7 +136,7 @@ def parse_check(expr: str) -> DeclaredCheck:
         raise ConfigError(f"{where}: the value must be a finite number")
     if op == "==" and METRICS[metric].interval:
         raise ConfigError(f"{where}: {metric} is judged on an interval; use <= or >= (== is for counters: "
-                          "h2d_banks, banks_per_window, peak_vram_gb)")
+                          f"{', '.join(m.name for m in METRICS.values() if not m.interval)})")
     parts = [p.strip() for p in m["sel"].split(",")]
     if not parts[0]:
         raise ConfigError(f"{where}: the selector needs an arm first, e.g. {metric}[layer-major]")

@@ -34,8 +34,11 @@ Metrics (:data:`METRICS`), each per (arm, kind, prompt length) cell over measure
   layer-major windows, at least 1: one bank per window is the layer-major promise at any length) and ``peak_vram_gb`` (the engine's ``peak_device_bytes``
   when present, else NVML's peak for the service's processes; GiB = 2^30 bytes) and ``peak_vram_ratio``
   (that peak over the peak of the reference arm, or of ``vs ARM``, for the same prompt in the same round:
-  one value per pair). ``<=``: the largest sample <= VALUE; ``>=``: the smallest >= VALUE; ``==``: every
-  sample equal (relative tolerance 1e-6).
+  one value per pair), ``cached_tokens`` (the prompt tokens the engine says, in its response, it served from
+  its prefix cache: ``engine.cached_prompt_tokens``, e.g. vLLM's ``usage.prompt_tokens_details.cached_tokens``)
+  and ``metrics_cached_tokens`` (the same read from its Prometheus counters around the request, the adapter's
+  ``cached_prompt_tokens`` counter: after - before). ``<=``: the largest sample <= VALUE; ``>=``: the
+  smallest >= VALUE; ``==``: every sample equal (relative tolerance 1e-6).
 
 Every cell the selector picks must pass; a selector that picks no cell with data fails (the gate never
 passes on missing data). :func:`parse_check` raises :class:`~abbench.errors.ConfigError` (exit 2) naming
@@ -54,11 +57,21 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from abbench.analysis.frames import arm_names, measured_ok_frame, peak_bytes, reference_arm, sample_peak_bytes
+from abbench.analysis.frames import (
+    arm_adapters,
+    arm_names,
+    measured_ok,
+    measured_ok_frame,
+    peak_bytes,
+    prompt_targets,
+    reference_arm,
+    sample_peak_bytes,
+)
 from abbench.analysis.latency import itl_values, min_n, tpot_values, ttft_values
 from abbench.analysis.timing import CONFIDENCE, paired_ratios, quantile_ci
 from abbench.analysis.transfer import FLOOR_KINDS, floor_table
 from abbench.checkexpr import KINDS, METRICS, OPS, PAIRED, DeclaredCheck, Metric, check_arms, parse_check, parse_checks
+from abbench.prometheus import ENGINE_COUNTERS, common_counters, metrics_delta
 from abbench.results import RunRecord
 
 __all__ = [  # the grammar (abbench.checkexpr) is re-exported: callers of the analysis reach it here too
@@ -159,12 +172,29 @@ def _peak_vram(record: RunRecord) -> pd.DataFrame:
     return _rows(df, peak_bytes(df) / 2**30)
 
 
+def _metrics_cached(record: RunRecord) -> pd.DataFrame:
+    """Per measured ok sample with both scrapes: the adapter's ``cached_prompt_tokens`` counter, after - before."""
+    adapters, targets = arm_adapters(record), prompt_targets(record)
+    rows = []
+    for smp in measured_ok(record):
+        t = smp.telemetry
+        if t.metrics_after is None or t.metrics_before is None:
+            continue
+        c = common_counters(ENGINE_COUNTERS.get(adapters.get(smp.arm, "openai"), {}),
+                            metrics_delta(t.metrics_before, t.metrics_after))
+        if "cached_prompt_tokens" in c:
+            rows.append({"arm": smp.arm, "kind": smp.kind, "target_tokens": targets.get(smp.prompt_id, smp.prompt_tokens),
+                         "round": smp.round, "value": c["cached_prompt_tokens"]})
+    return pd.DataFrame(rows, columns=VALUE_COLUMNS)
+
+
 VALUES: dict[str, Callable[[RunRecord], pd.DataFrame]] = {
     "ttft_ratio": _ttft_ratio, "x_floor": _x_floor, "ttft_s": _column("ttft_s"),
     "decode_tok_s": _column("decode_tok_s"), "h2d_banks": _h2d_banks, "banks_per_window": _banks_per_window,
     "peak_vram_gb": _peak_vram, "peak_vram_ratio": _peak_vram_ratio,
     "ttft_p90_s": ttft_values, "ttft_p99_s": ttft_values, "tpot_s": tpot_values, "tpot_p90_s": tpot_values,
     "tpot_p99_s": tpot_values, "itl_s": itl_values, "itl_p90_s": itl_values, "itl_p99_s": itl_values,
+    "cached_tokens": _column("cached_prompt_tokens"), "metrics_cached_tokens": _metrics_cached,
 }
 """Per metric, against the reference arm where paired: one row per measured ok sample (or pair): arm, kind,
 target_tokens, round, value (:func:`_values` pairs with another arm)."""
