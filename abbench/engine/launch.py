@@ -43,6 +43,7 @@ log = logging.getLogger("abbench.engine.launch")
 BACKENDS = ("engine", "transformers")
 API_KEY_ENV = "ABBENCH_ENGINE_API_KEY"
 TINY_SPEC = "tiny-qwen3-moe:"  # abbench.engine.reference.TINY_SPEC (not imported: it loads torch)
+TINY_SPECS = (TINY_SPEC, "tiny-qwen3-moe-hd64:")  # the names of abbench.engine.reference.TINY_SHAPES
 _PROG = {"engine": "python -m abbench.engine", "transformers": "abbench serve --backend transformers"}
 _DESCRIPTION = {
     "engine": "Serve the vendored offloaded-MoE engine over an OpenAI-compatible API.",
@@ -76,7 +77,8 @@ def _engine_options(e: argparse._ArgumentGroup) -> None:
     e.add_argument("--model", default=None, help=f"preset ({', '.join(PRESETS)}) or a local HF model directory "
                    "with config.json (default: tiny, or the checkpoint's config when --weights is a directory)")
     e.add_argument("--weights", default="random:0", help="'random:SEED', an HF checkpoint directory, or "
-                   f"'{TINY_SPEC}SEED' (a random tiny Qwen3-MoE checkpoint written once into abbench's cache)")
+                   f"'{TINY_SPEC}SEED' (a random tiny Qwen3-MoE checkpoint written once into abbench's cache; "
+                   "tiny-qwen3-moe-hd64:SEED: the same with heads of 64)")
     e.add_argument("--tokenizer", default=None, help="qwen3, qwen3.6 or a local HF tokenizer directory "
                    "(default: qwen3.6 for the qwen3.5-* presets, qwen3 for the other presets, the model "
                    "directory otherwise)")
@@ -126,7 +128,8 @@ def _engine_options(e: argparse._ArgumentGroup) -> None:
 
 def _reference_options(r: argparse._ArgumentGroup) -> None:
     r.add_argument("--model", help="local Hugging Face checkpoint directory (config.json + weights), or "
-                   f"{TINY_SPEC}SEED: the random tiny Qwen3-MoE checkpoint, made once in abbench's cache")
+                   f"{TINY_SPEC}SEED: the random tiny Qwen3-MoE checkpoint, made once in abbench's cache "
+                   "(tiny-qwen3-moe-hd64:SEED: the same with heads of 64)")
     r.add_argument("--tokenizer", default=None, help="qwen3, qwen3.6 or a local HF tokenizer directory "
                    "(default: the model directory)")
     r.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
@@ -236,7 +239,7 @@ def _engine_tokenizer_spec(args: argparse.Namespace) -> str:
     """Resolve ``tiny-qwen3-moe:SEED`` in --model/--weights and the default model; the tokenizer to load."""
     for name in ("model", "weights"):  # tiny-qwen3-moe:SEED -> the cached tiny checkpoint (made on first use)
         value = getattr(args, name)
-        if isinstance(value, str) and value.startswith(TINY_SPEC):
+        if isinstance(value, str) and value.startswith(TINY_SPECS):
             from abbench.engine.reference import resolve_checkpoint
 
             setattr(args, name, resolve_checkpoint(value))

@@ -287,6 +287,14 @@ TINY_QWEN3_MOE = dict(vocab_size=151936, hidden_size=64, intermediate_size=128, 
 """The shape of :func:`save_tiny_qwen3_moe`: the Qwen3 vocabulary (so the built-in ``qwen3`` tokenizer's ids
 fit), everything else tiny."""
 
+TINY_SHAPES: dict[str, dict[str, Any]] = {
+    "tiny-qwen3-moe": TINY_QWEN3_MOE,
+    # The same with heads of 64: vLLM's CPU attention refuses head_dim 16 ("Unsupported CPU attention
+    # configuration"); profiles/cpu-tiny-vllm.toml serves this one on vLLM and on the vendored engine.
+    "tiny-qwen3-moe-hd64": {**TINY_QWEN3_MOE, "head_dim": 64},
+}
+"""The named tiny checkpoints (``NAME:SEED`` in a ``--model``/``--weights``, :func:`resolve_checkpoint`)."""
+
 
 def random_qwen3_moe(cfg: Any, seed: int) -> Any:
     """A transformers ``Qwen3MoeForCausalLM`` of ``cfg`` (a ``Qwen3MoeConfig``) with every tensor redrawn under
@@ -307,13 +315,13 @@ def random_qwen3_moe(cfg: Any, seed: int) -> Any:
     return model
 
 
-def save_tiny_qwen3_moe(out_dir: str | Path, *, seed: int = 0) -> Path:
-    """A random transformers ``Qwen3MoeForCausalLM`` of :data:`TINY_QWEN3_MOE`'s shape, saved with
-    ``save_pretrained`` (safetensors) into ``out_dir``. Every tensor is redrawn so that each matters:
-    matrices N(0, 1/fan_in), embeddings N(0, 1), norm weights 1 + N(0, 0.2^2)."""
+def save_tiny_qwen3_moe(out_dir: str | Path, *, seed: int = 0, shape: str = "tiny-qwen3-moe") -> Path:
+    """A random transformers ``Qwen3MoeForCausalLM`` of ``shape`` (:data:`TINY_SHAPES`; default
+    :data:`TINY_QWEN3_MOE`), saved with ``save_pretrained`` (safetensors) into ``out_dir``. Every tensor is
+    redrawn so that each matters: matrices N(0, 1/fan_in), embeddings N(0, 1), norm weights 1 + N(0, 0.2^2)."""
     import transformers
 
-    cfg = transformers.Qwen3MoeConfig(**TINY_QWEN3_MOE, eos_token_id=151645)
+    cfg = transformers.Qwen3MoeConfig(**TINY_SHAPES[shape], eos_token_id=151645)
     model = random_qwen3_moe(cfg, seed)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -324,22 +332,27 @@ def save_tiny_qwen3_moe(out_dir: str | Path, *, seed: int = 0) -> Path:
 TINY_SPEC = "tiny-qwen3-moe:"
 
 
+def is_tiny_spec(value: object) -> bool:
+    """Whether ``value`` names a tiny checkpoint (``NAME:SEED``, NAME one of :data:`TINY_SHAPES`)."""
+    return isinstance(value, str) and value.split(":", 1)[0] in TINY_SHAPES and ":" in value
+
+
 def resolve_checkpoint(spec: str) -> str:
-    """``tiny-qwen3-moe:SEED`` -> the directory of that tiny checkpoint in abbench's cache
-    (``$ABBENCH_CACHE_DIR`` or ``~/.cache/abbench``), written with :func:`save_tiny_qwen3_moe` the first time
-    (into a temporary folder renamed into place, so two services starting together cannot see half of it).
-    Any other value is returned as it is."""
-    if not spec.startswith(TINY_SPEC):
+    """``NAME:SEED`` (``tiny-qwen3-moe:0``, ``tiny-qwen3-moe-hd64:0``: :data:`TINY_SHAPES`) -> the directory
+    of that tiny checkpoint in abbench's cache (``$ABBENCH_CACHE_DIR`` or ``~/.cache/abbench``), written with
+    :func:`save_tiny_qwen3_moe` the first time (into a temporary folder renamed into place, so two services
+    starting together cannot see half of it). Any other value is returned as it is."""
+    if not is_tiny_spec(spec):
         return spec
-    seed = spec[len(TINY_SPEC):]
+    name, seed = spec.split(":", 1)
     if not seed.isdigit():
-        raise ValueError(f"{spec!r}: expected {TINY_SPEC}SEED with an integer seed")
+        raise ValueError(f"{spec!r}: expected {name}:SEED with an integer seed")
     root = Path(os.environ.get("ABBENCH_CACHE_DIR") or Path.home() / ".cache" / "abbench")
-    out = root / f"tiny-qwen3-moe-{seed}"
+    out = root / f"{name}-{seed}"
     if not (out / "config.json").is_file():
         root.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".tiny-qwen3-moe-{seed}-", dir=root))
-        save_tiny_qwen3_moe(tmp, seed=int(seed))
+        tmp = Path(tempfile.mkdtemp(prefix=f".{name}-{seed}-", dir=root))
+        save_tiny_qwen3_moe(tmp, seed=int(seed), shape=name)
         try:
             os.replace(tmp, out)
         except OSError:  # another process put it there first

@@ -199,8 +199,8 @@ def test_tiny_checkpoint_spec_is_written_once_into_the_cache(tmp_path: Path, mon
 
     calls: list[int] = []
 
-    def fake_save(out_dir: Path, *, seed: int = 0) -> Path:
-        calls.append(seed)
+    def fake_save(out_dir: Path, *, seed: int = 0, shape: str = "tiny-qwen3-moe") -> Path:
+        calls.append(seed if shape == "tiny-qwen3-moe" else (shape, seed))
         (Path(out_dir) / "config.json").write_text("{}")
         return Path(out_dir)
 
@@ -210,6 +210,10 @@ def test_tiny_checkpoint_spec_is_written_once_into_the_cache(tmp_path: Path, mon
     assert first == str(tmp_path / "tiny-qwen3-moe-7") and (tmp_path / "tiny-qwen3-moe-7" / "config.json").is_file()
     assert ref.resolve_checkpoint("tiny-qwen3-moe:7") == first and calls == [7]
     assert [p.name for p in tmp_path.iterdir()] == ["tiny-qwen3-moe-7"]  # no temporary folder left behind
+    hd64 = ref.resolve_checkpoint("tiny-qwen3-moe-hd64:7")  # the head_dim-64 shape, a folder of its own
+    assert hd64 == str(tmp_path / "tiny-qwen3-moe-hd64-7") and calls == [7, ("tiny-qwen3-moe-hd64", 7)]
+    assert ref.TINY_SHAPES["tiny-qwen3-moe-hd64"]["head_dim"] == 64
     assert ref.resolve_checkpoint("/some/dir") == "/some/dir"
+    assert ref.resolve_checkpoint("tiny-qwen3-moe-big:7") == "tiny-qwen3-moe-big:7"  # not a named shape
     with pytest.raises(ValueError, match="integer seed"):
         ref.resolve_checkpoint("tiny-qwen3-moe:x")
