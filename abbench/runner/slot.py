@@ -10,7 +10,7 @@ of its requests (the result is the service record's ``control``). A reset the ru
 refuses stops the run there with a :class:`~abbench.errors.ConfigError` carrying the adapter's remedy for
 that status (``Adapter.reset_hints``: vLLM's 404 without ``VLLM_SERVER_DEV_MODE=1``, llama.cpp's 501 without
 ``--slot-save-path``, ...), instead of failing every sample that follows. A metrics path that fails, or that
-holds none of the adapter's counters, is a warning (the report's engine counters will lack that arm).
+holds none of an engine adapter's counters, is a warning (the report's engine counters will lack that arm).
 """
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ def probe_control_paths(client: EngineClient, base_url: str, adapter: str, *, re
             samples = parse_prometheus(text, strict=False)
             found = [n for n in names if any(k == n or k.startswith(n + "{") for k in samples)]
             out["counters"] = found
-            if not found:
+            if not found and ad.name != "openai":  # any OpenAI server: the vendored engine's counters are optional
                 out["warnings"].append(f"{where}: GET {metrics_path} holds none of the {ad.name} adapter's "
                                        f"counters ({', '.join(names)}) yet: the report's engine counters may "
                                        "lack this service")
