@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from abbench import analysis, runner
+from abbench import analysis, runner, services
 from abbench.errors import ConfigError
 from abbench.profile import profile_from_dict
 from abbench.results import RunRecord
@@ -51,17 +51,16 @@ def _saved(out: Path) -> dict:
 
 def test_vllm_without_dev_mode_stops_before_any_request(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """vLLM serves POST /reset_prefix_cache only with VLLM_SERVER_DEV_MODE=1: without it the run stops at the
-    service's start, no sample recorded, the error naming the variable; the service record says why."""
+    service's start, before any request, the error naming the variable; nothing measured, so no run is kept
+    (the service's log is) and no service is left running."""
     monkeypatch.delenv("VLLM_SERVER_DEV_MODE", raising=False)
     out = tmp_path / "run"
-    _, _, err = _run(_profile("vllm"), out)
+    _, events, err = _run(_profile("vllm"), out)
     assert isinstance(err, ConfigError)
     assert "VLLM_SERVER_DEV_MODE=1" in str(err) and "HTTP 404" in str(err) and "reset_path = \"\"" in str(err)
-    saved = _saved(out)
-    assert saved["status"] == "partial" and saved["samples"] == []
-    assert (out / "requests.jsonl").read_text() == ""
-    [svc] = saved["services"]
-    assert "VLLM_SERVER_DEV_MODE=1" in svc["error"] and svc["exit_code"] is not None  # stopped, not left running
+    assert "Stopped before any request" in str(err)
+    assert not (out / "run.json").exists() and [p.name for p in (out / "logs").iterdir()] == ["a_r1.log"]
+    assert not [e for e in events if e.kind == "sample"] and services.live_services() == []
 
 
 def test_vllm_in_dev_mode_passes_and_records_what_it_saw(tmp_path: Path) -> None:
@@ -84,7 +83,7 @@ def test_vllm_in_dev_mode_passes_and_records_what_it_saw(tmp_path: Path) -> None
 def test_llamacpp_without_slot_save_path_stops_and_without_metrics_warns(tmp_path: Path) -> None:
     _, _, err = _run(_profile("llamacpp", flags=["-np", "1"]), tmp_path / "no-slots")
     assert isinstance(err, ConfigError) and "--slot-save-path" in str(err) and "HTTP 501" in str(err)
-    assert _saved(tmp_path / "no-slots")["samples"] == []
+    assert not (tmp_path / "no-slots" / "run.json").exists()  # nothing measured
     record, events, err = _run(_profile("llamacpp", flags=["-np", "1", "--slot-save-path", str(tmp_path)]),
                                tmp_path / "no-metrics")
     assert err is None and record is not None and record.status == "complete"
