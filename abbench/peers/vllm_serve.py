@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     python = python_of(venv)
     if record is None or not python.exists():
         print(f"error: no vLLM environment at {venv} (no {RECORD_NAME}); create it with "
-              "python -m abbench.peers.vllm_env install (README 'Against vLLM'), or point $ABBENCH_VLLM_VENV "
+              "python -m abbench.peers.vllm_env install (docs/vllm.md), or point $ABBENCH_VLLM_VENV "
               "or --venv at one", file=sys.stderr)
         return 2
     model = _model_path(args.model, create=not args.print_command)
