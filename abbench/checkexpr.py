@@ -4,10 +4,15 @@ A declared check is a performance target written as an expression, in a profile 
 or on the command line (``abbench gate RUN --check EXPR``)::
 
     METRIC[ARM(, KIND)(, >=TOKENS | <=TOKENS | TOKENS)(, vs ARM)] OP VALUE        OP: <=  >=  ==
+    crossover[ARM, ARM] OP VALUE
 
 ``ARM`` is an arm of the run; ``KIND`` one of fresh, cold, continuation (default: every kind); ``TOKENS`` a
 prompt length (``32768`` or ``32k``) with ``>=``/``<=`` for a range, bare for exactly that length; ``vs ARM``
-(the paired metrics, :data:`PAIRED`, only) the arm to divide by, instead of the run's reference arm.
+(the paired metrics, :data:`PAIRED`, only) the arm to divide by, instead of the run's reference arm. ``vs
+A|B|C`` (``ttft_ratio`` only) divides, in each cell, by whichever of those arms has the lowest median TTFT
+there: "within 5% of the fastest arm at every point". ``crossover[A, B]`` (a run with a ``[sweep]``) is the
+swept quantity at which TTFT(A) / TTFT(B) crosses 1, A being the arm faster below it
+(:mod:`abbench.analysis.sweep`).
 
 This module is pure (no numbers, no run): the profile validates its ``gate.checks`` with it, and
 :mod:`abbench.analysis.declared` computes and judges the metrics it names (the semantics of each metric and
@@ -63,9 +68,13 @@ METRICS: dict[str, Metric] = {m.name: m for m in (
            "prompt tokens served from the engine's prefix cache, as its response says"),
     Metric("metrics_cached_tokens", "tokens", False, False,
            "prompt tokens served from the prefix cache, from the engine's /metrics counters around the request"),
+    Metric("crossover", "tokens", True, False,
+           "a sweep's quantity where TTFT(arm) / TTFT(other arm) crosses 1 (crossover[A, B]; needs [sweep])"),
 )}
 PAIRED = ("ttft_ratio", "peak_vram_ratio")
 """Metrics that divide by another arm's sample of the same prompt and round (``vs ARM``, else the reference)."""
+TWO_ARMS = ("crossover",)
+"""Metrics of two arms, both named in the selector: ``crossover[A, B]`` (the second is held in ``vs``)."""
 
 _EXPR = re.compile(r"^\s*(?P<metric>[A-Za-z_][A-Za-z0-9_]*)\s*\[(?P<sel>[^\[\]]*)\]\s*(?P<op><=|>=|==|=<|=>|<|>|=)?"
                    r"\s*(?P<value>\S*)\s*$")
@@ -87,10 +96,18 @@ class DeclaredCheck:
     op: str
     value: float
     vs: str | None = None
-    """The arm a paired metric divides by (None: the run's reference arm)."""
+    """The arm a paired metric divides by (None: the run's reference arm); ``A|B|C``: the fastest of those arms
+    in each cell; for ``crossover[A, B]``: B."""
+
+    @property
+    def vs_arms(self) -> tuple[str, ...]:
+        """The arms ``vs`` names (one, or the candidates of ``vs A|B|C``)."""
+        return tuple(self.vs.split("|")) if self.vs else ()
 
     @property
     def name(self) -> str:
+        if self.metric in TWO_ARMS:
+            return f"{self.metric}[{self.arm}, {self.vs}] {self.op} {self.value:g}"
         sel = [self.arm] + ([self.kind] if self.kind else [])
         if self.tokens is not None:
             sel.append(f"{'' if self.tokens_op == '==' else self.tokens_op}{self.tokens}")
@@ -138,6 +155,8 @@ def parse_check(expr: str) -> DeclaredCheck:
         raise ConfigError(f"{where}: {metric} is judged on an interval; use <= or >= (== is for counters: "
                           f"{', '.join(m.name for m in METRICS.values() if not m.interval)})")
     parts = [p.strip() for p in m["sel"].split(",")]
+    if metric in TWO_ARMS:
+        return _two_arms(expr, where, metric, parts, op, value)
     if not parts[0]:
         raise ConfigError(f"{where}: the selector needs an arm first, e.g. {metric}[layer-major]")
     arm, kind, tokens_op, tokens, vs = parts[0], None, None, None, None
@@ -153,13 +172,34 @@ def parse_check(expr: str) -> DeclaredCheck:
             if metric not in PAIRED:
                 raise ConfigError(f"{where}: 'vs ARM' is for the paired metrics ({', '.join(PAIRED)}); {metric} "
                                   "is not measured against another arm")
-            vs = v["arm"].strip()
+            vs = _vs_arms(where, metric, v["arm"])
         else:
             raise ConfigError(f"{where}: selector part {p!r} is neither a kind ({', '.join(KINDS)}), a "
                               "prompt length (>=32768, <=65536 or 32768) nor 'vs ARM', in the order ARM, KIND, "
                               "LENGTH, vs ARM")
     return DeclaredCheck(expr=expr, metric=metric, arm=arm, kind=kind, tokens_op=tokens_op, tokens=tokens, op=op,
                          value=value, vs=vs)
+
+
+def _vs_arms(where: str, metric: str, text: str) -> str:
+    """The ``vs`` part: one arm, or ``A|B|C`` (ttft_ratio: the fastest of them per cell)."""
+    arms = [a.strip() for a in text.split("|")]
+    if len(arms) > 1 and metric != "ttft_ratio":
+        raise ConfigError(f"{where}: 'vs A|B' (the fastest of several arms) is for ttft_ratio only")
+    if not all(arms) or len(set(arms)) != len(arms):
+        raise ConfigError(f"{where}: 'vs {text.strip()}' must name distinct arms separated by '|'")
+    return "|".join(arms)
+
+
+def _two_arms(expr: str, where: str, metric: str, parts: list[str], op: str, value: float) -> DeclaredCheck:
+    """``crossover[A, B]``: exactly two distinct arms and nothing else."""
+    if len(parts) != 2 or not all(parts) or any(" " in p or p in KINDS for p in parts):
+        raise ConfigError(f"{where}: {metric} takes two arms and nothing else, e.g. {metric}[demand, chunked] "
+                          ">= 512 (the arm faster below the crossover first)")
+    if parts[0] == parts[1]:
+        raise ConfigError(f"{where}: {metric} compares two different arms; {parts[0]!r} is named twice")
+    return DeclaredCheck(expr=expr, metric=metric, arm=parts[0], kind=None, tokens_op=None, tokens=None, op=op,
+                         value=value, vs=parts[1])
 
 
 def parse_checks(exprs: list[str]) -> list[DeclaredCheck]:
@@ -169,10 +209,10 @@ def parse_checks(exprs: list[str]) -> list[DeclaredCheck]:
 def check_arms(checks: list[DeclaredCheck], arms: list[str], reference: str | None, where: str) -> None:
     """:class:`ConfigError` when a check names an arm that is not there, or compares an arm with itself."""
     for c in checks:
-        for a in (c.arm, c.vs):
-            if a is not None and a not in arms:
+        for a in (c.arm, *c.vs_arms):
+            if a not in arms:
                 raise ConfigError(f"{where}: check {c.expr!r}: unknown arm {a!r}; arms are {', '.join(arms)}")
-        if c.metric in PAIRED and c.arm == (c.vs or reference):
+        if c.metric in PAIRED and c.arm in (c.vs_arms or (reference,)):
             raise ConfigError(f"{where}: check {c.expr!r}: {c.arm} is " + (
                 "the arm it is compared with" if c.vs else "the reference arm") + f"; {c.metric} compares another "
                 "arm with it" + ("" if c.vs else " (or name one with 'vs ARM')"))
@@ -185,7 +225,7 @@ def checks_within(exprs: list[str], arms: list[str], reference: str) -> list[str
     keep = []
     for e in exprs:
         c = parse_check(e)
-        if c.arm in arms and (c.vs is None or c.vs in arms) and not (
-                c.metric in PAIRED and c.arm == (c.vs or reference)):
+        if c.arm in arms and all(a in arms for a in c.vs_arms) and not (
+                c.metric in PAIRED and c.arm in (c.vs_arms or (reference,))):
             keep.append(e)
     return keep

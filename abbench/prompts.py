@@ -57,6 +57,8 @@ __all__ = [
     "MAX_ATTEMPTS",
     "BuiltPrompt",
     "Corpus",
+    "PromptItem",
+    "build_prompt_items",
     "build_prompts",
     "document_text",
     "exact_nested_prompts",
@@ -253,24 +255,26 @@ def _drop_word(source: str, pos: int) -> str:
 
 
 @dataclass(frozen=True)
-class _Planned:
+class PromptItem:
+    """One document's prompts: a warm-up, a fresh prompt or a pair (``kind`` "pair": cold + continuation)."""
+
     id: str
     kind: str
     lengths: tuple[int, ...]  # one length, or (cold, cold + extend) for a pair
     parent_ids: tuple[str, ...]  # the ids of the prompts cut from this document, parallel to lengths
 
 
-def _plan(spec: PromptsSpec) -> list[_Planned]:
-    plan = [_Planned(f"warmup-{i}", "warmup", (spec.warmup_tokens,), (f"warmup-{i}",)) for i in range(spec.warmup)]
+def _plan(spec: PromptsSpec) -> list[PromptItem]:
+    plan = [PromptItem(f"warmup-{i}", "warmup", (spec.warmup_tokens,), (f"warmup-{i}",)) for i in range(spec.warmup)]
     if spec.jit_warmup_tokens > 0:
-        plan.append(_Planned("jit-0", "jit", (spec.jit_warmup_tokens,), ("jit-0",)))
+        plan.append(PromptItem("jit-0", "jit", (spec.jit_warmup_tokens,), ("jit-0",)))
     for length in spec.lengths:
         for i in range(spec.per_length):
             pid = f"fresh-{length}-{i}"
-            plan.append(_Planned(pid, "fresh", (length,), (pid,)))
+            plan.append(PromptItem(pid, "fresh", (length,), (pid,)))
     for k, pair in enumerate(spec.pairs):
         plan.append(
-            _Planned(f"pair{k}", "pair", (pair.cold, pair.cold + pair.extend), (f"pair{k}-cold", f"pair{k}-cont"))
+            PromptItem(f"pair{k}", "pair", (pair.cold, pair.cold + pair.extend), (f"pair{k}-cold", f"pair{k}-cont"))
         )
     return plan
 
@@ -280,20 +284,27 @@ def build_prompts(
 ) -> list[BuiltPrompt]:
     """Every prompt of ``spec``, exact and checked (see the module doc). ``max_tokens_hint``: the engine's
     context length if known; a prompt longer than it is a :class:`ConfigError` before anything is built."""
-    if not spec.corpora:
-        raise ConfigError(f"prompts.corpora is empty: name at least one of {', '.join(BUILTIN_CORPORA)} or a .txt file")
-    corpora = [load_corpus(c, base_dir=base_dir) for c in spec.corpora]
     plan = _plan(spec)
     if max_tokens_hint is not None:
         _check_fits(plan, max_tokens_hint)
+    return build_prompt_items(tok, spec, list(enumerate(plan)), base_dir=base_dir)
+
+
+def build_prompt_items(tok: Any, spec: PromptsSpec, items: list[tuple[int, PromptItem]], *,
+                       base_dir: Path | None = None) -> list[BuiltPrompt]:
+    """The prompts of ``items``, each at its position in a set: the document at position ``p`` is cut from
+    corpus ``p % len(corpora)`` at the start that the prompts before it in that corpus leave, with ordinal
+    ``p + 1``, so a prompt's text depends on (corpora, seed, position) alone. :func:`build_prompts` is the set
+    at positions 0, 1, ...; a sweep builds its points' prompts at positions of their own."""
+    if not spec.corpora:
+        raise ConfigError(f"prompts.corpora is empty: name at least one of {', '.join(BUILTIN_CORPORA)} or a .txt file")
+    corpora = [load_corpus(c, base_dir=base_dir) for c in spec.corpora]
     starts = {c.name: _start_order(c, spec.seed) for c in corpora}
-    used = {c.name: 0 for c in corpora}
     chars_per_token: dict[str, float] = {}
     built: list[BuiltPrompt] = []
-    for position, item in enumerate(plan):
+    for position, item in items:
         corpus = corpora[position % len(corpora)]
-        start = starts[corpus.name][used[corpus.name] % len(corpus.paragraphs)]
-        used[corpus.name] += 1
+        start = starts[corpus.name][_used_before(corpora, position) % len(corpus.paragraphs)]
         if corpus.name not in chars_per_token:
             chars_per_token[corpus.name] = _chars_per_token(tok, corpus, spec.seed)
         cuts = _build_document_prompts(
@@ -303,7 +314,14 @@ def build_prompts(
     return built
 
 
-def _check_fits(plan: list[_Planned], limit: int) -> None:
+def _used_before(corpora: list[Corpus], position: int) -> int:
+    """How many documents at positions before ``position`` come from the same corpus as it (the rotation)."""
+    n, name = len(corpora), corpora[position % len(corpora)].name
+    same = [j for j in range(n) if corpora[j].name == name]
+    return (position // n) * len(same) + sum(1 for j in same if j < position % n)
+
+
+def _check_fits(plan: list[PromptItem], limit: int) -> None:
     for item in plan:
         if max(item.lengths) > limit:
             raise ConfigError(
@@ -325,7 +343,7 @@ def _chars_per_token(tok: Any, corpus: Corpus, seed: int) -> float:
 
 
 def _build_document_prompts(
-    tok: Any, corpus: Corpus, item: _Planned, *, seed: int, ordinal: int, start: int, cpt: float
+    tok: Any, corpus: Corpus, item: PromptItem, *, seed: int, ordinal: int, start: int, cpt: float
 ) -> list[tuple[str, list[int]]]:
     need = max(item.lengths)
     min_chars = int(math.ceil(need * cpt * _SOURCE_MARGIN)) + 64
@@ -339,7 +357,7 @@ def _build_document_prompts(
     raise PromptError(f"cannot build a prompt of {need} tokens from {where}: the generated text stays too short")
 
 
-def _records(item: _Planned, corpus: Corpus, cuts: list[tuple[str, list[int]]]) -> list[BuiltPrompt]:
+def _records(item: PromptItem, corpus: Corpus, cuts: list[tuple[str, list[int]]]) -> list[BuiltPrompt]:
     out: list[BuiltPrompt] = []
     for j, ((text, ids), length, pid) in enumerate(zip(cuts, item.lengths, item.parent_ids)):
         if item.kind == "pair":

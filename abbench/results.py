@@ -163,6 +163,10 @@ class RunRecord(_Model):
     auto_rounds: dict[str, Any] | None = Field(
         None, description="With run.rounds = 'auto': the stopping rule fixed before the run, each decision "
         "after a round, and why the run stopped (abbench.runner.rounds).")
+    sweep: dict[str, Any] | None = Field(
+        None, description="With a [sweep] table: its rule, each pass (stage, arms, points, why), each decision "
+        "after a pass, why the sweep stopped and its result: per arm pair the points and the crossover "
+        "(abbench.runner.sweep).")
 
 
 def _atomic_write(path: Path, text: str) -> None:

@@ -6,6 +6,7 @@ Grammar
 ::
 
     METRIC[ARM(, KIND)(, >=TOKENS | <=TOKENS | TOKENS)(, vs ARM)] OP VALUE        OP: <=  >=  ==
+    crossover[ARM, ARM] OP VALUE
 
 ``ARM`` is an arm of the run; ``KIND`` one of fresh, cold, continuation (default: every kind); ``TOKENS`` a
 prompt length (``32768`` or ``32k``) with ``>=``/``<=`` for a range, bare for exactly that length; ``vs ARM``
@@ -13,7 +14,9 @@ prompt length (``32768`` or ``32k``) with ``>=``/``<=`` for a range, bare for ex
 ``ttft_ratio[layer-major, fresh, >=32768] <= 0.15``, ``h2d_banks[layer-major, fresh, <=65536] == 1``,
 ``x_floor[layer-major] <= 1.10``, ``decode_tok_s[layer-major] >= 100``,
 ``ttft_ratio[layer-major-8k, fresh, >=32768, vs giant-chunk] <= 1.05``,
-``peak_vram_ratio[layer-major-8k, fresh, >=32768, vs giant-chunk] <= 0.60``.
+``peak_vram_ratio[layer-major-8k, fresh, >=32768, vs giant-chunk] <= 0.60``,
+``ttft_ratio[auto, continuation, vs demand|chunked|layer-major] <= 1.05`` (``vs A|B|C``: in each cell, against
+whichever of those arms has the lowest median TTFT there), ``crossover[demand, chunked] >= 512``.
 
 Metrics (:data:`METRICS`), each per (arm, kind, prompt length) cell over measured ok samples:
 
@@ -29,6 +32,9 @@ Metrics (:data:`METRICS`), each per (arm, kind, prompt length) cell over measure
   ``<=``: pass when the whole interval is at or below VALUE, fail when it is wholly above, otherwise
   *inconclusive* (which fails, with a rough estimate of the rounds that might settle it: the interval's
   half-width taken to shrink as 1/sqrt(n)). One sample gives no interval: inconclusive. ``==`` is refused.
+* ``crossover[A, B]`` (runs with a ``[sweep]``): the swept quantity where TTFT(A) / TTFT(B) crosses 1, with A
+  the arm faster below it; one cell, judged on the crossover's 95% interval the same way (an interval that
+  reaches past the swept range is open on that side; no interval is inconclusive): :mod:`~abbench.analysis.sweep`.
 * counter metrics, judged on every sample: ``h2d_banks`` (prefill H2D bytes / the bank; the whole
   request's bytes when the engine gives no split), ``banks_per_window`` (the same over the engine's
   layer-major windows, at least 1: one bank per window is the layer-major promise at any length) and ``peak_vram_gb`` (the engine's ``peak_device_bytes``
@@ -68,6 +74,7 @@ from abbench.analysis.frames import (
     sample_peak_bytes,
 )
 from abbench.analysis.latency import itl_values, min_n, tpot_values, ttft_values
+from abbench.analysis.sweep import crossover, judge_crossover, sweep_pairs, sweep_spec
 from abbench.analysis.timing import CONFIDENCE, paired_ratios, quantile_ci
 from abbench.analysis.transfer import FLOOR_KINDS, floor_table
 from abbench.checkexpr import KINDS, METRICS, OPS, PAIRED, DeclaredCheck, Metric, check_arms, parse_check, parse_checks
@@ -122,10 +129,43 @@ def _peak_vram_ratio(record: RunRecord) -> pd.DataFrame:
 def _values(record: RunRecord, c: DeclaredCheck) -> pd.DataFrame:
     """The check's values: a paired metric against ``c.vs`` when given, else ``VALUES`` (against the
     reference)."""
+    if len(c.vs_arms) > 1:
+        return _fastest_pairs(record, c)
     if c.vs is not None:
         value = sample_peak_bytes if c.metric == "peak_vram_ratio" else (lambda s: s.ttft_s)
         return _pairs(paired_ratios(record, against=c.vs, value=value))
     return VALUES[c.metric](record)
+
+
+def _fastest_pairs(record: RunRecord, c: DeclaredCheck) -> pd.DataFrame:
+    """``ttft_ratio[ARM, ..., vs A|B|C]``: in each (kind, length) cell, the pairs with whichever of A, B, C has
+    the lowest median TTFT there."""
+    df = measured_ok_frame(record)
+    df = df[df["arm"].isin(c.vs_arms) & df["ttft_s"].notna()]
+    if df.empty:
+        return pd.DataFrame(columns=VALUE_COLUMNS)
+    med = df.groupby(["kind", "target_tokens", "arm"], sort=False)["ttft_s"].median().reset_index()
+    best = med.sort_values("ttft_s", kind="stable").drop_duplicates(["kind", "target_tokens"])
+    parts = []
+    for arm, cells in best.groupby("arm", sort=False):
+        p = _pairs(paired_ratios(record, against=str(arm)))
+        keys = set(zip(cells["kind"], cells["target_tokens"]))
+        parts.append(p[[(k, t) in keys for k, t in zip(p["kind"], p["target_tokens"])]])
+    return pd.concat(parts, ignore_index=True) if parts else pd.DataFrame(columns=VALUE_COLUMNS)
+
+
+def _crossover_cells(record: RunRecord, c: DeclaredCheck) -> list[Cell]:
+    """``crossover[A, B]``: one cell, the sweep's quantity, judged on the crossover's interval
+    (:func:`abbench.analysis.sweep.judge_crossover`); none when the run is not a sweep or has no pairs."""
+    sw = sweep_spec(record)
+    pairs = sweep_pairs(record, c.arm, str(c.vs)) if sw is not None else None
+    if pairs is None or pairs.empty:
+        return []
+    x = crossover(record, c.arm, str(c.vs), pairs)
+    status, why = judge_crossover(x, c.op, c.value)
+    value = x.estimate if x.estimate is not None else math.nan
+    return [Cell(str(sw.get("vary")), None, len(pairs), int(pairs["round"].nunique()), value, x.low, x.high,
+                 status, why or x.summary)]
 
 
 def _x_floor(record: RunRecord) -> pd.DataFrame:
@@ -276,6 +316,8 @@ def _judge_counter(c: DeclaredCheck, vals: np.ndarray) -> tuple[float, float, fl
 
 def judge(record: RunRecord, c: DeclaredCheck, values: pd.DataFrame | None = None) -> list[Cell]:
     """The check's cells (kind, length) for its arm, each with its value, interval and verdict."""
+    if c.metric == "crossover":
+        return _crossover_cells(record, c)
     df = _values(record, c) if values is None else values
     df = df[df["arm"] == c.arm]
     cells: list[Cell] = []
@@ -295,12 +337,12 @@ def judge(record: RunRecord, c: DeclaredCheck, values: pd.DataFrame | None = Non
 
 
 def fmt_value(v: float | None) -> str:
-    return "—" if v is None else f"{v:.4g}"
+    return "—" if v is None or math.isnan(v) else f"{v:.4g}"
 
 
 def describe_cell(c: DeclaredCheck, cell: Cell) -> str:
     """'fresh 32768: 0.146 (95% CI 0.143-0.148, n=2 pairs) pass'."""
-    what = "pairs" if c.metric in PAIRED else "samples"
+    what = "pairs" if c.metric in PAIRED or c.metric == "crossover" else "samples"
     if cell.low is None:
         span = f"n={cell.n} {what}"
     else:

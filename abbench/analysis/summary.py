@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pandas as pd
 
@@ -20,6 +20,7 @@ from abbench.analysis.frames import (
 )
 from abbench.analysis.parity import NEAR_TIE_NATS, parity_frame, parity_tokens_of
 from abbench.analysis.paths import active_path_samples, active_path_summary, attention_batching_table
+from abbench.analysis.sweep import SweepPair, analyze_sweep
 from abbench.analysis.timing import overhead_table, paired_ratios, ratio_summary, small_n_notes, ttft_table
 from abbench.analysis.transfer import engine_counter_table, floor_table, gap_table, h2d_table
 from abbench.results import RunRecord
@@ -53,6 +54,7 @@ class Analysis:
     completeness: Completeness
     notes: list[str]
     gate: GateVerdict
+    sweep: list[SweepPair] = field(default_factory=list)
 
 
 def analyze(record: RunRecord, *, parity_tokens: int | None = None, near_tie_nats: float = NEAR_TIE_NATS,
@@ -77,4 +79,5 @@ def analyze(record: RunRecord, *, parity_tokens: int | None = None, near_tie_nat
         memory=memory_table(record), completeness=comp,
         notes=small_n_notes(record, ratios, ttft),
         gate=run_checks(GateInput.of(record, k, comp, parity, path_samples), gate_checks(record, checks)),
+        sweep=analyze_sweep(record),
     )

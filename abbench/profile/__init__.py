@@ -29,6 +29,7 @@ from abbench.profile.specs import (
     PromptsSpec,
     RequestSpec,
     RunSpec,
+    SweepSpec,
     TokenizerSpec,
 )
 from abbench.profile.model import ArmEngine, LaunchSpec, Profile, profile_from_dict
@@ -47,6 +48,6 @@ from abbench.profile.lookup import (
 __all__ = [
     "ADAPTER_PATHS", "BUNDLED_PROFILES_DIR", "DEFAULT_PROFILE", "LOCAL_PROFILES_DIR", "PROFILES_DIR",
     "AdapterName", "ArmEngine", "ArmSpec", "EngineSpec", "EnvVarName", "GateSpec", "LaunchSpec", "PairSpec",
-    "PositiveInt", "Profile", "ProfileEntry", "PromptsSpec", "RequestSpec", "RunSpec", "TokenizerSpec",
+    "PositiveInt", "Profile", "ProfileEntry", "PromptsSpec", "RequestSpec", "RunSpec", "SweepSpec", "TokenizerSpec",
     "available_profiles", "load_profile", "profile_dirs", "profile_from_dict", "resolve_profile_path",
 ]

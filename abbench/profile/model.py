@@ -23,6 +23,7 @@ from abbench.profile.specs import (
     PromptsSpec,
     RequestSpec,
     RunSpec,
+    SweepSpec,
     TokenizerSpec,
     _Model,
 )
@@ -71,6 +72,7 @@ class Profile(_Model):
     arms: list[ArmSpec] = Field(min_length=1)
     run: RunSpec = Field(default_factory=RunSpec)
     gate: GateSpec = Field(default_factory=GateSpec)
+    sweep: SweepSpec | None = None
     # Where the profile came from; not a TOML field (set by load_profile).
     source_path: str | None = Field(None, exclude=False)
 
@@ -100,6 +102,7 @@ class Profile(_Model):
         except ConfigError as e:
             raise ValueError(str(e)) from None
         self._check_auto_rounds()
+        self._check_sweep()
         named = [a.name for a in self.arms if a.service is not None]
         if named and not self.engine.shared_service:
             raise ValueError(f"arms {', '.join(named)} name a service but engine.shared_service is false; set "
@@ -131,6 +134,30 @@ class Profile(_Model):
         if not any(c.spec.ratio for c in parse_checks(self.gate.checks)):
             raise ValueError("run.rounds = \"auto\" narrows the intervals of declared ratio checks, and gate.checks "
                              "declares none: add e.g. \"ttft_ratio[ARM, fresh] <= 0.5\" (ttft_ratio, x_floor)")
+
+    def _check_sweep(self) -> None:
+        sw, names = self.sweep, [a.name for a in self.arms]
+        if sw is None:
+            if any(c.metric == "crossover" for c in parse_checks(self.gate.checks)):
+                raise ValueError("gate.checks: crossover[...] needs a [sweep] table (the quantity it crosses over)")
+            return
+        if "lengths" not in self.prompts.model_fields_set:  # a sweep's points are its prompts: no default 512
+            self.prompts.lengths = []
+        if self.run.rounds == "auto":
+            raise ValueError("[sweep] runs a fixed number of rounds at every point; set run.rounds to a number")
+        for a, b in sw.crossovers:
+            for arm in (a, b):
+                if arm not in names:
+                    raise ValueError(f"sweep.crossovers: [{a}, {b}]: unknown arm {arm!r}; arms are {', '.join(names)}")
+            if self.engine.shared_service and (self.arm(a).service or "shared") != (self.arm(b).service or "shared"):
+                raise ValueError(f"sweep.crossovers: [{a}, {b}] are on different services; a sweep runs one service "
+                                 "at a time, so the arms it compares must share one")
+        measured = "continuation" if sw.vary == "suffix" else "fresh"
+        if measured in self.run.exclude_kinds:
+            raise ValueError(f"run.exclude_kinds excludes {measured!r}, the prompts a {sw.vary} sweep measures")
+        if sw.prefix_request and "cold" not in self.run.exclude_kinds:
+            raise ValueError("sweep.prefix_request runs every arm's cold prompts alike, so they measure no arm: "
+                             "exclude them (run.exclude_kinds = [\"warmup\", \"jit\", \"cold\"])")
 
     def arm_engine(self, arm: str | None = None) -> ArmEngine:
         """How to talk to ``arm``'s engine: the arm's own ``adapter``/``model``/paths where it sets them, else
@@ -245,6 +272,8 @@ class Profile(_Model):
                 data["gate"]["parity_reference"] = None
             data["gate"]["allow_fallback"] = [a for a in data["gate"]["allow_fallback"] if a in arms]
             data["gate"]["checks"] = checks_within(data["gate"]["checks"], arms, data["run"]["reference"] or arms[0])
+            if data.get("sweep"):
+                data["sweep"]["crossovers"] = [p for p in data["sweep"]["crossovers"] if set(p) <= set(arms)]
         if rounds == "auto":
             data["run"]["rounds"] = "auto"
             for k, v in AUTO_DEFAULTS.items():

@@ -20,7 +20,7 @@ from abbench.errors import ConfigError
 
 __all__ = [
     "ArmSpec", "AdapterName", "EngineSpec", "EnvVarName", "GateSpec", "PairSpec", "PositiveInt", "PromptsSpec",
-    "RequestSpec", "RunSpec", "TokenizerSpec",
+    "RequestSpec", "RunSpec", "SweepSpec", "TokenizerSpec",
 ]
 
 PositiveInt = Annotated[int, Field(gt=0)]
@@ -259,3 +259,48 @@ class GateSpec(_Model):
         "arm TTFT ratios divide by): e.g. an engine's own resident floor for parity, another engine for speed.",
     )
 
+
+
+class SweepSpec(_Model):
+    """``[sweep]``: vary one quantity over a grid and locate where two arms' TTFT cross
+    (:mod:`abbench.runner.sweep` runs it, :mod:`abbench.analysis.sweep` computes the crossover)."""
+
+    vary: Literal["suffix", "length"] = Field(
+        description="What the points are: 'suffix' = uncached tokens after a cached prefix (a cold prompt of "
+        "prefix_tokens, then its continuation by that many tokens); 'length' = the tokens of a fresh prompt.")
+    points: list[PositiveInt] = Field(min_length=2, description="The grid (token counts), e.g. [64, 256, 1024].")
+    prefix_tokens: PositiveInt | None = Field(
+        None, description="vary = 'suffix': tokens of the cached prefix (the cold prompt) at every point.")
+    per_point: PositiveInt = Field(1, description="Distinct prompts (or cold/continuation pairs) per point.")
+    prefix_request: dict[str, Any] = Field(
+        default_factory=dict,
+        description="vary = 'suffix': request fields of the cold prompts, replacing the arm's for them (e.g. "
+        "{ prefill_mode = \"layer-major\" }: every arm builds its prefix the same, cheap way); the cold "
+        "prompts must then be excluded (run.exclude_kinds).")
+    crossovers: list[tuple[str, str]] = Field(
+        default_factory=list,
+        description="Arm pairs [A, B] whose TTFT crossing is located and refined; A is the arm expected to be "
+        "faster below the crossover (e.g. [\"demand\", \"chunked\"]).")
+    target_width: float = Field(
+        0.25, gt=0, description="Refine a crossover until its 95% interval and its bracket (the two points it lies "
+        "between) are each at most this fraction of it wide ((high - low) / crossover).")
+    max_refinements: int = Field(
+        3, ge=0, description="At most this many points are added per crossover (0: the grid only).")
+
+    @field_validator("points")
+    @classmethod
+    def _points(cls, v: list[int]) -> list[int]:
+        if len(set(v)) != len(v):
+            raise ValueError("points must be distinct")
+        return sorted(v)
+
+    @model_validator(mode="after")
+    def _shape(self) -> SweepSpec:
+        if self.vary == "suffix" and self.prefix_tokens is None:
+            raise ValueError("vary = \"suffix\" needs prefix_tokens (the cached prefix, e.g. 16384)")
+        if self.vary != "suffix" and (self.prefix_tokens is not None or self.prefix_request):
+            raise ValueError("prefix_tokens and prefix_request apply only with vary = \"suffix\"")
+        for a, b in self.crossovers:
+            if a == b:
+                raise ValueError(f"crossovers: [{a!r}, {b!r}] pairs an arm with itself")
+        return self

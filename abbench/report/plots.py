@@ -205,6 +205,9 @@ def write_plots(record: RunRecord, a: an.Analysis, plots_dir: Path) -> tuple[dic
         "ttft_memory": (not a.ttft_memory.empty, "no peak device memory per request",
                         lambda p: plot_ttft_memory(a, p)),
     }
+    if a.sweep:  # a sweep run: its ratio against the quantity
+        jobs["sweep"] = (any(not p.points.empty for p in a.sweep), "no sweep point has pairs of both arms",
+                         lambda p: plot_sweep(record, a, p))
     for name, (ok, why, draw) in jobs.items():
         path = plots_dir / f"{name}.png"
         if not ok:
@@ -217,3 +220,47 @@ def write_plots(record: RunRecord, a: an.Analysis, plots_dir: Path) -> tuple[dic
         os.replace(tmp, path)
         written[name] = path
     return written, skipped
+
+
+def plot_sweep(record: RunRecord, a: an.Analysis, path: Path) -> None:
+    """A sweep's paired TTFT ratio against the swept quantity (log x), one panel per arm pair: the pairs
+    (dots), the median per point (line), its 95% interval (band), 1 (dashed) and the crossover with its interval
+    (a vertical line and a shaded span; an open side reaches the panel's edge)."""
+    from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
+
+    from abbench.analysis.sweep import quantity
+
+    pairs = [p for p in a.sweep if not p.points.empty]
+    fig = _figure(7.5, 3.2 * len(pairs) + 0.6)
+    axes = fig.subplots(len(pairs), 1, squeeze=False)[:, 0]
+    for ax, p in zip(axes, pairs):
+        pts = p.points
+        xs = pts["x"].astype(float).to_numpy()
+        ax.scatter(p.pairs["x"].astype(float), p.pairs["ratio"].astype(float), s=16, color="C0", zorder=3,
+                   label="pairs")
+        ax.plot(xs, pts["median_ratio"].astype(float), color="C1", marker="o", lw=2, zorder=2, label="median")
+        lo, hi = pts["ci_low"].astype(float).to_numpy(), pts["ci_high"].astype(float).to_numpy()
+        ax.fill_between(xs, lo, hi, color="C1", alpha=0.2, lw=0, label="95% CI")
+        ax.axhline(1.0, color="gray", ls="--", lw=1)
+        ax.set_xscale("log")
+        left, right = xs.min() / 1.5, xs.max() * 1.5
+        ax.set_xlim(left, right)
+        c = p.crossover
+        if c.low is not None and c.high is not None:
+            ax.axvspan(max(c.low, left), min(c.high, right), color="C2", alpha=0.15, lw=0,
+                       label="crossover 95% CI")
+        if c.estimate is not None:
+            ax.axvline(c.estimate, color="C2", lw=1.5, label=f"crossover {c.estimate:.0f}")
+        _log_if_wide(ax, list(p.pairs["ratio"]) + [1.0])
+        ax.set_xticks(xs, [f"{int(x)}" for x in xs], fontsize=8)
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        if ax.get_yscale() == "log":
+            ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+            ax.yaxis.set_major_formatter(ScalarFormatter())
+            ax.yaxis.set_minor_formatter(NullFormatter())
+        ax.set_xlabel(quantity(record) + " (log)")
+        ax.set_ylabel(f"TTFT {p.a} / {p.b}")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+        ax.set_title(c.summary, fontsize=9)
+    fig.savefig(path)

@@ -65,6 +65,7 @@ from abbench.runner.lock import LOCK_FILE, RunLock, signals_as_interrupt, signal
 from abbench.runner.resume import check_resumable, mark_resumed
 from abbench.runner.rounds import initial_rounds, is_auto, next_round, plan_for, planned_rounds
 from abbench.runner.rounds import rule as auto_rule
+from abbench.runner import sweep as sweeps
 from abbench.runner.slot import ServiceSlot, check_launch_commands
 from abbench.services import Service, stop_all
 from abbench.telemetry import ServiceMonitor
@@ -290,10 +291,15 @@ class Run:
         ca_bundle = profile.ca_bundle_path()
         notify(ProgressEvent("prompts", "building exact-length prompts"))
         tok, built = prepare(profile, cache_dir=cache_dir)
+        sweep = None
+        if sweeps.is_sweep(profile):  # its points' prompts too: the grid's, or (resumed) every recorded pass's
+            sweep = existing.sweep if existing is not None and existing.sweep else sweeps.initial_state(profile)
+            built += sweeps.build_points(tok, profile, sweeps.all_points(sweep))
         prompt_records = [b.record for b in built]
         rounds = planned_rounds(existing.plan) if existing is not None and existing.plan and is_auto(profile) \
             else initial_rounds(profile)
-        plan = plan_for(profile, prompt_records, rounds)
+        plan = sweeps.sweep_plan(profile, prompt_records, sweep) if sweep is not None else \
+            plan_for(profile, prompt_records, rounds)
         env = environment_fingerprint([s.argv for s in profile.launch_specs() if s.argv is not None])
         if existing is not None:
             notes = check_resumable(run_dir, existing, prompt_records, plan, env)
@@ -308,7 +314,8 @@ class Run:
             record = RunRecord(run_id=run_dir.name, status="running", created_at=time.time(),
                                abbench_version=__version__, profile=profile.model_dump(mode="json"),
                                environment=env, prompts=prompt_records, plan=plan,
-                               auto_rounds={"rule": auto_rule(profile), "decisions": []} if is_auto(profile) else None)
+                               auto_rounds={"rule": auto_rule(profile), "decisions": []} if is_auto(profile) else None,
+                               sweep=sweep)
         log = _open_log(run_dir, record, lock, resume=resume)
         if log.repaired:
             notify(ProgressEvent("warning", log.repaired))
@@ -386,7 +393,10 @@ class Run:
 
     def more_rounds(self) -> list[Step]:
         """With ``run.rounds = "auto"``: decide after the planned rounds (:mod:`abbench.runner.rounds`) and
-        append the next round to the plan, or [] when the run stops (the reason is recorded)."""
+        append the next round to the plan, or [] when the run stops (the reason is recorded). A sweep decides
+        its next pass instead (:meth:`more_points`)."""
+        if sweeps.is_sweep(self.profile):
+            return self.more_points()
         if not is_auto(self.profile):
             return []
         steps = next_round(self.record, self.profile)
@@ -394,6 +404,27 @@ class Run:
         self.notify("warning" if not steps and "max_rounds" in str(decision.get("reason")) else "service",
                     f"auto rounds after round {decision.get('round')}: "
                     + (f"one more ({decision.get('reason')})" if steps else f"stop: {decision.get('reason')}"))
+        self.record.plan.extend(steps)
+        save_run(self.run_dir, self.record)
+        return steps
+
+    def more_points(self) -> list[Step]:
+        """A sweep's next pass (:func:`abbench.runner.sweep.next_pass`): its new points' prompts are built and
+        its steps appended to the plan (saved with the decision), or [] when the sweep stops."""
+        nxt = sweeps.next_pass(self.record, self.profile)
+        decision = self.record.sweep["decisions"][-1] if self.record.sweep else {}
+        self.notify("service", f"sweep: {decision.get('next')}")
+        if nxt is None:
+            save_run(self.run_dir, self.record)
+            return []
+        known = {p.id for p in self.record.prompts}
+        todo = [x for x in nxt["points"] if not set(sweeps.point_prompt_ids(self.profile.sweep, x)) <= known]
+        if todo:
+            self.notify("prompts", f"building the prompts of {', '.join(map(str, todo))}")
+        for b in sweeps.build_points(self.tokenizer, self.profile, todo):
+            self.record.prompts.append(b.record)
+            self.prompts[b.record.id] = b
+        steps = sweeps.sweep_plan(self.profile, self.record.prompts, self.record.sweep)[len(self.record.plan):]
         self.record.plan.extend(steps)
         save_run(self.run_dir, self.record)
         return steps
@@ -439,7 +470,8 @@ class Run:
         eng, req = self.profile.arm_engine(step.arm), self.profile.request
         bp = self.prompts[step.prompt_id]
         return self.client.complete(
-            svc.base_url, bp.text, request=req, extra={**req.extra, **self.profile.arm(step.arm).request},
+            svc.base_url, bp.text, request=req,
+            extra={**req.extra, **self.profile.arm(step.arm).request, **sweeps.request_fields(self.profile, step)},
             target_prompt_tokens=bp.record.target_tokens + self.added_tokens, model=eng.model,
             retokenize=lambda text: self.tokenizer.encode(text, add_special_tokens=False), adapter=eng.adapter,
             headers=self.headers(step.arm))

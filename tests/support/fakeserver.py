@@ -30,7 +30,8 @@ and the text is their decoding). A request field ``fake_diverge_at: K`` changes 
 (to test parity checks).
 
 Modes (server-wide with ``--mode``; per request with the header ``X-Fake-Mode`` or the body field
-``fake_mode``; ``X-Fake-Delay``/``fake_delay_s`` and ``X-Fake-Token-Delay``/``fake_token_delay_s`` likewise)
+``fake_mode``; ``X-Fake-Delay``/``fake_delay_s`` and ``X-Fake-Token-Delay``/``fake_token_delay_s`` likewise;
+the body field ``fake_delay_per_token_s`` sleeps that long per prompt token before answering, in every mode)
 are listed in :data:`MODES`. ``die-mid-stream`` and ``--die-after-requests`` exit the process when it runs
 from the command line, and only drop the connection in-process.
 """
@@ -376,6 +377,7 @@ class _Handler(BaseHTTPRequestHandler):
             ids, texts = ids[:cut], texts[:cut]
             finish = "stop" if ignore_eos else "abort"
         prompt_tokens = srv.vocab.count(prompt)
+        time.sleep(float(body.get("fake_delay_per_token_s") or 0.0) * prompt_tokens)  # a prefill's cost
         counters = srv.count(completions=1, prompt_tokens=prompt_tokens, generation_tokens=len(ids), h2d_bytes=4096 * prompt_tokens)
         usage = {
             "prompt_tokens": prompt_tokens + (mode == "usage-mismatch"),

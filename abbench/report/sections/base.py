@@ -12,6 +12,7 @@ from abbench.results import RunRecord
 
 
 PLOTS = ("ttft", "ratios", "h2d", "memory", "ttft_memory")
+"""The plots of every run with data; a sweep run adds ``sweep`` (:mod:`abbench.report.sections.sweep`)."""
 
 
 @dataclass

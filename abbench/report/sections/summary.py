@@ -101,6 +101,7 @@ def small_n_section(ri: ReportInput) -> list[str]:
 
 def plots_section(ri: ReportInput) -> list[str]:
     lines = ["## Plots", ""]
-    lines += [f"- [{name}.png]({ri.plots[name]})" for name in PLOTS if ri.plots.get(name)]
+    names = [*PLOTS, *(n for n in ri.plots if n not in PLOTS)]  # a sweep's plot too
+    lines += [f"- [{name}.png]({ri.plots[name]})" for name in names if ri.plots.get(name)]
     lines += [f"- {name}.png: not drawn ({why})" for name, why in ri.plot_missing.items()]
     return lines
