@@ -15,7 +15,8 @@ Contract:
 * :func:`compare` raises :class:`CompareRefused` (exit 2) when the two runs do not measure the same thing:
   another profile (its name), another prompt set (a prompt id in one run only, or one id built from other
   text: prompt sha256) or another tokenizer. The message says what differs. Cells (arm, kind, length)
-  present in one run only (e.g. ``--arms``) are listed, not compared.
+  present in one run only (e.g. ``--arms``, or a sweep's refinement point that only one run added) are
+  listed, not compared.
 * :func:`render_markdown` gives GitHub Markdown to paste into a PR: the verdict, the environment and
   profile differences, and one row per (arm, kind, length, metric); descriptive columns that are the same
   in every row are stated once above the table, and a metric equal in every cell of both runs is named
@@ -35,6 +36,7 @@ import numpy as np
 import pandas as pd
 
 from abbench.analysis.frames import arm_rank, measured_ok_frame, peak_bytes
+from abbench.analysis.sweep import SWEEP_PREFIX
 from abbench.errors import AbbenchError
 from abbench.fingerprint import key_value
 from abbench.report.format import DASH, Col, bullets, code, fmt_gb, fmt_gib, fmt_int, fmt_num, fmt_s, table, when
@@ -115,6 +117,9 @@ def _check_same_inputs(base: RunRecord, cand: RunRecord) -> None:
     c = {p.id: p.sha256 for p in cand.prompts}
     differ = sorted(i for i in b.keys() & c.keys() if b[i] != c[i])
     only_b, only_c = sorted(b.keys() - c.keys()), sorted(c.keys() - b.keys())
+    # a sweep refines where its own pairs put the crossover: a point of one run only is a cell of one run only
+    only_b = [i for i in only_b if not i.startswith(SWEEP_PREFIX)]
+    only_c = [i for i in only_c if not i.startswith(SWEEP_PREFIX)]
     if differ or only_b or only_c:
         what = ([f"{_ids(differ)} have another sha256 in {cand.run_id} than in {base.run_id} (another corpus, "
                  "seed or tokenizer)"] if differ else [])

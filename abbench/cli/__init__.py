@@ -1,11 +1,11 @@
 """The ``abbench`` command line (Typer). Thin: parse, load, call the core, show progress, map errors to exit
 codes (0 ok, 1 gate failed, 2 usage/config/results error, 130 interrupted).
 
-Commands: ``run``, ``report``, ``gate``, ``compare`` (two runs), ``diff`` and ``probe`` (divergence diagnostics), ``prompts``,
+Commands: ``run``, ``sweep`` (where two arms' TTFT cross), ``report``, ``gate``, ``compare`` (two runs), ``diff`` and ``probe`` (divergence diagnostics), ``prompts``,
 ``profiles``, ``serve`` (the vendored engine), ``export-gguf`` (the engine's weights as a llama.cpp GGUF).
 
 This package holds the Typer ``app`` and registers the commands, in the order ``--help`` lists them, from one
-module per group: :mod:`~abbench.cli.experiment` (run), :mod:`~abbench.cli.results` (report, gate, compare),
+module per group: :mod:`~abbench.cli.experiment` (run), :mod:`~abbench.cli.sweep` (sweep), :mod:`~abbench.cli.results` (report, gate, compare),
 :mod:`~abbench.cli.diagnostics` (diff, probe), :mod:`~abbench.cli.catalog` (prompts, profiles) and
 :mod:`~abbench.cli.engine` (serve, memory-plan, export-gguf); what they share is in :mod:`~abbench.cli.common`.
 The command modules do not import this one.
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import typer
 
-from abbench.cli import catalog, diagnostics, engine, experiment, results
+from abbench.cli import catalog, diagnostics, engine, experiment, results, sweep
 from abbench.cli.common import REPORTS_ROOT, RESULTS_ROOT, console, out
 
 __all__ = ["app", "console", "out", "RESULTS_ROOT", "REPORTS_ROOT", "main"]
@@ -29,6 +29,7 @@ app = typer.Typer(
 )
 
 app.command()(experiment.run)
+app.command()(sweep.sweep)
 app.command()(results.report)
 app.command()(results.gate)
 app.command()(results.compare)

@@ -50,8 +50,8 @@ def _parse_rounds(value: Optional[str]) -> int | str | None:
     return n
 
 
-def _parse_lengths(value: Optional[str]) -> Optional[list[int]]:
-    items = _parse_csv(value, "--lengths")
+def _parse_lengths(value: Optional[str], flag: str = "--lengths") -> Optional[list[int]]:
+    items = _parse_csv(value, flag)
     if items is None:
         return None
     out_: list[int] = []
@@ -63,9 +63,9 @@ def _parse_lengths(value: Optional[str]) -> Optional[list[int]]:
         try:
             n = int(s) * mult
         except ValueError:
-            raise ConfigError(f"--lengths: {it!r} is not a token count (e.g. 512, 4k, 32768)") from None
+            raise ConfigError(f"{flag}: {it!r} is not a token count (e.g. 512, 4k, 32768)") from None
         if n <= 0:
-            raise ConfigError(f"--lengths: {it!r} must be positive")
+            raise ConfigError(f"{flag}: {it!r} must be positive")
         out_.append(n)
     return out_
 

@@ -101,8 +101,8 @@ class Profile(_Model):
             check_arms(parse_checks(self.gate.checks), names, self.reference_arm, "gate.checks")
         except ConfigError as e:
             raise ValueError(str(e)) from None
-        self._check_auto_rounds()
         self._check_sweep()
+        self._check_auto_rounds()
         named = [a.name for a in self.arms if a.service is not None]
         if named and not self.engine.shared_service:
             raise ValueError(f"arms {', '.join(named)} name a service but engine.shared_service is false; set "
