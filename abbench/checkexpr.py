@@ -29,6 +29,8 @@ from dataclasses import dataclass
 
 from abbench.errors import ConfigError
 
+GRAMMAR = "METRIC[ARM(, KIND)(, >=TOKENS|<=TOKENS|TOKENS)(, vs ARM)] OP VALUE"
+"""The grammar in one line (help texts and errors quote it)."""
 KINDS = ("fresh", "cold", "continuation")
 OPS = ("<=", ">=", "==")
 
@@ -135,7 +137,7 @@ def parse_check(expr: str) -> DeclaredCheck:
     where = f"check {expr!r}"
     m = _EXPR.match(expr or "")
     if not m:
-        raise ConfigError(f"{where}: not of the form METRIC[ARM(, KIND)(, >=TOKENS|<=TOKENS)] OP VALUE, e.g. "
+        raise ConfigError(f"{where}: not of the form {GRAMMAR}, e.g. "
                           "'ttft_ratio[layer-major, fresh, >=32768] <= 0.15'")
     metric = m["metric"]
     if metric not in METRICS:

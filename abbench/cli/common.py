@@ -89,17 +89,25 @@ def _run_or_latest(run: Optional[Path]) -> Path:
     return found
 
 
+JsonOpt = Annotated[bool, typer.Option(
+    "--json", help="Print one JSON document on stdout instead of the human output (its schema: docs/json.md); "
+    "messages stay on stderr and the exit code is the same.")]
+
+
 RunArg = Annotated[Optional[Path], typer.Argument(
     help="Run directory (or run id under results/). Default: the most recent run under ./results/.")]
 
 
 def _render_report(run: Path, out: Optional[Path] = None) -> Path:
+    """The report of ``run`` at ``out`` (a Markdown file; a directory, or a path without ``.md``, gets
+    ``<run-id>.md`` inside it), its plots in the folder beside it named after it. Default: reports/<run-id>.md."""
     from abbench.report import write_report
     from abbench.results import load_run
 
     record, problems = load_run(run, RESULTS_ROOT)
-    root = out or REPORTS_ROOT
-    md = write_report(record, problems, root / f"{record.run_id}.md", root / record.run_id)
+    path = out if out is not None and out.suffix == ".md" and not out.is_dir() else (
+        (out or REPORTS_ROOT) / f"{record.run_id}.md")
+    md = write_report(record, problems, path, path.with_suffix(""))
     console.print(f"report -> {md}")
     return md
 

@@ -12,13 +12,31 @@ from typing import Annotated, Optional
 import typer
 
 from abbench.cli.common import RESULTS_ROOT, RunArg, _fail, _run_or_latest, console
-from abbench.errors import AbbenchError
+from abbench.errors import AbbenchError, ConfigError
 
+
+
+def _first_divergence(record, prompt: str | None, arm: str | None, round_: int | None):  # type: ignore[no-untyped-def]
+    """``(prompt, arm)`` as given, else the run's first divergence from the parity reference (said on stderr);
+    ConfigError when nothing diverges there."""
+    from abbench.diagnostics.diff import first_divergence
+
+    if prompt is not None and arm is not None:
+        return prompt, arm, None
+    d = first_divergence(record, prompt_id=prompt, arm=arm, round=round_)
+    if d is None:
+        where = " and ".join(x for x in (f"prompt {prompt}" if prompt else "", f"arm {arm}" if arm else "") if x)
+        raise ConfigError(f"no measured output of run {record.run_id}{' for ' + where if where else ''} differs from "
+                          "the parity reference's: nothing diverges; name --prompt (and --arm) to look anyway")
+    console.print(f"first divergence: {d.describe()}", highlight=False)
+    return d.prompt_id, d.arm, d
 
 
 def diff(
-    prompt: Annotated[str, typer.Option("--prompt", help="Prompt id (see the report or `abbench prompts`).")],
     run: RunArg = None,
+    prompt: Annotated[Optional[str], typer.Option(
+        "--prompt", help="Prompt id (see the report or `abbench prompts`). Default: the prompt of the run's first "
+        "divergence from the reference (the earliest output position over every prompt, arm and round).")] = None,
     arm: Annotated[Optional[str], typer.Option(
         help="Arm to compare with the reference. Default: the first that differs.")] = None,
     round_: Annotated[Optional[int], typer.Option(
@@ -27,12 +45,22 @@ def diff(
         min=0, help="Show only this many positions either side of the divergence.")] = None,
 ) -> None:
     """Print the reference arm's and another arm's ids for one prompt side by side (token text, top-2
-    logprobs), the first divergence marked and classified (near-tie or not)."""
+    logprobs), the first divergence marked and classified (near-tie or not).
+
+    Examples:
+
+    \b
+      abbench diff results/chunk-sizes-bf16
+      abbench diff results/chunk-sizes-bf16 --prompt fresh-1024-1 --arm chunk96 --context 3
+      abbench diff results/readme-cpu-tiny --prompt fresh-384-0    # identical over all 16 ids
+    """
     from abbench.diagnostics.diff import diff_prompt, format_diff, load_run_tokenizer
     from abbench.results import load_run
 
     try:
         record, _ = load_run(_run_or_latest(run), RESULTS_ROOT)
+        if prompt is None:
+            prompt, arm, _ = _first_divergence(record, None, arm, round_)
         diff_prompt(record, prompt, arm=arm, round=round_)  # a wrong --prompt/--arm fails before loading it
         try:
             tok = load_run_tokenizer(record)
@@ -47,25 +75,31 @@ def diff(
 
 
 def probe(
-    prompt: Annotated[str, typer.Option("--prompt", help="Prompt id.")],
-    arm: Annotated[str, typer.Option("--arm", help="Arm to probe (fed the reference's ids).")],
     run: RunArg = None,
+    prompt: Annotated[Optional[str], typer.Option(
+        "--prompt", help="Prompt id. Default: the prompt of the run's first divergence.")] = None,
+    arm: Annotated[Optional[str], typer.Option(
+        "--arm", help="Arm to probe (fed the reference's ids). Default: the arm of the run's first "
+        "divergence.")] = None,
     base_url: Annotated[Optional[str], typer.Option(
         help="A running server with the arm's configuration. Default: launch the arm's service from the "
         "recorded profile.")] = None,
     round_: Annotated[Optional[int], typer.Option(
         "--round", min=1, help="Reference round. Default: its lowest.")] = None,
     positions: Annotated[Optional[int], typer.Option(min=1, help="Probe only the first N positions.")] = None,
-    threshold: Annotated[float, typer.Option(
-        min=0.0, help="Nats: logprob difference reported as the first difference.")] = 0.01,
+    logprob_delta: Annotated[float, typer.Option(
+        "--logprob-delta", min=0.0, metavar="NATS",
+        help="A probed logprob further than this from the reference's own is reported as the first "
+        "difference.")] = 0.01,
     reset_each: Annotated[bool, typer.Option(
         help="Reset the engine's cache before every step (each step prefills the whole history).")] = False,
     layers: Annotated[bool, typer.Option(
         "--layers", help="Layer probe: trace the reference and the arm on one history and print the first layer "
         "and sub-block where their hidden states differ (vendored engine or transformers reference).")] = False,
-    position: Annotated[int, typer.Option(
+    position: Annotated[Optional[int], typer.Option(
         min=0, help="--layers: trace the state that picks output token N (prompt + the reference's first N "
-        "ids); 0 = the last prompt position.")] = 0,
+        "ids); 0 = the last prompt position. Default: the output position where the arm first diverged from "
+        "the reference in the run (0 when it never did).")] = None,
     ref_base_url: Annotated[Optional[str], typer.Option(
         help="--layers: a running server with the reference arm's configuration.")] = None,
     out: Annotated[Optional[Path], typer.Option(
@@ -73,21 +107,41 @@ def probe(
 ) -> None:
     """Forced-continuation probe: feed the arm the prompt plus the reference's own ids, one position at a
     time, and compare its logprobs and choices with what the reference captured. With --layers: where in
-    the network the arm's hidden state first differs from the reference's."""
+    the network the arm's hidden state first differs from the reference's. Launches the services it needs
+    from the run's recorded profile (or uses --base-url / --ref-base-url). Without --prompt and --arm: the
+    run's first divergence; with --layers and no --position, at the output position where it diverged.
+
+    Examples:
+
+    \b
+      abbench probe results/chunk-sizes-bf16 --layers --out layers.md
+    """
     from abbench.diagnostics.diff import format_probe, load_run_tokenizer
     from abbench.diagnostics.probe import probe_prompt
     from abbench.results import load_run
 
+    try:
+        record, _ = load_run(_run_or_latest(run), RESULTS_ROOT)
+        prompt, arm, found = _first_divergence(record, prompt, arm, round_)
+    except AbbenchError as e:
+        _fail(e)
+        return
     if layers:
-        _probe_layers(run, prompt, arm, position=position, round_=round_, base_url=base_url,
+        if position is None:
+            from abbench.diagnostics.diff import first_divergence
+
+            d = found or first_divergence(record, prompt_id=prompt, arm=arm, round=round_)
+            position = d.position if d is not None else 0
+            console.print(f"--position {position}: " + ("where the arm first diverged in the run" if d else
+                                                        "the arm never diverged: the last prompt position"))
+        _probe_layers(record, run, prompt, arm, position=position, round_=round_, base_url=base_url,
                       ref_base_url=ref_base_url, out=out)
         return
     try:
-        record, _ = load_run(_run_or_latest(run), RESULTS_ROOT)
         where = f" at {base_url}" if base_url else " (launching its service)"
         console.print(f"probing arm {arm} on prompt {prompt}{where}")
         result = probe_prompt(record, prompt, arm, base_url=base_url, round=round_, positions=positions,
-                              threshold=threshold, reset_each=reset_each)
+                              threshold=logprob_delta, reset_each=reset_each)
         try:
             tok = load_run_tokenizer(record)
         except AbbenchError:
@@ -98,14 +152,12 @@ def probe(
     sys.stdout.write(format_probe(result, tokenizer=tok))
 
 
-def _probe_layers(run: Path, prompt: str, arm: str, *, position: int, round_: int | None, base_url: str | None,
-                  ref_base_url: str | None, out: Path | None) -> None:
+def _probe_layers(record, run: Path | None, prompt: str, arm: str, *, position: int,  # type: ignore[no-untyped-def]
+                  round_: int | None, base_url: str | None, ref_base_url: str | None, out: Path | None) -> None:
     from abbench.diagnostics.layertrace import format_layers, layers_markdown, plot_layers
-    from abbench.results import load_run
     from abbench.diagnostics.layers import probe_layers
 
     try:
-        record, _ = load_run(run, RESULTS_ROOT)
         from abbench.profile import profile_from_dict
 
         ref = profile_from_dict(record.profile, where=f"run {record.run_id} profile").parity_reference_arm
@@ -118,8 +170,8 @@ def _probe_layers(run: Path, prompt: str, arm: str, *, position: int, round_: in
     sys.stdout.write(format_layers(result))
     if out is not None:
         png = plot_layers(result, out.with_suffix(".png"))
-        command = " ".join(["abbench", "probe", str(run), "--prompt", prompt, "--arm", arm, "--layers"]
-                           + (["--position", str(position)] if position else []))
+        command = " ".join(["abbench", "probe", str(run or record.run_id), "--prompt", prompt, "--arm", arm,
+                            "--layers", "--position", str(position)])
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(layers_markdown(result, plot=png.name if png else None, command=command), encoding="utf-8")
         console.print(f"report -> {out}")

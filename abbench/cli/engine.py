@@ -42,7 +42,14 @@ def memory_plan_cmd(
     """What the vendored engine keeps on the GPU at each prefill chunk length, and the decode slot cache a
     budget leaves (the plan `--gpu-memory-budget` applies at start-up; no GPU needed). A longer chunk runs
     fewer, larger GEMMs but needs a larger workspace, so fewer experts stay cached for decode: choose the
-    chunk length per budget here, then start the engine with it (`--chunk-tokens`)."""
+    chunk length per budget here, then start the engine with it (`--chunk-tokens`).
+
+    Examples:
+
+    \b
+      abbench memory-plan --model qwen3-30b-a3b-2507 --budget 24 --chunk-tokens 2048,8192
+      abbench memory-plan --model qwen3.5-35b-a3b --chunk-tokens 2048,8192 --max-context 131072
+    """
     from abbench.engine.config import EngineConfig
     from abbench.engine.memory import plan_device_memory
 
@@ -94,7 +101,13 @@ def export_gguf_cmd(
                                                           "rows).")] = None,
 ) -> None:
     """Write a llama.cpp `qwen3moe` GGUF of the vendored engine's own random weights (same values, same
-    tokenizer), tensor by tensor, for an A/B run of the engine against llama.cpp (docs/llamacpp.md)."""
+    tokenizer), tensor by tensor, for an A/B run of the engine against llama.cpp (docs/llamacpp.md).
+
+    Examples:
+
+    \b
+      abbench export-gguf --model tiny --dtype bfloat16 --out tiny-bf16.gguf
+    """
     try:
         from abbench.peers.gguf_export import export_gguf
         from abbench.peers.llamacpp_serve import gguf_cache_path

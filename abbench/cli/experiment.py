@@ -26,12 +26,20 @@ def run(
         "ratio check (gate.checks) has a narrow interval: the profile's run.target_halfwidth and run.max_rounds, "
         "else 0.05 and 10.")] = None,
     lengths: Annotated[Optional[str], typer.Option(help="Fresh prompt lengths, e.g. 512,2k,4k.")] = None,
-    out_dir: Annotated[Optional[Path], typer.Option("--out", help="Run directory. Default: results/<run-id>.")] = None,
+    out_dir: Annotated[Optional[Path], typer.Option("--out", help="The run directory to write (it must not hold a run). Default: results/<run-id>.")] = None,
     resume: Annotated[Optional[Path], typer.Option(help="Finish an interrupted run in this directory.")] = None,
     report: Annotated[bool, typer.Option(help="Render the Markdown report when the run ends.")] = True,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress display.")] = False,
 ) -> None:
-    """Run an A/B experiment: build exact prompts, drive every arm in ABBA rounds, record every sample."""
+    """Run an A/B experiment: build exact prompts, drive every arm in ABBA rounds, record every sample as it
+    finishes (results/<run-id>/), and render the report. A run stopped before it is complete exits 2 and names
+    the --resume command.
+
+    Examples:
+
+    \b
+      abbench run    # the default profile, cpu-tiny: three arms, two rounds, about a minute on 2 cores
+    """
     from abbench import runner
     from abbench.profile import load_profile
 

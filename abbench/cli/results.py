@@ -1,5 +1,6 @@
 """The commands that read recorded runs: ``report`` (Markdown and plots), ``gate`` (the CI verdict: exit 0 pass,
-1 fail, 2 usage or results error) and ``compare`` (two runs of one profile: exit 1 on a regression).
+1 fail, 2 usage or results error), ``compare`` (two runs of one profile: exit 1 on a regression) and ``export``
+(one row per sample, CSV). ``--json`` prints a document of :mod:`abbench.cli.documents` instead.
 """
 
 from __future__ import annotations
@@ -11,16 +12,26 @@ from typing import Annotated, Optional
 import typer
 from rich.table import Table
 
-from abbench.cli.common import RESULTS_ROOT, RunArg, _fail, _render_report, _run_or_latest, console, out
-from abbench.errors import AbbenchError
+from abbench.checkexpr import GRAMMAR
+from abbench.cli.common import RESULTS_ROOT, JsonOpt, RunArg, _fail, _render_report, _run_or_latest, console, out
+from abbench.errors import AbbenchError, ConfigError
 
 
 
 def report(
     run: RunArg = None,
-    out: Annotated[Optional[Path], typer.Option(help="Reports folder. Default: reports/.")] = None,
+    out: Annotated[Optional[Path], typer.Option(
+        help="The Markdown file to write; its plots go in the folder of the same name beside it. A directory: "
+        "<run-id>.md inside it. Default: reports/<run-id>.md.")] = None,
 ) -> None:
-    """Render reports/<run-id>.md and its PNG plots from a run directory."""
+    """Render a run's Markdown report and its PNG plots.
+
+    Examples:
+
+    \b
+      abbench report results/readme-cpu-tiny
+      abbench report results/chunk-sizes-bf16 --out chunk-sizes.md
+    """
     try:
         _render_report(_run_or_latest(run), out)
     except AbbenchError as e:
@@ -33,8 +44,8 @@ def gate(
         Optional[int], typer.Option(min=1, help="First K greedy ids that must match. Default: the profile's.")
     ] = None,
     check: Annotated[Optional[list[str]], typer.Option(
-        "--check", help="A declared check, METRIC[ARM(, KIND)(, >=TOKENS|<=TOKENS)] OP VALUE (repeatable), on top "
-        "of the profile's gate.checks; e.g. 'ttft_ratio[layer-major, fresh, >=32768] <= 0.15'.")] = None,
+        "--check", metavar="EXPR", help=f"A declared check, {GRAMMAR} (repeatable), on top of the profile's "
+        "gate.checks; e.g. 'ttft_ratio[layer-major, fresh, >=32768] <= 0.15' (docs/checks-and-gate.md).")] = None,
     checks_from: Annotated[Optional[str], typer.Option(
         "--checks-from", help="Also judge the gate.checks of this profile (name or .toml), e.g. a run recorded "
         "before its profile declared them.")] = None,
@@ -43,11 +54,20 @@ def gate(
                                       "below this many nats (arms with their own accept_near_ties keep it). Default: the "
                                       "profile's gate.accept_near_ties.")
     ] = None,
+    as_json: JsonOpt = False,
 ) -> None:
     """Exit 0 when every prompt's first K ids match the parity reference arm (or, where accepted, flip at a near
-    tie) and the declared checks hold; 1 when
-    not (naming prompt, arm and position, or the check and its cell); 2 on a usage or results error (a bad
-    check expression or an unknown arm included)."""
+    tie) and the declared checks hold; 1 when not (naming prompt, arm and position, or the check and its cell);
+    2 on a usage or results error (a bad check expression or an unknown arm included).
+
+    Examples:
+
+    \b
+      abbench gate results/readme-cpu-tiny
+      abbench gate results/cpu-tiny-auto --check 'ttft_ratio[layer-major, fresh] <= 1.5' --json
+      abbench gate results/20261130-h200-qwen3-30b-a3b --checks-from h200-qwen3-30b-a3b    # exit 1: inconclusive
+      abbench gate results/chunk-sizes-bf16 --accept-near-ties 0.05
+    """
     from rich.markup import escape
 
     from abbench.analysis import gate as judge
@@ -61,6 +81,12 @@ def gate(
 
             extra = load_profile(checks_from).gate.checks + extra
         verdict = judge(record, parity_tokens=parity_tokens, checks=extra, accept_near_ties=accept_near_ties)
+        if as_json:
+            from abbench.analysis.declared import declared_exprs
+            from abbench.cli.documents import emit, gate_document
+
+            emit(gate_document(record, verdict, problems, declared_exprs(record) + extra))
+            raise typer.Exit(0 if verdict.passed else 1)
     except AbbenchError as e:
         _fail(e)
         return
@@ -95,14 +121,26 @@ def compare(
     threshold: Annotated[float, typer.Option(
         min=0.0, help="Exit 1 when a metric is worse by more than this fraction with its whole 95% interval "
         "beyond it.")] = 0.05,
-    out_file: Annotated[Optional[Path], typer.Option("--out", help="Write the Markdown here (default: stdout).")] = None,
+    out_file: Annotated[Optional[Path], typer.Option("--out", help="The Markdown file to write. Default: stdout "
+                                                     "(with --json: no Markdown).")] = None,
     plot: Annotated[Optional[Path], typer.Option(
         help="The plot (PNG). Default: next to --out (<out>.png); none when writing to stdout.")] = None,
+    as_json: JsonOpt = False,
 ) -> None:
     """Compare two runs of one profile (main vs a PR): per arm, kind and length the median TTFT, decode
     rate, H2D and peak device memory, the change with a 95% bootstrap interval, and the fingerprint
-    differences. Exit 0 no regression, 1 a regression beyond --threshold, 2 when the prompts or the tokenizer
-    differ (or a usage error)."""
+    differences. A cell with fewer than 3 samples on a side is too few to judge. Exit 0 no regression, 1 a
+    regression beyond --threshold, 2 when the runs are of another profile, prompt set or tokenizer (or a usage
+    error). See docs/compare.md.
+
+    Examples:
+
+    \b
+      abbench compare results/20261129-h200-qwen3-30b-a3b results/20261129b-h200-qwen3-30b-a3b
+      abbench compare results/20261129-h200-qwen3-30b-a3b results/20261129b-h200-qwen3-30b-a3b --json
+      abbench compare results/20261129-h200-qwen3-30b-a3b results/20261129b-h200-qwen3-30b-a3b --out compare.md
+      abbench compare results/readme-cpu-tiny results/cpu-tiny-auto    # exit 2: different profiles
+    """
     import os
 
     from abbench.compare import compare as compare_runs
@@ -126,8 +164,47 @@ def compare(
         out_file.parent.mkdir(parents=True, exist_ok=True)
         out_file.write_text(text, encoding="utf-8")
         console.print(f"compare -> {out_file}" + (f" (plot {plot_path})" if link else ""))
-    else:
+    elif not as_json:
         sys.stdout.write(text)
+    if as_json:
+        from abbench.cli.documents import compare_document, emit
+
+        emit(compare_document(c))
     if len(c.regressions):
         console.print(f"[bold red]compare: {len(c.regressions)} regression(s) beyond {threshold:.0%}[/]")
         raise typer.Exit(1)
+
+
+def export(
+    run: RunArg = None,
+    csv: Annotated[bool, typer.Option("--csv", help="One row per sample, comma-separated, with a header.")] = False,
+    out_file: Annotated[Optional[Path], typer.Option("--out", help="The file to write. Default: stdout.")] = None,
+) -> None:
+    """Export a run's samples for pandas, a spreadsheet or a database: one row per sample (every sample, with
+    `measured` and `ok` saying which count), its timings (ttft_s, total_s, decode_tok_s, tpot_s), token counts,
+    the engine's counters and telemetry, and its output ids. The columns: docs/json.md.
+
+    Examples:
+
+    \b
+      abbench export results/readme-cpu-tiny --csv --out samples.csv
+      abbench export results/readme-cpu-tiny --csv
+    """
+    from abbench.cli.documents import samples_table
+    from abbench.results import load_run
+
+    try:
+        if not csv:
+            raise ConfigError("choose a format: --csv (the run's own records are run.json and requests.jsonl)")
+        record, _ = load_run(_run_or_latest(run), RESULTS_ROOT)
+        table = samples_table(record)
+        if out_file is not None:
+            out_file.parent.mkdir(parents=True, exist_ok=True)
+            table.to_csv(out_file, index=False)
+            console.print(f"export -> {out_file}: {len(table)} samples", highlight=False)
+        else:
+            table.to_csv(sys.stdout, index=False)
+    except AbbenchError as e:
+        _fail(e)
+    except OSError as e:
+        _fail(ConfigError(f"--out {out_file}: cannot write there ({e.strerror or e})"))

@@ -10,6 +10,9 @@ Contract
   when captured. The first diverging position and its classification (identical / near-tie / divergence /
   margin unknown) follow :mod:`abbench.analysis` exactly (:func:`~abbench.analysis.compare_ids`,
   :data:`~abbench.analysis.NEAR_TIE_NATS`). :func:`format_diff` renders it as plain text.
+* :func:`first_divergence` finds where a run's outputs first part from the parity reference's (the earliest
+  output position over every measured prompt, arm and round; ties: the prompt, arm and round that come
+  first): what ``diff`` and ``probe`` look at when no ``--prompt``, ``--arm`` or ``--position`` is given.
 * :class:`ProbeResult` is what a forced-continuation probe found (:func:`abbench.diagnostics.probe.probe_prompt`,
   which launches services) and :func:`format_probe` renders it. This module reads results only.
 
@@ -102,6 +105,49 @@ def _decode(tokenizer: Any, token_id: int | None) -> str | None:
         return decode_ids(tokenizer, [token_id])
     except Exception:  # noqa: BLE001 - an id the tokenizer does not know (a padded embedding row)
         return None
+
+
+@dataclass(frozen=True)
+class Divergence:
+    """Where an arm's output first parts from the parity reference's: a prompt, an arm, a round, an output
+    position (0 = the first generated token)."""
+
+    prompt_id: str
+    arm: str
+    round: int
+    position: int
+
+    def describe(self) -> str:
+        return f"prompt {self.prompt_id}, arm {self.arm}, round {self.round}, output position {self.position}"
+
+
+def first_divergence(record: RunRecord, *, prompt_id: str | None = None, arm: str | None = None,
+                     round: int | None = None) -> Divergence | None:
+    """The earliest divergence of a measured sample from the parity reference's sample of its prompt and round
+    (restricted to ``prompt_id``, ``arm`` and ``round`` when given); None when every output equals the
+    reference's."""
+    ref = an.parity_reference_arm(record)
+    prompt_rank = {p.id: i for i, p in enumerate(record.prompts)}
+    arm_rank = {a: i for i, a in enumerate(an.arm_names(record))}
+    latest: dict[tuple[str, str, int], Sample] = {}
+    for s in sorted(record.samples, key=lambda x: x.step):
+        if usable(s) and not s.excluded:
+            latest[(s.arm, s.prompt_id, s.round)] = s
+    best: tuple[tuple[int, int, int, int], Divergence] | None = None
+    for (a, p, r), s in latest.items():
+        if a == ref or (arm is not None and a != arm) or (prompt_id is not None and p != prompt_id) or (
+                round is not None and r != round):
+            continue
+        r_s = latest.get((str(ref), p, r))
+        if r_s is None:
+            continue
+        _, first, _ = an.compare_ids(s.output_ids, r_s.output_ids, 1)
+        if first is None:
+            continue
+        key = (first, prompt_rank.get(p, len(prompt_rank)), arm_rank.get(a, len(arm_rank)), r)
+        if best is None or key < best[0]:
+            best = (key, Divergence(p, a, r, first))
+    return best[1] if best else None
 
 
 def diff_prompt(record: RunRecord, prompt_id: str, *, arm: str | None = None, round: int | None = None,

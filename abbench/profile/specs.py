@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from pydantic_core import PydanticCustomError
 
 from abbench.adapters import ADAPTER_PATHS, AdapterName
-from abbench.checkexpr import parse_checks
+from abbench.checkexpr import GRAMMAR, parse_checks
 from abbench.errors import ConfigError
 
 __all__ = [
@@ -234,7 +234,7 @@ class GateSpec(_Model):
     max_failed_samples: int = Field(0, ge=0, description="Failed measured samples tolerated.")
     checks: list[str] = Field(
         default_factory=list,
-        description="Declared checks, METRIC[ARM(, KIND)(, >=TOKENS|<=TOKENS)] OP VALUE, e.g. "
+        description=f"Declared checks, {GRAMMAR}, e.g. "
         "'ttft_ratio[layer-major, fresh, >=32768] <= 0.15' (see abbench.analysis.declared).",
     )
 

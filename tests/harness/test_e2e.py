@@ -23,9 +23,14 @@ def abbench(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
 
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`abbench run`'s own example from its --help (the default profile), into a directory of its own."""
+    from tests.harness.test_help_examples import examples
+
+    (argv, code, _), = examples("run")
+    assert argv == ["run"] and code == 0
     work = tmp_path_factory.mktemp("e2e")
     run_dir = work / "run"
-    res = abbench("run", "--out", str(run_dir), "--quiet", "--no-report", cwd=work)
+    res = abbench(*argv, "--out", str(run_dir), "--quiet", "--no-report", cwd=work)
     assert res.returncode == 0, res.stderr[-3000:]
     return run_dir
 
