@@ -77,7 +77,7 @@ def test_never_healthy_skip_arm_records_failed_samples_and_runs_the_others(tmp_p
     assert len(record.samples) == len(record.plan)  # nothing silently missing
     good = [s for s in record.samples if s.arm == "good"]
     sick = [s for s in record.samples if s.arm == "sick"]
-    assert good and all(s.ok for s in good)
+    assert good and all(s.ok for s in good), [(s.prompt_id, s.error) for s in good]
     assert sick and all(s.error_kind == "service" and s.ttft_s is None for s in sick)
     assert "not healthy after 6 s" in sick[0].error
     assert all(s.error == "arm skipped: its service failed" for s in sick[1:])
