@@ -42,6 +42,10 @@ def prompts(
         tok = load_tokenizer(prof.tokenizer.source, base_dir=profile_dir(prof))
         t1 = time.perf_counter()
         built = build_prompts(tok, prof.prompts, base_dir=profile_dir(prof))
+        if prof.sweep is not None:  # a sweep's grid (refinement points are added as the run finds them)
+            from abbench.runner.sweep import build_points
+
+            built += build_points(tok, prof, list(prof.sweep.points))
         t2 = time.perf_counter()
     except AbbenchError as e:
         _fail(e)
@@ -59,7 +63,7 @@ def prompts(
         return
     total = sum(b.record.token_count for b in built)
     table = Table(title=f"{prof.name}: {len(built)} prompts, {total:,} tokens")
-    for col, width in (("id", 16), ("kind", 12), ("tokens", 7), ("corpus", 8), ("sha256", 12)):
+    for col, width in (("id", 18), ("kind", 12), ("tokens", 7), ("corpus", 8), ("sha256", 12)):
         table.add_column(col, no_wrap=True, min_width=width, justify="right" if col == "tokens" else "left")
     table.add_column("preview", no_wrap=True, overflow="ellipsis")
     for b in built:

@@ -9,8 +9,8 @@ plan ordinary ABBA rounds (:func:`abbench.schedule.build_plan`), its samples ord
   (ids ``sweep-<x>-<i>``); of ``vary = "suffix"``, ``per_point`` pairs: a cold prompt of ``prefix_tokens``
   (``sweep-<x>-<i>-cold``) and its continuation by x tokens (``sweep-<x>-<i>-cont``), so the continuation's
   uncached suffix is x after a cached prefix. A point's prompts are built at positions of their own in the
-  prompt set (:data:`POSITION_BASE` + x * per_point + i, :func:`abbench.prompts.build_prompt_items`): their text
-  depends on the point alone, so two runs that refine to the same point measure the same prompts.
+  prompt set (from :data:`POSITION_BASE`, a function of x and i: :func:`abbench.prompts.build_prompt_items`): their
+  text depends on the point alone, so two runs that refine to the same point measure the same prompts.
 * **Stages.** With ``engine.shared_service`` the arms of each service form a stage (services in the order the
   profile's arms first name them); otherwise all arms are one stage. The sweep runs one stage at a time, so a
   shared service starts once for all its points (two routings on two services: two stages). The arms of a
@@ -47,6 +47,18 @@ __all__ = ["POSITION_BASE", "all_points", "build_points", "initial_state", "is_s
 POSITION_BASE = 1_000_000
 """Sweep points' prompts sit at positions from here in the prompt set, clear of any profile's own prompts."""
 
+
+def _position(k: int) -> int:
+    """The position of a point's k-th prompt (k = x * per_point + i < 2^32): a bijective 32-bit mix of k
+    (xorshift-multiply, each step invertible), so no two prompts share a position and the corpora (a position's
+    corpus is position mod their count) rotate even over points that are powers of two."""
+    h = k & 0xFFFFFFFF
+    for _ in range(2):
+        h ^= h >> 16
+        h = (h * 0x45D9F3B) & 0xFFFFFFFF
+    h ^= h >> 16
+    return POSITION_BASE + h
+
 WARMUP_KINDS = ("warmup", "jit")
 
 
@@ -78,7 +90,7 @@ def _items(spec: SweepSpec, xs: list[int]) -> list[tuple[int, PromptItem]]:
     for x in xs:
         for i in range(spec.per_point):
             base = f"{SWEEP_PREFIX}{x}-{i}"
-            position = POSITION_BASE + x * spec.per_point + i
+            position = _position(x * spec.per_point + i)
             if spec.vary == "suffix":
                 assert spec.prefix_tokens is not None
                 out.append((position, PromptItem(base, "pair", (spec.prefix_tokens, spec.prefix_tokens + x),
