@@ -115,8 +115,9 @@ def rule(profile: Profile) -> dict[str, Any]:
             "max_refinements": sw.max_refinements, "crossovers": [list(p) for p in sw.crossovers],
             "stages": stages(profile),
             "text": (f"{what} at {', '.join(map(str, sw.points))} tokens, {sw.per_point} prompt(s) per point; "
-                     f"crossovers ({pairs}) refined by bisection of their bracket until the 95% interval is at most "
-                     f"{sw.target_width:g} of the crossover wide, at most {sw.max_refinements} point(s) each")}
+                     f"crossovers ({pairs}) refined by bisection of their bracket until its 95% interval and the "
+                     f"bracket are each at most {sw.target_width:g} of the crossover wide, at most "
+                     f"{sw.max_refinements} point(s) each")}
 
 
 def initial_state(profile: Profile) -> dict[str, Any]:
