@@ -409,24 +409,29 @@ class Run:
         return steps
 
     def more_points(self) -> list[Step]:
-        """A sweep's next pass (:func:`abbench.runner.sweep.next_pass`): its new points' prompts are built and
-        its steps appended to the plan (saved with the decision), or [] when the sweep stops."""
-        nxt = sweeps.next_pass(self.record, self.profile)
-        decision = self.record.sweep["decisions"][-1] if self.record.sweep else {}
-        self.notify("service", f"sweep: {decision.get('next')}")
-        if nxt is None:
-            save_run(self.run_dir, self.record)
-            return []
+        """A sweep's next pass (:func:`abbench.runner.sweep.next_pass`): its new points' prompts are built, then
+        the decision, the prompts and the pass's steps are recorded together and saved, or [] when the sweep
+        stops."""
+        decision, nxt = sweeps.next_pass(self.record, self.profile)
+        self.notify("service", f"sweep: {decision['next']}")
         known = {p.id for p in self.record.prompts}
-        todo = [x for x in nxt["points"] if not set(sweeps.point_prompt_ids(self.profile.sweep, x)) <= known]
+        todo = [x for x in (nxt or {}).get("points", [])
+                if not set(sweeps.point_prompt_ids(self.profile.sweep, x)) <= known]
         if todo:
             self.notify("prompts", f"building the prompts of {', '.join(map(str, todo))}")
-        for b in sweeps.build_points(self.tokenizer, self.profile, todo):
-            self.record.prompts.append(b.record)
-            self.prompts[b.record.id] = b
-        steps = sweeps.sweep_plan(self.profile, self.record.prompts, self.record.sweep)[len(self.record.plan):]
-        self.record.plan.extend(steps)
-        save_run(self.run_dir, self.record)
+        built = sweeps.build_points(self.tokenizer, self.profile, todo)
+        with signals_held():  # the pass, its prompts and its steps: all in run.json, or none
+            sweeps.record_pass(self.record, decision, nxt)
+            for b in built:
+                self.record.prompts.append(b.record)
+                self.prompts[b.record.id] = b
+            full = sweeps.sweep_plan(self.profile, self.record.prompts, self.record.sweep)
+            done = len(self.record.plan)
+            if [x.model_dump() for x in full[:done]] != [x.model_dump() for x in self.record.plan]:
+                raise AssertionError("a sweep's passes no longer rebuild the plan they made")
+            steps = full[done:]
+            self.record.plan.extend(steps)
+            save_run(self.run_dir, self.record)
         return steps
 
     def service_for(self, step: Step) -> Service | None:

@@ -42,7 +42,7 @@ from abbench.results import PromptRecord, RunRecord, Step
 from abbench.schedule import build_plan
 
 __all__ = ["POSITION_BASE", "all_points", "build_points", "initial_state", "is_sweep", "next_pass",
-           "point_prompt_ids", "request_fields", "rule", "stages", "sweep_plan"]
+           "point_prompt_ids", "record_pass", "request_fields", "rule", "stages", "sweep_plan"]
 
 POSITION_BASE = 1_000_000
 """Sweep points' prompts sit at positions from here in the prompt set, clear of any profile's own prompts."""
@@ -212,9 +212,10 @@ def _decide(record: RunRecord, profile: Profile, stage: int) -> tuple[list[int],
     return sorted(set(new)), asking, entries
 
 
-def next_pass(record: RunRecord, profile: Profile) -> dict[str, Any] | None:
-    """Decide after the passes of ``record.sweep`` (all run): the next pass, appended to the record's passes,
-    or None when the sweep stops (the reason and the result are recorded)."""
+def next_pass(record: RunRecord, profile: Profile) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """Decide after the passes of ``record.sweep`` (all run): (the decision, the next pass or None when the
+    sweep stops). Records nothing: :func:`record_pass` does, once the pass's prompts exist, so a run stopped in
+    between keeps a plan its passes rebuild."""
     state = record.sweep
     assert state is not None, "a sweep run without its sweep record"
     stage = int(state["passes"][-1]["stage"])
@@ -228,11 +229,19 @@ def next_pass(record: RunRecord, profile: Profile) -> dict[str, Any] | None:
     else:
         nxt = None
     decision["next"] = nxt["why"] + f" at {', '.join(map(str, nxt['points']))}" if nxt else "stop"
+    if nxt is None:
+        decision["stopped"] = "; ".join(f"{e['pair'][0]} vs {e['pair'][1]}: {e['action']}" for e in entries) or \
+            "the grid ran (no crossovers declared)"
+    return decision, nxt
+
+
+def record_pass(record: RunRecord, decision: dict[str, Any], nxt: dict[str, Any] | None) -> None:
+    """Append ``decision`` and the pass it chose to ``record.sweep``; when the sweep stops, why and its result."""
+    state = record.sweep
+    assert state is not None, "a sweep run without its sweep record"
     state["decisions"].append(decision)
     if nxt is None:
-        state["stopped"] = "; ".join(f"{e['pair'][0]} vs {e['pair'][1]}: {e['action']}" for e in entries) or \
-            "the grid ran (no crossovers declared)"
+        state["stopped"] = decision["stopped"]
         state["result"] = sweep_summary(record)
-        return None
-    state["passes"].append(nxt)
-    return nxt
+    else:
+        state["passes"].append(nxt)
