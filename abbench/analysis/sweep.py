@@ -205,24 +205,16 @@ class Crossover:
         return f"{a} vs {b} cross at {self.estimate:.0f} ({ci}); {a} is faster {side} it"
 
     def as_dict(self) -> dict[str, Any]:
-        """JSON-able (inf as the string "inf")."""
+        """JSON-able: an interval open above (status "above") has ``high`` null."""
         d = asdict(self)
         d["summary"], d["note"] = self.summary, self.note
-        return _jsonable(d)
+        if self.high is not None and math.isinf(self.high):
+            d["high"] = None
+        return d
 
 
 def _fmt(v: float | None) -> str:
     return "-" if v is None else "inf" if math.isinf(v) else f"{v:.0f}"
-
-
-def _jsonable(v: Any) -> Any:
-    if isinstance(v, dict):
-        return {k: _jsonable(x) for k, x in v.items()}
-    if isinstance(v, list):
-        return [_jsonable(x) for x in v]
-    if isinstance(v, float) and math.isinf(v):
-        return "inf"
-    return v
 
 
 def _bootstrap_crossing(ri: np.ndarray, rj: np.ndarray, xi: int, xj: int, x_min: int, x_max: int,

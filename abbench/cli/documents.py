@@ -1,5 +1,5 @@
 """Machine-readable output: the JSON documents that ``--json`` prints (``gate``, ``compare``, ``profiles``,
-``prompts``) and the per-sample table of ``abbench export --csv``.
+``prompts``, ``sweep``) and the per-sample table of ``abbench export --csv``.
 
 Every document is one JSON object on stdout whose ``schema`` names it and its version
 (``abbench.gate/1``, ...); messages stay on stderr, and the exit code is the command's own. The fields are
@@ -21,7 +21,7 @@ import pandas as pd
 from abbench.results import RunRecord
 
 SCHEMAS = {"gate": "abbench.gate/1", "compare": "abbench.compare/1", "profiles": "abbench.profiles/1",
-           "prompts": "abbench.prompts/1"}
+           "prompts": "abbench.prompts/1", "sweep": "abbench.sweep/1"}
 
 
 def clean(v: Any) -> Any:
@@ -91,6 +91,15 @@ def prompts_document(profile: Any, built: list[Any]) -> dict[str, Any]:
     return {"schema": SCHEMAS["prompts"], "profile": profile.name, "tokenizer": profile.tokenizer.source,
             "total_tokens": sum(b.record.token_count for b in built),
             "prompts": [b.record.model_dump(mode="json") for b in built]}
+
+
+def sweep_document(record: RunRecord) -> dict[str, Any]:
+    """``abbench sweep --json``: the sweep's passes and, per arm pair, every point and the crossover."""
+    from abbench.analysis.sweep import sweep_summary
+
+    state = record.sweep or {}
+    return {"schema": SCHEMAS["sweep"], "run": run_ref(record), **sweep_summary(record),
+            "passes": state.get("passes") or [], "stopped": state.get("stopped")}
 
 
 def samples_table(record: RunRecord) -> pd.DataFrame:

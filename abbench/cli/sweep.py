@@ -1,20 +1,20 @@
 """``abbench sweep``: where do two arms' TTFT cross? Runs a profile's ``[sweep]`` (or one built from the flags)
 as an ordinary run (:mod:`abbench.runner.sweep`), renders the report and prints, per arm pair, the paired ratio
-at every point and the crossover with its interval; ``--json`` prints that as JSON instead. ``abbench run`` runs
-the same profile the same way; ``abbench report``/``gate``/``compare`` read the run like any other.
+at every point and the crossover with its interval; ``--json`` prints the ``abbench.sweep/1`` document instead
+(:func:`abbench.cli.documents.sweep_document`). ``abbench run`` runs the same profile the same way; ``abbench
+report``/``gate``/``compare`` read the run like any other.
 """
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
 import typer
 
-from abbench.cli.common import (RESULTS_ROOT, ProfileOpt, _fail, _parse_csv, _parse_lengths, _render_report, console,
-                                out)
+from abbench.cli.common import (RESULTS_ROOT, JsonOpt, ProfileOpt, _fail, _parse_csv, _parse_lengths, _render_report,
+                                console, out)
 from abbench.errors import AbbenchError, ConfigError
 
 
@@ -43,21 +43,32 @@ def sweep(
     crossover: Annotated[Optional[list[str]], typer.Option(
         "--crossover", metavar="A,B", help="An arm pair whose crossing is located and refined, the arm faster "
         "below it first (repeatable). Default: the profile's, else its first two arms.")] = None,
-    arms: Annotated[Optional[str], typer.Option(help="Comma-separated arms to run, in order. Default: all.")] = None,
-    rounds: Annotated[Optional[int], typer.Option(min=1, help="ABBA rounds at every point.")] = None,
+    arms: Annotated[Optional[str], typer.Option(help="Comma-separated arms to run, in order (A,B). Default: all.")] = None,
+    rounds: Annotated[Optional[int], typer.Option(min=1, help="Rounds at every point; arm order reverses every "
+                                                    "round.")] = None,
     per_point: Annotated[Optional[int], typer.Option(min=1, help="Distinct prompts per point.")] = None,
     max_refinements: Annotated[Optional[int], typer.Option(min=0, help="Points added per crossover, at most.")] = None,
     target_width: Annotated[Optional[float], typer.Option(
         min=1e-9, help="Refine until the crossover's interval and bracket are this fraction of it wide.")] = None,
-    out_dir: Annotated[Optional[Path], typer.Option("--out", help="Run directory. Default: results/<run-id>.")] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Print the crossovers as JSON (stdout).")] = False,
+    out_dir: Annotated[Optional[Path], typer.Option(
+        "--out", help="The run directory to write (it must not hold a run). Default: results/<run-id>.")] = None,
+    as_json: JsonOpt = False,
     report: Annotated[bool, typer.Option(help="Render the Markdown report when the run ends.")] = True,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress display.")] = False,
 ) -> None:
     """Sweep one quantity over a grid, run the arms in ABBA rounds at every point, refine near where two arms'
-    TTFT cross, and print the crossover with its 95% interval."""
+    TTFT cross, and print per arm pair the ratio at every point and the crossover with its 95% interval
+    (docs/sweep.md). The run is an ordinary run: report, gate and compare read it.
+
+    Examples:
+
+    \b
+      abbench sweep -p cpu-tiny-sweep
+      abbench sweep -p cpu-tiny-sweep --arms demand,chunked --points 16,256 --max-refinements 1 --json
+    """
     from abbench import runner
     from abbench.analysis.sweep import sweep_summary
+    from abbench.cli.documents import emit, sweep_document
     from abbench.cli.experiment import _run_with_progress
     from abbench.profile import load_profile, profile_from_dict
 
@@ -83,11 +94,10 @@ def sweep(
                       f"-> {run_dir}")
         if report:
             _render_report(run_dir)
-        summary = sweep_summary(record)
         if as_json:
-            out.print_json(json.dumps(summary))
+            emit(sweep_document(record))
         else:
-            _print(summary)
+            _print(sweep_summary(record))
         if record.status != "complete":
             raise AbbenchError(f"the sweep is {record.status}: {record.status_reason}; finish it with "
                                f"`abbench run --resume {run_dir}`")
@@ -107,7 +117,7 @@ def _print(summary: dict[str, Any]) -> None:
         for col in ("point", "pairs", "median ratio", "95% CI", "verdict"):
             t.add_column(col, justify="left" if col == "verdict" else "right")
         for r in p["points"]:
-            ci = "-" if r["ci_low"] is None else f"{r['ci_low']:.3f}-{r['ci_high']:.3f}"
+            ci = "-" if r["ci_low"] is None else f"{r['ci_low']:.3f}-{r['ci_high']:.3f}"  # n = 1: no interval
             t.add_row(str(r["x"]), str(r["n"]), f"{r['median_ratio']:.3f}", ci, r["verdict"])
         out.print(t)
         c = p["crossover"]

@@ -17,7 +17,8 @@ from abbench.cli import app
 
 REPO = Path(__file__).resolve().parents[2]
 SLOW = {"probe", "export-gguf"}
-E2E = {"run"}  # its example is what tests/harness/test_e2e.py runs (with --out, --quiet and --no-report added)
+E2E = {"run", "sweep"}  # their examples are what tests/harness/test_e2e.py and test_sweep_e2e.py run (with --out,
+# --quiet and --no-report added)
 NO_EXAMPLES = {"serve"}  # its options are the engine's own (`abbench serve --help` is the engine's help)
 cli = CliRunner()
 
@@ -101,6 +102,10 @@ SHARED = {  # an option two commands share, and the words every one of its help 
     "--json": "JSON document",
     "--model": "preset",
     "--dtype": "the engine's --dtype",
+    "--arms": "arms to run",
+    "--rounds": "round",
+    "--report": "Markdown report",
+    "--quiet": "progress display",
 }
 
 

@@ -1,8 +1,9 @@
 """End to end: the bundled cpu-tiny-sweep profile against the vendored engine (tiny preset, CPU), through the real
-CLI: `abbench run` sweeps the uncached suffix, refines, records the sweep in run.json; `abbench report` has the
-Sweep section and plot; `abbench gate` passes (parity and the profile's counter check: nothing here depends on
-which arm the CPU happened to make faster); `abbench compare` reads the run; `abbench gate --check
-crossover[...]` judges a crossover check on it (its verdict is the CPU's, so only its form is asserted)."""
+CLI, as the examples of `abbench sweep --help` show it: the sweep runs the uncached suffix's grid, refines and
+records the sweep in run.json; `abbench report` has the Sweep section and plot; `abbench gate` passes (parity
+and the profile's counter check: nothing here depends on which arm the CPU happened to make faster); `abbench
+compare` reads the run; `abbench gate --check crossover[...]` judges a crossover check on it (its verdict is
+the CPU's, so only its form is asserted); the second example's flags and its JSON document."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ def abbench(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
 @pytest.fixture(scope="module")
 def sweep_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     work = tmp_path_factory.mktemp("sweep-e2e")
-    res = abbench("run", "-p", "cpu-tiny-sweep", "--out", str(work / "run"), "--quiet", "--no-report", cwd=work)
+    res = abbench("sweep", "-p", "cpu-tiny-sweep", "--out", str(work / "run"), "--quiet", "--no-report", cwd=work)
     assert res.returncode == 0, res.stderr[-3000:]
     return work / "run"
 
@@ -65,3 +66,16 @@ def test_report_gate_and_compare_read_the_sweep(sweep_run: Path, tmp_path: Path)
     assert "suffix: " in res.stdout
     res = abbench("compare", str(sweep_run), str(sweep_run), cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-2000:]
+
+
+def test_the_second_example_sweeps_two_arms_and_prints_its_document(tmp_path: Path) -> None:
+    res = abbench("sweep", "-p", "cpu-tiny-sweep", "--arms", "demand,chunked", "--points", "16,256",
+                  "--max-refinements", "1", "--json", "--out", str(tmp_path / "run"), "--no-report", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    doc = json.loads(res.stdout)
+    assert doc["schema"] == "abbench.sweep/1" and doc["run"]["profile"] == "cpu-tiny-sweep"
+    assert doc["vary"] == "suffix" and doc["passes"][0]["points"] == [16, 256] and len(doc["passes"]) <= 2
+    (pair,) = doc["pairs"]  # the crossover naming layer-major went with --arms
+    assert (pair["a"], pair["b"]) == ("demand", "chunked") and pair["crossover"]["status"] in (
+        "crossing", "above", "below")
+    assert [p["x"] for p in pair["points"]][0] == 16 and [p["x"] for p in pair["points"]][-1] == 256

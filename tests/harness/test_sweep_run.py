@@ -231,7 +231,9 @@ def test_abbench_sweep_builds_the_table_from_its_flags(tmp_path: Path, monkeypat
     res = CliRunner().invoke(app, ["sweep", "-p", str(tmp_path / "p.toml"), "--vary", "length", "--points", "20,800",
                                    "--rounds", "1", "--max-refinements", "0", "--json", "-q", "--no-report"])
     assert res.exit_code == 0, res.output
-    data = json.loads(res.stdout[res.stdout.index("{"):])
+    data = json.loads(res.stdout)  # the document alone on stdout
+    assert data["schema"] == "abbench.sweep/1" and data["vary"] == "length" and data["stopped"]
+    assert [p["why"] for p in data["passes"]] == ["grid"]
     (pair,) = data["pairs"]
     assert (pair["a"], pair["b"], [p["x"] for p in pair["points"]]) == ("a", "b", GRID)
     run_dir = next((tmp_path / "results").iterdir())
@@ -249,3 +251,20 @@ def test_render_without_a_sweep_has_no_sweep_section(tmp_path: Path) -> None:
     assert "## Sweep: where the arms cross" in render_markdown(rec, [], analysis.analyze(rec), {}, {})
     rec.profile.pop("sweep")
     assert "## Sweep" not in render_markdown(rec, [], analysis.analyze(rec), {}, {})
+
+
+def test_the_sweep_document_lists_what_docs_json_documents() -> None:
+    """abbench sweep --json's document, on the committed cpu-tiny-sweep run: every field in docs/json.md."""
+    from abbench.cli.documents import clean, sweep_document
+    from tests.harness.test_machine_readable import RESULTS, _documented
+
+    rec, _ = load_run(RESULTS / "cpu-tiny-sweep")
+    doc = json.loads(json.dumps(clean(sweep_document(rec)), allow_nan=False))
+    documented = _documented("abbench sweep --json")
+    assert doc["schema"] == "abbench.sweep/1" and doc["run"]["run_id"] == "cpu-tiny-sweep"
+    items = [doc, doc["run"], *doc["passes"], *doc["pairs"]]
+    for pair in doc["pairs"]:
+        items += [*pair["points"], pair["crossover"], *pair["crossover"]["crossings"]]
+    for item in items:
+        assert set(item) <= documented, f"undocumented fields {set(item) - documented}"
+    assert [len(p["points"]) for p in doc["pairs"]] == [8, 8] and doc["stopped"]
