@@ -43,6 +43,9 @@ __all__ = ["API_SERVER", "describe", "main"]
 MODULE = "abbench.peers.vllm_serve"
 API_SERVER = "vllm.entrypoints.openai.api_server"
 BUILTIN_TOKENIZERS = ("qwen3", "qwen3.6")
+#: The tiny checkpoints' names (abbench.engine.reference.TINY_SHAPES; not imported here: it loads torch, and a
+#: fingerprint of a vLLM command needs none)
+TINY_NAMES = ("tiny-qwen3-moe", "tiny-qwen3-moe-hd64")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -68,9 +71,8 @@ def _split(argv: list[str]) -> tuple[list[str], list[str]]:
 
 
 def _is_tiny(spec: str) -> bool:
-    from abbench.engine.reference import is_tiny_spec
-
-    return is_tiny_spec(spec)
+    name, sep, _ = spec.partition(":")
+    return bool(sep) and name in TINY_NAMES
 
 
 def _tokenizer_dir(source: str | None, model: str) -> str | None:
@@ -110,13 +112,14 @@ def _model_path(spec: str, *, create: bool) -> str:
     """The directory a tiny spec names (made when ``create``), else ``spec`` itself."""
     if not _is_tiny(spec):
         return spec
-    from abbench.engine import reference
-
     if create:
-        return reference.resolve_checkpoint(spec)
+        from abbench.engine.reference import resolve_checkpoint
+
+        return resolve_checkpoint(spec)
+    from abbench.tokenizers import default_cache_dir
+
     name, seed = spec.split(":", 1)
-    root = Path(os.environ.get("ABBENCH_CACHE_DIR") or Path.home() / ".cache" / "abbench")
-    return str(root / f"{name}-{seed}")
+    return str(default_cache_dir() / f"{name}-{seed}")  # where resolve_checkpoint writes it
 
 
 def _python_versions(python: str) -> dict[str, Any]:

@@ -134,6 +134,9 @@ def test_describe_records_the_environment_and_plain_vllm_commands(tmp_path: Path
     assert plain["engine"] == "vllm" and plain["python"] == sys.executable
     assert "torch" in plain["packages"] and "vllm" not in plain["packages"]  # this interpreter has no vLLM
     assert vs.describe(["abbench-engine", "--port", "1"]) is None
+    from abbench.engine.reference import TINY_SHAPES
+
+    assert vs.TINY_NAMES == tuple(TINY_SHAPES)  # the launcher's copy of the names (it does not load torch)
     from abbench.fingerprint import _peer_engines
 
     assert _peer_engines([argv, ["x"]]) == [d]
