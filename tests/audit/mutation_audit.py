@@ -18,9 +18,10 @@ Not collected by pytest (the name does not start with ``test_``). Run from the r
     python tests/audit/mutation_audit.py --check              # only check that every mutant still applies
 
 ``--tests-from REF`` replaces the copy's ``tests/`` with the one at git commit REF (the source stays the
-working tree's), which measures how much an older suite would have caught. Results go to ``--out`` (JSON,
-one object per mutant) and a Markdown table on stdout. Subprocesses the tests start (``python -m abbench``,
-engine services) import the copy: ``PYTHONPATH`` points at it.
+working tree's), which measures how much an older suite would have caught. Results go to ``--out`` (JSON:
+one object per mutant, and the tests deselected because they failed unmutated) and a Markdown table on
+stdout. Subprocesses the tests start (``python -m abbench``, engine services) import the copy:
+``PYTHONPATH`` points at it.
 """
 
 from __future__ import annotations
@@ -259,24 +260,36 @@ def pytest_cmd(files: list[str] | None, *, slow: bool, workers: int, first_failu
            "-n", str(workers), "--timeout", "300"]
     if not slow:
         cmd += ["-m", "not slow"]
+    cmd += [f"--deselect={node}" for node in DESELECTED]
     cmd += ["tests"] if files is None else files
     return cmd
 
 
+DESELECTED: list[str] = []
+"""Tests that failed in the unmutated copy (:func:`baseline`): left out of every run, and listed."""
+
+
 def run_tests(copy: Path, cmd: list[str], timeout: float) -> tuple[str, str, float]:
     """(killed | survived, the first failure's line (``FAILED node - message``), seconds)."""
+    status, detail, secs, _ = run_tests_nodes(copy, cmd, timeout)
+    return status, detail, secs
+
+
+def run_tests_nodes(copy: Path, cmd: list[str], timeout: float) -> tuple[str, str, float, list[str]]:
+    """:func:`run_tests` and the ids of every failing test."""
     t0 = time.monotonic()
     try:
         res = subprocess.run(cmd, cwd=copy, env=env_for(copy), capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
-        return "killed", f"timeout after {timeout:.0f} s", time.monotonic() - t0
+        return "killed", f"timeout after {timeout:.0f} s", time.monotonic() - t0, []
     secs = time.monotonic() - t0
     out = res.stdout + res.stderr
     if res.returncode == 0:
-        return "survived", "", secs
+        return "survived", "", secs, []
     lines = [x for x in out.splitlines() if x.startswith(("FAILED", "ERROR"))]
     first = "; ".join(x[:300] for x in lines[:5]) if lines else (out.strip().splitlines() or ["(no output)"])[-1]
-    return "killed", f"rc {res.returncode}: {first}", secs
+    nodes = [n for n in (failing_node(x) for x in lines) if n]
+    return "killed", f"rc {res.returncode}: {first}", secs, nodes
 
 
 def present(copy: Path, files: list[str]) -> list[str]:
@@ -322,13 +335,19 @@ def failing_node(detail: str) -> str | None:
 
 
 def baseline(copy: Path, mutants: list[Mutant], args: argparse.Namespace) -> None:
-    """Every targeted set passes before anything is planted (else a kill would mean nothing)."""
+    """Run every targeted test before anything is planted: one that fails there (a kill would mean nothing)
+    is deselected from every later run and listed; an error that is not a test's (the copy does not even
+    collect) stops the audit."""
     files = sorted({f for mt in mutants for f in present(copy, mt.tests)})
-    status, detail, secs = run_tests(copy, pytest_cmd(files, slow=False, workers=args.workers, first_failure=False),
-                                     args.timeout * 3)
-    print(f"baseline: {len(files)} targeted files {'pass' if status == 'survived' else 'FAIL'} in {secs:.0f} s {detail}", flush=True)
-    if status != "survived":
+    status, detail, secs, nodes = run_tests_nodes(
+        copy, pytest_cmd(files, slow=False, workers=args.workers, first_failure=False), args.timeout * 3)
+    print(f"baseline: {len(files)} targeted files {'pass' if status == 'survived' else 'FAIL'} in {secs:.0f} s "
+          f"{detail}", flush=True)
+    if status != "survived" and not nodes:
         raise SystemExit(f"the unmutated copy fails its targeted tests: {detail}")
+    DESELECTED.extend(nodes)
+    if nodes:
+        print(f"deselected (they fail unmutated): {', '.join(nodes)}", flush=True)
 
 
 def table(outcomes: list[Outcome]) -> str:
@@ -373,7 +392,8 @@ def main(argv: list[str] | None = None) -> int:
             outcomes.append(o)
             print(f"{o.id}: {o.status} {o.stage} ({o.seconds:.0f} s) {o.detail}", flush=True)
             if args.out:
-                args.out.write_text(json.dumps([asdict(x) for x in outcomes], indent=1))
+                args.out.write_text(json.dumps({"tests_from": args.tests_from, "deselected": DESELECTED,
+                                                "outcomes": [asdict(x) for x in outcomes]}, indent=1))
     finally:
         if not args.keep:
             shutil.rmtree(copy, ignore_errors=True)
