@@ -5,15 +5,16 @@ where an interval belongs, a filter dropped, a rounding the wrong way) planted i
 copies the project (the working tree's tracked and untracked, not ignored, files) into a temporary directory
 (a git checkout of its own), checks that the copy imports and that the tests it will use pass unmutated,
 then, one mutant at a time: plants it, runs the tests a developer would run for that module (``tests``,
-stage 1), and, for a mutant that survives them, a wider set (stage 2: every test not marked slow); with
-``--full``, a mutant that survives both gets the whole suite (stage 3, what CI runs). The file is restored
-after every mutant. A mutant is *killed* when a test fails (or errors, or the run exceeds ``--timeout``) and
-*survives* when every test passes; a kill by a test that fails without the mutant too is *inconclusive*.
+stage 1, not the slow ones) and, for a mutant that survives them, the whole suite (stage 2, slow tests
+included: what CI runs). The file is restored after every mutant. A mutant is *killed* when a test fails or
+errors (a hung test fails after pytest-timeout's 300 s) and *survives* when every test passes; a kill by a
+test that fails without the mutant too, or a stage that runs past ``--timeout``, is *inconclusive*.
 
 Not collected by pytest (the name does not start with ``test_``). Run from the repository root::
 
-    python tests/audit/mutation_audit.py                      # every mutant, stages 1 and 2
-    python tests/audit/mutation_audit.py --only O1,A3 --full  # some mutants, up to the whole suite
+    python tests/audit/mutation_audit.py --out audit.json     # every mutant (hours on 2 cores)
+    python tests/audit/mutation_audit.py --only O1,A3         # some mutants
+    python tests/audit/mutation_audit.py --resume --out audit.json   # go on after an interruption
     python tests/audit/mutation_audit.py --tests-from b595cf2 # the same mutants against the tests of a commit
     python tests/audit/mutation_audit.py --check              # only check that every mutant still applies
 
@@ -30,6 +31,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -248,8 +250,8 @@ class Outcome:
     id: str
     what: str
     file: str
-    status: str = "survived"  # killed | survived | not applicable
-    stage: str = ""  # where it was killed: targeted | wider | full
+    status: str = "survived"  # killed | survived | inconclusive | not applicable
+    stage: str = ""  # where it was killed: targeted | suite
     detail: str = ""
     seconds: float = 0.0
     stages: list[dict] = field(default_factory=list)
@@ -276,12 +278,18 @@ def run_tests(copy: Path, cmd: list[str], timeout: float) -> tuple[str, str, flo
 
 
 def run_tests_nodes(copy: Path, cmd: list[str], timeout: float) -> tuple[str, str, float, list[str]]:
-    """:func:`run_tests` and the ids of every failing test."""
+    """:func:`run_tests` and the ids of every failing test; "inconclusive" when the run exceeds ``timeout``
+    (every process it started is ended: the run is its own session)."""
     t0 = time.monotonic()
+    proc = subprocess.Popen(cmd, cwd=copy, env=env_for(copy), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
     try:
-        res = subprocess.run(cmd, cwd=copy, env=env_for(copy), capture_output=True, text=True, timeout=timeout)
+        stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        return "killed", f"timeout after {timeout:.0f} s", time.monotonic() - t0, []
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        return "inconclusive", f"the run exceeded {timeout:.0f} s", time.monotonic() - t0, []
+    res = subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
     secs = time.monotonic() - t0
     out = res.stdout + res.stderr
     if res.returncode == 0:
@@ -308,22 +316,20 @@ def audit_one(copy: Path, mt: Mutant, args: argparse.Namespace) -> Outcome:
         files = present(copy, mt.tests)
         stages = [("targeted", pytest_cmd(files, slow=False, workers=min(args.workers, len(files))))]
         if not args.targeted_only:
-            stages.append(("wider", pytest_cmd(None, slow=False, workers=args.workers)))
-        if args.full:
-            stages.append(("full", pytest_cmd([], slow=True, workers=args.workers)))
+            stages.append(("suite", pytest_cmd(None, slow=True, workers=args.workers)))
         for name, cmd in stages:
             status, detail, secs = run_tests(copy, cmd, args.timeout)
             out.seconds += secs
             out.stages.append({"stage": name, "status": status, "seconds": round(secs, 1), "detail": detail})
-            if status == "killed":
-                out.status, out.stage, out.detail = "killed", name, detail
+            if status != "survived":
+                out.status, out.stage, out.detail = status, name, detail
                 break
     finally:
         path.write_text(original, encoding="utf-8")
     if out.status == "killed" and (node := failing_node(out.detail)):
         # a test that fails without the mutant too (a flaky one) proves nothing: say so
         again, why, _ = run_tests(copy, pytest_cmd([node], slow=True, workers=0), args.timeout)
-        if again == "killed":
+        if again != "survived":
             out.status, out.detail = "inconclusive", f"{out.detail} [fails unmutated too: {why}]"
     return out
 
@@ -365,10 +371,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", help="comma-separated mutant ids")
     ap.add_argument("--tests-from", metavar="REF", help="audit the tests/ of this git commit instead")
     ap.add_argument("--targeted-only", action="store_true", help="stage 1 only")
-    ap.add_argument("--full", action="store_true", help="survivors of stages 1-2 also get the whole suite")
-    ap.add_argument("--workers", type=int, default=2, help="pytest-xdist workers for the wider stages")
-    ap.add_argument("--timeout", type=float, default=900.0, help="seconds per stage before a mutant counts killed")
+    ap.add_argument("--workers", type=int, default=2, help="pytest-xdist workers")
+    ap.add_argument("--timeout", type=float, default=3600.0,
+                    help="seconds a stage may run before the mutant is called inconclusive")
     ap.add_argument("--out", type=Path, help="write the outcomes here (JSON)")
+    ap.add_argument("--resume", action="store_true",
+                    help="keep the decided outcomes already in --out (and its deselected tests), run the rest")
     ap.add_argument("--check", action="store_true", help="only check that every mutant applies exactly once")
     ap.add_argument("--keep", action="store_true", help="keep the temporary copy")
     args = ap.parse_args(argv)
@@ -381,13 +389,21 @@ def main(argv: list[str] | None = None) -> int:
         bad = [(mt.id, mt.file, count(mt)) for mt in chosen if count(mt) != 1]
         print("every mutant applies once" if not bad else f"not applicable: {bad}")
         return 1 if bad else 0
-    copy = Path(tempfile.mkdtemp(prefix="abbench-audit-"))
     outcomes: list[Outcome] = []
+    if args.resume and args.out and args.out.is_file():
+        previous = json.loads(args.out.read_text())
+        if previous.get("tests_from") != args.tests_from:
+            raise SystemExit(f"{args.out} audited the tests of {previous.get('tests_from')!r}, not {args.tests_from!r}")
+        outcomes = [Outcome(**o) for o in previous["outcomes"] if o["status"] in ("killed", "survived")]
+        DESELECTED.extend(previous.get("deselected") or [])
+    done = {o.id for o in outcomes}
+    copy = Path(tempfile.mkdtemp(prefix="abbench-audit-"))
     try:
         make_copy(copy, args.tests_from)
         sanity(copy)
-        baseline(copy, chosen, args)
-        for mt in chosen:
+        if not (args.resume and done):
+            baseline(copy, chosen, args)
+        for mt in [x for x in chosen if x.id not in done]:
             o = audit_one(copy, mt, args)
             outcomes.append(o)
             print(f"{o.id}: {o.status} {o.stage} ({o.seconds:.0f} s) {o.detail}", flush=True)
