@@ -305,32 +305,53 @@ def present(copy: Path, files: list[str]) -> list[str]:
 
 
 def audit_one(copy: Path, mt: Mutant, args: argparse.Namespace) -> Outcome:
+    """Plant ``mt``, run its stages until one fails, restore the file. A failing test must fail again with
+    the mutant and pass without it to count as a kill: one that passes on a second run with the mutant
+    (a timing test on a loaded machine) is set aside and the stage runs again without it; one that fails
+    without the mutant makes the outcome inconclusive."""
     out = Outcome(mt.id, mt.what, mt.file)
     path = copy / mt.file
     original = path.read_text(encoding="utf-8") if path.is_file() else ""
     if original.count(mt.find) != 1:
         out.status, out.detail = "not applicable", f"the code to mutate occurs {original.count(mt.find)} times"
         return out
-    path.write_text(original.replace(mt.find, mt.replace), encoding="utf-8")
+    mutated = original.replace(mt.find, mt.replace)
+    files = present(copy, mt.tests)
+    stages = [("targeted", files, False, min(args.workers, len(files)))]
+    if not args.targeted_only:
+        stages.append(("suite", None, True, args.workers))
+    flaky: list[str] = []
     try:
-        files = present(copy, mt.tests)
-        stages = [("targeted", pytest_cmd(files, slow=False, workers=min(args.workers, len(files))))]
-        if not args.targeted_only:
-            stages.append(("suite", pytest_cmd(None, slow=True, workers=args.workers)))
-        for name, cmd in stages:
-            status, detail, secs = run_tests(copy, cmd, args.timeout)
-            out.seconds += secs
-            out.stages.append({"stage": name, "status": status, "seconds": round(secs, 1), "detail": detail})
+        for name, stage_files, slow, workers in stages:
+            for _attempt in range(3):
+                path.write_text(mutated, encoding="utf-8")
+                cmd = pytest_cmd(stage_files, slow=slow, workers=workers) + [f"--deselect={n}" for n in flaky]
+                status, detail, secs = run_tests(copy, cmd, args.timeout)
+                out.seconds += secs
+                out.stages.append({"stage": name, "status": status, "seconds": round(secs, 1), "detail": detail})
+                node = failing_node(detail) if status == "killed" else None
+                if node is None:
+                    break
+                again, _, secs = run_tests(copy, pytest_cmd([node], slow=True, workers=0), args.timeout)
+                out.seconds += secs
+                if again == "killed":  # it fails again with the mutant: now without it
+                    path.write_text(original, encoding="utf-8")
+                    clean, why, secs = run_tests(copy, pytest_cmd([node], slow=True, workers=0), args.timeout)
+                    out.seconds += secs
+                    if clean != "survived":
+                        status, detail = "inconclusive", f"{detail} [fails unmutated too: {why}]"
+                    break
+                flaky.append(node)  # passed with the mutant on a second run: not evidence
+                out.stages[-1]["detail"] += " [passed with the mutant on a second run: set aside]"
+            else:
+                status, detail = "inconclusive", f"three flaky failures: {', '.join(flaky)}"
             if status != "survived":
                 out.status, out.stage, out.detail = status, name, detail
                 break
     finally:
         path.write_text(original, encoding="utf-8")
-    if out.status == "killed" and (node := failing_node(out.detail)):
-        # a test that fails without the mutant too (a flaky one) proves nothing: say so
-        again, why, _ = run_tests(copy, pytest_cmd([node], slow=True, workers=0), args.timeout)
-        if again != "survived":
-            out.status, out.detail = "inconclusive", f"{out.detail} [fails unmutated too: {why}]"
+    if flaky:
+        out.detail = (out.detail + " " if out.detail else "") + f"(set aside as flaky: {', '.join(flaky)})"
     return out
 
 
@@ -397,6 +418,7 @@ def main(argv: list[str] | None = None) -> int:
         outcomes = [Outcome(**o) for o in previous["outcomes"] if o["status"] in ("killed", "survived")]
         DESELECTED.extend(previous.get("deselected") or [])
     done = {o.id for o in outcomes}
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the copy is removed on a plain kill too
     copy = Path(tempfile.mkdtemp(prefix="abbench-audit-"))
     try:
         make_copy(copy, args.tests_from)
