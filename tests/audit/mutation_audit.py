@@ -5,22 +5,24 @@ where an interval belongs, a filter dropped, a rounding the wrong way) planted i
 copies the project (the working tree's tracked and untracked, not ignored, files) into a temporary directory
 (a git checkout of its own), checks that the copy imports and that the tests it will use pass unmutated,
 then, one mutant at a time: plants it, runs the tests a developer would run for that module (``tests``,
-stage 1), and, for a mutant that survives them, a wider set (stage 2: every test not marked slow); with
-``--full``, a mutant that survives both gets the whole suite (stage 3, what CI runs). The file is restored
-after every mutant. A mutant is *killed* when a test fails (or errors, or the run exceeds ``--timeout``) and
-*survives* when every test passes; a kill by a test that fails without the mutant too is *inconclusive*.
+stage 1, not the slow ones) and, for a mutant that survives them, the whole suite (stage 2, slow tests
+included: what CI runs). The file is restored after every mutant. A mutant is *killed* when a test fails or
+errors (a hung test fails after pytest-timeout's 300 s) and *survives* when every test passes; a kill by a
+test that fails without the mutant too, or a stage that runs past ``--timeout``, is *inconclusive*.
 
 Not collected by pytest (the name does not start with ``test_``). Run from the repository root::
 
-    python tests/audit/mutation_audit.py                      # every mutant, stages 1 and 2
-    python tests/audit/mutation_audit.py --only O1,A3 --full  # some mutants, up to the whole suite
+    python tests/audit/mutation_audit.py --out audit.json     # every mutant (hours on 2 cores)
+    python tests/audit/mutation_audit.py --only O1,A3         # some mutants
+    python tests/audit/mutation_audit.py --resume --out audit.json   # go on after an interruption
     python tests/audit/mutation_audit.py --tests-from b595cf2 # the same mutants against the tests of a commit
     python tests/audit/mutation_audit.py --check              # only check that every mutant still applies
 
 ``--tests-from REF`` replaces the copy's ``tests/`` with the one at git commit REF (the source stays the
-working tree's), which measures how much an older suite would have caught. Results go to ``--out`` (JSON,
-one object per mutant) and a Markdown table on stdout. Subprocesses the tests start (``python -m abbench``,
-engine services) import the copy: ``PYTHONPATH`` points at it.
+working tree's), which measures how much an older suite would have caught. Results go to ``--out`` (JSON:
+one object per mutant, and the tests deselected because they failed unmutated) and a Markdown table on
+stdout. Subprocesses the tests start (``python -m abbench``, engine services) import the copy:
+``PYTHONPATH`` points at it.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -247,8 +250,8 @@ class Outcome:
     id: str
     what: str
     file: str
-    status: str = "survived"  # killed | survived | not applicable
-    stage: str = ""  # where it was killed: targeted | wider | full
+    status: str = "survived"  # killed | survived | inconclusive | not applicable
+    stage: str = ""  # where it was killed: targeted | suite
     detail: str = ""
     seconds: float = 0.0
     stages: list[dict] = field(default_factory=list)
@@ -259,24 +262,42 @@ def pytest_cmd(files: list[str] | None, *, slow: bool, workers: int, first_failu
            "-n", str(workers), "--timeout", "300"]
     if not slow:
         cmd += ["-m", "not slow"]
+    cmd += [f"--deselect={node}" for node in DESELECTED]
     cmd += ["tests"] if files is None else files
     return cmd
 
 
+DESELECTED: list[str] = []
+"""Tests that failed in the unmutated copy (:func:`baseline`): left out of every run, and listed."""
+
+
 def run_tests(copy: Path, cmd: list[str], timeout: float) -> tuple[str, str, float]:
     """(killed | survived, the first failure's line (``FAILED node - message``), seconds)."""
+    status, detail, secs, _ = run_tests_nodes(copy, cmd, timeout)
+    return status, detail, secs
+
+
+def run_tests_nodes(copy: Path, cmd: list[str], timeout: float) -> tuple[str, str, float, list[str]]:
+    """:func:`run_tests` and the ids of every failing test; "inconclusive" when the run exceeds ``timeout``
+    (every process it started is ended: the run is its own session)."""
     t0 = time.monotonic()
+    proc = subprocess.Popen(cmd, cwd=copy, env=env_for(copy), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
     try:
-        res = subprocess.run(cmd, cwd=copy, env=env_for(copy), capture_output=True, text=True, timeout=timeout)
+        stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        return "killed", f"timeout after {timeout:.0f} s", time.monotonic() - t0
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        return "inconclusive", f"the run exceeded {timeout:.0f} s", time.monotonic() - t0, []
+    res = subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
     secs = time.monotonic() - t0
     out = res.stdout + res.stderr
     if res.returncode == 0:
-        return "survived", "", secs
+        return "survived", "", secs, []
     lines = [x for x in out.splitlines() if x.startswith(("FAILED", "ERROR"))]
     first = "; ".join(x[:300] for x in lines[:5]) if lines else (out.strip().splitlines() or ["(no output)"])[-1]
-    return "killed", f"rc {res.returncode}: {first}", secs
+    nodes = [n for n in (failing_node(x) for x in lines) if n]
+    return "killed", f"rc {res.returncode}: {first}", secs, nodes
 
 
 def present(copy: Path, files: list[str]) -> list[str]:
@@ -284,34 +305,53 @@ def present(copy: Path, files: list[str]) -> list[str]:
 
 
 def audit_one(copy: Path, mt: Mutant, args: argparse.Namespace) -> Outcome:
+    """Plant ``mt``, run its stages until one fails, restore the file. A failing test must fail again with
+    the mutant and pass without it to count as a kill: one that passes on a second run with the mutant
+    (a timing test on a loaded machine) is set aside and the stage runs again without it; one that fails
+    without the mutant makes the outcome inconclusive."""
     out = Outcome(mt.id, mt.what, mt.file)
     path = copy / mt.file
     original = path.read_text(encoding="utf-8") if path.is_file() else ""
     if original.count(mt.find) != 1:
         out.status, out.detail = "not applicable", f"the code to mutate occurs {original.count(mt.find)} times"
         return out
-    path.write_text(original.replace(mt.find, mt.replace), encoding="utf-8")
+    mutated = original.replace(mt.find, mt.replace)
+    files = present(copy, mt.tests)
+    stages = [("targeted", files, False, min(args.workers, len(files)))]
+    if not args.targeted_only:
+        stages.append(("suite", None, True, args.workers))
+    flaky: list[str] = []
     try:
-        files = present(copy, mt.tests)
-        stages = [("targeted", pytest_cmd(files, slow=False, workers=min(args.workers, len(files))))]
-        if not args.targeted_only:
-            stages.append(("wider", pytest_cmd(None, slow=False, workers=args.workers)))
-        if args.full:
-            stages.append(("full", pytest_cmd([], slow=True, workers=args.workers)))
-        for name, cmd in stages:
-            status, detail, secs = run_tests(copy, cmd, args.timeout)
-            out.seconds += secs
-            out.stages.append({"stage": name, "status": status, "seconds": round(secs, 1), "detail": detail})
-            if status == "killed":
-                out.status, out.stage, out.detail = "killed", name, detail
+        for name, stage_files, slow, workers in stages:
+            for _attempt in range(3):
+                path.write_text(mutated, encoding="utf-8")
+                cmd = pytest_cmd(stage_files, slow=slow, workers=workers) + [f"--deselect={n}" for n in flaky]
+                status, detail, secs = run_tests(copy, cmd, args.timeout)
+                out.seconds += secs
+                out.stages.append({"stage": name, "status": status, "seconds": round(secs, 1), "detail": detail})
+                node = failing_node(detail) if status == "killed" else None
+                if node is None:
+                    break
+                again, _, secs = run_tests(copy, pytest_cmd([node], slow=True, workers=0), args.timeout)
+                out.seconds += secs
+                if again == "killed":  # it fails again with the mutant: now without it
+                    path.write_text(original, encoding="utf-8")
+                    clean, why, secs = run_tests(copy, pytest_cmd([node], slow=True, workers=0), args.timeout)
+                    out.seconds += secs
+                    if clean != "survived":
+                        status, detail = "inconclusive", f"{detail} [fails unmutated too: {why}]"
+                    break
+                flaky.append(node)  # passed with the mutant on a second run: not evidence
+                out.stages[-1]["detail"] += " [passed with the mutant on a second run: set aside]"
+            else:
+                status, detail = "inconclusive", f"three flaky failures: {', '.join(flaky)}"
+            if status != "survived":
+                out.status, out.stage, out.detail = status, name, detail
                 break
     finally:
         path.write_text(original, encoding="utf-8")
-    if out.status == "killed" and (node := failing_node(out.detail)):
-        # a test that fails without the mutant too (a flaky one) proves nothing: say so
-        again, why, _ = run_tests(copy, pytest_cmd([node], slow=True, workers=0), args.timeout)
-        if again == "killed":
-            out.status, out.detail = "inconclusive", f"{out.detail} [fails unmutated too: {why}]"
+    if flaky:
+        out.detail = (out.detail + " " if out.detail else "") + f"(set aside as flaky: {', '.join(flaky)})"
     return out
 
 
@@ -322,13 +362,19 @@ def failing_node(detail: str) -> str | None:
 
 
 def baseline(copy: Path, mutants: list[Mutant], args: argparse.Namespace) -> None:
-    """Every targeted set passes before anything is planted (else a kill would mean nothing)."""
+    """Run every targeted test before anything is planted: one that fails there (a kill would mean nothing)
+    is deselected from every later run and listed; an error that is not a test's (the copy does not even
+    collect) stops the audit."""
     files = sorted({f for mt in mutants for f in present(copy, mt.tests)})
-    status, detail, secs = run_tests(copy, pytest_cmd(files, slow=False, workers=args.workers, first_failure=False),
-                                     args.timeout * 3)
-    print(f"baseline: {len(files)} targeted files {'pass' if status == 'survived' else 'FAIL'} in {secs:.0f} s {detail}", flush=True)
-    if status != "survived":
+    status, detail, secs, nodes = run_tests_nodes(
+        copy, pytest_cmd(files, slow=False, workers=args.workers, first_failure=False), args.timeout * 3)
+    print(f"baseline: {len(files)} targeted files {'pass' if status == 'survived' else 'FAIL'} in {secs:.0f} s "
+          f"{detail}", flush=True)
+    if status != "survived" and not nodes:
         raise SystemExit(f"the unmutated copy fails its targeted tests: {detail}")
+    DESELECTED.extend(nodes)
+    if nodes:
+        print(f"deselected (they fail unmutated): {', '.join(nodes)}", flush=True)
 
 
 def table(outcomes: list[Outcome]) -> str:
@@ -346,10 +392,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", help="comma-separated mutant ids")
     ap.add_argument("--tests-from", metavar="REF", help="audit the tests/ of this git commit instead")
     ap.add_argument("--targeted-only", action="store_true", help="stage 1 only")
-    ap.add_argument("--full", action="store_true", help="survivors of stages 1-2 also get the whole suite")
-    ap.add_argument("--workers", type=int, default=2, help="pytest-xdist workers for the wider stages")
-    ap.add_argument("--timeout", type=float, default=900.0, help="seconds per stage before a mutant counts killed")
+    ap.add_argument("--workers", type=int, default=2, help="pytest-xdist workers")
+    ap.add_argument("--timeout", type=float, default=3600.0,
+                    help="seconds a stage may run before the mutant is called inconclusive")
     ap.add_argument("--out", type=Path, help="write the outcomes here (JSON)")
+    ap.add_argument("--resume", action="store_true",
+                    help="keep the decided outcomes already in --out (and its deselected tests), run the rest")
     ap.add_argument("--check", action="store_true", help="only check that every mutant applies exactly once")
     ap.add_argument("--keep", action="store_true", help="keep the temporary copy")
     args = ap.parse_args(argv)
@@ -362,18 +410,28 @@ def main(argv: list[str] | None = None) -> int:
         bad = [(mt.id, mt.file, count(mt)) for mt in chosen if count(mt) != 1]
         print("every mutant applies once" if not bad else f"not applicable: {bad}")
         return 1 if bad else 0
-    copy = Path(tempfile.mkdtemp(prefix="abbench-audit-"))
     outcomes: list[Outcome] = []
+    if args.resume and args.out and args.out.is_file():
+        previous = json.loads(args.out.read_text())
+        if previous.get("tests_from") != args.tests_from:
+            raise SystemExit(f"{args.out} audited the tests of {previous.get('tests_from')!r}, not {args.tests_from!r}")
+        outcomes = [Outcome(**o) for o in previous["outcomes"] if o["status"] in ("killed", "survived")]
+        DESELECTED.extend(previous.get("deselected") or [])
+    done = {o.id for o in outcomes}
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the copy is removed on a plain kill too
+    copy = Path(tempfile.mkdtemp(prefix="abbench-audit-"))
     try:
         make_copy(copy, args.tests_from)
         sanity(copy)
-        baseline(copy, chosen, args)
-        for mt in chosen:
+        if not (args.resume and done):
+            baseline(copy, chosen, args)
+        for mt in [x for x in chosen if x.id not in done]:
             o = audit_one(copy, mt, args)
             outcomes.append(o)
             print(f"{o.id}: {o.status} {o.stage} ({o.seconds:.0f} s) {o.detail}", flush=True)
             if args.out:
-                args.out.write_text(json.dumps([asdict(x) for x in outcomes], indent=1))
+                args.out.write_text(json.dumps({"tests_from": args.tests_from, "deselected": DESELECTED,
+                                                "outcomes": [asdict(x) for x in outcomes]}, indent=1))
     finally:
         if not args.keep:
             shutil.rmtree(copy, ignore_errors=True)

@@ -160,6 +160,21 @@ def test_a_prompt_shows_its_worst_round(verdicts: tuple[str, ...]) -> None:
     assert not an.gate(rec).passed  # and the gate, which accepts no mismatch here, fails either way
 
 
+@pytest.mark.parametrize("k", [1, 4, 8, 15])  # make_run outputs 16 ids
+def test_parity_over_the_first_k_ids_includes_the_kth(k: int) -> None:
+    """Parity over the first K ids: a divergence at any of positions 0..K-1 fails the gate and names the
+    position; the first divergence at position K is outside the promise (reported, not failed)."""
+    for pos, fails in ((0, True), (k - 1, True), (k, False)):
+        rec = make_run(rounds=2, lengths=(1024,), gate={"parity_tokens": k})
+        s = find(rec, "B", "fresh-1024-0", 2)
+        s.output_ids = list(s.output_ids)
+        s.output_ids[pos] += 1000
+        verdict = an.gate(rec)
+        assert verdict.passed is not fails, (k, pos, verdict.failures)
+        if fails:
+            assert any(f"token {pos} differs" in f for f in verdict.failures), verdict.failures
+
+
 # ------------------------------------------------------------------------------------------ exclusion
 
 
