@@ -154,7 +154,8 @@ def layer_major_loop(steps: LayerSteps | Model, weights: Iterator[tuple[torch.Te
     chunk_tokens = max(b - a for window in windows for a, b in window)
     acts: list[torch.Tensor] = []
     for window in windows:
-        acts = [model.embed(ids[a - start:b - start]) for a, b in window]  # parked, [T_c, H] each
+        acts.clear()  # the last window's activations go before this window's are embedded: one window parked
+        acts.extend(model.embed(ids[a - start:b - start]) for a, b in window)  # parked, [T_c, H] each
         for layer in range(n_layers):
             check_cancel(cancel)
             gate_up, down = next(weights)

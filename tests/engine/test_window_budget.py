@@ -123,9 +123,6 @@ def test_a_budget_below_two_chunks_falls_back_to_chunked(engine: Engine, chunk: 
     assert all(sum(t for _, t in w) <= chunk for w in windows)
 
 
-@pytest.mark.xfail(strict=True, reason="layer_major_loop embeds a window's chunks while the previous window's "
-                   "activations are still referenced (acts is rebound only after the new list is built): two "
-                   "windows are parked at each window boundary; the fix belongs to prefill.py")
 def test_parked_activations_never_exceed_one_window(engine: Engine) -> None:
     """What the memory plan sets aside, one window of parked activations, is what prefill holds: each
     activation is embedded once per chunk and updated in place, so the embedded tensors still alive when a
