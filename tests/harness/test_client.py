@@ -177,13 +177,13 @@ def test_correct_stream(client: EngineClient, server: fakeserver.FakeServer) -> 
 
 def test_token_arrival_times(client: EngineClient, server: fakeserver.FakeServer) -> None:
     """Streamed: one arrival time per output token on the TTFT's clock, the first at the TTFT, in order, the
-    gaps at least the server's delay between token events; without ids, one per text event; not streamed:
-    none."""
+    last no earlier than the server's 7 delays between 8 token events (a descheduled client may read two events
+    at once, so single gaps can be shorter); without ids, one per text event; not streamed: none."""
     c = run(client, server, headers={"X-Fake-Token-Delay": "0.05"})
     t = c.token_times_s
     assert len(t) == c.completion_tokens == 8 and t[0] == pytest.approx(c.ttft_s, abs=1e-6)
     assert t == sorted(t) and t[-1] <= c.total_s
-    assert min(b - a for a, b in zip(t, t[1:])) >= 0.05 - 1e-3
+    assert t[-1] >= 7 * 0.05 - 1e-3
     assert c.sample_fields()["token_times_s"] == t
     none = run(client, server, "no-token-ids", retokenize=fakeserver.retokenize)
     assert len(none.token_times_s) == 8 and none.token_times_s == sorted(none.token_times_s)
