@@ -137,7 +137,6 @@ def compare(
 
     \b
       abbench compare results/20261129-h200-qwen3-30b-a3b results/20261129b-h200-qwen3-30b-a3b
-      abbench compare results/20261129-h200-qwen3-30b-a3b results/20261129b-h200-qwen3-30b-a3b --json
       abbench compare results/20261129-h200-qwen3-30b-a3b results/20261129b-h200-qwen3-30b-a3b --out compare.md
       abbench compare results/readme-cpu-tiny results/cpu-tiny-auto    # exit 2: different profiles
     """
