@@ -15,7 +15,7 @@ Contract:
   traced requests) runs eagerly and meets the MoE graph in the same static buffers. Measured on the H200
   (Qwen3.5-35B-A3B shape): one DeltaNet layer step launches ~90 kernels and costs more host time than GPU
   time eagerly, so a layer-major pass over one DeltaNet layer's 64 chunks ran at the host's pace while the
-  GPU idled (README, "The hybrid at its floor"). Whether a piece runs eagerly or from a graph depends only on
+  GPU idled (docs/hybrid-at-the-floor.md). Whether a piece runs eagerly or from a graph depends only on
   the chunk's length and the layer, never on the prefill mode, so every mode still makes the same calls in
   the same shapes and the modes stay bitwise equal; eager and replayed pieces run the same kernels (checked
   on CUDA by the engine tests).
