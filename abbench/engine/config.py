@@ -203,6 +203,9 @@ class EngineConfig:
     # prefill_mode "auto": demand for prompts of at most this many uncached tokens, else the best streamed path,
     # instead of the cost model (abbench.engine.policy); None: the cost model decides
     auto_demand_max_tokens: int | None = None
+    # prefill_mode "auto": correct the cost model by the engine's own measured prefills, per path the median
+    # measured/estimated ratio of its last this many prefills (abbench.engine.policy.Calibration); 0: the model alone
+    auto_calibration: int = 16
     max_context: int | None = None  # KV cache length; default max_position_embeddings
     deterministic: bool = False  # torch.use_deterministic_algorithms(True) (the kernels used already are)
     bandwidth_probe_bytes: int = 256 * 2**20  # H2D bytes timed at start (bounded to ~0.25 s); 0 skips it
@@ -221,6 +224,8 @@ class EngineConfig:
             raise ValueError("router_skew applies to random weights only (a checkpoint's router is its own)")
         if self.auto_demand_max_tokens is not None and self.auto_demand_max_tokens < 0:
             raise ValueError(f"auto_demand_max_tokens must be >= 0, got {self.auto_demand_max_tokens}")
+        if int(self.auto_calibration) < 0:
+            raise ValueError(f"auto_calibration must be >= 0, got {self.auto_calibration}")
         if not 1 <= int(self.attention_batch) <= MAX_ATTENTION_BATCH:
             raise ValueError(f"attention_batch must be in [1, {MAX_ATTENTION_BATCH}], got {self.attention_batch}")
         for name in ("chunk_tokens", "layer_major_window_tokens", "demand_max_tokens", "attention_batch_max_context"):

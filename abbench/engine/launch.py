@@ -113,6 +113,9 @@ def _engine_options(e: argparse._ArgumentGroup) -> None:
     e.add_argument("--auto-demand-max-tokens", type=int, default=None, metavar="N",
                    help="--prefill-mode auto: demand loading for prompts of at most N uncached tokens (a threshold "
                    "from a sweep), the best streamed path otherwise, instead of the cost model")
+    e.add_argument("--auto-calibration", type=int, default=None, metavar="N",
+                   help="--prefill-mode auto: multiply each path's estimate by the median measured/estimated ratio "
+                   "of the last N prefills that ran it, every request's (default 16; 0: the cost model alone)")
     e.add_argument("--attention-batch", type=int, default=None, metavar="K",
                    help="layer-major prefill: K adjacent chunks share one attention call in full-attention layers "
                    "where that is bit-identical on the device and the group ends within "
@@ -228,7 +231,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
     for field in ("dtype", "layer_major_window_tokens", "demand_max_tokens", "gpu_memory_budget_gb",
                   "expert_slots_per_layer", "host_memory_check", "decode_graphs", "warm_decode_graphs",
                   "prefill_graphs", "attention_batch", "attention_batch_max_context", "router_skew",
-                  "auto_demand_max_tokens", "d2d_from_slot_cache",
+                  "auto_demand_max_tokens", "auto_calibration", "d2d_from_slot_cache",
                   "max_context", "deterministic"):
         if getattr(args, field) is not None:  # leave the engine's defaults alone
             kwargs[field] = getattr(args, field)

@@ -16,8 +16,15 @@ Contract:
     longer chunks stream as in chunked. The expected distinct experts of a layer for T tokens x k choices
     is sum_e 1 - (1 - p_e)^(T k) over that layer's routing frequencies ``freqs[layer]`` (what the engine has
     seen routed so far; uniform before anything).
-- ``choose(...) -> (path, reason)``: the cheapest estimate (ties go to layer-major, then chunked: no host
-  syncs); or, with ``demand_max_uncached`` (``--auto-demand-max-tokens``: a threshold measured by a sweep
+- ``Calibration``: what the model gets wrong, learned from the engine's own prefills. Per path, the median of
+  log(measured / estimated) over the last ``window`` prefills that ran it; its exponential (1.0 until
+  ``MIN_PREFILLS`` have run it: a cold first request, measured at 3.6-3.9x its estimate on the H200, must not
+  steer the next ones on its own) is the factor that path's estimates are multiplied by before they are compared. The model's error is not the
+  same for every path (on the H200, Qwen3-30B-A3B shape, 24 GB: the demand estimate was 0.98-1.26x the measured
+  prefill, the streamed ones 0.98-1.01x, results/20261201j-h200-qwen3-30b-a3b-sweep*), so an uncorrected model
+  picks the wrong path near the crossover.
+- ``choose(...) -> (path, reason, estimates, calibrated)``: the cheapest calibrated estimate (ties go to
+  layer-major, then chunked: no host syncs); or, with ``demand_max_uncached`` (``--auto-demand-max-tokens``: a threshold measured by a sweep
   instead of the model), demand for prompts of at most that many uncached tokens and the best streamed path
   otherwise. Every path gives bitwise the same output, so the choice changes time only.
 Pure: no torch (frequencies are lists of floats).
@@ -25,6 +32,9 @@ Pure: no torch (frequencies are lists of floats).
 
 from __future__ import annotations
 
+import math
+import statistics
+from collections import deque
 from dataclasses import dataclass
 
 
@@ -93,19 +103,54 @@ def estimate(model: CostModel, chunks: list[tuple[int, int]], chunks_per_window:
     return out
 
 
+class Calibration:
+    """Per-path correction factors learned from measured prefills (see the module docstring)."""
+
+    FACTOR_RANGE = (0.25, 4.0)  # one wild measurement (a stalled host, a page fault storm) cannot flip every choice
+    MIN_PREFILLS = 3  # a median of three outvotes one cold or disturbed prefill
+
+    def __init__(self, window: int = 16):
+        if window < 1:
+            raise ValueError(f"calibration window must be >= 1, got {window}")
+        self.window = window
+        self._logs: dict[str, deque[float]] = {}
+
+    def observe(self, path: str, estimated_s: float, measured_s: float) -> None:
+        """One prefill of ``path`` took ``measured_s`` where the model said ``estimated_s``."""
+        if estimated_s > 0 and measured_s > 0 and math.isfinite(estimated_s) and math.isfinite(measured_s):
+            self._logs.setdefault(path, deque(maxlen=self.window)).append(math.log(measured_s / estimated_s))
+
+    def factor(self, path: str) -> float:
+        logs = self._logs.get(path)
+        if not logs or len(logs) < min(self.MIN_PREFILLS, self.window):
+            return 1.0
+        lo, hi = self.FACTOR_RANGE
+        return min(hi, max(lo, math.exp(statistics.median(logs))))
+
+    def factors(self) -> dict[str, float]:
+        """{path: factor} of every path measured so far."""
+        return {p: self.factor(p) for p in sorted(self._logs)}
+
+    def seen(self, path: str) -> int:
+        return len(self._logs.get(path, ()))
+
+
 def choose(model: CostModel, chunks: list[tuple[int, int]], chunks_per_window: int, demand_max_tokens: int,
-           freqs: list[list[float]] | None = None,
-           demand_max_uncached: int | None = None) -> tuple[str, str, dict[str, float]]:
-    """(path, reason, estimates) for one request; see the module docstring."""
+           freqs: list[list[float]] | None = None, demand_max_uncached: int | None = None,
+           calibration: Calibration | None = None) -> tuple[str, str, dict[str, float], dict[str, float]]:
+    """(path, reason, estimates, calibrated estimates) for one request; see the module docstring."""
     est = estimate(model, chunks, chunks_per_window, demand_max_tokens, freqs)
+    cal = {p: v * (calibration.factor(p) if calibration is not None else 1.0) for p, v in est.items()}
     uncached = sum(b - a for a, b in chunks)
-    order = [p for p in ("layer-major", "chunked", "demand") if p in est]
-    streamed = min(order[:-1], key=lambda p: (est[p], order.index(p)))
+    order = [p for p in ("layer-major", "chunked", "demand") if p in cal]
+    streamed = min(order[:-1], key=lambda p: (cal[p], order.index(p)))
     if demand_max_uncached is not None:
         if uncached <= demand_max_uncached:
-            return "demand", f"auto: {uncached} uncached tokens <= --auto-demand-max-tokens {demand_max_uncached}", est
+            return ("demand", f"auto: {uncached} uncached tokens <= --auto-demand-max-tokens {demand_max_uncached}",
+                    est, cal)
         return streamed, (f"auto: {uncached} uncached tokens > --auto-demand-max-tokens {demand_max_uncached}; "
-                          f"{streamed} moves the fewest banks"), est
-    best = min(order, key=lambda p: (est[p], order.index(p)))
-    others = ", ".join(f"{p} {est[p] * 1e3:.1f} ms" for p in order if p != best)
-    return best, f"auto: {best} estimated {est[best] * 1e3:.1f} ms ({others})", est
+                          f"{streamed} moves the fewest banks"), est, cal
+    best = min(order, key=lambda p: (cal[p], order.index(p)))
+    others = ", ".join(f"{p} {cal[p] * 1e3:.1f} ms" for p in order if p != best)
+    what = "estimated" if cal == est else "estimated (calibrated)"
+    return best, f"auto: {best} {what} {cal[best] * 1e3:.1f} ms ({others})", est, cal

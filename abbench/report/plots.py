@@ -7,6 +7,8 @@ file of that name is removed) and :func:`write_plots` says why.
 
 from __future__ import annotations
 
+import math
+
 import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -222,6 +224,25 @@ def write_plots(record: RunRecord, a: an.Analysis, plots_dir: Path) -> tuple[dic
     return written, skipped
 
 
+def _spaced_labels(xs, left: float, right: float, min_gap: float = 0.07) -> list[str]:
+    """Tick labels for points on a log axis from ``left`` to ``right``: a point is labelled when it lies at least
+    ``min_gap`` of the axis' width from the last labelled one (refined points bunch up near a crossover), else
+    its tick stays unlabelled."""
+    span = math.log(right / left)
+    labels, last = [], None
+    for x in sorted(xs):
+        if last is None or math.log(x / last) >= min_gap * span:
+            labels.append(f"{int(x)}")
+            last = x
+        else:
+            labels.append("")
+    order = sorted(range(len(xs)), key=lambda i: xs[i])
+    out = [""] * len(xs)
+    for rank, i in enumerate(order):
+        out[i] = labels[rank]
+    return out
+
+
 def plot_sweep(record: RunRecord, a: an.Analysis, path: Path) -> None:
     """A sweep's paired TTFT ratio against the swept quantity (log x), one panel per arm pair: the pairs
     (dots), the median per point (line), its 95% interval (band), 1 (dashed) and the crossover with its interval
@@ -252,7 +273,7 @@ def plot_sweep(record: RunRecord, a: an.Analysis, path: Path) -> None:
         if c.estimate is not None:
             ax.axvline(c.estimate, color="C2", lw=1.5, label=f"crossover {c.estimate:.0f}")
         _log_if_wide(ax, list(p.pairs["ratio"]) + [1.0])
-        ax.set_xticks(xs, [f"{int(x)}" for x in xs], fontsize=8)
+        ax.set_xticks(xs, _spaced_labels(xs, left, right), fontsize=8)
         ax.xaxis.set_minor_formatter(NullFormatter())
         if ax.get_yscale() == "log":
             ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))

@@ -268,3 +268,18 @@ def test_the_sweep_document_lists_what_docs_json_documents() -> None:
     for item in items:
         assert set(item) <= documented, f"undocumented fields {set(item) - documented}"
     assert [len(p["points"]) for p in doc["pairs"]] == [8, 8] and doc["stopped"]
+
+
+def test_sweep_tick_labels_never_crowd_and_keep_the_ends() -> None:
+    """Refined points bunch up near a crossover (4096, 4323, 4871, 5793 between 64 and 8192): every point keeps
+    its tick, and labelled ones lie at least the minimum gap apart on the log axis."""
+    from abbench.report.plots import _spaced_labels
+
+    xs = [64.0, 512.0, 2048.0, 4096.0, 8192.0, 5793.0, 4871.0]
+    left, right = min(xs) / 1.5, max(xs) * 1.5
+    labels = _spaced_labels(xs, left, right, min_gap=0.07)
+    assert len(labels) == len(xs) and labels[0] == "64" and labels[3] == "4096"
+    shown = sorted(x for x, lab in zip(xs, labels) if lab)
+    assert all(math.log(b / a) >= 0.07 * math.log(right / left) for a, b in zip(shown, shown[1:]))
+    assert {lab for lab in labels if lab} == {f"{int(x)}" for x in shown}
+    assert "" in labels  # 4871 and 5793 sit too close to 4096 to be named
