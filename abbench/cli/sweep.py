@@ -13,8 +13,8 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from abbench.cli.common import (RESULTS_ROOT, JsonOpt, ProfileOpt, _fail, _parse_csv, _parse_lengths, _render_report,
-                                console, out)
+from abbench.cli.common import RESULTS_ROOT, JsonOpt, ProfileOpt, _fail, _parse_csv, _parse_lengths, console, out
+from abbench.cli.progress import finish, run_with_progress
 from abbench.errors import AbbenchError, ConfigError
 
 
@@ -69,7 +69,6 @@ def sweep(
     from abbench import runner
     from abbench.analysis.sweep import sweep_summary
     from abbench.cli.documents import emit, sweep_document
-    from abbench.cli.experiment import _run_with_progress
     from abbench.profile import load_profile, profile_from_dict
 
     try:
@@ -89,18 +88,13 @@ def sweep(
         run_dir = out_dir or RESULTS_ROOT / runner.new_run_id(prof)
         runner.check_run_dir_free(run_dir)
         t0 = time.perf_counter()
-        record = _run_with_progress(runner, prof, run_dir, resume=False, quiet=quiet)
-        console.print(f"sweep {record.status}: {len(record.samples)} samples in {time.perf_counter() - t0:.1f} s "
-                      f"-> {run_dir}")
-        if report:
-            _render_report(run_dir)
-        if as_json:
-            emit(sweep_document(record))
-        else:
-            _print(sweep_summary(record))
-        if record.status != "complete":
-            raise AbbenchError(f"the sweep is {record.status}: {record.status_reason}; finish it with "
-                               f"`abbench run --resume {run_dir}`")
+        record = run_with_progress(runner, prof, run_dir, resume=False, quiet=quiet)
+        if record.status == "complete":  # a stopped sweep has no crossovers to print: finish says how to resume
+            if as_json:
+                emit(sweep_document(record))
+            else:
+                _print(sweep_summary(record))
+        finish(record, run_dir, time.perf_counter() - t0, report=report, what="sweep")
     except AbbenchError as e:
         _fail(e)
     except KeyboardInterrupt:
