@@ -32,6 +32,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from abbench.peers.wrapper import parse_recorded, split_passthrough
+
 __all__ = ["SERVER_ENV", "describe", "gguf_cache_path", "main", "resolve_server"]
 
 SERVER_ENV = "ABBENCH_LLAMA_SERVER"
@@ -67,13 +69,6 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--gguf", type=Path, default=None, help="use this GGUF instead of the cache path")
     ap.add_argument("--print-gguf-path", action="store_true", help="print the GGUF path and exit")
     return ap
-
-
-def _split(argv: list[str]) -> tuple[list[str], list[str]]:
-    if "--" in argv:
-        k = argv.index("--")
-        return argv[:k], argv[k + 1:]
-    return argv, []
 
 
 def _gguf_path(args: argparse.Namespace) -> Path:
@@ -115,11 +110,9 @@ def describe(argv: list[str]) -> dict[str, Any] | None:
     from abbench.peers.llamacpp_build import read_build_info
 
     if MODULE in argv:
-        own, _ = _split(argv[argv.index(MODULE) + 1:])
-        try:
-            args = _parser().parse_args(own)
-        except SystemExit:
-            return {"error": f"unparsable {MODULE} arguments: {own}"}
+        args, error = parse_recorded(argv, MODULE, _parser())
+        if args is None:
+            return error
         binary = resolve_server()
         gguf = _gguf_path(args)
         return {"llama_server": binary, "build": read_build_info(binary) if binary else None,
@@ -131,7 +124,7 @@ def describe(argv: list[str]) -> dict[str, Any] | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    own, server_args = _split(list(sys.argv[1:] if argv is None else argv))
+    own, server_args = split_passthrough(list(sys.argv[1:] if argv is None else argv))
     args = _parser().parse_args(own)
     if args.print_gguf_path:
         print(_gguf_path(args))

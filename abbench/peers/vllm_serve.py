@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from abbench.peers.vllm_env import RECORD_NAME, describe_env, python_of, read_record, resolve_venv
+from abbench.peers.wrapper import parse_recorded, split_passthrough
 
 __all__ = ["API_SERVER", "describe", "main"]
 
@@ -61,13 +62,6 @@ def _parser() -> argparse.ArgumentParser:
                                                  "python -m abbench.peers.vllm_env path)")
     ap.add_argument("--print-command", action="store_true", help="print the vLLM command and exit")
     return ap
-
-
-def _split(argv: list[str]) -> tuple[list[str], list[str]]:
-    if "--" in argv:
-        k = argv.index("--")
-        return argv[:k], argv[k + 1:]
-    return argv, []
 
 
 def _is_tiny(spec: str) -> bool:
@@ -139,11 +133,9 @@ def _python_versions(python: str) -> dict[str, Any]:
 def describe(argv: list[str]) -> dict[str, Any] | None:
     """What a run records about a vLLM service command (None if ``argv`` is not one)."""
     if MODULE in argv:
-        own, _ = _split(argv[argv.index(MODULE) + 1:])
-        try:
-            args = _parser().parse_args(own)
-        except SystemExit:
-            return {"error": f"unparsable {MODULE} arguments: {own}"}
+        args, error = parse_recorded(argv, MODULE, _parser())
+        if args is None:
+            return error
         venv = resolve_venv(args.venv)
         path = _model_path(args.model, create=False)
         tok = args.tokenizer or ("qwen3" if _is_tiny(args.model) else None)
@@ -159,7 +151,7 @@ def describe(argv: list[str]) -> dict[str, Any] | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    own, server_args = _split(list(sys.argv[1:] if argv is None else argv))
+    own, server_args = split_passthrough(list(sys.argv[1:] if argv is None else argv))
     args = _parser().parse_args(own)
     venv = resolve_venv(args.venv)
     record = read_record(venv)
