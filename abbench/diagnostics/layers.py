@@ -22,9 +22,9 @@ from abbench.client import EngineClient
 from abbench.diagnostics.diff import pick_round, usable
 from abbench.errors import ConfigError
 from abbench.diagnostics.layertrace import LayerProbe, compare_traces
+from abbench.diagnostics.probe import recorded_prompt_ids
 from abbench.profile import Profile, RequestSpec, profile_from_dict
 from abbench.results import RunRecord
-from abbench.runner.run import prepare
 from abbench.services import Service
 
 OVERRIDES_FLAG = "--allow-request-overrides"
@@ -57,13 +57,7 @@ def _history(record: RunRecord, profile: Profile, prompt_id: str, position: int,
     if prompt_id not in {p.id for p in record.prompts}:
         raise ConfigError(f"--prompt: run {record.run_id} has no prompt {prompt_id!r}; its prompts are "
                           f"{', '.join(p.id for p in record.prompts)}")
-    tok, built = prepare(profile)
-    prompt = next(b for b in built if b.record.id == prompt_id)
-    recorded = next(p for p in record.prompts if p.id == prompt_id)
-    if prompt.record.sha256 != recorded.sha256:
-        raise ConfigError(f"prompt {prompt_id} rebuilt now differs from the run's (sha256 {prompt.record.sha256[:12]} "
-                          f"vs {recorded.sha256[:12]}): tokenizer or corpus changed")
-    ids = list(tok.encode(prompt.text, add_special_tokens=True))
+    ids = recorded_prompt_ids(record, profile, prompt_id)
     if position == 0:
         return ids
     ref = profile.parity_reference_arm

@@ -33,13 +33,25 @@ from abbench.diagnostics.diff import (
     usable,
 )
 from abbench.errors import ConfigError, RequestError
-from abbench.profile import RequestSpec, profile_from_dict
+from abbench.profile import Profile, RequestSpec, profile_from_dict
 from abbench.results import RunRecord
 from abbench.runner.run import prepare, run_credentials
 from abbench.runner.slot import health_check
 
-__all__ = ["ProbeResult", "ProbeStep", "logprob_delta", "probe_prompt"]
+__all__ = ["ProbeResult", "ProbeStep", "logprob_delta", "probe_prompt", "recorded_prompt_ids"]
 from abbench.services import Service
+
+
+def recorded_prompt_ids(record: RunRecord, profile: Profile, prompt_id: str) -> list[int]:
+    """The token ids of a run's prompt, rebuilt now with the run's profile; ConfigError when the rebuilt text is
+    not the recorded one (the tokenizer or the corpus changed since the run)."""
+    tok, built = prepare(profile)
+    prompt = next(b for b in built if b.record.id == prompt_id)
+    recorded = next(p for p in record.prompts if p.id == prompt_id)
+    if prompt.record.sha256 != recorded.sha256:
+        raise ConfigError(f"prompt {prompt_id} rebuilt now differs from the run's (sha256 {prompt.record.sha256[:12]} "
+                          f"vs {recorded.sha256[:12]}): tokenizer or corpus changed")
+    return list(tok.encode(prompt.text, add_special_tokens=True))
 
 
 def probe_prompt(
@@ -81,13 +93,7 @@ def probe_prompt(
         if free_first is not None and free_first < len(arm_sample[r].output_ids):
             free_id = arm_sample[r].output_ids[free_first]
 
-    tok, built = prepare(profile)
-    prompt = next(b for b in built if b.record.id == prompt_id)
-    recorded = next(p for p in record.prompts if p.id == prompt_id)
-    if prompt.record.sha256 != recorded.sha256:
-        raise ConfigError(f"prompt {prompt_id} rebuilt now differs from the run's (sha256 {prompt.record.sha256[:12]} "
-                          f"vs {recorded.sha256[:12]}): tokenizer or corpus changed")
-    prompt_ids = list(tok.encode(prompt.text, add_special_tokens=True))
+    prompt_ids = recorded_prompt_ids(record, profile, prompt_id)
     ref_ids = list(s_ref.output_ids)
     n = len(ref_ids) if positions is None else min(positions, len(ref_ids))
     k = max(2, profile.request.logprobs or 2)
