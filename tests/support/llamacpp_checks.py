@@ -35,6 +35,18 @@ from abbench.peers.llamacpp_serve import gguf_cache_path, resolve_server  # noqa
 from abbench.profile import RequestSpec  # noqa: E402
 
 
+
+def wait_healthy(url: str, attempts: int) -> bool:
+    """Poll ``url``/health every half second until it answers 200 (True) or ``attempts`` polls have failed."""
+    for _ in range(attempts):
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return True
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    return False
+
 def after_response(port: int, stream: bool) -> str:
     """What the server does with the connection after one response on it (keep-alive asked): "open after 1 s",
     "closed X ms after the last byte" or "data"."""
@@ -104,13 +116,7 @@ def main(out: str, threads: int) -> None:
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
-        for _ in range(120):
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
+        wait_healthy(url, attempts=120)
         commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True,
                                 text=True).stdout.strip()
         dirty = bool(subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],

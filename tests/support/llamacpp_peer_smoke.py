@@ -27,6 +27,8 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(REPO))
 
+from tests.support.llamacpp_checks import wait_healthy  # noqa: E402
+
 PORT = 8931
 N_TOKENS = 16
 PROMPT_LENGTHS = (14, 128, 1024, 3000)
@@ -70,13 +72,7 @@ def server_ids(binary: str, gguf: str, dtype: str, where: str, prompt_list: list
     with open(log_path, "w") as log:
         srv = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
         try:
-            for _ in range(240):
-                try:
-                    if httpx.get(url + "/health", timeout=2).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                time.sleep(0.5)
+            wait_healthy(url, attempts=240)
             got, secs = [], []
             for p in prompt_list:
                 t = time.time()
