@@ -203,8 +203,8 @@ class EngineConfig:
     # prefill_mode "auto": demand for prompts of at most this many uncached tokens, else the best streamed path,
     # instead of the cost model (abbench.engine.policy); None: the cost model decides
     auto_demand_max_tokens: int | None = None
-    # prefill_mode "auto": correct the cost model by the engine's own measured prefills, per path the median
-    # measured/estimated ratio of its last this many prefills (abbench.engine.policy.Calibration); 0: the model alone
+    # prefill_mode "auto": scale demand's expected expert copies by the median copied/expected ratio of the last
+    # this many demand prefills (abbench.engine.policy.Calibration); 0: the model alone
     auto_calibration: int = 16
     max_context: int | None = None  # KV cache length; default max_position_embeddings
     deterministic: bool = False  # torch.use_deterministic_algorithms(True) (the kernels used already are)

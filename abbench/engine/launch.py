@@ -114,8 +114,8 @@ def _engine_options(e: argparse._ArgumentGroup) -> None:
                    help="--prefill-mode auto: demand loading for prompts of at most N uncached tokens (a threshold "
                    "from a sweep), the best streamed path otherwise, instead of the cost model")
     e.add_argument("--auto-calibration", type=int, default=None, metavar="N",
-                   help="--prefill-mode auto: multiply each path's estimate by the median measured/estimated ratio "
-                   "of the last N prefills that ran it, every request's (default 16; 0: the cost model alone)")
+                   help="--prefill-mode auto: scale demand's expected expert copies by the median copied/expected "
+                   "ratio of the last N demand prefills, any request's (default 16; 0: the cost model alone)")
     e.add_argument("--attention-batch", type=int, default=None, metavar="K",
                    help="layer-major prefill: K adjacent chunks share one attention call in full-attention layers "
                    "where that is bit-identical on the device and the group ends within "

@@ -16,18 +16,22 @@ Contract:
     longer chunks stream as in chunked. The expected distinct experts of a layer for T tokens x k choices
     is sum_e 1 - (1 - p_e)^(T k) over that layer's routing frequencies ``freqs[layer]`` (what the engine has
     seen routed so far; uniform before anything).
-- ``Calibration``: what the model gets wrong, learned from the engine's own prefills. Per path, the median of
-  log(measured / estimated) over the last ``window`` prefills that ran it; its exponential (1.0 until
-  ``MIN_PREFILLS`` have run it: a cold first request, measured at 3.6-3.9x its estimate on the H200, must not
-  steer the next ones on its own) is the factor that path's estimates are multiplied by before they are compared. The model's error is not the
-  same for every path (on the H200, Qwen3-30B-A3B shape, 24 GB: the demand estimate was 0.98-1.26x the measured
-  prefill, the streamed ones 0.98-1.01x, results/20261201j-h200-qwen3-30b-a3b-sweep*), so an uncorrected model
-  picks the wrong path near the crossover.
+- ``Calibration``: the one term the model cannot know in advance, corrected by what the engine saw. Demand's
+  copies assume every routing choice independent; real routing is correlated between neighbouring tokens, so a
+  chunk touches fewer distinct experts (on the H200, Qwen3-30B-A3B shape, random router: a 64-token suffix's
+  demand prefill copied 2,510 experts where independent uniform choices touch ~6,030;
+  results/20261201j-h200-qwen3-30b-a3b-sweep-skewed: with the observed frequencies the model still put demand
+  above its measured time and picked layer-major where demand was 10% faster). After every demand prefill the engine
+  compares the experts it copied with the model's expectation for that prefill; the median ratio of the last
+  ``window`` prefills (1.0 until ``MIN_PREFILLS`` have run: one cold or disturbed request steers nothing;
+  bounded to 0.25-4) scales demand's copy term from then on. The time terms are measured at start and need no
+  correction; a per-path time factor was tried and rejected: it mixes prefills of every shape (a 16K cold
+  prefix with a 64-token suffix) into one number.
 - ``choose(...) -> (path, reason, estimates, calibrated)``: the cheapest calibrated estimate (ties go to
-  layer-major, then chunked: no host syncs); or, with ``demand_max_uncached`` (``--auto-demand-max-tokens``: a threshold measured by a sweep
-  instead of the model), demand for prompts of at most that many uncached tokens and the best streamed path
+  layer-major, then chunked: no host syncs); or, with ``demand_max_uncached`` (``--auto-demand-max-tokens``: a
+  threshold measured by a sweep instead of the model), demand for prompts of at most that many uncached tokens and the best streamed path
   otherwise. Every path gives bitwise the same output, so the choice changes time only.
-Pure: no torch (frequencies are lists of floats).
+Pure: no torch (frequencies are lists of floats, computed on with numpy).
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ import math
 import statistics
 from collections import deque
 from dataclasses import dataclass
+
+import numpy as np
 
 
 @dataclass(frozen=True)
@@ -80,67 +86,91 @@ def expected_distinct(freqs: list[float] | None, tokens: int, top_k: int, num_ex
     return min(float(num_experts), sum(1.0 - (1.0 - f / total) ** n for f in freqs if f > 0))
 
 
+def _probabilities(freqs: list[list[float]] | None, n_layers: int, num_experts: int) -> np.ndarray:
+    """[L, E] routing probabilities per layer (uniform where ``freqs`` is None)."""
+    if not freqs:
+        return np.full((n_layers, num_experts), 1.0 / num_experts)
+    f = np.asarray(freqs, dtype=np.float64)
+    return f / f.sum(axis=1, keepdims=True)
+
+
+def _distinct_per_layer(p: np.ndarray, tokens: int, top_k: int, num_experts: int) -> np.ndarray:
+    """[L] expected distinct experts ``tokens`` tokens touch in each layer (``expected_distinct``, vectorised)."""
+    return np.minimum(float(num_experts), (1.0 - (1.0 - p) ** (tokens * top_k)).sum(axis=1))
+
+
+def expected_demand_copies(model: CostModel, chunks: list[tuple[int, int]], demand_max_tokens: int,
+                           freqs: list[list[float]] | None = None) -> float:
+    """Experts a demand prefill over ``chunks`` is expected to copy: the distinct experts of every short chunk in
+    every layer, and every expert of every layer for a chunk that streams."""
+    p = _probabilities(freqs, model.n_layers, model.num_experts)
+    total = 0.0
+    for a, b in chunks:
+        t = b - a
+        total += (model.n_layers * model.num_experts if t > demand_max_tokens
+                  else float(_distinct_per_layer(p, t, model.top_k, model.num_experts).sum()))
+    return total
+
+
 def estimate(model: CostModel, chunks: list[tuple[int, int]], chunks_per_window: int, demand_max_tokens: int,
-             freqs: list[list[float]] | None = None) -> dict[str, float]:
-    """Estimated seconds of each offloaded path over ``chunks`` [(a, b))); see the module docstring."""
+             freqs: list[list[float]] | None = None, copies_factor: float = 1.0) -> dict[str, float]:
+    """Estimated seconds of each offloaded path over ``chunks`` [(a, b))); demand's copies of routed experts
+    scaled by ``copies_factor`` (``Calibration``); see the module docstring."""
     L, bank = model.n_layers, model.bank_s
     compute = sum(L * model.step(b - a) for a, b in chunks)
     n_windows = -(-len(chunks) // max(1, chunks_per_window))
     out = {"chunked": model.streamed(len(chunks) * bank, compute)}
     if len(chunks) > 1 and chunks_per_window > 1:
         out["layer-major"] = model.streamed(n_windows * bank, compute)
+    p = _probabilities(freqs, L, model.num_experts)
     demand = 0.0
     for a, b in chunks:
         t = b - a
         if t > demand_max_tokens:
             demand += model.streamed(bank, L * model.step(t))
             continue
-        for layer in range(L):
-            f = freqs[layer] if freqs else None
-            copy = expected_distinct(f, t, model.top_k, model.num_experts) * model.expert_bytes / model.bandwidth
-            demand += model.step(t) + model.sync_s + copy
+        distinct = float(_distinct_per_layer(p, t, model.top_k, model.num_experts).sum())
+        demand += L * (model.step(t) + model.sync_s) + copies_factor * distinct * model.expert_bytes / model.bandwidth
     out["demand"] = demand
     return out
 
 
 class Calibration:
-    """Per-path correction factors learned from measured prefills (see the module docstring)."""
+    """Demand's copies as measured: the median ratio of experts copied to experts expected (module docstring)."""
 
-    FACTOR_RANGE = (0.25, 4.0)  # one wild measurement (a stalled host, a page fault storm) cannot flip every choice
+    FACTOR_RANGE = (0.25, 4.0)  # one wild measurement cannot swing the estimates without bound
     MIN_PREFILLS = 3  # a median of three outvotes one cold or disturbed prefill
 
     def __init__(self, window: int = 16):
         if window < 1:
             raise ValueError(f"calibration window must be >= 1, got {window}")
         self.window = window
-        self._logs: dict[str, deque[float]] = {}
+        self._logs: deque[float] = deque(maxlen=window)
 
-    def observe(self, path: str, estimated_s: float, measured_s: float) -> None:
-        """One prefill of ``path`` took ``measured_s`` where the model said ``estimated_s``."""
-        if estimated_s > 0 and measured_s > 0 and math.isfinite(estimated_s) and math.isfinite(measured_s):
-            self._logs.setdefault(path, deque(maxlen=self.window)).append(math.log(measured_s / estimated_s))
+    def observe(self, expected_copies: float, copied: float) -> None:
+        """A demand prefill copied ``copied`` experts where the model expected ``expected_copies``."""
+        if expected_copies > 0 and copied > 0 and math.isfinite(expected_copies) and math.isfinite(copied):
+            self._logs.append(math.log(copied / expected_copies))
 
-    def factor(self, path: str) -> float:
-        logs = self._logs.get(path)
-        if not logs or len(logs) < min(self.MIN_PREFILLS, self.window):
+    @property
+    def factor(self) -> float:
+        if len(self._logs) < min(self.MIN_PREFILLS, self.window):
             return 1.0
         lo, hi = self.FACTOR_RANGE
-        return min(hi, max(lo, math.exp(statistics.median(logs))))
+        return min(hi, max(lo, math.exp(statistics.median(self._logs))))
 
-    def factors(self) -> dict[str, float]:
-        """{path: factor} of every path measured so far."""
-        return {p: self.factor(p) for p in sorted(self._logs)}
-
-    def seen(self, path: str) -> int:
-        return len(self._logs.get(path, ()))
+    @property
+    def seen(self) -> int:
+        return len(self._logs)
 
 
 def choose(model: CostModel, chunks: list[tuple[int, int]], chunks_per_window: int, demand_max_tokens: int,
            freqs: list[list[float]] | None = None, demand_max_uncached: int | None = None,
            calibration: Calibration | None = None) -> tuple[str, str, dict[str, float], dict[str, float]]:
-    """(path, reason, estimates, calibrated estimates) for one request; see the module docstring."""
+    """(path, reason, the model's estimates, the calibrated ones) for one request; see the module docstring."""
     est = estimate(model, chunks, chunks_per_window, demand_max_tokens, freqs)
-    cal = {p: v * (calibration.factor(p) if calibration is not None else 1.0) for p, v in est.items()}
+    factor = calibration.factor if calibration is not None else 1.0
+    cal = est if factor == 1.0 else estimate(model, chunks, chunks_per_window, demand_max_tokens, freqs, factor)
     uncached = sum(b - a for a, b in chunks)
     order = [p for p in ("layer-major", "chunked", "demand") if p in cal]
     streamed = min(order[:-1], key=lambda p: (cal[p], order.index(p)))
@@ -152,5 +182,5 @@ def choose(model: CostModel, chunks: list[tuple[int, int]], chunks_per_window: i
                           f"{streamed} moves the fewest banks"), est, cal
     best = min(order, key=lambda p: (cal[p], order.index(p)))
     others = ", ".join(f"{p} {cal[p] * 1e3:.1f} ms" for p in order if p != best)
-    what = "estimated" if cal == est else "estimated (calibrated)"
+    what = "estimated" if factor == 1.0 else f"estimated (demand copies x{factor:.3f}, measured)"
     return best, f"auto: {best} {what} {cal[best] * 1e3:.1f} ms ({others})", est, cal

@@ -51,7 +51,7 @@ from .factory import build_model
 from .graphs import GraphCache
 from .hybrid import attention_batching_exact
 from .model import attention_backends, probe_graph_capture
-from .policy import Calibration, CostModel, choose, estimate
+from .policy import Calibration, CostModel, choose, expected_demand_copies
 from .prefill import Batching, CancelLike, Cancelled, PrefillStats, check_cancel, plan_chunks, prefill
 from .steps import LayerSteps
 from .trace import LayerTrace
@@ -192,8 +192,8 @@ class Engine:
                 self._warm_decode()
             self.policy: CostModel | None = None
             self.calibration: Calibration | None = None
-            # offloaded prefills not yet compared with the model: (path, chunks, measured s, estimate or None)
-            self._calibration_pending: deque[tuple[str, list[tuple[int, int]], float, float | None]] = deque(maxlen=64)
+            # demand prefills not yet compared with the model: (chunks, experts copied)
+            self._calibration_pending: deque[tuple[list[tuple[int, int]], int]] = deque(maxlen=64)
             if cfg.prefill_mode == "auto":  # the cost model's inputs, and routing counts from now on
                 self.policy = self._measure_costs()
                 self.steps.track_routing()
@@ -301,32 +301,27 @@ class Engine:
                          num_experts=mc.num_experts, top_k=mc.num_experts_per_tok, step_s=step_s,
                          sync_s=sorted(rtts)[len(rtts) // 2], overlap=self.device.type == "cuda")
 
-    def _auto_path(self, n: int, start: int, chunk_tokens: int) -> tuple[str, dict, dict[str, float]]:
-        """The path the auto policy picks for n uncached tokens at ``start``, what it saw, and its raw estimates.
-        The prefills measured since the last call are compared with the model first (``Calibration``): their
-        estimates are made here, off the measured requests' own latency."""
+    def _auto_path(self, n: int, start: int, chunk_tokens: int) -> tuple[str, dict]:
+        """The path the auto policy picks for n uncached tokens at ``start``, and what it saw. The demand
+        prefills run since the last call are compared with the model first (``Calibration``)."""
         cfg = self.config
         counts = self.steps.route_counts
         freqs = None
         if counts is not None and int(counts.sum()) > 0:  # one host read of the routing seen so far
             freqs = (counts.double() + 1.0).tolist()  # add-one: an expert never seen is not impossible
-        per_window = cfg.layer_major_window_tokens // chunk_tokens
         while self._calibration_pending and self.calibration is not None:
-            path, chunks, measured, est_path = self._calibration_pending.popleft()
-            if est_path is None:
-                est_path = estimate(self.policy, chunks, per_window, cfg.demand_max_tokens, freqs).get(path)
-            if est_path is not None:
-                self.calibration.observe(path, est_path, measured)
+            chunks, copied = self._calibration_pending.popleft()
+            self.calibration.observe(expected_demand_copies(self.policy, chunks, cfg.demand_max_tokens, freqs), copied)
         chunks = plan_chunks(start, start + n, chunk_tokens)
-        path, reason, est, cal = choose(self.policy, chunks, per_window, cfg.demand_max_tokens, freqs,
-                                        cfg.auto_demand_max_tokens, self.calibration)
+        path, reason, est, cal = choose(self.policy, chunks, cfg.layer_major_window_tokens // chunk_tokens,
+                                        cfg.demand_max_tokens, freqs, cfg.auto_demand_max_tokens, self.calibration)
         info = {"path": path, "reason": reason, "routing": "observed" if freqs else "uniform",
                 "estimates_s": {k: round(v, 6) for k, v in est.items()}}
         if self.calibration is not None:
             info["calibrated_s"] = {k: round(v, 6) for k, v in cal.items()}
-            info["calibration"] = {p: {"factor": round(self.calibration.factor(p), 4), "prefills": self.calibration.seen(p)}
-                                   for p in est}
-        return path, info, est
+            info["calibration"] = {"demand_copies_factor": round(self.calibration.factor, 4),
+                                   "demand_prefills": self.calibration.seen}
+        return path, info
 
     def _plan_memory(self) -> MemoryPlan | None:
         """The device-memory plan (slots per layer from the budget); None on CPU without a budget, where the
@@ -422,13 +417,13 @@ class Engine:
     def _prefill(self, ids: list[int], start: int, mode: str, cancel: CancelLike,
                  chunk_tokens: int, attention_batch: int = 1) -> tuple[torch.Tensor, PrefillStats]:
         cfg = self.config
-        auto, est = None, None
+        auto = None
         if mode == "auto":
-            mode, auto, est = self._auto_path(len(ids), start, chunk_tokens)
+            mode, auto = self._auto_path(len(ids), start, chunk_tokens)
         if self._fault == "oom-once":
             cancel = self._inject_oom(cancel)
         with self._on_device():
-            t0 = time.perf_counter()
+            copies0 = self.store.request.expert_copies
             t = torch.tensor(ids, dtype=torch.long, device=self.device)  # [T]
             logits, stats = prefill(self.steps, self.store, self.kv, t, start, mode,
                                     chunk_tokens=chunk_tokens,
@@ -437,10 +432,9 @@ class Engine:
                                     batching=self._batching(attention_batch, chunk_tokens))
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
-            if self.calibration is not None and stats.path in ("chunked", "layer-major", "demand"):
-                chunks = plan_chunks(start, start + len(ids), chunk_tokens)
-                self._calibration_pending.append((stats.path, chunks, time.perf_counter() - t0,
-                                                  None if est is None else est.get(stats.path)))
+            if self.calibration is not None and stats.path == "demand":  # compared at the next auto decision
+                self._calibration_pending.append((plan_chunks(start, start + len(ids), chunk_tokens),
+                                                  self.store.request.expert_copies - copies0))
             if auto is not None:
                 stats.requested_mode, stats.auto = "auto", auto
             return logits, stats
