@@ -1,0 +1,130 @@
+"""Candidate kernels for one decode token (issue: decode at a peer's speed), measured before any is wired in.
+
+A resident decode step on the H200 (results/20261201i-h200-decode-profile) spends its kernel time in two
+memory-bound pieces that run 3-6x above their floors: the routed experts (two ``torch._grouped_mm`` calls over
+all E groups for k routed experts) and the attention over the cache (two batched matmuls and a float32 softmax
+over a masked bucket). This module holds the alternatives; ``gpucheck_decode`` times them against the engine's
+own functions inside CUDA graphs at full width and checks that they agree.
+
+- ``moe_one_token(h, top_w, top_ids, gate_up, down)``: the routed SwiGLU experts of one token, [1, H] ->
+  [1, H], as two Triton kernels that read only the k routed experts' rows (a GEMV per expert, the expert ids
+  read on the device, so it captures in a CUDA graph): the first computes gate and up rows of an expert
+  together and writes silu(gate) x up (float32 accumulation), the second the down projection, summing the
+  k experts weighted by the router in a fixed order (deterministic: no atomics). Needs Triton (CUDA; on CPU
+  only under ``TRITON_INTERPRET=1``). Not bitwise equal to the grouped GEMM (another summation order).
+- ``attention_sdpa(q, keys, values, pos, kv_len)``: one token's grouped-query attention through
+  ``F.scaled_dot_product_attention``, the G query heads of a KV head taken as G queries of one sequence
+  (q [1, Hkv, G, D] against [1, Hkv, L, D]: no expansion of K and V), the positions after ``pos`` masked by an
+  additive bias (static shapes: it captures); ``attention_sdpa_exact`` attends over exactly pos + 1 keys with
+  no mask (the flash kernel; one shape per position, so no graph).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+try:  # optional: CUDA builds of torch ship Triton; the CPU build does not
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the installation
+    triton = None
+
+
+def have_triton() -> bool:
+    return triton is not None
+
+
+if triton is not None:
+    @triton.jit
+    def _gate_up_act(h_ptr, w_ptr, ids_ptr, out_ptr, H: tl.constexpr, I: tl.constexpr, stride_we, stride_wn,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        j = tl.program_id(0)  # routed slot 0..k-1
+        nb = tl.program_id(1)
+        e = tl.load(ids_ptr + j).to(tl.int64)
+        rows = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+        rmask = rows < I
+        base = w_ptr + e * stride_we
+        acc_g = tl.zeros([BLOCK_N], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            cols = k0 + tl.arange(0, BLOCK_K)
+            cmask = cols < H
+            x = tl.load(h_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+            m = rmask[:, None] & cmask[None, :]
+            wg = tl.load(base + rows[:, None] * stride_wn + cols[None, :], mask=m, other=0.0).to(tl.float32)
+            wu = tl.load(base + (rows[:, None] + I) * stride_wn + cols[None, :], mask=m, other=0.0).to(tl.float32)
+            acc_g += tl.sum(wg * x[None, :], axis=1)
+            acc_u += tl.sum(wu * x[None, :], axis=1)
+        act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+        tl.store(out_ptr + j * I + rows, act, mask=rmask)
+
+    @triton.jit
+    def _down_sum(a_ptr, w_ptr, ids_ptr, tw_ptr, out_ptr, H: tl.constexpr, I: tl.constexpr, K_ROUTED: tl.constexpr,
+                  stride_we, stride_wn,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        nb = tl.program_id(0)
+        rows = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+        rmask = rows < H
+        total = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for j in range(0, K_ROUTED):  # the routed experts in slot order: a fixed summation order
+            e = tl.load(ids_ptr + j).to(tl.int64)
+            wj = tl.load(tw_ptr + j).to(tl.float32)
+            base = w_ptr + e * stride_we
+            acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+            for k0 in range(0, I, BLOCK_K):
+                cols = k0 + tl.arange(0, BLOCK_K)
+                cmask = cols < I
+                a = tl.load(a_ptr + j * I + cols, mask=cmask, other=0.0)
+                w = tl.load(base + rows[:, None] * stride_wn + cols[None, :],
+                            mask=rmask[:, None] & cmask[None, :], other=0.0).to(tl.float32)
+                acc += tl.sum(w * a[None, :], axis=1)
+            total += wj * acc
+        tl.store(out_ptr + rows, total, mask=rmask)
+
+
+def moe_one_token(h: torch.Tensor, top_w: torch.Tensor, top_ids: torch.Tensor, gate_up: torch.Tensor,
+                  down: torch.Tensor, block_n: int = 16, block_k: int = 256) -> torch.Tensor:
+    """Routed SwiGLU experts of one token (module docstring): h [1, H], top_w [1, k], top_ids [1, k] indexing
+    gate_up [G, 2I, H] and down [G, H, I] -> [1, H] in h's dtype."""
+    if triton is None:
+        raise RuntimeError("moe_one_token needs Triton")
+    if h.shape[0] != 1 or not (gate_up.stride(-1) == 1 and down.stride(-1) == 1):
+        raise ValueError("moe_one_token: one token, row-major expert weights")
+    G, two_i, H = gate_up.shape
+    inter, k = two_i // 2, top_ids.shape[1]
+    ids = top_ids.reshape(-1).contiguous()  # [k]
+    act = torch.empty(k, inter, dtype=torch.float32, device=h.device)  # [k, I]
+    _gate_up_act[(k, triton.cdiv(inter, block_n))](h.reshape(-1), gate_up, ids, act, H, inter,
+                                                    gate_up.stride(0), gate_up.stride(1),
+                                                    BLOCK_N=block_n, BLOCK_K=block_k)
+    out = torch.empty(H, dtype=torch.float32, device=h.device)  # [H]
+    tw = top_w.reshape(-1).to(torch.float32).contiguous()  # [k]
+    _down_sum[(triton.cdiv(H, block_n),)](act, down, ids, tw, out, H, inter, k, down.stride(0), down.stride(1),
+                                         BLOCK_N=block_n, BLOCK_K=block_k)
+    return out.to(h.dtype).unsqueeze(0)  # [1, H]
+
+
+def attention_sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos: torch.Tensor,
+                   scale: float) -> torch.Tensor:
+    """``model.decode_gqa``'s contract through SDPA: q [Hq, 1, D] over keys, values [Hkv, L, D] (L: the static
+    bucket), positions after ``pos`` (int64 [1] on the device) masked -> [Hq, 1, D]."""
+    hq, _, d = q.shape
+    hkv, length, _ = keys.shape
+    qg = q.reshape(1, hkv, hq // hkv, d)  # [1, Hkv, G, D]: a KV head's query heads as queries of one sequence
+    bias = torch.zeros(length, dtype=q.dtype, device=q.device).masked_fill(
+        torch.arange(length, device=q.device) > pos, float("-inf"))  # [L]
+    out = F.scaled_dot_product_attention(qg, keys.unsqueeze(0), values.unsqueeze(0),
+                                         attn_mask=bias.view(1, 1, 1, length), scale=scale)  # [1, Hkv, G, D]
+    return out.reshape(hq, 1, d)
+
+
+def attention_sdpa_exact(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, n: int,
+                         scale: float) -> torch.Tensor:
+    """One token's attention over exactly the first ``n`` cache positions, no mask (SDPA picks flash where it
+    can): q [Hq, 1, D], keys, values [Hkv, >=n, D] -> [Hq, 1, D]. The shape changes with n: no CUDA graph."""
+    hq, _, d = q.shape
+    hkv = keys.shape[0]
+    qg = q.reshape(1, hkv, hq // hkv, d)
+    out = F.scaled_dot_product_attention(qg, keys[:, :n].unsqueeze(0), values[:, :n].unsqueeze(0), scale=scale)
+    return out.reshape(hq, 1, d)

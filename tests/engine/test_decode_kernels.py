@@ -1,0 +1,62 @@
+"""Candidate decode kernels (abbench.engine.decode_kernels) agree with the engine's own functions.
+
+The SDPA attention variants are checked here on every machine, at positions that mask most of the bucket, none
+of it, and one key; the Triton one-token experts where Triton is installed (CUDA builds of torch; on CPU only
+under TRITON_INTERPRET=1), at sizes the blocks do not divide. ``gpucheck_decode_kernels`` runs end to end.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from abbench.engine import decode_kernels as dk  # noqa: E402
+from abbench.engine.gpucheck_decode_kernels import main  # noqa: E402
+from abbench.engine.model import decode_gqa, looped_mm, moe_experts  # noqa: E402
+
+DEVICE = torch.device(os.environ.get("ABBENCH_ENGINE_TEST_DEVICE", "cpu"))
+
+
+@pytest.mark.parametrize("pos", [0, 1, 37, 63])
+def test_sdpa_attention_equals_the_engines_over_the_bucket_and_exactly(pos: int):
+    gen = torch.Generator().manual_seed(pos)
+    hq, hkv, d, length = 8, 2, 16, 64
+    q = torch.randn(hq, 1, d, generator=gen).to(DEVICE)
+    keys, values = torch.randn(hkv, length, d, generator=gen).to(DEVICE), torch.randn(hkv, length, d, generator=gen).to(DEVICE)
+    at = torch.tensor([pos], device=DEVICE)
+    ref = decode_gqa(q, keys, values, torch.arange(length, device=DEVICE) > at, d ** -0.5)
+    torch.testing.assert_close(dk.attention_sdpa(q, keys, values, at, d ** -0.5), ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dk.attention_sdpa_exact(q, keys, values, pos + 1, d ** -0.5), ref, rtol=1e-5,
+                               atol=1e-5)
+
+
+@pytest.mark.skipif(not dk.have_triton(), reason="Triton is not installed (the CPU build of torch has none)")
+def test_triton_experts_of_one_token_equal_the_grouped_experts():
+    if DEVICE.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton on CPU runs only under TRITON_INTERPRET=1")
+    gen = torch.Generator().manual_seed(0)
+    G, inter, H, k = 12, 40, 72, 5  # not multiples of the blocks
+    gate_up = (torch.randn(G, 2 * inter, H, generator=gen) / 8).to(DEVICE)
+    down = (torch.randn(G, H, inter, generator=gen) / 8).to(DEVICE)
+    h = torch.randn(1, H, generator=gen).to(DEVICE)
+    ids = torch.tensor([[11, 3, 0, 7, 5]], device=DEVICE)
+    w = torch.softmax(torch.randn(1, k, generator=gen), -1).to(DEVICE)
+    ref = moe_experts(h, w, ids, gate_up, down, looped_mm)
+    got = dk.moe_one_token(h, w, ids, gate_up, down, block_n=16, block_k=32)
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="one token"):
+        dk.moe_one_token(h.repeat(2, 1), w, ids, gate_up, down)
+
+
+def test_the_kernel_check_runs_and_every_candidate_agrees(tmp_path, capsys):
+    out = tmp_path / "kernels.json"
+    assert main(["--device", str(DEVICE), "--contexts", "64,128", "--replays", "3", "--out", str(out)]) == 0
+    import json
+
+    rows = json.loads(out.read_text())["rows"]
+    assert {r["part"] for r in rows} == {"experts", "attention 64", "attention 128"}
+    assert all(r["agrees"] for r in rows) and all(r["us"] > 0 for r in rows)
+    assert "PASS" in capsys.readouterr().out
