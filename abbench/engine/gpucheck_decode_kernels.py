@@ -70,7 +70,7 @@ def _rel_diff(ref: torch.Tensor, got: torch.Tensor) -> float:
 
 
 def run(model: str, device: torch.device, dtype: torch.dtype, contexts: list[int], replays: int,
-        bandwidth: float, tolerance: float) -> tuple[bool, list[dict]]:
+        bandwidth: float, tolerance: float, moe_blocks: list[tuple[int, int]] = ((16, 256),)) -> tuple[bool, list[dict]]:
     cfg = PRESETS[model]
     E, H, inter, k = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok
     hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -99,11 +99,11 @@ def run(model: str, device: torch.device, dtype: torch.dtype, contexts: list[int
     ref = moe_experts(h, w, ids, gate_up, down, mm)
     row("experts", "engine: grouped GEMM over E groups" if mm is grouped_mm else "engine: per-expert loop",
         _time_us(lambda: moe_experts(h, w, ids, gate_up, down, mm), device, replays), k * expert_bytes, None)
-    if dk.have_triton():
-        got = dk.moe_one_token(h, w, ids, gate_up, down)
-        row("experts", "triton: k routed experts (GEMV)",
-            _time_us(lambda: dk.moe_one_token(h, w, ids, gate_up, down), device, replays), k * expert_bytes,
-            _rel_diff(ref, got))
+    for bn, bk in moe_blocks if dk.have_triton() else ():
+        got = dk.moe_one_token(h, w, ids, gate_up, down, block_n=bn, block_k=bk)
+        row("experts", f"triton: k routed experts (GEMV), blocks {bn}x{bk}",
+            _time_us(lambda: dk.moe_one_token(h, w, ids, gate_up, down, block_n=bn, block_k=bk), device, replays),
+            k * expert_bytes, _rel_diff(ref, got))
     del gate_up, down
 
     # -- attention of one token at each context
@@ -137,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--contexts", default=None, help="comma-separated KV lengths (default 4096,32768,131072 on "
                    "cuda, 64,256 on cpu)")
     p.add_argument("--replays", type=int, default=200)
+    p.add_argument("--moe-blocks", default="16x256", help="Triton experts: comma-separated BLOCK_NxBLOCK_K tiles")
     p.add_argument("--bandwidth", type=float, default=4.8e12, help="bytes/s of the memory floor (H200 HBM3e)")
     p.add_argument("--tolerance", type=float, default=2e-2, help="largest relative difference a candidate may have")
     p.add_argument("--out", type=Path, default=None, help="write the rows as JSON")
@@ -148,13 +149,14 @@ def main(argv: list[str] | None = None) -> int:
         [4096, 32768, 131072] if cuda else [64, 256])
     dtype = torch.bfloat16 if cuda else torch.float32
     with torch.no_grad(), attention_backends():  # SDPA's kernels as the engine allows them
-        ok, rows = run(model, device, dtype, contexts, args.replays, args.bandwidth, args.tolerance)
+        blocks = [tuple(int(v) for v in b.split("x")) for b in args.moe_blocks.split(",")]
+        ok, rows = run(model, device, dtype, contexts, args.replays, args.bandwidth, args.tolerance, blocks)
     print(f"{model}, {device}, {dtype}, triton: {dk.have_triton()}")
-    print(f"{'part':<18} {'candidate':<56} {'us':>9} {'floor us':>9} {'x floor':>8} {'rel diff':>9}")
+    print(f"{'part':<18} {'candidate':<60} {'us':>9} {'floor us':>9} {'x floor':>8} {'rel diff':>9}")
     for r in rows:
         x = r["us"] / r["floor_us"] if r["floor_us"] else float("nan")
         diff = "-" if r["rel_diff"] is None else f"{r['rel_diff']:.1e}"
-        print(f"{r['part']:<18} {r['candidate']:<56} {r['us']:>9.1f} {r['floor_us']:>9.1f} {x:>8.2f} {diff:>9}"
+        print(f"{r['part']:<18} {r['candidate']:<60} {r['us']:>9.1f} {r['floor_us']:>9.1f} {x:>8.2f} {diff:>9}"
               + ("" if r["agrees"] else "  DISAGREES"))
     if args.out:
         args.out.write_text(json.dumps({"model": model, "device": str(device), "rows": rows}, indent=1))
