@@ -84,7 +84,7 @@ if triton is not None:
 
 
 def moe_one_token(h: torch.Tensor, top_w: torch.Tensor, top_ids: torch.Tensor, gate_up: torch.Tensor,
-                  down: torch.Tensor, block_n: int = 16, block_k: int = 256) -> torch.Tensor:
+                  down: torch.Tensor, block_n: int = 4, block_k: int = 1024) -> torch.Tensor:
     """Routed SwiGLU experts of one token (module docstring): h [1, H], top_w [1, k], top_ids [1, k] indexing
     gate_up [G, 2I, H] and down [G, H, I] -> [1, H] in h's dtype."""
     if triton is None:

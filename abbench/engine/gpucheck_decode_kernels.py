@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--contexts", default=None, help="comma-separated KV lengths (default 4096,32768,131072 on "
                    "cuda, 64,256 on cpu)")
     p.add_argument("--replays", type=int, default=200)
-    p.add_argument("--moe-blocks", default="16x256", help="Triton experts: comma-separated BLOCK_NxBLOCK_K tiles")
+    p.add_argument("--moe-blocks", default="4x1024", help="Triton experts: comma-separated BLOCK_NxBLOCK_K tiles")
     p.add_argument("--bandwidth", type=float, default=4.8e12, help="bytes/s of the memory floor (H200 HBM3e)")
     p.add_argument("--tolerance", type=float, default=2e-2, help="largest relative difference a candidate may have")
     p.add_argument("--out", type=Path, default=None, help="write the rows as JSON")
