@@ -190,6 +190,9 @@ class EngineConfig:
     # steps per bucket, then a reset), so no request pays a bucket's first eager step and capture
     warm_decode_graphs: bool = True
     d2d_from_slot_cache: bool = False  # prefill takes experts already in the slot cache device-to-device
+    # decode's routed experts: "grouped" (torch._grouped_mm, as prefill) or "triton" (a GEMV over the k routed
+    # experts, abbench.engine.decode_kernels; Qwen3-MoE and the hybrid, needs Triton)
+    decode_experts: str = "grouped"
     # CUDA, hybrid (Qwen3.5/3.6) models: replay the fixed-shape prefill layer steps of full chunks as CUDA
     # graphs (abbench.engine.steps); every mode makes the same calls either way
     prefill_graphs: bool = True
@@ -224,6 +227,8 @@ class EngineConfig:
             raise ValueError("router_skew applies to random weights only (a checkpoint's router is its own)")
         if self.auto_demand_max_tokens is not None and self.auto_demand_max_tokens < 0:
             raise ValueError(f"auto_demand_max_tokens must be >= 0, got {self.auto_demand_max_tokens}")
+        if self.decode_experts not in ("grouped", "triton"):
+            raise ValueError(f"decode_experts must be 'grouped' or 'triton', got {self.decode_experts!r}")
         if int(self.auto_calibration) < 0:
             raise ValueError(f"auto_calibration must be >= 0, got {self.auto_calibration}")
         if not 1 <= int(self.attention_batch) <= MAX_ATTENTION_BATCH:

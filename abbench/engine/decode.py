@@ -19,6 +19,12 @@ Contract:
   * on CUDA, when ``graphs`` is true, each of these pieces is captured once per ``kv_len`` as a CUDA graph
     and replayed (the whole step as one graph; per layer one graph for the attention half and one for the
     MoE half), which removes the per-kernel launch cost that dominates eager decode (~80 kernels a layer).
+- ``experts="triton"`` (``EngineConfig.decode_experts``): a step's routed experts run through
+  ``decode_kernels.moe_one_token`` (a Triton GEMV over the k routed experts, 2.7x faster than the grouped
+  GEMM for one token on the H200: results/20261201m-h200-decode-kernels) instead of ``Model.moe_block``'s grouped
+  GEMM; every way of running a step uses it, so they stay bitwise equal among themselves (not to the grouped
+  GEMM's decode: another summation order). Models whose MoE block is ``Model.moe_block`` (Qwen3-MoE, the
+  Qwen3.5/3.6 hybrid); Triton on CUDA (on CPU only under ``TRITON_INTERPRET=1``).
 - ``Sampler``: temperature 0 is argmax (lowest id on ties); otherwise softmax(logits / temperature)
   sampled with a per-request ``torch.Generator`` seeded by ``seed`` (a fresh random seed when None), so a
   seeded request is reproducible on one device. With ``logprobs`` (0..V) it also returns the chosen token's
@@ -33,9 +39,12 @@ from collections.abc import Callable
 
 import torch
 
+from . import decode_kernels
 from .experts import ExpertStore
 from .graphs import GraphCache
 from .model import KVCache, Model, attention_backends, probe_graph_capture
+
+DECODE_EXPERTS = ("grouped", "triton")
 from .prefill import CancelLike, check_cancel
 
 MIN_KV_LEN = 1024
@@ -62,8 +71,9 @@ def kv_len_for(pos: int, max_context: int) -> int:
 class Decoder:
     """Static buffers and the step functions of decode; see the module docstring."""
 
-    def __init__(self, model: Model, store: ExpertStore, kv: KVCache, graphs: bool):
+    def __init__(self, model: Model, store: ExpertStore, kv: KVCache, graphs: bool, experts: str = "grouped"):
         self.model, self.store, self.kv = model, store, kv
+        self.moe = self._moe_function(experts)
         cfg, dev = model.cfg, model.device
         self.n_layers, self.k = cfg.num_hidden_layers, cfg.num_experts_per_tok
         self.token = torch.zeros(1, dtype=torch.long, device=dev)  # [1]
@@ -85,6 +95,26 @@ class Decoder:
                                     pin_memory=dev.type == "cuda")  # [L, 1, k] slot ids on their way up
         self.steps = {"whole": 0, "per_layer": 0}
 
+    def _moe_function(self, experts: str) -> Callable[..., torch.Tensor]:
+        """The MoE half of a decode step: ``Model.moe_block`` or, for "triton", the same residual around
+        ``decode_kernels.moe_one_token``. ValueError for an unknown name, a model whose MoE block is its own,
+        or no Triton."""
+        if experts not in DECODE_EXPERTS:
+            raise ValueError(f"decode_experts must be one of {DECODE_EXPERTS}, got {experts!r}")
+        if experts == "grouped":
+            return self.model.moe_block
+        if type(self.model).moe_block is not Model.moe_block:
+            raise ValueError(f"decode_experts 'triton' needs a model whose MoE block is the routed experts alone "
+                             f"(Qwen3-MoE, Qwen3.5/3.6); {self.model.cfg.name} has its own")
+        if not decode_kernels.have_triton():
+            raise ValueError("decode_experts 'triton' needs Triton (a CUDA build of torch ships it)")
+
+        def moe(x: torch.Tensor, h: torch.Tensor, top_w: torch.Tensor, top_ids: torch.Tensor,
+                gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+            return x + decode_kernels.moe_one_token(h, top_w, top_ids, gate_up, down)  # [1, H]
+
+        return moe
+
     @property
     def mode(self) -> str:
         return "cuda-graphs" if self.graphs is not None else "eager"
@@ -100,7 +130,7 @@ class Decoder:
         for layer in range(self.n_layers):
             x, h, top_w, top_ids = m.decode_attn_block(layer, x, self.kv, self.pos, kv_len)  # [1, H] x2, [1, k] x2
             gate_up, down = self.store.decode_weights(layer)  # expert e is in row e (resident or identity slots)
-            x = m.moe_block(x, h, top_w, top_ids, gate_up, down)  # [1, H]
+            x = self.moe(x, h, top_w, top_ids, gate_up, down)  # [1, H]
         self.logits.copy_(m.logits(x))
 
     def _embed(self) -> None:
@@ -112,7 +142,7 @@ class Decoder:
     def _moe(self, layer: int, kv_len: int) -> None:
         x, h, top_w, _ = self.mid[layer, kv_len]
         gate_up, down = self.store.decode_weights(layer)  # [S, 2I, H], [S, H, I]
-        self.x[layer + 1].copy_(self.model.moe_block(x, h, top_w, self.slot_ids[layer], gate_up, down))
+        self.x[layer + 1].copy_(self.moe(x, h, top_w, self.slot_ids[layer], gate_up, down))
 
     def _head(self) -> None:
         self.logits.copy_(self.model.logits(self.x[self.n_layers]))

@@ -14,6 +14,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from abbench.engine import decode_kernels as dk  # noqa: E402
+from abbench.engine.config import PRESETS  # noqa: E402
 from abbench.engine.gpucheck_decode_kernels import main  # noqa: E402
 from abbench.engine.model import decode_gqa, looped_mm, moe_experts  # noqa: E402
 
@@ -60,3 +61,54 @@ def test_the_kernel_check_runs_and_every_candidate_agrees(tmp_path, capsys):
     assert {r["part"] for r in rows} == {"experts", "attention 64", "attention 128"}
     assert all(r["agrees"] for r in rows) and all(r["us"] > 0 for r in rows)
     assert "PASS" in capsys.readouterr().out
+
+
+def _triton_runs_here() -> bool:
+    return dk.have_triton() and (DEVICE.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")
+
+
+def _decode(engine, prompts: list[list[int]], n: int = 4) -> list[list[tuple]]:
+    out = []
+    for p in prompts:
+        engine.reset()
+        events, _ = engine.run(p, n, ignore_eos=True, logprobs=3)
+        out.append([(e.token_id, e.top_logprobs) for e in events])
+    return out
+
+
+@pytest.mark.skipif(not _triton_runs_here(), reason="Triton runs on CUDA, or on CPU under TRITON_INTERPRET=1")
+def test_triton_decode_experts_are_one_path_at_every_slot_budget():
+    """decode_experts="triton": resident experts, slot caches too small (per-layer steps, misses copied) and
+    complete (whole steps) decode bitwise alike; and within float noise of the grouped GEMM's decode."""
+    from abbench.engine import Engine, EngineConfig
+
+    knobs = dict(model="tiny", weights="random:0", device=str(DEVICE), chunk_tokens=16, max_context=256,
+                 bandwidth_probe_bytes=0)
+    vocab = PRESETS["tiny"].vocab_size
+    prompts = [torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 40)]
+    ref = _decode(Engine(EngineConfig(**knobs, prefill_mode="resident", decode_experts="triton")), prompts)
+    for slots in (4, 9, 16):  # top-4 of 16 experts: misses every step, some, none
+        engine = Engine(EngineConfig(**knobs, prefill_mode="chunked", expert_slots_per_layer=slots,
+                                     decode_experts="triton"))
+        assert _decode(engine, prompts) == ref
+    grouped = _decode(Engine(EngineConfig(**knobs, prefill_mode="resident")), prompts)
+    for a, b in zip(ref, grouped):
+        assert a[0] == b[0]  # the first token comes from prefill, which is the same code
+        for (_, la), (_, lb) in zip(a, b):
+            assert [i for i, _ in la][:1] == [i for i, _ in lb][:1] or abs(la[0][1] - la[1][1]) < 1e-3
+            assert max(abs(x - y) for (_, x), (_, y) in zip(la, lb)) < 5e-2
+
+
+def test_triton_decode_experts_refuse_what_they_cannot_run():
+    from abbench.engine import Engine, EngineConfig
+
+    with pytest.raises(ValueError, match="decode_experts"):
+        EngineConfig(decode_experts="cutlass")
+    knobs = dict(weights="random:0", device=str(DEVICE), chunk_tokens=64, max_context=128, bandwidth_probe_bytes=0,
+                 decode_experts="triton")
+    if not dk.have_triton():
+        with pytest.raises(ValueError, match="needs Triton"):
+            Engine(EngineConfig(model="tiny", **knobs))
+    else:
+        with pytest.raises(ValueError, match="its own"):
+            Engine(EngineConfig(model="qwen4-exp-tiny", **knobs))
