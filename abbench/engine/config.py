@@ -193,6 +193,9 @@ class EngineConfig:
     # decode's routed experts: "grouped" (torch._grouped_mm, as prefill) or "triton" (a GEMV over the k routed
     # experts, abbench.engine.decode_kernels; Qwen3-MoE and the hybrid, needs Triton)
     decode_experts: str = "grouped"
+    # decode's attention: "torch" (batched matmuls over the bucket, decode_gqa) or "triton" (split-KV flash
+    # decoding up to the position, abbench.engine.decode_kernels; Qwen3-MoE and the hybrid, needs Triton)
+    decode_attention: str = "torch"
     # CUDA, hybrid (Qwen3.5/3.6) models: replay the fixed-shape prefill layer steps of full chunks as CUDA
     # graphs (abbench.engine.steps); every mode makes the same calls either way
     prefill_graphs: bool = True
@@ -229,6 +232,8 @@ class EngineConfig:
             raise ValueError(f"auto_demand_max_tokens must be >= 0, got {self.auto_demand_max_tokens}")
         if self.decode_experts not in ("grouped", "triton"):
             raise ValueError(f"decode_experts must be 'grouped' or 'triton', got {self.decode_experts!r}")
+        if self.decode_attention not in ("torch", "triton"):
+            raise ValueError(f"decode_attention must be 'torch' or 'triton', got {self.decode_attention!r}")
         if int(self.auto_calibration) < 0:
             raise ValueError(f"auto_calibration must be >= 0, got {self.auto_calibration}")
         if not 1 <= int(self.attention_batch) <= MAX_ATTENTION_BATCH:

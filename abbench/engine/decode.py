@@ -25,6 +25,10 @@ Contract:
   GEMM; every way of running a step uses it, so they stay bitwise equal among themselves (not to the grouped
   GEMM's decode: another summation order). Models whose MoE block is ``Model.moe_block`` (Qwen3-MoE, the
   Qwen3.5/3.6 hybrid); Triton on CUDA (on CPU only under ``TRITON_INTERPRET=1``).
+- ``attention="triton"`` (``EngineConfig.decode_attention``): attention layers attend through
+  ``decode_kernels.attention_split_kv`` (split-KV flash decoding, the position read on the device: a bucket's
+  graph does the work of the filled positions only) instead of ``decode_gqa``; as above, bitwise one path among
+  the ways of running a step. Qwen3-MoE and the hybrid's attention layers; Triton.
 - ``Sampler``: temperature 0 is argmax (lowest id on ties); otherwise softmax(logits / temperature)
   sampled with a per-request ``torch.Generator`` seeded by ``seed`` (a fresh random seed when None), so a
   seeded request is reproducible on one device. With ``logprobs`` (0..V) it also returns the chosen token's
@@ -45,6 +49,7 @@ from .graphs import GraphCache
 from .model import KVCache, Model, attention_backends, probe_graph_capture
 
 DECODE_EXPERTS = ("grouped", "triton")
+DECODE_ATTENTION = ("torch", "triton")
 from .prefill import CancelLike, check_cancel
 
 MIN_KV_LEN = 1024
@@ -71,9 +76,11 @@ def kv_len_for(pos: int, max_context: int) -> int:
 class Decoder:
     """Static buffers and the step functions of decode; see the module docstring."""
 
-    def __init__(self, model: Model, store: ExpertStore, kv: KVCache, graphs: bool, experts: str = "grouped"):
+    def __init__(self, model: Model, store: ExpertStore, kv: KVCache, graphs: bool, experts: str = "grouped",
+                 attention: str = "torch"):
         self.model, self.store, self.kv = model, store, kv
         self.moe = self._moe_function(experts)
+        model.decode_attention_kernel = self._attention_kernel(attention)
         cfg, dev = model.cfg, model.device
         self.n_layers, self.k = cfg.num_hidden_layers, cfg.num_experts_per_tok
         self.token = torch.zeros(1, dtype=torch.long, device=dev)  # [1]
@@ -114,6 +121,21 @@ class Decoder:
             return x + decode_kernels.moe_one_token(h, top_w, top_ids, gate_up, down)  # [1, H]
 
         return moe
+
+    def _attention_kernel(self, attention: str) -> str:
+        """``model.decode_attend``'s kernel; ValueError for an unknown name, a model whose decode attention is
+        its own (Qwen4-Exp's sparse indexer), or no Triton."""
+        from .hybrid import HybridModel
+
+        if attention not in DECODE_ATTENTION:
+            raise ValueError(f"decode_attention must be one of {DECODE_ATTENTION}, got {attention!r}")
+        if attention == "triton":
+            if type(self.model).decode_attn_block not in (Model.decode_attn_block, HybridModel.decode_attn_block):
+                raise ValueError(f"decode_attention 'triton' needs full attention over the cache (Qwen3-MoE, "
+                                 f"Qwen3.5/3.6); {self.model.cfg.name} attends its own way")
+            if not decode_kernels.have_triton():
+                raise ValueError("decode_attention 'triton' needs Triton (a CUDA build of torch ships it)")
+        return attention
 
     @property
     def mode(self) -> str:

@@ -12,6 +12,12 @@ own functions inside CUDA graphs at full width and checks that they agree.
   together and writes silu(gate) x up (float32 accumulation), the second the down projection, summing the
   k experts weighted by the router in a fixed order (deterministic: no atomics). Needs Triton (CUDA; on CPU
   only under ``TRITON_INTERPRET=1``). Not bitwise equal to the grouped GEMM (another summation order).
+- ``attention_split_kv(q, keys, values, pos, scale)``: one token's grouped-query attention as a flash-decoding
+  kernel (Triton): the static bucket of keys is cut into ``NSPLITS`` ranges, one program per (KV head, range)
+  runs an online softmax over the range's keys up to ``pos`` (read on the device: ranges past it do no work,
+  so a step costs what the filled positions cost, and the graph of a bucket serves every position in it), all
+  G query heads of the KV head at once (one ``tl.dot`` of [G, D] x [D, BLOCK_L]), float32 statistics; a second
+  kernel combines the ranges. The decode_gqa contract, not its bits.
 - ``attention_sdpa(q, keys, values, pos, kv_len)``: one token's grouped-query attention through
   ``F.scaled_dot_product_attention``, the G query heads of a KV head taken as G queries of one sequence
   (q [1, Hkv, G, D] against [1, Hkv, L, D]: no expansion of K and V), the positions after ``pos`` masked by an
@@ -81,6 +87,99 @@ if triton is not None:
                 acc += tl.sum(w * a[None, :], axis=1)
             total += wj * acc
         tl.store(out_ptr + rows, total, mask=rmask)
+
+
+if triton is not None:
+    @triton.jit
+    def _attn_split(q_ptr, k_ptr, v_ptr, pos_ptr, m_ptr, l_ptr, acc_ptr, stride_kh, stride_kl, scale,
+                    G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, SPLIT: tl.constexpr,
+                    BLOCK_L: tl.constexpr, NSPLITS: tl.constexpr):
+        hk = tl.program_id(0)
+        sp = tl.program_id(1)
+        n = tl.load(pos_ptr).to(tl.int32) + 1  # keys [0, n) are visible
+        g = tl.arange(0, GP)
+        d = tl.arange(0, D)
+        gmask = g < G
+        q = tl.load(q_ptr + (hk * G + g)[:, None] * D + d[None, :], mask=gmask[:, None], other=0.0)  # [GP, D]
+        m = tl.full([GP], float("-inf"), dtype=tl.float32)
+        lsum = tl.zeros([GP], dtype=tl.float32)
+        acc = tl.zeros([GP, D], dtype=tl.float32)
+        start = sp * SPLIT
+        for l0 in range(0, SPLIT, BLOCK_L):
+            if start + l0 < n:  # blocks past pos do no work and read nothing
+                offs = start + l0 + tl.arange(0, BLOCK_L)
+                valid = offs < n
+                kv_off = hk * stride_kh + offs[:, None] * stride_kl + d[None, :]
+                k = tl.load(k_ptr + kv_off, mask=valid[:, None], other=0.0)  # [BLOCK_L, D]
+                s = tl.dot(q, tl.trans(k)) * scale  # [GP, BLOCK_L] float32
+                s = tl.where(valid[None, :], s, float("-inf"))
+                m_new = tl.maximum(m, tl.max(s, axis=1))
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                p = tl.exp(s - m_safe[:, None])
+                alpha = tl.exp(m - m_safe)
+                v = tl.load(v_ptr + kv_off, mask=valid[:, None], other=0.0)  # [BLOCK_L, D]
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+                lsum = lsum * alpha + tl.sum(p, axis=1)
+                m = m_new
+        base = hk * NSPLITS + sp
+        tl.store(m_ptr + base * GP + g, m)
+        tl.store(l_ptr + base * GP + g, lsum)
+        tl.store(acc_ptr + (base * GP + g)[:, None] * D + d[None, :], acc)
+
+    @triton.jit
+    def _attn_combine(m_ptr, l_ptr, acc_ptr, out_ptr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
+                      NSPLITS: tl.constexpr):
+        hk = tl.program_id(0)
+        sp = tl.arange(0, NSPLITS)
+        g = tl.arange(0, GP)
+        d = tl.arange(0, D)
+        idx = (hk * NSPLITS + sp)[:, None] * GP + g[None, :]  # [NSPLITS, GP]
+        m = tl.load(m_ptr + idx)
+        lsum = tl.load(l_ptr + idx)
+        big = tl.max(m, axis=0)  # [GP]
+        w = tl.where(m == float("-inf"), 0.0, tl.exp(m - big[None, :]))  # [NSPLITS, GP]
+        total = tl.sum(w * lsum, axis=0)  # [GP]
+        out = tl.zeros([GP, D], dtype=tl.float32)
+        for j in range(0, NSPLITS):  # the ranges in order: a fixed summation order
+            wj = tl.sum(tl.where(sp[:, None] == j, w, 0.0), axis=0)  # [GP]
+            a = tl.load(acc_ptr + ((hk * NSPLITS + j) * GP + g)[:, None] * D + d[None, :])  # [GP, D]
+            out += wj[:, None] * a
+        out = out / total[:, None]
+        tl.store(out_ptr + (hk * G + g)[:, None] * D + d[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=(g < G)[:, None])
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, (int(x) - 1).bit_length())
+
+
+def attention_split_kv(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos: torch.Tensor, scale: float,
+                       block_l: int = 64, max_splits: int = 64) -> torch.Tensor:
+    """``model.decode_gqa``'s contract as a flash-decoding kernel (module docstring): q [Hq, 1, D] over keys,
+    values [Hkv, L, D] (L: the static bucket; each [Hkv, L, D] view with a contiguous last dimension), the
+    positions after ``pos`` (int64 [1] on the device) masked -> [Hq, 1, D] in q's dtype."""
+    if triton is None:
+        raise RuntimeError("attention_split_kv needs Triton")
+    hq, _, d = q.shape
+    hkv, length, _ = keys.shape
+    if keys.stride(-1) != 1 or values.stride() != keys.stride() or d & (d - 1) or d < 16:
+        raise ValueError("attention_split_kv: K and V with one layout, a contiguous last dimension, and a "
+                         "power-of-two head dimension of at least 16")
+    g = hq // hkv
+    gp = max(16, _next_pow2(g))  # tl.dot takes at least 16 rows
+    nsplits = min(max_splits, _next_pow2(-(-length // block_l)))
+    split = -(-length // nsplits)
+    split = -(-split // block_l) * block_l  # whole blocks
+    f32 = dict(dtype=torch.float32, device=q.device)
+    m = torch.empty(hkv, nsplits, gp, **f32)
+    lsum = torch.empty(hkv, nsplits, gp, **f32)
+    acc = torch.empty(hkv, nsplits, gp, d, **f32)
+    qc = q.reshape(hq, d).contiguous()
+    _attn_split[(hkv, nsplits)](qc, keys, values, pos, m, lsum, acc, keys.stride(0), keys.stride(1), scale,
+                                G=g, GP=gp, D=d, SPLIT=split, BLOCK_L=block_l, NSPLITS=nsplits)
+    out = torch.empty(hq, d, dtype=q.dtype, device=q.device)
+    _attn_combine[(hkv,)](m, lsum, acc, out, G=g, GP=gp, D=d, NSPLITS=nsplits)
+    return out.view(hq, 1, d)
 
 
 def moe_one_token(h: torch.Tensor, top_w: torch.Tensor, top_ids: torch.Tensor, gate_up: torch.Tensor,

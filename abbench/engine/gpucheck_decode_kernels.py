@@ -7,8 +7,9 @@ For one token of the preset's shape, with random weights and cache:
 - the routed experts: the engine's ``moe_experts`` (two ``torch._grouped_mm`` over all E groups) against
   ``moe_one_token`` (Triton, the k routed experts only), where Triton runs;
 - the attention at each context (the cache filled up to it, the token at its last position, the bucket equal
-  to it): the engine's ``decode_gqa`` (two batched matmuls and a float32 softmax) against SDPA with an additive
-  mask over the same static bucket, and SDPA over exactly the filled positions (no mask, one shape per position).
+  to it): the engine's ``decode_gqa`` (two batched matmuls and a float32 softmax) against the split-KV Triton
+  kernel (also with the position at half the bucket), SDPA with an additive mask over the same static bucket,
+  and SDPA over exactly the filled positions (no mask, one shape per position).
 
 Each candidate is checked against the engine's function (largest difference relative to the largest value,
 ``--tolerance``) and timed: on CUDA as the median of ``--replays`` replays of a CUDA graph of one call (so launch
@@ -120,6 +121,15 @@ def run(model: str, device: torch.device, dtype: torch.dtype, contexts: list[int
         row(f"attention {n}", "engine: bmm + float32 softmax, masked bucket",
             _time_us(lambda: decode_gqa(q, kn, vn, torch.arange(n, device=device) > pos, scale), device, replays),
             kv_bytes, None)
+        if dk.have_triton():
+            row(f"attention {n}", "triton: split-KV flash decoding over the bucket",
+                _time_us(lambda: dk.attention_split_kv(q, kn, vn, pos, scale), device, replays), kv_bytes,
+                _rel_diff(ref, dk.attention_split_kv(q, kn, vn, pos, scale)))
+            half = torch.tensor([n // 2], device=device)  # the bucket half filled: work should halve
+            row(f"attention {n}", "triton: split-KV, position at half the bucket",
+                _time_us(lambda: dk.attention_split_kv(q, kn, vn, half, scale), device, replays), kv_bytes // 2,
+                _rel_diff(decode_gqa(q, kn, vn, torch.arange(n, device=device) > half, scale),
+                          dk.attention_split_kv(q, kn, vn, half, scale)))
         row(f"attention {n}", "sdpa: mask over the bucket",
             _time_us(lambda: dk.attention_sdpa(q, kn, vn, pos, scale), device, replays), kv_bytes,
             _rel_diff(ref, dk.attention_sdpa(q, kn, vn, pos, scale)))

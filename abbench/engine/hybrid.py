@@ -45,7 +45,7 @@ import torch.nn.functional as F
 
 from . import gdn
 from .config import HybridConfig
-from .model import Model, decode_gqa, expert_kernel, lower_right_causal, rope_tables, rotate_half, route
+from .model import Model, decode_attend, expert_kernel, lower_right_causal, rope_tables, rotate_half, route
 
 
 @dataclass
@@ -189,6 +189,7 @@ class HybridModel:
     calls except for the cache passed in."""
 
     trace = None  # as Model.trace (abbench.engine.trace); the hybrid adds the shared expert
+    decode_attention_kernel = "torch"  # decode_attend's kernel (set by the Decoder from EngineConfig.decode_attention)
     _trace_layer = -1
     attention_batching = True  # attn_block_group: adjacent chunks share one attention call (layer-major)
     router_bias = None  # as Model's
@@ -360,9 +361,8 @@ class HybridModel:
             q, k, v, gate = self._qkv(aw, hn, cos, sin)  # [Hq, 1, D], [Hkv, 1, D] x2, [1, Hq*D]
             cache.k[i].index_copy_(1, pos_t, k)
             cache.v[i].index_copy_(1, pos_t, v)
-            after = torch.arange(kv_len, device=x.device) > pos_t  # [L] positions not yet written
-            out = decode_gqa(q, cache.k[i][:, :kv_len], cache.v[i][:, :kv_len], after, self.scale)[None]
-            # [1, Hq, 1, D]
+            out = decode_attend(self.decode_attention_kernel, q, cache.k[i][:, :kv_len], cache.v[i][:, :kv_len],
+                                pos_t, self.scale)[None]  # [1, Hq, 1, D]
             x = x + self._attn_out(aw, out, gate)  # [1, H]
         else:
             out, conv, rec = self.linear_mixer(layer, hn, cache.conv[i], cache.rec[i])  # [1, H]

@@ -110,6 +110,10 @@ def _engine_options(e: argparse._ArgumentGroup) -> None:
                    help="decode's routed experts: grouped (torch._grouped_mm over every expert, as prefill; the "
                    "default) or triton (a GEMV over the k routed experts only: 2.7x faster for one token on an "
                    "H200; Qwen3-MoE and Qwen3.5/3.6, needs Triton)")
+    e.add_argument("--decode-attention", choices=("torch", "triton"), default=None,
+                   help="decode's attention: torch (batched matmuls over the power-of-two bucket; the default) or "
+                   "triton (split-KV flash decoding that reads only the filled positions; Qwen3-MoE and "
+                   "Qwen3.5/3.6, needs Triton)")
     e.add_argument("--router-skew", type=float, default=None, metavar="ALPHA",
                    help="random weights: concentrate the routing as trained routers do, a per-layer Zipf-like "
                    "preference of exponent ALPHA over the experts (default 0: the random router's near-uniform "
@@ -235,7 +239,8 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
     for field in ("dtype", "layer_major_window_tokens", "demand_max_tokens", "gpu_memory_budget_gb",
                   "expert_slots_per_layer", "host_memory_check", "decode_graphs", "warm_decode_graphs",
                   "prefill_graphs", "attention_batch", "attention_batch_max_context", "router_skew",
-                  "auto_demand_max_tokens", "auto_calibration", "decode_experts", "d2d_from_slot_cache",
+                  "auto_demand_max_tokens", "auto_calibration", "decode_experts", "decode_attention",
+                  "d2d_from_slot_cache",
                   "max_context", "deterministic"):
         if getattr(args, field) is not None:  # leave the engine's defaults alone
             kwargs[field] = getattr(args, field)

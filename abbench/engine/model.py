@@ -140,6 +140,19 @@ def decode_gqa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, hidden
     return torch.bmm(probs, values).reshape(hq, 1, d)  # [Hq, 1, D]
 
 
+def decode_attend(kernel: str, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos: torch.Tensor,
+                  scale: float) -> torch.Tensor:
+    """One decode token's attention over the bucket ``keys``/``values`` [Hkv, L, D], positions after ``pos``
+    (int64 [1] on the device) masked: ``decode_gqa`` ("torch") or the split-KV Triton kernel
+    (``decode_kernels.attention_split_kv``, "triton", ``EngineConfig.decode_attention``) -> [Hq, 1, D]."""
+    if kernel == "triton":
+        from .decode_kernels import attention_split_kv
+
+        return attention_split_kv(q, keys, values, pos, scale)
+    after = torch.arange(keys.shape[1], device=pos.device) > pos  # [L] positions not yet written
+    return decode_gqa(q, keys, values, after, scale)
+
+
 def router_skew_bias(num_experts: int, num_layers: int, skew: float, seed: int,
                      device: torch.device) -> list[torch.Tensor] | None:
     """Per layer a router logit bias [E] float32 that concentrates routing as trained routers do: each layer ranks
@@ -268,6 +281,7 @@ class Model:
 
     trace = None  # Callable[[layer, block, tensor], None] while a traced request prefills (runtime sets it)
     _trace_layer = -1  # the layer of the last attn_block call (moe_block is called for the same layer next)
+    decode_attention_kernel = "torch"  # decode_attend's kernel (set by the Decoder from EngineConfig.decode_attention)
     router_bias: list[torch.Tensor] | None = None  # random weights with router_skew: router_skew_bias
 
     def bias_of(self, layer: int) -> torch.Tensor | None:
@@ -334,8 +348,7 @@ class Model:
         kv.k[layer].index_copy_(1, pos, k)
         kv.v[layer].index_copy_(1, pos, v.transpose(0, 1))
         keys, values = kv.k[layer][:, :kv_len], kv.v[layer][:, :kv_len]  # [Hkv, L, D] each
-        after = torch.arange(kv_len, device=pos.device) > pos  # [L] positions not yet written
-        out = decode_gqa(q, keys, values, after, self.scale).reshape(1, hq * d)  # [1, Hq*D]
+        out = decode_attend(self.decode_attention_kernel, q, keys, values, pos, self.scale).reshape(1, hq * d)
         return F.linear(out, lw.o_proj)  # [1, H]
 
     def decode_attn_block(self, layer: int, x: torch.Tensor, kv: KVCache, pos: torch.Tensor, kv_len: int):

@@ -182,7 +182,7 @@ class Engine:
             resident = cfg.prefill_mode == "resident"
             self.store = ExpertStore(bank, self.device, self.slots_per_layer, resident, cfg.d2d_from_slot_cache)
             self.decoder = Decoder(self.model, self.store, self.kv, graphs=cfg.decode_graphs,
-                                   experts=cfg.decode_experts)
+                                   experts=cfg.decode_experts, attention=cfg.decode_attention)
             self.steps = self._layer_steps()
             self._batch_exact: dict[tuple[int, int], bool] = {}
             if cfg.attention_batch > 1:  # probe the configured chunk length now, not in the first request

@@ -21,6 +21,10 @@ from abbench.engine.model import decode_gqa, looped_mm, moe_experts  # noqa: E40
 DEVICE = torch.device(os.environ.get("ABBENCH_ENGINE_TEST_DEVICE", "cpu"))
 
 
+def _triton_runs_here() -> bool:
+    return dk.have_triton() and (DEVICE.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")
+
+
 @pytest.mark.parametrize("pos", [0, 1, 37, 63])
 def test_sdpa_attention_equals_the_engines_over_the_bucket_and_exactly(pos: int):
     gen = torch.Generator().manual_seed(pos)
@@ -35,6 +39,25 @@ def test_sdpa_attention_equals_the_engines_over_the_bucket_and_exactly(pos: int)
 
 
 @pytest.mark.skipif(not dk.have_triton(), reason="Triton is not installed (the CPU build of torch has none)")
+@pytest.mark.parametrize("shape", [(8, 2, 16, 64, 37, 16), (8, 2, 16, 64, 0, 16), (32, 4, 32, 200, 199, 16),
+                                   (32, 4, 32, 256, 100, 32), (4, 4, 16, 48, 47, 16)])
+def test_split_kv_attention_equals_the_engines(shape):
+    """Positions at the start, inside and at the end of the bucket, a bucket no block divides, one query head
+    per KV head; the K and V views strided as the engine's cache slices are."""
+    if not _triton_runs_here():
+        pytest.skip("Triton runs on CUDA, or on CPU under TRITON_INTERPRET=1")
+    hq, hkv, d, length, pos, block = shape
+    gen = torch.Generator().manual_seed(pos)
+    q = torch.randn(hq, 1, d, generator=gen).to(DEVICE)
+    cache_k = torch.randn(hkv, length + 24, d, generator=gen).to(DEVICE)  # a longer cache, sliced to the bucket
+    cache_v = torch.randn(hkv, length + 24, d, generator=gen).to(DEVICE)
+    keys, values = cache_k[:, :length], cache_v[:, :length]
+    at = torch.tensor([pos], device=DEVICE)
+    ref = decode_gqa(q, keys, values, torch.arange(length, device=DEVICE) > at, d ** -0.5)
+    torch.testing.assert_close(dk.attention_split_kv(q, keys, values, at, d ** -0.5, block_l=block), ref,
+                               rtol=1e-5, atol=1e-5)
+
+
 def test_triton_experts_of_one_token_equal_the_grouped_experts():
     if DEVICE.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("Triton on CPU runs only under TRITON_INTERPRET=1")
@@ -63,10 +86,6 @@ def test_the_kernel_check_runs_and_every_candidate_agrees(tmp_path, capsys):
     assert "PASS" in capsys.readouterr().out
 
 
-def _triton_runs_here() -> bool:
-    return dk.have_triton() and (DEVICE.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")
-
-
 def _decode(engine, prompts: list[list[int]], n: int = 4) -> list[list[tuple]]:
     out = []
     for p in prompts:
@@ -77,19 +96,19 @@ def _decode(engine, prompts: list[list[int]], n: int = 4) -> list[list[tuple]]:
 
 
 @pytest.mark.skipif(not _triton_runs_here(), reason="Triton runs on CUDA, or on CPU under TRITON_INTERPRET=1")
-def test_triton_decode_experts_are_one_path_at_every_slot_budget():
-    """decode_experts="triton": resident experts, slot caches too small (per-layer steps, misses copied) and
-    complete (whole steps) decode bitwise alike; and within float noise of the grouped GEMM's decode."""
+@pytest.mark.parametrize("kernels", [dict(decode_experts="triton"), dict(decode_attention="triton")])
+def test_triton_decode_is_one_path_at_every_slot_budget(kernels):
+    """The Triton experts or attention: resident experts, slot caches too small (per-layer steps, misses
+    copied) and complete (whole steps) decode bitwise alike; and within float noise of the default decode."""
     from abbench.engine import Engine, EngineConfig
 
     knobs = dict(model="tiny", weights="random:0", device=str(DEVICE), chunk_tokens=16, max_context=256,
                  bandwidth_probe_bytes=0)
     vocab = PRESETS["tiny"].vocab_size
     prompts = [torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 40)]
-    ref = _decode(Engine(EngineConfig(**knobs, prefill_mode="resident", decode_experts="triton")), prompts)
-    for slots in (4, 9, 16):  # top-4 of 16 experts: misses every step, some, none
-        engine = Engine(EngineConfig(**knobs, prefill_mode="chunked", expert_slots_per_layer=slots,
-                                     decode_experts="triton"))
+    ref = _decode(Engine(EngineConfig(**knobs, prefill_mode="resident", **kernels)), prompts)
+    for slots in (4, 16):  # top-4 of 16 experts: misses every step (per-layer steps), none (whole steps)
+        engine = Engine(EngineConfig(**knobs, prefill_mode="chunked", expert_slots_per_layer=slots, **kernels))
         assert _decode(engine, prompts) == ref
     grouped = _decode(Engine(EngineConfig(**knobs, prefill_mode="resident")), prompts)
     for a, b in zip(ref, grouped):
@@ -99,13 +118,14 @@ def test_triton_decode_experts_are_one_path_at_every_slot_budget():
             assert max(abs(x - y) for (_, x), (_, y) in zip(la, lb)) < 5e-2
 
 
-def test_triton_decode_experts_refuse_what_they_cannot_run():
+@pytest.mark.parametrize("kernel", ["decode_experts", "decode_attention"])
+def test_triton_decode_kernels_refuse_what_they_cannot_run(kernel):
     from abbench.engine import Engine, EngineConfig
 
-    with pytest.raises(ValueError, match="decode_experts"):
-        EngineConfig(decode_experts="cutlass")
+    with pytest.raises(ValueError, match=kernel):
+        EngineConfig(**{kernel: "cutlass"})
     knobs = dict(weights="random:0", device=str(DEVICE), chunk_tokens=64, max_context=128, bandwidth_probe_bytes=0,
-                 decode_experts="triton")
+                 **{kernel: "triton"})
     if not dk.have_triton():
         with pytest.raises(ValueError, match="needs Triton"):
             Engine(EngineConfig(model="tiny", **knobs))
