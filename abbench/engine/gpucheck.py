@@ -61,12 +61,14 @@ def _sync() -> None:
 
 
 DEVICE = "cuda"
+KERNELS: dict[str, str] = {}  # --decode-experts / --decode-attention, for every engine built here
 
 
 def _engine(model, mode: str, **kw) -> Engine:
     return Engine(EngineConfig(model=model, weights="random:0", device=DEVICE, dtype="bfloat16", prefill_mode=mode,
                                chunk_tokens=2048, layer_major_window_tokens=65536, demand_max_tokens=256,
-                               max_context=kw.pop("max_context"), bandwidth_probe_bytes=256 * 2**20, **kw))
+                               max_context=kw.pop("max_context"), bandwidth_probe_bytes=256 * 2**20,
+                               **KERNELS, **kw))
 
 
 def _decode(engine: Engine, prompt: list[int], n: int, mode: str = "chunked") -> tuple[list[int], torch.Tensor]:
@@ -135,7 +137,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile-decode", action="store_true",
                     help="CUDA: also list the kernels of a resident decode step (graphs) and of the offloaded "
                          "one with the fewest slots, by time per step")
+    ap.add_argument("--decode-experts", choices=("grouped", "triton"), default="grouped",
+                    help="decode's routed experts in every engine built here (EngineConfig.decode_experts)")
+    ap.add_argument("--decode-attention", choices=("torch", "triton"), default="torch",
+                    help="decode's attention in every engine built here (EngineConfig.decode_attention)")
     args = ap.parse_args(argv)
+    KERNELS.clear()
+    KERNELS.update(decode_experts=args.decode_experts, decode_attention=args.decode_attention)
     if args.device != "cpu" and not torch.cuda.is_available():
         print("gpucheck needs CUDA", file=sys.stderr)
         return 2
@@ -187,8 +195,9 @@ def main(argv: list[str] | None = None) -> int:
     report["ok"] = ok
     depth = full.num_hidden_layers
     scale = depth / args.layers
+    report["decode_kernels"] = dict(KERNELS)
     print(f"gpucheck on {report['device']} (torch {report['torch']}), {args.layers} full-width layers, "
-          f"{args.prompt_tokens}-token context")
+          f"{args.prompt_tokens}-token context, decode kernels {KERNELS}")
     print(f"  grouped GEMM: {report['groups']}")
     print(f"  prefill first ids/paths/banks: {prefill.get('first')}")
     print(f"  decode equal: {decode}")

@@ -132,3 +132,15 @@ def test_triton_decode_kernels_refuse_what_they_cannot_run(kernel):
     else:
         with pytest.raises(ValueError, match="its own"):
             Engine(EngineConfig(model="qwen4-exp-tiny", **knobs))
+
+
+def test_gpucheck_runs_on_cpu_with_the_kernels_it_is_given(capsys):
+    """The pre-run check of a GPU session (grouped GEMM limit, decode equal across graphs, eager and slot
+    budgets, step times) runs end to end on CPU at a tiny shape, with the decode kernels it was given."""
+    from abbench.engine import gpucheck
+
+    kernels = (["--decode-experts", "triton", "--decode-attention", "triton"] if _triton_runs_here() else [])
+    assert gpucheck.main(["--device", str(DEVICE), "--preset", "tiny", "--layers", "2", "--prompt-tokens", "64",
+                          "--decode-tokens", "3", *kernels]) == 0
+    out = capsys.readouterr().out
+    assert "gpucheck: PASS" in out and "'resident_graphs_vs_eager': True" in out
