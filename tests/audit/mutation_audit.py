@@ -6,17 +6,20 @@ copies the project (the working tree's tracked and untracked, not ignored, files
 (a git checkout of its own), checks that the copy imports and that the tests it will use pass unmutated,
 then, one mutant at a time: plants it, runs the tests a developer would run for that module (``tests``,
 stage 1, not the slow ones) and, for a mutant that survives them, the whole suite (stage 2, slow tests
-included: what CI runs). The file is restored after every mutant. A mutant is *killed* when a test fails or
-errors (a hung test fails after pytest-timeout's 300 s) and *survives* when every test passes; a kill by a
-test that fails without the mutant too, or a stage that runs past ``--timeout``, is *inconclusive*.
+included: what CI runs). With ``--map``, stage 2 runs only the suite's test files that run the mutated lines,
+from a coverage map of the whole suite made once (:mod:`coverage_map`): a test that never runs a line cannot
+notice a change to it, so this catches what the whole suite catches, in minutes instead of an hour a
+mutant. The file is restored after every mutant. A mutant is *killed* when a test fails or errors (a hung
+test fails after pytest-timeout's 300 s) and *survives* when every test passes; a kill by a test that fails
+without the mutant too, or a stage that runs past ``--timeout``, is *inconclusive*.
 
 Not collected by pytest (the name does not start with ``test_``). Run from the repository root::
 
-    python tests/audit/mutation_audit.py --out audit.json     # every mutant (hours on 2 cores)
-    python tests/audit/mutation_audit.py --only O1,A3         # some mutants
-    python tests/audit/mutation_audit.py --resume --out audit.json   # go on after an interruption
-    python tests/audit/mutation_audit.py --tests-from b595cf2 # the same mutants against the tests of a commit
-    python tests/audit/mutation_audit.py --check              # only check that every mutant still applies
+    python tests/audit/mutation_audit.py --map map.json --out audit.json   # every mutant
+    python tests/audit/mutation_audit.py --only O1,A3 --map map.json      # some mutants
+    python tests/audit/mutation_audit.py --resume --map map.json --out audit.json   # after an interruption
+    python tests/audit/mutation_audit.py --tests-from REF --out before.json # the tests of an older commit
+    python tests/audit/mutation_audit.py --check                          # every mutant still applies
 
 ``--tests-from REF`` replaces the copy's ``tests/`` with the one at git commit REF (the source stays the
 working tree's), which measures how much an older suite would have caught. Results go to ``--out`` (JSON:
@@ -38,6 +41,9 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import coverage_map  # noqa: E402  (this folder's helper)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -267,6 +273,8 @@ def pytest_cmd(files: list[str] | None, *, slow: bool, workers: int, first_failu
     return cmd
 
 
+CMAP: coverage_map.Map | None = None
+"""The suite's coverage map (:mod:`coverage_map`), when stage 2 uses it."""
 DESELECTED: list[str] = []
 """Tests that failed in the unmutated copy (:func:`baseline`): left out of every run, and listed."""
 
@@ -317,9 +325,19 @@ def audit_one(copy: Path, mt: Mutant, args: argparse.Namespace) -> Outcome:
         return out
     mutated = original.replace(mt.find, mt.replace)
     files = present(copy, mt.tests)
-    stages = [("targeted", files, False, min(args.workers, len(files)))]
+    stages: list[tuple[str, list[str] | None, bool, int]] = [("targeted", files, False, min(args.workers, len(files)))]
     if not args.targeted_only:
-        stages.append(("suite", None, True, args.workers))
+        if CMAP is None:  # the whole suite
+            stages.append(("suite", None, True, args.workers))
+        else:  # the whole suite's files that run the mutated lines
+            first = original.count("\n", 0, original.index(mt.find)) + 1
+            lines = range(first, first + mt.find.rstrip("\n").count("\n") + 1)
+            running = present(copy, coverage_map.tests_for(CMAP, mt.file, lines))
+            out.stages.append({"stage": "suite", "files": running})
+            if not running:
+                out.detail = "no test runs the mutated line"
+                return out
+            stages.append(("suite", running, True, min(args.workers, len(running))))
     flaky: list[str] = []
     try:
         for name, stage_files, slow, workers in stages:
@@ -396,6 +414,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=3600.0,
                     help="seconds a stage may run before the mutant is called inconclusive")
     ap.add_argument("--out", type=Path, help="write the outcomes here (JSON)")
+    ap.add_argument("--map", type=Path, help="the suite's coverage map (JSON): read when it exists, else built "
+                    "and written there; stage 2 then runs the test files that run the mutated lines")
     ap.add_argument("--resume", action="store_true",
                     help="keep the decided outcomes already in --out (and its deselected tests), run the rest")
     ap.add_argument("--check", action="store_true", help="only check that every mutant applies exactly once")
@@ -425,6 +445,15 @@ def main(argv: list[str] | None = None) -> int:
         sanity(copy)
         if not (args.resume and done):
             baseline(copy, chosen, args)
+        if args.map and not args.targeted_only:
+            global CMAP
+            if args.map.is_file():
+                CMAP = coverage_map.load(args.map)
+            else:
+                CMAP, line = coverage_map.build(copy, env_for(copy), pytest_cmd(None, slow=True, workers=args.workers,
+                                                                                first_failure=False), args.timeout * 4)
+                coverage_map.save(CMAP, args.map)
+                print(line, flush=True)
         for mt in [x for x in chosen if x.id not in done]:
             o = audit_one(copy, mt, args)
             outcomes.append(o)
