@@ -10,8 +10,8 @@ services and ``python -m abbench`` runs are counted for the test that started th
 source file (relative path) and line to the test files whose tests ran it; a whole file is kept, not one
 test, because a module fixture started for the file's first test serves the others too.
 
-Needs ``coverage`` (``pip install coverage``). Lines run only in a process that was killed (SIGKILL) are not
-seen; tests that read the source without running it (the import-structure test) are not in the map.
+Needs ``coverage`` (in the project's ``test`` extra). Lines run only in a process that was killed (SIGKILL)
+are not seen; tests that read the source without running it (the import-structure test) are not in the map.
 """
 
 from __future__ import annotations

@@ -11,7 +11,9 @@ from a coverage map of the whole suite made once (:mod:`coverage_map`): a test t
 notice a change to it, so this catches what the whole suite catches, in minutes instead of an hour a
 mutant. The file is restored after every mutant. A mutant is *killed* when a test fails or errors (a hung
 test fails after pytest-timeout's 300 s) and *survives* when every test passes; a kill by a test that fails
-without the mutant too, or a stage that runs past ``--timeout``, is *inconclusive*.
+without the mutant too, or a stage that runs past ``--timeout``, is *inconclusive*. A mutant found to be
+equivalent (no behaviour can tell it apart: e.g. a guard its only caller repeats) says why in its
+``equivalent`` note; it is still planted, and its survival is reported as equivalent.
 
 Not collected by pytest (the name does not start with ``test_``). Run from the repository root::
 
@@ -49,9 +51,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 # The tests a developer runs for each part (stage 1). Files missing from the suite under audit are skipped.
 ANALYSIS = ["tests/harness/test_analysis.py", "tests/harness/test_declared.py", "tests/harness/test_latency.py",
-            "tests/harness/test_verdict_properties.py"]
+            "tests/harness/test_verdict_properties.py", "tests/harness/test_figure_properties.py"]
 REPORT = ["tests/harness/test_report.py", "tests/harness/test_report_decode.py",
-          "tests/harness/test_verdict_properties.py"]
+          "tests/harness/test_verdict_properties.py", "tests/harness/test_figure_properties.py"]
 COMPARE = ["tests/harness/test_compare.py", "tests/harness/test_verdict_properties.py"]
 RUNNER = ["tests/harness/test_faults_harness.py", "tests/harness/test_resume_refusals.py",
           "tests/harness/test_auto_rounds.py", "tests/harness/test_verdict_properties.py"]
@@ -69,10 +71,13 @@ class Mutant:
     replace: str
     tests: list[str]
     what: str
+    equivalent: str = ""
+    """Why no test can catch it (the change cannot alter anything observable), for a mutant found to be
+    equivalent: it is still planted and reported, its survival marked as expected."""
 
 
-def m(id: str, file: str, find: str, replace: str, tests: list[str], what: str) -> Mutant:
-    return Mutant(id, f"abbench/{file}", find, replace, tests, what)
+def m(id: str, file: str, find: str, replace: str, tests: list[str], what: str, equivalent: str = "") -> Mutant:
+    return Mutant(id, f"abbench/{file}", find, replace, tests, what, equivalent)
 
 
 MUTANTS: list[Mutant] = [
@@ -138,7 +143,9 @@ MUTANTS: list[Mutant] = [
       "a '<=' counter check looks at the median sample, not the largest"),
     m("A15", "analysis/declared.py", "    if not cells or any(x.status == \"fail\" for x in cells):",
       "    if any(x.status == \"fail\" for x in cells):", ANALYSIS,
-      "a declared check that selects no cell passes (the gate passes on missing data)"),
+      "a declared check that selects no cell passes (the gate passes on missing data)",
+      equivalent="overall() is called only by checks.declared_check, which fails a check with no cell before "
+                 "it reads overall's answer (tests/harness/test_declared.py::test_a_selector_with_no_data_fails)"),
     m("A16", "analysis/transfer.py", "floor = (bank * windows / (gbps.where(gbps > 0) * 1e9)).dropna()",
       "floor = (bank / (gbps.where(gbps > 0) * 1e9)).dropna()", ANALYSIS,
       "the copy floor is one bank whatever the number of layer-major windows"),
@@ -261,6 +268,7 @@ class Outcome:
     detail: str = ""
     seconds: float = 0.0
     stages: list[dict] = field(default_factory=list)
+    equivalent: str = ""  # the mutant's note: why it cannot be caught
 
 
 def pytest_cmd(files: list[str] | None, *, slow: bool, workers: int, first_failure: bool = True) -> list[str]:
@@ -317,7 +325,7 @@ def audit_one(copy: Path, mt: Mutant, args: argparse.Namespace) -> Outcome:
     the mutant and pass without it to count as a kill: one that passes on a second run with the mutant
     (a timing test on a loaded machine) is set aside and the stage runs again without it; one that fails
     without the mutant makes the outcome inconclusive."""
-    out = Outcome(mt.id, mt.what, mt.file)
+    out = Outcome(mt.id, mt.what, mt.file, equivalent=mt.equivalent)
     path = copy / mt.file
     original = path.read_text(encoding="utf-8") if path.is_file() else ""
     if original.count(mt.find) != 1:
@@ -398,10 +406,14 @@ def baseline(copy: Path, mutants: list[Mutant], args: argparse.Namespace) -> Non
 def table(outcomes: list[Outcome]) -> str:
     lines = ["| Mutant | File | Planted bug | Result | Stage | s |", "|---|---|---|---|---|---:|"]
     for o in outcomes:
-        lines.append(f"| {o.id} | {o.file} | {o.what} | {o.status} | {o.stage or '-'} | {o.seconds:.0f} |")
+        result = o.status + (" (equivalent)" if o.equivalent else "")
+        lines.append(f"| {o.id} | {o.file} | {o.what} | {result} | {o.stage or '-'} | {o.seconds:.0f} |")
     applied = [o for o in outcomes if o.status != "not applicable"]
     survived = [o for o in applied if o.status == "survived"]
     rate = f"{len(survived)}/{len(applied)} survived ({100 * len(survived) / max(1, len(applied)):.0f}%)"
+    equivalent = [o.id for o in survived if o.equivalent]
+    if equivalent:
+        rate += f", {len(equivalent)} of them equivalent ({', '.join(equivalent)})"
     return "\n".join(lines) + f"\n\n{rate}: {', '.join(o.id for o in survived) or 'none'}\n"
 
 
@@ -435,7 +447,9 @@ def main(argv: list[str] | None = None) -> int:
         previous = json.loads(args.out.read_text())
         if previous.get("tests_from") != args.tests_from:
             raise SystemExit(f"{args.out} audited the tests of {previous.get('tests_from')!r}, not {args.tests_from!r}")
-        outcomes = [Outcome(**o) for o in previous["outcomes"] if o["status"] in ("killed", "survived")]
+        notes = {mt.id: mt.equivalent for mt in MUTANTS}
+        outcomes = [Outcome(**{**o, "equivalent": notes.get(o["id"], "")}) for o in previous["outcomes"]
+                    if o["status"] in ("killed", "survived")]
         DESELECTED.extend(previous.get("deselected") or [])
     done = {o.id for o in outcomes}
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the copy is removed on a plain kill too

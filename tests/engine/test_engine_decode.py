@@ -144,6 +144,22 @@ def test_memory_plan_adds_up_and_refuses_with_every_term_named():
     assert plan_device_memory(resident, 80 * 10**9).resident_bytes == PRESETS["qwen3-30b-a3b"].bank_bytes(2)
 
 
+def test_explicit_expert_slots_beyond_the_budget_are_refused():
+    """--expert-slots-per-layer asks for a number of slots: as many as the budget holds are kept as asked (the
+    plan within its budget); one more is refused, naming what the budget holds, not silently over budget."""
+    def cfg(slots: int | None) -> EngineConfig:
+        return EngineConfig(model="qwen3-30b-a3b-2507", device="cuda", max_context=131_072 + 512,
+                            expert_slots_per_layer=slots).resolved()
+
+    budget = 24 * 10**9
+    fit = plan_device_memory(cfg(None), budget).slots_per_layer  # what the budget holds (below num_experts)
+    plan = plan_device_memory(cfg(fit), budget)
+    assert plan.slots_per_layer == fit and plan.total_bytes <= budget
+    with pytest.raises(ValueError, match=f"holds {fit} expert slots per layer but decode needs {fit + 1} "
+                                         r"\(num_experts_per_tok=8, as requested\)"):
+        plan_device_memory(cfg(fit + 1), budget)
+
+
 def test_engine_refuses_a_budget_below_one_tokens_experts():
     with pytest.raises(ValueError, match="holds 0 expert slots per layer but decode needs 4"):
         Engine(EngineConfig(**KNOBS, gpu_memory_budget_gb=0.001))

@@ -152,3 +152,26 @@ def test_stops_at_max_rounds_and_resumes_with_the_same_rule(tmp_path: Path) -> N
     assert resumed.auto_rounds["stopped"].startswith("max_rounds reached (3)")
     assert [d["round"] for d in resumed.auto_rounds["decisions"]] == [2, 3]
     fk.assert_no_leftovers(mark)
+
+
+def test_rounds_go_on_while_any_cell_has_no_interval() -> None:
+    """The rule stops when *every* cell's interval is narrow: a cell with no interval yet (one pair: its
+    other round failed) keeps the run going however narrow the others are, until max_rounds."""
+    from abbench.runner.rounds import decide
+    from tests.harness.test_analysis import find, make_run
+
+    prof = fk.fake_profile("x", arms=[{"name": "A"}, {"name": "B"}],
+                           run={"rounds": "auto", "target_halfwidth": 0.5, "max_rounds": 6})
+    prof["gate"] = {"checks": ["ttft_ratio[B] <= 0.9"]}
+    profile = profile_from_dict(prof)
+    rec = make_run(rounds=2, lengths=(1024, 4096))  # B's ratio 0.51, 0.52: a narrow interval in both cells
+    go, reason, decision = decide(rec, profile, 2)
+    assert not go and "target reached" in reason, reason
+    s = find(rec, "B", "fresh-4096-0", 2)
+    s.ok, s.error_kind, s.error, s.ttft_s, s.total_s = False, "timeout", "no answer", None, None
+    go, reason, decision = decide(rec, profile, 2)
+    assert go, reason
+    assert [k for k, v in decision["halfwidths"].items() if v is None] == ["ttft_ratio[B] <= 0.9: fresh 4096"]
+    assert decision["widest_halfwidth"] is None
+    go, reason, _ = decide(rec, profile, 6)  # at max_rounds it stops, saying a cell has no interval
+    assert not go and "a cell has no interval" in reason, reason

@@ -220,6 +220,23 @@ def test_hanging_request_times_out(tmp_path: Path, policy: str, launches: int, n
     fk.assert_no_leftovers(mark)
 
 
+def test_a_service_stuck_after_a_timeout_is_launched_again(tmp_path: Path) -> None:
+    """The service stops answering while still alive (step 3's request hangs, then its health check fails):
+    the sample is a 'timeout' failure and, whatever ``on_request_failure`` says, the service is stopped and
+    launched again for the next step, which it serves; the first launch's record says why."""
+    mark = fk.new_mark()
+    prof = fk.fake_profile(mark, args=("--wedge-after-requests", "3"), prompts={"per_length": 4},
+                           request={"timeout_s": 0.5}, run={"on_request_failure": "continue"})
+    record = run_profile(prof, tmp_path / "run")
+    by_step = samples_by_step(record)
+    assert [by_step[i].ok for i in (0, 1, 2)] == [True, True, True]
+    assert_failed_sample(by_step[3], "timeout", "no complete response within 0.5 s")
+    assert "stopped answering its health check after step 3 (timeout failure)" in (record.services[0].error or "")
+    assert len(record.services) == 2 and by_step[4].ok  # served by the service launched again
+    assert record.status == "complete"
+    fk.assert_no_leftovers(mark)
+
+
 # ---------------------------------------------------------------------- broken responses, one per arm
 
 
@@ -376,6 +393,22 @@ def test_resume_primes_a_service_started_mid_block_and_repairs_a_torn_line(tmp_p
     assert any(e.kind == "warning" and "cut off a torn last line" in e.message for e in events)
     assert any(e.kind == "service" and "re-sending 2 earlier request(s)" in e.message for e in events)
     assert [s.log for s in record.services] == ["logs/a_r1.log", "logs/a_r1.restart1.log"]  # a log of its own
+    fk.assert_no_leftovers(mark)
+
+
+def test_a_resumed_run_keeps_a_failed_step_and_does_not_repeat_it(tmp_path: Path) -> None:
+    """A run stopped by a failed request (the service died answering step 3) is resumed: step 3 keeps its
+    failed sample (a step is never run twice: a second try would be an unplanned extra measurement of that
+    cell) and the run goes on from step 4, on a service launched again."""
+    mark = fk.new_mark()
+    prof = fk.fake_profile(mark, args=("--die-after-requests", "3"), prompts={"per_length": 4},
+                           run={"on_request_failure": "stop"})
+    first = run_profile(prof, tmp_path / "run")
+    assert first.status == "partial" and [s.step for s in first.samples] == [0, 1, 2, 3]
+    record = runner.execute(profile_from_dict(prof), tmp_path / "run", resume=True)
+    assert [s.step for s in record.samples] == [0, 1, 2, 3, 4]
+    assert [s.ok for s in record.samples] == [True, True, True, False, True]
+    assert record.status == "complete"
     fk.assert_no_leftovers(mark)
 
 

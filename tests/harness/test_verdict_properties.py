@@ -113,6 +113,58 @@ def test_a_lower_decode_rate_is_the_regression_a_higher_one_is_not(tmp_path: Pat
     assert compare_cli(base, timed_run(BASE_TTFT, fast), tmp_path / "fast").exit_code == 0
 
 
+def test_same_is_said_only_of_the_same_samples(tmp_path: Path) -> None:
+    """"same" (and "identical in every sample of both runs") means both runs hold the same values: a
+    candidate with the base's median but another spread is not the same, a reordering of the base's is."""
+    from abbench.compare import compare
+
+    stretched = BASE.copy()  # the same middle values (so the same median), tails 20x as long
+    stretched[[0, 1, 6, 7]] = 1 + (BASE[[0, 1, 6, 7]] - 1) * 20
+    assert float(np.median(stretched)) == float(np.median(BASE))
+    base = timed_run(BASE_TTFT)
+    c = compare(base, timed_run({**BASE_TTFT, ("A", 1024): stretched}))
+    row = c.changes[(c.changes["arm"] == "A") & (c.changes["target_tokens"] == 1024)
+                    & (c.changes["metric"] == "ttft_s")].iloc[0]
+    assert row["verdict"] != "same" and "TTFT" not in " ".join(c.identical), (row["verdict"], c.identical)
+    c = compare(base, timed_run({**BASE_TTFT, ("A", 1024): BASE[::-1]}))
+    assert (c.changes[c.changes["metric"] == "ttft_s"]["verdict"] == "same").all()
+
+
+@pytest.mark.parametrize("short", ["base", "cand"])
+def test_a_cell_too_few_to_judge_on_either_side_is_never_a_regression(short: str, tmp_path: Path) -> None:
+    """A cell that one run holds only two ok samples of (the others failed) is "too few to judge" however
+    clear its change looks, whichever run is short; the other cells are judged as usual."""
+    from abbench.compare import MIN_N, TOO_FEW, compare
+
+    base, cand = timed_run(BASE_TTFT), timed_run({**BASE_TTFT, ("A", 1024): 1.5 + NOISE, ("B", 4096): CLEAR_8 * 2})
+    for s in (base if short == "base" else cand).samples:
+        if s.arm == "A" and s.prompt_id.startswith("fresh-1024") and s.round > MIN_N - 1:
+            s.ok, s.error_kind, s.error = False, "timeout", "no answer"
+    c = compare(base, cand)
+    row = c.changes[(c.changes["arm"] == "A") & (c.changes["target_tokens"] == 1024)
+                    & (c.changes["metric"] == "ttft_s")].iloc[0]
+    assert row["verdict"].startswith(TOO_FEW) and not row["regression"], row.to_dict()
+    assert regressions(base, cand) == {("B", 4096, "ttft_s")}
+
+
+@pytest.mark.parametrize("field", ["vocab_sha256", "normalizer"])
+@pytest.mark.parametrize("missing_in", ["base", "cand"])
+def test_a_tokenizer_fact_recorded_in_one_run_only_refuses(field: str, missing_in: str) -> None:
+    """A tokenizer described by one run and not the other cannot be shown to be the same tokenizer: the
+    comparison is refused (exit 2), naming the field, as for a tokenizer that differs."""
+    from abbench.compare import CompareRefused, compare
+
+    tok = {"source": "qwen3", "class": "Qwen2TokenizerFast", "vocab_size": 151669, "vocab_sha256": "a" * 64,
+           "normalizer": "NFC"}
+    base, cand = timed_run(BASE_TTFT), timed_run(BASE_TTFT)
+    for rec in (base, cand):
+        rec.environment = {**rec.environment, "tokenizer": dict(tok)}
+    compare(base, cand)  # the same description: compared
+    del (base if missing_in == "base" else cand).environment["tokenizer"][field]
+    with pytest.raises(CompareRefused, match=f"the tokenizers differ \\({field}"):
+        compare(base, cand)
+
+
 # -------------------------------------------------------------------------------- verdict per prompt
 
 
@@ -303,3 +355,33 @@ def test_a_refetch_whose_ids_reorder_the_stream_is_refused(llamacpp, order, monk
                        target_prompt_tokens=n, adapter="llamacpp")
     assert e.value.kind == "protocol", e.value
     assert json.dumps(ok.output_ids) != json.dumps(order(list(ok.output_ids)))
+
+
+# ------------------------------------------------------------------------------ declared counter checks
+
+
+def _banks(record: RunRecord, arm: str, rnd: int, prompt: str, banks: float) -> None:
+    """Arm ``arm``'s sample of ``prompt`` in round ``rnd`` copies ``banks`` banks in prefill."""
+    s = find(record, arm, prompt, rnd)
+    e = dict(s.engine)
+    e["prefill_h2d_bytes"] = int(banks * e["bank_bytes"])
+    e["h2d_bytes"] = e["prefill_h2d_bytes"] + e["decode_h2d_bytes"]
+    s.engine = e
+
+
+@pytest.mark.parametrize("rnd", [1, 2, 3])
+def test_a_counter_check_fails_on_any_one_sample_past_its_bound(rnd: int) -> None:
+    """A counter check (``h2d_banks``: layer-major copies one bank per prompt) holds for every sample, not
+    for a typical one: one request of three that copied the bank twice fails ``<= 1``, one that copied half
+    of it fails ``>= 1``, either fails ``== 1``; the others alone pass all three."""
+    checks = ["h2d_banks[B] <= 1", "h2d_banks[B] >= 1", "h2d_banks[B] == 1"]
+    clean = make_run(rounds=3, lengths=(4096,))
+    assert all(c.result == "pass" for c in an.gate(clean, checks=checks).checks if c.name in checks)
+    for banks, failing in ((2.0, {"h2d_banks[B] <= 1", "h2d_banks[B] == 1"}),
+                           (0.5, {"h2d_banks[B] >= 1", "h2d_banks[B] == 1"})):
+        rec = make_run(rounds=3, lengths=(4096,))
+        _banks(rec, "B", rnd, "fresh-4096-0", banks)
+        v = an.gate(rec, checks=checks)
+        got = {c.name for c in v.checks if c.name in checks and c.result != "pass"}
+        assert got == failing, (banks, [(c.name, c.result, c.detail) for c in v.checks])
+        assert not v.passed

@@ -5,12 +5,13 @@ wire is under control. Use it in-process (``with FakeServer(FakeConfig(...)) as 
 serves from a thread on a free loopback port) or as an engine service::
 
     python tests/support/fakeserver.py --port N [--mode MODE] [--startup-delay S] [--die-after-requests K]
-                               [--never-healthy] [--ignore-sigterm] [--delay S] [--token-delay S]
+                               [--wedge-after-requests K] [--never-healthy] [--ignore-sigterm] [--delay S]
+                               [--token-delay S]
                                [--tokenizer SPEC] [--host H] [--api-key-env VAR]
 
 Endpoints
 ---------
-``GET /health``          200 ``{"status": "ok"}`` (503 with ``--never-healthy``);
+``GET /health``          200 ``{"status": "ok"}`` (503 with ``--never-healthy``, and once wedged);
 ``POST /reset``          200, counts resets;
 ``GET /metrics``         Prometheus text; counters move with every completion;
 ``GET /stats``           JSON counters (connections, requests) for tests;
@@ -33,7 +34,9 @@ Modes (server-wide with ``--mode``; per request with the header ``X-Fake-Mode`` 
 ``fake_mode``; ``X-Fake-Delay``/``fake_delay_s`` and ``X-Fake-Token-Delay``/``fake_token_delay_s`` likewise;
 the body field ``fake_delay_per_token_s`` sleeps that long per prompt token before answering, in every mode)
 are listed in :data:`MODES`. ``die-mid-stream`` and ``--die-after-requests`` exit the process when it runs
-from the command line, and only drop the connection in-process.
+from the command line, and only drop the connection in-process. ``--wedge-after-requests K`` wedges the server
+at completion K+1 (a stuck engine that is still alive): that completion and every later one are read and
+never answered, and ``/health`` answers 503 from then on.
 """
 
 from __future__ import annotations
@@ -88,6 +91,7 @@ class FakeConfig:
     delay_s: float = 0.2  # slow-first-token / empty-text-first
     token_delay_s: float = 0.0  # between token events
     die_after_requests: int | None = None  # completion number K+1 dies before it is answered
+    wedge_after_requests: int | None = None  # from completion K+1 on: no answer, and /health 503 (alive, stuck)
     never_healthy: bool = False
     exit_process: bool = False  # dying exits the process (CLI) instead of dropping the connection
     vocab_size: int = 32000
@@ -169,6 +173,7 @@ class _Server(ThreadingHTTPServer):
         self.config = config
         self.vocab = vocab
         self.stopping = threading.Event()
+        self.wedged = threading.Event()
         self.lock = threading.Lock()
         self.counters = {
             "connections": 0,
@@ -291,7 +296,7 @@ class _Handler(BaseHTTPRequestHandler):
         if not self._authorized(path):
             return
         if path == "/health":
-            if self.server.config.never_healthy:
+            if self.server.config.never_healthy or self.server.wedged.is_set():
                 self._send_json(503, {"status": "loading"})
             else:
                 self._send_json(200, {"status": "ok"})
@@ -362,7 +367,9 @@ class _Handler(BaseHTTPRequestHandler):
                 {"error": {"message": "max_tokens is too large (mode http-400)", "type": "BadRequestError", "code": 400}},
             )
             return
-        if mode == "hang":
+        if cfg.wedge_after_requests is not None and counters["completions"] >= cfg.wedge_after_requests:
+            srv.wedged.set()
+        if mode == "hang" or srv.wedged.is_set():
             srv.stopping.wait()
             raise _Died
 
@@ -619,6 +626,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--token-delay", type=float, default=0.0, help="delay between token events (s)")
     ap.add_argument("--startup-delay", type=float, default=0.0, help="sleep before listening (s)")
     ap.add_argument("--die-after-requests", type=int, default=None, help="exit when completion K+1 arrives")
+    ap.add_argument("--wedge-after-requests", type=int, default=None,
+                    help="from completion K+1 on: never answer, and /health answers 503 (alive but stuck)")
     ap.add_argument("--never-healthy", action="store_true", help="/health answers 503 forever")
     ap.add_argument("--ignore-sigterm", action="store_true", help="ignore SIGTERM (needs SIGKILL)")
     ap.add_argument("--tokenizer", default=None, help="count tokens with abbench.engine.tokenizer (e.g. qwen3)")
@@ -640,6 +649,7 @@ def main(argv: list[str] | None = None) -> int:
         delay_s=args.delay,
         token_delay_s=args.token_delay,
         die_after_requests=args.die_after_requests,
+        wedge_after_requests=args.wedge_after_requests,
         never_healthy=args.never_healthy,
         exit_process=True,
         api_key=os.environ[args.api_key_env] if args.api_key_env else None,
