@@ -162,7 +162,10 @@ MUTANTS: list[Mutant] = [
       REPORT, "GiB printed from decimal GB"),
     m("R3", "report/sections/parity.py", "\"match\": int((g[\"match\"] == True).sum()),",
       "\"match\": int((g[\"match\"] != False).sum()),", REPORT,
-      "parity summary counts unchecked rows as matches"),
+      "parity summary counts unchecked rows as matches",
+      equivalent="the parity frame's match column is pandas' nullable boolean (analysis.frames.frame): an "
+                 "unchecked row's <NA> != False is <NA>, which sum() skips, so it counts as == True does "
+                 "(tests/harness/test_figure_properties.py::test_an_unchecked_row_is_not_a_match pins the count)"),
     m("R4", "report/sections/summary.py", "    if record.status != \"complete\":\n        items.append(f\"run status is",
       "    if record.status == \"partial\":\n        items.append(f\"run status is", REPORT,
       "a run that never finished (status running) is not listed as a problem"),
