@@ -49,6 +49,8 @@ __all__ = [
 ]
 
 PREFILL_PATHS = ("chunked", "layer-major", "demand", "resident")  # what a prefill runs
+DECODE_EXPERTS = ("grouped", "triton")  # decode's routed experts (EngineConfig.decode_experts)
+DECODE_ATTENTION = ("torch", "triton")  # decode's attention (EngineConfig.decode_attention)
 PREFILL_MODES = PREFILL_PATHS + ("auto",)  # what a request may ask for: auto picks a path (abbench.engine.policy)
 DTYPES = ("float32", "bfloat16", "float16")
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -230,10 +232,10 @@ class EngineConfig:
             raise ValueError("router_skew applies to random weights only (a checkpoint's router is its own)")
         if self.auto_demand_max_tokens is not None and self.auto_demand_max_tokens < 0:
             raise ValueError(f"auto_demand_max_tokens must be >= 0, got {self.auto_demand_max_tokens}")
-        if self.decode_experts not in ("grouped", "triton"):
-            raise ValueError(f"decode_experts must be 'grouped' or 'triton', got {self.decode_experts!r}")
-        if self.decode_attention not in ("torch", "triton"):
-            raise ValueError(f"decode_attention must be 'torch' or 'triton', got {self.decode_attention!r}")
+        if self.decode_experts not in DECODE_EXPERTS:
+            raise ValueError(f"decode_experts must be one of {DECODE_EXPERTS}, got {self.decode_experts!r}")
+        if self.decode_attention not in DECODE_ATTENTION:
+            raise ValueError(f"decode_attention must be one of {DECODE_ATTENTION}, got {self.decode_attention!r}")
         if int(self.auto_calibration) < 0:
             raise ValueError(f"auto_calibration must be >= 0, got {self.auto_calibration}")
         if not 1 <= int(self.attention_batch) <= MAX_ATTENTION_BATCH:

@@ -44,12 +44,10 @@ from collections.abc import Callable
 import torch
 
 from . import decode_kernels
+from .config import DECODE_ATTENTION, DECODE_EXPERTS
 from .experts import ExpertStore
 from .graphs import GraphCache
 from .model import KVCache, Model, attention_backends, probe_graph_capture
-
-DECODE_EXPERTS = ("grouped", "triton")
-DECODE_ATTENTION = ("torch", "triton")
 from .prefill import CancelLike, check_cancel
 
 MIN_KV_LEN = 1024
@@ -110,7 +108,7 @@ class Decoder:
             raise ValueError(f"decode_experts must be one of {DECODE_EXPERTS}, got {experts!r}")
         if experts == "grouped":
             return self.model.moe_block
-        if type(self.model).moe_block is not Model.moe_block:
+        if not self.model.triton_decode:
             raise ValueError(f"decode_experts 'triton' needs a model whose MoE block is the routed experts alone "
                              f"(Qwen3-MoE, Qwen3.5/3.6); {self.model.cfg.name} has its own")
         if not decode_kernels.have_triton():
@@ -125,12 +123,10 @@ class Decoder:
     def _attention_kernel(self, attention: str) -> str:
         """``model.decode_attend``'s kernel; ValueError for an unknown name, a model whose decode attention is
         its own (Qwen4-Exp's sparse indexer), or no Triton."""
-        from .hybrid import HybridModel
-
         if attention not in DECODE_ATTENTION:
             raise ValueError(f"decode_attention must be one of {DECODE_ATTENTION}, got {attention!r}")
         if attention == "triton":
-            if type(self.model).decode_attn_block not in (Model.decode_attn_block, HybridModel.decode_attn_block):
+            if not self.model.triton_decode:
                 raise ValueError(f"decode_attention 'triton' needs full attention over the cache (Qwen3-MoE, "
                                  f"Qwen3.5/3.6); {self.model.cfg.name} attends its own way")
             if not decode_kernels.have_triton():

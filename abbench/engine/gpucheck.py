@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from .config import MAX_GROUPED_MM_GROUPS, PRESETS, EngineConfig
+from .config import DECODE_ATTENTION, DECODE_EXPERTS, MAX_GROUPED_MM_GROUPS, PRESETS, EngineConfig
 from .model import TooManyGroups, grouped_mm
 from .runtime import Engine
 
@@ -137,9 +137,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile-decode", action="store_true",
                     help="CUDA: also list the kernels of a resident decode step (graphs) and of the offloaded "
                          "one with the fewest slots, by time per step")
-    ap.add_argument("--decode-experts", choices=("grouped", "triton"), default="grouped",
+    ap.add_argument("--decode-experts", choices=DECODE_EXPERTS, default="grouped",
                     help="decode's routed experts in every engine built here (EngineConfig.decode_experts)")
-    ap.add_argument("--decode-attention", choices=("torch", "triton"), default="torch",
+    ap.add_argument("--decode-attention", choices=DECODE_ATTENTION, default="torch",
                     help="decode's attention in every engine built here (EngineConfig.decode_attention)")
     args = ap.parse_args(argv)
     KERNELS.clear()

@@ -190,6 +190,8 @@ class HybridModel:
 
     trace = None  # as Model.trace (abbench.engine.trace); the hybrid adds the shared expert
     decode_attention_kernel = "torch"  # decode_attend's kernel (set by the Decoder from EngineConfig.decode_attention)
+    # decode's Triton kernels apply: the MoE block is the routed experts alone, decode attends over the whole cache
+    triton_decode = True
     _trace_layer = -1
     attention_batching = True  # attn_block_group: adjacent chunks share one attention call (layer-major)
     router_bias = None  # as Model's

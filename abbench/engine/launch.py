@@ -34,7 +34,7 @@ import socket
 import sys
 from typing import Any
 
-from abbench.engine.config import DTYPES, PREFILL_MODES, PRESETS, EngineConfig
+from abbench.engine.config import DECODE_ATTENTION, DECODE_EXPERTS, DTYPES, PREFILL_MODES, PRESETS, EngineConfig
 
 __all__ = ["API_KEY_ENV", "BACKENDS", "api_key_or_refuse", "build_arg_parser", "is_loopback", "main"]
 
@@ -106,11 +106,11 @@ def _engine_options(e: argparse._ArgumentGroup) -> None:
     e.add_argument("--no-prefill-graphs", dest="prefill_graphs", action="store_false", default=None,
                    help="CUDA, hybrid models: run every prefill layer step eagerly instead of replaying CUDA graphs "
                    "of full chunks' fixed-shape steps")
-    e.add_argument("--decode-experts", choices=("grouped", "triton"), default=None,
+    e.add_argument("--decode-experts", choices=DECODE_EXPERTS, default=None,
                    help="decode's routed experts: grouped (torch._grouped_mm over every expert, as prefill; the "
                    "default) or triton (a GEMV over the k routed experts only: 2.7x faster for one token on an "
                    "H200; Qwen3-MoE and Qwen3.5/3.6, needs Triton)")
-    e.add_argument("--decode-attention", choices=("torch", "triton"), default=None,
+    e.add_argument("--decode-attention", choices=DECODE_ATTENTION, default=None,
                    help="decode's attention: torch (batched matmuls over the power-of-two bucket; the default) or "
                    "triton (split-KV flash decoding that reads only the filled positions; Qwen3-MoE and "
                    "Qwen3.5/3.6, needs Triton)")

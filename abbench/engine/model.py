@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .config import MAX_GROUPED_MM_GROUPS, ModelConfig
+from .decode_kernels import attention_split_kv
 
 
 @dataclass
@@ -146,8 +147,6 @@ def decode_attend(kernel: str, q: torch.Tensor, keys: torch.Tensor, values: torc
     (int64 [1] on the device) masked: ``decode_gqa`` ("torch") or the split-KV Triton kernel
     (``decode_kernels.attention_split_kv``, "triton", ``EngineConfig.decode_attention``) -> [Hq, 1, D]."""
     if kernel == "triton":
-        from .decode_kernels import attention_split_kv
-
         return attention_split_kv(q, keys, values, pos, scale)
     after = torch.arange(keys.shape[1], device=pos.device) > pos  # [L] positions not yet written
     return decode_gqa(q, keys, values, after, scale)
@@ -282,6 +281,8 @@ class Model:
     trace = None  # Callable[[layer, block, tensor], None] while a traced request prefills (runtime sets it)
     _trace_layer = -1  # the layer of the last attn_block call (moe_block is called for the same layer next)
     decode_attention_kernel = "torch"  # decode_attend's kernel (set by the Decoder from EngineConfig.decode_attention)
+    # decode's Triton kernels apply: the MoE block is the routed experts alone, decode attends over the whole cache
+    triton_decode = True
     router_bias: list[torch.Tensor] | None = None  # random weights with router_skew: router_skew_bias
 
     def bias_of(self, layer: int) -> torch.Tensor | None:

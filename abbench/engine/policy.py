@@ -31,7 +31,7 @@ Contract:
   layer-major, then chunked: no host syncs); or, with ``demand_max_uncached`` (``--auto-demand-max-tokens``: a
   threshold measured by a sweep instead of the model), demand for prompts of at most that many uncached tokens and the best streamed path
   otherwise. Every path gives bitwise the same output, so the choice changes time only.
-Pure: no torch (frequencies are lists of floats, computed on with numpy).
+Pure: no torch (frequencies are lists or a numpy array, computed on with numpy).
 """
 
 from __future__ import annotations
@@ -78,17 +78,13 @@ class CostModel:
 def expected_distinct(freqs: list[float] | None, tokens: int, top_k: int, num_experts: int) -> float:
     """Expected distinct experts that ``tokens`` tokens with ``top_k`` choices each touch in a layer whose routing
     frequencies are ``freqs`` (uniform when None): sum_e 1 - (1 - p_e)^(tokens x top_k), at most num_experts."""
-    n = tokens * top_k
-    if not freqs:
-        p = 1.0 / num_experts
-        return num_experts * (1.0 - (1.0 - p) ** n)
-    total = sum(freqs)
-    return min(float(num_experts), sum(1.0 - (1.0 - f / total) ** n for f in freqs if f > 0))
+    p = _probabilities(None if freqs is None else [freqs], 1, num_experts)
+    return float(_distinct_per_layer(p, tokens, top_k, num_experts)[0])
 
 
-def _probabilities(freqs: list[list[float]] | None, n_layers: int, num_experts: int) -> np.ndarray:
-    """[L, E] routing probabilities per layer (uniform where ``freqs`` is None)."""
-    if not freqs:
+def _probabilities(freqs, n_layers: int, num_experts: int) -> np.ndarray:
+    """[L, E] routing probabilities per layer (uniform where ``freqs`` is None or empty)."""
+    if freqs is None or len(freqs) == 0:
         return np.full((n_layers, num_experts), 1.0 / num_experts)
     f = np.asarray(freqs, dtype=np.float64)
     return f / f.sum(axis=1, keepdims=True)
@@ -99,40 +95,53 @@ def _distinct_per_layer(p: np.ndarray, tokens: int, top_k: int, num_experts: int
     return np.minimum(float(num_experts), (1.0 - (1.0 - p) ** (tokens * top_k)).sum(axis=1))
 
 
-def expected_demand_copies(model: CostModel, chunks: list[tuple[int, int]], demand_max_tokens: int,
-                           freqs: list[list[float]] | None = None) -> float:
-    """Experts a demand prefill over ``chunks`` is expected to copy: the distinct experts of every short chunk in
-    every layer, and every expert of every layer for a chunk that streams."""
-    p = _probabilities(freqs, model.n_layers, model.num_experts)
-    total = 0.0
+def _demand_parts(model: CostModel, chunks: list[tuple[int, int]], demand_max_tokens: int,
+                  freqs) -> tuple[float, float, float]:
+    """Demand over ``chunks``: (its seconds that do not depend on the routing: short chunks' steps and round
+    trips, streamed chunks; the routed experts its short chunks are expected to copy; the experts its streamed
+    chunks copy)."""
+    L, E = model.n_layers, model.num_experts
+    p = _probabilities(freqs, L, E)
+    fixed = routed = streamed = 0.0
     for a, b in chunks:
         t = b - a
-        total += (model.n_layers * model.num_experts if t > demand_max_tokens
-                  else float(_distinct_per_layer(p, t, model.top_k, model.num_experts).sum()))
-    return total
+        if t > demand_max_tokens:
+            fixed += model.streamed(model.bank_s, L * model.step(t))
+            streamed += L * E
+        else:
+            fixed += L * (model.step(t) + model.sync_s)
+            routed += float(_distinct_per_layer(p, t, model.top_k, E).sum())
+    return fixed, routed, streamed
 
 
-def estimate(model: CostModel, chunks: list[tuple[int, int]], chunks_per_window: int, demand_max_tokens: int,
-             freqs: list[list[float]] | None = None, copies_factor: float = 1.0) -> dict[str, float]:
-    """Estimated seconds of each offloaded path over ``chunks`` [(a, b))); demand's copies of routed experts
-    scaled by ``copies_factor`` (``Calibration``); see the module docstring."""
+def expected_demand_copies(model: CostModel, chunks: list[tuple[int, int]], demand_max_tokens: int,
+                           freqs=None) -> float:
+    """Experts a demand prefill over ``chunks`` is expected to copy: the distinct experts of every short chunk in
+    every layer, and every expert of every layer for a chunk that streams."""
+    _, routed, streamed = _demand_parts(model, chunks, demand_max_tokens, freqs)
+    return routed + streamed
+
+
+def _estimates(model: CostModel, chunks: list[tuple[int, int]], chunks_per_window: int,
+               demand: tuple[float, float, float], copies_factor: float) -> dict[str, float]:
     L, bank = model.n_layers, model.bank_s
     compute = sum(L * model.step(b - a) for a, b in chunks)
     n_windows = -(-len(chunks) // max(1, chunks_per_window))
     out = {"chunked": model.streamed(len(chunks) * bank, compute)}
     if len(chunks) > 1 and chunks_per_window > 1:
         out["layer-major"] = model.streamed(n_windows * bank, compute)
-    p = _probabilities(freqs, L, model.num_experts)
-    demand = 0.0
-    for a, b in chunks:
-        t = b - a
-        if t > demand_max_tokens:
-            demand += model.streamed(bank, L * model.step(t))
-            continue
-        distinct = float(_distinct_per_layer(p, t, model.top_k, model.num_experts).sum())
-        demand += L * (model.step(t) + model.sync_s) + copies_factor * distinct * model.expert_bytes / model.bandwidth
-    out["demand"] = demand
+    fixed, routed, _ = demand
+    out["demand"] = fixed + copies_factor * routed * model.expert_bytes / model.bandwidth
     return out
+
+
+def estimate(model: CostModel, chunks: list[tuple[int, int]], chunks_per_window: int, demand_max_tokens: int,
+             freqs=None, copies_factor: float = 1.0) -> dict[str, float]:
+    """Estimated seconds of each offloaded path over ``chunks`` [(a, b))); demand's copies of routed experts
+    scaled by ``copies_factor`` (``Calibration``); see the module docstring. ``freqs``: [L][E] routing counts
+    (lists or an array), None for uniform."""
+    return _estimates(model, chunks, chunks_per_window, _demand_parts(model, chunks, demand_max_tokens, freqs),
+                      copies_factor)
 
 
 class Calibration:
@@ -165,12 +174,13 @@ class Calibration:
 
 
 def choose(model: CostModel, chunks: list[tuple[int, int]], chunks_per_window: int, demand_max_tokens: int,
-           freqs: list[list[float]] | None = None, demand_max_uncached: int | None = None,
+           freqs=None, demand_max_uncached: int | None = None,
            calibration: Calibration | None = None) -> tuple[str, str, dict[str, float], dict[str, float]]:
     """(path, reason, the model's estimates, the calibrated ones) for one request; see the module docstring."""
-    est = estimate(model, chunks, chunks_per_window, demand_max_tokens, freqs)
+    demand = _demand_parts(model, chunks, demand_max_tokens, freqs)
+    est = _estimates(model, chunks, chunks_per_window, demand, 1.0)
     factor = calibration.factor if calibration is not None else 1.0
-    cal = est if factor == 1.0 else estimate(model, chunks, chunks_per_window, demand_max_tokens, freqs, factor)
+    cal = est if factor == 1.0 else _estimates(model, chunks, chunks_per_window, demand, factor)
     uncached = sum(b - a for a, b in chunks)
     order = [p for p in ("layer-major", "chunked", "demand") if p in cal]
     streamed = min(order[:-1], key=lambda p: (cal[p], order.index(p)))

@@ -269,6 +269,8 @@ class Qwen4Model(HybridModel):
     """Dense weights, RoPE tables and the layer functions of a ``Qwen4Config`` model; stateless between calls
     except for the cache passed in."""
 
+    triton_decode = False  # its MoE block adds a shared expert and streams; its decode attends through an indexer
+
     def __init__(self, cfg: Qwen4Config, weights: Qwen4Weights, max_context: int, device: torch.device,
                  dtype: torch.dtype):
         super().__init__(cfg, weights, max_context, device, dtype)

@@ -309,14 +309,14 @@ class Engine:
         counts = self.steps.route_counts
         freqs = None
         if counts is not None and int(counts.sum()) > 0:  # one host read of the routing seen so far
-            freqs = (counts.double() + 1.0).tolist()  # add-one: an expert never seen is not impossible
+            freqs = (counts.double() + 1.0).cpu().numpy()  # add-one: an expert never seen is not impossible
         while self._calibration_pending and self.calibration is not None:
             chunks, copied = self._calibration_pending.popleft()
             self.calibration.observe(expected_demand_copies(self.policy, chunks, cfg.demand_max_tokens, freqs), copied)
         chunks = plan_chunks(start, start + n, chunk_tokens)
         path, reason, est, cal = choose(self.policy, chunks, cfg.layer_major_window_tokens // chunk_tokens,
                                         cfg.demand_max_tokens, freqs, cfg.auto_demand_max_tokens, self.calibration)
-        info = {"path": path, "reason": reason, "routing": "observed" if freqs else "uniform",
+        info = {"path": path, "reason": reason, "routing": "observed" if freqs is not None else "uniform",
                 "estimates_s": {k: round(v, 6) for k, v in est.items()}}
         if self.calibration is not None:
             info["calibrated_s"] = {k: round(v, 6) for k, v in cal.items()}
