@@ -53,6 +53,8 @@ METRICS: dict[str, Metric] = {m.name: m for m in (
     Metric("x_floor", "x", True, True, "TTFT / the floor (max of the resident TTFT and one bank's copy)"),
     Metric("ttft_s", "s", True, False, "time to first token (seconds)"),
     Metric("decode_tok_s", "tok/s", True, False, "decode rate after the first token"),
+    Metric("decode_ratio", "x", True, True,
+           "paired decode tok/s(arm) / decode tok/s(reference arm, or vs ARM), same prompt and round"),
     Metric("ttft_p90_s", "s", True, False, "90th percentile of the TTFT (seconds; needs 10 samples)", 0.9),
     Metric("ttft_p99_s", "s", True, False, "99th percentile of the TTFT (seconds; needs 100 samples)", 0.99),
     Metric("tpot_s", "s", True, False, "time per output token after the first, per request (seconds)"),
@@ -73,7 +75,7 @@ METRICS: dict[str, Metric] = {m.name: m for m in (
     Metric("crossover", "tokens", True, False,
            "a sweep's quantity where TTFT(arm) / TTFT(other arm) crosses 1 (crossover[A, B]; needs [sweep])"),
 )}
-PAIRED = ("ttft_ratio", "peak_vram_ratio")
+PAIRED = ("ttft_ratio", "peak_vram_ratio", "decode_ratio")
 """Metrics that divide by another arm's sample of the same prompt and round (``vs ARM``, else the reference)."""
 TWO_ARMS = ("crossover",)
 """Metrics of two arms, both named in the selector: ``crossover[A, B]`` (the second is held in ``vs``)."""

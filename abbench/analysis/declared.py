@@ -24,7 +24,9 @@ Metrics (:data:`METRICS`), each per (arm, kind, prompt length) cell over measure
   timing.median_ci`): ``ttft_ratio`` (paired TTFT(arm) / TTFT(reference), same prompt and round), ``x_floor``
   (TTFT / the cell's floor, :func:`~abbench.analysis.transfer.floor_table`), ``ttft_s``, ``decode_tok_s``,
   ``tpot_s`` and ``itl_s`` (:mod:`~abbench.analysis.latency`: one TPOT per request, one ITL per gap between
-  streamed arrivals). With ``vs ARM``, ``ttft_ratio`` pairs with that arm instead of the reference.
+  streamed arrivals), ``decode_ratio`` (paired decode tok/s(arm) / decode tok/s(reference), same prompt and
+  round: "decodes at least as fast as the peer" is ``decode_ratio[ARM, vs PEER] >= 1``). With ``vs ARM``,
+  ``ttft_ratio`` and ``decode_ratio`` pair with that arm instead of the reference.
   The percentile metrics ``ttft_p90_s``, ``ttft_p99_s``, ``tpot_p90_s``, ``tpot_p99_s``, ``itl_p90_s`` and
   ``itl_p99_s`` are judged the same way on the interval of that percentile
   (:func:`~abbench.analysis.timing.quantile_ci`); a cell with fewer values than the percentile needs (10 for
@@ -71,6 +73,7 @@ from abbench.analysis.frames import (
     peak_bytes,
     prompt_targets,
     reference_arm,
+    sample_decode_tok_s,
     sample_peak_bytes,
 )
 from abbench.analysis.latency import itl_values, min_n, tpot_values, ttft_values
@@ -79,7 +82,7 @@ from abbench.analysis.timing import CONFIDENCE, paired_ratios, quantile_ci
 from abbench.analysis.transfer import FLOOR_KINDS, floor_table
 from abbench.checkexpr import KINDS, METRICS, OPS, PAIRED, DeclaredCheck, Metric, check_arms, parse_check, parse_checks
 from abbench.prometheus import ENGINE_COUNTERS, common_counters, metrics_delta
-from abbench.results import RunRecord
+from abbench.results import RunRecord, Sample
 
 __all__ = [  # the grammar (abbench.checkexpr) is re-exported: callers of the analysis reach it here too
     "KINDS", "METRICS", "OPS", "PAIRED", "TOLERANCE", "VALUES", "Cell", "DeclaredCheck", "Metric", "bind",
@@ -126,14 +129,22 @@ def _peak_vram_ratio(record: RunRecord) -> pd.DataFrame:
     return _pairs(paired_ratios(record, value=sample_peak_bytes))
 
 
+def _decode_ratio(record: RunRecord) -> pd.DataFrame:
+    return _pairs(paired_ratios(record, value=sample_decode_tok_s))
+
+
+PAIRED_VALUE: dict[str, Callable[[Sample], float | None]] = {
+    "ttft_ratio": lambda s: s.ttft_s, "peak_vram_ratio": sample_peak_bytes, "decode_ratio": sample_decode_tok_s}
+"""The per-sample figure each paired metric divides."""
+
+
 def _values(record: RunRecord, c: DeclaredCheck) -> pd.DataFrame:
     """The check's values: a paired metric against ``c.vs`` when given, else ``VALUES`` (against the
     reference)."""
     if len(c.vs_arms) > 1:
         return _fastest_pairs(record, c)
     if c.vs is not None:
-        value = sample_peak_bytes if c.metric == "peak_vram_ratio" else (lambda s: s.ttft_s)
-        return _pairs(paired_ratios(record, against=c.vs, value=value))
+        return _pairs(paired_ratios(record, against=c.vs, value=PAIRED_VALUE[c.metric]))
     return VALUES[c.metric](record)
 
 
@@ -230,7 +241,7 @@ def _metrics_cached(record: RunRecord) -> pd.DataFrame:
 
 VALUES: dict[str, Callable[[RunRecord], pd.DataFrame]] = {
     "ttft_ratio": _ttft_ratio, "x_floor": _x_floor, "ttft_s": _column("ttft_s"),
-    "decode_tok_s": _column("decode_tok_s"), "h2d_banks": _h2d_banks, "banks_per_window": _banks_per_window,
+    "decode_tok_s": _column("decode_tok_s"), "decode_ratio": _decode_ratio, "h2d_banks": _h2d_banks, "banks_per_window": _banks_per_window,
     "peak_vram_gb": _peak_vram, "peak_vram_ratio": _peak_vram_ratio,
     "ttft_p90_s": ttft_values, "ttft_p99_s": ttft_values, "tpot_s": tpot_values, "tpot_p90_s": tpot_values,
     "tpot_p99_s": tpot_values, "itl_s": itl_values, "itl_p90_s": itl_values, "itl_p99_s": itl_values,

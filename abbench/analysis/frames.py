@@ -218,9 +218,7 @@ def sample_frame(record: RunRecord, samples: list[Sample]) -> pd.DataFrame:
         e = AbbenchStats.read(s.engine)
         d = e.decode or AbbenchDecode()
         decode_s = s.total_s - s.ttft_s if s.total_s is not None and s.ttft_s is not None else None
-        tok_s = None
-        if decode_s and decode_s > 0 and s.completion_tokens and s.completion_tokens > 1:
-            tok_s = (s.completion_tokens - 1) / decode_s
+        tok_s = sample_decode_tok_s(s)
         eng_ttft = num(e.engine_ttft_s)
         first_event = num(e.timings.first_event)
         rows.append(
@@ -273,6 +271,15 @@ def peak_bytes(df: pd.DataFrame) -> pd.Series:
     for the service's processes during the request."""
     peak = df["peak_device_bytes"].where(df["peak_device_bytes"].notna(), df["proc_gpu_mem_peak"])
     return pd.to_numeric(peak, errors="coerce")
+
+
+def sample_decode_tok_s(s: Sample) -> float | None:
+    """One sample's decode rate after the first token: (completion_tokens - 1) / (total - TTFT); None when
+    it decoded fewer than two tokens or took no time."""
+    if s.total_s is None or s.ttft_s is None or not s.completion_tokens or s.completion_tokens < 2:
+        return None
+    decode_s = s.total_s - s.ttft_s
+    return (s.completion_tokens - 1) / decode_s if decode_s > 0 else None
 
 
 def sample_peak_bytes(s: Sample) -> float | None:

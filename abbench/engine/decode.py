@@ -79,6 +79,7 @@ class Decoder:
         self.model, self.store, self.kv = model, store, kv
         self.moe = self._moe_function(experts)
         model.decode_attention_kernel = self._attention_kernel(attention)
+        model.decode_router_kernel = "triton" if experts == "triton" else "torch"
         cfg, dev = model.cfg, model.device
         self.n_layers, self.k = cfg.num_hidden_layers, cfg.num_experts_per_tok
         self.token = torch.zeros(1, dtype=torch.long, device=dev)  # [1]
@@ -116,7 +117,7 @@ class Decoder:
 
         def moe(x: torch.Tensor, h: torch.Tensor, top_w: torch.Tensor, top_ids: torch.Tensor,
                 gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-            return x + decode_kernels.moe_one_token(h, top_w, top_ids, gate_up, down)  # [1, H]
+            return decode_kernels.moe_one_token(h, top_w, top_ids, gate_up, down, residual=x)  # [1, H]
 
         return moe
 

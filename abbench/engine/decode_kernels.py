@@ -66,9 +66,9 @@ if triton is not None:
         tl.store(out_ptr + j * I + rows, act, mask=rmask)
 
     @triton.jit
-    def _down_sum(a_ptr, w_ptr, ids_ptr, tw_ptr, out_ptr, H: tl.constexpr, I: tl.constexpr, K_ROUTED: tl.constexpr,
-                  stride_we, stride_wn,
-                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _down_sum(a_ptr, w_ptr, ids_ptr, tw_ptr, res_ptr, out_ptr, H: tl.constexpr, I: tl.constexpr,
+                  K_ROUTED: tl.constexpr, stride_we, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  HAS_RES: tl.constexpr):
         nb = tl.program_id(0)
         rows = nb * BLOCK_N + tl.arange(0, BLOCK_N)
         rmask = rows < H
@@ -86,7 +86,11 @@ if triton is not None:
                             mask=rmask[:, None] & cmask[None, :], other=0.0).to(tl.float32)
                 acc += tl.sum(w * a[None, :], axis=1)
             total += wj * acc
-        tl.store(out_ptr + rows, total, mask=rmask)
+        y = total.to(out_ptr.dtype.element_ty)  # the experts' sum in the model dtype, as the grouped path's
+        if HAS_RES:  # the residual x + y, rounded as torch's x + y
+            r = tl.load(res_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
+            y = (r + y.to(tl.float32)).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + rows, y, mask=rmask)
 
 
 if triton is not None:
@@ -111,14 +115,14 @@ if triton is not None:
                 valid = offs < n
                 kv_off = hk * stride_kh + offs[:, None] * stride_kl + d[None, :]
                 k = tl.load(k_ptr + kv_off, mask=valid[:, None], other=0.0)  # [BLOCK_L, D]
-                s = tl.dot(q, tl.trans(k)) * scale  # [GP, BLOCK_L] float32
+                s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [GP, BLOCK_L] float32; no TF32
                 s = tl.where(valid[None, :], s, float("-inf"))
                 m_new = tl.maximum(m, tl.max(s, axis=1))
                 m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
                 p = tl.exp(s - m_safe[:, None])
                 alpha = tl.exp(m - m_safe)
                 v = tl.load(v_ptr + kv_off, mask=valid[:, None], other=0.0)  # [BLOCK_L, D]
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
                 lsum = lsum * alpha + tl.sum(p, axis=1)
                 m = m_new
         base = hk * NSPLITS + sp
@@ -130,23 +134,95 @@ if triton is not None:
     def _attn_combine(m_ptr, l_ptr, acc_ptr, out_ptr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
                       NSPLITS: tl.constexpr):
         hk = tl.program_id(0)
+        g = tl.program_id(1)  # one query head of the KV head's group
         sp = tl.arange(0, NSPLITS)
-        g = tl.arange(0, GP)
         d = tl.arange(0, D)
-        idx = (hk * NSPLITS + sp)[:, None] * GP + g[None, :]  # [NSPLITS, GP]
-        m = tl.load(m_ptr + idx)
-        lsum = tl.load(l_ptr + idx)
-        big = tl.max(m, axis=0)  # [GP]
-        w = tl.where(m == float("-inf"), 0.0, tl.exp(m - big[None, :]))  # [NSPLITS, GP]
-        total = tl.sum(w * lsum, axis=0)  # [GP]
-        out = tl.zeros([GP, D], dtype=tl.float32)
-        for j in range(0, NSPLITS):  # the ranges in order: a fixed summation order
-            wj = tl.sum(tl.where(sp[:, None] == j, w, 0.0), axis=0)  # [GP]
-            a = tl.load(acc_ptr + ((hk * NSPLITS + j) * GP + g)[:, None] * D + d[None, :])  # [GP, D]
-            out += wj[:, None] * a
-        out = out / total[:, None]
-        tl.store(out_ptr + (hk * G + g)[:, None] * D + d[None, :], out.to(out_ptr.dtype.element_ty),
-                 mask=(g < G)[:, None])
+        row = (hk * NSPLITS + sp) * GP + g  # [NSPLITS] this head's statistics in every range
+        m = tl.load(m_ptr + row)
+        lsum = tl.load(l_ptr + row)
+        big = tl.max(m, axis=0)
+        w = tl.where(m == float("-inf"), 0.0, tl.exp(m - big))  # [NSPLITS]; ranges past pos weigh nothing
+        a = tl.load(acc_ptr + row[:, None] * D + d[None, :])  # [NSPLITS, D]
+        out = tl.sum(w[:, None] * a, axis=0) / tl.sum(w * lsum, axis=0)  # [D]
+        tl.store(out_ptr + (hk * G + g) * D + d, out.to(out_ptr.dtype.element_ty))
+
+    @triton.jit
+    def _rms_norm(x_ptr, a_ptr, w_ptr, sum_ptr, out_ptr, eps, N: tl.constexpr, BLOCK: tl.constexpr,
+                  ADD: tl.constexpr, PLUS_ONE: tl.constexpr):
+        row = tl.program_id(0)
+        c = tl.arange(0, BLOCK)
+        cm = c < N
+        dt = out_ptr.dtype.element_ty
+        x = tl.load(x_ptr + row * N + c, mask=cm, other=0.0)
+        if ADD:  # the residual sum first, rounded as torch's x + a, and written out
+            x = (x.to(tl.float32) + tl.load(a_ptr + row * N + c, mask=cm, other=0.0).to(tl.float32)).to(dt)
+            tl.store(sum_ptr + row * N + c, x, mask=cm)
+        xf = x.to(tl.float32)
+        r = tl.rsqrt(tl.sum(xf * xf, axis=0) / N + eps)
+        w = tl.load(w_ptr + c, mask=cm, other=0.0).to(tl.float32)
+        if PLUS_ONE:  # zero-centred: x / rms * (1 + w) in float32, then the model dtype
+            y = (xf * r * (1.0 + w)).to(dt)
+        else:  # x / rms in the model dtype, times w (model.rms_norm's roundings)
+            y = (w * (xf * r).to(dt).to(tl.float32)).to(dt)
+        tl.store(out_ptr + row * N + c, y, mask=cm)
+
+    @triton.jit
+    def _qk_norm_rope_store(q_ptr, k_ptr, v_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, pos_ptr, kc_ptr, vc_ptr,
+                            qout_ptr, stride_kh, stride_kl, eps, HQ: tl.constexpr, D: tl.constexpr):
+        pid = tl.program_id(0)  # query heads, then KV heads
+        d = tl.arange(0, D)
+        partner = (d + D // 2) % D  # rotate_half's source index, negated in the first half
+        sign = tl.where(d < D // 2, -1.0, 1.0)
+        dt = qout_ptr.dtype.element_ty
+        pos = tl.load(pos_ptr).to(tl.int64)
+        cos = tl.load(cos_ptr + pos * D + d).to(tl.float32)
+        sin = tl.load(sin_ptr + pos * D + d).to(tl.float32)
+        if pid < HQ:
+            src = q_ptr + pid * D
+            wp = qn_ptr
+        else:
+            src = k_ptr + (pid - HQ) * D
+            wp = kn_ptr
+        x = tl.load(src + d).to(tl.float32)
+        xp = tl.load(src + partner).to(tl.float32)
+        r = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
+        n = (tl.load(wp + d).to(tl.float32) * (x * r).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+        n_p = (tl.load(wp + partner).to(tl.float32) * (xp * r).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+        # q * cos + rotate_half(q) * sin, each product and the sum rounded as torch's
+        y = ((n * cos).to(dt).to(tl.float32) + (sign * n_p * sin).to(dt).to(tl.float32)).to(dt)
+        if pid < HQ:
+            tl.store(qout_ptr + pid * D + d, y)
+        else:
+            hk = pid - HQ
+            at = hk * stride_kh + pos * stride_kl + d
+            tl.store(kc_ptr + at, y)
+            tl.store(vc_ptr + at, tl.load(v_ptr + hk * D + d))
+
+    @triton.jit
+    def _route_topk(logits_ptr, bias_ptr, w_ptr, ids_ptr, E: tl.constexpr, EP: tl.constexpr, K: tl.constexpr,
+                    KP: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr):
+        e = tl.arange(0, EP)
+        em = e < E
+        lg = tl.load(logits_ptr + e, mask=em, other=float("-inf")).to(tl.float32)
+        if HAS_BIAS:
+            lg += tl.load(bias_ptr + e, mask=em, other=0.0)
+        p = tl.exp(lg - tl.max(lg, axis=0))
+        p = p / tl.sum(p, axis=0)
+        p = tl.where(em, p, -1.0)
+        kk = tl.arange(0, KP)
+        vals = tl.zeros([KP], dtype=tl.float32)
+        idx = tl.zeros([KP], dtype=tl.int64)
+        for j in tl.static_range(K):  # the k largest in descending order; ties to the lowest expert id
+            best = tl.max(p, axis=0)
+            at = tl.min(tl.where(p == best, e, EP), axis=0)
+            vals = tl.where(kk == j, best, vals)
+            idx = tl.where(kk == j, at.to(tl.int64), idx)
+            p = tl.where(e == at, -1.0, p)
+        if NORM:
+            vals = vals / tl.sum(vals, axis=0)
+        km = kk < K
+        tl.store(w_ptr + kk, vals.to(w_ptr.dtype.element_ty), mask=km)
+        tl.store(ids_ptr + kk, idx, mask=km)
 
 
 def _next_pow2(x: int) -> int:
@@ -178,14 +254,71 @@ def attention_split_kv(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
     _attn_split[(hkv, nsplits)](qc, keys, values, pos, m, lsum, acc, keys.stride(0), keys.stride(1), scale,
                                 G=g, GP=gp, D=d, SPLIT=split, BLOCK_L=block_l, NSPLITS=nsplits)
     out = torch.empty(hq, d, dtype=q.dtype, device=q.device)
-    _attn_combine[(hkv,)](m, lsum, acc, out, G=g, GP=gp, D=d, NSPLITS=nsplits)
+    _attn_combine[(hkv, g)](m, lsum, acc, out, G=g, GP=gp, D=d, NSPLITS=nsplits)
     return out.view(hq, 1, d)
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+             plus_one: bool = False):
+    """``model.rms_norm`` (or, with ``plus_one``, ``hybrid.zc_rms_norm``) of x [T, N] as one kernel, a program
+    per row. With ``residual`` [T, N] it normalises s = residual + x and returns (s, norm(s)): the residual
+    add of a layer and the next norm in one kernel."""
+    if triton is None:
+        raise RuntimeError("rms_norm needs Triton")
+    x = x.contiguous()
+    T, N = x.shape
+    out = torch.empty_like(x)
+    total = torch.empty_like(x) if residual is not None else out
+    _rms_norm[(T,)](x, x if residual is None else residual.contiguous(), weight, total, out, eps, N=N,
+                    BLOCK=_next_pow2(N), ADD=residual is not None, PLUS_ONE=plus_one)
+    return out if residual is None else (total, out)
+
+
+def qk_norm_rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm: torch.Tensor,
+                       k_norm: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor,
+                       cache_k: torch.Tensor, cache_v: torch.Tensor, eps: float) -> torch.Tensor:
+    """One decode token's per-head RMSNorm of q and k, rotary embedding at ``pos`` (int64 [1] on the device)
+    and K/V cache write, as one kernel: q [1, Hq*D], k and v [1, Hkv*D] (the projections), the norms' weights
+    [D], the rope tables [S, D], the layer's cache [Hkv, S, D] x2 (written at pos) -> q [Hq, 1, D]. The roundings
+    of ``Model.decode_attention``'s torch ops, the norm's sum in another order."""
+    if triton is None:
+        raise RuntimeError("qk_norm_rope_store needs Triton")
+    hkv, _, d = cache_k.shape
+    hq = q.shape[-1] // d
+    if (d & (d - 1) or cos.stride() != (d, 1) or sin.stride() != (d, 1) or cache_k.stride(-1) != 1
+            or cache_v.stride() != cache_k.stride()):
+        raise ValueError("qk_norm_rope_store: a power-of-two head dimension, [S, D] rope tables, K and V caches "
+                         "with one layout and a contiguous last dimension")
+    q_out = torch.empty(hq, 1, d, dtype=q.dtype, device=q.device)
+    _qk_norm_rope_store[(hq + hkv,)](q.contiguous(), k.contiguous(), v.contiguous(), q_norm, k_norm, cos, sin, pos,
+                                     cache_k, cache_v, q_out, cache_k.stride(0), cache_k.stride(1), eps, HQ=hq, D=d)
+    return q_out
+
+
+def route_topk(logits: torch.Tensor, top_k: int, norm_topk_prob: bool, dtype: torch.dtype,
+               bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``model.route`` after its router matmul, for one token, as one kernel: logits [1, E] (+ ``bias`` [E]
+    float32) -> softmax in float32 -> the top k in descending order (ties to the lowest expert id) ->
+    renormalised when ``norm_topk_prob`` -> (weights [1, k] in ``dtype``, expert ids [1, k] int64)."""
+    if triton is None:
+        raise RuntimeError("route_topk needs Triton")
+    if logits.shape[0] != 1:
+        raise ValueError("route_topk: one token")
+    e = logits.shape[-1]
+    w = torch.empty(1, top_k, dtype=dtype, device=logits.device)
+    ids = torch.empty(1, top_k, dtype=torch.long, device=logits.device)
+    lg = logits.contiguous()
+    _route_topk[(1,)](lg, lg if bias is None else bias, w, ids, E=e, EP=_next_pow2(e), K=top_k,
+                      KP=_next_pow2(top_k), HAS_BIAS=bias is not None, NORM=norm_topk_prob)
+    return w, ids
+
+
 def moe_one_token(h: torch.Tensor, top_w: torch.Tensor, top_ids: torch.Tensor, gate_up: torch.Tensor,
-                  down: torch.Tensor, block_n: int = 4, block_k: int = 1024) -> torch.Tensor:
+                  down: torch.Tensor, block_n: int = 4, block_k: int = 1024,
+                  residual: torch.Tensor | None = None) -> torch.Tensor:
     """Routed SwiGLU experts of one token (module docstring): h [1, H], top_w [1, k], top_ids [1, k] indexing
-    gate_up [G, 2I, H] and down [G, H, I] -> [1, H] in h's dtype."""
+    gate_up [G, 2I, H] and down [G, H, I] -> [1, H] in h's dtype; with ``residual`` [1, H], residual + that
+    (the same bits as ``residual + moe_one_token(...)``, one kernel fewer)."""
     if triton is None:
         raise RuntimeError("moe_one_token needs Triton")
     if h.shape[0] != 1 or not (gate_up.stride(-1) == 1 and down.stride(-1) == 1):
@@ -197,11 +330,13 @@ def moe_one_token(h: torch.Tensor, top_w: torch.Tensor, top_ids: torch.Tensor, g
     _gate_up_act[(k, triton.cdiv(inter, block_n))](h.reshape(-1), gate_up, ids, act, H, inter,
                                                     gate_up.stride(0), gate_up.stride(1),
                                                     BLOCK_N=block_n, BLOCK_K=block_k)
-    out = torch.empty(H, dtype=torch.float32, device=h.device)  # [H]
-    tw = top_w.reshape(-1).to(torch.float32).contiguous()  # [k]
-    _down_sum[(triton.cdiv(H, block_n),)](act, down, ids, tw, out, H, inter, k, down.stride(0), down.stride(1),
-                                         BLOCK_N=block_n, BLOCK_K=block_k)
-    return out.to(h.dtype).unsqueeze(0)  # [1, H]
+    out = torch.empty(1, H, dtype=h.dtype, device=h.device)  # [1, H]
+    tw = top_w.reshape(-1).contiguous()  # [k], read as float32 in the kernel
+    res = out if residual is None else residual.reshape(1, H).contiguous()
+    _down_sum[(triton.cdiv(H, block_n),)](act, down, ids, tw, res, out, H, inter, k, down.stride(0),
+                                         down.stride(1), BLOCK_N=block_n, BLOCK_K=block_k,
+                                         HAS_RES=residual is not None)
+    return out  # [1, H]
 
 
 def attention_sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos: torch.Tensor,

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .config import MAX_GROUPED_MM_GROUPS, ModelConfig
-from .decode_kernels import attention_split_kv
+from .decode_kernels import attention_split_kv, qk_norm_rope_store, rms_norm as fused_rms_norm, route_topk
 
 
 @dataclass
@@ -150,6 +150,16 @@ def decode_attend(kernel: str, q: torch.Tensor, keys: torch.Tensor, values: torc
         return attention_split_kv(q, keys, values, pos, scale)
     after = torch.arange(keys.shape[1], device=pos.device) > pos  # [L] positions not yet written
     return decode_gqa(q, keys, values, after, scale)
+
+
+def decode_route(kernel: str, h: torch.Tensor, router: torch.Tensor, top_k: int, norm_topk_prob: bool,
+                 bias: torch.Tensor | None = None):
+    """``route`` for one decode token h [1, H]: its torch ops ("torch") or, for "triton"
+    (``EngineConfig.decode_experts``), the router matmul and one kernel for softmax, top-k and renormalisation
+    (``decode_kernels.route_topk``) -> (weights [1, k] in h.dtype, expert ids [1, k] int64)."""
+    if kernel == "triton":
+        return route_topk(F.linear(h, router), top_k, norm_topk_prob, h.dtype, bias)
+    return route(h, router, top_k, norm_topk_prob, bias)
 
 
 def router_skew_bias(num_experts: int, num_layers: int, skew: float, seed: int,
@@ -280,7 +290,10 @@ class Model:
 
     trace = None  # Callable[[layer, block, tensor], None] while a traced request prefills (runtime sets it)
     _trace_layer = -1  # the layer of the last attn_block call (moe_block is called for the same layer next)
-    decode_attention_kernel = "torch"  # decode_attend's kernel (set by the Decoder from EngineConfig.decode_attention)
+    # decode's kernels, set by the Decoder: "triton" for the attention half's norms, rope, cache write and attention
+    # (EngineConfig.decode_attention), and for the router's softmax and top-k (EngineConfig.decode_experts)
+    decode_attention_kernel = "torch"
+    decode_router_kernel = "torch"
     # decode's Triton kernels apply: the MoE block is the routed experts alone, decode attends over the whole cache
     triton_decode = True
     router_bias: list[torch.Tensor] | None = None  # random weights with router_skew: router_skew_bias
@@ -338,16 +351,21 @@ class Model:
         transformers' repeat_kv), scores softmaxed in float32."""
         cfg, lw = self.cfg, self.w.layers[layer]
         hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        q = F.linear(x, lw.q_proj).view(1, hq, d)  # [1, Hq, D]
-        k = F.linear(x, lw.k_proj).view(1, hkv, d)  # [1, Hkv, D]
-        v = F.linear(x, lw.v_proj).view(1, hkv, d)  # [1, Hkv, D]
-        q = rms_norm(q, lw.q_norm, cfg.rms_norm_eps).transpose(0, 1)  # [Hq, 1, D]
-        k = rms_norm(k, lw.k_norm, cfg.rms_norm_eps).transpose(0, 1)  # [Hkv, 1, D]
-        cos, sin = self.cos.index_select(0, pos), self.sin.index_select(0, pos)  # [1, D]
-        q = q * cos + rotate_half(q) * sin  # [Hq, 1, D]
-        k = k * cos + rotate_half(k) * sin  # [Hkv, 1, D]
-        kv.k[layer].index_copy_(1, pos, k)
-        kv.v[layer].index_copy_(1, pos, v.transpose(0, 1))
+        if self.decode_attention_kernel == "triton":  # q/k norms, rope and the cache write in one kernel
+            q = qk_norm_rope_store(F.linear(x, lw.q_proj), F.linear(x, lw.k_proj), F.linear(x, lw.v_proj),
+                                   lw.q_norm, lw.k_norm, self.cos, self.sin, pos, kv.k[layer], kv.v[layer],
+                                   cfg.rms_norm_eps)  # [Hq, 1, D]
+        else:
+            q = F.linear(x, lw.q_proj).view(1, hq, d)  # [1, Hq, D]
+            k = F.linear(x, lw.k_proj).view(1, hkv, d)  # [1, Hkv, D]
+            v = F.linear(x, lw.v_proj).view(1, hkv, d)  # [1, Hkv, D]
+            q = rms_norm(q, lw.q_norm, cfg.rms_norm_eps).transpose(0, 1)  # [Hq, 1, D]
+            k = rms_norm(k, lw.k_norm, cfg.rms_norm_eps).transpose(0, 1)  # [Hkv, 1, D]
+            cos, sin = self.cos.index_select(0, pos), self.sin.index_select(0, pos)  # [1, D]
+            q = q * cos + rotate_half(q) * sin  # [Hq, 1, D]
+            k = k * cos + rotate_half(k) * sin  # [Hkv, 1, D]
+            kv.k[layer].index_copy_(1, pos, k)
+            kv.v[layer].index_copy_(1, pos, v.transpose(0, 1))
         keys, values = kv.k[layer][:, :kv_len], kv.v[layer][:, :kv_len]  # [Hkv, L, D] each
         out = decode_attend(self.decode_attention_kernel, q, keys, values, pos, self.scale).reshape(1, hq * d)
         return F.linear(out, lw.o_proj)  # [1, H]
@@ -356,9 +374,15 @@ class Model:
         """``attn_block`` for one decode token (see ``decode_attention``): x [1, H] -> (x [1, H], h [1, H],
         router weights [1, k], router expert ids [1, k])."""
         cfg, lw = self.cfg, self.w.layers[layer]
-        x = x + self.decode_attention(layer, rms_norm(x, lw.input_norm, cfg.rms_norm_eps), kv, pos, kv_len)
-        h = rms_norm(x, lw.post_norm, cfg.rms_norm_eps)  # [1, H]
-        top_w, top_ids = route(h, lw.router, cfg.num_experts_per_tok, cfg.norm_topk_prob, self.bias_of(layer))  # [1, k] x2
+        eps = cfg.rms_norm_eps
+        if self.decode_attention_kernel == "triton":  # each norm one kernel, the residual add in the second
+            a = self.decode_attention(layer, fused_rms_norm(x, lw.input_norm, eps), kv, pos, kv_len)  # [1, H]
+            x, h = fused_rms_norm(a, lw.post_norm, eps, residual=x)  # [1, H] x2
+        else:
+            x = x + self.decode_attention(layer, rms_norm(x, lw.input_norm, eps), kv, pos, kv_len)
+            h = rms_norm(x, lw.post_norm, eps)  # [1, H]
+        top_w, top_ids = decode_route(self.decode_router_kernel, h, lw.router, cfg.num_experts_per_tok,
+                                      cfg.norm_topk_prob, self.bias_of(layer))  # [1, k] x2
         return x, h, top_w, top_ids
 
     def attn_block(self, layer: int, x: torch.Tensor, kv: KVCache, start: int):

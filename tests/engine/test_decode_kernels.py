@@ -57,6 +57,70 @@ def test_split_kv_attention_equals_the_engines(shape):
                                rtol=1e-5, atol=1e-5)
 
 
+_triton_only = pytest.mark.skipif("not _triton_runs_here()",
+                                  reason="Triton runs on CUDA, or on CPU under TRITON_INTERPRET=1")
+
+
+@_triton_only
+@pytest.mark.parametrize("n", [64, 72])
+def test_fused_rms_norm_equals_the_models_norms_with_and_without_the_residual(n: int):
+    """One kernel for model.rms_norm and hybrid.zc_rms_norm (a width no power of two when 72), and the
+    residual add before the norm returned beside it."""
+    from abbench.engine.hybrid import zc_rms_norm
+    from abbench.engine.model import rms_norm
+
+    gen = torch.Generator().manual_seed(n)
+    x, a = (torch.randn(3, n, generator=gen) * 4).to(DEVICE), torch.randn(3, n, generator=gen).to(DEVICE)
+    w = torch.randn(n, generator=gen).to(DEVICE)
+    torch.testing.assert_close(dk.rms_norm(x, w, 1e-6), rms_norm(x, w, 1e-6), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dk.rms_norm(x, w, 1e-6, plus_one=True), zc_rms_norm(x, w, 1e-6), rtol=1e-5,
+                               atol=1e-5)
+    total, normed = dk.rms_norm(a, w, 1e-6, residual=x)
+    assert torch.equal(total, x + a)
+    torch.testing.assert_close(normed, rms_norm(x + a, w, 1e-6), rtol=1e-5, atol=1e-5)
+
+
+@_triton_only
+@pytest.mark.parametrize("pos", [0, 5, 30])
+def test_fused_qk_norm_rope_store_equals_the_models_ops(pos: int):
+    """q/k per-head norms, rope at a position read on the device and the cache write, against the torch ops of
+    Model.decode_attention; the cache written at pos only."""
+    from abbench.engine.model import rms_norm, rope_tables, rotate_half
+
+    hq, hkv, d, length = 8, 2, 16, 32
+    gen = torch.Generator().manual_seed(pos)
+    q, k, v = (torch.randn(1, n * d, generator=gen).to(DEVICE) for n in (hq, hkv, hkv))
+    qn, kn = torch.randn(d, generator=gen).to(DEVICE), torch.randn(d, generator=gen).to(DEVICE)
+    cos, sin = rope_tables(d, 10000.0, length, DEVICE, torch.float32)
+    cache_k, cache_v = torch.zeros(hkv, length, d, device=DEVICE), torch.zeros(hkv, length, d, device=DEVICE)
+    got = dk.qk_norm_rope_store(q, k, v, qn, kn, cos, sin, torch.tensor([pos], device=DEVICE), cache_k, cache_v,
+                                1e-6)
+    qr = rms_norm(q.view(hq, 1, d), qn, 1e-6)
+    kr = rms_norm(k.view(hkv, 1, d), kn, 1e-6)
+    c, s_ = cos[pos:pos + 1], sin[pos:pos + 1]
+    torch.testing.assert_close(got, qr * c + rotate_half(qr) * s_, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(cache_k[:, pos:pos + 1], kr * c + rotate_half(kr) * s_, rtol=1e-5, atol=1e-5)
+    assert torch.equal(cache_v[:, pos], v.view(hkv, d))
+    others = torch.arange(length, device=DEVICE) != pos
+    assert not cache_k[:, others].any() and not cache_v[:, others].any()
+
+
+@_triton_only
+@pytest.mark.parametrize("e,k,norm,skew", [(16, 4, True, False), (128, 8, False, True), (60, 6, True, True)])
+def test_fused_router_equals_route(e: int, k: int, norm: bool, skew: bool):
+    """Softmax, top-k in descending order and the renormalisation in one kernel, against model.route; an
+    expert count no power of two, with and without the skew bias."""
+    from abbench.engine.model import route
+
+    gen = torch.Generator().manual_seed(e)
+    h, router = torch.randn(1, 32, generator=gen).to(DEVICE), torch.randn(e, 32, generator=gen).to(DEVICE)
+    bias = torch.randn(e, generator=gen).to(DEVICE) if skew else None
+    w, ids = dk.route_topk(h @ router.T, k, norm, torch.float32, bias)
+    ref_w, ref_ids = route(h, router, k, norm, bias)
+    assert ids.dtype == torch.long and torch.equal(ids, ref_ids)
+    torch.testing.assert_close(w, ref_w, rtol=1e-5, atol=1e-6)
+
+
 def test_triton_experts_of_one_token_equal_the_grouped_experts():
     if not _triton_runs_here():
         pytest.skip("Triton runs on CUDA, or on CPU under TRITON_INTERPRET=1")
@@ -70,6 +134,8 @@ def test_triton_experts_of_one_token_equal_the_grouped_experts():
     ref = moe_experts(h, w, ids, gate_up, down, looped_mm)
     got = dk.moe_one_token(h, w, ids, gate_up, down, block_n=16, block_k=32)
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
+    x = torch.randn(1, H, generator=gen).to(DEVICE)
+    assert torch.equal(dk.moe_one_token(h, w, ids, gate_up, down, block_n=16, block_k=32, residual=x), x + got)
     with pytest.raises(ValueError, match="one token"):
         dk.moe_one_token(h.repeat(2, 1), w, ids, gate_up, down)
 
@@ -101,8 +167,8 @@ def test_triton_decode_is_one_path_at_every_slot_budget(kernels):
     copied) and complete (whole steps) decode bitwise alike; and within float noise of the default decode."""
     from abbench.engine import Engine, EngineConfig
 
-    knobs = dict(model="tiny", weights="random:0", device=str(DEVICE), chunk_tokens=16, max_context=256,
-                 bandwidth_probe_bytes=0)
+    knobs = dict(model="tiny", weights="random:0", device=str(DEVICE), dtype="float32", chunk_tokens=16,
+                 max_context=256, bandwidth_probe_bytes=0)  # float32 on CUDA too: "float noise" is float32's
     vocab = PRESETS["tiny"].vocab_size
     prompts = [torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 40)]
     ref = _decode(Engine(EngineConfig(**knobs, prefill_mode="resident", **kernels)), prompts)

@@ -96,8 +96,12 @@ def test_paired_metrics_against_another_arm_on_the_committed_h200_run(h200) -> N
     from abbench.analysis.frames import measured_ok
 
     got = {(s.arm, s.round): s for s in measured_ok(h200) if s.prompt_id == "fresh-32768-0"}
+    def decode_rate(s):
+        return (s.completion_tokens - 1) / (s.total_s - s.ttft_s)
+
     for metric, value in (("ttft_ratio", lambda s: s.ttft_s), ("peak_vram_ratio",
-                                                               lambda s: s.engine["peak_device_bytes"])):
+                                                               lambda s: s.engine["peak_device_bytes"]),
+                          ("decode_ratio", decode_rate)):
         want = sorted(value(got[("layer-major", r)]) / value(got[("resident", r)]) for r in (1, 2))
         cells = judge(h200, parse_check(f"{metric}[layer-major, fresh, 32768, vs resident] <= 10"))
         assert len(cells) == 1 and cells[0].n == 2 and cells[0].status == "pass"
