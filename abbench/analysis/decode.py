@@ -10,7 +10,8 @@ decode slot cache held the routed experts, and the device memory each request pe
 - ``hit_rate``: slot-cache hits / (hits + misses) over the request's routed (layer, expert) pairs (None when
   the engine reported none: resident experts, or another engine);
 - ``expected_step_s`` = h2d_per_step / measured H2D bandwidth + the *cached step*: the median step of an arm
-  that copied nothing during decode (every expert resident or cached) for the same prompt, and
+  that copied nothing during decode (every expert resident or cached) for the same prompt, with the same decode
+  kernels when the engine names them (``decode.kernels``), and
   ``over_expected`` = step_s / expected_step_s: how close an offloaded decode comes to "the copies it must
   make, plus a step with nothing to copy";
 - ``peak_device_bytes``: torch's peak allocated device memory during the request (the engine's own figure),
@@ -43,9 +44,10 @@ def decode_table(record: RunRecord) -> pd.DataFrame:
     df = df.assign(step_s=df["decode_s"] / steps, h2d_per_step=df["decode_h2d_bytes"] / steps,
                    hits_total=df["slot_hits"] + df["slot_misses"],
                    added=pd.to_numeric(df["peak_device_bytes"]) - pd.to_numeric(df["start_device_bytes"]))
-    # the cached step of each prompt: the median step of arms whose decode copied nothing
+    # the cached step of each prompt and decode kernels: the median step of arms whose decode copied nothing
+    df = df.assign(decode_kernels=df["decode_kernels"].fillna(""))
     no_copy = df[(df["decode_h2d_bytes"] == 0) & df["step_s"].notna()]
-    cached = {pid: median_of(g["step_s"]) for pid, g in no_copy.groupby("prompt_id")}
+    cached = {key: median_of(g["step_s"]) for key, g in no_copy.groupby(["prompt_id", "decode_kernels"])}
     rows = []
     for (arm, kind, tokens), g in df.groupby(["arm", "kind", "target_tokens"], sort=False, dropna=False):
         step = median_of(g["step_s"])
@@ -56,7 +58,7 @@ def decode_table(record: RunRecord) -> pd.DataFrame:
         hit_rate = float(hits / total) if pd.notna(total) and total > 0 else None
         per_step = median_of(g["h2d_per_step"])
         gbps = median_of(g["measured_h2d_gbps"])
-        cached_step = median_of([cached.get(pid) for pid in g["prompt_id"]])
+        cached_step = median_of([cached.get(key) for key in zip(g["prompt_id"], g["decode_kernels"])])
         expected = None
         if cached_step is not None and per_step is not None and gbps:
             expected = per_step / (gbps * 1e9) + cached_step

@@ -199,7 +199,7 @@ SAMPLE_COLUMNS = [
     "prefill_h2d_bytes", "decode_h2d_bytes", "d2d_bytes", "bank_bytes", "expert_copies", "measured_h2d_gbps",
     "engine_ttft_s", "engine_prefill_s", "queue_wait_s", "client_overhead_s", "after_write_s", "nvml_pcie_rx_bytes",
     "gpu_mem_used_peak", "proc_gpu_mem_peak", "host_rss_peak", "slot_hits", "slot_misses", "decode_steps_whole",
-    "decode_steps_per_layer", "decode_mode", "slots_per_layer", "peak_device_bytes", "start_device_bytes", "copy_wait_s",
+    "decode_steps_per_layer", "decode_mode", "decode_kernels", "slots_per_layer", "peak_device_bytes", "start_device_bytes", "copy_wait_s",
     "chunk_tokens", "alloc_retries", "host_cpu_busy", "host_cpu_steal", "service_cpu_s",
 ]
 
@@ -252,7 +252,7 @@ def sample_frame(record: RunRecord, samples: list[Sample]) -> pd.DataFrame:
                 "service_cpu_s": s.telemetry.service_cpu_s,
                 "slot_hits": num(d.slot_hits), "slot_misses": num(d.slot_misses),
                 "decode_steps_whole": num(d.steps_whole), "decode_steps_per_layer": num(d.steps_per_layer),
-                "decode_mode": d.mode, "slots_per_layer": num(d.slots_per_layer),
+                "decode_mode": d.mode, "decode_kernels": d.kernels, "slots_per_layer": num(d.slots_per_layer),
                 "peak_device_bytes": num(e.peak_device_bytes), "start_device_bytes": num(e.start_device_bytes),
                 "copy_wait_s": num(e.copy_wait_s),
                 "chunk_tokens": num(e.chunk_tokens), "alloc_retries": num(e.alloc_retries),

@@ -49,8 +49,8 @@ __all__ = [
 ]
 
 PREFILL_PATHS = ("chunked", "layer-major", "demand", "resident")  # what a prefill runs
-DECODE_EXPERTS = ("grouped", "triton")  # decode's routed experts (EngineConfig.decode_experts)
-DECODE_ATTENTION = ("torch", "triton")  # decode's attention (EngineConfig.decode_attention)
+DECODE_EXPERTS = ("auto", "grouped", "triton")  # decode's routed experts (EngineConfig.decode_experts)
+DECODE_ATTENTION = ("auto", "torch", "triton")  # decode's attention (EngineConfig.decode_attention)
 PREFILL_MODES = PREFILL_PATHS + ("auto",)  # what a request may ask for: auto picks a path (abbench.engine.policy)
 DTYPES = ("float32", "bfloat16", "float16")
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -192,12 +192,14 @@ class EngineConfig:
     # steps per bucket, then a reset), so no request pays a bucket's first eager step and capture
     warm_decode_graphs: bool = True
     d2d_from_slot_cache: bool = False  # prefill takes experts already in the slot cache device-to-device
-    # decode's routed experts: "grouped" (torch._grouped_mm, as prefill) or "triton" (a GEMV over the k routed
-    # experts, abbench.engine.decode_kernels; Qwen3-MoE and the hybrid, needs Triton)
-    decode_experts: str = "grouped"
+    # decode's routed experts: "grouped" (torch._grouped_mm, as prefill) or "triton" (the router's softmax/top-k
+    # and a GEMV over the k routed experts, abbench.engine.decode_kernels; Qwen3-MoE and the hybrid, needs
+    # Triton); "auto": triton on CUDA where it applies and Triton is installed, else grouped
+    decode_experts: str = "auto"
     # decode's attention: "torch" (batched matmuls over the bucket, decode_gqa) or "triton" (split-KV flash
-    # decoding up to the position, abbench.engine.decode_kernels; Qwen3-MoE and the hybrid, needs Triton)
-    decode_attention: str = "torch"
+    # decoding up to the position; for Qwen3-MoE also fused norms, rope and cache write; Qwen3-MoE and the
+    # hybrid, needs Triton); "auto": triton on CUDA where it applies and Triton is installed, else torch
+    decode_attention: str = "auto"
     # CUDA, hybrid (Qwen3.5/3.6) models: replay the fixed-shape prefill layer steps of full chunks as CUDA
     # graphs (abbench.engine.steps); every mode makes the same calls either way
     prefill_graphs: bool = True

@@ -77,9 +77,11 @@ class Decoder:
     def __init__(self, model: Model, store: ExpertStore, kv: KVCache, graphs: bool, experts: str = "grouped",
                  attention: str = "torch"):
         self.model, self.store, self.kv = model, store, kv
+        experts, attention = self._auto(experts, "grouped"), self._auto(attention, "torch")
         self.moe = self._moe_function(experts)
         model.decode_attention_kernel = self._attention_kernel(attention)
         model.decode_router_kernel = "triton" if experts == "triton" else "torch"
+        self.kernels = f"experts={experts}, attention={attention}"  # what ran, for the request stats
         cfg, dev = model.cfg, model.device
         self.n_layers, self.k = cfg.num_hidden_layers, cfg.num_experts_per_tok
         self.token = torch.zeros(1, dtype=torch.long, device=dev)  # [1]
@@ -100,6 +102,14 @@ class Decoder:
         self.host_ids = torch.zeros(self.n_layers, 1, self.k, dtype=torch.long,
                                     pin_memory=dev.type == "cuda")  # [L, 1, k] slot ids on their way up
         self.steps = {"whole": 0, "per_layer": 0}
+
+    def _auto(self, choice: str, fallback: str) -> str:
+        """"auto": "triton" on CUDA for a model whose decode the Triton kernels serve, with Triton installed;
+        otherwise ``fallback``. Any other choice as given."""
+        if choice != "auto":
+            return choice
+        usable = self.model.device.type == "cuda" and self.model.triton_decode and decode_kernels.have_triton()
+        return "triton" if usable else fallback
 
     def _moe_function(self, experts: str) -> Callable[..., torch.Tensor]:
         """The MoE half of a decode step: ``Model.moe_block`` or, for "triton", the same residual around

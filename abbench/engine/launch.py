@@ -107,13 +107,15 @@ def _engine_options(e: argparse._ArgumentGroup) -> None:
                    help="CUDA, hybrid models: run every prefill layer step eagerly instead of replaying CUDA graphs "
                    "of full chunks' fixed-shape steps")
     e.add_argument("--decode-experts", choices=DECODE_EXPERTS, default=None,
-                   help="decode's routed experts: grouped (torch._grouped_mm over every expert, as prefill; the "
-                   "default) or triton (a GEMV over the k routed experts only: 2.7x faster for one token on an "
-                   "H200; Qwen3-MoE and Qwen3.5/3.6, needs Triton)")
+                   help="decode's routed experts: grouped (torch._grouped_mm over every expert, as prefill) or "
+                   "triton (the router's softmax/top-k in one kernel and a GEMV over the k routed experts only; "
+                   "Qwen3-MoE and Qwen3.5/3.6, needs Triton); default auto: triton on CUDA where it applies, "
+                   "else grouped")
     e.add_argument("--decode-attention", choices=DECODE_ATTENTION, default=None,
-                   help="decode's attention: torch (batched matmuls over the power-of-two bucket; the default) or "
-                   "triton (split-KV flash decoding that reads only the filled positions; Qwen3-MoE and "
-                   "Qwen3.5/3.6, needs Triton)")
+                   help="decode's attention: torch (batched matmuls over the power-of-two bucket) or triton "
+                   "(split-KV flash decoding that reads only the filled positions, and for Qwen3-MoE the norms, "
+                   "rope and cache write fused; Qwen3-MoE and Qwen3.5/3.6, needs Triton); default auto: triton "
+                   "on CUDA where it applies, else torch")
     e.add_argument("--router-skew", type=float, default=None, metavar="ALPHA",
                    help="random weights: concentrate the routing as trained routers do, a per-layer Zipf-like "
                    "preference of exponent ALPHA over the experts (default 0: the random router's near-uniform "

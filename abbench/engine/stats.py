@@ -72,6 +72,7 @@ class AbbenchDecode(_Lenient):
     steps_whole: int | None = Field(None, description="Decode steps run whole (every layer's experts resident).")
     steps_per_layer: int | None = Field(None, description="Decode steps run layer by layer.")
     mode: str | None = Field(None, description="The decoder's mode.")
+    kernels: str | None = Field(None, description="The decode kernels that ran (experts=..., attention=...).")
     slots_per_layer: int | None = Field(None, description="Decode slot cache size per layer.")
 
 
