@@ -45,7 +45,9 @@ import torch.nn.functional as F
 
 from . import gdn
 from .config import HybridConfig
-from .model import Model, decode_attend, expert_kernel, lower_right_causal, rope_tables, rotate_half, route
+from .decode_kernels import rms_norm as fused_rms_norm
+from .model import (Model, decode_attend, decode_route, expert_kernel, lower_right_causal, rope_tables, rotate_half,
+                    route)
 
 
 @dataclass
@@ -189,7 +191,10 @@ class HybridModel:
     calls except for the cache passed in."""
 
     trace = None  # as Model.trace (abbench.engine.trace); the hybrid adds the shared expert
-    decode_attention_kernel = "torch"  # decode_attend's kernel (set by the Decoder from EngineConfig.decode_attention)
+    # decode's kernels, set by the Decoder (as Model's): "triton" for the norms around the mixer and the attention
+    # layers' attention (EngineConfig.decode_attention), and for the router's softmax and top-k (decode_experts)
+    decode_attention_kernel = "torch"
+    decode_router_kernel = "torch"
     # decode's Triton kernels apply: the MoE block is the routed experts alone, decode attends over the whole cache
     triton_decode = True
     _trace_layer = -1
@@ -295,11 +300,19 @@ class HybridModel:
         return out
 
     # -- the layer halves ---------------------------------------------------------------------------------
-    def _post_mixer(self, layer: int, x: torch.Tensor):
-        """x after the mixer residual [T, H] -> (x + shared expert [T, H], h [T, H], top_w [T, k], top_ids [T, k])."""
+    def _post_mixer(self, layer: int, x: torch.Tensor, mixed: torch.Tensor | None = None, decode: bool = False):
+        """x after the mixer residual [T, H] (or before it, with the mixer's output ``mixed`` [T, H] to add) ->
+        (x + shared expert [T, H], h [T, H], top_w [T, k], top_ids [T, k]). ``decode``: one decode token, through
+        the decode kernels the Decoder chose (the residual add and the norm in one kernel, the router's top-k in
+        another, for "triton")."""
         cfg, lw = self.cfg, self.w.layers[layer]
-        h = zc_rms_norm(x, lw.post_norm, cfg.rms_norm_eps)  # [T, H]
-        top_w, top_ids = route(h, lw.router, cfg.num_experts_per_tok, True, self.bias_of(layer))  # [T, k] x2
+        if decode and mixed is not None and self.decode_attention_kernel == "triton":
+            x, h = fused_rms_norm(mixed, lw.post_norm, cfg.rms_norm_eps, residual=x, plus_one=True)  # [T, H] x2
+        else:
+            x = x if mixed is None else x + mixed  # [T, H]
+            h = zc_rms_norm(x, lw.post_norm, cfg.rms_norm_eps)  # [T, H]
+        top_w, top_ids = decode_route(self.decode_router_kernel if decode else "torch", h, lw.router,
+                                      cfg.num_experts_per_tok, True, self.bias_of(layer))  # [T, k] x2
         gu = F.linear(h, lw.shared_gate_up)  # [T, 2Is]
         i_s = gu.shape[-1] // 2
         shared = F.linear(F.silu(gu[:, :i_s]) * gu[:, i_s:], lw.shared_down)  # [T, H]
@@ -355,7 +368,10 @@ class HybridModel:
         recurrent step, updating their states in place. Same results as ``attn_block(layer, x, cache, pos)``
         up to SDPA's handling of the masked tail."""
         cfg, lw = self.cfg, self.w.layers[layer]
-        hn = zc_rms_norm(x, lw.input_norm, cfg.rms_norm_eps)  # [1, H]
+        if self.decode_attention_kernel == "triton":
+            hn = fused_rms_norm(x, lw.input_norm, cfg.rms_norm_eps, plus_one=True)  # [1, H]
+        else:
+            hn = zc_rms_norm(x, lw.input_norm, cfg.rms_norm_eps)  # [1, H]
         i = cache.slot[layer]
         if cfg.layer_types[layer] == "full_attention":
             aw = lw.mixer
@@ -365,13 +381,12 @@ class HybridModel:
             cache.v[i].index_copy_(1, pos_t, v)
             out = decode_attend(self.decode_attention_kernel, q, cache.k[i][:, :kv_len], cache.v[i][:, :kv_len],
                                 pos_t, self.scale)[None]  # [1, Hq, 1, D]
-            x = x + self._attn_out(aw, out, gate)  # [1, H]
+            mixed = self._attn_out(aw, out, gate)  # [1, H]
         else:
-            out, conv, rec = self.linear_mixer(layer, hn, cache.conv[i], cache.rec[i])  # [1, H]
+            mixed, conv, rec = self.linear_mixer(layer, hn, cache.conv[i], cache.rec[i])  # [1, H]
             cache.conv[i].copy_(conv)
             cache.rec[i].copy_(rec)
-            x = x + out  # [1, H]
-        return self._post_mixer(layer, x)
+        return self._post_mixer(layer, x, mixed, decode=True)
 
     # Second half of a layer: x (already + the shared expert) + routed experts(h), as the Qwen3-MoE model's
     moe_block = Model.moe_block

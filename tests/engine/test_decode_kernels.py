@@ -161,21 +161,25 @@ def _decode(engine, prompts: list[list[int]], n: int = 4) -> list[list[tuple]]:
 
 
 @pytest.mark.skipif(not _triton_runs_here(), reason="Triton runs on CUDA, or on CPU under TRITON_INTERPRET=1")
-@pytest.mark.parametrize("kernels", [dict(decode_experts="triton"), dict(decode_attention="triton")])
-def test_triton_decode_is_one_path_at_every_slot_budget(kernels):
-    """The Triton experts or attention: resident experts, slot caches too small (per-layer steps, misses
-    copied) and complete (whole steps) decode bitwise alike; and within float noise of the default decode."""
+@pytest.mark.parametrize("model,kernels", [("tiny", dict(decode_experts="triton")),
+                                          ("tiny", dict(decode_attention="triton")),
+                                          ("qwen3.5-tiny", dict(decode_experts="triton", decode_attention="triton"))])
+def test_triton_decode_is_one_path_at_every_slot_budget(model, kernels):
+    """The Triton experts (and router) or attention (and norms), for Qwen3-MoE and the hybrid: resident
+    experts, slot caches too small (per-layer steps, misses copied) and complete (whole steps) decode bitwise
+    alike; and within float noise of the default decode."""
     from abbench.engine import Engine, EngineConfig
 
-    knobs = dict(model="tiny", weights="random:0", device=str(DEVICE), dtype="float32", chunk_tokens=16,
+    knobs = dict(model=model, weights="random:0", device=str(DEVICE), dtype="float32", chunk_tokens=16,
                  max_context=256, bandwidth_probe_bytes=0)  # float32 on CUDA too: "float noise" is float32's
-    vocab = PRESETS["tiny"].vocab_size
+    vocab = PRESETS[model].vocab_size
     prompts = [torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 40)]
     ref = _decode(Engine(EngineConfig(**knobs, prefill_mode="resident", **kernels)), prompts)
     for slots in (4, 16):  # top-4 of 16 experts: misses every step (per-layer steps), none (whole steps)
         engine = Engine(EngineConfig(**knobs, prefill_mode="chunked", expert_slots_per_layer=slots, **kernels))
         assert _decode(engine, prompts) == ref
-    grouped = _decode(Engine(EngineConfig(**knobs, prefill_mode="resident")), prompts)
+    grouped = _decode(Engine(EngineConfig(**knobs, prefill_mode="resident", decode_experts="grouped",
+                                          decode_attention="torch")), prompts)
     for a, b in zip(ref, grouped):
         assert a[0] == b[0]  # the first token comes from prefill, which is the same code
         for (_, la), (_, lb) in zip(a, b):
@@ -209,3 +213,18 @@ def test_gpucheck_runs_on_cpu_with_the_kernels_it_is_given(capsys):
                           "--decode-tokens", "3", *kernels]) == 0
     out = capsys.readouterr().out
     assert "gpucheck: PASS" in out and "'resident_graphs_vs_eager': True" in out
+
+
+def test_auto_picks_the_triton_kernels_on_cuda_where_they_apply_and_the_default_ones_elsewhere():
+    """The default decode kernels ("auto"): Triton's on CUDA for Qwen3-MoE when Triton is installed; the torch
+    ones on CPU (even under TRITON_INTERPRET=1) and for Qwen4-Exp, whose decode is its own. The resolved
+    names are what the request stats report (decode.kernels)."""
+    from abbench.engine import Engine, EngineConfig
+
+    knobs = dict(weights="random:0", device=str(DEVICE), chunk_tokens=64, max_context=128, bandwidth_probe_bytes=0)
+    fast = DEVICE.type == "cuda" and dk.have_triton()
+    assert Engine(EngineConfig(model="tiny", **knobs)).decoder.kernels == (
+        "experts=triton, attention=triton" if fast else "experts=grouped, attention=torch")
+    assert Engine(EngineConfig(model="qwen4-exp-tiny", **knobs)).decoder.kernels == "experts=grouped, attention=torch"
+    assert Engine(EngineConfig(model="tiny", decode_experts="grouped", decode_attention="torch",
+                               **knobs)).decoder.kernels == "experts=grouped, attention=torch"

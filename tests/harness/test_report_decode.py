@@ -250,3 +250,28 @@ def test_the_gap_is_taken_to_the_resident_arm_at_the_same_chunk_length() -> None
                                                                           pytest.approx(0.75))
     assert (rows["C"].resident_arm, rows["C"].gap_s, rows["C"].rest_share) == ("R8k", pytest.approx(1.0),
                                                                               pytest.approx(0.75))
+
+
+def test_expected_step_takes_its_cached_step_from_the_same_decode_kernels() -> None:
+    """An offloaded arm's floor is the step of an arm that copied nothing with the same decode kernels: on the
+    committed decode-kernels run with each sample's ``decode.kernels`` filled in as its service ran them, the
+    Triton offloaded arm's cached step is the Triton resident arm's, not the median over both resident arms
+    (which is what a record without ``decode.kernels`` gives)."""
+    from abbench import analysis as an
+    from abbench.results import load_run
+
+    record, _ = load_run(REPO / "results" / "20261201n-h200-decode-kernels")
+    before = an.decode_table(record).set_index(["arm", "target_tokens"])
+    for s in record.samples:
+        triton = s.arm.endswith("-triton")
+        s.engine["decode"]["kernels"] = "experts=triton, attention=triton" if triton else \
+            "experts=grouped, attention=torch"
+    after = an.decode_table(record).set_index(["arm", "target_tokens"])
+    for tokens in (4096, 32768):
+        assert after.loc[("offloaded-triton", tokens), "cached_step_s"] == \
+            after.loc[("resident-triton", tokens), "step_s"]
+        assert after.loc[("offloaded", tokens), "cached_step_s"] == after.loc[("resident", tokens), "step_s"]
+        assert after.loc[("resident-triton", tokens), "over_expected"] == pytest.approx(1.0)
+        mixed = before.loc[("offloaded-triton", tokens), "cached_step_s"]
+        assert before.loc[("resident-triton", tokens), "step_s"] < mixed < before.loc[("resident", tokens), "step_s"]
+        assert after.loc[("offloaded-triton", tokens), "over_expected"] > 1.2  # the floor it really misses
