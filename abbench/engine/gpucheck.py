@@ -137,10 +137,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile-decode", action="store_true",
                     help="CUDA: also list the kernels of a resident decode step (graphs) and of the offloaded "
                          "one with the fewest slots, by time per step")
-    ap.add_argument("--decode-experts", choices=DECODE_EXPERTS, default="grouped",
-                    help="decode's routed experts in every engine built here (EngineConfig.decode_experts)")
-    ap.add_argument("--decode-attention", choices=DECODE_ATTENTION, default="torch",
-                    help="decode's attention in every engine built here (EngineConfig.decode_attention)")
+    ap.add_argument("--decode-experts", choices=DECODE_EXPERTS, default="auto",
+                    help="decode's routed experts in every engine built here (EngineConfig.decode_experts; "
+                    "default auto, as the engine's)")
+    ap.add_argument("--decode-attention", choices=DECODE_ATTENTION, default="auto",
+                    help="decode's attention in every engine built here (EngineConfig.decode_attention; default "
+                    "auto, as the engine's)")
     args = ap.parse_args(argv)
     KERNELS.clear()
     KERNELS.update(decode_experts=args.decode_experts, decode_attention=args.decode_attention)
@@ -195,9 +197,9 @@ def main(argv: list[str] | None = None) -> int:
     report["ok"] = ok
     depth = full.num_hidden_layers
     scale = depth / args.layers
-    report["decode_kernels"] = dict(KERNELS)
+    report["decode_kernels"] = resident.decoder.kernels  # as resolved ("auto": Triton's on CUDA where they apply)
     print(f"gpucheck on {report['device']} (torch {report['torch']}), {args.layers} full-width layers, "
-          f"{args.prompt_tokens}-token context, decode kernels {KERNELS}")
+          f"{args.prompt_tokens}-token context, decode kernels {report['decode_kernels']}")
     print(f"  grouped GEMM: {report['groups']}")
     print(f"  prefill first ids/paths/banks: {prefill.get('first')}")
     print(f"  decode equal: {decode}")

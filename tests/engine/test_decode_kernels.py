@@ -170,7 +170,7 @@ def test_triton_decode_is_one_path_at_every_slot_budget(model, kernels):
     alike; and within float noise of the default decode."""
     from abbench.engine import Engine, EngineConfig
 
-    knobs = dict(model=model, weights="random:0", device=str(DEVICE), dtype="float32", chunk_tokens=16,
+    knobs = dict(model=model, weights="random:0", device=str(DEVICE), dtype="float32", chunk_tokens=64,
                  max_context=256, bandwidth_probe_bytes=0)  # float32 on CUDA too: "float noise" is float32's
     vocab = PRESETS[model].vocab_size
     prompts = [torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 40)]
