@@ -77,7 +77,8 @@ class Decoder:
     def __init__(self, model: Model, store: ExpertStore, kv: KVCache, graphs: bool, experts: str = "grouped",
                  attention: str = "torch"):
         self.model, self.store, self.kv = model, store, kv
-        experts, attention = self._auto(experts, "grouped"), self._auto(attention, "torch")
+        experts = self._auto(experts, "grouped", True)
+        attention = self._auto(attention, "torch", decode_kernels.attention_applies(model.cfg.head_dim))
         self.moe = self._moe_function(experts)
         model.decode_attention_kernel = self._attention_kernel(attention)
         model.decode_router_kernel = "triton" if experts == "triton" else "torch"
@@ -103,12 +104,13 @@ class Decoder:
                                     pin_memory=dev.type == "cuda")  # [L, 1, k] slot ids on their way up
         self.steps = {"whole": 0, "per_layer": 0}
 
-    def _auto(self, choice: str, fallback: str) -> str:
-        """"auto": "triton" on CUDA for a model whose decode the Triton kernels serve, with Triton installed;
-        otherwise ``fallback``. Any other choice as given."""
+    def _auto(self, choice: str, fallback: str, shape_ok: bool) -> str:
+        """"auto": "triton" on CUDA for a model whose decode the Triton kernels serve, at a shape they take
+        (``shape_ok``), with Triton installed; otherwise ``fallback``. Any other choice as given."""
         if choice != "auto":
             return choice
-        usable = self.model.device.type == "cuda" and self.model.triton_decode and decode_kernels.have_triton()
+        usable = (self.model.device.type == "cuda" and self.model.triton_decode and shape_ok
+                  and decode_kernels.have_triton())
         return "triton" if usable else fallback
 
     def _moe_function(self, experts: str) -> Callable[..., torch.Tensor]:
@@ -142,6 +144,9 @@ class Decoder:
                                  f"Qwen3.5/3.6); {self.model.cfg.name} attends its own way")
             if not decode_kernels.have_triton():
                 raise ValueError("decode_attention 'triton' needs Triton (a CUDA build of torch ships it)")
+            if not decode_kernels.attention_applies(self.model.cfg.head_dim):
+                raise ValueError(f"decode_attention 'triton' needs a power-of-two head dimension of at least 16; "
+                                 f"{self.model.cfg.name} has {self.model.cfg.head_dim}")
         return attention
 
     @property

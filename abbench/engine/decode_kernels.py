@@ -225,6 +225,12 @@ if triton is not None:
         tl.store(ids_ptr + kk, idx, mask=km)
 
 
+def attention_applies(head_dim: int) -> bool:
+    """Whether ``attention_split_kv`` and ``qk_norm_rope_store`` take this head dimension: a power of two of
+    at least 16 (``tl.dot``'s smallest tile)."""
+    return head_dim >= 16 and head_dim & (head_dim - 1) == 0
+
+
 def _next_pow2(x: int) -> int:
     return 1 << max(0, (int(x) - 1).bit_length())
 

@@ -85,6 +85,7 @@ class ReferenceConfig:
 @dataclass
 class _Decoder:
     mode: str = "transformers"
+    kernels: str = "transformers"
 
 
 def _eos_ids(*sources: Any) -> frozenset[int]:

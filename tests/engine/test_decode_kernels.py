@@ -228,3 +228,19 @@ def test_auto_picks_the_triton_kernels_on_cuda_where_they_apply_and_the_default_
     assert Engine(EngineConfig(model="qwen4-exp-tiny", **knobs)).decoder.kernels == "experts=grouped, attention=torch"
     assert Engine(EngineConfig(model="tiny", decode_experts="grouped", decode_attention="torch",
                                **knobs)).decoder.kernels == "experts=grouped, attention=torch"
+
+
+def test_auto_keeps_the_torch_attention_for_a_head_dimension_the_kernels_do_not_take():
+    """A head dimension of 8 (the wide test shapes): auto attends with torch's kernels (on CUDA its experts
+    may still be Triton's); asking for the Triton attention is refused with the reason, before any step runs."""
+    import dataclasses
+
+    from abbench.engine import Engine, EngineConfig
+
+    narrow = dataclasses.replace(PRESETS["tiny"], head_dim=8, name="tiny-d8")
+    knobs = dict(model=narrow, weights="random:0", device=str(DEVICE), chunk_tokens=64, max_context=128,
+                 bandwidth_probe_bytes=0)
+    assert Engine(EngineConfig(**knobs)).decoder.kernels.endswith("attention=torch")
+    if dk.have_triton():
+        with pytest.raises(ValueError, match="power-of-two head dimension"):
+            Engine(EngineConfig(**knobs, decode_attention="triton"))
