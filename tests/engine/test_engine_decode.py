@@ -83,7 +83,8 @@ def test_offloaded_decode_equals_resident_decode_at_every_slot_budget(resident_i
     assert engine.slots_per_layer == slots and engine.store.slots.capacity == 3 * slots
     assert _decode_ids(engine, prompts) == want
     assert group_spy and max(group_spy) <= WIDE.num_experts <= MAX_GROUPED_MM_GROUPS
-    assert slots in group_spy  # decode's grouped calls run over one layer's slot block
+    if engine.decoder.kernels.startswith("experts=grouped"):  # on CUDA auto decodes through Triton's GEMV
+        assert slots in group_spy  # decode's grouped calls run over one layer's slot block
 
 
 def test_slot_cache_counts_hits_and_misses_and_goes_whole_step_when_complete():
