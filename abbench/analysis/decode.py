@@ -32,7 +32,7 @@ from abbench.analysis.frames import int_or_none, max_of, measured_ok_frame, medi
 from abbench.results import RunRecord
 
 DECODE_COLUMNS = ["arm", "kind", "target_tokens", "n", "step_s", "tok_s", "h2d_per_step", "hit_rate",
-                  "slots_per_layer", "decode_mode", "cached_step_s", "expected_step_s", "over_expected",
+                  "slots_per_layer", "decode_mode", "decode_kernels", "cached_step_s", "expected_step_s", "over_expected",
                   "peak_device_bytes", "added_device_bytes", "proc_gpu_mem_peak"]
 
 
@@ -63,10 +63,12 @@ def decode_table(record: RunRecord) -> pd.DataFrame:
         if cached_step is not None and per_step is not None and gbps:
             expected = per_step / (gbps * 1e9) + cached_step
         modes = sorted({m for m in g["decode_mode"] if isinstance(m, str)})
+        kernels = sorted({k for k in g["decode_kernels"] if k})
         rows.append({
             "arm": arm, "kind": kind, "target_tokens": int_or_none(tokens), "n": len(g), "step_s": step,
             "tok_s": 1.0 / step if step > 0 else None, "h2d_per_step": per_step, "hit_rate": hit_rate,
             "slots_per_layer": median_of(g["slots_per_layer"]), "decode_mode": ", ".join(modes) or None,
+            "decode_kernels": "; ".join(kernels) or None,
             "cached_step_s": cached_step, "expected_step_s": expected,
             "over_expected": step / expected if expected else None,
             "peak_device_bytes": max_of(g["peak_device_bytes"]), "added_device_bytes": max_of(g["added"]),

@@ -101,13 +101,16 @@ def decode_section(ri: ReportInput) -> list[str]:
             "buffers and slot cache stay between requests): the memory the request itself needed."
             if has_added else "")
          + (" Expected = decode H2D per step / measured H2D bandwidth + the cached step (the median step, for "
-            "the same prompt, of an arm whose decode copied nothing)." if has_model else "")), "",
+            "the same prompt, of an arm whose decode copied nothing, with the same decode kernels where the engine names "
+            "them)." if has_model else "")), "",
         table(a.decode, [*CELL_COLS, Col("tok_s", "Decode tok/s", lambda v: fmt_num(v, 1)),
                          Col("step_s", "Step", fmt_s),
                          Col("h2d_per_step", "Decode H2D/step", fmt_gb),
                          Col("hit_rate", "Slot hit rate", lambda v: fmt_pct(v, 1)),
                          Col("slots_per_layer", "Slots/layer", fmt_int, descriptive=True),
                          Col("decode_mode", "Decoder", descriptive=True, right=False),
+                         *([Col("decode_kernels", "Kernels", descriptive=True, right=False)]
+                           if a.decode["decode_kernels"].notna().any() else []),  # engines that name them
                          Col("expected_step_s", "Expected step", fmt_s),
                          Col("over_expected", "Step/expected", fmt_ratio),
                          Col("peak_device_bytes", "Peak device (engine)", fmt_gib)]
