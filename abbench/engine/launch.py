@@ -276,6 +276,7 @@ def _build_engine(args: argparse.Namespace) -> tuple[Any, str]:
              engine.bank_bytes, engine.measured_h2d_gbps)
     if engine.memory_plan is not None:
         log.info("device memory plan: %s", engine.memory_plan.describe())
+    log.info("decode: %s, kernels %s", engine.decoder.mode, engine.decoder.kernels)
     if engine.decode_warmup is not None:
         log.info("decode graphs captured for KV lengths %s in %.2fs",
                  ", ".join(map(str, engine.decode_warmup["kv_buckets"])), engine.decode_warmup["seconds"])
