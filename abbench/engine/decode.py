@@ -19,16 +19,18 @@ Contract:
   * on CUDA, when ``graphs`` is true, each of these pieces is captured once per ``kv_len`` as a CUDA graph
     and replayed (the whole step as one graph; per layer one graph for the attention half and one for the
     MoE half), which removes the per-kernel launch cost that dominates eager decode (~80 kernels a layer).
-- ``experts="triton"`` (``EngineConfig.decode_experts``): a step's routed experts run through
-  ``decode_kernels.moe_one_token`` (a Triton GEMV over the k routed experts, 2.7x faster than the grouped
-  GEMM for one token on the H200: results/20261201m-h200-decode-kernels) instead of ``Model.moe_block``'s grouped
-  GEMM; every way of running a step uses it, so they stay bitwise equal among themselves (not to the grouped
-  GEMM's decode: another summation order). Models whose MoE block is ``Model.moe_block`` (Qwen3-MoE, the
-  Qwen3.5/3.6 hybrid); Triton on CUDA (on CPU only under ``TRITON_INTERPRET=1``).
-- ``attention="triton"`` (``EngineConfig.decode_attention``): attention layers attend through
-  ``decode_kernels.attention_split_kv`` (split-KV flash decoding, the position read on the device: a bucket's
-  graph does the work of the filled positions only) instead of ``decode_gqa``; as above, bitwise one path among
-  the ways of running a step. Qwen3-MoE and the hybrid's attention layers; Triton.
+- Decode kernels (``EngineConfig.decode_experts`` / ``decode_attention``; default "auto": "triton" on CUDA for
+  a model whose decode they serve (``Model.triton_decode``: Qwen3-MoE and the Qwen3.5/3.6 hybrid) at a head
+  dimension they take, with Triton installed; otherwise "grouped" / "torch"). ``self.kernels`` names what runs.
+  * ``experts="triton"``: the router's softmax/top-k as one kernel (``decode_kernels.route_topk``) and the
+    routed experts as a GEMV over the k routed experts with the residual added (``decode_kernels.moe_one_token``)
+    instead of ``Model.moe_block``'s grouped GEMM over every expert;
+  * ``attention="triton"``: split-KV flash decoding up to the device-held position
+    (``decode_kernels.attention_split_kv``) instead of ``decode_gqa``; for Qwen3-MoE also the norms, q/k norms,
+    RoPE and cache write fused (``Model.decode_attn_block``), for the hybrid its norms around the mixer.
+  Every way of running a step uses the same kernels, so they stay bitwise equal among themselves (not to the
+  torch kernels' decode: other summation orders). On the H200 a resident Qwen3-30B-A3B step went from 0.402 to
+  0.147 ms a layer (results/20261201n-h200-decode-kernels).
 - ``Sampler``: temperature 0 is argmax (lowest id on ties); otherwise softmax(logits / temperature)
   sampled with a per-request ``torch.Generator`` seeded by ``seed`` (a fresh random seed when None), so a
   seeded request is reproducible on one device. With ``logprobs`` (0..V) it also returns the chosen token's
