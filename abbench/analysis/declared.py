@@ -241,7 +241,8 @@ def _metrics_cached(record: RunRecord) -> pd.DataFrame:
 
 VALUES: dict[str, Callable[[RunRecord], pd.DataFrame]] = {
     "ttft_ratio": _ttft_ratio, "x_floor": _x_floor, "ttft_s": _column("ttft_s"),
-    "decode_tok_s": _column("decode_tok_s"), "decode_ratio": _decode_ratio, "h2d_banks": _h2d_banks, "banks_per_window": _banks_per_window,
+    "decode_tok_s": _column("decode_tok_s"), "decode_ratio": _decode_ratio, "h2d_banks": _h2d_banks,
+    "banks_per_window": _banks_per_window,
     "peak_vram_gb": _peak_vram, "peak_vram_ratio": _peak_vram_ratio,
     "ttft_p90_s": ttft_values, "ttft_p99_s": ttft_values, "tpot_s": tpot_values, "tpot_p90_s": tpot_values,
     "tpot_p99_s": tpot_values, "itl_s": itl_values, "itl_p90_s": itl_values, "itl_p99_s": itl_values,

@@ -32,8 +32,8 @@ from abbench.analysis.frames import int_or_none, max_of, measured_ok_frame, medi
 from abbench.results import RunRecord
 
 DECODE_COLUMNS = ["arm", "kind", "target_tokens", "n", "step_s", "tok_s", "h2d_per_step", "hit_rate",
-                  "slots_per_layer", "decode_mode", "decode_kernels", "cached_step_s", "expected_step_s", "over_expected",
-                  "peak_device_bytes", "added_device_bytes", "proc_gpu_mem_peak"]
+                  "slots_per_layer", "decode_mode", "decode_kernels", "cached_step_s", "expected_step_s",
+                  "over_expected", "peak_device_bytes", "added_device_bytes", "proc_gpu_mem_peak"]
 
 
 def decode_table(record: RunRecord) -> pd.DataFrame:

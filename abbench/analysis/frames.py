@@ -199,7 +199,8 @@ SAMPLE_COLUMNS = [
     "prefill_h2d_bytes", "decode_h2d_bytes", "d2d_bytes", "bank_bytes", "expert_copies", "measured_h2d_gbps",
     "engine_ttft_s", "engine_prefill_s", "queue_wait_s", "client_overhead_s", "after_write_s", "nvml_pcie_rx_bytes",
     "gpu_mem_used_peak", "proc_gpu_mem_peak", "host_rss_peak", "slot_hits", "slot_misses", "decode_steps_whole",
-    "decode_steps_per_layer", "decode_mode", "decode_kernels", "slots_per_layer", "peak_device_bytes", "start_device_bytes", "copy_wait_s",
+    "decode_steps_per_layer", "decode_mode", "decode_kernels", "slots_per_layer", "peak_device_bytes",
+    "start_device_bytes", "copy_wait_s",
     "chunk_tokens", "alloc_retries", "host_cpu_busy", "host_cpu_steal", "service_cpu_s",
 ]
 
