@@ -15,10 +15,11 @@ parity meaningless. ``ids_source`` 'retokenized' is flagged; 'none' cannot be ch
 Verdicts
 --------
 Every row also gets a ``verdict`` over the first K ids (:func:`flip_verdict`): ``equal`` (no divergence
-before K); ``near-tie flip`` (the first divergence is a flip between two near-tied tokens: on every side that
-captured top-2 logprobs there, its two best are exactly the two chosen tokens, its own first, and the gap
-between them is below the tolerance); ``broken`` (anything else: another token, a clear margin, different
-lengths, or no logprobs to show a near tie); ``unchecked``. The tolerance of a ``parity`` row is its arm's
+before K); ``near-tie flip`` (the first divergence is a flip between near-tied tokens: on every side that
+captured at least two top logprobs there, its own choice is its best and the other side's choice is among its
+top logprobs, less than the tolerance below it; with top-2 logprobs that is "each side's choice is the other's
+runner-up", with more a flip among three or more near-equal tokens is shown too); ``broken`` (anything else:
+another token, a clear margin, different lengths, or no logprobs to show a near tie); ``unchecked``. The tolerance of a ``parity`` row is its arm's
 own ``accept_near_ties``, else ``gate.accept_near_ties``; where either is set the gate accepts that row's
 near-tie flip (the reference's own ``stability`` rows must stay equal). Where neither is, the tolerance is
 :data:`NEAR_TIE_NATS` (reported, not accepted). Each row also says how closely the two sides' logprobs agree
@@ -111,29 +112,37 @@ def _top_lp(top: Any, token: int) -> float | None:
 def flip_verdict(own: int | None, other: int | None, top_own: Any, top_other: Any,
                  tolerance: float) -> tuple[str, float | None, str]:
     """Verdict on a first divergence where this side chose ``own`` and the other side ``other``, from each
-    side's top-k logprobs at that position (lists of (id, logprob), either may be None): ("near-tie flip" |
-    "broken", the largest top-2 gap of the sides that show one, why). A near-tie flip needs at least one side
-    with two entries, and on every such side the two best tokens are exactly {own, other}, its own choice
-    first, by less than ``tolerance`` nats."""
+    side's top logprobs at that position (lists of (id, logprob), either may be None): ("near-tie flip" |
+    "broken", the largest gap of the sides that show one, why). A near-tie flip needs at least one side with two
+    entries, and on every such side its own choice first and the other's choice among its entries, less than
+    ``tolerance`` nats below (the gap). A side whose list stops before the other's choice cannot show a near
+    tie: broken."""
     if own is None or other is None:
         return "broken", None, "the outputs differ in length"
     gaps: list[float] = []
+    ranks: list[int] = []
     for top, mine, theirs in ((top_own, own, other), (top_other, other, own)):
         if not top or len(top) < 2:
             continue
-        best = sorted(((int(t[0]), num(t[1])) for t in top if num(t[1]) is not None), key=lambda t: -t[1])[:2]
-        if {i for i, _ in best} != {mine, theirs}:
-            return "broken", None, f"token {theirs} is not the runner-up where {mine} was chosen"
-        gap = (_top_lp(top, mine) or 0.0) - (_top_lp(top, theirs) or 0.0)
+        ranked = sorted(((int(t[0]), num(t[1])) for t in top if num(t[1]) is not None), key=lambda t: -t[1])
+        ids = [i for i, _ in ranked]
+        if theirs not in ids:
+            return "broken", None, (f"token {theirs} is not the runner-up where {mine} was chosen" if len(ranked) <= 2
+                                    else f"token {theirs} is not among the top {len(ranked)} where {mine} was chosen")
+        if mine not in ids:
+            return "broken", None, f"token {mine} was chosen but is not among its own top {len(ranked)}"
+        gap = (_top_lp(top, mine) or 0.0) - ranked[0][1]
         if gap < 0:
-            return "broken", gap, f"token {mine} was chosen over the more likely {theirs} (not greedy)"
-        gaps.append(gap)
+            return "broken", gap, f"token {mine} was chosen over the more likely {ranked[0][0]} (not greedy)"
+        gaps.append(ranked[0][1] - (_top_lp(top, theirs) or 0.0))
+        ranks.append(ids.index(theirs) + 1)
     if not gaps:
         return "broken", None, "no top-2 logprobs at the divergence: a near tie cannot be shown"
     margin = max(gaps)
+    kind = "runner-up flip" if max(ranks) == 2 else f"near-tie flip (rank {max(ranks)} on one side)"
     if margin < tolerance:
-        return "near-tie flip", margin, f"runner-up flip, margin {margin:.4f} < {tolerance:g} nats"
-    return "broken", margin, f"runner-up flip but margin {margin:.4f} >= {tolerance:g} nats"
+        return "near-tie flip", margin, f"{kind}, margin {margin:.4f} < {tolerance:g} nats"
+    return "broken", margin, f"{kind} but margin {margin:.4f} >= {tolerance:g} nats"
 
 
 def near_tie_tolerance(record: RunRecord) -> float:

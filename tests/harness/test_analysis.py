@@ -773,7 +773,17 @@ def test_flip_verdict_rules() -> None:
     assert flip_verdict(1, 2, [(1, -0.5), (2, -0.5)], [(2, -0.5), (1, -0.5)], 0.05)[0] == "near-tie flip"  # exact tie
     assert flip_verdict(1, 2, [(2, -0.5), (1, -0.6)], None, 0.05)[0] == "broken"  # chose the less likely one
     assert flip_verdict(1, None, [(1, -0.5), (2, -0.51)], None, 0.05)[0] == "broken"  # lengths differ
-    assert flip_verdict(1, 2, [(1, -0.5), (3, -0.51), (2, -0.52)], None, 0.05)[0] == "broken"  # 2 is third
+    # three near-equal tokens: the other's choice third on this side, within the tolerance, is a near tie;
+    # beyond it, or past the end of the list this side captured, it is not
+    v, margin, why = flip_verdict(1, 2, [(1, -0.5), (3, -0.51), (2, -0.52)], [(2, -0.5), (1, -0.51)], 0.05)
+    assert v == "near-tie flip" and margin == pytest.approx(0.02) and "rank 3" in why
+    assert flip_verdict(1, 2, [(1, -0.5), (3, -0.51), (2, -0.6)], None, 0.05)[0] == "broken"  # third, 0.1 below
+    v, _, why = flip_verdict(1, 2, [(1, -0.5), (3, -0.51)], [(2, -0.5), (1, -0.51)], 0.05)
+    assert v == "broken" and "not the runner-up" in why  # top-2 only on this side: 2 is not shown there
+    v, _, why = flip_verdict(1, 2, [(1, -0.5), (3, -0.51), (4, -0.52)], None, 0.05)
+    assert v == "broken" and "not among the top 3" in why
+    assert flip_verdict(1, 2, [(3, -0.5), (1, -0.51), (2, -0.52)], None, 0.05)[0] == "broken"  # 1 not greedy
+    assert flip_verdict(1, 2, [(3, -0.5), (2, -0.51)], None, 0.05)[0] == "broken"  # 1 not in its own list
     assert flip_verdict(1, 2, [(1, -0.5), (2, -0.51)], [(2, -0.5), (1, -0.9)], 0.05)[0] == "broken"  # other side clear
     with pytest.raises(Exception, match="accept_near_ties"):
         from abbench.profile import profile_from_dict

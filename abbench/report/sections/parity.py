@@ -97,8 +97,9 @@ def parity_section(ri: ReportInput) -> list[str]:
     lines += [(f"Each measured sample's first {k} greedy ids against {against} in the same "
               "round; 'stability' rows compare the reference with its own lowest round. Margin = top-2 "
               f"logprob gap (nats) at the first divergence; below {an.NEAR_TIE_NATS} in either arm: near-tie. "
-              f"Verdict over the first {k} ids: equal; near-tie flip (each side's choice is the other's "
-              "runner-up, margin below the row's tolerance); broken (anything else). Tolerance: "
+              f"Verdict over the first {k} ids: equal; near-tie flip (on each side its own choice is its best "
+              "and the other's choice is among its top logprobs, less than the row's tolerance below: with "
+              "top-2 logprobs, each side's choice is the other's runner-up); broken (anything else). Tolerance: "
               + "; ".join(tolerances) + ". " + accepts),
               ""]
     summary = []
