@@ -121,21 +121,14 @@ def _pairs(p: pd.DataFrame) -> pd.DataFrame:
     return _rows(p, p["ratio"]) if not p.empty else pd.DataFrame(columns=VALUE_COLUMNS)
 
 
-def _ttft_ratio(record: RunRecord) -> pd.DataFrame:
-    return _pairs(paired_ratios(record))
-
-
-def _peak_vram_ratio(record: RunRecord) -> pd.DataFrame:
-    return _pairs(paired_ratios(record, value=sample_peak_bytes))
-
-
-def _decode_ratio(record: RunRecord) -> pd.DataFrame:
-    return _pairs(paired_ratios(record, value=sample_decode_tok_s))
-
-
 PAIRED_VALUE: dict[str, Callable[[Sample], float | None]] = {
     "ttft_ratio": lambda s: s.ttft_s, "peak_vram_ratio": sample_peak_bytes, "decode_ratio": sample_decode_tok_s}
 """The per-sample figure each paired metric divides."""
+
+
+def _paired(metric: str) -> Callable[[RunRecord], pd.DataFrame]:
+    """A paired metric's values against the reference arm."""
+    return lambda record: _pairs(paired_ratios(record, value=PAIRED_VALUE[metric]))
 
 
 def _values(record: RunRecord, c: DeclaredCheck) -> pd.DataFrame:
@@ -240,10 +233,10 @@ def _metrics_cached(record: RunRecord) -> pd.DataFrame:
 
 
 VALUES: dict[str, Callable[[RunRecord], pd.DataFrame]] = {
-    "ttft_ratio": _ttft_ratio, "x_floor": _x_floor, "ttft_s": _column("ttft_s"),
-    "decode_tok_s": _column("decode_tok_s"), "decode_ratio": _decode_ratio, "h2d_banks": _h2d_banks,
+    "ttft_ratio": _paired("ttft_ratio"), "x_floor": _x_floor, "ttft_s": _column("ttft_s"),
+    "decode_tok_s": _column("decode_tok_s"), "decode_ratio": _paired("decode_ratio"), "h2d_banks": _h2d_banks,
     "banks_per_window": _banks_per_window,
-    "peak_vram_gb": _peak_vram, "peak_vram_ratio": _peak_vram_ratio,
+    "peak_vram_gb": _peak_vram, "peak_vram_ratio": _paired("peak_vram_ratio"),
     "ttft_p90_s": ttft_values, "ttft_p99_s": ttft_values, "tpot_s": tpot_values, "tpot_p90_s": tpot_values,
     "tpot_p99_s": tpot_values, "itl_s": itl_values, "itl_p90_s": itl_values, "itl_p99_s": itl_values,
     "cached_tokens": _column("cached_prompt_tokens"), "metrics_cached_tokens": _metrics_cached,

@@ -125,16 +125,16 @@ def flip_verdict(own: int | None, other: int | None, top_own: Any, top_other: An
         if not top or len(top) < 2:
             continue
         ranked = sorted(((int(t[0]), num(t[1])) for t in top if num(t[1]) is not None), key=lambda t: -t[1])
-        ids = [i for i, _ in ranked]
-        if theirs not in ids:
+        ids, lp = [i for i, _ in ranked], dict(reversed(ranked))  # an id listed twice: its best
+        if theirs not in lp:
             return "broken", None, (f"token {theirs} is not the runner-up where {mine} was chosen" if len(ranked) <= 2
                                     else f"token {theirs} is not among the top {len(ranked)} where {mine} was chosen")
-        if mine not in ids:
+        if mine not in lp:
             return "broken", None, f"token {mine} was chosen but is not among its own top {len(ranked)}"
-        gap = (_top_lp(top, mine) or 0.0) - ranked[0][1]
+        gap = lp[mine] - ranked[0][1]
         if gap < 0:
             return "broken", gap, f"token {mine} was chosen over the more likely {ranked[0][0]} (not greedy)"
-        gaps.append(ranked[0][1] - (_top_lp(top, theirs) or 0.0))
+        gaps.append(ranked[0][1] - lp[theirs])
         ranks.append(ids.index(theirs) + 1)
     if not gaps:
         return "broken", None, "no top-2 logprobs at the divergence: a near tie cannot be shown"
