@@ -13,7 +13,11 @@ decode slot cache held the routed experts, and the device memory each request pe
   that copied nothing during decode (every expert resident or cached) for the same prompt, with the same decode
   kernels when the engine names them (``decode.kernels``), and
   ``over_expected`` = step_s / expected_step_s: how close an offloaded decode comes to "the copies it must
-  make, plus a step with nothing to copy";
+  make, plus a step with nothing to copy"; the step's breakdown: ``copy_s`` = h2d_per_step / bandwidth (the
+  copies at the measured bandwidth), ``cached_step_s``, and ``other_s`` = step_s - expected_step_s (what
+  neither explains: host round trips, copies slower than the probe, contention);
+- ``decode_misses``: who handled the slot cache's misses, as the engine names it (``decode.misses``: host or
+  device);
 - ``peak_device_bytes``: torch's peak allocated device memory during the request (the engine's own figure),
   and ``proc_gpu_mem_peak``: NVML's peak for the service's processes while the request ran;
   ``added_device_bytes``: the most any request added to what the engine held when it started (peak -
@@ -32,8 +36,9 @@ from abbench.analysis.frames import int_or_none, max_of, measured_ok_frame, medi
 from abbench.results import RunRecord
 
 DECODE_COLUMNS = ["arm", "kind", "target_tokens", "n", "step_s", "tok_s", "h2d_per_step", "hit_rate",
-                  "slots_per_layer", "decode_mode", "decode_kernels", "cached_step_s", "expected_step_s",
-                  "over_expected", "peak_device_bytes", "added_device_bytes", "proc_gpu_mem_peak"]
+                  "slots_per_layer", "decode_mode", "decode_kernels", "decode_misses", "cached_step_s", "copy_s",
+                  "other_s", "expected_step_s", "over_expected", "peak_device_bytes", "added_device_bytes",
+                  "proc_gpu_mem_peak"]
 
 
 def decode_table(record: RunRecord) -> pd.DataFrame:
@@ -59,17 +64,21 @@ def decode_table(record: RunRecord) -> pd.DataFrame:
         per_step = median_of(g["h2d_per_step"])
         gbps = median_of(g["measured_h2d_gbps"])
         cached_step = median_of([cached.get(key) for key in zip(g["prompt_id"], g["decode_kernels"])])
-        expected = None
-        if cached_step is not None and per_step is not None and gbps:
-            expected = per_step / (gbps * 1e9) + cached_step
+        expected = copy = None
+        if per_step is not None and gbps:
+            copy = per_step / (gbps * 1e9)
+        if cached_step is not None and copy is not None:
+            expected = copy + cached_step
         modes = sorted({m for m in g["decode_mode"] if isinstance(m, str)})
         kernels = sorted({k for k in g["decode_kernels"] if k})
+        misses = sorted({m for m in g["decode_misses"] if isinstance(m, str)})
         rows.append({
             "arm": arm, "kind": kind, "target_tokens": int_or_none(tokens), "n": len(g), "step_s": step,
             "tok_s": 1.0 / step if step > 0 else None, "h2d_per_step": per_step, "hit_rate": hit_rate,
             "slots_per_layer": median_of(g["slots_per_layer"]), "decode_mode": ", ".join(modes) or None,
-            "decode_kernels": "; ".join(kernels) or None,
-            "cached_step_s": cached_step, "expected_step_s": expected,
+            "decode_kernels": "; ".join(kernels) or None, "decode_misses": ", ".join(misses) or None,
+            "cached_step_s": cached_step, "copy_s": copy,
+            "other_s": step - expected if expected is not None else None, "expected_step_s": expected,
             "over_expected": step / expected if expected else None,
             "peak_device_bytes": max_of(g["peak_device_bytes"]), "added_device_bytes": max_of(g["added"]),
             "proc_gpu_mem_peak": max_of(g["proc_gpu_mem_peak"]),

@@ -230,6 +230,7 @@ def abbench_object(ctx: RequestContext, stats: Any, finished: float, engine: Any
         decode=AbbenchDecode(slot_hits=stats.slot_hits, slot_misses=stats.slot_misses,
                              steps_whole=stats.decode_steps_whole, steps_per_layer=stats.decode_steps_per_layer,
                              mode=engine.decoder.mode, kernels=getattr(engine.decoder, "kernels", None),
+                             misses=getattr(engine.decoder, "misses", None),
                              slots_per_layer=engine.slots_per_layer),
         peak_device_bytes=stats.peak_device_bytes, start_device_bytes=getattr(stats, "start_device_bytes", None),
         chunk_tokens=getattr(stats, "chunk_tokens", None), alloc_retries=getattr(stats, "alloc_retries", None),

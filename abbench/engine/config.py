@@ -43,14 +43,15 @@ from pathlib import Path
 from .shapes import HYBRID_MODEL_TYPES, LAYER_TYPES, QWEN4_MODEL_TYPES, HybridConfig, ModelConfig, Qwen4Config
 
 __all__ = [
-    "ATTENTION_BATCH_MAX_CONTEXT", "DTYPES", "GDN_BLOCK", "HYBRID_MODEL_TYPES", "ITEMSIZE", "LAYER_TYPES",
-    "MAX_ATTENTION_BATCH", "MAX_GROUPED_MM_GROUPS", "PREFILL_MODES", "PREFILL_PATHS", "PRESETS",
+    "ATTENTION_BATCH_MAX_CONTEXT", "DECODE_ATTENTION", "DECODE_EXPERTS", "DECODE_MISSES", "DTYPES", "GDN_BLOCK",
+    "HYBRID_MODEL_TYPES", "ITEMSIZE", "LAYER_TYPES", "MAX_ATTENTION_BATCH", "MAX_GROUPED_MM_GROUPS", "PREFILL_MODES", "PREFILL_PATHS", "PRESETS",
     "QWEN4_MODEL_TYPES", "EngineConfig", "HybridConfig", "ModelConfig", "Qwen4Config", "check_hybrid_chunk",
 ]
 
 PREFILL_PATHS = ("chunked", "layer-major", "demand", "resident")  # what a prefill runs
 DECODE_EXPERTS = ("auto", "grouped", "triton")  # decode's routed experts (EngineConfig.decode_experts)
 DECODE_ATTENTION = ("auto", "torch", "triton")  # decode's attention (EngineConfig.decode_attention)
+DECODE_MISSES = ("auto", "host", "device")  # who copies decode's slot-cache misses (EngineConfig.decode_misses)
 PREFILL_MODES = PREFILL_PATHS + ("auto",)  # what a request may ask for: auto picks a path (abbench.engine.policy)
 DTYPES = ("float32", "bfloat16", "float16")
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -200,6 +201,12 @@ class EngineConfig:
     # decoding up to the position; for Qwen3-MoE also fused norms, rope and cache write; Qwen3-MoE and the
     # hybrid, needs Triton); "auto": triton on CUDA where it applies and Triton is installed, else torch
     decode_attention: str = "auto"
+    # offloaded decode, who looks up the slot cache and copies its misses: "host" (per layer the router's choice
+    # is read back, the host copies the misses, then the experts run: one host round trip a layer) or "device"
+    # (the lookup and the miss copies are kernels of the step, the misses read from the registered host bank
+    # over PCIe: the whole step is one graph; needs decode_experts "triton"); "auto": device with Triton's
+    # experts, else host
+    decode_misses: str = "auto"
     # CUDA, hybrid (Qwen3.5/3.6) models: replay the fixed-shape prefill layer steps of full chunks as CUDA
     # graphs (abbench.engine.steps); every mode makes the same calls either way
     prefill_graphs: bool = True
@@ -236,6 +243,8 @@ class EngineConfig:
             raise ValueError(f"auto_demand_max_tokens must be >= 0, got {self.auto_demand_max_tokens}")
         if self.decode_experts not in DECODE_EXPERTS:
             raise ValueError(f"decode_experts must be one of {DECODE_EXPERTS}, got {self.decode_experts!r}")
+        if self.decode_misses not in DECODE_MISSES:
+            raise ValueError(f"decode_misses must be one of {DECODE_MISSES}, got {self.decode_misses!r}")
         if self.decode_attention not in DECODE_ATTENTION:
             raise ValueError(f"decode_attention must be one of {DECODE_ATTENTION}, got {self.decode_attention!r}")
         if int(self.auto_calibration) < 0:

@@ -46,7 +46,7 @@ from collections.abc import Callable
 import torch
 
 from . import decode_kernels
-from .config import DECODE_ATTENTION, DECODE_EXPERTS
+from .config import DECODE_ATTENTION, DECODE_EXPERTS, DECODE_MISSES
 from .experts import ExpertStore
 from .graphs import GraphCache
 from .model import KVCache, Model, attention_backends, probe_graph_capture
@@ -77,7 +77,7 @@ class Decoder:
     """Static buffers and the step functions of decode; see the module docstring."""
 
     def __init__(self, model: Model, store: ExpertStore, kv: KVCache, graphs: bool, experts: str = "grouped",
-                 attention: str = "torch"):
+                 attention: str = "torch", misses: str = "host"):
         self.model, self.store, self.kv = model, store, kv
         experts = self._auto(experts, "grouped", True)
         attention = self._auto(attention, "torch", decode_kernels.attention_applies(model.cfg.head_dim))
@@ -86,6 +86,9 @@ class Decoder:
         model.decode_router_kernel = "triton" if experts == "triton" else "torch"
         self.kernels = f"experts={experts}, attention={attention}"  # what ran, for the request stats
         cfg, dev = model.cfg, model.device
+        # who handles the slot cache's misses: None (resident experts), "host" or "device" (module docstring)
+        self.misses = None if store.slots is None else self._misses(misses, experts)
+        self.table = store.slots.attach_table(cfg.num_experts_per_tok) if self.misses == "device" else None
         self.n_layers, self.k = cfg.num_hidden_layers, cfg.num_experts_per_tok
         self.token = torch.zeros(1, dtype=torch.long, device=dev)  # [1]
         self.pos = torch.zeros(1, dtype=torch.long, device=dev)  # [1]
@@ -135,6 +138,18 @@ class Decoder:
 
         return moe
 
+    def _misses(self, misses: str, experts: str) -> str:
+        """"device" (the slot lookup and the miss copies in the step's kernels) or "host"; "auto": device where
+        decode's experts are Triton's. ValueError for an unknown name or "device" with other experts."""
+        if misses not in DECODE_MISSES:
+            raise ValueError(f"decode_misses must be one of {DECODE_MISSES}, got {misses!r}")
+        if misses == "auto":
+            return "device" if experts == "triton" else "host"
+        if misses == "device" and experts != "triton":
+            raise ValueError(f"decode_misses 'device' needs decode_experts 'triton' (its kernels read the slot ids "
+                             f"on the device); decode_experts is {experts!r}")
+        return misses
+
     def _attention_kernel(self, attention: str) -> str:
         """``model.decode_attend``'s kernel; ValueError for an unknown name, a model whose decode attention is
         its own (Qwen4-Exp's sparse indexer), or no Triton."""
@@ -156,16 +171,21 @@ class Decoder:
         return "cuda-graphs" if self.graphs is not None else "eager"
 
     def _no_misses(self) -> bool:
+        """Whether a step can run whole: nothing can miss, or misses are handled on the device."""
         slots = self.store.slots
-        return self.store.resident is not None or (slots is not None and slots.complete)
+        return self.store.resident is not None or self.table is not None or (slots is not None and slots.complete)
 
     # -- pieces (each static-shape and sync-free) ---------------------------------------------------------
     def _whole(self, kv_len: int) -> None:
-        m = self.model
+        m, table = self.model, self.table
+        if table is not None:
+            table.tick.add_(1)
         x = m.embed(self.token)  # [1, W]
         for layer in range(self.n_layers):
             x, h, top_w, top_ids = m.decode_attn_block(layer, x, self.kv, self.pos, kv_len)  # [1, H] x2, [1, k] x2
-            gate_up, down = self.store.decode_weights(layer)  # expert e is in row e (resident or identity slots)
+            gate_up, down = self.store.decode_weights(layer)  # resident or identity slots: expert e in row e
+            if table is not None:  # the slots' bookkeeping and miss copies on the device
+                top_ids = self.store.decode_fetch(layer, top_ids)  # [1, k] slot ids
             x = self.moe(x, h, top_w, top_ids, gate_up, down)  # [1, H]
         self.logits.copy_(m.logits(x))
 
@@ -218,6 +238,8 @@ class Decoder:
             if self._no_misses():
                 self.steps["whole"] += 1
                 self._run(("whole", kv_len), lambda: self._whole(kv_len))
+                if self.table is not None:
+                    self.table.ahead = True
                 return self.logits
             self.steps["per_layer"] += 1
             self._run(("embed",), self._embed)

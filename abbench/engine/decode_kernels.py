@@ -230,6 +230,76 @@ if triton is not None:
         tl.store(ids_ptr + kk, idx, mask=km)
 
 
+if triton is not None:
+    @triton.jit
+    def _assign_slots(ids_ptr, slot_of_ptr, expert_of_ptr, stamp_ptr, tick_ptr, counts_ptr, slots_ptr, src_ptr,
+                      K: tl.constexpr, KP: tl.constexpr, S: tl.constexpr, SP: tl.constexpr,
+                      IDENTITY: tl.constexpr, STEP: tl.constexpr, NEVER: tl.constexpr):
+        j = tl.arange(0, KP)
+        jm = j < K
+        ids = tl.load(ids_ptr + j, mask=jm, other=0).to(tl.int32)
+        cur = tl.load(slot_of_ptr + ids, mask=jm, other=-1)  # [KP] each routed expert's slot, -1 if absent
+        hit = jm & (cur >= 0)
+        miss = jm & (cur < 0)
+        s = tl.arange(0, SP)
+        sm = s < S
+        stamp = tl.load(stamp_ptr + s, mask=sm, other=NEVER)  # [SP] int64; padding is never the oldest
+        owner = tl.load(expert_of_ptr + s, mask=sm, other=-1)  # [SP] the expert in each slot, -1 if free
+        base = tl.load(tick_ptr) * STEP
+        # ranks by expert id, hits first: the order in which the host cache (ExpertStore.decode_experts) touches
+        lower = ids[None, :] < ids[:, None]  # [KP, KP] (j, j'): expert j' < expert j
+        n_hit = tl.sum(hit.to(tl.int32), axis=0)
+        rank_hit = tl.sum((lower & hit[None, :]).to(tl.int32), axis=1)  # [KP]
+        rank_miss = tl.sum((lower & miss[None, :]).to(tl.int32), axis=1)  # [KP]
+        at = hit[:, None] & (cur[:, None] == s[None, :])  # [KP, SP] the slots hits sit in
+        touched = tl.max(at.to(tl.int32), axis=0) > 0  # [SP]
+        stamp = tl.where(touched, tl.sum(tl.where(at, base + rank_hit[:, None], 0), axis=0), stamp)
+        given = tl.full([KP], -1, tl.int32)  # the slot each miss gets
+        evicted = tl.full([KP], -1, tl.int32)  # the expert it held before
+        for r in tl.static_range(K):  # misses in ascending expert order, each into the least recently used slot
+            sel = miss & (rank_miss == r)  # [KP] at most one
+            some = tl.sum(sel.to(tl.int32), axis=0) > 0
+            e = tl.sum(tl.where(sel, ids, 0), axis=0)
+            if IDENTITY:
+                victim = e
+            else:
+                oldest = tl.min(stamp, axis=0)
+                victim = tl.min(tl.where(stamp == oldest, s, SP), axis=0)
+            put = (s == victim) & some
+            was = tl.sum(tl.where(put, owner, 0), axis=0)
+            stamp = tl.where(put, base + n_hit + r, stamp)
+            owner = tl.where(put, e, owner)
+            given = tl.where(sel, victim, given)
+            evicted = tl.where(sel, was, evicted)
+        tl.store(stamp_ptr + s, stamp, mask=sm)
+        tl.store(expert_of_ptr + s, owner, mask=sm)
+        tl.store(slot_of_ptr + evicted, -1, mask=miss & (evicted >= 0))
+        tl.store(slot_of_ptr + ids, given, mask=miss)
+        tl.store(slots_ptr + j, tl.where(hit, cur, given).to(tl.int64), mask=jm)
+        tl.store(src_ptr + j, tl.where(miss, ids, -1), mask=jm)
+        tl.store(counts_ptr, tl.load(counts_ptr) + n_hit)
+        tl.store(counts_ptr + 1, tl.load(counts_ptr + 1) + tl.sum(miss.to(tl.int32), axis=0))
+
+    @triton.jit
+    def _fetch_misses(src_ptr, slots_ptr, host_gu, host_dn, dev_gu, dev_dn, N_GU: tl.constexpr,
+                      N_DN: tl.constexpr, PER_GU: tl.constexpr, PER_DN: tl.constexpr, BLOCK: tl.constexpr):
+        j = tl.program_id(0)
+        c = tl.program_id(1)
+        e = tl.load(src_ptr + j).to(tl.int64)
+        if e >= 0:  # a miss: copy chunk c of its rows from the host bank into its slot
+            s = tl.load(slots_ptr + j).to(tl.int64)
+            lo = c * PER_GU
+            for off in range(0, PER_GU, BLOCK):
+                i = lo + off + tl.arange(0, BLOCK)
+                m = i < N_GU
+                tl.store(dev_gu + s * N_GU + i, tl.load(host_gu + e * N_GU + i, mask=m), mask=m)
+            lo = c * PER_DN
+            for off in range(0, PER_DN, BLOCK):
+                i = lo + off + tl.arange(0, BLOCK)
+                m = i < N_DN
+                tl.store(dev_dn + s * N_DN + i, tl.load(host_dn + e * N_DN + i, mask=m), mask=m)
+
+
 def attention_applies(head_dim: int) -> bool:
     """Whether ``attention_split_kv`` and ``qk_norm_rope_store`` take this head dimension: a power of two of
     at least 16 (``tl.dot``'s smallest tile)."""
@@ -322,6 +392,69 @@ def route_topk(logits: torch.Tensor, top_k: int, norm_topk_prob: bool, dtype: to
     _route_topk[(1,)](lg, lg if bias is None else bias, w, ids, E=e, EP=_next_pow2(e), K=top_k,
                       KP=_next_pow2(top_k), HAS_BIAS=bias is not None, NORM=norm_topk_prob)
     return w, ids
+
+
+STAMP_STEP = 256  # a slot's recency stamp: tick * STAMP_STEP + its rank within the step (top_k < STAMP_STEP)
+STAMP_NEVER = 2**62  # padding slots' stamp: never the least recently used
+
+
+def assign_slots(top_ids: torch.Tensor, slot_of: torch.Tensor, expert_of: torch.Tensor, stamp: torch.Tensor,
+                 tick: torch.Tensor, counts: torch.Tensor, slots: torch.Tensor, src: torch.Tensor,
+                 identity: bool) -> None:
+    """One layer's decode slot-cache lookup on the device, one program (module docstring of
+    ``experts.DeviceSlotTable``): top_ids [1, k] routed expert ids; the layer's table slot_of [E] int32 (slot
+    or -1), expert_of [S] int32 (expert or -1), stamp [S] int64 (recency), updated in place; tick [1] int64 the
+    step; counts [2] int64 (hits, misses) added to. Writes slots [k] int64 (each routed expert's slot) and src
+    [k] int32 (the expert to copy into that slot, -1 for a hit). Hits are touched first, then each miss takes
+    the least recently used slot (a free one first, lowest slot first), misses in ascending expert order: the
+    host cache's order (``ExpertStore.decode_experts``). ``identity``: expert e lives in slot e."""
+    if triton is None:
+        raise RuntimeError("assign_slots needs Triton")
+    k, s = top_ids.shape[-1], stamp.shape[0]
+    if k >= STAMP_STEP or k > s:
+        raise ValueError(f"assign_slots: top_k {k} must be < {STAMP_STEP} and <= the {s} slots")
+    _assign_slots[(1,)](top_ids.reshape(-1), slot_of, expert_of, stamp, tick, counts, slots, src, K=k,
+                        KP=_next_pow2(k), S=s, SP=_next_pow2(s), IDENTITY=identity, STEP=STAMP_STEP,
+                        NEVER=STAMP_NEVER)
+
+
+class _Mapped:
+    """A page-locked host tensor as a kernel argument: Triton's launcher takes any object with ``data_ptr()``
+    and ``dtype`` and asks the driver for the pointer's device address, which for memory registered with
+    ``cudaHostRegister`` is the host memory itself, read over PCIe (unified addressing)."""
+
+    def __init__(self, t: torch.Tensor):
+        self.t, self.dtype = t, t.dtype
+
+    def data_ptr(self) -> int:
+        return self.t.data_ptr()
+
+
+def _as_bits(t: torch.Tensor) -> torch.Tensor:
+    """The same memory as integers of the element size: a copy that moves bits, never converts them."""
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def fetch_misses(src: torch.Tensor, slots: torch.Tensor, host_gate_up: torch.Tensor, host_down: torch.Tensor,
+                 gate_up: torch.Tensor, down: torch.Tensor, chunks: int = 32, block: int = 4096) -> None:
+    """Copy the missed experts (``src`` [k] int32, -1 for a hit) of one layer from the host bank (host_gate_up
+    [E, 2I, H], host_down [E, H, I], page-locked and registered when the slots are on CUDA) into their slots
+    (``slots`` [k]) of gate_up [S, 2I, H] / down [S, H, I]: one kernel of k x ``chunks`` programs whose loads
+    read host memory directly over PCIe (zero-copy), so the host never learns which experts missed. Bitwise
+    copies. A hit's programs return at once."""
+    if triton is None:
+        raise RuntimeError("fetch_misses needs Triton")
+    if not all(t.is_contiguous() for t in (host_gate_up, host_down, gate_up, down)):
+        raise ValueError("fetch_misses: contiguous expert blocks")
+    n_gu, n_dn = host_gate_up[0].numel(), host_down[0].numel()
+    chunks = max(1, min(chunks, triton.cdiv(n_gu, block)))  # no programs with nothing to copy
+    per_gu = triton.cdiv(triton.cdiv(n_gu, chunks), block) * block
+    per_dn = triton.cdiv(triton.cdiv(n_dn, chunks), block) * block
+    hg, hd = _as_bits(host_gate_up), _as_bits(host_down)
+    if gate_up.is_cuda and not host_gate_up.is_cuda:
+        hg, hd = _Mapped(hg), _Mapped(hd)
+    _fetch_misses[(src.shape[0], chunks)](src, slots, hg, hd, _as_bits(gate_up), _as_bits(down), N_GU=n_gu,
+                                          N_DN=n_dn, PER_GU=per_gu, PER_DN=per_dn, BLOCK=block)
 
 
 def moe_one_token(h: torch.Tensor, top_w: torch.Tensor, top_ids: torch.Tensor, gate_up: torch.Tensor,

@@ -21,6 +21,11 @@ Contract:
     slot indices; ``decode_weights(layer)`` is what decode's grouped GEMM reads (that layer's block, or the
     resident experts), so no grouped call ever sees more than num_experts groups. Hits and misses are
     counted per request and for the engine's lifetime (``SlotStats``).
+  * or the slot cache's bookkeeping on the device (``DeviceSlotTable``, ``SlotCache.attach_table``): decode's
+    Triton path looks up and fills the slots itself (``decode_kernels.assign_slots`` / ``fetch_misses``, the
+    misses read from the registered host bank over PCIe by the kernel), so a step never waits for the host.
+    The host's view (``lru``, ``free``, ``loaded``) is pulled from the table when the host next needs it, and
+    the table's hit/miss counts are folded into the accounting by ``collect_decode_counts``.
   * resident mode: every layer's experts on the device from the start (on CPU the bank itself).
   * optional ``d2d_from_slot_cache``: experts already in the slot cache reach a layer buffer by a
     device-to-device copy instead of from the host.
@@ -39,6 +44,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import decode_kernels
 from .config import ModelConfig
 
 _PAGE = 4096
@@ -160,15 +166,103 @@ class SlotCache:
         self.lru: list[OrderedDict[int, int]] = [OrderedDict() for _ in range(self.n_layers)]  # expert -> slot
         self.free = [list(range(self.slots_per_layer - 1, -1, -1)) for _ in range(self.n_layers)]
         self.loaded = 0  # (layer, expert) pairs present
+        self.changed()
+
+    # -- the device-side table ------------------------------------------------------------------------
+    table: DeviceSlotTable | None = None
+
+    def attach_table(self, top_k: int) -> DeviceSlotTable:
+        """Keep the bookkeeping on the device from now on (decode's Triton path); idempotent."""
+        if self.table is None:
+            self.table = DeviceSlotTable(self.n_layers, self.num_experts, self.slots_per_layer, top_k,
+                                         self.gate_up[0].device)
+            self.table.push(self.lru, self.free)
+        return self.table
+
+    def changed(self) -> None:
+        """The host changed the bookkeeping (flush, a host-side lookup): the device table follows."""
+        if self.table is not None:
+            self.table.push(self.lru, self.free)
+
+    def sync_host(self) -> None:
+        """Bring the host's view up to date after device-side steps (one device read)."""
+        if self.table is not None and self.table.ahead:
+            self.lru, self.free = self.table.pull()
+            self.loaded = sum(len(d) for d in self.lru)
 
     @property
     def complete(self) -> bool:
         """Every expert of every layer is in its slot (only possible when S == num_experts)."""
+        self.sync_host()
         return self.identity and self.loaded == self.n_layers * self.num_experts
 
     def layer_slots(self, layer: int) -> dict[int, int]:
         """{expert: slot} of this layer's experts in the cache."""
+        self.sync_host()
         return dict(self.lru[layer])
+
+
+class DeviceSlotTable:
+    """A slot cache's bookkeeping as device tensors, read and written by decode's kernels inside the step's
+    graph (``decode_kernels.assign_slots``): per layer ``slot_of`` [E] int32 (an expert's slot, -1 if absent),
+    ``expert_of`` [S] int32 (a slot's expert, -1 if free) and ``stamp`` [S] int64 (recency: tick * STAMP_STEP +
+    rank within the step; a free slot s holds s - S so free slots go first, lowest first); ``tick`` [1] the
+    step (the graph adds 1); ``counts`` [2] hits and misses since the last ``take_counts``; ``slots`` [L, k]
+    and ``src`` [L, k] each layer's lookup result for the experts kernel and the fetch. The same policy as the
+    host's ``OrderedDict`` LRU, so either side can take over from the other (``push`` / ``pull``)."""
+
+    def __init__(self, n_layers: int, num_experts: int, slots_per_layer: int, top_k: int, device: torch.device):
+        L, E, S = n_layers, num_experts, slots_per_layer
+        self.identity = S == E
+        self.slot_of = torch.full((L, E), -1, dtype=torch.int32, device=device)
+        self.expert_of = torch.full((L, S), -1, dtype=torch.int32, device=device)
+        self.stamp = torch.zeros((L, S), dtype=torch.int64, device=device)
+        self.tick = torch.zeros(1, dtype=torch.int64, device=device)
+        self.counts = torch.zeros(2, dtype=torch.int64, device=device)
+        self.slots = torch.zeros((L, top_k), dtype=torch.long, device=device)
+        self.src = torch.full((L, top_k), -1, dtype=torch.int32, device=device)
+        self.ahead = False  # device steps ran since the host's view was last pulled
+
+    def push(self, lru: list[OrderedDict[int, int]], free: list[list[int]]) -> None:
+        """Write the host's view: each layer's experts in recency order (oldest first), its free slots."""
+        L, S = self.expert_of.shape
+        E = self.slot_of.shape[1]
+        slot_of = torch.full((L, E), -1, dtype=torch.int32)
+        expert_of = torch.full((L, S), -1, dtype=torch.int32)
+        stamp = torch.arange(S, dtype=torch.int64).repeat(L, 1) - S  # free slots: s - S
+        for layer, order in enumerate(lru):
+            for rank, (e, slot) in enumerate(order.items()):
+                slot_of[layer, e], expert_of[layer, slot], stamp[layer, slot] = slot, e, rank
+        assert self.identity or all(set(free[layer]) == set(range(S)) - set(lru[layer].values())
+                                    for layer in range(L))  # (with a slot per expert, slot e is expert e's)
+        self.slot_of.copy_(slot_of)
+        self.expert_of.copy_(expert_of)
+        self.stamp.copy_(stamp)
+        self.tick.fill_(S // decode_kernels.STAMP_STEP + 1)  # later steps' stamps above every rank pushed
+        self.ahead = False
+
+    def pull(self) -> tuple[list[OrderedDict[int, int]], list[list[int]]]:
+        """The host's view of the table (one device read): per layer {expert: slot} oldest first, free slots
+        in the order the host pops them."""
+        expert_of, stamp = self.expert_of.cpu(), self.stamp.cpu()
+        lru, free = [], []
+        for owners, stamps in zip(expert_of.tolist(), stamp.tolist()):
+            used = sorted((st, slot, e) for slot, (e, st) in enumerate(zip(owners, stamps)) if e >= 0)
+            lru.append(OrderedDict((e, slot) for _, slot, e in used))
+            free.append(sorted((slot for slot, e in enumerate(owners) if e < 0), reverse=True))
+        self.ahead = False
+        return lru, free
+
+    def take_counts(self) -> tuple[int, int]:
+        """(hits, misses) since the last call (one device read), and zero them."""
+        hits, misses = self.counts.tolist()
+        self.counts.zero_()
+        return int(hits), int(misses)
+
+    def lookup(self, layer: int, top_ids: torch.Tensor) -> None:
+        """``decode_kernels.assign_slots`` for ``layer``: the result in ``slots[layer]`` / ``src[layer]``."""
+        decode_kernels.assign_slots(top_ids, self.slot_of[layer], self.expert_of[layer], self.stamp[layer],
+                                    self.tick, self.counts, self.slots[layer], self.src[layer], self.identity)
 
 
 @dataclass
@@ -321,6 +415,7 @@ class ExpertStore:
         Hits are touched first so a miss never evicts an expert this step needs."""
         cache, bank = self.slots, self.bank
         assert cache is not None, "decode_experts needs a slot cache (not in resident mode)"
+        cache.sync_host()
         needed = sorted(set(ids))
         if len(needed) > cache.slots_per_layer:
             raise RuntimeError(f"{len(needed)} experts needed at once > {cache.slots_per_layer} slots per layer")
@@ -348,10 +443,36 @@ class ExpertStore:
             lru[e] = s
             cache.loaded += 1
             slot_of[e] = s
+        self._count_lookups(hits, len(needed) - hits)
+        cache.changed()
+        return [slot_of[e] for e in ids]
+
+    def _count_lookups(self, hits: int, misses: int) -> None:
         for st in (self.slot_lifetime, self.slot_request):
             st.hits += hits
-            st.misses += len(needed) - hits
-        return [slot_of[e] for e in ids]
+            st.misses += misses
+
+    def decode_fetch(self, layer: int, top_ids: torch.Tensor) -> torch.Tensor:
+        """``decode_experts`` on the device, for a step that never waits for the host (the slot cache's
+        ``DeviceSlotTable``): look up the routed ``top_ids`` [1, k] of ``layer``, copy the misses from the host
+        bank into their slots (``decode_kernels.fetch_misses``: the kernel reads the registered host memory), and
+        return each routed expert's slot [1, k]. Captures in a CUDA graph; the hits and misses are counted on
+        the device until ``collect_decode_counts``."""
+        table = self.slots.table
+        table.lookup(layer, top_ids)
+        decode_kernels.fetch_misses(table.src[layer], table.slots[layer], self.bank.gate_up[layer],
+                                    self.bank.down[layer], self.slots.gate_up[layer], self.slots.down[layer])
+        return table.slots[layer].view(1, -1)
+
+    def collect_decode_counts(self) -> None:
+        """Fold the device table's hits and misses since the last call into the accounting (each miss copied
+        one expert host->device); nothing without a table."""
+        table = self.slots.table if self.slots is not None else None
+        if table is None:
+            return
+        hits, misses = table.take_counts()
+        self._count(h2d=misses * self.bank.expert_bytes, experts=misses)
+        self._count_lookups(hits, misses)
 
     def flush_slots(self) -> None:
         if self.slots is not None:

@@ -95,9 +95,60 @@ def _time_steps(engine: Engine, prompt: list[int], n: int, fill_all: bool = Fals
             logits = engine.decoder.step(tok, pos + i)
             tok = int(torch.argmax(logits))  # syncs
             times.append(time.perf_counter() - t0)
+        engine.store.collect_decode_counts()  # the device-side lookups' misses (decode_misses "device")
     times.sort()
     return {"step_s": times[len(times) // 2], "h2d_bytes_per_step": (engine.store.lifetime.h2d_bytes - h2d0) / n,
             "mode": engine.decoder.mode}
+
+
+def fetch_bandwidth(engine: Engine, trials: int = 5) -> list[dict]:
+    """CUDA: GB/s (1e9 bytes/s) of copying n missed experts of layer 0 into their slots, n = 1, 2, 4 and top_k:
+    the device-side fetch kernel (``decode_kernels.fetch_misses``, zero-copy reads of the registered host bank)
+    at several program counts, against the host's copies (two per expert, as ``ExpertStore.decode_experts``
+    issues them). The best of ``trials`` timed repeats each, after a warm-up; ``equal``: the slots hold the
+    bank's bits afterwards."""
+    from . import decode_kernels
+
+    store, dev = engine.store, engine.device
+    bank, slots, k = store.bank, store.slots, engine.model_config.num_experts_per_tok
+    rows = []
+    for n in sorted({1, 2, 4, k}):
+        experts = [3 * j % engine.model_config.num_experts for j in range(n)]
+        src = torch.full((k,), -1, dtype=torch.int32, device=dev)
+        src[:n] = torch.tensor(experts, dtype=torch.int32)
+        where = torch.arange(k, device=dev)
+
+        def dma() -> None:
+            for j, e in enumerate(experts):
+                slots.gate_up[0][j].copy_(bank.gate_up[0][e], non_blocking=True)
+                slots.down[0][j].copy_(bank.down[0][e], non_blocking=True)
+
+        def timed(fn) -> float:
+            fn()
+            best = float("inf")
+            for _ in range(trials):
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                fn()
+                b.record()
+                b.synchronize()
+                best = min(best, a.elapsed_time(b) / 1e3)
+            return best
+
+        moved = n * bank.expert_bytes
+        row = {"experts": n, "bytes": moved, "dma_gbps": moved / timed(dma) / 1e9}
+        for chunks in (16, 32, 64, 128):
+            slots.gate_up[0].zero_()
+            slots.down[0].zero_()
+            s = timed(lambda: decode_kernels.fetch_misses(src, where, bank.gate_up[0], bank.down[0],
+                                                          slots.gate_up[0], slots.down[0], chunks=chunks))
+            row[f"fetch_{chunks}_gbps"] = moved / s / 1e9
+            row[f"fetch_{chunks}_equal"] = all(
+                torch.equal(slots.gate_up[0][j].cpu(), bank.gate_up[0][e])
+                and torch.equal(slots.down[0][j].cpu(), bank.down[0][e]) for j, e in enumerate(experts))
+        rows.append(row)
+    store.flush_slots()
+    return rows
 
 
 def profile_decode(engine: Engine, prompt: list[int], n: int, top: int = 15) -> list[tuple[str, float, int]]:
@@ -173,7 +224,17 @@ def main(argv: list[str] | None = None) -> int:
         eng = _engine(model, "chunked", max_context=ctx, expert_slots_per_layer=slots)
         ids, logits = _decode(eng, prompt, args.decode_tokens)
         decode[f"slots_{slots}_vs_resident"] = ids == ref_ids and bool(torch.equal(logits, ref_logits))
+        if slots < model.num_experts:  # the host's lookups and copies too (decode_misses "host")
+            host = _engine(model, "chunked", max_context=ctx, expert_slots_per_layer=slots, decode_misses="host")
+            ids_h, logits_h = _decode(host, prompt, args.decode_tokens)
+            decode[f"slots_{slots}_host_vs_resident"] = ids_h == ref_ids and bool(torch.equal(logits_h, ref_logits))
+            if host.decoder.misses != eng.decoder.misses:  # both ways exist for these kernels: time both
+                report[f"timing_offloaded_{slots}_slots_host"] = _time_steps(host, prompt, 24)
+                report[f"timing_offloaded_{slots}_slots_device"] = _time_steps(eng, prompt, 24)
+            del host
         if slots == model.num_experts_per_tok:
+            if eng.decoder.misses == "device" and args.device != "cpu":
+                report["fetch_bandwidth"] = fetch_bandwidth(eng)
             first = {}
             for mode in ("chunked", "layer-major", "demand"):
                 eng.reset()
@@ -203,12 +264,22 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  grouped GEMM: {report['groups']}")
     print(f"  prefill first ids/paths/banks: {prefill.get('first')}")
     print(f"  decode equal: {decode}")
-    for k in ("timing_resident_graphs", "timing_resident_eager", "timing_offloaded_all_cached",
-              "timing_offloaded_min_slots"):
+    cached = report["timing_resident_graphs"]["step_s"]
+    gbps = resident.measured_h2d_gbps
+    for k in ["timing_resident_graphs", "timing_resident_eager", "timing_offloaded_all_cached",
+              "timing_offloaded_min_slots"] + sorted(k for k in report if k.startswith("timing_offloaded_")
+                                                     and k.endswith(("_host", "_device"))):
         t = report.get(k)
         if t:
-            print(f"  {k:32s} {t['mode']:12s} {t['step_s'] * 1e3 / args.layers:7.3f} ms/layer  "
-                  f"-> {depth} layers {1 / (t['step_s'] * scale):7.1f} tok/s  H2D/step {t['h2d_bytes_per_step'] / 1e6:8.1f} MB")
+            # step / (the copies at the measured H2D bandwidth + the resident step): the offloaded decode's floor
+            t["over_expected"] = t["step_s"] / (t["h2d_bytes_per_step"] / (gbps * 1e9) + cached)
+            print(f"  {k:36s} {t['mode']:12s} {t['step_s'] * 1e3 / args.layers:7.3f} ms/layer  "
+                  f"-> {depth} layers {1 / (t['step_s'] * scale):7.1f} tok/s  H2D/step "
+                  f"{t['h2d_bytes_per_step'] / 1e6:8.1f} MB  step/expected {t['over_expected']:5.2f}")
+    for row in report.get("fetch_bandwidth", []):
+        print(f"  fetch {row['experts']} experts: " + "  ".join(
+            f"{k[:-5]} {v:5.1f} GB/s" for k, v in row.items() if k.endswith("_gbps")))
+        ok = ok and all(v for k, v in row.items() if k.endswith("_equal"))
     for k in ("profile_resident_graphs", "profile_offloaded_min_slots"):
         for name, us, launches in report.get(k, []):
             print(f"  {k:28s} {us:9.1f} us/step {launches:6d} launches/step  {name}")

@@ -34,7 +34,7 @@ import socket
 import sys
 from typing import Any
 
-from abbench.engine.config import DECODE_ATTENTION, DECODE_EXPERTS, DTYPES, PREFILL_MODES, PRESETS, EngineConfig
+from abbench.engine.config import DECODE_ATTENTION, DECODE_EXPERTS, DECODE_MISSES, DTYPES, PREFILL_MODES, PRESETS, EngineConfig
 
 __all__ = ["API_KEY_ENV", "BACKENDS", "api_key_or_refuse", "build_arg_parser", "is_loopback", "main"]
 
@@ -116,6 +116,12 @@ def _engine_options(e: argparse._ArgumentGroup) -> None:
                    "(split-KV flash decoding that reads only the filled positions, and for Qwen3-MoE the norms, "
                    "rope and cache write fused; Qwen3-MoE and Qwen3.5/3.6, needs Triton); default auto: triton "
                    "on CUDA where it applies, else torch")
+    e.add_argument("--decode-misses", choices=DECODE_MISSES, default=None,
+                   help="offloaded decode, who looks up the slot cache and copies its misses: host (per layer the "
+                   "router's choice is read back and the host copies the misses: one round trip a layer) or device "
+                   "(kernels of the step look up the slots and read the misses from the pinned host bank over "
+                   "PCIe: one graph a step; needs --decode-experts triton); default auto: device with Triton's "
+                   "experts, else host")
     e.add_argument("--router-skew", type=float, default=None, metavar="ALPHA",
                    help="random weights: concentrate the routing as trained routers do, a per-layer Zipf-like "
                    "preference of exponent ALPHA over the experts (default 0: the random router's near-uniform "
@@ -242,7 +248,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
                   "expert_slots_per_layer", "host_memory_check", "decode_graphs", "warm_decode_graphs",
                   "prefill_graphs", "attention_batch", "attention_batch_max_context", "router_skew",
                   "auto_demand_max_tokens", "auto_calibration", "decode_experts", "decode_attention",
-                  "d2d_from_slot_cache",
+                  "decode_misses", "d2d_from_slot_cache",
                   "max_context", "deterministic"):
         if getattr(args, field) is not None:  # leave the engine's defaults alone
             kwargs[field] = getattr(args, field)
@@ -276,7 +282,8 @@ def _build_engine(args: argparse.Namespace) -> tuple[Any, str]:
              engine.bank_bytes, engine.measured_h2d_gbps)
     if engine.memory_plan is not None:
         log.info("device memory plan: %s", engine.memory_plan.describe())
-    log.info("decode: %s, kernels %s", engine.decoder.mode, engine.decoder.kernels)
+    log.info("decode: %s, kernels %s, misses %s", engine.decoder.mode, engine.decoder.kernels,
+             engine.decoder.misses or "none (resident)")
     if engine.decode_warmup is not None:
         log.info("decode graphs captured for KV lengths %s in %.2fs",
                  ", ".join(map(str, engine.decode_warmup["kv_buckets"])), engine.decode_warmup["seconds"])

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import threading
 import time
 import traceback
@@ -182,7 +183,8 @@ class Engine:
             resident = cfg.prefill_mode == "resident"
             self.store = ExpertStore(bank, self.device, self.slots_per_layer, resident, cfg.d2d_from_slot_cache)
             self.decoder = Decoder(self.model, self.store, self.kv, graphs=cfg.decode_graphs,
-                                   experts=cfg.decode_experts, attention=cfg.decode_attention)
+                                   experts=cfg.decode_experts, attention=cfg.decode_attention,
+                                   misses=cfg.decode_misses)
             self.steps = self._layer_steps()
             self._batch_exact: dict[tuple[int, int], bool] = {}
             if cfg.attention_batch > 1:  # probe the configured chunk length now, not in the first request
@@ -525,6 +527,7 @@ class Engine:
                 yield event
             if event.token_id in eos:
                 finish = "stop"
+            store.collect_decode_counts()  # the device-side slot lookups' hits and misses (one read)
             req = store.request
             return RequestStats(
                 prefill_path=pstats.path, fallback_reason=pstats.fallback_reason,
@@ -556,6 +559,9 @@ class Engine:
             raise
         finally:
             counters["requests_total"] += 1
+            if sys.exc_info()[0] is not None:  # a failed or cancelled request's device-side counts too
+                with self._on_device(), contextlib.suppress(RuntimeError):  # never mask the request's error
+                    store.collect_decode_counts()
             moved = store.lifetime.minus(before)
             counters["h2d_bytes_total"] += moved.h2d_bytes
             counters["d2d_bytes_total"] += moved.d2d_bytes

@@ -73,6 +73,8 @@ class AbbenchDecode(_Lenient):
     steps_per_layer: int | None = Field(None, description="Decode steps run layer by layer.")
     mode: str | None = Field(None, description="The decoder's mode.")
     kernels: str | None = Field(None, description="The decode kernels that ran (experts=..., attention=...).")
+    misses: str | None = Field(None, description="Who looked up the slot cache and copied its misses: host (a "
+                               "host round trip per layer) or device (kernels of the step); none when resident.")
     slots_per_layer: int | None = Field(None, description="Decode slot cache size per layer.")
 
 

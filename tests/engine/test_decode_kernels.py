@@ -140,6 +140,72 @@ def test_triton_experts_of_one_token_equal_the_grouped_experts():
         dk.moe_one_token(h.repeat(2, 1), w, ids, gate_up, down)
 
 
+
+def _host_lookup(lru, free, ids: list[int], identity: bool) -> tuple[list[int], int]:
+    """ExpertStore.decode_experts's policy on plain containers: (slot of each id, hits)."""
+    slot_of = {e: lru[e] for e in sorted(set(ids)) if e in lru}
+    for e in slot_of:
+        lru.move_to_end(e)
+    hits = len(slot_of)
+    for e in sorted(set(ids) - set(slot_of)):
+        s = e if identity else (free.pop() if free else lru.popitem(last=False)[1])
+        lru[e] = slot_of[e] = s
+    return [slot_of[e] for e in ids], hits
+
+
+@pytest.mark.parametrize("e,k,s", [(16, 4, 4), (16, 4, 7), (16, 4, 16), (40, 8, 13), (160, 8, 97)])
+def test_device_slot_lookup_is_the_host_lru(e: int, k: int, s: int):
+    """The device-side slot table (decode_misses "device") picks the slot the host's LRU would, for every
+    routed expert, step after step (free slots lowest first, then the least recently used, hits touched
+    before misses), keeps the same table (pulled back to the host) and counts the same hits and misses; the
+    host can take over and hand back (push) at any step. Up to 160 experts, 97 slots."""
+    from collections import OrderedDict
+
+    from abbench.engine.experts import DeviceSlotTable
+
+    if not _triton_runs_here():
+        pytest.skip("Triton runs on CUDA, or on CPU under TRITON_INTERPRET=1")
+    rng = torch.Generator().manual_seed(s)
+    table = DeviceSlotTable(2, e, s, k, DEVICE)
+    lru, free = [OrderedDict() for _ in range(2)], [list(range(s - 1, -1, -1)) for _ in range(2)]
+    table.push(lru, free)
+    hits = misses = 0
+    for step in range(10):
+        table.tick.add_(1)
+        for layer in range(2):
+            pool = e if step % 3 == 0 else min(e, k + 3)  # alternate wide routing with a hot set that hits
+            ids = (torch.randperm(pool, generator=rng)[:k]).tolist()
+            table.lookup(layer, torch.tensor([ids], device=DEVICE))
+            cached = set(lru[layer])
+            want, h = _host_lookup(lru[layer], free[layer], ids, s == e)
+            assert table.slots[layer].tolist() == want
+            assert table.src[layer].tolist() == [-1 if x in cached else x for x in ids]  # what fetch copies
+            hits, misses = hits + h, misses + len(set(ids)) - h
+        pulled, pulled_free = table.pull()
+        assert [list(d.items()) for d in pulled] == [list(d.items()) for d in lru]
+        assert s == e or pulled_free == free
+        if step == 5:  # the host takes over (a host-side lookup) and hands back
+            table.push(lru, free)
+    assert table.take_counts() == (hits, misses) and table.take_counts() == (0, 0)
+
+
+def test_fetch_misses_copies_exactly_the_missed_experts_bits():
+    if not _triton_runs_here():
+        pytest.skip("Triton runs on CUDA, or on CPU under TRITON_INTERPRET=1")
+    gen = torch.Generator().manual_seed(1)
+    E, S, inter, H = 9, 5, 24, 40
+    host_gu, host_dn = torch.randn(E, 2 * inter, H, generator=gen), torch.randn(E, H, inter, generator=gen)
+    if DEVICE.type == "cuda":  # the kernel reads host memory mapped into the device's address space
+        host_gu, host_dn = host_gu.pin_memory(), host_dn.pin_memory()
+    gu, dn = torch.zeros(S, 2 * inter, H, device=DEVICE), torch.zeros(S, H, inter, device=DEVICE)
+    src = torch.tensor([7, -1, 2], dtype=torch.int32, device=DEVICE)  # expert 7 into slot 4, a hit, 2 into 0
+    slots = torch.tensor([4, 3, 0], device=DEVICE)
+    dk.fetch_misses(src, slots, host_gu, host_dn, gu, dn, chunks=3, block=128)
+    assert torch.equal(gu[4].cpu(), host_gu[7]) and torch.equal(dn[4].cpu(), host_dn[7])
+    assert torch.equal(gu[0].cpu(), host_gu[2]) and torch.equal(dn[0].cpu(), host_dn[2])
+    assert not gu[[1, 2, 3]].any() and not dn[[1, 2, 3]].any()  # the hit's slot and the others untouched
+
+
 def test_the_kernel_check_runs_and_every_candidate_agrees(tmp_path, capsys):
     out = tmp_path / "kernels.json"
     assert main(["--device", str(DEVICE), "--contexts", "64,128", "--replays", "3", "--out", str(out)]) == 0
@@ -175,9 +241,19 @@ def test_triton_decode_is_one_path_at_every_slot_budget(model, kernels):
     vocab = PRESETS[model].vocab_size
     prompts = [torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 40)]
     ref = _decode(Engine(EngineConfig(**knobs, prefill_mode="resident", **kernels)), prompts)
-    for slots in (4, 16):  # top-4 of 16 experts: misses every step (per-layer steps), none (whole steps)
-        engine = Engine(EngineConfig(**knobs, prefill_mode="chunked", expert_slots_per_layer=slots, **kernels))
-        assert _decode(engine, prompts) == ref
+    misses = ("host", "device") if kernels.get("decode_experts") == "triton" else ("host",)
+    counted: dict[int, set] = {}
+    for slots in (4, 16):  # top-4 of 16 experts: misses every step, none once every expert is in (whole steps)
+        for who in misses:  # per-layer steps with host copies, or whole steps with the lookup on the device
+            engine = Engine(EngineConfig(**knobs, prefill_mode="chunked", expert_slots_per_layer=slots,
+                                         decode_misses=who, **kernels))
+            assert _decode(engine, prompts) == ref
+            assert engine.decoder.misses == who
+            engine.reset()
+            _, st = engine.run(prompts[1], 6, ignore_eos=True)
+            counted.setdefault(slots, set()).add((st.slot_hits, st.slot_misses, st.decode_h2d_bytes))
+    assert all(len(v) == 1 for v in counted.values()), counted  # one policy, counted alike on either side
+    assert next(iter(counted[4]))[1] > 0
     grouped = _decode(Engine(EngineConfig(**knobs, prefill_mode="resident", decode_experts="grouped",
                                           decode_attention="torch")), prompts)
     for a, b in zip(ref, grouped):
@@ -244,3 +320,18 @@ def test_auto_keeps_the_torch_attention_for_a_head_dimension_the_kernels_do_not_
     if dk.have_triton():
         with pytest.raises(ValueError, match="power-of-two head dimension"):
             Engine(EngineConfig(**knobs, decode_attention="triton"))
+
+
+def test_device_side_misses_need_the_triton_experts():
+    from abbench.engine import Engine, EngineConfig
+
+    with pytest.raises(ValueError, match="decode_misses"):
+        EngineConfig(decode_misses="gpu")
+    knobs = dict(model="tiny", weights="random:0", device=str(DEVICE), chunk_tokens=64, max_context=128,
+                 bandwidth_probe_bytes=0, expert_slots_per_layer=4)
+    with pytest.raises(ValueError, match="needs decode_experts 'triton'"):
+        Engine(EngineConfig(**knobs, decode_experts="grouped", decode_misses="device"))
+    engine = Engine(EngineConfig(**knobs, decode_experts="grouped"))  # auto: the host handles them
+    assert engine.decoder.misses == "host" and engine.decoder.table is None
+    assert Engine(EngineConfig(**{**knobs, "expert_slots_per_layer": None}, prefill_mode="resident",
+                               decode_experts="grouped")).decoder.misses is None  # nothing can miss

@@ -92,6 +92,7 @@ def decode_section(ri: ReportInput) -> list[str]:
         return lines + ["No decode data: no measured request generated more than one token."]
     has_model = a.decode["expected_step_s"].notna().any()
     has_added = a.decode["added_device_bytes"].notna().any()  # engines that report memory held at the start
+    has_misses = a.decode["decode_misses"].notna().any()  # engines that name who copies the misses
     lines += [
         ("Medians per request. Step = (total - TTFT) / (output tokens - 1) as the harness saw it; decode H2D per "
          "step = experts copied into the decode slot cache; hit rate = routed (layer, expert) pairs found in "
@@ -100,9 +101,12 @@ def decode_section(ri: ReportInput) -> list[str]:
          + (" Added = the most a request added to what the engine held when it started (weights, KV cache, "
             "buffers and slot cache stay between requests): the memory the request itself needed."
             if has_added else "")
-         + (" Expected = decode H2D per step / measured H2D bandwidth + the cached step (the median step, for "
-            "the same prompt, of an arm whose decode copied nothing, with the same decode kernels where the engine names "
-            "them)." if has_model else "")), "",
+         + (" The step's breakdown: Copies = decode H2D per step / measured H2D bandwidth; Cached = the cached "
+            "step (the median step, for the same prompt, of an arm whose decode copied nothing, with the same "
+            "decode kernels where the engine names them); Expected = Copies + Cached; Other = Step - Expected (host "
+            "round trips, copies slower than the probe, contention)." if has_model else "")
+         + (" Misses: who looked up the slot cache and copied its misses (host: the router's choice read back "
+            "every layer; device: kernels of the step)." if has_misses else "")), "",
         table(a.decode, [*CELL_COLS, Col("tok_s", "Decode tok/s", lambda v: fmt_num(v, 1)),
                          Col("step_s", "Step", fmt_s),
                          Col("h2d_per_step", "Decode H2D/step", fmt_gb),
@@ -111,6 +115,9 @@ def decode_section(ri: ReportInput) -> list[str]:
                          Col("decode_mode", "Decoder", descriptive=True, right=False),
                          *([Col("decode_kernels", "Kernels", descriptive=True, right=False)]
                            if a.decode["decode_kernels"].notna().any() else []),  # engines that name them
+                         *([Col("decode_misses", "Misses", descriptive=True, right=False)] if has_misses else []),
+                         *([Col("copy_s", "Copies", fmt_s), Col("cached_step_s", "Cached", fmt_s),
+                            Col("other_s", "Other", fmt_s)] if has_model else []),
                          Col("expected_step_s", "Expected step", fmt_s),
                          Col("over_expected", "Step/expected", fmt_ratio),
                          Col("peak_device_bytes", "Peak device (engine)", fmt_gib)]
