@@ -55,6 +55,9 @@ METRICS: dict[str, Metric] = {m.name: m for m in (
     Metric("decode_tok_s", "tok/s", True, False, "decode rate after the first token"),
     Metric("decode_ratio", "x", True, True,
            "paired decode tok/s(arm) / decode tok/s(reference arm, or vs ARM), same prompt and round"),
+    Metric("decode_x_floor", "x", True, True,
+           "offloaded decode step / (its H2D per step / measured bandwidth + the step of an arm that copied "
+           "nothing, same prompt and decode kernels): how close decode comes to its copy floor"),
     Metric("ttft_p90_s", "s", True, False, "90th percentile of the TTFT (seconds; needs 10 samples)", 0.9),
     Metric("ttft_p99_s", "s", True, False, "99th percentile of the TTFT (seconds; needs 100 samples)", 0.99),
     Metric("tpot_s", "s", True, False, "time per output token after the first, per request (seconds)"),

@@ -76,6 +76,7 @@ from abbench.analysis.frames import (
     sample_decode_tok_s,
     sample_peak_bytes,
 )
+from abbench.analysis.decode import decode_over_expected
 from abbench.analysis.latency import itl_values, min_n, tpot_values, ttft_values
 from abbench.analysis.sweep import crossover, judge_crossover, sweep_pairs, sweep_spec
 from abbench.analysis.timing import CONFIDENCE, paired_ratios, quantile_ci
@@ -234,7 +235,8 @@ def _metrics_cached(record: RunRecord) -> pd.DataFrame:
 
 VALUES: dict[str, Callable[[RunRecord], pd.DataFrame]] = {
     "ttft_ratio": _paired("ttft_ratio"), "x_floor": _x_floor, "ttft_s": _column("ttft_s"),
-    "decode_tok_s": _column("decode_tok_s"), "decode_ratio": _paired("decode_ratio"), "h2d_banks": _h2d_banks,
+    "decode_tok_s": _column("decode_tok_s"), "decode_ratio": _paired("decode_ratio"),
+    "decode_x_floor": decode_over_expected, "h2d_banks": _h2d_banks,
     "banks_per_window": _banks_per_window,
     "peak_vram_gb": _peak_vram, "peak_vram_ratio": _paired("peak_vram_ratio"),
     "ttft_p90_s": ttft_values, "ttft_p99_s": ttft_values, "tpot_s": tpot_values, "tpot_p90_s": tpot_values,

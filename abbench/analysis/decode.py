@@ -41,18 +41,41 @@ DECODE_COLUMNS = ["arm", "kind", "target_tokens", "n", "step_s", "tok_s", "h2d_p
                   "proc_gpu_mem_peak"]
 
 
-def decode_table(record: RunRecord) -> pd.DataFrame:
+def _steps(record: RunRecord) -> tuple[pd.DataFrame, dict]:
+    """The measured ok samples with their decode step and H2D per step, and the cached step per (prompt,
+    decode kernels): the median step of the samples whose decode copied nothing."""
     df = measured_ok_frame(record)
     if df.empty:
-        return pd.DataFrame(columns=DECODE_COLUMNS)
+        return df, {}
     steps = (df["completion_tokens"] - 1).where(df["completion_tokens"] > 1)
     df = df.assign(step_s=df["decode_s"] / steps, h2d_per_step=df["decode_h2d_bytes"] / steps,
                    hits_total=df["slot_hits"] + df["slot_misses"],
-                   added=pd.to_numeric(df["peak_device_bytes"]) - pd.to_numeric(df["start_device_bytes"]))
-    # the cached step of each prompt and decode kernels: the median step of arms whose decode copied nothing
-    df = df.assign(decode_kernels=df["decode_kernels"].fillna(""))
+                   added=pd.to_numeric(df["peak_device_bytes"]) - pd.to_numeric(df["start_device_bytes"]),
+                   decode_kernels=df["decode_kernels"].fillna(""))
     no_copy = df[(df["decode_h2d_bytes"] == 0) & df["step_s"].notna()]
     cached = {key: median_of(g["step_s"]) for key, g in no_copy.groupby(["prompt_id", "decode_kernels"])}
+    return df, cached
+
+
+def decode_over_expected(record: RunRecord) -> pd.DataFrame:
+    """Per measured ok sample that copied during decode: arm, kind, target_tokens, round and ``value`` = its
+    step / (its decode H2D per step / its measured bandwidth + the cached step of its prompt and kernels), the
+    values the ``decode_x_floor`` check judges."""
+    df, cached = _steps(record)
+    cols = ["arm", "kind", "target_tokens", "round", "value"]
+    if df.empty:
+        return pd.DataFrame(columns=cols)
+    cache = pd.Series([cached.get(k) for k in zip(df["prompt_id"], df["decode_kernels"])], index=df.index,
+                      dtype=float)
+    expected = df["h2d_per_step"] / (pd.to_numeric(df["measured_h2d_gbps"]) * 1e9) + cache
+    keep = (df["decode_h2d_bytes"] > 0) & expected.notna() & (expected > 0)
+    return df.loc[keep, cols[:-1]].assign(value=(df["step_s"] / expected)[keep]).reset_index(drop=True)
+
+
+def decode_table(record: RunRecord) -> pd.DataFrame:
+    df, cached = _steps(record)
+    if df.empty:
+        return pd.DataFrame(columns=DECODE_COLUMNS)
     rows = []
     for (arm, kind, tokens), g in df.groupby(["arm", "kind", "target_tokens"], sort=False, dropna=False):
         step = median_of(g["step_s"])

@@ -311,6 +311,7 @@ class ExpertStore:
             t.expert_copies += experts
 
     def begin_request(self) -> None:
+        self.collect_decode_counts()  # device-side lookups since the last request belong to the lifetime
         self.request = Traffic()
         self.slot_request = SlotStats()
         self._stalls = []
@@ -482,6 +483,8 @@ class ExpertStore:
         """Zero the lifetime and request counters (after start-up work that is not a request's)."""
         self.lifetime, self.request = Traffic(), Traffic()
         self.slot_lifetime, self.slot_request = SlotStats(), SlotStats()
+        if self.slots is not None and self.slots.table is not None:
+            self.slots.table.take_counts()  # and the device-side lookups' counts not yet collected
 
     # -- bandwidth ------------------------------------------------------------------------------------
     def measure_h2d_gbps(self, probe_bytes: int, trials: int = 3) -> float:

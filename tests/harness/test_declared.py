@@ -141,6 +141,11 @@ def test_each_metric_on_the_committed_h200_run(h200) -> None:
     assert cell("x_floor[layer-major] <= 1.15", 16384).status == "inconclusive"  # 1.033 and 1.245 over 2 rounds
     assert cell("ttft_s[layer-major] <= 3", 32768).value == pytest.approx(2.4965, abs=1e-3)
     assert cell("decode_tok_s[layer-major] >= 150", 4096).status == "fail"  # 39 tok/s: the 150 target is missed
+    # decode step / (its copies at the measured bandwidth + resident's step): the host round trips at 4K
+    assert cell("decode_x_floor[layer-major] <= 1.10", 4096).value == pytest.approx(1.304, abs=1e-3)
+    assert cell("decode_x_floor[layer-major] <= 1.10", 4096).status == "fail"
+    assert cell("decode_x_floor[layer-major] <= 1.10", 32768).status == "pass"  # 1.037
+    assert judge(h200, parse_check("decode_x_floor[resident] <= 1.1")) == []  # copied nothing: no value
     assert cell("h2d_banks[layer-major] == 1", 65536).status == "pass"
     banks = cell("h2d_banks[layer-major] == 1", 131072)  # two windows at 128K in this profile
     assert (banks.value, banks.status) == (2.0, "fail")
@@ -163,7 +168,7 @@ def test_peak_vram_falls_back_to_nvml_without_the_engine_figure() -> None:
 def test_every_metric_has_values_on_a_cpu_run() -> None:
     record, _ = load_run(CPU)
     for metric in METRICS:
-        if metric in ("peak_vram_gb", "peak_vram_ratio", "x_floor"):  # no GPU, no resident arm in this run
+        if metric in ("peak_vram_gb", "peak_vram_ratio", "x_floor", "decode_x_floor"):  # no GPU, no resident arm
             continue
         if metric == "crossover":  # two arms and a [sweep]: tests/harness/test_sweep.py
             continue
