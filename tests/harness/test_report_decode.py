@@ -15,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
 from tests.support import mdtables as mt
@@ -94,6 +95,10 @@ def test_decode_section_figures(decode_rows: list[dict[str, str]]) -> None:
         cached_step = statistics.median(statistics.median(cached[x["prompt"]]) for x in g)
         expected = per_step / (statistics.median(x["gbps"] for x in g) * 1e9) + cached_step
         assert _close(_s(row["Expected step"]), expected), row
+        assert _close(_s(row["Cached"]), cached_step), row  # the step's breakdown: cached + copies + other
+        assert _close(_s(row["Copies"]), expected - cached_step), row
+        if abs(step - expected) > 1e-5:  # (a zero "other" prints as 0.000 ms)
+            assert _close(abs(_s(row["Other"].lstrip("-"))), abs(step - expected)), row
         assert abs(float(row["Step/expected"].rstrip("x")) - step / expected) <= 0.0006, row
         assert _close(_bytes(row["Peak device (engine)"]), max(x["peak"] for x in g)), row
     resident = [r for r in decode_rows if r["Arm"] == "resident"]
@@ -275,3 +280,24 @@ def test_expected_step_takes_its_cached_step_from_the_same_decode_kernels() -> N
         mixed = before.loc[("offloaded-triton", tokens), "cached_step_s"]
         assert before.loc[("resident-triton", tokens), "step_s"] < mixed < before.loc[("resident", tokens), "step_s"]
         assert after.loc[("offloaded-triton", tokens), "over_expected"] > 1.2  # the floor it really misses
+
+
+def test_who_handled_the_misses_and_the_step_breakdown_on_the_offloaded_decode_run() -> None:
+    """On the committed run of h200-decode-offload: each offloaded arm names who handled its misses, both copied
+    the same bytes (one policy), each step is its copies + the cached step + the rest, and only the device-side
+    misses come within 1.10 of the floor (results/20261202-h200-decode-offload/README.md)."""
+    from abbench import analysis as an
+    from abbench.results import load_run
+
+    record, _ = load_run(REPO / "results" / "20261202-h200-decode-offload")
+    t = an.decode_table(record).set_index(["arm", "target_tokens"])
+    for tokens in (4096, 32768, 131072):
+        host, device = t.loc[("offloaded-host", tokens)], t.loc[("offloaded-device", tokens)]
+        assert (host["decode_misses"], device["decode_misses"]) == ("host", "device")
+        assert host["h2d_per_step"] == device["h2d_per_step"] > 0
+        for row in (host, device):
+            assert row["copy_s"] + row["cached_step_s"] + row["other_s"] == pytest.approx(row["step_s"])
+        assert device["over_expected"] < 1.10 < host["over_expected"]
+        assert device["other_s"] < host["other_s"] / 2
+    assert pd.isna(t.loc[("resident", 4096), "decode_misses"])  # nothing can miss
+
