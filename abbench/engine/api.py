@@ -65,6 +65,11 @@ class CompletionRequest(BaseModel):
         None, ge=1, le=8, description="Per-request chunks per attention call in layer-major prefill (default: the "
         "server's --attention-batch); needs --allow-request-overrides."
     )
+    decode_misses: Literal["host", "device"] | None = Field(
+        None, description="Per-request: who handles the decode slot cache's misses, host (a host round trip per "
+        "layer) or device (kernels of the step; needs the Triton experts); default the server's --decode-misses; "
+        "needs --allow-request-overrides."
+    )
     trace_layers: StrictBool | None = Field(
         None, description="Return abbench.layer_trace: per layer and sub-block the hash and RMS of the last prompt "
         "position's hidden state (abbench.engine.trace); needs --allow-request-overrides."
@@ -230,7 +235,7 @@ def abbench_object(ctx: RequestContext, stats: Any, finished: float, engine: Any
         decode=AbbenchDecode(slot_hits=stats.slot_hits, slot_misses=stats.slot_misses,
                              steps_whole=stats.decode_steps_whole, steps_per_layer=stats.decode_steps_per_layer,
                              mode=engine.decoder.mode, kernels=getattr(engine.decoder, "kernels", None),
-                             misses=getattr(engine.decoder, "misses", None),
+                             misses=getattr(stats, "decode_misses", None),
                              slots_per_layer=engine.slots_per_layer),
         peak_device_bytes=stats.peak_device_bytes, start_device_bytes=getattr(stats, "start_device_bytes", None),
         chunk_tokens=getattr(stats, "chunk_tokens", None), alloc_retries=getattr(stats, "alloc_retries", None),

@@ -39,6 +39,7 @@ class GenerateRequest:
     chunk_tokens: int | None = None  # this request's prefill chunk length; None: the backend's own
     attention_batch: int | None = None  # chunks per attention call in layer-major prefill; None: the backend's
     trace_layers: bool = False  # return the prefill's layer trace in RequestStats.layer_trace
+    decode_misses: str | None = None  # who handles decode's slot-cache misses: host or device; None: the backend's
 
     def options(self) -> dict[str, Any]:
         """The keyword arguments of ``Backend.generate`` after ``prompt_ids`` and ``max_tokens``."""
@@ -62,6 +63,7 @@ class Backend(Protocol):
     def generate(self, prompt_ids: list[int], max_tokens: int, *, temperature: float = 0.0,
                  seed: int | None = None, ignore_eos: bool = False, logprobs: int | None = None,
                  prefill_mode: str | None = None, cancel: Any = None, trace_layers: bool = False,
-                 chunk_tokens: int | None = None, attention_batch: int | None = None) -> Iterator[Any]: ...
+                 chunk_tokens: int | None = None, attention_batch: int | None = None,
+                 decode_misses: str | None = None) -> Iterator[Any]: ...
 
     def reset(self) -> None: ...

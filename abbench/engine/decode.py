@@ -86,9 +86,11 @@ class Decoder:
         model.decode_router_kernel = "triton" if experts == "triton" else "torch"
         self.kernels = f"experts={experts}, attention={attention}"  # what ran, for the request stats
         cfg, dev = model.cfg, model.device
-        # who handles the slot cache's misses: None (resident experts), "host" or "device" (module docstring)
+        # who handles the slot cache's misses by default: None (resident experts), "host" or "device" (module
+        # docstring); a request may ask for the other (``step(misses=...)``) where the experts are Triton's
         self.misses = None if store.slots is None else self._misses(misses, experts)
-        self.table = store.slots.attach_table(cfg.num_experts_per_tok) if self.misses == "device" else None
+        self.table = (store.slots.attach_table(cfg.num_experts_per_tok)
+                      if store.slots is not None and experts == "triton" else None)
         self.n_layers, self.k = cfg.num_hidden_layers, cfg.num_experts_per_tok
         self.token = torch.zeros(1, dtype=torch.long, device=dev)  # [1]
         self.pos = torch.zeros(1, dtype=torch.long, device=dev)  # [1]
@@ -170,14 +172,27 @@ class Decoder:
     def mode(self) -> str:
         return "cuda-graphs" if self.graphs is not None else "eager"
 
-    def _no_misses(self) -> bool:
+    def check_misses(self, misses: str | None) -> str | None:
+        """A request's choice of who handles the misses ("host", "device" or None: the engine's default), as it
+        will run (None with resident experts). ValueError for an unknown name or "device" without Triton's
+        experts."""
+        if misses is None or self.misses is None:
+            return self.misses
+        if misses not in ("host", "device"):
+            raise ValueError(f"decode_misses must be 'host' or 'device', got {misses!r}")
+        if misses == "device" and self.table is None:
+            raise ValueError(f"decode_misses 'device' needs decode_experts 'triton' (its kernels read the slot ids "
+                             f"on the device); this engine decodes with {self.kernels}")
+        return misses
+
+    def _no_misses(self, on_device: bool) -> bool:
         """Whether a step can run whole: nothing can miss, or misses are handled on the device."""
         slots = self.store.slots
-        return self.store.resident is not None or self.table is not None or (slots is not None and slots.complete)
+        return self.store.resident is not None or on_device or (slots is not None and slots.complete)
 
     # -- pieces (each static-shape and sync-free) ---------------------------------------------------------
-    def _whole(self, kv_len: int) -> None:
-        m, table = self.model, self.table
+    def _whole(self, kv_len: int, on_device: bool) -> None:
+        m, table = self.model, (self.table if on_device else None)
         if table is not None:
             table.tick.add_(1)
         x = m.embed(self.token)  # [1, W]
@@ -214,19 +229,23 @@ class Decoder:
     def warm(self, token_id: int = 0) -> list[int]:
         """Two throwaway steps at the last position of every KV-length bucket (``kv_buckets``): the first runs
         each piece eagerly, the second captures its graph. They write KV, states, token history and slots at
-        those positions: the caller resets the engine afterwards. Returns the buckets."""
+        those positions: the caller resets the engine afterwards. With a device-side slot table, both ways of
+        handling misses (a request may ask for either). Returns the buckets."""
         buckets = kv_buckets(self.kv.max_context)
+        ways = [self.misses] + ([w for w in ("host", "device") if w != self.misses] if self.table is not None else [])
         for kv_len in buckets:
-            for _ in range(2):
-                self.step(token_id, kv_len - 1)
+            for misses in ways:
+                for _ in range(2):
+                    self.step(token_id, kv_len - 1, misses=misses)
         return buckets
 
     # -- a step ----------------------------------------------------------------------------------------
     @torch.no_grad()
-    def step(self, token_id: int, pos: int, cancel: CancelLike = None) -> torch.Tensor:
+    def step(self, token_id: int, pos: int, cancel: CancelLike = None, misses: str | None = None) -> torch.Tensor:
         """Decode ``token_id`` at ``pos``; returns the logits [V] float32 (a view of a static buffer, valid
-        until the next step)."""
+        until the next step). ``misses``: who handles the slot cache's misses in this step (``check_misses``)."""
         store, kv_len = self.store, kv_len_for(pos, self.kv.max_context)
+        on_device = self.check_misses(misses) == "device"
         self.token.fill_(token_id)
         self.pos.fill_(pos)
         if hasattr(self.model, "prepare_decode"):  # host-side work of a step (Qwen4-Exp: PLE rows staged)
@@ -235,10 +254,12 @@ class Decoder:
             torch.cuda.current_stream(store.device).wait_stream(store.copy_stream)
         with attention_backends():
             check_cancel(cancel)
-            if self._no_misses():
+            if self._no_misses(on_device):
                 self.steps["whole"] += 1
-                self._run(("whole", kv_len), lambda: self._whole(kv_len))
-                if self.table is not None:
+                if on_device:
+                    store.slots.sync_device()  # the host's lookups or flush since the last device-side step
+                self._run(("whole", kv_len, on_device), lambda: self._whole(kv_len, on_device))
+                if on_device:
                     self.table.ahead = True
                 return self.logits
             self.steps["per_layer"] += 1

@@ -166,13 +166,19 @@ class SlotCache:
         self.lru: list[OrderedDict[int, int]] = [OrderedDict() for _ in range(self.n_layers)]  # expert -> slot
         self.free = [list(range(self.slots_per_layer - 1, -1, -1)) for _ in range(self.n_layers)]
         self.loaded = 0  # (layer, expert) pairs present
+        if self.table is not None:
+            self.table.ahead = False  # what the device's steps did is gone too: the host's empty view is the one
         self.changed()
 
     # -- the device-side table ------------------------------------------------------------------------
     table: DeviceSlotTable | None = None
 
+    host_ahead = False  # the host changed the bookkeeping since the device table was last pushed
+
     def attach_table(self, top_k: int) -> DeviceSlotTable:
-        """Keep the bookkeeping on the device from now on (decode's Triton path); idempotent."""
+        """A device-side copy of the bookkeeping for decode's device-side lookups; idempotent. Either side may
+        run lookups: each brings its view up to date from the other before it does (``sync_device``,
+        ``sync_host``), so switching between them costs one small copy, not one per lookup."""
         if self.table is None:
             self.table = DeviceSlotTable(self.n_layers, self.num_experts, self.slots_per_layer, top_k,
                                          self.gate_up[0].device)
@@ -180,12 +186,18 @@ class SlotCache:
         return self.table
 
     def changed(self) -> None:
-        """The host changed the bookkeeping (flush, a host-side lookup): the device table follows."""
-        if self.table is not None:
+        """The host changed the bookkeeping (flush, a host-side lookup): the device table is now behind."""
+        self.host_ahead = self.table is not None
+
+    def sync_device(self) -> None:
+        """Before device-side lookups: push the host's changes, if any (a small host->device copy)."""
+        if self.table is not None and self.host_ahead:
+            self.sync_host()  # (never both ahead: the device is only ever ahead after a sync_device)
             self.table.push(self.lru, self.free)
+            self.host_ahead = False
 
     def sync_host(self) -> None:
-        """Bring the host's view up to date after device-side steps (one device read)."""
+        """Before host-side use: pull the device's changes, if any (one device read)."""
         if self.table is not None and self.table.ahead:
             self.lru, self.free = self.table.pull()
             self.loaded = sum(len(d) for d in self.lru)

@@ -50,7 +50,7 @@ _DESCRIPTION = {
     "transformers": "Serve a model's transformers implementation (greedy reference) over the vendored engine's "
                     "OpenAI-compatible API.",
 }
-_OVERRIDES = {"engine": "prefill_mode, chunk_tokens, attention_batch and trace_layers fields",
+_OVERRIDES = {"engine": "prefill_mode, chunk_tokens, attention_batch, decode_misses and trace_layers fields",
               "transformers": "trace_layers field"}
 
 

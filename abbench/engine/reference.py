@@ -166,7 +166,7 @@ class ReferenceEngine:
                  seed: int | None = None, ignore_eos: bool = False, logprobs: int | None = None,
                  prefill_mode: str | None = None, cancel: CancelLike = None,
                  trace_layers: bool = False, chunk_tokens: int | None = None,
-                 attention_batch: int | None = None) -> Iterator[TokenEvent]:
+                 attention_batch: int | None = None, decode_misses: str | None = None) -> Iterator[TokenEvent]:
         """As :meth:`abbench.engine.runtime.Engine.generate` (the :class:`abbench.engine.backend.Backend`
         contract); validates eagerly."""
         vocab = self.model_config.vocab_size
@@ -179,6 +179,8 @@ class ReferenceEngine:
         if attention_batch is not None:
             raise ValueError("the transformers reference has no layer-major prefill (attention_batch must be "
                              "omitted)")
+        if decode_misses is not None:
+            raise ValueError("the transformers reference has no expert offload (decode_misses must be omitted)")
         if logprobs is not None and not 0 <= int(logprobs) <= vocab:
             raise ValueError(f"logprobs must be in [0, {vocab}], got {logprobs}")
         sampler = Sampler(float(temperature), seed, self.device, None if logprobs is None else int(logprobs))

@@ -96,6 +96,7 @@ class RequestStats:
     finish_reason: str  # "length" | "stop"
     slot_hits: int = 0  # decode: routed (layer, expert) pairs found in the slot cache
     slot_misses: int = 0  # decode: routed pairs copied in from the host bank
+    decode_misses: str | None = None  # decode: who handled the misses ("host", "device"; None: resident)
     decode_steps_whole: int = 0  # decode steps that ran as one piece (no expert could miss)
     decode_steps_per_layer: int = 0  # decode steps that read the router back layer by layer
     peak_device_bytes: int | None = None  # torch's peak allocated device memory during the request (CUDA)
@@ -348,13 +349,15 @@ class Engine:
                  seed: int | None = None, ignore_eos: bool = False, logprobs: int | None = None,
                  prefill_mode: str | None = None, cancel: threading.Event | None = None,
                  trace_layers: bool = False, chunk_tokens: int | None = None,
-                 attention_batch: int | None = None) -> Iterator[TokenEvent]:
+                 attention_batch: int | None = None, decode_misses: str | None = None) -> Iterator[TokenEvent]:
         """Generator; yields one TokenEvent per output token; its return value (StopIteration.value) is
         RequestStats. Raises Cancelled (checked every layer step and every decode step), ContextOverflow
         before any work. ``trace_layers``: ``RequestStats.layer_trace`` holds the prefill's layer trace
         (:mod:`abbench.engine.trace`). ``chunk_tokens``: this request's prefill chunk length (default the
         config's; :meth:`check_chunk_tokens`). ``attention_batch``: this request's chunks per attention call in
-        layer-major prefill (default the config's; hybrid Qwen3.5/3.6 models only)."""
+        layer-major prefill (default the config's; hybrid Qwen3.5/3.6 models only). ``decode_misses``: who
+        handles the decode slot cache's misses, "host" or "device" (default the config's;
+        ``Decoder.check_misses``)."""
         mode = prefill_mode or self.config.prefill_mode
         k = self.config.attention_batch if attention_batch is None else int(attention_batch)
         if not 1 <= k <= MAX_ATTENTION_BATCH:
@@ -376,9 +379,10 @@ class Engine:
             raise ValueError(f"logprobs must be in [0, {vocab}], got {logprobs}")
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
+        misses = self.decoder.check_misses(decode_misses)
         return self._generate(prompt, int(max_tokens), float(temperature), seed, ignore_eos,
                               None if logprobs is None else int(logprobs), mode, cancel, bool(trace_layers),
-                              chunk, k)
+                              chunk, k, misses)
 
     def check_chunk_tokens(self, chunk_tokens: int | None) -> int:
         """A request's prefill chunk length: the config's when None. Every mode runs the same chunk shapes, so
@@ -465,9 +469,9 @@ class Engine:
             return None
         return int(torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0))
 
-    def _decode(self, token: int, pos: int, cancel: CancelLike) -> torch.Tensor:
+    def _decode(self, token: int, pos: int, cancel: CancelLike, misses: str | None) -> torch.Tensor:
         with self._on_device():
-            return self.decoder.step(token, pos, cancel)
+            return self.decoder.step(token, pos, cancel, misses)
 
     def _sample(self, sampler: Sampler, logits: torch.Tensor) -> TokenEvent:
         with self._on_device():
@@ -475,7 +479,7 @@ class Engine:
 
     def _generate(self, prompt: list[int], max_tokens: int, temperature: float, seed: int | None,
                   ignore_eos: bool, logprobs: int | None, mode: str, cancel: CancelLike, trace_layers: bool,
-                  chunk_tokens: int, attention_batch: int = 1):
+                  chunk_tokens: int, attention_batch: int = 1, misses: str | None = None):
         if not self._lock.acquire(blocking=False):
             raise RuntimeError("Engine.generate() while another request is running (one at a time)")
         store, counters = self.store, self.counters
@@ -519,7 +523,7 @@ class Engine:
             yield event
             while event.token_id not in eos and n_out < max_tokens:
                 check_cancel(cancel)
-                logits = self._decode(event.token_id, pos, cancel)
+                logits = self._decode(event.token_id, pos, cancel, misses)
                 self._kv_tokens.append(event.token_id)
                 pos += 1
                 event = self._sample(sampler, logits)
@@ -538,7 +542,7 @@ class Engine:
                 prefill_start=prefill_start, prefill_end=prefill_end, first_token=first_token,
                 finish_reason=finish, slot_hits=store.slot_request.hits, slot_misses=store.slot_request.misses,
                 decode_steps_whole=self.decoder.steps["whole"] - steps0["whole"],
-                decode_steps_per_layer=self.decoder.steps["per_layer"] - steps0["per_layer"],
+                decode_steps_per_layer=self.decoder.steps["per_layer"] - steps0["per_layer"], decode_misses=misses,
                 peak_device_bytes=(int(torch.cuda.max_memory_allocated(self.device))
                                    if self.device.type == "cuda" else None),
                 start_device_bytes=start_bytes, chunk_tokens=chunk_tokens,

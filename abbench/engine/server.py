@@ -168,7 +168,7 @@ async def completions(request: Request) -> Response:
     if req.model is not None and req.model != st.name:
         raise APIError(404, f"the model '{req.model}' does not exist; this server serves '{st.name}'",
                        param="model", code="model_not_found")
-    for field in ("prefill_mode", "chunk_tokens", "attention_batch", "trace_layers"):
+    for field in ("prefill_mode", "chunk_tokens", "attention_batch", "trace_layers", "decode_misses"):
         if getattr(req, field) not in (None, False) and not st.allow_request_overrides:
             raise APIError(400, f"per-request {field} needs the server flag --allow-request-overrides",
                            param=field, code="override_not_allowed")
@@ -178,7 +178,8 @@ async def completions(request: Request) -> Response:
     work = GenerateRequest(prompt_ids=ids, max_tokens=req.max_tokens or 16, temperature=req.temperature,
                            seed=req.seed, ignore_eos=req.ignore_eos, logprobs=req.logprobs,
                            prefill_mode=req.prefill_mode, chunk_tokens=req.chunk_tokens,
-                           attention_batch=req.attention_batch, trace_layers=bool(req.trace_layers))
+                           attention_batch=req.attention_batch, trace_layers=bool(req.trace_layers),
+                           decode_misses=req.decode_misses)
     queued = time.perf_counter()
     try:
         await st.service.acquire(request)

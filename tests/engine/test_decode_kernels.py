@@ -217,11 +217,11 @@ def test_the_kernel_check_runs_and_every_candidate_agrees(tmp_path, capsys):
     assert "PASS" in capsys.readouterr().out
 
 
-def _decode(engine, prompts: list[list[int]], n: int = 4) -> list[list[tuple]]:
+def _decode(engine, prompts: list[list[int]], n: int = 4, **kw) -> list[list[tuple]]:
     out = []
     for p in prompts:
         engine.reset()
-        events, _ = engine.run(p, n, ignore_eos=True, logprobs=3)
+        events, _ = engine.run(p, n, ignore_eos=True, logprobs=3, **kw)
         out.append([(e.token_id, e.top_logprobs) for e in events])
     return out
 
@@ -254,6 +254,18 @@ def test_triton_decode_is_one_path_at_every_slot_budget(model, kernels):
             counted.setdefault(slots, set()).add((st.slot_hits, st.slot_misses, st.decode_h2d_bytes))
     assert all(len(v) == 1 for v in counted.values()), counted  # one policy, counted alike on either side
     assert next(iter(counted[4]))[1] > 0
+    if len(misses) == 2:  # one engine, each request choosing: the two sides hand the slot cache to each other
+        engine = Engine(EngineConfig(**knobs, prefill_mode="chunked", expert_slots_per_layer=4, **kernels))
+        for who in ("host", "device", "host", "device"):
+            events, st = engine.run(prompts[1], 4, ignore_eos=True, logprobs=3, decode_misses=who)
+            assert [(e.token_id, e.top_logprobs) for e in events] == ref[1] and st.decode_misses == who
+        engine.reset()
+        _, a = engine.run(prompts[0], 6, ignore_eos=True, decode_misses="host")  # a cold cache each time
+        engine.reset()
+        _, b = engine.run(prompts[0], 6, ignore_eos=True, decode_misses="device")
+        assert (a.slot_hits, a.slot_misses) == (b.slot_hits, b.slot_misses)
+        _, again = engine.run(prompts[0] + [1], 6, ignore_eos=True, decode_misses="host")  # warm: from device
+        assert again.slot_hits > 0
     grouped = _decode(Engine(EngineConfig(**knobs, prefill_mode="resident", decode_experts="grouped",
                                           decode_attention="torch")), prompts)
     for a, b in zip(ref, grouped):
@@ -333,5 +345,34 @@ def test_device_side_misses_need_the_triton_experts():
         Engine(EngineConfig(**knobs, decode_experts="grouped", decode_misses="device"))
     engine = Engine(EngineConfig(**knobs, decode_experts="grouped"))  # auto: the host handles them
     assert engine.decoder.misses == "host" and engine.decoder.table is None
+    with pytest.raises(ValueError, match="needs decode_experts 'triton'"):  # nor may a request ask for it
+        engine.run([1, 2, 3], 2, decode_misses="device")
+    with pytest.raises(ValueError, match="'host' or 'device'"):
+        engine.run([1, 2, 3], 2, decode_misses="gpu")
+    assert engine.run([1, 2, 3], 3, decode_misses="host")[1].decode_misses == "host"
     assert Engine(EngineConfig(**{**knobs, "expert_slots_per_layer": None}, prefill_mode="resident",
                                decode_experts="grouped")).decoder.misses is None  # nothing can miss
+
+
+def test_the_slot_cache_hands_over_between_host_and_device_and_a_flush_empties_both():
+    """The host's and the device's views of the slot cache each pull the other's changes before use, once; a
+    flush discards what device-side steps did as well (no Triton needed: the table's own copies)."""
+    from collections import OrderedDict
+
+    from abbench.engine.experts import SlotCache
+
+    cfg = PRESETS["tiny"]
+    cache = SlotCache(cfg, 4, torch.device("cpu"), torch.float32)
+    table = cache.attach_table(cfg.num_experts_per_tok)
+    assert cache.attach_table(cfg.num_experts_per_tok) is table and not cache.host_ahead
+    device_view = [OrderedDict() for _ in range(cfg.num_hidden_layers)]
+    device_view[1].update({9: 0, 3: 2})  # as if device-side steps had put experts 9 and 3 in layer 1's slots
+    table.push(device_view, [[s for s in (3, 2, 1, 0) if s not in d.values()] for d in device_view])
+    table.ahead = True
+    assert cache.layer_slots(1) == {9: 0, 3: 2} and list(cache.lru[1]) == [9, 3]  # pulled, oldest first
+    assert cache.free[1] == [3, 1] and cache.loaded == 2 and not table.ahead
+    table.ahead = True  # more device-side steps, then a flush: nothing of theirs may come back
+    cache.flush()
+    assert cache.layer_slots(1) == {} and cache.host_ahead
+    cache.sync_device()  # the next device-side step starts from the empty cache
+    assert not cache.host_ahead and (table.slot_of == -1).all() and (table.expert_of == -1).all()

@@ -95,7 +95,8 @@ class ScriptedEngine:
         self.active = self.max_active = self.resets = 0
 
     def generate(self, prompt_ids, max_tokens, *, temperature=0.0, seed=None, ignore_eos=False, logprobs=None,
-                 prefill_mode=None, cancel=None, trace_layers=False, chunk_tokens=None, attention_batch=None):
+                 prefill_mode=None, cancel=None, trace_layers=False, chunk_tokens=None, attention_batch=None,
+                 decode_misses=None):
         if len(prompt_ids) + max_tokens > self.config.max_context:
             raise ContextOverflow(f"{len(prompt_ids)} + {max_tokens} > {self.config.max_context}")
         self.active += 1
@@ -416,7 +417,7 @@ def test_cli_main_serves_and_refuses_overrides_by_default():
             assert client.get("/health").status_code == 200
             r = client.post("/v1/completions", json=greedy("Hello", max_tokens=2))
             assert r.status_code == 200 and len(r.json()["choices"][0]["token_ids"]) == 2
-            for field, value in (("prefill_mode", "layer-major"), ("chunk_tokens", 64)):
+            for field, value in (("prefill_mode", "layer-major"), ("chunk_tokens", 64), ("decode_misses", "host")):
                 refused = client.post("/v1/completions", json=greedy("Hello", max_tokens=2, **{field: value}))
                 assert assert_openai_error(refused, 400, field)["code"] == "override_not_allowed"
     finally:
