@@ -254,18 +254,17 @@ def test_triton_decode_is_one_path_at_every_slot_budget(model, kernels):
             counted.setdefault(slots, set()).add((st.slot_hits, st.slot_misses, st.decode_h2d_bytes))
     assert all(len(v) == 1 for v in counted.values()), counted  # one policy, counted alike on either side
     assert next(iter(counted[4]))[1] > 0
-    if len(misses) == 2:  # one engine, each request choosing: the two sides hand the slot cache to each other
-        engine = Engine(EngineConfig(**knobs, prefill_mode="chunked", expert_slots_per_layer=4, **kernels))
-        for who in ("host", "device", "host", "device"):
-            events, st = engine.run(prompts[1], 4, ignore_eos=True, logprobs=3, decode_misses=who)
-            assert [(e.token_id, e.top_logprobs) for e in events] == ref[1] and st.decode_misses == who
-        engine.reset()
-        _, a = engine.run(prompts[0], 6, ignore_eos=True, decode_misses="host")  # a cold cache each time
-        engine.reset()
-        _, b = engine.run(prompts[0], 6, ignore_eos=True, decode_misses="device")
-        assert (a.slot_hits, a.slot_misses) == (b.slot_hits, b.slot_misses)
-        _, again = engine.run(prompts[0] + [1], 6, ignore_eos=True, decode_misses="host")  # warm: from device
-        assert again.slot_hits > 0
+    if len(misses) == 2:  # each request choosing: the two sides hand the warm slot cache to each other
+        mixed, device = (Engine(EngineConfig(**knobs, prefill_mode="chunked", expert_slots_per_layer=4, **kernels))
+                         for _ in range(2))
+        p = prompts[1]
+        for prompt, who in ((p, "host"), (p + [7], "device"), (p + [7, 9], "host"), (prompts[0], "device")):
+            a_events, a = mixed.run(prompt, 4, ignore_eos=True, logprobs=3, decode_misses=who)
+            b_events, b = device.run(prompt, 4, ignore_eos=True, logprobs=3)  # the device's all the way
+            assert [(e.token_id, e.top_logprobs) for e in a_events] == [(e.token_id, e.top_logprobs)
+                                                                       for e in b_events]
+            assert (a.slot_hits, a.slot_misses) == (b.slot_hits, b.slot_misses)  # the same cache, step by step
+            assert (a.decode_misses, b.decode_misses) == (who, "device")
     grouped = _decode(Engine(EngineConfig(**knobs, prefill_mode="resident", decode_experts="grouped",
                                           decode_attention="torch")), prompts)
     for a, b in zip(ref, grouped):
