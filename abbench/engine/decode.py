@@ -12,10 +12,17 @@ Contract:
   bitwise equal (checked on CPU and on CUDA):
   * **whole step** when no expert can miss (resident, or a slot cache that holds every expert of every layer
     with expert e in slot e): embedding, all layers and the logits in one go, no host sync;
-  * **per layer** when experts can miss: per layer the attention half runs, the router's choice is read
-    back (one host sync per layer: an offloaded decode must know which experts to fetch), the misses are
-    copied from the host bank into the layer's slots (counted), the slot ids are written to a device
-    buffer, and the MoE half runs;
+  * **per layer** when experts can miss and the host handles the misses (``misses="host"``): per layer the
+    attention half runs, the router's choice is read back (one host sync per layer), the host looks up the
+    slot cache, copies the misses from the host bank into the layer's slots (counted), writes the slot ids
+    to a device buffer, and the MoE half runs;
+  * **whole step with the misses on the device** (``misses="device"``, Triton's experts): per layer, after the
+    router, ``ExpertStore.decode_fetch`` looks the routed experts up in the slot cache's device-side table
+    (the host's LRU policy as a kernel) and copies the misses with a kernel that reads the registered host
+    bank over PCIe, so the step is one graph and never waits for the host. The same policy as the host's, so
+    the two ways pick the same slots and decode bitwise alike; ``step(misses=...)`` chooses per step, each
+    side catching up with the other's changes first (``SlotCache.sync_device`` / ``sync_host``). The
+    default is the engine's (``EngineConfig.decode_misses``: "auto" = device with Triton's experts);
   * on CUDA, when ``graphs`` is true, each of these pieces is captured once per ``kv_len`` as a CUDA graph
     and replayed (the whole step as one graph; per layer one graph for the attention half and one for the
     MoE half), which removes the per-kernel launch cost that dominates eager decode (~80 kernels a layer).
