@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import sys
 import time
@@ -63,15 +64,12 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-DEVICE = "cuda"
-KERNELS: dict[str, str] = {}  # --decode-experts / --decode-attention, for every engine built here
-
-
 def _engine(model, mode: str, **kw) -> Engine:
-    return Engine(EngineConfig(model=model, weights="random:0", device=DEVICE, dtype="bfloat16", prefill_mode=mode,
+    """An engine of the check's shape; ``kw``: the device, decode kernels and whatever else differs."""
+    return Engine(EngineConfig(model=model, weights="random:0", dtype="bfloat16", prefill_mode=mode,
                                chunk_tokens=2048, layer_major_window_tokens=65536, demand_max_tokens=256,
                                max_context=kw.pop("max_context"), bandwidth_probe_bytes=256 * 2**20,
-                               **KERNELS, **kw))
+                               **kw))
 
 
 def _decode(engine: Engine, prompt: list[int], n: int, mode: str = "chunked") -> tuple[list[int], torch.Tensor]:
@@ -198,13 +196,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="decode's attention in every engine built here (EngineConfig.decode_attention; default "
                     "auto, as the engine's)")
     args = ap.parse_args(argv)
-    KERNELS.clear()
-    KERNELS.update(decode_experts=args.decode_experts, decode_attention=args.decode_attention)
     if args.device != "cpu" and not torch.cuda.is_available():
         print("gpucheck needs CUDA", file=sys.stderr)
         return 2
-    global DEVICE
-    DEVICE = args.device
+    engine = functools.partial(_engine, device=args.device, decode_experts=args.decode_experts,
+                               decode_attention=args.decode_attention)  # every engine built here
     full = PRESETS[args.preset]
     extra = {"layer_types": full.layer_types[:args.layers]} if full.is_hybrid else {}
     if full.is_qwen4:  # PLE only on the layers kept
@@ -217,9 +213,9 @@ def main(argv: list[str] | None = None) -> int:
                     "prompt_tokens": args.prompt_tokens, "groups": _groups_check(args.device)}
     ok = report["groups"]["ok"]
 
-    resident = _engine(model, "resident", max_context=ctx)
+    resident = engine(model, "resident", max_context=ctx)
     ref_ids, ref_logits = _decode(resident, prompt, args.decode_tokens)
-    eager_res = _engine(model, "resident", max_context=ctx, decode_graphs=False)
+    eager_res = engine(model, "resident", max_context=ctx, decode_graphs=False)
     eager_ids, eager_logits = _decode(eager_res, prompt, args.decode_tokens)
     decode = {"resident_graphs_vs_eager": eager_ids == ref_ids and bool(torch.equal(eager_logits, ref_logits))}
     prefill = {}
@@ -227,11 +223,11 @@ def main(argv: list[str] | None = None) -> int:
     # the regime of a budgeted service) and every expert
     e, k = model.num_experts, model.num_experts_per_tok
     for slots in sorted({k, min(37, e), max(k, e - e // 8), e}):
-        eng = _engine(model, "chunked", max_context=ctx, expert_slots_per_layer=slots)
+        eng = engine(model, "chunked", max_context=ctx, expert_slots_per_layer=slots)
         ids, logits = _decode(eng, prompt, args.decode_tokens)
         decode[f"slots_{slots}_vs_resident"] = ids == ref_ids and bool(torch.equal(logits, ref_logits))
         if slots < model.num_experts:  # the host's lookups and copies too (decode_misses "host")
-            host = _engine(model, "chunked", max_context=ctx, expert_slots_per_layer=slots, decode_misses="host")
+            host = engine(model, "chunked", max_context=ctx, expert_slots_per_layer=slots, decode_misses="host")
             ids_h, logits_h = _decode(host, prompt, args.decode_tokens)
             decode[f"slots_{slots}_host_vs_resident"] = ids_h == ref_ids and bool(torch.equal(logits_h, ref_logits))
             if host.decoder.misses != eng.decoder.misses:  # both ways exist for these kernels: time both
