@@ -95,9 +95,15 @@ class Decoder:
         cfg, dev = model.cfg, model.device
         # who handles the slot cache's misses by default: None (resident experts), "host" or "device" (module
         # docstring); a request may ask for the other (``step(misses=...)``) where the experts are Triton's
-        self.misses = None if store.slots is None else self._misses(misses, experts)
         self.table = (store.slots.attach_table(cfg.num_experts_per_tok)
                       if store.slots is not None and experts == "triton" else None)
+        self.misses = None
+        if store.slots is not None:
+            if misses not in DECODE_MISSES:
+                raise ValueError(f"decode_misses must be one of {DECODE_MISSES}, got {misses!r}")
+            self.misses = "host"  # so that check_misses judges the default like a request's choice
+            self.misses = self.check_misses(("device" if self.table is not None else "host") if misses == "auto"
+                                            else misses)
         self.n_layers, self.k = cfg.num_hidden_layers, cfg.num_experts_per_tok
         self.token = torch.zeros(1, dtype=torch.long, device=dev)  # [1]
         self.pos = torch.zeros(1, dtype=torch.long, device=dev)  # [1]
@@ -146,18 +152,6 @@ class Decoder:
             return decode_kernels.moe_one_token(h, top_w, top_ids, gate_up, down, residual=x)  # [1, H]
 
         return moe
-
-    def _misses(self, misses: str, experts: str) -> str:
-        """"device" (the slot lookup and the miss copies in the step's kernels) or "host"; "auto": device where
-        decode's experts are Triton's. ValueError for an unknown name or "device" with other experts."""
-        if misses not in DECODE_MISSES:
-            raise ValueError(f"decode_misses must be one of {DECODE_MISSES}, got {misses!r}")
-        if misses == "auto":
-            return "device" if experts == "triton" else "host"
-        if misses == "device" and experts != "triton":
-            raise ValueError(f"decode_misses 'device' needs decode_experts 'triton' (its kernels read the slot ids "
-                             f"on the device); decode_experts is {experts!r}")
-        return misses
 
     def _attention_kernel(self, attention: str) -> str:
         """``model.decode_attend``'s kernel; ValueError for an unknown name, a model whose decode attention is
@@ -267,7 +261,7 @@ class Decoder:
                     store.slots.sync_device()  # the host's lookups or flush since the last device-side step
                 self._run(("whole", kv_len, on_device), lambda: self._whole(kv_len, on_device))
                 if on_device:
-                    self.table.ahead = True
+                    self.table.ahead = self.table.uncounted = True
                 return self.logits
             self.steps["per_layer"] += 1
             self._run(("embed",), self._embed)

@@ -234,6 +234,7 @@ class DeviceSlotTable:
         self.slots = torch.zeros((L, top_k), dtype=torch.long, device=device)
         self.src = torch.full((L, top_k), -1, dtype=torch.int32, device=device)
         self.ahead = False  # device steps ran since the host's view was last pulled
+        self.uncounted = False  # device steps ran since the counts were last taken
 
     def push(self, lru: list[OrderedDict[int, int]], free: list[list[int]]) -> None:
         """Write the host's view: each layer's experts in recency order (oldest first), its free slots."""
@@ -266,13 +267,18 @@ class DeviceSlotTable:
         return lru, free
 
     def take_counts(self) -> tuple[int, int]:
-        """(hits, misses) since the last call (one device read), and zero them."""
+        """(hits, misses) since the last call (one device read, none when no lookup ran), and zero them."""
+        if not self.uncounted:
+            return 0, 0
         hits, misses = self.counts.tolist()
         self.counts.zero_()
+        self.uncounted = False
         return int(hits), int(misses)
 
     def lookup(self, layer: int, top_ids: torch.Tensor) -> None:
-        """``decode_kernels.assign_slots`` for ``layer``: the result in ``slots[layer]`` / ``src[layer]``."""
+        """``decode_kernels.assign_slots`` for ``layer``: the result in ``slots[layer]`` / ``src[layer]``. (A
+        graph's replay runs it without this call: the decoder marks the counts after each device-side step.)"""
+        self.uncounted = True
         decode_kernels.assign_slots(top_ids, self.slot_of[layer], self.expert_of[layer], self.stamp[layer],
                                     self.tick, self.counts, self.slots[layer], self.src[layer], self.identity)
 
