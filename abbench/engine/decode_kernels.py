@@ -436,12 +436,13 @@ def _as_bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def fetch_misses(src: torch.Tensor, slots: torch.Tensor, host_gate_up: torch.Tensor, host_down: torch.Tensor,
-                 gate_up: torch.Tensor, down: torch.Tensor, chunks: int = 32, block: int = 4096) -> None:
+                 gate_up: torch.Tensor, down: torch.Tensor, chunks: int = 32, block: int = 4096,
+                 warps: int = 4) -> None:
     """Copy the missed experts (``src`` [k] int32, -1 for a hit) of one layer from the host bank (host_gate_up
     [E, 2I, H], host_down [E, H, I], page-locked and registered when the slots are on CUDA) into their slots
     (``slots`` [k]) of gate_up [S, 2I, H] / down [S, H, I]: one kernel of k x ``chunks`` programs whose loads
     read host memory directly over PCIe (zero-copy), so the host never learns which experts missed. Bitwise
-    copies. A hit's programs return at once."""
+    copies. A hit's programs return at once. ``block`` elements per load, ``warps`` warps per program."""
     if triton is None:
         raise RuntimeError("fetch_misses needs Triton")
     if not all(t.is_contiguous() for t in (host_gate_up, host_down, gate_up, down)):
@@ -454,7 +455,8 @@ def fetch_misses(src: torch.Tensor, slots: torch.Tensor, host_gate_up: torch.Ten
     if gate_up.is_cuda and not host_gate_up.is_cuda:
         hg, hd = _Mapped(hg), _Mapped(hd)
     _fetch_misses[(src.shape[0], chunks)](src, slots, hg, hd, _as_bits(gate_up), _as_bits(down), N_GU=n_gu,
-                                          N_DN=n_dn, PER_GU=per_gu, PER_DN=per_dn, BLOCK=block)
+                                          N_DN=n_dn, PER_GU=per_gu, PER_DN=per_dn, BLOCK=block,
+                                          num_warps=warps)
 
 
 def moe_one_token(h: torch.Tensor, top_w: torch.Tensor, top_ids: torch.Tensor, gate_up: torch.Tensor,

@@ -102,10 +102,15 @@ def _time_steps(engine: Engine, prompt: list[int], n: int, fill_all: bool = Fals
             "mode": engine.decoder.mode}
 
 
+# (programs per expert, elements per load, warps per program): the kernel's default (32, 4096, 4) and its neighbours
+FETCH_VARIANTS = [(16, 4096, 4), (32, 4096, 4), (64, 4096, 4), (128, 4096, 4), (32, 4096, 8), (32, 8192, 8),
+                  (32, 16384, 8), (64, 8192, 8), (16, 16384, 16), (64, 16384, 8)]
+
+
 def fetch_bandwidth(engine: Engine, trials: int = 5) -> list[dict]:
     """CUDA: GB/s (1e9 bytes/s) of copying n missed experts of layer 0 into their slots, n = 1, 2, 4 and top_k:
     the device-side fetch kernel (``decode_kernels.fetch_misses``, zero-copy reads of the registered host bank)
-    at several program counts, against the host's copies (two per expert, as ``ExpertStore.decode_experts``
+    at several program counts, load widths and warps (``FETCH_VARIANTS``), against the host's copies (two per expert, as ``ExpertStore.decode_experts``
     issues them). The best of ``trials`` timed repeats each, after a warm-up; ``equal``: the slots hold the
     bank's bits afterwards."""
     from . import decode_kernels
@@ -138,13 +143,15 @@ def fetch_bandwidth(engine: Engine, trials: int = 5) -> list[dict]:
 
         moved = n * bank.expert_bytes
         row = {"experts": n, "bytes": moved, "dma_gbps": moved / timed(dma) / 1e9}
-        for chunks in (16, 32, 64, 128):
+        for chunks, block, warps in FETCH_VARIANTS:
             slots.gate_up[0].zero_()
             slots.down[0].zero_()
             s = timed(lambda: decode_kernels.fetch_misses(src, where, bank.gate_up[0], bank.down[0],
-                                                          slots.gate_up[0], slots.down[0], chunks=chunks))
-            row[f"fetch_{chunks}_gbps"] = moved / s / 1e9
-            row[f"fetch_{chunks}_equal"] = all(
+                                                          slots.gate_up[0], slots.down[0], chunks=chunks,
+                                                          block=block, warps=warps))
+            name = f"fetch_c{chunks}_b{block}_w{warps}"
+            row[f"{name}_gbps"] = moved / s / 1e9
+            row[f"{name}_equal"] = all(
                 torch.equal(slots.gate_up[0][j].cpu(), bank.gate_up[0][e])
                 and torch.equal(slots.down[0][j].cpu(), bank.down[0][e]) for j, e in enumerate(experts))
         rows.append(row)
