@@ -29,6 +29,8 @@ Contract:
 
 from __future__ import annotations
 
+import functools
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -240,13 +242,22 @@ def probe_grouped_mm(device: torch.device, dtype: torch.dtype) -> bool:
         return False
 
 
+@functools.lru_cache(maxsize=None)
 def probe_graph_capture(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether torch._grouped_mm can be captured in a CUDA graph on this device/dtype. It runs for float32 on
     CUDA too (torch 2.11), but through a fallback that reads the group offsets back to the host, which graph
     capture refuses ("Cannot copy between CPU and CUDA tensors during CUDA graph capture"); the bf16 kernel on
-    Hopper captures. False off CUDA and wherever the capture fails (the failed capture is discarded)."""
+    Hopper captures. False off CUDA and wherever the capture fails (the failed capture is discarded, and with it
+    torch's "The CUDA Graph is empty" warning, which is this probe's expected outcome, not a fault). Asked once
+    per process for each (device, dtype): every engine and decoder built afterwards reuses the answer."""
     if device.type != "cuda" or not hasattr(torch, "_grouped_mm"):
         return False
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The CUDA Graph is empty")
+        return _capture_grouped_mm(device, dtype)
+
+
+def _capture_grouped_mm(device: torch.device, dtype: torch.dtype) -> bool:
     x = torch.ones(24, 32, device=device, dtype=dtype)  # [M, K]
     w = torch.ones(4, 16, 32, device=device, dtype=dtype)  # [G, N, K]
     offs = torch.tensor([5, 5, 17, 24], dtype=torch.int32, device=device)  # [G]
