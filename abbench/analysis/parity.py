@@ -116,7 +116,8 @@ def flip_verdict(own: int | None, other: int | None, top_own: Any, top_other: An
     "broken", the largest gap of the sides that show one, why). A near-tie flip needs at least one side with two
     entries, and on every such side its own choice first and the other's choice among its entries, less than
     ``tolerance`` nats below (the gap). A side whose list stops before the other's choice cannot show a near
-    tie: broken."""
+    tie: broken; the reason says how far below its best the other's choice lies at least (its last entry), and,
+    where that bound is within the tolerance, that more logprobs could settle it."""
     if own is None or other is None:
         return "broken", None, "the outputs differ in length"
     gaps: list[float] = []
@@ -126,9 +127,15 @@ def flip_verdict(own: int | None, other: int | None, top_own: Any, top_other: An
             continue
         ranked = sorted(((int(t[0]), num(t[1])) for t in top if num(t[1]) is not None), key=lambda t: -t[1])
         ids, lp = [i for i, _ in ranked], dict(reversed(ranked))  # an id listed twice: its best
-        if theirs not in lp:
-            return "broken", None, (f"token {theirs} is not the runner-up where {mine} was chosen" if len(ranked) <= 2
-                                    else f"token {theirs} is not among the top {len(ranked)} where {mine} was chosen")
+        if theirs not in lp:  # below the last entry captured: at least that far under this side's best
+            shown = (f"token {theirs} is not the runner-up where {mine} was chosen" if len(ranked) <= 2
+                     else f"token {theirs} is not among the top {len(ranked)} where {mine} was chosen")
+            floor = ranked[0][1] - ranked[-1][1]
+            if floor >= tolerance:
+                return "broken", None, f"{shown}: at least {floor:.4f} nats below, not within {tolerance:g}"
+            return "broken", None, (f"{shown} (at least {floor:.4f} nats below, which the {tolerance:g}-nat "
+                                    f"tolerance allows): too few logprobs captured to show a near tie; ask for "
+                                    f"more (request.logprobs)")
         if mine not in lp:
             return "broken", None, f"token {mine} was chosen but is not among its own top {len(ranked)}"
         gap = lp[mine] - ranked[0][1]

@@ -780,8 +780,11 @@ def test_flip_verdict_rules() -> None:
     assert flip_verdict(1, 2, [(1, -0.5), (3, -0.51), (2, -0.6)], None, 0.05)[0] == "broken"  # third, 0.1 below
     v, _, why = flip_verdict(1, 2, [(1, -0.5), (3, -0.51)], [(2, -0.5), (1, -0.51)], 0.05)
     assert v == "broken" and "not the runner-up" in why  # top-2 only on this side: 2 is not shown there
+    assert "at least 0.0100 nats below" in why and "ask for more" in why  # within the tolerance: more would tell
     v, _, why = flip_verdict(1, 2, [(1, -0.5), (3, -0.51), (4, -0.52)], None, 0.05)
-    assert v == "broken" and "not among the top 3" in why
+    assert v == "broken" and "not among the top 3" in why and "ask for more" in why
+    v, _, why = flip_verdict(1, 2, [(1, -0.5), (3, -0.6)], [(2, -0.5), (1, -0.51)], 0.05)
+    assert v == "broken" and "at least 0.1000 nats below, not within 0.05" in why and "ask for more" not in why
     assert flip_verdict(1, 2, [(3, -0.5), (1, -0.51), (2, -0.52)], None, 0.05)[0] == "broken"  # 1 not greedy
     assert flip_verdict(1, 2, [(3, -0.5), (2, -0.51)], None, 0.05)[0] == "broken"  # 1 not in its own list
     assert flip_verdict(1, 2, [(1, -0.5), (2, -0.51)], [(2, -0.5), (1, -0.9)], 0.05)[0] == "broken"  # other side clear
