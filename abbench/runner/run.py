@@ -42,6 +42,8 @@ Contract:
 
 from __future__ import annotations
 
+import os
+
 import logging
 import time
 from collections.abc import Callable
@@ -572,5 +574,14 @@ class Run:
 
 
 def check_run_dir_free(run_dir: Path) -> None:
+    """Refuse, before any prompt is built, a ``--out`` that holds a run or that cannot become a directory (a file
+    there, or a file or an unwritable folder on the way): the same errors opening the run would give later."""
     if (run_dir / "run.json").exists():
         raise ConfigError(f"--out {run_dir}: a run already exists there; choose another directory or use --resume")
+    where = run_dir
+    while not where.exists() and where.parent != where:
+        where = where.parent  # the nearest part of the path that exists
+    blocked = (f"{where} is a file" if not where.is_dir()
+               else None if os.access(where, os.W_OK | os.X_OK) else f"{where} is not writable")
+    if blocked:
+        raise ConfigError(f"run directory {run_dir}: cannot write there ({blocked}); choose another --out")

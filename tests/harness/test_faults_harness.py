@@ -164,9 +164,11 @@ def test_port_taken_between_pick_and_launch(tmp_path: Path, monkeypatch: pytest.
 def test_out_that_is_a_file_is_a_clear_error(tmp_path: Path) -> None:
     (tmp_path / "taken").write_text("not a directory")
     prof = fk.write_profile(tmp_path / "p.toml", fk.fake_profile(fk.new_mark()))
-    res = fk.abbench("run", "-p", str(prof), "--out", str(tmp_path / "taken"), "-q", cwd=tmp_path)
-    assert res.returncode == 2 and "Traceback" not in res.stderr
-    assert "cannot write there" in fk.flat(res.stderr) and "choose another --out" in fk.flat(res.stderr)
+    for out in (tmp_path / "taken", tmp_path / "taken" / "run"):  # a file there, or on the way
+        res = fk.abbench("run", "-p", str(prof), "--out", str(out), "-q", cwd=tmp_path)
+        assert res.returncode == 2 and "Traceback" not in res.stderr
+        assert "cannot write there" in fk.flat(res.stderr) and "choose another --out" in fk.flat(res.stderr)
+        assert "is a file" in fk.flat(res.stderr)
 
 
 # ------------------------------------------------------------------------------- a service that dies
