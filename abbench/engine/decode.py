@@ -101,9 +101,8 @@ class Decoder:
         if store.slots is not None:
             if misses not in DECODE_MISSES:
                 raise ValueError(f"decode_misses must be one of {DECODE_MISSES}, got {misses!r}")
-            self.misses = "host"  # so that check_misses judges the default like a request's choice
-            self.misses = self.check_misses(("device" if self.table is not None else "host") if misses == "auto"
-                                            else misses)
+            self.misses = self._valid_misses(("device" if self.table is not None else "host") if misses == "auto"
+                                             else misses)  # judged as a request's choice is
         self.n_layers, self.k = cfg.num_hidden_layers, cfg.num_experts_per_tok
         self.token = torch.zeros(1, dtype=torch.long, device=dev)  # [1]
         self.pos = torch.zeros(1, dtype=torch.long, device=dev)  # [1]
@@ -179,6 +178,10 @@ class Decoder:
         experts."""
         if misses is None or self.misses is None:
             return self.misses
+        return self._valid_misses(misses)
+
+    def _valid_misses(self, misses: str) -> str:
+        """``misses`` if this engine can handle misses that way; ValueError otherwise (``check_misses``)."""
         if misses not in ("host", "device"):
             raise ValueError(f"decode_misses must be 'host' or 'device', got {misses!r}")
         if misses == "device" and self.table is None:

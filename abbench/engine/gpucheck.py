@@ -110,8 +110,8 @@ FETCH_VARIANTS = [(16, 4096, 4), (32, 4096, 4), (64, 4096, 4), (128, 4096, 4), (
 def fetch_bandwidth(engine: Engine, trials: int = 5) -> list[dict]:
     """CUDA: GB/s (1e9 bytes/s) of copying n missed experts of layer 0 into their slots, n = 1, 2, 4 and top_k:
     the device-side fetch kernel (``decode_kernels.fetch_misses``, zero-copy reads of the registered host bank)
-    at several program counts, load widths and warps (``FETCH_VARIANTS``), against the host's copies (two per expert, as ``ExpertStore.decode_experts``
-    issues them). The best of ``trials`` timed repeats each, after a warm-up; ``equal``: the slots hold the
+    at several program counts, load widths and warps (``FETCH_VARIANTS``), against the host's copies (two per
+    expert, as ``ExpertStore.decode_experts`` issues them). The best of ``trials`` timed repeats each, after a warm-up; ``equal``: the slots hold the
     bank's bits afterwards."""
     from . import decode_kernels
 
