@@ -18,8 +18,10 @@ Contract:
     to a device buffer, and the MoE half runs;
   * **whole step with the misses on the device** (``misses="device"``, Triton's experts): per layer, after the
     router, ``ExpertStore.decode_fetch`` looks the routed experts up in the slot cache's device-side table
-    (the host's LRU policy as a kernel) and copies the misses with a kernel that reads the registered host
-    bank over PCIe, so the step is one graph and never waits for the host. The same policy as the host's, so
+    (the host's LRU policy as a kernel), and the experts' kernels read the misses from the registered host
+    bank over PCIe, computing with them while they store them into their slots
+    (``decode_kernels.moe_one_token``'s ``fetch``), so the step is one graph that never waits for the host
+    and the copies overlap the hit experts' work. The same policy as the host's, so
     the two ways pick the same slots and decode bitwise alike; ``step(misses=...)`` chooses per step, each
     side catching up with the other's changes first (``SlotCache.sync_device`` / ``sync_host``). The
     default is the engine's (``EngineConfig.decode_misses``: "auto" = device with Triton's experts);
@@ -147,8 +149,8 @@ class Decoder:
             raise ValueError("decode_experts 'triton' needs Triton (a CUDA build of torch ships it)")
 
         def moe(x: torch.Tensor, h: torch.Tensor, top_w: torch.Tensor, top_ids: torch.Tensor,
-                gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-            return decode_kernels.moe_one_token(h, top_w, top_ids, gate_up, down, residual=x)  # [1, H]
+                gate_up: torch.Tensor, down: torch.Tensor, fetch: tuple | None = None) -> torch.Tensor:
+            return decode_kernels.moe_one_token(h, top_w, top_ids, gate_up, down, residual=x, fetch=fetch)  # [1, H]
 
         return moe
 
@@ -203,9 +205,11 @@ class Decoder:
         for layer in range(self.n_layers):
             x, h, top_w, top_ids = m.decode_attn_block(layer, x, self.kv, self.pos, kv_len)  # [1, H] x2, [1, k] x2
             gate_up, down = self.store.decode_weights(layer)  # resident or identity slots: expert e in row e
-            if table is not None:  # the slots' bookkeeping and miss copies on the device
-                top_ids = self.store.decode_fetch(layer, top_ids)  # [1, k] slot ids
-            x = self.moe(x, h, top_w, top_ids, gate_up, down)  # [1, H]
+            if table is None:
+                x = self.moe(x, h, top_w, top_ids, gate_up, down)  # [1, H]
+            else:  # the slots' bookkeeping on the device; the experts' kernels read the misses from the host
+                slot_ids, fetch = self.store.decode_fetch(layer, top_ids)  # [1, k] slot ids, the misses
+                x = self.moe(x, h, top_w, slot_ids, gate_up, down, fetch=fetch)  # [1, H]
         self.logits.copy_(m.logits(x))
 
     def _embed(self) -> None:

@@ -48,14 +48,19 @@ def have_triton() -> bool:
 
 if triton is not None:
     @triton.jit
-    def _gate_up_act(h_ptr, w_ptr, ids_ptr, out_ptr, H: tl.constexpr, I: tl.constexpr, stride_we, stride_wn,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _gate_up_act(h_ptr, w_ptr, ids_ptr, out_ptr, src_ptr, host_ptr, H: tl.constexpr, I: tl.constexpr,
+                     stride_we, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FETCH: tl.constexpr):
         j = tl.program_id(0)  # routed slot 0..k-1
         nb = tl.program_id(1)
         e = tl.load(ids_ptr + j).to(tl.int64)
         rows = nb * BLOCK_N + tl.arange(0, BLOCK_N)
         rmask = rows < I
         base = w_ptr + e * stride_we
+        read = base
+        if FETCH:  # a miss (src >= 0): read the expert from the host bank and leave a copy in its slot
+            miss = tl.load(src_ptr + j).to(tl.int64)
+            if miss >= 0:
+                read = host_ptr + miss * stride_we
         acc_g = tl.zeros([BLOCK_N], dtype=tl.float32)
         acc_u = tl.zeros([BLOCK_N], dtype=tl.float32)
         for k0 in range(0, H, BLOCK_K):
@@ -63,17 +68,22 @@ if triton is not None:
             cmask = cols < H
             x = tl.load(h_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
             m = rmask[:, None] & cmask[None, :]
-            wg = tl.load(base + rows[:, None] * stride_wn + cols[None, :], mask=m, other=0.0).to(tl.float32)
-            wu = tl.load(base + (rows[:, None] + I) * stride_wn + cols[None, :], mask=m, other=0.0).to(tl.float32)
-            acc_g += tl.sum(wg * x[None, :], axis=1)
-            acc_u += tl.sum(wu * x[None, :], axis=1)
+            g_off = rows[:, None] * stride_wn + cols[None, :]
+            u_off = (rows[:, None] + I) * stride_wn + cols[None, :]
+            wg = tl.load(read + g_off, mask=m, other=0.0)
+            wu = tl.load(read + u_off, mask=m, other=0.0)
+            if FETCH:
+                tl.store(base + g_off, wg, mask=m & (miss >= 0))
+                tl.store(base + u_off, wu, mask=m & (miss >= 0))
+            acc_g += tl.sum(wg.to(tl.float32) * x[None, :], axis=1)
+            acc_u += tl.sum(wu.to(tl.float32) * x[None, :], axis=1)
         act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
         tl.store(out_ptr + j * I + rows, act, mask=rmask)
 
     @triton.jit
-    def _down_sum(a_ptr, w_ptr, ids_ptr, tw_ptr, res_ptr, out_ptr, H: tl.constexpr, I: tl.constexpr,
-                  K_ROUTED: tl.constexpr, stride_we, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  HAS_RES: tl.constexpr):
+    def _down_sum(a_ptr, w_ptr, ids_ptr, tw_ptr, res_ptr, out_ptr, src_ptr, host_ptr, H: tl.constexpr,
+                  I: tl.constexpr, K_ROUTED: tl.constexpr, stride_we, stride_wn, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr, HAS_RES: tl.constexpr, FETCH: tl.constexpr):
         nb = tl.program_id(0)
         rows = nb * BLOCK_N + tl.arange(0, BLOCK_N)
         rmask = rows < H
@@ -82,21 +92,28 @@ if triton is not None:
             e = tl.load(ids_ptr + j).to(tl.int64)
             wj = tl.load(tw_ptr + j).to(tl.float32)
             base = w_ptr + e * stride_we
+            read = base
+            if FETCH:  # a miss: its rows from the host bank, and a copy of them into its slot
+                miss = tl.load(src_ptr + j).to(tl.int64)
+                if miss >= 0:
+                    read = host_ptr + miss * stride_we
             acc = tl.zeros([BLOCK_N], dtype=tl.float32)
             for k0 in range(0, I, BLOCK_K):
                 cols = k0 + tl.arange(0, BLOCK_K)
                 cmask = cols < I
                 a = tl.load(a_ptr + j * I + cols, mask=cmask, other=0.0)
-                w = tl.load(base + rows[:, None] * stride_wn + cols[None, :],
-                            mask=rmask[:, None] & cmask[None, :], other=0.0).to(tl.float32)
-                acc += tl.sum(w * a[None, :], axis=1)
+                m = rmask[:, None] & cmask[None, :]
+                off = rows[:, None] * stride_wn + cols[None, :]
+                w = tl.load(read + off, mask=m, other=0.0)
+                if FETCH:
+                    tl.store(base + off, w, mask=m & (miss >= 0))
+                acc += tl.sum(w.to(tl.float32) * a[None, :], axis=1)
             total += wj * acc
         y = total.to(out_ptr.dtype.element_ty)  # the experts' sum in the model dtype, as the grouped path's
         if HAS_RES:  # the residual x + y, rounded as torch's x + y
             r = tl.load(res_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
             y = (r + y.to(tl.float32)).to(out_ptr.dtype.element_ty)
         tl.store(out_ptr + rows, y, mask=rmask)
-
 
 if triton is not None:
     @triton.jit
@@ -256,21 +273,23 @@ if triton is not None:
         stamp = tl.where(touched, tl.sum(tl.where(at, base + rank_hit[:, None], 0), axis=0), stamp)
         given = tl.full([KP], -1, tl.int32)  # the slot each miss gets
         evicted = tl.full([KP], -1, tl.int32)  # the expert it held before
+        n_miss = tl.sum(miss.to(tl.int32), axis=0)
         for r in tl.static_range(K):  # misses in ascending expert order, each into the least recently used slot
-            sel = miss & (rank_miss == r)  # [KP] at most one
-            some = tl.sum(sel.to(tl.int32), axis=0) > 0
-            e = tl.sum(tl.where(sel, ids, 0), axis=0)
-            if IDENTITY:
-                victim = e
-            else:
-                oldest = tl.min(stamp, axis=0)
-                victim = tl.min(tl.where(stamp == oldest, s, SP), axis=0)
-            put = (s == victim) & some
-            was = tl.sum(tl.where(put, owner, 0), axis=0)
-            stamp = tl.where(put, base + n_hit + r, stamp)
-            owner = tl.where(put, e, owner)
-            given = tl.where(sel, victim, given)
-            evicted = tl.where(sel, was, evicted)
+            if r < n_miss:  # (a step's misses are few: the rest of the K rounds do nothing)
+                sel = miss & (rank_miss == r)  # [KP] exactly one
+                some = tl.sum(sel.to(tl.int32), axis=0) > 0
+                e = tl.sum(tl.where(sel, ids, 0), axis=0)
+                if IDENTITY:
+                    victim = e
+                else:
+                    oldest = tl.min(stamp, axis=0)
+                    victim = tl.min(tl.where(stamp == oldest, s, SP), axis=0)
+                put = (s == victim) & some
+                was = tl.sum(tl.where(put, owner, 0), axis=0)
+                stamp = tl.where(put, base + n_hit + r, stamp)
+                owner = tl.where(put, e, owner)
+                given = tl.where(sel, victim, given)
+                evicted = tl.where(sel, was, evicted)
         tl.store(stamp_ptr + s, stamp, mask=sm)
         tl.store(expert_of_ptr + s, owner, mask=sm)
         tl.store(slot_of_ptr + evicted, -1, mask=miss & (evicted >= 0))
@@ -278,7 +297,7 @@ if triton is not None:
         tl.store(slots_ptr + j, tl.where(hit, cur, given).to(tl.int64), mask=jm)
         tl.store(src_ptr + j, tl.where(miss, ids, -1), mask=jm)
         tl.store(counts_ptr, tl.load(counts_ptr) + n_hit)
-        tl.store(counts_ptr + 1, tl.load(counts_ptr + 1) + tl.sum(miss.to(tl.int32), axis=0))
+        tl.store(counts_ptr + 1, tl.load(counts_ptr + 1) + n_miss)
 
     @triton.jit
     def _fetch_misses(src_ptr, slots_ptr, host_gu, host_dn, dev_gu, dev_dn, N_GU: tl.constexpr,
@@ -415,7 +434,7 @@ def assign_slots(top_ids: torch.Tensor, slot_of: torch.Tensor, expert_of: torch.
         raise ValueError(f"assign_slots: top_k {k} must be < {STAMP_STEP} and <= the {s} slots")
     _assign_slots[(1,)](top_ids.reshape(-1), slot_of, expert_of, stamp, tick, counts, slots, src, K=k,
                         KP=_next_pow2(k), S=s, SP=_next_pow2(s), IDENTITY=identity, STEP=STAMP_STEP,
-                        NEVER=STAMP_NEVER)
+                        NEVER=STAMP_NEVER, num_warps=1)  # one warp: its reductions need no shared memory
 
 
 class _Mapped:
@@ -461,10 +480,18 @@ def fetch_misses(src: torch.Tensor, slots: torch.Tensor, host_gate_up: torch.Ten
 
 def moe_one_token(h: torch.Tensor, top_w: torch.Tensor, top_ids: torch.Tensor, gate_up: torch.Tensor,
                   down: torch.Tensor, block_n: int = 4, block_k: int = 1024,
-                  residual: torch.Tensor | None = None) -> torch.Tensor:
+                  residual: torch.Tensor | None = None,
+                  fetch: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Routed SwiGLU experts of one token (module docstring): h [1, H], top_w [1, k], top_ids [1, k] indexing
     gate_up [G, 2I, H] and down [G, H, I] -> [1, H] in h's dtype; with ``residual`` [1, H], residual + that
-    (the same bits as ``residual + moe_one_token(...)``, one kernel fewer)."""
+    (the same bits as ``residual + moe_one_token(...)``, one kernel fewer).
+
+    ``fetch`` = (src [k] int32, host_gate_up [E, 2I, H], host_down [E, H, I]): the step's slot-cache misses
+    (``assign_slots``' src: the expert to copy into slot top_ids[j], -1 for a hit). The kernels read a missed
+    expert's weights from the host bank (page-locked and registered when the slots are on CUDA: zero-copy reads
+    over PCIe) instead of its slot, compute with them, and store them into the slot as they go: the copy
+    ``fetch_misses`` makes, bit for bit, with the same arithmetic on the same values (the same result as
+    fetching first), but overlapped with the hit experts' work and with no kernel of its own."""
     if triton is None:
         raise RuntimeError("moe_one_token needs Triton")
     if h.shape[0] != 1 or not (gate_up.stride(-1) == 1 and down.stride(-1) == 1):
@@ -472,16 +499,25 @@ def moe_one_token(h: torch.Tensor, top_w: torch.Tensor, top_ids: torch.Tensor, g
     G, two_i, H = gate_up.shape
     inter, k = two_i // 2, top_ids.shape[1]
     ids = top_ids.reshape(-1).contiguous()  # [k]
+    src, host_gu, host_dn = (ids, gate_up, down) if fetch is None else fetch
+    if fetch is not None:
+        if not all(t.is_contiguous() for t in (host_gu, host_dn, gate_up, down)) or src.shape != (k,):
+            raise ValueError("moe_one_token: a fetch needs src [k] and contiguous expert blocks")
+        if host_gu.shape[1:] != gate_up.shape[1:] or host_dn.shape[1:] != down.shape[1:] \
+                or host_gu.dtype != gate_up.dtype or host_dn.dtype != down.dtype:
+            raise ValueError("moe_one_token: the host bank's experts must be shaped and typed as the slots'")
+        if gate_up.is_cuda and not host_gu.is_cuda:
+            host_gu, host_dn = _Mapped(host_gu), _Mapped(host_dn)
     act = torch.empty(k, inter, dtype=torch.float32, device=h.device)  # [k, I]
-    _gate_up_act[(k, triton.cdiv(inter, block_n))](h.reshape(-1), gate_up, ids, act, H, inter,
+    _gate_up_act[(k, triton.cdiv(inter, block_n))](h.reshape(-1), gate_up, ids, act, src, host_gu, H, inter,
                                                     gate_up.stride(0), gate_up.stride(1),
-                                                    BLOCK_N=block_n, BLOCK_K=block_k)
+                                                    BLOCK_N=block_n, BLOCK_K=block_k, FETCH=fetch is not None)
     out = torch.empty(1, H, dtype=h.dtype, device=h.device)  # [1, H]
     tw = top_w.reshape(-1).contiguous()  # [k], read as float32 in the kernel
     res = out if residual is None else residual.reshape(1, H).contiguous()
-    _down_sum[(triton.cdiv(H, block_n),)](act, down, ids, tw, res, out, H, inter, k, down.stride(0),
-                                         down.stride(1), BLOCK_N=block_n, BLOCK_K=block_k,
-                                         HAS_RES=residual is not None)
+    _down_sum[(triton.cdiv(H, block_n),)](act, down, ids, tw, res, out, src, host_dn, H, inter, k,
+                                         down.stride(0), down.stride(1), BLOCK_N=block_n, BLOCK_K=block_k,
+                                         HAS_RES=residual is not None, FETCH=fetch is not None)
     return out  # [1, H]
 
 

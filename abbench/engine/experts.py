@@ -22,7 +22,7 @@ Contract:
     resident experts), so no grouped call ever sees more than num_experts groups. Hits and misses are
     counted per request and for the engine's lifetime (``SlotStats``).
   * or the slot cache's bookkeeping on the device (``DeviceSlotTable``, ``SlotCache.attach_table``): decode's
-    Triton path looks up and fills the slots itself (``decode_kernels.assign_slots`` / ``fetch_misses``, the
+    Triton path looks up and fills the slots itself (``decode_kernels.assign_slots`` / ``moe_one_token``'s fetch, the
     misses read from the registered host bank over PCIe by the kernel), so a step never waits for the host.
     The host's view (``lru``, ``free``, ``loaded``) is pulled from the table when the host next needs it, and
     the table's hit/miss counts are folded into the accounting by ``collect_decode_counts``.
@@ -471,17 +471,17 @@ class ExpertStore:
             st.hits += hits
             st.misses += misses
 
-    def decode_fetch(self, layer: int, top_ids: torch.Tensor) -> torch.Tensor:
+    def decode_fetch(self, layer: int, top_ids: torch.Tensor
+                     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """``decode_experts`` on the device, for a step that never waits for the host (the slot cache's
-        ``DeviceSlotTable``): look up the routed ``top_ids`` [1, k] of ``layer``, copy the misses from the host
-        bank into their slots (``decode_kernels.fetch_misses``: the kernel reads the registered host memory), and
-        return each routed expert's slot [1, k]. Captures in a CUDA graph; the hits and misses are counted on
-        the device until ``collect_decode_counts``."""
+        ``DeviceSlotTable``): look up the routed ``top_ids`` [1, k] of ``layer`` and return each routed
+        expert's slot [1, k] with the misses to fetch: (src [k], the layer's host bank gate_up, down), for
+        ``decode_kernels.moe_one_token``'s ``fetch``, whose kernels read the misses from the registered host
+        memory and leave them in their slots. Captures in a CUDA graph; the hits and misses are counted on the
+        device until ``collect_decode_counts``."""
         table = self.slots.table
         table.lookup(layer, top_ids)
-        decode_kernels.fetch_misses(table.src[layer], table.slots[layer], self.bank.gate_up[layer],
-                                    self.bank.down[layer], self.slots.gate_up[layer], self.slots.down[layer])
-        return table.slots[layer].view(1, -1)
+        return table.slots[layer].view(1, -1), (table.src[layer], self.bank.gate_up[layer], self.bank.down[layer])
 
     def collect_decode_counts(self) -> None:
         """Fold the device table's hits and misses since the last call into the accounting (each miss copied

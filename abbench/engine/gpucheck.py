@@ -13,8 +13,9 @@ e.g. the ``qwen3.5-35b-a3b`` hybrid) with its first ``--layers`` layers and rand
 4. timing: decode step time per layer at the prompt's context, for the resident whole-step graph, eager
    decode, and the offloaded step at each slot budget with the misses handled on the host and on the device,
    with the bytes each step copied and step / (copies at the measured bandwidth + the resident step); scaled
-   to the preset's full depth as tokens per second; and (CUDA) the bandwidth of the device-side miss copies
-   against the host's copies (``fetch_bandwidth``).
+   to the preset's full depth as tokens per second; and (CUDA) one layer's misses: the device-side copies'
+   bandwidth against the host's copies, and the routed experts' kernels reading their misses from the host
+   against the copy kernel followed by the experts' kernels (``fetch_bandwidth``).
 
 It prints one table and writes every figure to ``--out`` (JSON). Exit status 1 when a check fails.
 """
@@ -102,32 +103,44 @@ def _time_steps(engine: Engine, prompt: list[int], n: int, fill_all: bool = Fals
             "mode": engine.decoder.mode}
 
 
-# (programs per expert, elements per load, warps per program): the kernel's default (32, 4096, 4) and its neighbours
-FETCH_VARIANTS = [(16, 4096, 4), (32, 4096, 4), (64, 4096, 4), (128, 4096, 4), (32, 4096, 8), (32, 8192, 8),
-                  (32, 16384, 8), (64, 8192, 8), (16, 16384, 16), (64, 16384, 8)]
-
-
 def fetch_bandwidth(engine: Engine, trials: int = 5) -> list[dict]:
-    """CUDA: GB/s (1e9 bytes/s) of copying n missed experts of layer 0 into their slots, n = 1, 2, 4 and top_k:
-    the device-side fetch kernel (``decode_kernels.fetch_misses``, zero-copy reads of the registered host bank)
-    at several program counts, load widths and warps (``FETCH_VARIANTS``), against the host's copies (two per
-    expert, as ``ExpertStore.decode_experts`` issues them). The best of ``trials`` timed repeats each, after a warm-up; ``equal``: the slots hold the
-    bank's bits afterwards."""
+    """CUDA: the misses of one layer (layer 0), n = 1, 2, 4 and top_k missed experts of the k routed: GB/s
+    (1e9 bytes/s) of the host's copies (``dma``: two per expert, as ``ExpertStore.decode_experts`` issues
+    them) and of the copy kernel (``fetch``: ``decode_kernels.fetch_misses``, zero-copy reads of the
+    registered host bank), and microseconds of the routed experts' kernels (``moe_one_token``) with every
+    expert already in its slot (``moe_hits_us``: the compute alone), after the copy kernel
+    (``fetch_then_moe_us``) and reading the misses from the host themselves (``fused_us``, the decode path's
+    ``fetch``), whose bandwidth ``fused_gbps`` counts the bytes over the whole of its time. The best of
+    ``trials`` timed repeats each, after a warm-up. ``equal``: the slots hold the bank's bits afterwards and
+    the fused kernels' output is the copy-then-compute output's."""
     from . import decode_kernels
 
     store, dev = engine.store, engine.device
     bank, slots, k = store.bank, store.slots, engine.model_config.num_experts_per_tok
+    H = engine.model_config.hidden_size
+    gen = torch.Generator().manual_seed(0)
+    h = torch.randn(1, H, generator=gen).to(dev, bank.gate_up[0].dtype)
+    x = torch.randn(1, H, generator=gen).to(dev, bank.gate_up[0].dtype)
+    w = torch.softmax(torch.randn(1, k, generator=gen), -1).to(dev)
+    where = torch.arange(k, device=dev)
     rows = []
     for n in sorted({1, 2, 4, k}):
         experts = [3 * j % engine.model_config.num_experts for j in range(n)]
         src = torch.full((k,), -1, dtype=torch.int32, device=dev)
         src[:n] = torch.tensor(experts, dtype=torch.int32)
-        where = torch.arange(k, device=dev)
+        gu, dn = slots.gate_up[0], slots.down[0]
 
         def dma() -> None:
             for j, e in enumerate(experts):
-                slots.gate_up[0][j].copy_(bank.gate_up[0][e], non_blocking=True)
-                slots.down[0][j].copy_(bank.down[0][e], non_blocking=True)
+                gu[j].copy_(bank.gate_up[0][e], non_blocking=True)
+                dn[j].copy_(bank.down[0][e], non_blocking=True)
+
+        def fetch() -> None:
+            decode_kernels.fetch_misses(src, where, bank.gate_up[0], bank.down[0], gu, dn)
+
+        def moe(fused: bool) -> torch.Tensor:
+            return decode_kernels.moe_one_token(h, w, where.view(1, -1), gu, dn, residual=x,
+                                                fetch=(src, bank.gate_up[0], bank.down[0]) if fused else None)
 
         def timed(fn) -> float:
             fn()
@@ -141,19 +154,22 @@ def fetch_bandwidth(engine: Engine, trials: int = 5) -> list[dict]:
                 best = min(best, a.elapsed_time(b) / 1e3)
             return best
 
+        def holds_bank() -> bool:
+            return all(torch.equal(gu[j].cpu(), bank.gate_up[0][e]) and torch.equal(dn[j].cpu(), bank.down[0][e])
+                       for j, e in enumerate(experts))
+
         moved = n * bank.expert_bytes
         row = {"experts": n, "bytes": moved, "dma_gbps": moved / timed(dma) / 1e9}
-        for chunks, block, warps in FETCH_VARIANTS:
-            slots.gate_up[0].zero_()
-            slots.down[0].zero_()
-            s = timed(lambda: decode_kernels.fetch_misses(src, where, bank.gate_up[0], bank.down[0],
-                                                          slots.gate_up[0], slots.down[0], chunks=chunks,
-                                                          block=block, warps=warps))
-            name = f"fetch_c{chunks}_b{block}_w{warps}"
-            row[f"{name}_gbps"] = moved / s / 1e9
-            row[f"{name}_equal"] = all(
-                torch.equal(slots.gate_up[0][j].cpu(), bank.gate_up[0][e])
-                and torch.equal(slots.down[0][j].cpu(), bank.down[0][e]) for j, e in enumerate(experts))
+        gu.zero_(), dn.zero_()
+        row["fetch_gbps"] = moved / timed(fetch) / 1e9
+        row["fetch_equal"] = holds_bank()
+        ref = moe(False)
+        row["moe_hits_us"] = timed(lambda: moe(False)) * 1e6
+        row["fetch_then_moe_us"] = timed(lambda: (fetch(), moe(False))) * 1e6
+        gu.zero_(), dn.zero_()
+        fused = timed(lambda: moe(True))
+        row["fused_us"], row["fused_gbps"] = fused * 1e6, moved / fused / 1e9
+        row["fused_equal"] = holds_bank() and bool(torch.equal(moe(True), ref))
         rows.append(row)
     store.flush_slots()
     return rows
@@ -286,8 +302,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"-> {depth} layers {1 / (t['step_s'] * scale):7.1f} tok/s  H2D/step "
                   f"{t['h2d_bytes_per_step'] / 1e6:8.1f} MB  step/expected {t['over_expected']:5.2f}")
     for row in report.get("fetch_bandwidth", []):
-        print(f"  fetch {row['experts']} experts: " + "  ".join(
-            f"{k[:-5]} {v:5.1f} GB/s" for k, v in row.items() if k.endswith("_gbps")))
+        print(f"  {row['experts']} missed experts of {model.num_experts_per_tok}: " + "  ".join(
+            f"{k[:-5]} {v:5.1f} GB/s" for k, v in row.items() if k.endswith("_gbps")) + "  " + "  ".join(
+            f"{k[:-3]} {v:6.1f} us" for k, v in row.items() if k.endswith("_us")))
         ok = ok and all(v for k, v in row.items() if k.endswith("_equal"))
     for k in ("profile_resident_graphs", "profile_offloaded_min_slots"):
         for name, us, launches in report.get(k, []):

@@ -206,6 +206,39 @@ def test_fetch_misses_copies_exactly_the_missed_experts_bits():
     assert not gu[[1, 2, 3]].any() and not dn[[1, 2, 3]].any()  # the hit's slot and the others untouched
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_experts_reading_their_misses_from_the_host_equal_fetching_first(dtype):
+    """moe_one_token's ``fetch``: the missed experts read from the host bank, computed with and stored into
+    their slots in the same kernels give the bits of fetch_misses followed by moe_one_token, and leave the
+    slots as fetch_misses does (the hit's and the unrouted slots untouched). Sizes the blocks do not divide."""
+    if not _triton_runs_here():
+        pytest.skip("Triton runs on CUDA, or on CPU under TRITON_INTERPRET=1")
+    gen = torch.Generator().manual_seed(2)
+    E, S, inter, H = 9, 5, 40, 72
+    host_gu = (torch.randn(E, 2 * inter, H, generator=gen) / 8).to(dtype)
+    host_dn = (torch.randn(E, H, inter, generator=gen) / 8).to(dtype)
+    if DEVICE.type == "cuda":  # the kernels read host memory mapped into the device's address space
+        host_gu, host_dn = host_gu.pin_memory(), host_dn.pin_memory()
+    gu = torch.randn(S, 2 * inter, H, generator=gen).to(dtype).to(DEVICE)  # stale slot contents
+    dn = torch.randn(S, H, inter, generator=gen).to(dtype).to(DEVICE)
+    gu[3], dn[3] = host_gu[5].to(DEVICE), host_dn[5].to(DEVICE)  # the hit: expert 5 sits in slot 3
+    src = torch.tensor([7, -1, 2], dtype=torch.int32, device=DEVICE)  # expert 7 into slot 4, the hit, 2 into 0
+    slots = torch.tensor([[4, 3, 0]], device=DEVICE)
+    h = torch.randn(1, H, generator=gen).to(dtype).to(DEVICE)
+    x = torch.randn(1, H, generator=gen).to(dtype).to(DEVICE)
+    w = torch.softmax(torch.randn(1, 3, generator=gen), -1).to(DEVICE)
+    ref_gu, ref_dn = gu.clone(), dn.clone()
+    dk.fetch_misses(src, slots.reshape(-1), host_gu, host_dn, ref_gu, ref_dn, chunks=3, block=128)
+    ref = dk.moe_one_token(h, w, slots, ref_gu, ref_dn, block_n=16, block_k=32, residual=x)
+    before_gu, before_dn = gu.clone(), dn.clone()
+    got = dk.moe_one_token(h, w, slots, gu, dn, block_n=16, block_k=32, residual=x, fetch=(src, host_gu, host_dn))
+    assert torch.equal(got, ref)
+    assert torch.equal(gu, ref_gu) and torch.equal(dn, ref_dn)
+    assert torch.equal(gu[[1, 2, 3]], before_gu[[1, 2, 3]]) and torch.equal(dn[[1, 2, 3]], before_dn[[1, 2, 3]])
+    with pytest.raises(ValueError, match="shaped and typed"):
+        dk.moe_one_token(h, w, slots, gu, dn, fetch=(src, host_gu[:, :, :8].contiguous(), host_dn))
+
+
 def test_the_kernel_check_runs_and_every_candidate_agrees(tmp_path, capsys):
     out = tmp_path / "kernels.json"
     assert main(["--device", str(DEVICE), "--contexts", "64,128", "--replays", "3", "--out", str(out)]) == 0
