@@ -17,8 +17,8 @@ Contract:
     slot cache, copies the misses from the host bank into the layer's slots (counted), writes the slot ids
     to a device buffer, and the MoE half runs;
   * **whole step with the misses on the device** (``misses="device"``, Triton's experts): per layer, after the
-    router, ``ExpertStore.decode_fetch`` looks the routed experts up in the slot cache's device-side table
-    (the host's LRU policy as a kernel), and the experts' kernels read the misses from the registered host
+    router's kernel also looks the routed experts up in the slot cache's device-side table (the host's LRU
+    policy: ``decode_kernels.route_topk``'s ``lookup``, ``assign_slots``), and the experts' kernels read the misses from the registered host
     bank over PCIe, computing with them while they store them into their slots
     (``decode_kernels.moe_one_token``'s ``fetch``), so the step is one graph that never waits for the host
     and the copies overlap the hit experts' work. The same policy as the host's, so
@@ -203,12 +203,14 @@ class Decoder:
             table.tick.add_(1)
         x = m.embed(self.token)  # [1, W]
         for layer in range(self.n_layers):
-            x, h, top_w, top_ids = m.decode_attn_block(layer, x, self.kv, self.pos, kv_len)  # [1, H] x2, [1, k] x2
             gate_up, down = self.store.decode_weights(layer)  # resident or identity slots: expert e in row e
             if table is None:
+                x, h, top_w, top_ids = m.decode_attn_block(layer, x, self.kv, self.pos, kv_len)  # [1, H] x2, [1, k] x2
                 x = self.moe(x, h, top_w, top_ids, gate_up, down)  # [1, H]
-            else:  # the slots' bookkeeping on the device; the experts' kernels read the misses from the host
-                slot_ids, fetch = self.store.decode_fetch(layer, top_ids)  # [1, k] slot ids, the misses
+            else:  # the router's kernel looks its experts up in the slot table; the experts' kernels read the
+                # misses from the host bank and leave them in their slots
+                x, h, top_w, _ = m.decode_attn_block(layer, x, self.kv, self.pos, kv_len, lookup=table.layer(layer))
+                slot_ids, fetch = self.store.decode_fetch(layer)  # [1, k] slot ids, the misses
                 x = self.moe(x, h, top_w, slot_ids, gate_up, down, fetch=fetch)  # [1, H]
         self.logits.copy_(m.logits(x))
 

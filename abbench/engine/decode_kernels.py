@@ -32,6 +32,8 @@ accumulation; none is bitwise equal to it (other summation orders), and each is 
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
@@ -221,8 +223,11 @@ if triton is not None:
             tl.store(vc_ptr + at, tl.load(v_ptr + hk * D + d))
 
     @triton.jit
-    def _route_topk(logits_ptr, bias_ptr, w_ptr, ids_ptr, E: tl.constexpr, EP: tl.constexpr, K: tl.constexpr,
-                    KP: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr):
+    def _route_topk(logits_ptr, bias_ptr, w_ptr, ids_ptr, slot_of_ptr, expert_of_ptr, stamp_ptr, tick_ptr,
+                    counts_ptr, slots_ptr, src_ptr, E: tl.constexpr, EP: tl.constexpr, K: tl.constexpr,
+                    KP: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, LOOKUP: tl.constexpr,
+                    S: tl.constexpr, SP: tl.constexpr, IDENTITY: tl.constexpr, STEP: tl.constexpr,
+                    NEVER: tl.constexpr):
         e = tl.arange(0, EP)
         em = e < E
         lg = tl.load(logits_ptr + e, mask=em, other=float("-inf")).to(tl.float32)
@@ -245,6 +250,9 @@ if triton is not None:
         km = kk < K
         tl.store(w_ptr + kk, vals.to(w_ptr.dtype.element_ty), mask=km)
         tl.store(ids_ptr + kk, idx, mask=km)
+        if LOOKUP:  # the slot cache's lookup of these experts (assign_slots), in the same program
+            _assign(tl.where(km, idx, 0).to(tl.int32), km, slot_of_ptr, expert_of_ptr, stamp_ptr, tick_ptr,
+                    counts_ptr, slots_ptr, src_ptr, K, KP, S, SP, IDENTITY, STEP, NEVER)
 
 
 if triton is not None:
@@ -255,6 +263,15 @@ if triton is not None:
         j = tl.arange(0, KP)
         jm = j < K
         ids = tl.load(ids_ptr + j, mask=jm, other=0).to(tl.int32)
+        _assign(ids, jm, slot_of_ptr, expert_of_ptr, stamp_ptr, tick_ptr, counts_ptr, slots_ptr, src_ptr, K, KP,
+                S, SP, IDENTITY, STEP, NEVER)
+
+    @triton.jit
+    def _assign(ids, jm, slot_of_ptr, expert_of_ptr, stamp_ptr, tick_ptr, counts_ptr, slots_ptr, src_ptr,
+                K: tl.constexpr, KP: tl.constexpr, S: tl.constexpr, SP: tl.constexpr, IDENTITY: tl.constexpr,
+                STEP: tl.constexpr, NEVER: tl.constexpr):
+        """assign_slots on routed ids [KP] int32 (lanes past k masked off by jm)."""
+        j = tl.arange(0, KP)
         cur = tl.load(slot_of_ptr + ids, mask=jm, other=-1)  # [KP] each routed expert's slot, -1 if absent
         hit = jm & (cur >= 0)
         miss = jm & (cur < 0)
@@ -395,11 +412,29 @@ def qk_norm_rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm
     return q_out
 
 
+class SlotLookup(NamedTuple):
+    """One layer's device-side slot table (``experts.DeviceSlotTable.layer``), as ``assign_slots`` takes it:
+    slot_of [E] int32, expert_of [S] int32, stamp [S] int64, tick [1], counts [2], and the outputs slots [k]
+    int64 and src [k] int32; ``identity``: expert e lives in slot e."""
+
+    slot_of: torch.Tensor
+    expert_of: torch.Tensor
+    stamp: torch.Tensor
+    tick: torch.Tensor
+    counts: torch.Tensor
+    slots: torch.Tensor
+    src: torch.Tensor
+    identity: bool
+
+
 def route_topk(logits: torch.Tensor, top_k: int, norm_topk_prob: bool, dtype: torch.dtype,
-               bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               bias: torch.Tensor | None = None,
+               lookup: SlotLookup | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``model.route`` after its router matmul, for one token, as one kernel: logits [1, E] (+ ``bias`` [E]
     float32) -> softmax in float32 -> the top k in descending order (ties to the lowest expert id) ->
-    renormalised when ``norm_topk_prob`` -> (weights [1, k] in ``dtype``, expert ids [1, k] int64)."""
+    renormalised when ``norm_topk_prob`` -> (weights [1, k] in ``dtype``, expert ids [1, k] int64). With
+    ``lookup``, the same program then looks the k experts up in that slot table (``assign_slots``: the same
+    policy and results, one kernel fewer a layer). One warp."""
     if triton is None:
         raise RuntimeError("route_topk needs Triton")
     if logits.shape[0] != 1:
@@ -408,13 +443,25 @@ def route_topk(logits: torch.Tensor, top_k: int, norm_topk_prob: bool, dtype: to
     w = torch.empty(1, top_k, dtype=dtype, device=logits.device)
     ids = torch.empty(1, top_k, dtype=torch.long, device=logits.device)
     lg = logits.contiguous()
-    _route_topk[(1,)](lg, lg if bias is None else bias, w, ids, E=e, EP=_next_pow2(e), K=top_k,
-                      KP=_next_pow2(top_k), HAS_BIAS=bias is not None, NORM=norm_topk_prob)
+    t = lookup
+    n_slots = 1 if t is None else _check_table(top_k, t.stamp.shape[0])
+    args = (ids,) * 7 if t is None else (t.slot_of, t.expert_of, t.stamp, t.tick, t.counts, t.slots, t.src)
+    _route_topk[(1,)](lg, lg if bias is None else bias, w, ids, *args, E=e, EP=_next_pow2(e), K=top_k,
+                      KP=_next_pow2(top_k), HAS_BIAS=bias is not None, NORM=norm_topk_prob, LOOKUP=t is not None,
+                      S=n_slots, SP=_next_pow2(n_slots), IDENTITY=t is not None and t.identity, STEP=STAMP_STEP,
+                      NEVER=STAMP_NEVER, num_warps=1)
     return w, ids
 
 
 STAMP_STEP = 256  # a slot's recency stamp: tick * STAMP_STEP + its rank within the step (top_k < STAMP_STEP)
 STAMP_NEVER = 2**62  # padding slots' stamp: never the least recently used
+
+
+def _check_table(k: int, s: int) -> int:
+    """The slot count s of a table a top-``k`` lookup can use; ValueError otherwise."""
+    if k >= STAMP_STEP or k > s:
+        raise ValueError(f"assign_slots: top_k {k} must be < {STAMP_STEP} and <= the {s} slots")
+    return s
 
 
 def assign_slots(top_ids: torch.Tensor, slot_of: torch.Tensor, expert_of: torch.Tensor, stamp: torch.Tensor,
@@ -429,9 +476,7 @@ def assign_slots(top_ids: torch.Tensor, slot_of: torch.Tensor, expert_of: torch.
     host cache's order (``ExpertStore.decode_experts``). ``identity``: expert e lives in slot e."""
     if triton is None:
         raise RuntimeError("assign_slots needs Triton")
-    k, s = top_ids.shape[-1], stamp.shape[0]
-    if k >= STAMP_STEP or k > s:
-        raise ValueError(f"assign_slots: top_k {k} must be < {STAMP_STEP} and <= the {s} slots")
+    k, s = top_ids.shape[-1], _check_table(top_ids.shape[-1], stamp.shape[0])
     _assign_slots[(1,)](top_ids.reshape(-1), slot_of, expert_of, stamp, tick, counts, slots, src, K=k,
                         KP=_next_pow2(k), S=s, SP=_next_pow2(s), IDENTITY=identity, STEP=STAMP_STEP,
                         NEVER=STAMP_NEVER, num_warps=1)  # one warp: its reductions need no shared memory

@@ -275,6 +275,13 @@ class DeviceSlotTable:
         self.uncounted = False
         return int(hits), int(misses)
 
+    def layer(self, layer: int) -> decode_kernels.SlotLookup:
+        """``layer``'s table for a lookup inside the router's kernel (``decode_kernels.route_topk``'s
+        ``lookup``): its result lands in ``slots[layer]`` / ``src[layer]`` as ``lookup``'s does."""
+        self.uncounted = True
+        return decode_kernels.SlotLookup(self.slot_of[layer], self.expert_of[layer], self.stamp[layer], self.tick,
+                                         self.counts, self.slots[layer], self.src[layer], self.identity)
+
     def lookup(self, layer: int, top_ids: torch.Tensor) -> None:
         """``decode_kernels.assign_slots`` for ``layer``: the result in ``slots[layer]`` / ``src[layer]``. (A
         graph's replay runs it without this call: the decoder marks the counts after each device-side step.)"""
@@ -471,16 +478,14 @@ class ExpertStore:
             st.hits += hits
             st.misses += misses
 
-    def decode_fetch(self, layer: int, top_ids: torch.Tensor
-                     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    def decode_fetch(self, layer: int) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """``decode_experts`` on the device, for a step that never waits for the host (the slot cache's
-        ``DeviceSlotTable``): look up the routed ``top_ids`` [1, k] of ``layer`` and return each routed
-        expert's slot [1, k] with the misses to fetch: (src [k], the layer's host bank gate_up, down), for
-        ``decode_kernels.moe_one_token``'s ``fetch``, whose kernels read the misses from the registered host
-        memory and leave them in their slots. Captures in a CUDA graph; the hits and misses are counted on the
-        device until ``collect_decode_counts``."""
+        ``DeviceSlotTable``), after the router's kernel looked ``layer``'s routed experts up in the table
+        (``DeviceSlotTable.layer``): each routed expert's slot [1, k] and the misses to fetch, (src [k], the
+        layer's host bank gate_up, down), for ``decode_kernels.moe_one_token``'s ``fetch``, whose kernels read
+        the misses from the registered host memory and leave them in their slots. Captures in a CUDA graph;
+        the hits and misses are counted on the device until ``collect_decode_counts``."""
         table = self.slots.table
-        table.lookup(layer, top_ids)
         return table.slots[layer].view(1, -1), (table.src[layer], self.bank.gate_up[layer], self.bank.down[layer])
 
     def collect_decode_counts(self) -> None:

@@ -300,11 +300,12 @@ class HybridModel:
         return out
 
     # -- the layer halves ---------------------------------------------------------------------------------
-    def _post_mixer(self, layer: int, x: torch.Tensor, mixed: torch.Tensor | None = None, decode: bool = False):
+    def _post_mixer(self, layer: int, x: torch.Tensor, mixed: torch.Tensor | None = None, decode: bool = False,
+                    lookup=None):
         """x after the mixer residual [T, H] (or before it, with the mixer's output ``mixed`` [T, H] to add) ->
         (x + shared expert [T, H], h [T, H], top_w [T, k], top_ids [T, k]). ``decode``: one decode token, through
         the decode kernels the Decoder chose (the residual add and the norm in one kernel, the router's top-k in
-        another, for "triton")."""
+        another, for "triton"; ``lookup``: ``decode_route``'s)."""
         cfg, lw = self.cfg, self.w.layers[layer]
         if decode and mixed is not None and self.decode_attention_kernel == "triton":
             x, h = fused_rms_norm(mixed, lw.post_norm, cfg.rms_norm_eps, residual=x, plus_one=True)  # [T, H] x2
@@ -312,7 +313,7 @@ class HybridModel:
             x = x if mixed is None else x + mixed  # [T, H]
             h = zc_rms_norm(x, lw.post_norm, cfg.rms_norm_eps)  # [T, H]
         top_w, top_ids = decode_route(self.decode_router_kernel if decode else "torch", h, lw.router,
-                                      cfg.num_experts_per_tok, True, self.bias_of(layer))  # [T, k] x2
+                                      cfg.num_experts_per_tok, True, self.bias_of(layer), lookup)  # [T, k] x2
         gu = F.linear(h, lw.shared_gate_up)  # [T, 2Is]
         i_s = gu.shape[-1] // 2
         shared = F.linear(F.silu(gu[:, :i_s]) * gu[:, i_s:], lw.shared_down)  # [T, H]
@@ -361,12 +362,12 @@ class HybridModel:
         return results
 
     def decode_attn_block(self, layer: int, x: torch.Tensor, cache: HybridCache, pos_t: torch.Tensor,
-                          kv_len: int):
+                          kv_len: int, lookup=None):
         """``attn_block`` for one token x [1, H] at the position held by ``pos_t`` (LongTensor [1] on the
         device), with static shapes and no host sync: attention layers write KV at pos and attend over cache
         positions [0, kv_len) with those > pos masked out (kv_len >= pos + 1); linear layers take one
         recurrent step, updating their states in place. Same results as ``attn_block(layer, x, cache, pos)``
-        up to SDPA's handling of the masked tail."""
+        up to SDPA's handling of the masked tail. ``lookup``: ``decode_route``'s."""
         cfg, lw = self.cfg, self.w.layers[layer]
         if self.decode_attention_kernel == "triton":
             hn = fused_rms_norm(x, lw.input_norm, cfg.rms_norm_eps, plus_one=True)  # [1, H]
@@ -386,7 +387,7 @@ class HybridModel:
             mixed, conv, rec = self.linear_mixer(layer, hn, cache.conv[i], cache.rec[i])  # [1, H]
             cache.conv[i].copy_(conv)
             cache.rec[i].copy_(rec)
-        return self._post_mixer(layer, x, mixed, decode=True)
+        return self._post_mixer(layer, x, mixed, decode=True, lookup=lookup)
 
     # Second half of a layer: x (already + the shared expert) + routed experts(h), as the Qwen3-MoE model's
     moe_block = Model.moe_block

@@ -155,12 +155,15 @@ def decode_attend(kernel: str, q: torch.Tensor, keys: torch.Tensor, values: torc
 
 
 def decode_route(kernel: str, h: torch.Tensor, router: torch.Tensor, top_k: int, norm_topk_prob: bool,
-                 bias: torch.Tensor | None = None):
+                 bias: torch.Tensor | None = None, lookup=None):
     """``route`` for one decode token h [1, H]: its torch ops ("torch") or, for "triton"
     (``EngineConfig.decode_experts``), the router matmul and one kernel for softmax, top-k and renormalisation
-    (``decode_kernels.route_topk``) -> (weights [1, k] in h.dtype, expert ids [1, k] int64)."""
+    (``decode_kernels.route_topk``) -> (weights [1, k] in h.dtype, expert ids [1, k] int64). ``lookup`` (a
+    ``decode_kernels.SlotLookup``, "triton" only): the same kernel looks the experts up in the slot table."""
     if kernel == "triton":
-        return route_topk(F.linear(h, router), top_k, norm_topk_prob, h.dtype, bias)
+        return route_topk(F.linear(h, router), top_k, norm_topk_prob, h.dtype, bias, lookup=lookup)
+    if lookup is not None:
+        raise ValueError("a slot lookup in the router needs the Triton router (decode_experts 'triton')")
     return route(h, router, top_k, norm_topk_prob, bias)
 
 
@@ -381,9 +384,10 @@ class Model:
         out = decode_attend(self.decode_attention_kernel, q, keys, values, pos, self.scale).reshape(1, hq * d)
         return F.linear(out, lw.o_proj)  # [1, H]
 
-    def decode_attn_block(self, layer: int, x: torch.Tensor, kv: KVCache, pos: torch.Tensor, kv_len: int):
+    def decode_attn_block(self, layer: int, x: torch.Tensor, kv: KVCache, pos: torch.Tensor, kv_len: int,
+                          lookup=None):
         """``attn_block`` for one decode token (see ``decode_attention``): x [1, H] -> (x [1, H], h [1, H],
-        router weights [1, k], router expert ids [1, k])."""
+        router weights [1, k], router expert ids [1, k]); ``lookup``: ``decode_route``'s."""
         cfg, lw = self.cfg, self.w.layers[layer]
         eps = cfg.rms_norm_eps
         if self.decode_attention_kernel == "triton":  # each norm one kernel, the residual add in the second
@@ -393,7 +397,7 @@ class Model:
             x = x + self.decode_attention(layer, rms_norm(x, lw.input_norm, eps), kv, pos, kv_len)
             h = rms_norm(x, lw.post_norm, eps)  # [1, H]
         top_w, top_ids = decode_route(self.decode_router_kernel, h, lw.router, cfg.num_experts_per_tok,
-                                      cfg.norm_topk_prob, self.bias_of(layer))  # [1, k] x2
+                                      cfg.norm_topk_prob, self.bias_of(layer), lookup)  # [1, k] x2
         return x, h, top_w, top_ids
 
     def attn_block(self, layer: int, x: torch.Tensor, kv: KVCache, start: int):

@@ -153,12 +153,14 @@ def _host_lookup(lru, free, ids: list[int], identity: bool) -> tuple[list[int], 
     return [slot_of[e] for e in ids], hits
 
 
+@pytest.mark.parametrize("via", ["assign_slots", "route_topk"])
 @pytest.mark.parametrize("e,k,s", [(16, 4, 4), (16, 4, 7), (16, 4, 16), (40, 8, 13), (160, 8, 97)])
-def test_device_slot_lookup_is_the_host_lru(e: int, k: int, s: int):
+def test_device_slot_lookup_is_the_host_lru(e: int, k: int, s: int, via: str):
     """The device-side slot table (decode_misses "device") picks the slot the host's LRU would, for every
     routed expert, step after step (free slots lowest first, then the least recently used, hits touched
     before misses), keeps the same table (pulled back to the host) and counts the same hits and misses; the
-    host can take over and hand back (push) at any step. Up to 160 experts, 97 slots."""
+    host can take over and hand back (push) at any step. Up to 160 experts, 97 slots. Through the lookup
+    kernel or inside the router's kernel (the decode step's way), which routes to the same experts."""
     from collections import OrderedDict
 
     from abbench.engine.experts import DeviceSlotTable
@@ -175,7 +177,13 @@ def test_device_slot_lookup_is_the_host_lru(e: int, k: int, s: int):
         for layer in range(2):
             pool = e if step % 3 == 0 else min(e, k + 3)  # alternate wide routing with a hot set that hits
             ids = (torch.randperm(pool, generator=rng)[:k]).tolist()
-            table.lookup(layer, torch.tensor([ids], device=DEVICE))
+            if via == "assign_slots":
+                table.lookup(layer, torch.tensor([ids], device=DEVICE))
+            else:  # logits whose top k are ids, in that order
+                logits = torch.zeros(1, e)
+                logits[0, ids] = 8.0 - torch.arange(k, dtype=torch.float32)
+                _, routed = dk.route_topk(logits.to(DEVICE), k, True, torch.float32, lookup=table.layer(layer))
+                assert routed.tolist() == [ids]
             cached = set(lru[layer])
             want, h = _host_lookup(lru[layer], free[layer], ids, s == e)
             assert table.slots[layer].tolist() == want
