@@ -22,7 +22,11 @@ accumulation; none is bitwise equal to it (other summation orders), and each is 
   as one kernel, optionally after the residual add (returning the sum too).
 - ``qk_norm_rope_store(q, k, v, ...)``: the per-head q/k norms, RoPE at the device-held position and the K/V
   cache write of one decode token, one kernel.
-- ``route_topk(logits, k, norm, dtype, bias)``: the router's softmax, top-k and renormalisation, one kernel.
+- ``route_topk(logits, k, norm, dtype, bias, lookup)``: the router's softmax, top-k and renormalisation, one
+  kernel; with ``lookup`` the same program looks the experts up in the decode slot cache's device-side table
+  (``assign_slots``' policy), for offloaded decode with the misses on the device.
+- ``moe_one_token``'s ``fetch``: a slot-cache miss read from the registered host bank (zero-copy over PCIe) by
+  the experts' kernels, which compute with it and store it into its slot (the bits ``fetch_misses`` copies).
 - ``attention_sdpa(q, keys, values, pos, kv_len)``: one token's grouped-query attention through
   ``F.scaled_dot_product_attention``, the G query heads of a KV head taken as G queries of one sequence
   (q [1, Hkv, G, D] against [1, Hkv, L, D]: no expansion of K and V), the positions after ``pos`` masked by an
@@ -506,7 +510,9 @@ def fetch_misses(src: torch.Tensor, slots: torch.Tensor, host_gate_up: torch.Ten
     [E, 2I, H], host_down [E, H, I], page-locked and registered when the slots are on CUDA) into their slots
     (``slots`` [k]) of gate_up [S, 2I, H] / down [S, H, I]: one kernel of k x ``chunks`` programs whose loads
     read host memory directly over PCIe (zero-copy), so the host never learns which experts missed. Bitwise
-    copies. A hit's programs return at once. ``block`` elements per load, ``warps`` warps per program."""
+    copies. A hit's programs return at once. ``block`` elements per load, ``warps`` warps per program. Decode
+    no longer calls it (``moe_one_token``'s ``fetch`` makes the same copy inside the experts' kernels); it is
+    that copy's reference in the tests and gpucheck's measure of zero-copy bandwidth."""
     if triton is None:
         raise RuntimeError("fetch_misses needs Triton")
     if not all(t.is_contiguous() for t in (host_gate_up, host_down, gate_up, down)):
