@@ -25,6 +25,12 @@ def _triton_runs_here() -> bool:
     return dk.have_triton() and (DEVICE.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")
 
 
+def _slow_when_interpreted(test):
+    """A whole-engine test runs every Triton program in Python under TRITON_INTERPRET=1 (8-20 minutes on CPU,
+    past the suite's 600 s timeout): 40 minutes there; the suite's timeout elsewhere."""
+    return pytest.mark.timeout(2400)(test) if os.environ.get("TRITON_INTERPRET") == "1" else test
+
+
 @pytest.mark.parametrize("pos", [0, 1, 37, 63])
 def test_sdpa_attention_equals_the_engines_over_the_bucket_and_exactly(pos: int):
     gen = torch.Generator().manual_seed(pos)
@@ -271,6 +277,7 @@ def _decode(engine, prompts: list[list[int]], n: int = 4, **kw) -> list[list[tup
 @pytest.mark.parametrize("model,kernels", [("tiny", dict(decode_experts="triton")),
                                           ("tiny", dict(decode_attention="triton")),
                                           ("qwen3.5-tiny", dict(decode_experts="triton", decode_attention="triton"))])
+@_slow_when_interpreted
 def test_triton_decode_is_one_path_at_every_slot_budget(model, kernels):
     """The Triton experts (and router) or attention (and norms), for Qwen3-MoE and the hybrid: resident
     experts, slot caches too small (per-layer steps, misses copied) and complete (whole steps) decode bitwise
@@ -331,6 +338,7 @@ def test_triton_decode_kernels_refuse_what_they_cannot_run(kernel):
             Engine(EngineConfig(model="qwen4-exp-tiny", **knobs))
 
 
+@_slow_when_interpreted
 def test_gpucheck_runs_on_cpu_with_the_kernels_it_is_given(capsys):
     """The pre-run check of a GPU session (grouped GEMM limit, decode equal across graphs, eager and slot
     budgets, step times) runs end to end on CPU at a tiny shape, with the decode kernels it was given."""
@@ -394,6 +402,7 @@ def test_device_side_misses_need_the_triton_experts():
                                decode_experts="grouped")).decoder.misses is None  # nothing can miss
 
 
+@_slow_when_interpreted
 def test_the_slot_cache_hands_over_between_host_and_device_and_a_flush_empties_both():
     """The host's and the device's views of the slot cache each pull the other's changes before use, once; a
     flush discards what device-side steps did as well (no Triton needed: the table's own copies)."""
