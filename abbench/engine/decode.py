@@ -18,8 +18,8 @@ Contract:
     to a device buffer, and the MoE half runs;
   * **whole step with the misses on the device** (``misses="device"``, Triton's experts): per layer, after the
     router's kernel also looks the routed experts up in the slot cache's device-side table (the host's LRU
-    policy: ``decode_kernels.route_topk``'s ``lookup``, ``assign_slots``), and the experts' kernels read the misses from the registered host
-    bank over PCIe, computing with them while they store them into their slots
+    policy: ``decode_kernels.route_topk``'s ``lookup``), and the experts' kernels read the misses from the
+    registered host bank over PCIe, computing with them while they store them into their slots
     (``decode_kernels.moe_one_token``'s ``fetch``), so the step is one graph that never waits for the host
     and the copies overlap the hit experts' work. The same policy as the host's, so
     the two ways pick the same slots and decode bitwise alike; ``step(misses=...)`` chooses per step, each

@@ -121,6 +121,7 @@ if triton is not None:
             y = (r + y.to(tl.float32)).to(out_ptr.dtype.element_ty)
         tl.store(out_ptr + rows, y, mask=rmask)
 
+
 if triton is not None:
     @triton.jit
     def _attn_split(q_ptr, k_ptr, v_ptr, pos_ptr, m_ptr, l_ptr, acc_ptr, stride_kh, stride_kl, scale,
