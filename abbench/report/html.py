@@ -221,6 +221,7 @@ class _Page:
         self.base_dir = base_dir
         self.md = MarkdownIt("commonmark", {"html": True}).enable(["table", "strikethrough"])
         self.headings: list[tuple[int, str, str]] = []  # (level, id, text)
+        self.figures: set[str] = set()  # the ids of the images shown so far
         for name in ("image", "html_block", "html_inline", "heading_close", "table_open", "table_close",
                      "link_open", "link_close", "strong_open"):
             self.md.add_render_rule(name, _rule(getattr(self, f"_{name}")))
@@ -231,7 +232,8 @@ class _Page:
         self.embedded = {t.attrGet("src") for t in self._walk(tokens) if t.type == "image"}
         for i, tok in enumerate(tokens):
             if tok.type == "heading_open":
-                title = "".join(c.content for c in (tokens[i + 1].children or []) if c.type in ("text", "code_inline"))
+                words = tokens[i + 1].children or []
+                title = "".join(c.content for c in words if c.type in ("text", "code_inline"))
                 slug = github_slug(title, seen)
                 tok.attrSet("id", slug)
                 tokens[i + 2].meta["slug"] = slug
@@ -254,8 +256,12 @@ class _Page:
     def _img(self, src: str, alt: str) -> str:
         uri = _data_uri(self.base_dir / src) if _is_local(src) else None
         if uri is None:
-            return f'<span class="missing">[image not embedded: {html.escape(alt or src)} ({html.escape(src)})]</span>'
-        return f'<img id="{_figure_id(src)}" src="{uri}" alt="{html.escape(alt)}" title="{html.escape(src)}">'
+            what = f"{html.escape(alt or src)} ({html.escape(src)})"
+            return f'<span class="missing">[image not embedded: {what}]</span>'
+        fid = _figure_id(src)
+        ident = "" if fid in self.figures else f' id="{fid}"'  # a plot shown twice: the link goes to the first
+        self.figures.add(fid)
+        return f'<img{ident} src="{uri}" alt="{html.escape(alt)}" title="{html.escape(src)}">'
 
     def _link_open(self, renderer, tokens, idx, options, env) -> str:  # type: ignore[no-untyped-def]
         tok = tokens[idx]
@@ -288,7 +294,8 @@ class _Page:
 
     def _heading_close(self, renderer, tokens, idx, options, env) -> str:  # type: ignore[no-untyped-def]
         slug = tokens[idx].meta.get("slug")
-        link = f'<a class="anchor" href="#{html.escape(slug)}" aria-label="Link to this section">#</a>' if slug else ""
+        link = (f'<a class="anchor" href="#{html.escape(slug)}" aria-label="Link to this section">#</a>'
+                if slug else "")
         return f"{link}</{tokens[idx].tag}>\n"
 
     @staticmethod

@@ -93,10 +93,12 @@ def dump_dom(page: Path, query: str, tmp: Path) -> Page:
     profile = tmp / f"chromium-profile-{len(list(tmp.glob('chromium-profile-*')))}"
     argv = [exe, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
             "--disable-background-networking", "--disable-component-update", "--disable-sync",
+            "--disable-dev-shm-usage",
             "--proxy-server=127.0.0.1:9", "--host-resolver-rules=MAP * ~NOTFOUND", f"--user-data-dir={profile}",
             "--dump-dom", page.resolve().as_uri() + query]
     res = subprocess.run(argv, capture_output=True, text=True, timeout=120)
-    assert res.returncode == 0 and "<html" in res.stdout, f"chromium failed ({res.returncode}): {res.stderr[-2000:]}"
+    assert res.returncode == 0 and "<html" in res.stdout, \
+        f"chromium failed ({res.returncode}): {res.stderr[-2000:]}"
     return Page(res.stdout)
 
 
@@ -155,7 +157,8 @@ def test_the_page_fetches_nothing(rendered) -> None:
         for key in ("src", "href", "srcset", "action", "data"):
             v = attrs.get(key)
             assert v is None or v.startswith(("data:image/", "#")), f"<{tag} {key}={v[:60]!r}>"
-    csp = next(a["content"] for t, a in page.tags if t == "meta" and a.get("http-equiv") == "Content-Security-Policy")
+    csp = next(a["content"] for t, a in page.tags
+               if t == "meta" and a.get("http-equiv") == "Content-Security-Policy")
     assert "default-src 'none'" in csp and "img-src data:" in csp
     assert "url(" not in text and "@import" not in text and "@font-face" not in text
 
