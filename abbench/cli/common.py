@@ -98,9 +98,10 @@ RunArg = Annotated[Optional[Path], typer.Argument(
     help="Run directory (or run id under results/). Default: the most recent run under ./results/.")]
 
 
-def _render_report(run: Path, out: Optional[Path] = None) -> Path:
+def _render_report(run: Path, out: Optional[Path] = None, html: bool = True) -> Path:
     """The report of ``run`` at ``out`` (a Markdown file; a directory, or a path without ``.md``, gets
-    ``<run-id>.md`` inside it), its plots in the folder beside it named after it. Default: reports/<run-id>.md."""
+    ``<run-id>.md`` inside it), its plots in the folder beside it named after it, and (``html``) the
+    self-contained page beside it (``<run-id>.html``). Default: reports/<run-id>.md."""
     from abbench.report import write_report
     from abbench.results import load_run
 
@@ -109,5 +110,9 @@ def _render_report(run: Path, out: Optional[Path] = None) -> Path:
         (out or REPORTS_ROOT) / f"{record.run_id}.md")
     md = write_report(record, problems, path, path.with_suffix(""))
     console.print(f"report -> {md}")
+    if html:
+        from abbench.report.html import write_html
+
+        console.print(f"report -> {write_html(md)} (one file: plots inline, sortable tables)")
     return md
 

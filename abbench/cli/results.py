@@ -1,4 +1,4 @@
-"""The commands that read recorded runs: ``report`` (Markdown and plots), ``gate`` (the CI verdict: exit 0 pass,
+"""The commands that read recorded runs: ``report`` (Markdown and plots, and one HTML file), ``gate`` (the CI verdict: exit 0 pass,
 1 fail, 2 usage or results error), ``compare`` (two runs of one profile: exit 1 on a regression) and ``export``
 (one row per sample, CSV). ``--json`` prints a document of :mod:`abbench.cli.documents` instead.
 """
@@ -23,17 +23,22 @@ def report(
     out: Annotated[Optional[Path], typer.Option(
         help="The Markdown file to write; its plots go in the folder of the same name beside it. A directory: "
         "<run-id>.md inside it. Default: reports/<run-id>.md.")] = None,
+    html: Annotated[bool, typer.Option(
+        "--html/--no-html", help="Also write the report as one self-contained HTML file beside the Markdown "
+        "(<run-id>.html: plots inline, tables sortable by a click on a header, nothing fetched from the "
+        "network).")] = True,
 ) -> None:
-    """Render a run's Markdown report and its PNG plots.
+    """Render a run's Markdown report and its PNG plots, and the same report as one HTML file.
 
     Examples:
 
     \b
       abbench report results/readme-cpu-tiny
       abbench report results/chunk-sizes-bf16 --out chunk-sizes.md
+      abbench report results/readme-cpu-tiny --out md-only --no-html
     """
     try:
-        _render_report(_run_or_latest(run), out)
+        _render_report(_run_or_latest(run), out, html=html)
     except AbbenchError as e:
         _fail(e)
 

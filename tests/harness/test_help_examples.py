@@ -79,6 +79,9 @@ def test_the_examples_run(workdir: Path) -> None:
     assert "first divergence: prompt fresh-1024-1, arm chunk96, round 1, output position 7" in first
     assert (workdir / "chunk-sizes.md").is_file() and (workdir / "chunk-sizes").is_dir()  # report --out FILE.md
     assert (workdir / "compare.md").is_file() and (workdir / "samples.csv").is_file()
+    assert (workdir / "reports" / "readme-cpu-tiny.html").is_file() and (workdir / "chunk-sizes.html").is_file()
+    assert (workdir / "md-only" / "readme-cpu-tiny.md").is_file()  # report --no-html: the Markdown alone
+    assert not (workdir / "md-only" / "readme-cpu-tiny.html").exists()
 
 
 @pytest.mark.slow
