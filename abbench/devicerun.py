@@ -26,23 +26,27 @@ The chain, in order (each step's output in its own log, each step's exit status 
    module may move); NAME is the module's last part and the ``--preset``/``--model`` value
    (``gpucheck-qwen3-30b-a3b-half``); ``{json}`` in ARGS becomes ``gpucheck/NAME.json``, and for the default
    module, whose command line takes ``--out``, ``--out {json}`` is added when ARGS name no ``--out``;
-6. each ``--run PROFILE``: ``python3 -m abbench run -p PROFILE --out WORK/runs/PROFILE --no-report -q`` plus
+6. each ``--step "NAME: COMMAND"`` (what a result needs beyond these: a GGUF export, a peer's build), its
+   output in ``gpucheck/NAME.log``; a leading ``python3`` is the chain's interpreter;
+7. each ``--run PROFILE``: ``python3 -m abbench run -p PROFILE --out WORK/runs/PROFILE --no-report -q`` plus
    ``--run-args``, its output in ``gpucheck/run-PROFILE.log``;
-7. each ``--after-gpucheck`` like 5, after the runs.
+8. each ``--after-gpucheck`` like 5, after the runs.
 
-A failed install, test or gpucheck before the runs stops the chain (``--keep-going``: it does not); a failed
-run does not stop the next; every step that did not run is marked ``skipped``. Every step has a time limit
-(``--tests-timeout``, ``--gpucheck-timeout``, ``--run-timeout``): one past it is killed with its process
-group and reads exit status 124. ``poll`` (and ``start``, once it has waited) prints the chain's log, each
-failed step with the tail of its log, and exits 0 when the chain is done and every step passed, 1 when it is
-done and a step failed, 3 while it still runs (the time waited, ``--wait``, ran out).
+A failed install, test, gpucheck or step before the runs stops the chain (``--keep-going``: it does not);
+a failed run does not stop the next; every step that did not run is marked ``skipped``. Every step has a
+time limit (``--tests-timeout``, ``--gpucheck-timeout``, ``--step-timeout``, ``--run-timeout``): one past it
+is killed with its process group and reads exit status 124. ``poll`` (and ``start``, once it has waited)
+prints the chain's log, each failed step with the tail of its log, and exits 0 when the chain is done and
+every step passed, 1 when it is done and a step failed, 3 while it still runs (the time waited, ``--wait``,
+ran out).
 
 What comes back: for each run, ``OUT/PROFILE.tgz`` holding ``PROFILE/`` = the run directory (``run.json``,
 ``requests.jsonl``, ``logs/``) plus ``gpucheck/`` (the logs and JSON above, ``chain.log``, ``status.json``,
-``command.txt``: the exact ``start`` command that made it, less ``--out`` and ``--wait``); without runs, ``OUT/checks.tgz`` holding
-``checks/gpucheck/``. Beside them, plain ``OUT/chain.log`` and ``OUT/status.json`` to read at once.
-Committing a result is ``tar xzf PROFILE.tgz`` under ``results/`` and renaming ``PROFILE/`` to the run's
-dated name. At most 6 runs a chain: ``$OUT`` brings back 8 files, 16 MiB each, two folders deep.
+``command.txt``: the exact ``start`` command that made it, less ``--out`` and ``--wait``); without runs,
+``OUT/checks.tgz`` holding ``checks/gpucheck/``. Beside them, plain ``OUT/chain.log`` and
+``OUT/status.json`` to read at once. Committing a result is ``tar xzf PROFILE.tgz`` under ``results/`` and
+renaming ``PROFILE/`` to the run's dated name. At most 6 runs a chain: ``$OUT`` brings back 8 files, 16 MiB
+each, two folders deep.
 
 The device machine, as its notes (the device README, METHOD.md, KINDS.md) and the earlier runs found it:
 
@@ -127,8 +131,8 @@ def _gpucheck_step(spec: str, default_module: str, gdir: Path, taken: set[str], 
 
 def build_plan(args: argparse.Namespace, repo: Path) -> dict:
     """Every step of the chain, with its command, log and limit (module docstring), as JSON-able data."""
-    if not (args.tests or args.gpucheck or args.run or args.after_gpucheck):
-        raise DeviceRunError("nothing to do: give --tests, --gpucheck, --run or --after-gpucheck")
+    if not (args.tests or args.gpucheck or args.step or args.run or args.after_gpucheck):
+        raise DeviceRunError("nothing to do: give --tests, --gpucheck, --step, --run or --after-gpucheck")
     if len(args.run) > MAX_RUNS:
         raise DeviceRunError(f"{len(args.run)} runs: at most {MAX_RUNS} a chain ($OUT brings back 8 files)")
     if len(set(args.run)) != len(args.run):
@@ -164,6 +168,16 @@ def build_plan(args: argparse.Namespace, repo: Path) -> dict:
     taken: set[str] = set()
     for spec in args.gpucheck:
         steps.append(_gpucheck_step(spec, args.gpucheck_module, gdir, taken, args.gpucheck_timeout, "gpucheck"))
+    for spec in args.step:
+        name, sep, line = spec.partition(":")
+        words = shlex.split(line)
+        if not sep or not name.strip() or not words or not name.strip().replace("-", "").isalnum():
+            raise DeviceRunError(f"--step {spec!r}: give NAME: COMMAND, e.g. \"gguf: python3 -m abbench export-gguf "
+                                 "--model tiny --out /tmp/ab/tiny.gguf\" (NAME: letters, digits, '-')")
+        if words[0] in ("python", "python3"):
+            words[0] = "{python}"
+        steps.append({"name": name.strip(), "phase": "step", "argv": words, "timeout": args.step_timeout,
+                      "log": str(gdir / f"{name.strip()}.log"), "stops": True})
     extra = shlex.split(args.run_args) if args.run_args else []
     for profile in args.run:
         steps.append({"name": f"run-{profile}", "phase": "run", "profile": profile,
@@ -391,6 +405,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--after-gpucheck", action="append", default=[], help="the same, after the runs")
     s.add_argument("--gpucheck-module", default=DEFAULT_GPUCHECK_MODULE,
                    help=f"the module a --gpucheck without -m runs (default {DEFAULT_GPUCHECK_MODULE})")
+    s.add_argument("--step", action="append", default=[], help='"NAME: COMMAND": another command before the '
+                   'runs (repeatable), e.g. "gguf: python3 -m abbench export-gguf ..."; its log gpucheck/NAME.log')
     s.add_argument("--run", action="append", default=[], help="a profile to run (repeatable, in order)")
     s.add_argument("--run-args", default="", help='more arguments for every `abbench run`, e.g. "--rounds 1"')
     s.add_argument("--commit", default=None, help="ABBENCH_GIT_COMMIT (default .dev/commit.txt, else git)")
@@ -399,6 +415,7 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--site", default="/tmp/site", help="where the wheels are installed (default /tmp/site)")
     s.add_argument("--tests-timeout", type=float, default=480, help="seconds (default 480)")
     s.add_argument("--gpucheck-timeout", type=float, default=400, help="seconds, each (default 400)")
+    s.add_argument("--step-timeout", type=float, default=1800, help="seconds, each --step (default 1800)")
     s.add_argument("--run-timeout", type=float, default=7200, help="seconds, each (default 7200)")
     s.add_argument("--keep-going", action="store_true", help="a failed test or gpucheck does not stop the chain")
     s.add_argument("--python", default=sys.executable, help="the interpreter of every step (default this one)")

@@ -57,15 +57,17 @@ def test_the_recipe_uses_the_standard_library_alone() -> None:
 
 
 def test_dry_run_prints_the_chain_in_order() -> None:
-    r = devicerun("start", "--tests", "tests/engine/test_decode_kernels.py", "--tests", "tests/engine/test_engine_decode.py",
-                  "--gpucheck", "--preset qwen3-30b-a3b-half --layers 8", "--run", "h200-decode-offload-4k",
+    r = devicerun("start", "--tests", "tests/engine/test_decode_kernels.py", "--tests",
+                  "tests/engine/test_engine_decode.py", "--gpucheck", "--preset qwen3-30b-a3b-half --layers 8",
+                  "--step", "gguf: python3 -m abbench export-gguf --model tiny", "--run", "h200-decode-offload-4k",
                   "--run", "h200-hybrid-decode-offload-4k", "--after-gpucheck",
                   "-m abbench.engine.gpucheck_hybrid --model qwen3.5-35b-a3b --layers 8 --out {json}",
                   "--commit", "abc1234", "--work", "/tmp/w", "--out", "/tmp/o", "--dry-run")
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
     assert lines[0] == ("# python3 -m abbench.devicerun start --tests tests/engine/test_decode_kernels.py --tests "
-                        "tests/engine/test_engine_decode.py --gpucheck '--preset qwen3-30b-a3b-half --layers 8' --run "
+                        "tests/engine/test_engine_decode.py --gpucheck '--preset qwen3-30b-a3b-half --layers 8' --step "
+                        "'gguf: python3 -m abbench export-gguf --model tiny' --run "
                         "h200-decode-offload-4k --run h200-hybrid-decode-offload-4k --after-gpucheck "
                         "'-m abbench.engine.gpucheck_hybrid --model qwen3.5-35b-a3b --layers 8 --out {json}' "
                         "--commit abc1234 --work /tmp/w --dry-run")  # --out: where it goes, not what is made
@@ -73,16 +75,19 @@ def test_dry_run_prints_the_chain_in_order() -> None:
     assert f"export PYTHONPATH=/tmp/site:{REPO}" in lines and "export ABBENCH_CACHE_DIR=/tmp/w/cache" in lines
     steps = [line.rpartition("   # ")[2] for line in lines if "   # " in line]
     assert steps == ["versions-python", "versions-gpu", "versions-memory", "versions-cpus", "nvidia-smi", "tests",
-                     "gpucheck-qwen3-30b-a3b-half", "run-h200-decode-offload-4k", "run-h200-hybrid-decode-offload-4k",
-                     "gpucheck_hybrid-qwen3.5-35b-a3b"]
+                     "gpucheck-qwen3-30b-a3b-half", "gguf", "run-h200-decode-offload-4k",
+                     "run-h200-hybrid-decode-offload-4k", "gpucheck_hybrid-qwen3.5-35b-a3b"]
     text = r.stdout
-    assert ("ABBENCH_ENGINE_TEST_DEVICE=cuda timeout 480 " in text and "-m pytest -o addopts= -p no:cacheprovider -q "
-            "tests/engine/test_decode_kernels.py tests/engine/test_engine_decode.py > /tmp/w/gpucheck/pytest-cuda.log"
-            " 2>&1 || exit 1" in text)
+    assert ("ABBENCH_ENGINE_TEST_DEVICE=cuda timeout 480 " in text and "-m pytest -o addopts= -p no:cacheprovider "
+            "-q tests/engine/test_decode_kernels.py tests/engine/test_engine_decode.py > "
+            "/tmp/w/gpucheck/pytest-cuda.log 2>&1 || exit 1" in text)
     assert ("-m abbench.engine.gpucheck --preset qwen3-30b-a3b-half --layers 8 --out "
-            "/tmp/w/gpucheck/gpucheck-qwen3-30b-a3b-half.json > /tmp/w/gpucheck/gpucheck-qwen3-30b-a3b-half.log" in text)
+            "/tmp/w/gpucheck/gpucheck-qwen3-30b-a3b-half.json > /tmp/w/gpucheck/gpucheck-qwen3-30b-a3b-half.log"
+            in text)
     assert ("-m abbench run -p h200-decode-offload-4k --out /tmp/w/runs/h200-decode-offload-4k --no-report -q > "
-            "/tmp/w/gpucheck/run-h200-decode-offload-4k.log 2>&1   #" in text)  # a failed run does not stop the next
+            "/tmp/w/gpucheck/run-h200-decode-offload-4k.log 2>&1   #" in text)  # a failed run: the next runs
+    assert (f"timeout 1800 {sys.executable} -m abbench export-gguf --model tiny > /tmp/w/gpucheck/gguf.log 2>&1 "
+            "|| exit 1" in text)
     assert "--model qwen3.5-35b-a3b --layers 8 --out /tmp/w/gpucheck/gpucheck_hybrid-qwen3.5-35b-a3b.json >" in text
     moved = devicerun("start", "--gpucheck", "--layers 8", "--gpucheck-module", "abbench.engine.tools.gpucheck",
                       "--commit", "abc", "--dry-run")
@@ -94,6 +99,7 @@ def test_dry_run_prints_the_chain_in_order() -> None:
     (["--run", "cpu-tiny", "--run", "cpu-tiny"], "named twice"),
     ([f"--run=p{i}" for i in range(7)], "at most 6"),
     (["--gpucheck=-m"], "-m needs a module"),
+    (["--step", "python3 -m abbench export-gguf"], "give NAME: COMMAND"),
 ])
 def test_bad_arguments_are_refused_with_what_to_do(argv: list[str], message: str) -> None:
     r = devicerun("start", *argv, "--commit", "abc", "--dry-run")
@@ -148,11 +154,13 @@ def test_a_failing_step_is_reported_and_stops_the_chain_before_the_runs(tmp_path
     work, out = tmp_path / "work", tmp_path / "out"
     r = devicerun("start", "--work", str(work), "--out", str(out), "--test-device", "cpu", "--gpucheck",
                   "-m abbench.no_such_check --preset tiny", "--run", "cpu-tiny", "--after-gpucheck",
-                  "-m abbench.no_such_check_either", "--commit", "abc", "--wait", "300", path=no_nvidia_smi_path(tmp_path))
+                  "-m abbench.no_such_check_either", "--commit", "abc", "--wait", "300",
+                  path=no_nvidia_smi_path(tmp_path))
     assert r.returncode == 1, r.stdout + r.stderr
     assert "FAILED: no_such_check-tiny (exit 1)" in r.stdout and "No module named abbench.no_such_check" in r.stdout
     assert "CHAIN STOPPED after no_such_check-tiny" in r.stdout
-    assert "DONE WITH FAILURES: no_such_check-tiny failed, run-cpu-tiny skipped, no_such_check_either failed" in r.stdout
+    assert ("DONE WITH FAILURES: no_such_check-tiny failed, run-cpu-tiny skipped, no_such_check_either failed"
+            in r.stdout)
     status = json.loads((out / "status.json").read_text())
     assert status["done"] is True and status["ok"] is False
     assert not (work / "runs").exists()  # the run never started
