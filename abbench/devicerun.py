@@ -37,8 +37,8 @@ a failed run does not stop the next; every step that did not run is marked ``ski
 time limit (``--tests-timeout``, ``--gpucheck-timeout``, ``--step-timeout``, ``--run-timeout``): one past it
 is killed with its process group and reads exit status 124. ``poll`` (and ``start``, once it has waited)
 prints the chain's log, each failed step with the tail of its log, and exits 0 when the chain is done and
-every step passed, 1 when it is done and a step failed, 3 while it still runs (the time waited, ``--wait``,
-ran out).
+every step passed, 1 when it is done and a step failed or when the chain's process died before its end
+(``chain.out`` has its last words), 3 while it still runs (the time waited, ``--wait``, ran out).
 
 What comes back: for each run, ``OUT/PROFILE.tgz`` holding ``PROFILE/`` = the run directory (``run.json``,
 ``requests.jsonl``, ``logs/``) plus ``gpucheck/`` (the logs and JSON above, ``chain.log``, ``status.json``,
@@ -338,12 +338,36 @@ def collect(work: Path, out: Path) -> list[Path]:
     return packed
 
 
+def _chain_alive(work: Path) -> bool:
+    """Whether the chain's process still runs (True when its pid is not known: then only DONE tells)."""
+    try:
+        pid = int((work / "chain.pid").read_text())
+    except (OSError, ValueError):
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a child of this process that ended but was not reaped yet reads as alive to kill(0)
+        return os.waitpid(pid, os.WNOHANG) == (0, 0)
+    except ChildProcessError:
+        return True
+
+
 def wait_and_report(work: Path, out: Path | None, wait: float) -> int:
     """Wait up to ``wait`` s for the chain to end, collect into ``out``, print what happened; the exit code."""
     t0 = time.monotonic()
-    while not (work / "DONE").exists() and time.monotonic() - t0 < wait:
+    while not (work / "DONE").exists() and time.monotonic() - t0 < wait and _chain_alive(work):
         time.sleep(2)
     done = (work / "DONE").exists()
+    if not done and not _chain_alive(work):
+        print(_tail(work / "chain.log", 200))
+        print(f"\nCHAIN DIED before its end; its own output:\n{_tail(work / 'chain.out')}")
+        if out is not None:
+            collect(work, out)
+        return EXIT_FAILED
     print(_tail(work / "chain.log", 200))
     status = json.loads((work / "status.json").read_text(encoding="utf-8")) if (work / "status.json").exists() \
         else {"steps": []}
@@ -377,9 +401,10 @@ def start(args: argparse.Namespace) -> int:
     (work / "gpucheck").mkdir(parents=True, exist_ok=True)
     (work / "plan.json").write_text(json.dumps(plan, indent=1) + "\n", encoding="utf-8")
     with open(work / "chain.out", "wb") as out:
-        subprocess.Popen([args.python, "-m", "abbench.devicerun", "chain", "--work", str(work)], cwd=repo,
+        chain = subprocess.Popen([args.python, "-m", "abbench.devicerun", "chain", "--work", str(work)], cwd=repo,
                          env={**os.environ, "PYTHONPATH": f"{repo}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"},
                          stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    (work / "chain.pid").write_text(f"{chain.pid}\n")
     return wait_and_report(work, Path(args.out) if args.out else None, args.wait)
 
 

@@ -231,3 +231,19 @@ def test_a_committed_report_regenerates_byte_for_byte_from_its_run(name: str, tm
 
 def test_the_older_renderings_are_committed_runs() -> None:
     assert OLDER_RENDERING <= set(RENDERED) and len(RENDERED) - len(OLDER_RENDERING) >= 7
+
+
+def test_a_chain_that_dies_is_reported_not_waited_on(tmp_path: Path) -> None:
+    """The chain's process killed (as by the machine's release of a call's processes): poll says so at once."""
+    import signal
+    import time
+
+    work = tmp_path / "work"
+    first = devicerun("start", "--work", str(work), "--step", "nap: python3 -c 'import time; time.sleep(4)'",
+                      "--commit", "abc", "--wait", "0", path=no_nvidia_smi_path(tmp_path))
+    assert first.returncode == 3, first.stdout + first.stderr
+    os.kill(int((work / "chain.pid").read_text()), signal.SIGKILL)
+    t0 = time.monotonic()
+    r = devicerun("poll", "--work", str(work), "--out", str(tmp_path / "out"), "--wait", "120")
+    assert r.returncode == 1 and "CHAIN DIED before its end" in r.stdout, r.stdout + r.stderr
+    assert time.monotonic() - t0 < 60 and (tmp_path / "out" / "checks.tgz").is_file()
