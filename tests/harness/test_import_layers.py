@@ -22,6 +22,8 @@ PACKAGE = Path(__file__).resolve().parents[2] / "abbench"
 
 FLOORS: list[tuple[str, tuple[str, ...]]] = [
     ("base", ("abbench", "abbench.errors")),
+    # the recipe for a GPU run: the standard library alone (it runs before the carried wheels are installed)
+    ("device recipe", ("abbench.devicerun",)),
     # the vendored runtime and its HTTP server: imports nothing above it (see also the test below)
     ("engine", ("abbench.engine",)),
     # the one command line of both serving backends; neither backend imports it
