@@ -4,7 +4,8 @@ TTFT, native token ids, loud failures.
 Contract
 --------
 :class:`EngineClient` owns ONE pooled ``httpx.Client`` for the whole run (keep-alive, ``trust_env=False`` so
-no proxy or ``.netrc`` from the environment is used; an idle connection is dropped after
+no proxy or ``.netrc`` from the environment is used; completions go straight through its transport, without
+the client's cookie and redirect hooks in the timed window; an idle connection is dropped after
 :data:`KEEPALIVE_EXPIRY_S`, before the usual servers close it themselves). The control requests (``reset``,
 ``metrics_text``: idempotent) are sent once more on a fresh connection when the first attempt's connection was
 dropped before any response; a completion never is. ``complete()`` sends one request and returns a
@@ -220,21 +221,15 @@ class EngineClient:
         self.connect_timeout_s = connect_timeout_s
         self.health_timeout_s = health_timeout_s
         self.control_timeout_s = control_timeout_s
-        self._http = httpx.Client(
-            trust_env=False,
-            follow_redirects=False,
-            limits=httpx.Limits(
-                max_connections=max_connections,
-                max_keepalive_connections=max_connections,
-                # Idle pooled connections are dropped before the common servers' own keep-alive timeouts
-                # (uvicorn's and cpp-httplib's, llama-server's, are 5 s): a connection the server is closing
-                # as a request goes out fails with "Server disconnected without sending a response".
-                keepalive_expiry=KEEPALIVE_EXPIRY_S,
-            ),
-            timeout=httpx.Timeout(control_timeout_s, connect=connect_timeout_s),
-            headers={"accept-encoding": "identity"},
-            verify=verify,
-        )
+        # Idle pooled connections are dropped before the common servers' own keep-alive timeouts (uvicorn's and
+        # cpp-httplib's, llama-server's, are 5 s): a connection the server is closing as a request goes out
+        # fails with "Server disconnected without sending a response".
+        limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections,
+                              keepalive_expiry=KEEPALIVE_EXPIRY_S)
+        self._transport = httpx.HTTPTransport(trust_env=False, verify=verify, limits=limits)
+        self._http = httpx.Client(transport=self._transport, trust_env=False, follow_redirects=False,
+                                  timeout=httpx.Timeout(control_timeout_s, connect=connect_timeout_s),
+                                  headers={"accept-encoding": "identity"})
         self._watchdog = _Watchdog()
 
     def close(self) -> None:
@@ -356,7 +351,7 @@ class EngineClient:
             started_at = time.time()
             t0 = time.perf_counter()
             try:
-                response = self._http.send(http_request, stream=True)
+                response = self._send(http_request)
             except httpx.HTTPError as e:
                 raise _transport_error(e, what, timeout, deadline, "before the response headers") from None
             try:
@@ -380,6 +375,13 @@ class EngineClient:
                                   extra=extra, target_prompt_tokens=target_prompt_tokens, model=model,
                                   retokenize=retokenize, adapter=ad, headers=headers)
             return _with_refetched_ids(short, again, raw, started_at, what)
+
+    def _send(self, request: httpx.Request) -> httpx.Response:
+        """A completion straight through the pooled transport, streamed: ``httpx.Client.send`` would also extract
+        cookies (an ``http.cookiejar`` pass over a ``urllib`` request) inside the timed window. No cookies kept."""
+        response = self._transport.handle_request(request)
+        response.request = request
+        return response
 
     def _read_stream(
         self, response: httpx.Response, ad: Adapter, t0: float, what: str, deadline: _Deadline

@@ -10,6 +10,18 @@ of two samples is about their range: noise, not evidence). A *regression* is a m
 ``threshold`` (TTFT, H2D and memory higher, the decode rate lower) with its whole interval beyond it; a cell
 too few to judge is never one.
 
+Per arm and metric, over all its cells (every kind and length with at least 2 samples a side), the arm's
+change is the geometric mean of the cells' ratios of medians, exp(mean of log(cand/base)) - 1, with a 95%
+*stratified* bootstrap interval (each cell's two runs resampled within that cell, :data:`RESAMPLES` times,
+seed 0, the cells' log-ratios averaged per resample) and a one-sided *sign test* across the cells: how
+many cells moved beyond the threshold the worse way, against Binomial(K, 1/2). An arm regresses when its
+whole interval is beyond the threshold *and* the sign test's p <= :data:`SIGN_ALPHA` (so at least
+:data:`MIN_CELLS` cells, every one of them worse at K = 5 or 6): a consistent slowdown across cells is a
+regression at n = 2 a cell, one outlying cell is not. docs/compare.md states the assumptions.
+
+Exit codes (:func:`exit_code`): 0 no regression, 1 a regression (a cell's or an arm's), 3 nothing could be
+judged (every cell too few and no arm with enough cells: "No regression" would claim what was not tested).
+
 Contract:
 
 * :func:`compare` raises :class:`CompareRefused` (exit 2) when the two runs do not measure the same thing:
@@ -50,6 +62,13 @@ SMALL_N = 5
 MIN_N = 3
 """Fewer samples than this in a cell on either side: "too few to judge", never a regression."""
 TOO_FEW = "too few to judge"
+SIGN_ALPHA = 0.05
+"""The sign test's level: an arm regresses only when this few of its cells' moves could be chance."""
+MIN_CELLS = 5
+"""The fewest cells whose sign test can reach :data:`SIGN_ALPHA` (2**-5 = 0.031; 2**-4 = 0.0625 cannot)."""
+TOO_FEW_CELLS = "too few cells to judge"
+EXIT_NOTHING_JUDGED = 3
+"""compare's exit code when no cell and no arm could be judged."""
 
 
 class CompareRefused(AbbenchError):
@@ -73,6 +92,8 @@ METRICS = (
 
 CHANGE_COLUMNS = ["arm", "kind", "target_tokens", "metric", "n_base", "n_cand", "base", "cand", "change",
                   "ci_low", "ci_high", "verdict", "regression"]
+ARM_COLUMNS = ["arm", "metric", "cells", "beyond", "change", "ci_low", "ci_high", "p_sign", "verdict",
+               "regression"]
 
 
 @dataclass
@@ -89,10 +110,40 @@ class Comparison:
     only_cand: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     """What the verdict cannot tell apart (see :func:`drift_notes`)."""
+    arms: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(columns=ARM_COLUMNS))
+    """One row per (arm, metric): the test over all the arm's cells (:func:`arm_changes`)."""
 
     @property
     def regressions(self) -> pd.DataFrame:
+        """Cells that regressed."""
         return self.changes[self.changes["regression"]]
+
+    @property
+    def arm_regressions(self) -> pd.DataFrame:
+        """Arms that regressed over all their cells."""
+        return self.arms[self.arms["regression"].astype(bool)] if len(self.arms) else self.arms
+
+    @property
+    def regression_count(self) -> int:
+        return int(len(self.regressions) + len(self.arm_regressions))
+
+    @property
+    def judged(self) -> bool:
+        """Whether anything that differs could be judged: a cell or an arm with a verdict other than "same"
+        (a deterministic counter's), or both runs the same throughout. With neither, "no regression" would
+        claim what was never tested."""
+        unjudged = ("no interval", "base is 0")
+        verdicts = pd.concat([self.changes["verdict"], self.arms["verdict"] if len(self.arms) else None])
+        if verdicts.empty or (verdicts == "same").all():
+            return not verdicts.empty
+        judged = ((verdicts != "same") & ~verdicts.str.startswith(TOO_FEW) & ~verdicts.str.startswith(TOO_FEW_CELLS)
+                  & ~verdicts.isin(unjudged))
+        return bool(judged.any())
+
+    @property
+    def exit_code(self) -> int:
+        """0 no regression, 1 a regression (cell or arm), :data:`EXIT_NOTHING_JUDGED` nothing judged."""
+        return 1 if self.regression_count else 0 if self.judged else EXIT_NOTHING_JUDGED
 
     @property
     def too_few(self) -> pd.DataFrame:
@@ -227,7 +278,78 @@ def _verdict(m: MetricSpec, same: bool, change: float | None, lo: float | None, 
     return word, False
 
 
-def drift_notes(changes: pd.DataFrame, base: RunRecord, cand: RunRecord, threshold: float) -> list[str]:
+def _log_ratio_resamples(vb: np.ndarray, vc: np.ndarray, rng: np.random.Generator, n: int) -> np.ndarray:
+    """``n`` bootstrap resamples of log(median cand / median base) for one cell (each side on its own)."""
+    mb = np.median(vb[rng.integers(0, vb.size, size=(n, vb.size))], axis=1)
+    mc = np.median(vc[rng.integers(0, vc.size, size=(n, vc.size))], axis=1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.log(mc) - np.log(mb)
+
+
+def sign_p(beyond: int, cells: int) -> float:
+    """One-sided sign test: P(X >= beyond) for X ~ Binomial(cells, 1/2)."""
+    return float(sum(math.comb(cells, k) for k in range(beyond, cells + 1)) / 2 ** cells)
+
+
+def arm_change(m: MetricSpec, cells: list[tuple[np.ndarray, np.ndarray]], threshold: float, *, seed: int = SEED,
+               n_resamples: int = RESAMPLES) -> dict[str, Any]:
+    """The test of one arm and metric over all its cells (module docstring): the geometric-mean change, its
+    stratified-bootstrap interval, how many cells moved beyond ``threshold`` the worse way, the sign test's
+    p, and the verdict. ``cells``: (base, cand) samples per cell, each side with at least 2 values and a
+    base median above 0."""
+    rng = np.random.default_rng(seed)
+    k = len(cells)
+    logs = np.array([math.log(float(np.median(c)) / float(np.median(b))) if np.median(c) > 0 else -math.inf
+                     for b, c in cells])
+    same = all(np.array_equal(np.sort(b), np.sort(c)) or np.unique(np.concatenate([b, c])).size == 1
+               for b, c in cells)
+    limit = math.log1p(threshold) if m.higher_is_worse else math.log1p(-min(threshold, 0.999999))
+    beyond = int((logs > limit).sum() if m.higher_is_worse else (logs < limit).sum())
+    row = {"cells": k, "beyond": beyond, "change": None, "ci_low": None, "ci_high": None,
+           "p_sign": sign_p(beyond, k), "regression": False}
+    if same:
+        return {**row, "change": 0.0, "verdict": "same"}
+    if not np.isfinite(logs).all():
+        return {**row, "verdict": "no interval"}
+    row["change"] = math.expm1(float(logs.mean()))
+    boot = np.mean([_log_ratio_resamples(b, c, rng, n_resamples) for b, c in cells], axis=0)
+    if not np.isfinite(boot).all():
+        return {**row, "verdict": "no interval"}
+    lo, hi = (float(np.quantile(boot, q)) for q in ((1 - CONFIDENCE) / 2, (1 + CONFIDENCE) / 2))
+    row["ci_low"], row["ci_high"] = math.expm1(lo), math.expm1(hi)
+    if k < MIN_CELLS:
+        return {**row, "verdict": f"{TOO_FEW_CELLS} ({k} < {MIN_CELLS})"}
+    if lo <= 0 <= hi:
+        return {**row, "verdict": "not significant"}
+    up = lo > 0
+    words = {"ttft_s": ("slower", "faster"), "decode_tok_s": ("faster", "slower")}.get(m.key, ("more", "less"))
+    word = words[0] if up else words[1]
+    if up != m.higher_is_worse:
+        return {**row, "verdict": word}
+    whole_beyond = lo > limit if m.higher_is_worse else hi < limit
+    if whole_beyond and row["p_sign"] <= SIGN_ALPHA:
+        return {**row, "regression": True,
+                "verdict": f"{word}: REGRESSION (beyond {threshold:.0%}, {beyond} of {k} cells)"}
+    if whole_beyond:
+        return {**row, "verdict": f"{word} (beyond {threshold:.0%} in only {beyond} of {k} cells, sign test p = "
+                                  f"{row['p_sign']:.2f})"}
+    return {**row, "verdict": word}
+
+
+def arm_changes(samples: dict[tuple[str, str], list[tuple[np.ndarray, np.ndarray]]], threshold: float
+                ) -> pd.DataFrame:
+    """:func:`arm_change` for every (arm, metric) with a cell to judge."""
+    rows = []
+    for (arm, key), cells in samples.items():
+        usable = [(b, c) for b, c in cells if b.size >= 2 and c.size >= 2 and np.median(b) > 0]
+        if usable:
+            m = next(x for x in METRICS if x.key == key)
+            rows.append({"arm": arm, "metric": key, **arm_change(m, usable, threshold)})
+    return pd.DataFrame(rows, columns=ARM_COLUMNS)
+
+
+def drift_notes(changes: pd.DataFrame, base: RunRecord, cand: RunRecord, threshold: float,
+                arms: pd.DataFrame | None = None) -> list[str]:
     """Notes for what the intervals cannot hold: both runs of one clean commit (every change is the
     machine's), and a regressing metric whose median change moved beyond the threshold, the worse way, in
     every arm (the whole run shifted: a busier machine looks like a regression of every cell)."""
@@ -239,7 +361,9 @@ def drift_notes(changes: pd.DataFrame, base: RunRecord, cand: RunRecord, thresho
     judged = changes[~changes["verdict"].str.startswith(TOO_FEW) & changes["change"].notna()]
     shifted = []
     for m in METRICS:
-        if not changes[(changes["metric"] == m.key) & changes["regression"]].shape[0]:
+        arm_reg = arms is not None and len(arms) and bool(
+            arms[(arms["metric"] == m.key) & arms["regression"].astype(bool)].shape[0])
+        if not changes[(changes["metric"] == m.key) & changes["regression"]].shape[0] and not arm_reg:
             continue
         per_arm = judged[judged["metric"] == m.key].groupby("arm")["change"].median()
         worse = per_arm > threshold if m.higher_is_worse else per_arm < -threshold
@@ -269,13 +393,15 @@ def compare(base: RunRecord, cand: RunRecord, *, threshold: float = DEFAULT_THRE
     _check_same_inputs(base, cand)
     cb, cc = _cells(_frame(base)), _cells(_frame(cand))
     rows = []
-    for key in cb.keys() & cc.keys():
+    per_arm: dict[tuple[str, str], list[tuple[np.ndarray, np.ndarray]]] = {}
+    for key in sorted(cb.keys() & cc.keys()):
         gb, gc = cb[key], cc[key]
         for m in METRICS:
             vb = pd.to_numeric(gb[m.key], errors="coerce").dropna().to_numpy(float)
             vc = pd.to_numeric(gc[m.key], errors="coerce").dropna().to_numpy(float)
             if vb.size == 0 or vc.size == 0:
                 continue
+            per_arm.setdefault((key[0], m.key), []).append((vb, vc))
             same = bool(vb.size == vc.size and np.array_equal(np.sort(vb), np.sort(vc))
                         or np.unique(np.concatenate([vb, vc])).size == 1)  # one value throughout (a counter)
             n = min(vb.size, vc.size)
@@ -294,13 +420,20 @@ def compare(base: RunRecord, cand: RunRecord, *, threshold: float = DEFAULT_THRE
         if not sel.empty and (sel["verdict"] == "same").all():
             identical.append(m.label)
     changes = _sorted(changes, base)
+    arms = _sorted_arms(arm_changes(per_arm, threshold), base)
     label = lambda k: f"{k[0]} {k[1]} {k[2]}"  # noqa: E731
     return Comparison(base=base, cand=cand, threshold=threshold, changes=changes, identical=identical,
                       env_diffs=env_differences(base.environment, cand.environment),
                       profile_diffs=profile_differences(base.profile, cand.profile),
                       only_base=sorted(label(k) for k in cb.keys() - cc.keys()),
                       only_cand=sorted(label(k) for k in cc.keys() - cb.keys()),
-                      notes=drift_notes(changes, base, cand, threshold))
+                      notes=drift_notes(changes, base, cand, threshold, arms), arms=arms)
+
+
+def _sorted_arms(df: pd.DataFrame, record: RunRecord) -> pd.DataFrame:
+    ranks, metrics = arm_rank(record), {m.key: i for i, m in enumerate(METRICS)}
+    order = sorted(range(len(df)), key=lambda i: (ranks.get(df["arm"].iloc[i], 99), metrics[df["metric"].iloc[i]]))
+    return df.iloc[order].reset_index(drop=True)
 
 
 def _sorted(df: pd.DataFrame, record: RunRecord) -> pd.DataFrame:
@@ -329,19 +462,23 @@ def _run_line(r: RunRecord) -> str:
 
 def render_markdown(c: Comparison, plot_link: str | None = None) -> str:
     """The comparison as GitHub Markdown (see the module docstring)."""
-    regs = c.regressions
-    verdict = (f"**{len(regs)} regression(s)** beyond {c.threshold:.0%}" if len(regs) else
-               f"**No regression** beyond {c.threshold:.0%}")
+    regs, arm_regs = c.regressions, c.arm_regressions
+    verdict = (f"**{c.regression_count} regression(s)** beyond {c.threshold:.0%}" if c.regression_count else
+               f"**No regression** beyond {c.threshold:.0%}" if c.judged else
+               "**Nothing could be judged** (exit 3): no cell has enough samples and no arm enough cells")
     few = c.too_few
     judged = (f"; {len(few)} of {len(c.changes)} cells {TOO_FEW} (fewer than {MIN_N} samples a side: run more "
               "rounds)" if len(few) else "")
     lines = [f"## abbench compare: {c.base.run_id} → {c.cand.run_id}", "",
              f"- **Base:** {_run_line(c.base)}", f"- **Candidate:** {_run_line(c.cand)}",
              f"- **Verdict:** {verdict} (a metric worse by more than the threshold with its whole "
-             f"{CONFIDENCE:.0%} interval beyond it){judged}", ""]
-    if len(regs):
-        lines += [bullets(f"{r.arm} {r.kind} {r.target_tokens}: {_label(r.metric)} {_pct(r.change)} "
-                          f"(CI {_pct(r.ci_low)} – {_pct(r.ci_high)})" for r in regs.itertuples()), ""]
+             f"{CONFIDENCE:.0%} interval beyond it, in a cell or over all of an arm's cells){judged}", ""]
+    if c.regression_count:
+        lines += [bullets([f"{r.arm} (all {r.cells} cells): {_label(r.metric)} {_pct(r.change)} (CI "
+                           f"{_pct(r.ci_low)} – {_pct(r.ci_high)}; {r.beyond} of {r.cells} cells beyond, sign test "
+                           f"p = {r.p_sign:.3f})" for r in arm_regs.itertuples()]
+                          + [f"{r.arm} {r.kind} {r.target_tokens}: {_label(r.metric)} {_pct(r.change)} "
+                             f"(CI {_pct(r.ci_low)} – {_pct(r.ci_high)})" for r in regs.itertuples()]), ""]
     for n in c.notes:
         lines += [f"Note: {n}", ""]
     lines += ["### Environment differences", "",
@@ -376,12 +513,34 @@ def render_markdown(c: Comparison, plot_link: str | None = None) -> str:
             Col("label", "Metric", descriptive=True, right=False), Col("n", "n base/cand", descriptive=True),
             Col("base_s", "Base"), Col("cand_s", "Candidate"), Col("change", "Change", _pct),
             Col("ci", "95% CI"), Col("verdict", "Verdict", right=False)]))
+    lines += _arm_section(c)
     for name, cells in (("base", c.only_base), ("candidate", c.only_cand)):
         if cells:
             lines += ["", f"Only in the {name} run (not compared): {', '.join(cells)}."]
     if plot_link:
         lines += ["", f"![Changes with 95% intervals]({plot_link})"]
     return "\n".join(lines).rstrip() + "\n"
+
+
+def _arm_section(c: Comparison) -> list[str]:
+    shown = c.arms[~c.arms["metric"].map(_label).isin(c.identical)].copy() if len(c.arms) else c.arms
+    if shown.empty:
+        return []
+    shown["label"] = shown["metric"].map(_label)
+    shown["ci"] = [DASH if lo is None or pd.isna(lo) else f"{_pct(lo)} – {_pct(hi)}"
+                   for lo, hi in zip(shown["ci_low"], shown["ci_high"])]
+    shown["moved"] = [f"{b} of {k}" for b, k in zip(shown["beyond"], shown["cells"])]
+    shown["p"] = [f"{p:.3f}" for p in shown["p_sign"]]
+    return ["", "### Per arm, over all its cells", "",
+            (f"Change = geometric mean of the cells' ratios of medians - 1, with a {CONFIDENCE:.0%} stratified "
+             f"bootstrap interval (each cell's runs resampled within the cell, seed {SEED}, {RESAMPLES} resamples); "
+             f"a regression also needs the one-sided sign test across cells (cells beyond {c.threshold:.0%} the "
+             f"worse way, against Binomial(cells, 1/2)) at p <= {SIGN_ALPHA}, so at least {MIN_CELLS} cells."), "",
+            table(shown, [Col("arm", "Arm", descriptive=True, right=False),
+                          Col("label", "Metric", descriptive=True, right=False),
+                          Col("cells", "Cells", fmt_int, descriptive=True), Col("change", "Change", _pct),
+                          Col("ci", "95% CI"), Col("moved", f"Beyond {c.threshold:.0%}"),
+                          Col("p", "Sign test p"), Col("verdict", "Verdict", right=False)])]
 
 
 def _label(key: str) -> str:

@@ -2,8 +2,11 @@
 
 Contract
 --------
-Without NVML (no driver, no GPU, no ``pynvml``) :func:`nvml_available` is False, one warning says why
-(:func:`nvml_unavailable_reason`) and every function here returns ``None`` or ``[]``; nothing raises.
+Without NVML (no driver, no GPU, no ``pynvml``) :func:`nvml_available` is False, one log line says why
+(:func:`nvml_unavailable_reason`; the fingerprint's ``nvml.reason`` records it) and every function here
+returns ``None`` or ``[]``; nothing raises. The line is at debug level where the machine has no NVIDIA
+driver (no ``pynvml``, no library, driver not loaded: a CPU machine, nothing to warn of) and a warning
+otherwise (a driver that fails to initialise).
 :mod:`abbench.telemetry` (the service monitor) and :mod:`abbench.fingerprint` (the environment fingerprint)
 both read the GPUs through this module, so neither imports the other.
 
@@ -48,14 +51,16 @@ class NvmlSession:
                     self.module = pynvml
                     self.ok = True
                     atexit.register(self._shutdown)
+                    no_driver = False
                 except ImportError:
                     self.reason = "nvidia-ml-py (module pynvml) is not installed"
-                    self.ok = False
+                    self.ok, no_driver = False, True
                 except Exception as e:  # noqa: BLE001 - NVMLError_LibraryNotFound, DriverNotLoaded, OSError
                     self.reason = f"NVML could not be initialised ({type(e).__name__}: {e})"
-                    self.ok = False
-                if not self.ok:
-                    log.warning("NVML not available: %s; GPU telemetry will be empty (None)", self.reason)
+                    self.ok, no_driver = False, _no_driver(e)
+                if not self.ok:  # no driver (a CPU machine): nothing to warn of; the fingerprint records why
+                    log.log(logging.DEBUG if no_driver else logging.WARNING,
+                            "NVML not available: %s; GPU telemetry will be empty (None)", self.reason)
         return bool(self.ok)
 
     def _shutdown(self) -> None:
@@ -63,6 +68,13 @@ class NvmlSession:
             self.module.nvmlShutdown()
         except Exception:  # noqa: BLE001
             pass
+
+
+def _no_driver(e: BaseException) -> bool:
+    """Whether an ``nvmlInit`` failure means the machine has no NVIDIA driver (no library, driver not loaded,
+    no GPU): expected on a CPU machine, said at debug level only."""
+    name = type(e).__name__
+    return isinstance(e, OSError) or any(k in name for k in ("LibraryNotFound", "DriverNotLoaded", "NotFound"))
 
 
 SESSION = NvmlSession()

@@ -32,7 +32,9 @@ and with these ids (a contract with the scheduler, runner and report):
 
 Prompts rotate through ``spec.corpora`` in that order. Each record holds the sha256 of the UTF-8 text, the
 token count measured by re-encoding (== target) and a preview. Cost: about two encodes of the prompt's length
-(one of the source, one check), e.g. under a second for 128K tokens on two CPU cores.
+(one of the source, one check), e.g. under a second for 128K tokens on two CPU cores. A prompt longer than
+:data:`MAX_PROMPT_TOKENS` is refused (:func:`check_lengths`, a :class:`ConfigError`) before any text is made:
+peak memory is about :data:`BYTES_PER_TOKEN` bytes a token of the longest prompt, so the bound bounds it.
 """
 
 from __future__ import annotations
@@ -55,11 +57,13 @@ __all__ = [
     "BUILTIN_CORPORA",
     "CORPORA_DIR",
     "MAX_ATTEMPTS",
+    "MAX_PROMPT_TOKENS",
     "BuiltPrompt",
     "Corpus",
     "PromptItem",
     "build_prompt_items",
     "build_prompts",
+    "check_lengths",
     "document_text",
     "exact_nested_prompts",
     "exact_prompt",
@@ -73,6 +77,12 @@ PREVIEW_CHARS = 60
 _WORD_SPAN = 24  # a "word" deleted to move a cut reaches at most this far each side of it
 _SOURCE_MARGIN = 1.12  # source text is sized to ~12% more tokens than needed
 _GROW_ATTEMPTS = 6  # times a too-short source is regenerated larger
+MAX_PROMPT_TOKENS = 1 << 20
+"""The longest prompt abbench builds (1,048,576 tokens, 4x the longest context of the engines it drives). The
+corpus text is cycled, so any length has text; the bound is memory: encoding a source and re-encoding its cut
+holds the tokenizer's per-token state, about :data:`BYTES_PER_TOKEN` bytes a token at its peak (measured: 35 MB
+for 131,072 tokens), so 100 million tokens would take about 26 GB and be killed by the kernel."""
+BYTES_PER_TOKEN = 270
 _REPLACEMENT = "\ufffd"
 
 
@@ -296,6 +306,7 @@ def build_prompt_items(tok: Any, spec: PromptsSpec, items: list[tuple[int, Promp
     corpus ``p % len(corpora)`` at the start that the prompts before it in that corpus leave, with ordinal
     ``p + 1``, so a prompt's text depends on (corpora, seed, position) alone. :func:`build_prompts` is the set
     at positions 0, 1, ...; a sweep builds its points' prompts at positions of their own."""
+    check_lengths([item for _, item in items])
     if not spec.corpora:
         raise ConfigError(f"prompts.corpora is empty: name at least one of {', '.join(BUILTIN_CORPORA)} or a .txt file")
     corpora = [load_corpus(c, base_dir=base_dir) for c in spec.corpora]
@@ -328,6 +339,21 @@ def _check_fits(plan: list[PromptItem], limit: int) -> None:
                 f"prompts: {item.parent_ids[-1]} needs {max(item.lengths)} tokens, more than the engine's context "
                 f"length {limit}; shorten prompts.lengths / prompts.pairs"
             )
+
+
+def check_lengths(plan: list[PromptItem] | PromptsSpec) -> None:
+    """:class:`ConfigError` when a prompt of ``plan`` (or of a spec's set) is longer than
+    :data:`MAX_PROMPT_TOKENS`, before any text is generated: the message names the prompt, the largest length
+    abbench builds, and why (the memory the tokenizer would need)."""
+    items = _plan(plan) if isinstance(plan, PromptsSpec) else plan
+    for item in items:
+        need = max(item.lengths)
+        if need > MAX_PROMPT_TOKENS:
+            raise ConfigError(
+                f"prompts: {item.parent_ids[-1]} needs {need:,} tokens, more than the largest prompt abbench builds, "
+                f"{MAX_PROMPT_TOKENS:,} tokens: the corpus text is cycled without end, but encoding and checking a "
+                f"prompt holds about {BYTES_PER_TOKEN} bytes a token in the tokenizer ({need:,} tokens: about "
+                f"{need * BYTES_PER_TOKEN / 1e9:,.1f} GB); shorten prompts.lengths / prompts.pairs (--lengths)")
 
 
 def _start_order(corpus: Corpus, seed: int) -> list[int]:

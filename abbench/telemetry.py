@@ -3,8 +3,9 @@
 Contract
 --------
 Telemetry never stops a run. Without NVML (no driver, no GPU, no ``pynvml``) :func:`nvml_available` is
-False, one warning says so, every GPU field is ``None`` and host figures still work. NVML errors during a
-run (``NVMLError`` of any kind) turn the affected field into ``None`` and are logged once.
+False, one log line says so (debug level on a machine with no NVIDIA driver), every GPU field is ``None``
+and host figures still work. NVML errors during a run (``NVMLError`` of any kind) turn the affected field
+into ``None`` and are logged once.
 
 * :class:`ServiceMonitor` (background threads, a context manager) samples one service (root pid + key) every
   ``interval_s`` (default 0.2 s) into :class:`~abbench.results.MemoryPoint` s:

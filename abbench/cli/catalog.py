@@ -32,12 +32,13 @@ def prompts(
       abbench prompts --show fresh-384-0
     """
     from abbench.profile import load_profile
-    from abbench.prompts import build_prompts
+    from abbench.prompts import build_prompts, check_lengths
     from abbench.runner import profile_dir
     from abbench.tokenizers import load_tokenizer
 
     try:
         prof = load_profile(profile).with_overrides(lengths=_parse_lengths(lengths))
+        check_lengths(prof.prompts)  # before the tokenizer loads
         t0 = time.perf_counter()
         tok = load_tokenizer(prof.tokenizer.source, base_dir=profile_dir(prof))
         t1 = time.perf_counter()

@@ -1,21 +1,45 @@
 """What every command group of the ``abbench`` command line shares: the two consoles (messages and progress on
 stderr, results on stdout), the default results and reports folders, the error-to-exit-code mapping
 (:func:`_fail`), the list and length option parsers, the common option and argument types, and the lookup of the
-latest run. Imports nothing from the command modules.
+latest run. The consoles lay out at the terminal's width, and do not wrap when piped (:data:`PIPE_WIDTH`).
+Imports nothing from the command modules.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-from rich.console import Console
+from rich.console import Console, ConsoleDimensions
 
 from abbench.errors import AbbenchError, ConfigError
 
-console = Console(stderr=True)
-out = Console()
+PIPE_WIDTH = 10_000
+"""The width the consoles lay out at when their stream is not a terminal (a pipe, a file, CI's log) and
+``COLUMNS`` is unset: rich's default there is 80 columns, which wraps messages and squeezes tables mid-word;
+a grep or a log reader wants each message on one line."""
+
+
+class _Console(Console):
+    """A rich console that, writing to something other than a terminal, neither wraps nor squeezes (see
+    :data:`PIPE_WIDTH`); at a terminal, or with ``COLUMNS`` or a width set, rich's own size."""
+
+    @property
+    def size(self) -> ConsoleDimensions:
+        dims = super().size
+        if self.is_terminal or self._width is not None or os.environ.get("COLUMNS"):
+            return dims
+        return ConsoleDimensions(PIPE_WIDTH, dims.height)
+
+    @size.setter
+    def size(self, new_size: tuple[int, int]) -> None:
+        self._width, self._height = new_size
+
+
+console = _Console(stderr=True)
+out = _Console()
 
 RESULTS_ROOT = Path("results")
 REPORTS_ROOT = Path("reports")

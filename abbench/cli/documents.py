@@ -74,7 +74,9 @@ def compare_document(c: Any) -> dict[str, Any]:
     return {
         "schema": SCHEMAS["compare"], "base": run_ref(c.base), "candidate": run_ref(c.cand),
         "threshold": c.threshold, "regressions": int(len(c.regressions)), "too_few_to_judge": int(len(c.too_few)),
-        "exit_code": 1 if len(c.regressions) else 0, "cells": cells, "identical": list(c.identical),
+        "arm_regressions": int(len(c.arm_regressions)), "judged": c.judged,
+        "exit_code": c.exit_code, "cells": cells, "arms": c.arms.to_dict(orient="records"),
+        "identical": list(c.identical),
         "environment_differences": list(c.env_diffs), "profile_differences": list(c.profile_diffs),
         "only_in_base": list(c.only_base), "only_in_candidate": list(c.only_cand), "notes": list(c.notes),
     }

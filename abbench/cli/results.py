@@ -134,9 +134,12 @@ def compare(
 ) -> None:
     """Compare two runs of one profile (main vs a PR): per arm, kind and length the median TTFT, decode
     rate, H2D and peak device memory, the change with a 95% bootstrap interval, and the fingerprint
-    differences. A cell with fewer than 3 samples on a side is too few to judge. Exit 0 no regression, 1 a
-    regression beyond --threshold, 2 when the runs are of another profile, prompt set or tokenizer (or a usage
-    error). See docs/compare.md.
+    differences. A cell with fewer than 3 samples on a side is too few to judge; each arm is also judged over
+    all its cells (geometric-mean change, stratified bootstrap interval and a sign test across cells), so a
+    slowdown in every cell is a regression at 2 samples a cell. Exit 0 no regression, 1 a regression beyond
+    --threshold (a cell's or an arm's), 2 when the runs are of another profile, prompt set or tokenizer (or a
+    usage error), 3 when nothing could be judged (no cell with enough samples, no arm with enough cells).
+    See docs/compare.md.
 
     Examples:
 
@@ -174,9 +177,13 @@ def compare(
         from abbench.cli.documents import compare_document, emit
 
         emit(compare_document(c))
-    if len(c.regressions):
-        console.print(f"[bold red]compare: {len(c.regressions)} regression(s) beyond {threshold:.0%}[/]")
-        raise typer.Exit(1)
+    if c.exit_code == 1:
+        console.print(f"[bold red]compare: {c.regression_count} regression(s) beyond {threshold:.0%}[/]")
+    elif c.exit_code:
+        console.print(f"[bold yellow]compare: nothing could be judged (exit {c.exit_code}): every cell has too few "
+                      "samples and no arm enough cells; run more rounds or lengths[/]")
+    if c.exit_code:
+        raise typer.Exit(c.exit_code)
 
 
 def export(

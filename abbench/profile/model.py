@@ -299,13 +299,48 @@ _SHAPE_HINTS = {
 }
 
 
+def _model_at(loc: tuple[Any, ...]) -> Any:
+    """The pydantic model class that holds the field at ``loc`` (a validation error's location), or None."""
+    import typing
+
+    from pydantic import BaseModel
+
+    def models(t: Any) -> list[Any]:
+        if isinstance(t, type) and issubclass(t, BaseModel):
+            return [t]
+        return [m for a in typing.get_args(t) for m in models(a)]
+
+    current: list[Any] = [Profile]
+    for part in loc[:-1]:
+        if isinstance(part, int):
+            continue  # a list's element: the same model type
+        nxt = [m for c in current if part in c.model_fields for m in models(c.model_fields[part].annotation)]
+        if not nxt:
+            return None
+        current = nxt
+    return current[0] if current else None
+
+
+def _closest_field(loc: tuple[Any, ...]) -> str | None:
+    """The known field closest in spelling to the unknown one at ``loc`` (difflib), or None."""
+    import difflib
+
+    model = _model_at(tuple(loc))
+    if model is None or not loc or not isinstance(loc[-1], str):
+        return None
+    near = difflib.get_close_matches(loc[-1], list(model.model_fields), n=1, cutoff=0.6)
+    return near[0] if near else None
+
+
 def _format_validation_error(err: ValidationError, path: str) -> str:
     lines = [f"{path}: invalid profile"]
     for e in err.errors():
         loc = ".".join(str(p) for p in e["loc"]) or "(top level)"
         msg = e["msg"]
         if e["type"] == "extra_forbidden":
-            msg = "unknown field (check the spelling; see the profile reference in docs/profiles.md)"
+            near = _closest_field(e["loc"])
+            msg = (f"unknown field (did you mean {near!r}?{' ' if near else ''}" if near else "unknown field (") + \
+                "check the spelling; see the profile reference in docs/profiles.md)"
         elif e["type"] == "missing":
             msg = _MISSING_HINTS.get(loc, "required field is missing")
         elif e["type"] in ("list_type", "dict_type"):

@@ -37,9 +37,22 @@ def _groups(df: pd.DataFrame) -> list[tuple[Any, Any]]:
 
 
 def _log_if_wide(ax: Any, values: Iterable[float]) -> None:
+    """A log y axis when the values span more than 10x, with plain tick labels (0.5, 1, 4, 10: not 4×10^0)."""
+    from matplotlib.ticker import FuncFormatter
+
     xs = [float(v) for v in values if not is_na(v) and float(v) > 0]
     if xs and max(xs) / min(xs) > 10:
         ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:g}"))
+        ax.yaxis.set_minor_formatter(FuncFormatter(_minor_label))
+
+
+def _minor_label(v: float, _pos: Any = None) -> str:
+    """A log axis's minor tick: labelled, plainly, at 2 and 5 times a power of ten (0.2, 0.5, 2, 50); blank else."""
+    if v <= 0:
+        return ""
+    mantissa = v / 10 ** math.floor(math.log10(v) + 1e-9)
+    return f"{v:g}" if any(abs(mantissa - m) < 1e-6 for m in (2.0, 5.0)) else ""
 
 
 def plot_ttft(a: an.Analysis, path: Path) -> None:
@@ -89,6 +102,7 @@ def plot_ratios(a: an.Analysis, path: Path) -> None:
         ax.set_xticks(range(len(groups)), [group_label(k, t) for k, t in groups])
         ax.set_xlim(-0.6, len(groups) - 0.4)
         ax.set_ylabel(f"TTFT {arm} / {a.reference}")
+        ax.set_xlabel("prompt (kind, tokens)")
         _log_if_wide(ax, list(g["ratio"]) + [1.0])
         ax.grid(True, axis="y", alpha=0.3)
         ax.set_title(f"{arm} vs {a.reference}: pairs (dots), median (line), 95% CI (band)", fontsize=10)

@@ -106,16 +106,80 @@ def test_two_runs_of_one_profile_at_one_commit_do_not_regress() -> None:
 
 def test_fewer_than_three_samples_a_side_are_too_few_to_judge(tmp_path: Path) -> None:
     """The same two runs cut to two rounds (as `--rounds 2` makes them): an interval of two samples is about
-    their range, so no cell is judged and none regresses, whichever run is the base."""
+    their range, so no cell is judged on its own, whichever run is the base. Each arm is still judged over its
+    five cells: base -> cand (every arm faster) is no regression; cand -> base regresses where every cell of an
+    arm moved beyond 5% (the machine's drift between the runs, which the notes name)."""
     base, cand = two_rounds(BASE, tmp_path / "b2"), two_rounds(CAND, tmp_path / "c2")
     for b, c in ((base, cand), (cand, base)):
         cmp = compare(load_run(b)[0], load_run(c)[0])
         judged = cmp.changes[cmp.changes["verdict"] != "same"]
         assert len(judged) and (judged["verdict"] == "too few to judge (n=2)").all()
         assert judged["ci_low"].isna().all() and len(cmp.regressions) == 0
+        assert set(cmp.arms["cells"]) == {5} and cmp.judged
         r = runner.invoke(app, ["compare", str(b), str(c)])
-        assert r.exit_code == 0, r.output
+        assert r.exit_code == cmp.exit_code, r.output
         assert f"{len(judged)} of {len(cmp.changes)} cells too few to judge (fewer than 3 samples a side" in r.output
+    forward = compare(load_run(base)[0], load_run(cand)[0])
+    assert forward.exit_code == 0 and forward.arm_regressions.empty
+    backward = compare(load_run(cand)[0], load_run(base)[0])
+    assert backward.exit_code == 1 and len(backward.arm_regressions)
+    assert (backward.arm_regressions["beyond"] == backward.arm_regressions["cells"]).all()
+    md = render_markdown(backward)
+    assert "Every arm moved the worse way" in md or "Both runs are of one commit" in md
+
+
+def only_kind(kind: str):
+    def cut(run: dict) -> None:
+        run["samples"] = [s for s in run["samples"] if s["kind"] == kind]
+    return cut
+
+
+def test_nothing_judged_exits_3(tmp_path: Path) -> None:
+    """Two rounds and one cell an arm (only the fresh prompt kept): no cell has 3 samples a side and no arm the
+    5 cells a sign test needs, so compare says nothing could be judged and exits 3, not 0 with "No regression"."""
+    base = doctored(two_rounds(BASE, tmp_path / "b2"), tmp_path / "b1", record=only_kind("fresh"))
+    cand = doctored(two_rounds(CAND, tmp_path / "c2"), tmp_path / "c1", record=only_kind("fresh"))
+    for d in (base, cand):
+        lines = [x for x in (d / "requests.jsonl").read_text().splitlines() if x.strip()]
+        (d / "requests.jsonl").write_text("".join(x + "\n" for x in lines if json.loads(x)["kind"] == "fresh"))
+    c = compare(load_run(base)[0], load_run(cand)[0])
+    assert not c.judged and c.exit_code == 3 and c.regression_count == 0
+    timed = c.arms[c.arms["metric"] != "h2d_bytes"]  # the byte counter is the same in both: "same"
+    assert len(timed) and timed["verdict"].str.startswith("too few cells to judge").all()
+    r = runner.invoke(app, ["compare", str(base), str(cand)])
+    assert r.exit_code == 3, r.output
+    assert "**Nothing could be judged** (exit 3)" in r.output and "No regression" not in r.output
+    r = runner.invoke(app, ["compare", str(base), str(cand), "--json"])
+    assert r.exit_code == 3 and json.loads(r.stdout)["exit_code"] == 3
+
+
+README_RUN = REPO / "results" / "readme-cpu-tiny"
+
+
+def test_a_2x_slowdown_of_one_arm_at_the_default_n_is_a_regression(tmp_path: Path) -> None:
+    """The committed default run (cpu-tiny, 2 rounds: n = 2 a cell) against a copy whose layer-major TTFTs are
+    all doubled: every cell alone is too few to judge, but the arm over its 6 cells is a regression, exit 1."""
+    assert json.loads((README_RUN / "run.json").read_text())["profile"]["run"]["rounds"] == 2
+    cand = doctored(README_RUN, tmp_path / "slow", samples=slower_layer_major)
+    c = compare(load_run(README_RUN)[0], load_run(cand)[0])
+    cells = c.changes[(c.changes["arm"] == "layer-major") & (c.changes["metric"] == "ttft_s")]
+    assert len(cells) == 6 and cells["verdict"].str.startswith("too few to judge").all()
+    arm = c.arms[(c.arms["arm"] == "layer-major") & (c.arms["metric"] == "ttft_s")].iloc[0]
+    assert arm["regression"] and arm["beyond"] == arm["cells"] == 6 and abs(arm["change"] - 1.0) < 1e-9
+    assert arm["ci_low"] > 0.05 and arm["p_sign"] == 1 / 64
+    assert set(c.arm_regressions["arm"]) == {"layer-major"}  # the untouched arms are "same"
+    r = runner.invoke(app, ["compare", str(README_RUN), str(cand)])
+    assert r.exit_code == 1, r.output
+    assert "**1 regression(s)** beyond 5%" in r.output and "layer-major (all 6 cells): TTFT +100.0%" in r.output
+    assert "No regression" not in r.output
+
+
+def test_an_unchanged_copy_of_the_default_run_is_no_regression(tmp_path: Path) -> None:
+    copy = doctored(README_RUN, tmp_path / "copy")
+    c = compare(load_run(README_RUN)[0], load_run(copy)[0])
+    assert c.exit_code == 0 and c.judged and (c.arms["verdict"] == "same").all()
+    r = runner.invoke(app, ["compare", str(README_RUN), str(copy)])
+    assert r.exit_code == 0 and "**No regression** beyond 5%" in r.output, r.output
 
 
 def test_the_machine_drifting_between_runs_is_named(tmp_path: Path) -> None:

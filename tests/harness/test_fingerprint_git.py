@@ -87,3 +87,28 @@ def test_a_given_commit_wins_over_a_stale_checkout(tmp_path: Path, monkeypatch: 
 def test_no_git_and_no_given_commit_is_none(tmp_path: Path) -> None:
     assert fingerprint.git_state(tmp_path) is None
     assert fingerprint.environment_fingerprint(repo_dir=tmp_path)["engine_commit"] is None
+
+
+def test_what_a_default_run_writes_does_not_dirty_the_next_runs_commit(tmp_path: Path) -> None:
+    """A checkout with the repository's .gitignore: a run's results/<id>/ and reports/<id>.md + reports/<id>/
+    (what `abbench run` writes in the checkout) leave it clean; a committed report that changes, or another
+    untracked file, is dirty."""
+    repo_ignore = (Path(__file__).resolve().parents[2] / ".gitignore").read_text()
+    git(tmp_path, "init", "-q")
+    (tmp_path / ".gitignore").write_text(repo_ignore)
+    (tmp_path / "reports").mkdir()
+    (tmp_path / "reports" / "committed.md").write_text("a committed report\n")
+    git(tmp_path, "add", ".gitignore")
+    git(tmp_path, "add", "-f", "reports/committed.md")
+    git(tmp_path, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "one")
+    run_id = "20991231-000000-cpu-tiny"
+    for rel in (f"results/{run_id}/run.json", f"results/{run_id}/requests.jsonl", f"results/{run_id}/logs/a.log",
+                f"reports/{run_id}.md", f"reports/{run_id}/ttft.png"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text("x")
+    assert fingerprint.git_state(tmp_path)["dirty"] is False
+    (tmp_path / "reports" / "committed.md").write_text("regenerated\n")
+    assert fingerprint.git_state(tmp_path)["dirty"] is True
+    git(tmp_path, "checkout", "-q", "reports/committed.md")
+    (tmp_path / "notes.txt").write_text("mine")
+    assert fingerprint.git_state(tmp_path)["dirty"] is True

@@ -133,3 +133,53 @@ def test_docs_json_lists_every_field(section: str, args: list[str], code: int) -
         items = doc[key] if key != "declared" else [c for d in doc["declared"] for c in d["cells"]] + doc["declared"]
         for item in items + [doc.get("run") or doc.get("base") or {}]:
             assert set(item) <= documented, f"{section} {key}: undocumented fields {set(item) - documented}"
+
+
+def test_gate_json_declares_the_profiles_own_checks_as_well_as_the_given_ones() -> None:
+    """`gate --json`'s `declared` holds the run's profile's `[gate] checks` (judged by the gate as well), then
+    those given with --check: a document listing only --check would hide what the verdict rests on."""
+    run = RESULTS / "cpu-tiny-auto"
+    own = json.loads((run / "run.json").read_text())["profile"]["gate"]["checks"]
+    assert len(own) == 3
+    doc = json.loads(cli.invoke(app, ["gate", str(run), "--json"]).stdout)
+    assert [d["check"] for d in doc["declared"]] == own
+    assert all(d["cells"] for d in doc["declared"])  # each judged on the run's cells
+    extra = "ttft_ratio[layer-major, cold] <= 3"
+    r = cli.invoke(app, ["gate", str(run), "--check", extra, "--json"])
+    doc = json.loads(r.stdout)
+    assert [d["check"] for d in doc["declared"]] == own + [extra]
+    assert r.exit_code == doc["exit_code"]
+    names = [c["name"] for c in doc["checks"]]
+    assert all(any(x in n for n in names) for x in own + [extra]), names  # the verdict's checks: the same ones
+
+
+def test_export_csv_tpot_is_the_reports_definition(tmp_path: Path) -> None:
+    """`export --csv`'s tpot_s = (total - TTFT) / (output tokens - 1), computed here from run.json's own
+    fields, and the same values the report's latency table takes its TPOT from; empty for one output token."""
+    from abbench.analysis.latency import tpot_values
+
+    src = RESULTS / "readme-cpu-tiny"
+    run = json.loads((src / "run.json").read_text())
+    one = next(i for i, s in enumerate(run["samples"]) if s["ok"] and s["ttft_s"] is not None)
+    run["samples"][one]["completion_tokens"] = 1  # one output token: no TPOT
+    dst = tmp_path / "run"
+    dst.mkdir()
+    (dst / "run.json").write_text(json.dumps(run))
+    (dst / "requests.jsonl").write_text("".join(json.dumps(s) + "\n" for s in run["samples"]))
+    r = cli.invoke(app, ["export", str(dst), "--csv"])
+    assert r.exit_code == 0, r.output
+    df = pd.read_csv(io.StringIO(r.stdout))
+    assert len(df) == len(run["samples"])
+    checked = 0
+    for s, (_, row) in zip(run["samples"], df.iterrows()):
+        tok = s.get("completion_tokens")
+        if s.get("total_s") is None or s.get("ttft_s") is None or not tok or tok <= 1:
+            assert pd.isna(row["tpot_s"]), (s["step"], row["tpot_s"])
+            continue
+        assert row["tpot_s"] == pytest.approx((s["total_s"] - s["ttft_s"]) / (tok - 1), rel=1e-12)
+        checked += 1
+    assert checked > 20 and pd.isna(df["tpot_s"].iloc[one])
+    record = load_run(dst)[0]
+    report = sorted(tpot_values(record)["value"].round(12))
+    measured = df[df["measured"].astype(bool) & df["ok"].astype(bool) & df["tpot_s"].notna()]
+    assert sorted(measured["tpot_s"].round(12)) == report

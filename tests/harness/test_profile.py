@@ -97,3 +97,22 @@ def test_the_profile_reference_is_a_valid_profile() -> None:
     block = reference.split("```toml", 1)[1].split("```", 1)[0]
     prof = profile_from_dict(tomllib.loads(block), where="docs/profiles.md")
     assert prof.engine.reset_path == "/reset" and [a.name for a in prof.arms] == ["chunked"]
+
+
+def test_an_unknown_field_suggests_the_closest_known_one(tmp_path: Path) -> None:
+    """A misspelt field names the field it is closest to, in its own table (nested and in arrays of tables
+    too); a name close to none gets no guess."""
+    text = (PROFILES_DIR / "cpu-tiny.toml").read_text()
+    for old, new in (("max_tokens = 16", "max_token = 16"), ("health_timeout_s = 120", "helth_timeout_s = 120"),
+                     ('expect_path = "chunked"', 'expect_paths = "chunked"'), ("per_length = 1", "zzz = 1")):
+        assert old in text
+        text = text.replace(old, new, 1)
+    p = tmp_path / "bad.toml"
+    p.write_text(text)
+    with pytest.raises(ConfigError) as e:
+        load_profile(str(p))
+    msg = str(e.value)
+    assert "request.max_token: unknown field (did you mean 'max_tokens'?" in msg
+    assert "engine.helth_timeout_s: unknown field (did you mean 'health_timeout_s'?" in msg
+    assert "arms.0.expect_paths: unknown field (did you mean 'expect_path'?" in msg
+    assert "prompts.zzz: unknown field (check the spelling" in msg

@@ -291,3 +291,45 @@ def test_document_text_is_deterministic() -> None:
     assert a.startswith(f"Document 5 (history)\n\nSection 1\n\n{corpus.paragraphs[3]}\n\n")
     assert a != document_text(corpus, seed=2, ordinal=5, start=3, min_chars=50000)
     assert len(a) >= 50000
+
+
+def test_a_length_far_too_big_fails_fast_without_memory_growth(qwen3: Any) -> None:
+    """`--lengths 99999999` used to generate ~500 MB of text and tokenise it until the kernel killed the
+    process (21.6 GB): it is refused before any text is made, naming the largest length and why."""
+    import tracemalloc
+
+    from abbench.prompts import MAX_PROMPT_TOKENS, build_prompts, check_lengths
+
+    spec = PromptsSpec(lengths=[384, 99_999_999], per_length=1, pairs=[], warmup=0, jit_warmup_tokens=0)
+    tracemalloc.start()
+    try:
+        with pytest.raises(ConfigError) as e:
+            build_prompts(qwen3, spec)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    msg = str(e.value)
+    assert "fresh-99999999-0 needs 99,999,999 tokens" in msg and f"{MAX_PROMPT_TOKENS:,} tokens" in msg
+    assert "bytes a token" in msg and "GB" in msg
+    assert peak < 4 << 20, peak  # nothing of the prompt's size was built (the prompt's text alone is ~500 MB)
+    pair = PromptsSpec(lengths=[384], pairs=[PairSpec(cold=MAX_PROMPT_TOKENS, extend=1)], warmup=0)
+    with pytest.raises(ConfigError, match="pair0-cont needs 1,048,577 tokens"):
+        check_lengths(pair)
+    check_lengths(PromptsSpec(lengths=[MAX_PROMPT_TOKENS], warmup=0))  # the bound itself is allowed
+
+
+def test_the_cli_refuses_a_huge_length_under_a_memory_limit() -> None:
+    """`abbench prompts --lengths 99999999` under a 2 GB address-space limit: exit 2 with the message (before,
+    the process grew until it was killed)."""
+    import os
+    import resource
+    import subprocess
+    import sys
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))
+
+    res = subprocess.run([sys.executable, "-m", "abbench", "prompts", "--lengths", "99999999"], capture_output=True,
+                         text=True, timeout=120, preexec_fn=limit, env={**os.environ, "COLUMNS": "200"})
+    assert res.returncode == 2, res.stderr
+    assert "more than the largest prompt abbench builds" in " ".join(res.stderr.split())

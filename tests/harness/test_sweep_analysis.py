@@ -256,3 +256,20 @@ def test_the_summary_is_json_with_every_point_and_the_crossover() -> None:
     plain = synthetic(power_law(700))
     plain.profile.pop("sweep")
     assert sweep_summary(plain) == {} and analyze_sweep(plain) == []
+
+
+def test_a_resample_crossing_outside_the_bracket_widens_the_interval() -> None:
+    """Noisy pairs at the two bracketing points (1024: median 0.98; 4096: median 1.02, each spread over
+    0.90-1.10): many resamples put both medians on one side of 1, so their crossing lies elsewhere in the swept
+    range (below 1024 or above 4096). Those must widen the interval, clipped only to the swept range
+    [64, 65536], never into the bracket [1024, 4096] of the point estimate."""
+    xs = [64, 1024, 4096, 65536]
+    ratios = [np.array([0.5, 0.52, 0.48, 0.5, 0.51]), np.array([0.90, 0.95, 0.98, 1.02, 1.05]),
+              np.array([0.95, 0.98, 1.02, 1.05, 1.10]), np.array([2.0, 2.1, 1.9, 2.0, 2.05])]
+    c = locate(xs, ratios)
+    assert c.status == "crossing" and c.has_interval
+    (k,) = c.crossings
+    assert (k.lo, k.hi) == (1024, 4096) and 1024 < c.estimate < 4096
+    assert c.low < 1024 or c.high > 4096, (c.low, c.high)  # resamples outside the bracket count
+    assert c.low < 1024 * 0.8 and c.high > 4096 * 1.25, (c.low, c.high)  # here, on both sides
+    assert c.low == pytest.approx(64) and c.high == pytest.approx(65536)  # clipped to the swept range, no further
