@@ -26,6 +26,7 @@ from abbench.profile import profile_from_dict
 from abbench.report import write_report
 from abbench.results import RUN_FILE, SAMPLES_FILE, RunRecord, Sample, load_run, read_samples
 
+from tests.support import cli
 from tests.support import faultkit as fk
 
 
@@ -131,7 +132,7 @@ def test_fixed_port_in_the_command_is_refused_before_anything_starts(tmp_path: P
         prof = fk.fake_profile(fk.new_mark())
         prof["engine"]["command"] = [sys.executable, str(fk.FAKESERVER), "--port", str(busy.getsockname()[1])]
         toml = fk.write_profile(tmp_path / "p.toml", prof)
-        res = fk.abbench("run", "-p", str(toml), "--out", str(tmp_path / "run"), "-q", cwd=tmp_path)
+        res = cli.abbench("run", "-p", str(toml), "--out", str(tmp_path / "run"), "-q", cwd=tmp_path)
     assert res.returncode == 2
     err = fk.flat(res.stderr)
     assert "engine.command + arms[0].args (arm a)" in err and "has no {port} placeholder" in err
@@ -165,7 +166,7 @@ def test_out_that_is_a_file_is_a_clear_error(tmp_path: Path) -> None:
     (tmp_path / "taken").write_text("not a directory")
     prof = fk.write_profile(tmp_path / "p.toml", fk.fake_profile(fk.new_mark()))
     for out in (tmp_path / "taken", tmp_path / "taken" / "run"):  # a file there, or on the way
-        res = fk.abbench("run", "-p", str(prof), "--out", str(out), "-q", cwd=tmp_path)
+        res = cli.abbench("run", "-p", str(prof), "--out", str(out), "-q", cwd=tmp_path)
         assert res.returncode == 2 and "Traceback" not in res.stderr
         assert "cannot write there" in fk.flat(res.stderr) and "choose another --out" in fk.flat(res.stderr)
         assert "is a file" in fk.flat(res.stderr)
@@ -491,7 +492,7 @@ def test_unreadable_run_is_an_error_for_report_and_gate(tmp_path: Path, finished
                                                         fragment: str) -> None:
     _damage(finished_run, tmp_path / "run", how)
     for cmd in (["gate"], ["report", "--out", str(tmp_path / "reports")]):
-        res = fk.abbench(*cmd[:1], str(tmp_path / "run"), *cmd[1:], cwd=tmp_path)
+        res = cli.abbench(*cmd[:1], str(tmp_path / "run"), *cmd[1:], cwd=tmp_path)
         assert res.returncode == 2, (cmd, res.stdout, res.stderr)
         assert fragment in fk.flat(res.stderr) and "Traceback" not in res.stderr
         assert "PASS" not in res.stdout
@@ -508,7 +509,7 @@ def test_unreadable_run_is_an_error_for_report_and_gate(tmp_path: Path, finished
 def test_gate_never_passes_on_missing_data_and_the_report_says_what_is_missing(
         tmp_path: Path, finished_run: Path, how: str, gate_says: list[str], report_says: list[str]) -> None:
     _damage(finished_run, tmp_path / "run", how)
-    gate = fk.abbench("gate", str(tmp_path / "run"), cwd=tmp_path)
+    gate = cli.abbench("gate", str(tmp_path / "run"), cwd=tmp_path)
     assert gate.returncode == 1, gate.stdout + gate.stderr
     out = fk.flat(gate.stdout)
     assert "gate: FAIL" in out and "gate: PASS" not in out
@@ -563,7 +564,7 @@ def test_invalid_profiles_name_the_field_and_the_fix(tmp_path: Path, text: str |
         text = text.replace('"EMPTY"', json.dumps(str(tmp_path / "empty")))
         text = text if text.startswith("name =") else 'name = "bad"\n' + text
         target = str(fk.write_profile(tmp_path / "bad.toml", text))
-    res = fk.abbench("run", "-p", target, "--out", str(tmp_path / "run"), "-q", cwd=tmp_path)
+    res = cli.abbench("run", "-p", target, "--out", str(tmp_path / "run"), "-q", cwd=tmp_path)
     assert res.returncode == 2, res.stderr
     assert res.stdout == "" and "Traceback" not in res.stderr
     err = fk.flat(res.stderr)
