@@ -1,7 +1,8 @@
 """End to end: the default cpu-tiny profile against the vendored engine, through the real CLI.
 
-`abbench run` -> results directory -> `abbench report` -> `abbench gate` passes; then one changed output id
-makes the gate fail, naming the prompt, the arm and the position.
+`abbench run` (a process of its own, as the README runs it) -> results directory -> `abbench report` ->
+`abbench gate` passes; then one changed output id makes the gate fail, naming the prompt, the arm and the
+position. Report and gate go through the same CLI in this process (tests/support/cli.py).
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from tests.support import cli
 
 pytestmark = pytest.mark.slow
 
@@ -56,14 +59,14 @@ def test_run_writes_complete_results(tiny_run: Path) -> None:
 
 
 def test_report_and_gate_pass(tiny_run: Path, tmp_path: Path) -> None:
-    res = abbench("report", str(tiny_run), "--out", str(tmp_path), cwd=tmp_path)
+    res = cli.abbench("report", str(tiny_run), "--out", str(tmp_path), cwd=tmp_path)
     assert res.returncode == 0, res.stderr
     md = (tmp_path / "run.md").read_text()
     for section in ("## Verdict", "## TTFT per arm and prompt length", "## Paired ratios", "## Parity",
                     "## Host-to-device transfers"):
         assert section in md
     assert (tmp_path / "run" / "ttft.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    gate = abbench("gate", str(tiny_run), "--parity-tokens", "8", cwd=tmp_path)
+    gate = cli.abbench("gate", str(tiny_run), "--parity-tokens", "8", cwd=tmp_path)
     assert gate.returncode == 0, gate.stdout + gate.stderr
     assert "gate: PASS" in gate.stdout
 
@@ -78,7 +81,7 @@ def test_gate_fails_on_a_changed_id(tiny_run: Path, tmp_path: Path) -> None:
     with open(broken / "requests.jsonl", "w") as f:
         for s in record["samples"]:
             f.write(json.dumps(s) + "\n")
-    gate = abbench("gate", str(broken), cwd=tmp_path)
+    gate = cli.abbench("gate", str(broken), cwd=tmp_path)
     assert gate.returncode == 1, gate.stdout + gate.stderr
     assert "gate: FAIL" in gate.stdout
     assert victim["prompt_id"] in gate.stdout and "layer-major" in gate.stdout
@@ -86,6 +89,6 @@ def test_gate_fails_on_a_changed_id(tiny_run: Path, tmp_path: Path) -> None:
 
 
 def test_gate_usage_error_is_exit_2(tmp_path: Path) -> None:
-    res = abbench("gate", str(tmp_path / "nothing-here"), cwd=tmp_path)
+    res = cli.abbench("gate", str(tmp_path / "nothing-here"), cwd=tmp_path)
     assert res.returncode == 2
     assert "no run at" in res.stderr

@@ -9,15 +9,13 @@ that copied nothing for the same prompt), step over expected and the peak device
 from __future__ import annotations
 
 import json
-import os
 import statistics
-import subprocess
-import sys
 from pathlib import Path
 
 import pandas as pd
 import pytest
 
+from tests.support import cli
 from tests.support import mdtables as mt
 
 REPO = Path(__file__).resolve().parents[2]
@@ -41,9 +39,7 @@ def _close(printed: float, want: float, digits_rel: float = 5e-3) -> bool:
 @pytest.fixture(scope="module")
 def decode_rows(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, str]]:
     out = tmp_path_factory.mktemp("reports")
-    env = {**os.environ, "COLUMNS": "400", "NO_COLOR": "1"}
-    res = subprocess.run([sys.executable, "-m", "abbench", "report", str(RUN), "--out", str(out)], cwd=REPO,
-                         capture_output=True, text=True, timeout=300, env=env)
+    res = cli.abbench("report", str(RUN), "--out", str(out), cwd=REPO)
     assert res.returncode == 0, res.stderr
     section = mt.sections((out / f"{RUN.name}.md").read_text())["Decode"]
     (rows,) = mt.tables(section)
@@ -151,9 +147,7 @@ def test_copy_wait_column_and_a_moved_run(tmp_path: Path) -> None:
         lines.append(json.dumps(s))
     (run / "requests.jsonl").write_text("\n".join(lines) + "\n")
     out = tmp_path / "reports"
-    env = {**os.environ, "COLUMNS": "400", "NO_COLOR": "1"}
-    res = subprocess.run([sys.executable, "-m", "abbench", "report", str(run), "--out", str(out)], cwd=REPO,
-                         capture_output=True, text=True, timeout=300, env=env)
+    res = cli.abbench("report", str(run), "--out", str(out), cwd=REPO)
     assert res.returncode == 0, res.stderr
     text = (out / "moved-run.md").read_text()
     assert "# abbench report: moved-run" in text
@@ -163,8 +157,7 @@ def test_copy_wait_column_and_a_moved_run(tmp_path: Path) -> None:
     for r in rows:
         want = statistics.median(waits[(r["Arm"], r["Kind"], int(r["Prompt tokens"]))])
         assert _close(_s(r["Copy wait"]), want), (r, want)
-    res = subprocess.run([sys.executable, "-m", "abbench", "report", str(RUN), "--out", str(tmp_path / "plain")],
-                         cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+    res = cli.abbench("report", str(RUN), "--out", str(tmp_path / "plain"), cwd=REPO)
     assert res.returncode == 0, res.stderr
     assert "Copy wait" not in (tmp_path / "plain" / f"{RUN.name}.md").read_text()
 

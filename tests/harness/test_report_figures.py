@@ -13,10 +13,7 @@ abbench's analysis or report code is called. A wrong median, a swapped column, a
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +21,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from tests.support import cli
 from tests.support import mdtables as mt
 
 REPO = Path(__file__).resolve().parents[2]
@@ -149,9 +147,7 @@ def _variant(name: str, tmp: Path) -> Path:
 def rendered(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Run, dict[str, str]]:
     run_dir = _variant(request.param, tmp_path_factory.mktemp("run"))
     out = tmp_path_factory.mktemp("reports")
-    env = {**os.environ, "COLUMNS": "400", "NO_COLOR": "1"}
-    res = subprocess.run([sys.executable, "-m", "abbench", "report", str(run_dir), "--out", str(out)], cwd=REPO,
-                         capture_output=True, text=True, timeout=300, env=env)
+    res = cli.abbench("report", str(run_dir), "--out", str(out), cwd=REPO)
     assert res.returncode == 0, res.stderr
     md = (out / f"{run_dir.name}.md").read_text()
     return Run(run_dir), mt.sections(md)

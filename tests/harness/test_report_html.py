@@ -1,8 +1,8 @@
 """The report as one HTML file (abbench/report/html.py), read back as written and as a real browser shows it.
 
-The committed run ``results/readme-cpu-tiny`` is rendered through the CLI (``python -m abbench report RUN --out
-DIR``), once with the page and once with ``--no-html``. Without a browser: the Markdown and the PNGs are the
-same bytes either way; the page holds every ``## `` section of the Markdown with GitHub's anchor, every plot
+The committed run ``results/readme-cpu-tiny`` is rendered through the CLI (``abbench report RUN --out DIR``, in
+this process), once with the page and once with ``--no-html``. Without a browser: the Markdown and the PNGs are
+the same bytes either way; the page holds every ``## `` section of the Markdown with GitHub's anchor, every plot
 as a ``data:`` URI of exactly the PNG beside the Markdown, every table, and nothing that names another
 file or host. With Debian's Chromium (headless, its network pointed at a closed port, a fresh profile): the
 page's script ran (``data-ready``), made every table sortable, every image decoded (naturalWidth > 0), and a
@@ -19,13 +19,13 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
 
 from abbench.report.html import github_slug, render_html
+from tests.support import cli
 from tests.support import mdtables as mt
 
 REPO = Path(__file__).resolve().parents[2]
@@ -107,12 +107,10 @@ def rendered(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """The committed run's report written twice through the CLI: with the page (default) and --no-html."""
     if not (RUN / "run.json").is_file():
         pytest.skip("the committed run results/readme-cpu-tiny is not in this checkout")
-    env = {**os.environ, "COLUMNS": "400", "NO_COLOR": "1"}
     out = {}
     for name, extra in (("html", []), ("plain", ["--no-html"])):
         d = tmp_path_factory.mktemp(name)
-        res = subprocess.run([sys.executable, "-m", "abbench", "report", str(RUN), "--out", str(d), *extra],
-                             cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+        res = cli.abbench("report", str(RUN), "--out", str(d), *extra, cwd=REPO)
         assert res.returncode == 0, res.stderr
         out[name] = d
     return out

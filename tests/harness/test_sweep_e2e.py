@@ -3,7 +3,8 @@ CLI, as the examples of `abbench sweep --help` show it: the sweep runs the uncac
 records the sweep in run.json; `abbench report` has the Sweep section and plot; `abbench gate` passes (parity
 and the profile's counter check: nothing here depends on which arm the CPU happened to make faster); `abbench
 compare` reads the run; `abbench gate --check crossover[...]` judges a crossover check on it (its verdict is
-the CPU's, so only its form is asserted); the second example's flags and its JSON document."""
+the CPU's, so only its form is asserted); the second example's flags and its JSON document. The sweeps run as
+processes of their own; report, gate and compare go through the same CLI in this process (tests/support/cli.py)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from tests.support import cli
 
 pytestmark = pytest.mark.slow
 
@@ -54,17 +57,17 @@ def test_the_sweep_ran_its_grid_and_recorded_its_passes(sweep_run: Path) -> None
 
 
 def test_report_gate_and_compare_read_the_sweep(sweep_run: Path, tmp_path: Path) -> None:
-    res = abbench("report", str(sweep_run), "--out", str(tmp_path), cwd=tmp_path)
+    res = cli.abbench("report", str(sweep_run), "--out", str(tmp_path), cwd=tmp_path)
     assert res.returncode == 0, res.stderr
     md = (tmp_path / "run.md").read_text()
     assert "## Sweep: where the arms cross" in md and "### demand vs chunked" in md and "**Crossover:**" in md
     assert (tmp_path / "run" / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    res = abbench("gate", str(sweep_run), cwd=tmp_path)
+    res = cli.abbench("gate", str(sweep_run), cwd=tmp_path)
     assert res.returncode == 0, res.stdout[-3000:]
-    res = abbench("gate", str(sweep_run), "--check", "crossover[demand, layer-major] >= 1", cwd=tmp_path)
+    res = cli.abbench("gate", str(sweep_run), "--check", "crossover[demand, layer-major] >= 1", cwd=tmp_path)
     assert res.returncode in (0, 1) and "check crossover[demand, layer-major] >= 1:" in res.stdout
     assert "suffix: " in res.stdout
-    res = abbench("compare", str(sweep_run), str(sweep_run), cwd=tmp_path)
+    res = cli.abbench("compare", str(sweep_run), str(sweep_run), cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-2000:]
 
 
