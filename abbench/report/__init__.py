@@ -54,12 +54,14 @@ def report_paths(reports_dir: Path, run_id: str) -> tuple[Path, Path]:
     return reports_dir / f"{run_id}.md", reports_dir / run_id
 
 
-def write_report(record: RunRecord, problems: list[str], out_md: Path, plots_dir: Path) -> Path:
-    """Write the Markdown report to ``out_md`` and its plots into ``plots_dir``; returns ``out_md``."""
+def write_report(record: RunRecord, problems: list[str], out_md: Path, plots_dir: Path,
+                 draw_plots: bool = True) -> Path:
+    """Write the Markdown report to ``out_md`` and its plots into ``plots_dir``; returns ``out_md``.
+    ``draw_plots=False`` writes the same Markdown (linking the plots drawing would write) and no plot."""
     out_md = Path(out_md)
     plots_dir = Path(plots_dir)
     a = an.analyze(record)
-    written, skipped = write_plots(record, a, plots_dir)
+    written, skipped = write_plots(record, a, plots_dir, draw=draw_plots)
     out_md.parent.mkdir(parents=True, exist_ok=True)
     links = {name: Path(os.path.relpath(p, out_md.parent)).as_posix() for name, p in written.items()}
     text = render_markdown(record, problems, a, links, skipped)

@@ -206,9 +206,12 @@ def plot_memory(record: RunRecord, path: Path) -> None:
     fig.savefig(path)
 
 
-def write_plots(record: RunRecord, a: an.Analysis, plots_dir: Path) -> tuple[dict[str, Path], dict[str, str]]:
-    """Draw every plot that has data. Returns (name -> file written, name -> why it was not drawn)."""
-    plots_dir.mkdir(parents=True, exist_ok=True)
+def write_plots(record: RunRecord, a: an.Analysis, plots_dir: Path,
+                draw: bool = True) -> tuple[dict[str, Path], dict[str, str]]:
+    """Draw every plot that has data. Returns (name -> file written, name -> why it was not drawn).
+    ``draw=False`` writes and removes nothing and answers the same: the files drawing would write."""
+    if draw:
+        plots_dir.mkdir(parents=True, exist_ok=True)
     written: dict[str, Path] = {}
     skipped: dict[str, str] = {}
     has_memory = any(p.gpu_mem_used is not None or p.proc_gpu_mem is not None or p.host_rss is not None
@@ -224,16 +227,17 @@ def write_plots(record: RunRecord, a: an.Analysis, plots_dir: Path) -> tuple[dic
     if a.sweep:  # a sweep run: its ratio against the quantity
         jobs["sweep"] = (any(not p.points.empty for p in a.sweep), "no sweep point has pairs of both arms",
                          lambda p: plot_sweep(record, a, p))
-    for name, (ok, why, draw) in jobs.items():
+    for name, (ok, why, plot) in jobs.items():
         path = plots_dir / f"{name}.png"
         if not ok:
-            if path.exists():
+            if draw and path.exists():
                 path.unlink()
             skipped[name] = why
             continue
-        tmp = path.with_name(f".{name}.tmp.png")
-        draw(tmp)
-        os.replace(tmp, path)
+        if draw:
+            tmp = path.with_name(f".{name}.tmp.png")
+            plot(tmp)
+            os.replace(tmp, path)
         written[name] = path
     return written, skipped
 
