@@ -4,9 +4,6 @@ never used as the reference."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +11,7 @@ import pytest
 from abbench.results import PromptRecord
 from abbench.schedule import build_plan
 
+from tests.support import cli
 from tests.support import mdtables as mt
 
 REPO = Path(__file__).resolve().parents[2]
@@ -72,18 +70,14 @@ def test_the_recorded_shared_run_has_round_order_positions() -> None:
 
 
 def _report(run_dir: Path, out: Path) -> dict[str, str]:
-    env = {**os.environ, "COLUMNS": "400", "NO_COLOR": "1"}
-    res = subprocess.run([sys.executable, "-m", "abbench", "report", str(run_dir), "--out", str(out)], cwd=REPO,
-                         capture_output=True, text=True, timeout=300, env=env)
+    res = cli.abbench("report", str(run_dir), "--out", str(out), cwd=REPO)
     assert res.returncode == 0, res.stderr
     (md,) = out.glob("*.md")  # named by the run id
     return mt.sections(md.read_text())
 
 
-def _gate(run_dir: Path) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "COLUMNS": "400", "NO_COLOR": "1"}
-    return subprocess.run([sys.executable, "-m", "abbench", "gate", str(run_dir)], cwd=REPO, capture_output=True,
-                          text=True, timeout=300, env=env)
+def _gate(run_dir: Path) -> cli.Result:
+    return cli.abbench("gate", str(run_dir), cwd=REPO)
 
 
 def test_a_reference_sample_without_ids_is_not_the_reference(tmp_path: Path) -> None:
