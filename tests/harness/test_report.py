@@ -26,9 +26,11 @@ def is_png(path: Path) -> bool:
     return data[:8] == PNG_MAGIC and data[12:16] == b"IHDR" and len(data) > 1000
 
 
-def render(tmp_path: Path, record, problems: list[str] | None = None) -> tuple[str, Path, Path]:
+def render(tmp_path: Path, record, problems: list[str] | None = None, draw: bool = True) -> tuple[str, Path, Path]:
+    """The report's Markdown, its path and its plots' folder (``draw=False``: the same Markdown, no plot drawn,
+    for tests that read the text alone)."""
     md, plots = rp.report_paths(tmp_path / "reports", record.run_id)
-    out = rp.write_report(record, problems or [], md, plots)
+    out = rp.write_report(record, problems or [], md, plots, draw_plots=draw)
     assert out == md
     return md.read_text(encoding="utf-8"), md, plots
 
@@ -65,7 +67,7 @@ def test_arms_of_two_engines_are_shown_side_by_side_by_one_yardstick(tmp_path: P
     for s in rec.samples:
         if s.arm == "B":
             s.engine = None  # llama.cpp: no transfer counters
-    text, _, _ = render(tmp_path, rec)
+    text, _, _ = render(tmp_path, rec, draw=False)
     side = text.split("## Engines side by side")[1].split("\n## ")[0]
     assert text.index("## Engines side by side") < text.index("## Paired ratios")
     rows = {(r[0], r[2]): r for r in ([c.strip() for c in line.strip("|").split("|")] for line in side.splitlines()
@@ -75,7 +77,7 @@ def test_arms_of_two_engines_are_shown_side_by_side_by_one_yardstick(tmp_path: P
     assert rows[("B", "4096")][4] == "0.514x" and rows[("A", "4096")][4] == "—"  # vs the reference, A
     assert rows[("B", "4096")][5].endswith(" GB") and rows[("B", "4096")][6] == "—"  # NVML yes, engine no
     assert rows[("A", "4096")][6].endswith(" GB")
-    one, _, _ = render(tmp_path / "one", make_run(arms=("A", "B")))
+    one, _, _ = render(tmp_path / "one", make_run(arms=("A", "B")), draw=False)
     assert "## Engines side by side" not in one
     assert "TTFT per arm and length](" in one.split("## Paired ratios")[0][-200:]  # no empty section between
 
@@ -88,12 +90,12 @@ def test_host_cpu_section_from_the_request_windows(tmp_path: Path) -> None:
         s.telemetry.host_cpu_busy = 0.25 if s.arm == "A" else 0.5
         s.telemetry.host_cpu_steal = 0.0 if s.arm == "A" else 0.125
         s.telemetry.service_cpu_s = 1.5 if s.arm == "A" else 4.0
-    text, _, _ = render(tmp_path, rec)
+    text, _, _ = render(tmp_path, rec, draw=False)
     sec = text.split("## Host CPU")[1].split("\n## ")[0]
     rows = [[c.strip() for c in line.strip("|").split("|")] for line in sec.splitlines() if line.startswith("| B ")]
     assert len(rows) == 2 and all(r[-3:] == ["50.0%", "12.5%", "4.00 s"] for r in rows), rows
     assert text.index("## Host CPU") < text.index("## Memory")
-    plain, _, _ = render(tmp_path / "plain", make_run(arms=("A", "B")))
+    plain, _, _ = render(tmp_path / "plain", make_run(arms=("A", "B")), draw=False)
     assert "## Host CPU" not in plain
 
 
@@ -113,7 +115,7 @@ def test_constant_columns_are_dropped_and_stated_once() -> None:
 
 
 def test_report_tables_drop_constant_columns(tmp_path: Path) -> None:
-    text, _, _ = render(tmp_path, make_run(rounds=2, lengths=(1024, 4096)))
+    text, _, _ = render(tmp_path, make_run(rounds=2, lengths=(1024, 4096)), draw=False)
     ttft = text.split("## TTFT per arm and prompt length")[1].split("##")[0]
     assert "Same in every row: Kind: fresh; n: 2" in ttft
     assert "| Arm | Prompt tokens | Median | Min | Max |" in ttft
@@ -155,7 +157,8 @@ def test_failing_partial_run_states_missing_data_and_failures(tmp_path: Path) ->
     rec.status_reason = "interrupted by the user"
     rec.samples.remove(find(rec, "B", "fresh-4096-0", 2))
     find(rec, "B", "fresh-1024-0", 1).output_ids[2] += 1
-    text, _, _ = render(tmp_path, rec, problems=["requests.jsonl line 9: unreadable sample (3 errors); skipped"])
+    text, _, _ = render(tmp_path, rec, problems=["requests.jsonl line 9: unreadable sample (3 errors); skipped"],
+                        draw=False)
     assert "- **Status:** partial (interrupted by the user)" in text
     assert "**Gate: FAIL**" in text
     problems = text.split("## Problems and missing data")[1]
@@ -172,7 +175,7 @@ def test_fallback_and_near_tie_appear_in_tables(tmp_path: Path) -> None:
     rec = make_run(gate={"allow_fallback": ["B"]})
     s = find(rec, "B", "fresh-1024-0", 1)
     s.engine = {**(s.engine or {}), "prefill_path": "chunked", "fallback_reason": "single chunk"}
-    text, _, _ = render(tmp_path, rec)
+    text, _, _ = render(tmp_path, rec, draw=False)
     path = text.split("## Active path")[1].split("\n## ")[0]
     assert "layer-major ×3, chunked ×1" in path and "1 (1 one-chunk)" in path
     assert "single chunk ×1" in path
