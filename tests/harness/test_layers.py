@@ -48,7 +48,8 @@ def test_compare_traces_names_the_first_differing_block_and_the_growth() -> None
 @pytest.mark.slow
 def test_probe_layers_on_real_engine_services(tmp_path: Path) -> None:
     from abbench import runner
-    from abbench.diagnostics.layers import probe_layers
+    from abbench.client import EngineClient
+    from abbench.diagnostics.layers import probe_layers, serving
     from abbench.profile import profile_from_dict
 
     pytest.importorskip("torch")
@@ -68,19 +69,23 @@ def test_probe_layers_on_real_engine_services(tmp_path: Path) -> None:
     record = runner.execute(profile, tmp_path / "run")
     assert record.status == "complete", record.status_reason
     prompt = next(p.id for p in record.prompts if p.kind == "fresh")
-    # another dtype differs on every CPU, from layer 0's attention on
-    other = probe_layers(record, prompt, "bf16")
-    first = other.first_difference
-    assert first is not None and (first.layer, first.block) == (0, "attention") and first.diff_rms > 0
-    # another chunk length sums in another order only where the CPU's GEMM blocking depends on the number of
-    # rows (float32 on an Intel Xeon and an AMD EPYC did): where it differs, the first difference is named
-    other = probe_layers(record, prompt, "c24")
-    first = other.first_difference
-    if first is not None:
-        assert first.diff_rms > 0 and first.block in ("attention", "experts", "residual")
-        assert all(r.same for r in other.rows[:other.rows.index(first)])
-    same = probe_layers(record, prompt, "lm64", position=1)  # layer-major with the same chunks: bitwise equal
-    assert same.first_difference is None and same.n_tokens == 201 and same.notes
+    # the reference's server is launched once for the three probes (each resets its prefix cache before it
+    # traces); each probe launches the other arm's server itself
+    with EngineClient() as client, serving(profile, "c64", client) as ref_url:
+        ref = {"c64": ref_url}
+        # another dtype differs on every CPU, from layer 0's attention on
+        other = probe_layers(record, prompt, "bf16", base_urls=ref)
+        first = other.first_difference
+        assert first is not None and (first.layer, first.block) == (0, "attention") and first.diff_rms > 0
+        # another chunk length sums in another order only where the CPU's GEMM blocking depends on the number of
+        # rows (float32 on an Intel Xeon and an AMD EPYC did): where it differs, the first difference is named
+        other = probe_layers(record, prompt, "c24", base_urls=ref)
+        first = other.first_difference
+        if first is not None:
+            assert first.diff_rms > 0 and first.block in ("attention", "experts", "residual")
+            assert all(r.same for r in other.rows[:other.rows.index(first)])
+        same = probe_layers(record, prompt, "lm64", position=1, base_urls=ref)  # layer-major, same chunks: bitwise
+        assert same.first_difference is None and same.n_tokens == 201 and same.notes
     from abbench.errors import ConfigError
 
     with pytest.raises(ConfigError, match="reference arm"):
