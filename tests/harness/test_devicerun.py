@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support import cli
+
 REPO = Path(__file__).resolve().parents[2]
 MODULE = REPO / "abbench" / "devicerun.py"
 FAST_TEST = "tests/engine/test_decode_kernels.py -k test_sdpa_attention_equals_the_engines_over_the_bucket"
@@ -144,9 +146,7 @@ def test_the_chain_on_cpu_comes_back_as_a_result_directory(tmp_path: Path) -> No
     assert run["profile"]["name"] == "cpu-tiny" and {s["arm"] for s in run["samples"]} == {"chunked"}
     assert "run-cpu-tiny rc=0" in (g / "chain.log").read_text()
     # committing it is copying it: `abbench report` reads what came back as a run directory
-    rep = subprocess.run([sys.executable, "-m", "abbench", "report", str(result), "--out", str(tmp_path / "r.md")],
-                         cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
-                         timeout=300)
+    rep = cli.abbench("report", str(result), "--out", str(tmp_path / "r.md"), cwd=REPO)
     assert rep.returncode == 0, rep.stdout + rep.stderr
 
 

@@ -19,6 +19,7 @@ from abbench.errors import ResultsError
 from abbench.profile import profile_from_dict
 from abbench.results import load_run
 
+from tests.support import cli
 from tests.support import faultkit as fk
 
 RUN_FILE, SAMPLES_FILE = "run.json", "requests.jsonl"
@@ -141,7 +142,7 @@ def test_a_changed_plan_refuses_the_resume(cut_run, tmp_path: Path, what: str) -
 
 def test_refusal_through_the_cli_exits_2_and_names_the_field(cut_run, tmp_path: Path) -> None:
     run_dir = _tampered(cut_run, tmp_path, _env("packages.torch", "1.0.0+other"))
-    res = fk.abbench("run", "--resume", str(run_dir), "-q", "--no-report", cwd=tmp_path)
+    res = cli.abbench("run", "--resume", str(run_dir), "-q", "--no-report", cwd=tmp_path)
     assert res.returncode == 2, res.stderr
     assert "cannot resume: packages.torch was '1.0.0+other'" in fk.flat(res.stderr)
     record, _ = load_run(run_dir)
