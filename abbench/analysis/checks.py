@@ -21,6 +21,8 @@ The gate passes only when every check passes; it never passes on missing data.
   ``accept_near_ties``, else ``gate.accept_near_ties``) a mismatch whose verdict is a near-tie flip under T
   (:func:`abbench.analysis.parity.flip_verdict`) is accepted and listed in the notes; every failure names
   its verdict (near-tie flip or broken) either way.
+  An arm with ``parity = "numerics"`` (one that changes arithmetic on purpose) is not judged here but by its
+  declared numerics checks (:mod:`abbench.analysis.numerics`); how many of its samples differ is noted.
 * ``reference-stable``: the parity reference's first K ids are equal across rounds.
 * ``active-path`` (when ``gate.require_active_path``): for an arm with ``expect_path``, each measured ok
   sample must report that path, or another path *with* the engine's ``fallback_reason`` where either the
@@ -35,7 +37,7 @@ The gate passes only when every check passes; it never passes on missing data.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -55,6 +57,7 @@ from abbench.analysis.frames import (
     reference_arm,
     where,
 )
+from abbench.analysis.numerics import numerics_arms
 from abbench.analysis.parity import parity_frame, parity_tokens_of
 from abbench.analysis.paths import active_path_samples
 from abbench.profile import GateSpec
@@ -257,8 +260,24 @@ def _tolerance_source(arm: str, own: dict[str, float]) -> str:
 
 
 def check_parity(g: GateInput) -> CheckResult:
-    """Every non-reference sample equals the reference over the first K ids."""
-    return _parity_rows(g, "parity", "parity")
+    """Every non-reference sample equals the reference over the first K ids; an arm with ``parity =
+    "numerics"`` is left to its numerics checks (its differing ids are noted)."""
+    numerics = numerics_arms(g.record)
+    if not numerics:
+        return _parity_rows(g, "parity", "parity")
+    theirs = (g.parity["check"] == "parity") & g.parity["arm"].isin(numerics)
+    notes = []
+    for arm, rows in g.parity[theirs].groupby("arm", sort=False):
+        differ = int(_flags(rows["match"], False).sum())
+        notes.append(f"parity: arm {arm} has parity = \"numerics\": {differ}/{int(rows['match'].notna().sum())} of "
+                     f"its samples differ from {g.parity_reference} within the first {g.parity_tokens} ids; its "
+                     "numerics checks judge it")
+    if not (g.parity["check"] == "parity")[~theirs].any():
+        return CheckResult("parity", True, f"no arm is judged by ids ({', '.join(numerics)}: by numerics checks)",
+                           notes=notes)
+    result = _parity_rows(replace(g, parity=g.parity[~theirs]), "parity", "parity")
+    result.notes.extend(notes)
+    return result
 
 
 def check_reference_stable(g: GateInput) -> CheckResult:
@@ -321,8 +340,8 @@ def declared_check(c: DeclaredCheck) -> Callable[[GateInput], CheckResult]:
             msg = f"no measured data for {c.metric} of arm {c.arm} matches the selector"
             return CheckResult(c.name, False, msg, [f"{c.name}: {msg}"], status="FAIL")
         detail = "; ".join(describe_cell(c, x) for x in cells)
-        failures = [f"{c.name}: {x.kind} {x.tokens}: {x.status}: {fmt_value(x.value)}, {x.why}"
-                    for x in cells if x.status != "pass"]
+        failures = [f"{c.name}: {x.kind}{'' if x.tokens is None else f' {x.tokens}'}: {x.status}: "
+                    f"{fmt_value(x.value)}, {x.why}" for x in cells if x.status != "pass"]
         return CheckResult(c.name, status == "pass", detail, failures,
                            status={"pass": "pass", "fail": "FAIL"}.get(status, status))
 
