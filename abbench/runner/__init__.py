@@ -2,6 +2,7 @@
 
 * :mod:`abbench.runner.run`: :func:`execute` and the :class:`Run` (start_service / prime / measure / on_failure /
   finish); :func:`prepare` builds a profile's prompts.
+* :mod:`abbench.runner.preflight`: every arm's service checked before the first sample of any arm.
 * :mod:`abbench.runner.slot`: the service slot (launch, attach, stop, monitor) and the launch-command check.
 * :mod:`abbench.runner.lock`: the run lock and the signal handling.
 * :mod:`abbench.runner.resume`: what must match before a partial run is resumed.

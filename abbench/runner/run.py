@@ -14,6 +14,9 @@ Contract:
   before its first sample (nothing measured: a ``base_url`` nothing answers at, a service that never became
   healthy, Ctrl-C while starting) leaves no run behind: :func:`discard_unmeasured` removes it, keeping only
   the logs of launched services, which the error names.
+* Before the first sample, the service of every arm is checked (:mod:`abbench.runner.preflight`): an attached
+  server's health, cache reset and model, a launched command's program. A service that cannot serve stops the
+  run there, naming the arm and the URL or command, before any other arm's service starts.
 * A failed request is a failed sample (``ok=False`` with ``error_kind``/``error``), never a timing. What
   happens next is the profile's choice, ``run.on_request_failure``:
 
@@ -64,6 +67,7 @@ from abbench.prompts import BuiltPrompt, build_prompts
 from abbench.results import (LOGS_DIR, RUN_FILE, SAMPLES_FILE, RunRecord, Sample, SampleLog, Step, Telemetry, load_run,
                              save_run)
 from abbench.runner.lock import LOCK_FILE, RunLock, signals_as_interrupt, signals_deferred, signals_held
+from abbench.runner.preflight import check_services
 from abbench.runner.resume import check_resumable, mark_resumed
 from abbench.runner.rounds import initial_rounds, is_auto, next_round, plan_for, planned_rounds
 from abbench.runner.rounds import rule as auto_rule
@@ -351,6 +355,7 @@ class Run:
         done = {s.step for s in self.record.samples}
         interrupted = False
         try:
+            self.preflight()
             self._steps([s for s in self.plan if s.index not in done])
         except KeyboardInterrupt as e:
             interrupted = True
@@ -366,6 +371,13 @@ class Run:
             raise Interrupted(f"interrupted; {len(self.record.samples)} samples saved in {self.run_dir} (resume "
                               f"with `abbench run --resume {self.run_dir}`)")
         return self.record
+
+    def preflight(self) -> None:
+        """Check the service of every arm before the first of them starts (a sweep's later stages and the
+        rounds auto adds use the same arms): :func:`abbench.runner.preflight.check_services`."""
+        arms = [a.name for a in self.profile.arms]
+        self.notify("service", "checking the services of " + ", ".join(arms))
+        check_services(self.profile, self.client, self.credentials, arms, lambda m: self.notify("warning", m))
 
     def _partial(self, reason: str) -> None:
         self.record.status = "partial"
