@@ -24,7 +24,10 @@ def run(
         "else 0.05 and 10.")] = None,
     lengths: Annotated[Optional[str], typer.Option(help="Fresh prompt lengths, e.g. 512,2k,4k.")] = None,
     out_dir: Annotated[Optional[Path], typer.Option("--out", help="The run directory to write (it must not hold a run). Default: results/<run-id>.")] = None,
-    resume: Annotated[Optional[Path], typer.Option(help="Finish an interrupted run in this directory.")] = None,
+    resume: Annotated[Optional[Path], typer.Option(
+        help="Finish a partial run in this directory: the steps without a sample, and those whose sample failed.")] = None,
+    keep_failed: Annotated[bool, typer.Option(
+        "--keep-failed", help="With --resume: keep the failed samples instead of running their steps again.")] = False,
     report: Annotated[bool, typer.Option(help="Render the Markdown report when the run ends.")] = True,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress display.")] = False,
 ) -> None:
@@ -47,12 +50,15 @@ def run(
             prof = None
             run_dir = resume
         else:
+            if keep_failed:
+                raise ConfigError("--keep-failed applies to a resumed run; give it with --resume DIR")
             prof = load_profile(profile).with_overrides(arms=_parse_csv(arms, "--arms"), rounds=_parse_rounds(rounds),
                                                         lengths=_parse_lengths(lengths))
             run_dir = out_dir or RESULTS_ROOT / runner.new_run_id(prof)
             runner.check_run_dir_free(run_dir)
         t0 = time.perf_counter()
-        record = run_with_progress(runner, prof, run_dir, resume=resume is not None, quiet=quiet)
+        record = run_with_progress(runner, prof, run_dir, resume=resume is not None, quiet=quiet,
+                                   keep_failed=keep_failed)
         finish(record, run_dir, time.perf_counter() - t0, report=report, what="run")
     except AbbenchError as e:
         _fail(e)

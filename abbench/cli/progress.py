@@ -24,11 +24,13 @@ def finish(record, run_dir: Path, seconds: float, *, report: bool, what: str) ->
     if report:
         _render_report(run_dir)
     if record.status != "complete":  # stopped by run.on_request_failure = stop: not a finished run
-        raise AbbenchError(f"the {what} is {record.status}: {record.status_reason}; finish it with "
-                           f"`abbench run --resume {run_dir}`")
+        from abbench.runner.rundir import resume_hint
+
+        raise AbbenchError(f"the {what} is {record.status}: {record.status_reason}; {resume_hint(run_dir)}")
 
 
-def run_with_progress(runner, prof, run_dir: Path, *, resume: bool, quiet: bool):  # type: ignore[no-untyped-def]
+def run_with_progress(runner, prof, run_dir: Path, *, resume: bool, quiet: bool,  # type: ignore[no-untyped-def]
+                      keep_failed: bool = False):
     """``runner.execute`` with a progress bar on stderr (or, quiet, the warnings alone); the run's record."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
@@ -46,7 +48,7 @@ def run_with_progress(runner, prof, run_dir: Path, *, resume: bool, quiet: bool)
         console.print(f"[yellow]warning:[/] {escape(ev.message)}", highlight=False)
 
     if quiet:  # no progress display, but warnings (a skipped arm, a restarted service) still show
-        return runner.execute(prof, run_dir, resume=resume, argv=argv,
+        return runner.execute(prof, run_dir, resume=resume, keep_failed=keep_failed, argv=argv,
                               observer=lambda ev: warn(ev) if ev.kind == "warning" else None)
     progress = Progress(
         TextColumn("[bold]{task.description}"),
@@ -75,4 +77,4 @@ def run_with_progress(runner, prof, run_dir: Path, *, resume: bool, quiet: bool)
             warn(ev)
 
     with progress:
-        return runner.execute(prof, run_dir, resume=resume, observer=observe, argv=argv)
+        return runner.execute(prof, run_dir, resume=resume, keep_failed=keep_failed, observer=observe, argv=argv)
