@@ -1,5 +1,6 @@
-"""``abbench run``: an A/B experiment with a progress display (or, with ``--quiet``, warnings only); a run stopped
-before it is complete exits 2 and names the ``--resume`` command.
+"""``abbench run``: an A/B experiment with a progress display (or, with ``--quiet``, warnings only), ending with
+the gate's verdict line. Exit 0: every measured sample ok; 1: a measured sample failed; 2: a usage, service or
+results error, or a run stopped before it is complete (the ``--resume`` command is named); 130: interrupted.
 """
 
 from __future__ import annotations
@@ -32,8 +33,12 @@ def run(
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress display.")] = False,
 ) -> None:
     """Run an A/B experiment: build exact prompts, drive every arm in ABBA rounds, record every sample as it
-    finishes (results/<run-id>/), and render the report. A run stopped before it is complete exits 2 and names
-    the --resume command.
+    finishes (results/<run-id>/), render the report, and end with the gate's verdict line (gate: PASS or FAIL,
+    as abbench gate prints it). Every arm's service is checked before the first sample.
+
+    Exit codes: 0 every measured sample ok; 1 a measured sample failed (--resume runs its step again); 2 a
+    usage, service or results error, or a run stopped before it is complete (the --resume command is printed);
+    130 interrupted (likewise).
 
     Examples:
 

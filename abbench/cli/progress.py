@@ -1,6 +1,7 @@
 """A run driven from the command line (``abbench run`` and ``abbench sweep``): the progress display while it runs
 (:func:`run_with_progress`; with ``--quiet`` only the warnings) and its closing lines (:func:`finish`: samples,
-failed ones by kind, the report, and exit 2 naming ``--resume`` for a run that is not complete).
+failed ones by kind, the report, exit 2 naming ``--resume`` for a run that is not complete, else the gate's
+verdict line and exit 1 when a measured sample failed).
 """
 
 from __future__ import annotations
@@ -9,12 +10,16 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from abbench.cli.common import _render_report, console
+import typer
+
+from abbench.cli.common import _render_report, console, out
 from abbench.errors import AbbenchError
 
 
 def finish(record, run_dir: Path, seconds: float, *, report: bool, what: str) -> None:  # type: ignore[no-untyped-def]
-    """Print how the run ended, render its report (``report``), and raise for a run that is not complete."""
+    """Print how the run ended and render its report (``report``); raise for a run that is not complete (exit
+    2, naming the resume command); otherwise end with the gate's verdict line (:func:`verdict_line`) and exit 1
+    when a measured sample failed."""
     ok = sum(1 for s in record.samples if s.ok)
     console.print(f"{what} {record.status}: {len(record.samples)} samples ({ok} ok) in {seconds:.1f} s -> {run_dir}")
     kinds = Counter(s.error_kind or "error" for s in record.samples if not s.ok)
@@ -27,6 +32,33 @@ def finish(record, run_dir: Path, seconds: float, *, report: bool, what: str) ->
         from abbench.runner.rundir import resume_hint
 
         raise AbbenchError(f"the {what} is {record.status}: {record.status_reason}; {resume_hint(run_dir)}")
+    verdict_line(record)
+    failed = [s for s in record.samples if not s.ok and not s.excluded]
+    if failed:
+        from abbench.runner.rundir import resume_hint
+
+        console.print(f"[bold red]error:[/] {len(failed)} measured sample(s) failed; {resume_hint(run_dir)} to run "
+                      "their steps again", highlight=False)
+        raise typer.Exit(1)
+
+
+def verdict_line(record) -> None:  # type: ignore[no-untyped-def]
+    """The gate's verdict on the run as ``abbench gate`` ends (its profile's checks): each failing check's
+    line, then ``gate: PASS`` or ``gate: FAIL`` on stdout. Informative: the exit code is the samples'."""
+    from rich.markup import escape
+
+    from abbench.analysis import gate
+
+    try:
+        verdict = gate(record)
+    except AbbenchError as e:  # a declared check the record cannot bind: said, not fatal to a finished run
+        console.print(f"[yellow]note:[/] the gate could not judge the run: {escape(str(e))}", highlight=False)
+        return
+    for c in verdict.checks:
+        if not c.passed:
+            out.print(f"[red]{escape(c.result)}[/] {escape(c.name)}: {escape(c.detail)}", highlight=False,
+                      soft_wrap=True)
+    out.print("[bold green]gate: PASS[/]" if verdict.passed else "[bold red]gate: FAIL[/]")
 
 
 def run_with_progress(runner, prof, run_dir: Path, *, resume: bool, quiet: bool,  # type: ignore[no-untyped-def]
