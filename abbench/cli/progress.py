@@ -16,10 +16,11 @@ from abbench.cli.common import _render_report, console, out
 from abbench.errors import AbbenchError
 
 
-def finish(record, run_dir: Path, seconds: float, *, report: bool, what: str) -> None:  # type: ignore[no-untyped-def]
+def finish(record, run_dir: Path, seconds: float, *, report: bool, what: str,  # type: ignore[no-untyped-def]
+           as_json: bool = False) -> None:
     """Print how the run ended and render its report (``report``); raise for a run that is not complete (exit
-    2, naming the resume command); otherwise end with the gate's verdict line (:func:`verdict_line`) and exit 1
-    when a measured sample failed."""
+    2, naming the resume command); otherwise end with the gate's verdict line (:func:`verdict_line`; on stderr
+    when stdout holds a JSON document) and exit 1 when a measured sample failed."""
     ok = sum(1 for s in record.samples if s.ok)
     console.print(f"{what} {record.status}: {len(record.samples)} samples ({ok} ok) in {seconds:.1f} s -> {run_dir}")
     kinds = Counter(s.error_kind or "error" for s in record.samples if not s.ok)
@@ -32,7 +33,7 @@ def finish(record, run_dir: Path, seconds: float, *, report: bool, what: str) ->
         from abbench.runner.rundir import resume_hint
 
         raise AbbenchError(f"the {what} is {record.status}: {record.status_reason}; {resume_hint(run_dir)}")
-    verdict_line(record)
+    verdict_line(record, console if as_json else out)
     failed = [s for s in record.samples if not s.ok and not s.excluded]
     if failed:
         from abbench.runner.rundir import resume_hint
@@ -42,9 +43,9 @@ def finish(record, run_dir: Path, seconds: float, *, report: bool, what: str) ->
         raise typer.Exit(1)
 
 
-def verdict_line(record) -> None:  # type: ignore[no-untyped-def]
+def verdict_line(record, stream) -> None:  # type: ignore[no-untyped-def]
     """The gate's verdict on the run as ``abbench gate`` ends (its profile's checks): each failing check's
-    line, then ``gate: PASS`` or ``gate: FAIL`` on stdout. Informative: the exit code is the samples'."""
+    line, then ``gate: PASS`` or ``gate: FAIL``, on ``stream``. Informative: the exit code is the samples'."""
     from rich.markup import escape
 
     from abbench.analysis import gate
@@ -56,9 +57,9 @@ def verdict_line(record) -> None:  # type: ignore[no-untyped-def]
         return
     for c in verdict.checks:
         if not c.passed:
-            out.print(f"[red]{escape(c.result)}[/] {escape(c.name)}: {escape(c.detail)}", highlight=False,
-                      soft_wrap=True)
-    out.print("[bold green]gate: PASS[/]" if verdict.passed else "[bold red]gate: FAIL[/]")
+            stream.print(f"[red]{escape(c.result)}[/] {escape(c.name)}: {escape(c.detail)}", highlight=False,
+                         soft_wrap=True)
+    stream.print("[bold green]gate: PASS[/]" if verdict.passed else "[bold red]gate: FAIL[/]")
 
 
 def run_with_progress(runner, prof, run_dir: Path, *, resume: bool, quiet: bool,  # type: ignore[no-untyped-def]
