@@ -8,7 +8,10 @@
   and the command that resumes a partial run.
 * :mod:`abbench.runner.lock`: the run lock and the signal handling.
 * :mod:`abbench.runner.resume`: what must match before a partial run is resumed.
+* :mod:`abbench.runner.plans`: the kinds of plan (fixed rounds, auto rounds, sweeps), one strategy each behind
+  one interface; how a new kind plugs in is said there.
 * :mod:`abbench.runner.rounds`: ``rounds = "auto"``: the stopping rule and the plan extended.
+* :mod:`abbench.runner.sweep`: a sweep's points, stages and passes.
 
 The divergence diagnostics (``abbench diff``/``probe``), which launch services through this package, are
 :mod:`abbench.diagnostics`; nothing here loads them.

@@ -2,7 +2,9 @@
 gathers telemetry and records every sample the moment it finishes.
 
 :func:`execute` opens a :class:`Run` (:meth:`Run.open`: prompts, plan, record, sample log) and executes it:
-``start_service`` / ``prime`` / ``measure(step) -> Sample`` / ``on_failure`` / ``finish``. The service slot
+``start_service`` / ``prime`` / ``measure(step) -> Sample`` / ``on_failure`` / ``finish``. What is planned, and
+what comes next when the planned steps have run, is the profile's kind of plan (:mod:`abbench.runner.plans`:
+fixed rounds, auto rounds, a sweep), one strategy behind one interface, so the run is one loop. The service slot
 is :mod:`abbench.runner.slot`, the lock and signals :mod:`abbench.runner.lock`, the resume checks
 :mod:`abbench.runner.resume`.
 
@@ -72,10 +74,8 @@ from abbench.results import RunRecord, Sample, SampleLog, Step, Telemetry, save_
 from abbench.runner.lock import RunLock, signals_as_interrupt, signals_deferred, signals_held
 from abbench.runner.preflight import check_services
 from abbench.runner.resume import check_resumable, drop_failed, mark_resumed, rewrite_log
-from abbench.runner.rounds import initial_rounds, is_auto, next_round, plan_for, planned_rounds
-from abbench.runner.rounds import rule as auto_rule
 from abbench.runner.rundir import discard_unmeasured, load_for_resume, open_log, resume_hint
-from abbench.runner import sweep as sweeps
+from abbench.runner import plans
 from abbench.runner.slot import ServiceSlot, check_launch_commands
 from abbench.services import Service, stop_all
 from abbench.telemetry import ServiceMonitor
@@ -225,7 +225,7 @@ class Run:
 
     def __init__(self, profile: Profile, run_dir: Path, record: RunRecord, log: SampleLog, tokenizer: Any,
                  prompts: list[BuiltPrompt], observer: Observer | None = None,
-                 credentials: Credentials | None = None) -> None:
+                 credentials: Credentials | None = None, strategy: plans.PlanStrategy | None = None) -> None:
         self.profile = profile
         self.run_dir = run_dir
         self.record = record
@@ -234,6 +234,7 @@ class Run:
         self.prompts = {b.record.id: b for b in prompts}
         self.observer = observer
         self.plan = record.plan
+        self.strategy = strategy or plans.for_profile(profile)
         self.credentials = credentials or Credentials()
         self.client = EngineClient(verify=auth.tls_verify(profile.ca_bundle_path()))
         self.slot = ServiceSlot(profile, run_dir, self.client, record, self.credentials)
@@ -259,15 +260,11 @@ class Run:
         ca_bundle = profile.ca_bundle_path()
         notify(ProgressEvent("prompts", "building exact-length prompts"))
         tok, built = prepare(profile, cache_dir=cache_dir)
-        sweep = None
-        if sweeps.is_sweep(profile):  # its points' prompts too: the grid's, or (resumed) every recorded pass's
-            sweep = existing.sweep if existing is not None and existing.sweep else sweeps.initial_state(profile)
-            built += sweeps.build_points(tok, profile, sweeps.all_points(sweep))
+        strategy = plans.for_profile(profile)
+        state = strategy.state(existing)
+        built += strategy.prompts(tok, state)  # a sweep's points': the grid's, or (resumed) every recorded pass's
         prompt_records = [b.record for b in built]
-        rounds = planned_rounds(existing.plan) if existing is not None and existing.plan and is_auto(profile) \
-            else initial_rounds(profile)
-        plan = sweeps.sweep_plan(profile, prompt_records, sweep) if sweep is not None else \
-            plan_for(profile, prompt_records, rounds)
+        plan = strategy.plan(prompt_records, state, existing.plan if existing is not None else None)
         env = environment_fingerprint([s.argv for s in profile.launch_specs() if s.argv is not None])
         if existing is not None:
             notes = check_resumable(run_dir, existing, prompt_records, plan, env)
@@ -283,8 +280,7 @@ class Run:
             record = RunRecord(run_id=run_dir.name, status="running", created_at=time.time(),
                                abbench_version=__version__, profile=profile.model_dump(mode="json"),
                                environment=env, prompts=prompt_records, plan=plan,
-                               auto_rounds={"rule": auto_rule(profile), "decisions": []} if is_auto(profile) else None,
-                               sweep=sweep)
+                               **strategy.record_fields(state))
         with signals_held():  # run.json and requests.jsonl lose the retried samples together
             log = open_log(run_dir, record, lock, resume=resume)
             if existing is not None and retried:
@@ -296,7 +292,7 @@ class Run:
                                  f"{', '.join(str(r['step']) for r in retried)}); --keep-failed keeps them"))
         if log.repaired:
             notify(ProgressEvent("warning", log.repaired))
-        return cls(profile, run_dir, record, log, tok, built, observer, credentials)
+        return cls(profile, run_dir, record, log, tok, built, observer, credentials, strategy)
 
     # ------------------------------------------------------------------------------------------ reporting
 
@@ -378,50 +374,23 @@ class Run:
                     e = RequestError(e.kind, self.credentials.redact(e.detail), status=e.status)
                     if self.on_failure(svc, step, e):
                         return
-            todo = self.more_rounds()
+            todo = self.more_steps()
             if not todo:
                 break
         self.record.status = "complete"
 
-    def more_rounds(self) -> list[Step]:
-        """With ``run.rounds = "auto"``: decide after the planned rounds (:mod:`abbench.runner.rounds`) and
-        append the next round to the plan, or [] when the run stops (the reason is recorded). A sweep decides
-        its next pass instead (:meth:`more_points`)."""
-        if sweeps.is_sweep(self.profile):
-            return self.more_points()
-        if not is_auto(self.profile):
+    def more_steps(self) -> list[Step]:
+        """When every planned step has run: the plan's next steps (:meth:`PlanStrategy.next
+        <abbench.runner.plans.base.PlanStrategy.next>`), appended to the plan with their prompts and the decision
+        and saved together, or [] when the run ends."""
+        ext = self.strategy.next(self.record, self.tokenizer, self.notify)
+        if ext is None:
             return []
-        steps = next_round(self.record, self.profile)
-        decision = self.record.auto_rounds["decisions"][-1] if self.record.auto_rounds else {}
-        self.notify("warning" if not steps and "max_rounds" in str(decision.get("reason")) else "service",
-                    f"auto rounds after round {decision.get('round')}: "
-                    + (f"one more ({decision.get('reason')})" if steps else f"stop: {decision.get('reason')}"))
-        self.record.plan.extend(steps)
-        save_run(self.run_dir, self.record)
-        return steps
-
-    def more_points(self) -> list[Step]:
-        """A sweep's next pass (:func:`abbench.runner.sweep.next_pass`): its new points' prompts are built, then
-        the decision, the prompts and the pass's steps are recorded together and saved, or [] when the sweep
-        stops."""
-        decision, nxt = sweeps.next_pass(self.record, self.profile)
-        self.notify("service", f"sweep: {decision['next']}")
-        known = {p.id for p in self.record.prompts}
-        todo = [x for x in (nxt or {}).get("points", [])
-                if not set(sweeps.point_prompt_ids(self.profile.sweep, x)) <= known]
-        if todo:
-            self.notify("prompts", f"building the prompts of {', '.join(map(str, todo))}")
-        built = sweeps.build_points(self.tokenizer, self.profile, todo)
-        with signals_held():  # the pass, its prompts and its steps: all in run.json, or none
-            sweeps.record_pass(self.record, decision, nxt)
-            for b in built:
+        with signals_held():  # the decision, its prompts and its steps: all in run.json, or none
+            for b in ext.prompts:
                 self.record.prompts.append(b.record)
                 self.prompts[b.record.id] = b
-            full = sweeps.sweep_plan(self.profile, self.record.prompts, self.record.sweep)
-            done = len(self.record.plan)
-            if [x.model_dump() for x in full[:done]] != [x.model_dump() for x in self.record.plan]:
-                raise AssertionError("a sweep's passes no longer rebuild the plan they made")
-            steps = full[done:]
+            steps = ext.commit(self.record)
             self.record.plan.extend(steps)
             save_run(self.run_dir, self.record)
         return steps
@@ -470,7 +439,7 @@ class Run:
         bp = self.prompts[step.prompt_id]
         return self.client.complete(
             svc.base_url, bp.text, request=req,
-            extra={**req.extra, **self.profile.arm(step.arm).request, **sweeps.request_fields(self.profile, step)},
+            extra={**req.extra, **self.profile.arm(step.arm).request, **self.strategy.request_fields(step)},
             target_prompt_tokens=bp.record.target_tokens + self.added_tokens, model=eng.model,
             retokenize=lambda text: self.tokenizer.encode(text, add_special_tokens=False), adapter=eng.adapter,
             headers=self.headers(step.arm))
