@@ -17,7 +17,8 @@ The gate passes only when every check passes; it never passes on missing data.
   another arm) has ok measured samples.
 * ``token-ids``: no measured ok sample has ``ids_source`` 'none'.
 * ``parity``: every sample of another arm equals the parity reference over the first K ids, and every
-  prompt has a reference sample to compare with. With a tolerance T (nats: the arm's own
+  prompt has a reference sample to compare with. A plan with other arms of which no sample could be compared
+  is "not checked", and fails (a run of the reference arm alone has nothing to compare, and passes). With a tolerance T (nats: the arm's own
   ``accept_near_ties``, else ``gate.accept_near_ties``) a mismatch whose verdict is a near-tie flip under T
   (:func:`abbench.analysis.parity.flip_verdict`) is accepted and listed in the notes; every failure names
   its verdict (near-tie flip or broken) either way.
@@ -71,7 +72,8 @@ class Check(NamedTuple):
     passed: bool
     detail: str
     result: str = ""
-    """'pass', 'FAIL' or 'inconclusive' (a declared check whose interval straddles its bound; fails)."""
+    """'pass', 'FAIL', 'inconclusive' (a declared check whose interval straddles its bound; fails) or 'not checked'
+    (parity with nothing to compare; fails)."""
 
 
 @dataclass
@@ -84,7 +86,7 @@ class CheckResult:
     failures: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     status: str | None = None
-    """Overrides the verdict word ('inconclusive'); default 'pass' / 'FAIL'."""
+    """Overrides the verdict word ('inconclusive', 'not checked'); default 'pass' / 'FAIL'."""
 
     @property
     def check(self) -> Check:
@@ -247,6 +249,10 @@ def _parity_rows(g: GateInput, check: str, name: str) -> CheckResult:
         if n_unchecked:
             detail += f", {n_unchecked} not checked"
     if check == "parity" and rows.empty:
+        others = sorted({s.arm for s in g.record.plan if not s.excluded and s.arm != ref})
+        if others:  # arms to compare, and not one sample of theirs to compare: nothing was checked
+            why = f"not checked: no sample of {', '.join(others)} to compare with the reference {ref}"
+            return CheckResult(name, False, why, [f"{name}: {why}"], status="not checked")
         detail = "no non-reference sample to compare"
     other = _flags(rows["other_round"], True)
     if check == "parity" and not rows.empty and other.any():
