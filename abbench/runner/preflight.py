@@ -16,6 +16,12 @@ once for all its arms), in the order the profile names the arms:
   exists and is executable (looked up on the ``PATH`` the service will get). Nothing is started: the rest
   (health, reset) is checked when the service starts, before its first request.
 
+Lengths against the server's context (:func:`check_context`): where a server lists its models with a
+``max_model_len`` (vLLM, the vendored engine), the longest prompt an arm will send plus ``request.max_tokens``
+must fit it; an attached server is checked here, a launched one as soon as it is healthy, before its first
+request. Too long is a :class:`~abbench.errors.ConfigError` naming the arm, the limit and the prompt, instead of
+a run whose every sample is an HTTP 400.
+
 A failure is a :class:`~abbench.errors.ServiceError` (or the reset's :class:`ConfigError`, or the key's
 :class:`~abbench.errors.AuthError`) whose first line names the arm(s) and the URL or command. With
 ``run.on_service_failure = "skip-arm"`` (and separate services) a service that cannot be reached is a warning
@@ -83,8 +89,8 @@ def check_command(spec: LaunchSpec) -> str | None:
     return None
 
 
-def served_models(client: EngineClient, base_url: str, headers: dict[str, str]) -> list[str] | None:
-    """The model ids the server lists at ``GET /v1/models``; None when it has no such list (404, another
+def _model_list(client: EngineClient, base_url: str, headers: dict[str, str]) -> list[dict[str, Any]] | None:
+    """The entries of ``GET /v1/models`` (OpenAI's shape); None when the server has no such list (404, another
     shape, an error other than a refused key, which raises)."""
     try:
         text = client.metrics_text(base_url, MODELS_PATH, headers=headers)  # a plain GET of a text page
@@ -94,10 +100,44 @@ def served_models(client: EngineClient, base_url: str, headers: dict[str, str]) 
         return None
     try:
         data = json.loads(text) if text else None
-        ids = [str(m["id"]) for m in data["data"]] if isinstance(data, dict) else None
+        entries = list(data["data"]) if isinstance(data, dict) else None
     except (ValueError, KeyError, TypeError):
         return None
-    return ids or None
+    if not entries or not all(isinstance(m, dict) and "id" in m for m in entries):
+        return None
+    return entries
+
+
+def served_models(client: EngineClient, base_url: str, headers: dict[str, str]) -> list[str] | None:
+    """The model ids the server lists at ``GET /v1/models``; None when it has no such list."""
+    entries = _model_list(client, base_url, headers)
+    return [str(m["id"]) for m in entries] if entries else None
+
+
+def served_context(client: EngineClient, base_url: str, headers: dict[str, str], model: str | None) -> int | None:
+    """The context (``max_model_len``, prompt and output tokens together) the server lists for ``model`` (for
+    its only model when ``model`` is None or not listed); None when it says none."""
+    entries = _model_list(client, base_url, headers) or []
+    mine = [m for m in entries if model is not None and str(m["id"]) == model] or (entries if len(entries) == 1 else [])
+    limit = mine[0].get("max_model_len") if mine else None
+    return int(limit) if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0 else None
+
+
+def check_context(client: EngineClient, base_url: str, headers: dict[str, str], model: str | None, *,
+                  longest: tuple[str, int] | None, max_tokens: int, where: str) -> int | None:
+    """Raise :class:`ConfigError` when the longest prompt (``(prompt id, tokens)``) plus ``max_tokens`` exceeds
+    the context the server lists; returns that context (None: the server lists none, nothing is judged)."""
+    limit = served_context(client, base_url, headers, model)
+    if limit is None or longest is None:
+        return limit
+    pid, n = longest
+    if n + max_tokens > limit:
+        raise ConfigError(f"{where}: the server's context is {limit:,} tokens (max_model_len at {MODELS_PATH}) but "
+                          f"prompt {pid} has {n:,} tokens and each request asks for {max_tokens:,} more "
+                          f"({n + max_tokens:,}): every such request would be refused. Use shorter --lengths (at "
+                          f"most {limit - max_tokens:,} prompt tokens), fewer request.max_tokens, or a server with "
+                          "a longer context. Stopped before any request to it.")
+    return limit
 
 
 def _check_attached(profile: Profile, client: EngineClient, credentials: Credentials, arms: list[str],

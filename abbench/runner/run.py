@@ -72,7 +72,7 @@ from abbench.prometheus import parse_prometheus
 from abbench.prompts import BuiltPrompt, build_prompts
 from abbench.results import RunRecord, Sample, SampleLog, Step, Telemetry, save_run
 from abbench.runner.lock import RunLock, signals_as_interrupt, signals_deferred, signals_held
-from abbench.runner.preflight import check_services
+from abbench.runner.preflight import check_context, check_services
 from abbench.runner.resume import check_resumable, drop_failed, mark_resumed, rewrite_log
 from abbench.runner.rundir import discard_unmeasured, load_for_resume, open_log, resume_hint
 from abbench.runner import plans
@@ -352,6 +352,19 @@ class Run:
         arms = [a.name for a in self.profile.arms]
         self.notify("service", "checking the services of " + ", ".join(arms))
         check_services(self.profile, self.client, self.credentials, arms, lambda m: self.notify("warning", m))
+        for arm in arms:
+            url = self.profile.launch_spec(arm).base_url
+            if url is not None and arm not in self.skipped_arms:
+                self.check_context(url, arm)
+
+    def check_context(self, base_url: str, arm: str) -> None:
+        """The longest prompt ``arm`` will be sent, plus ``request.max_tokens``, fits the context the server
+        lists (:func:`abbench.runner.preflight.check_context`); a launched service is checked once healthy."""
+        lengths = [(st.prompt_id, self.prompts[st.prompt_id].record.token_count)
+                   for st in self.record.plan if st.arm == arm and st.prompt_id in self.prompts]
+        check_context(self.client, base_url, self.headers(arm), self.profile.arm_engine(arm).model,
+                      longest=max(lengths, key=lambda x: x[1], default=None),
+                      max_tokens=self.profile.request.max_tokens, where=f"arm {arm} ({base_url})")
 
     def _partial(self, reason: str) -> None:
         self.record.status = "partial"
@@ -426,6 +439,9 @@ class Run:
         save_run(self.run_dir, self.record)
         for warning in (svc.control or {}).get("warnings", []):
             self.notify("warning", warning)
+        if not url:
+            for arm in svc.arms:
+                self.check_context(svc.base_url, arm)
         return svc
 
     def _reset_if_planned(self, svc: Service, step: Step) -> None:

@@ -137,6 +137,7 @@ class _Models(BaseHTTPRequestHandler):
     """/health, /reset and /v1/models listing ``served`` (404 when None)."""
 
     served: list[str] | None = None
+    context: int | None = None
 
     def log_message(self, format: str, *args: Any) -> None:
         pass
@@ -151,7 +152,8 @@ class _Models(BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:
         if self.path == "/v1/models" and self.served is not None:
-            self._reply(200, {"object": "list", "data": [{"id": m, "object": "model"} for m in self.served]})
+            extra = {"max_model_len": self.context} if self.context else {}
+            self._reply(200, {"object": "list", "data": [{"id": m, "object": "model", **extra} for m in self.served]})
         elif self.path == "/health":
             self._reply(200, {"status": "ok"})
         else:
@@ -191,3 +193,37 @@ def test_an_attached_server_must_serve_the_arms_model(models_server: tuple[str, 
     _check(url, model="other-model", adapter="llamacpp", reset_path="/reset")  # llama.cpp serves any name
     handler.served = None
     _check(url, model="other-model")  # no list at /v1/models: not judged on it
+
+
+# ------------------------------------------------------------------------------------------------ the context
+
+
+def test_a_prompt_longer_than_a_launched_servers_context_stops_before_its_first_request(tmp_path: Path) -> None:
+    """The server lists max_model_len 40 at /v1/models; a 24-token prompt plus 4 output tokens fits, a 48-token
+    one does not: the run stops once the service is healthy, naming the arm, the limit and the prompt."""
+    mark = fk.new_mark()
+    prof = fk.fake_profile(mark, args=("--max-model-len", "40"), prompts={"lengths": [24, 48]})
+    events, err, _ = _execute(prof, tmp_path / "run")
+    assert isinstance(err, ConfigError), err
+    msg = str(err)
+    assert msg.startswith("arm a (http://127.0.0.1:") and "the server's context is 40 tokens" in msg
+    assert "prompt fresh-48-0 has 48 tokens and each request asks for 4 more (52)" in msg
+    assert "at most 36 prompt tokens" in msg
+    assert not [e for e in events if e.kind == "sample"]
+    fk.assert_no_leftovers(mark)
+    prof = fk.fake_profile(mark, args=("--max-model-len", "52"), prompts={"lengths": [24, 48]})
+    events, err, _ = _execute(prof, tmp_path / "fits")
+    assert err is None and [e for e in events if e.kind == "sample"]
+    fk.assert_no_leftovers(mark)
+
+
+def test_an_attached_servers_context_is_checked_up_front(models_server: tuple[str, type[_Models]],
+                                                         tmp_path: Path) -> None:
+    url, handler = models_server
+    handler.context = 20  # the 24-token prompt alone is longer
+    mark = fk.new_mark()
+    prof = fk.fake_profile(mark, arms=[{"name": "a"}, {"name": "b", "base_url": url}])
+    events, err, _ = _execute(prof, tmp_path / "run")
+    assert isinstance(err, ConfigError) and str(err).startswith(f"arm b ({url}): the server's context is 20")
+    assert not [e for e in events if e.message.startswith("starting")]  # before arm a's service even launches
+    fk.assert_no_leftovers(mark)
