@@ -368,7 +368,7 @@ def test_runner_against_engine_service(adapter: str, tmp_path: Path) -> None:
     verdict = analysis.gate(record)
     assert verdict.passed, verdict.failures
     assert json.loads((tmp_path / "run" / "run.json").read_text())["profile"]["engine"]["reset_path"] == RESET[adapter]
-    md = write_report(record, [], tmp_path / "r.md", tmp_path / "r").read_text()
+    md = write_report(record, [], tmp_path / "r.md", tmp_path / "r", draw_plots=False).read_text()  # the text alone
     assert "## Engine counters" in md
 
 
@@ -409,7 +409,7 @@ def test_arms_on_different_engines_in_one_run(tmp_path: Path) -> None:
     assert counters["metrics_prompt"].notna().all()  # each arm's /metrics read with its own engine's names
     arms = json.loads((tmp_path / "run" / "run.json").read_text())["profile"]["arms"]
     assert [a["reset_path"] for a in arms] == [RESET[e] for e in order]  # the paths used are recorded
-    md = write_report(record, [], tmp_path / "r.md", tmp_path / "r").read_text()
+    md = write_report(record, [], tmp_path / "r.md", tmp_path / "r", draw_plots=False).read_text()  # the text alone
     assert "on-vllm `vllm`" in md and "on-llamacpp `llamacpp`" in md
 
 
