@@ -23,6 +23,7 @@ from abbench.errors import AuthError, ConfigError, RequestError
 from abbench.profile import RequestSpec, load_profile, profile_from_dict
 from abbench.results import load_run
 
+from tests.support import cli
 from tests.support import faultkit as fk
 from tests.support.fakeserver import FakeConfig, FakeServer
 
@@ -70,7 +71,7 @@ def test_key_from_the_environment_is_sent_and_in_no_file_the_run_writes(tmp_path
     assert SECRET not in res.stdout + res.stderr
     assert (tmp_path / "reports" / "keyed.md").is_file()
     # The gate and the report read it back without a key in sight.
-    gate = _abbench(["gate"], tmp_path, {})
+    gate = cli.abbench("gate", cwd=tmp_path)  # in this process, whose environment holds no key
     assert gate.returncode == 0, gate.stdout + gate.stderr
     assert "results/keyed" in gate.stderr
     fk.assert_no_leftovers(mark)
