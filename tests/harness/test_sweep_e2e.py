@@ -3,8 +3,9 @@ CLI, as the examples of `abbench sweep --help` show it: the sweep runs the uncac
 records the sweep in run.json; `abbench report` has the Sweep section and plot; `abbench gate` passes (parity
 and the profile's counter check: nothing here depends on which arm the CPU happened to make faster); `abbench
 compare` reads the run; `abbench gate --check crossover[...]` judges a crossover check on it (its verdict is
-the CPU's, so only its form is asserted); the second example's flags and its JSON document. The sweeps run as
-processes of their own; report, gate and compare go through the same CLI in this process (tests/support/cli.py)."""
+the CPU's, so only its form is asserted); the second example's flags and its JSON document. The first sweep runs
+as a process of its own; the second, report, gate and compare go through the same CLI in this process
+(tests/support/cli.py)."""
 
 from __future__ import annotations
 
@@ -72,8 +73,8 @@ def test_report_gate_and_compare_read_the_sweep(sweep_run: Path, tmp_path: Path)
 
 
 def test_the_second_example_sweeps_two_arms_and_prints_its_document(tmp_path: Path) -> None:
-    res = abbench("sweep", "-p", "cpu-tiny-sweep", "--arms", "demand,chunked", "--points", "16,256",
-                  "--max-refinements", "1", "--json", "--out", str(tmp_path / "run"), "--no-report", cwd=tmp_path)
+    res = cli.abbench("sweep", "-p", "cpu-tiny-sweep", "--arms", "demand,chunked", "--points", "16,256",
+                      "--max-refinements", "1", "--json", "--out", str(tmp_path / "run"), "--no-report", cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
     doc = json.loads(res.stdout)
     assert doc["schema"] == "abbench.sweep/1" and doc["run"]["profile"] == "cpu-tiny-sweep"
