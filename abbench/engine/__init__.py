@@ -24,14 +24,14 @@ from the rest of abbench.
 ``Engine`` is imported lazily so that ``abbench.engine.config`` works without torch.
 """
 
-from .config import PRESETS, EngineConfig, ModelConfig
+from abbench.engine.config import PRESETS, EngineConfig, ModelConfig
 
 __all__ = ["PRESETS", "Engine", "EngineConfig", "ModelConfig"]
 
 
 def __getattr__(name: str):
     if name == "Engine":
-        from .runtime import Engine
+        from abbench.engine.runtime.engine import Engine
 
         return Engine
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

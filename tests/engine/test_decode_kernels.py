@@ -1,4 +1,4 @@
-"""Candidate decode kernels (abbench.engine.decode_kernels) agree with the engine's own functions.
+"""Candidate decode kernels (abbench.engine.ops.kernels) agree with the engine's own functions.
 
 The SDPA attention variants are checked here on every machine, at positions that mask most of the bucket, none
 of it, and one key; the Triton one-token experts where Triton is installed (CUDA builds of torch; on CPU only
@@ -13,10 +13,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from abbench.engine import decode_kernels as dk  # noqa: E402
+from abbench.engine.ops import kernels as dk  # noqa: E402
 from abbench.engine.config import PRESETS  # noqa: E402
-from abbench.engine.gpucheck_decode_kernels import main  # noqa: E402
-from abbench.engine.model import decode_gqa, looped_mm, moe_experts  # noqa: E402
+from abbench.engine.tools.gpucheck_decode_kernels import main  # noqa: E402
+from abbench.engine.ops.dense import decode_gqa  # noqa: E402
+from abbench.engine.ops.moe import looped_mm, moe_experts  # noqa: E402
 
 DEVICE = torch.device(os.environ.get("ABBENCH_ENGINE_TEST_DEVICE", "cpu"))
 
@@ -72,8 +73,8 @@ _triton_only = pytest.mark.skipif("not _triton_runs_here()",
 def test_fused_rms_norm_equals_the_models_norms_with_and_without_the_residual(n: int):
     """One kernel for model.rms_norm and hybrid.zc_rms_norm (a width no power of two when 72), and the
     residual add before the norm returned beside it."""
-    from abbench.engine.hybrid import zc_rms_norm
-    from abbench.engine.model import rms_norm
+    from abbench.engine.models.hybrid import zc_rms_norm
+    from abbench.engine.ops.dense import rms_norm
 
     gen = torch.Generator().manual_seed(n)
     x, a = (torch.randn(3, n, generator=gen) * 4).to(DEVICE), torch.randn(3, n, generator=gen).to(DEVICE)
@@ -91,7 +92,7 @@ def test_fused_rms_norm_equals_the_models_norms_with_and_without_the_residual(n:
 def test_fused_qk_norm_rope_store_equals_the_models_ops(pos: int):
     """q/k per-head norms, rope at a position read on the device and the cache write, against the torch ops of
     Model.decode_attention; the cache written at pos only."""
-    from abbench.engine.model import rms_norm, rope_tables, rotate_half
+    from abbench.engine.ops.dense import rms_norm, rope_tables, rotate_half
 
     hq, hkv, d, length = 8, 2, 16, 32
     gen = torch.Generator().manual_seed(pos)
@@ -116,7 +117,7 @@ def test_fused_qk_norm_rope_store_equals_the_models_ops(pos: int):
 def test_fused_router_equals_route(e: int, k: int, norm: bool, skew: bool):
     """Softmax, top-k in descending order and the renormalisation in one kernel, against model.route; an
     expert count no power of two, with and without the skew bias."""
-    from abbench.engine.model import route
+    from abbench.engine.ops.moe import route
 
     gen = torch.Generator().manual_seed(e)
     h, router = torch.randn(1, 32, generator=gen).to(DEVICE), torch.randn(e, 32, generator=gen).to(DEVICE)
@@ -169,7 +170,7 @@ def test_device_slot_lookup_is_the_host_lru(e: int, k: int, s: int, via: str):
     kernel or inside the router's kernel (the decode step's way), which routes to the same experts."""
     from collections import OrderedDict
 
-    from abbench.engine.experts import DeviceSlotTable
+    from abbench.engine.runtime.experts import DeviceSlotTable
 
     if not _triton_runs_here():
         pytest.skip("Triton runs on CUDA, or on CPU under TRITON_INTERPRET=1")
@@ -342,7 +343,7 @@ def test_triton_decode_kernels_refuse_what_they_cannot_run(kernel):
 def test_gpucheck_runs_on_cpu_with_the_kernels_it_is_given(capsys):
     """The pre-run check of a GPU session (grouped GEMM limit, decode equal across graphs, eager and slot
     budgets, step times) runs end to end on CPU at a tiny shape, with the decode kernels it was given."""
-    from abbench.engine import gpucheck
+    from abbench.engine.tools import gpucheck
 
     kernels = (["--decode-experts", "triton", "--decode-attention", "triton"] if _triton_runs_here() else [])
     assert gpucheck.main(["--device", str(DEVICE), "--preset", "tiny", "--layers", "2", "--prompt-tokens", "64",
@@ -408,7 +409,7 @@ def test_the_slot_cache_hands_over_between_host_and_device_and_a_flush_empties_b
     flush discards what device-side steps did as well (no Triton needed: the table's own copies)."""
     from collections import OrderedDict
 
-    from abbench.engine.experts import SlotCache
+    from abbench.engine.runtime.experts import SlotCache
 
     cfg = PRESETS["tiny"]
     cache = SlotCache(cfg, 4, torch.device("cpu"), torch.float32)

@@ -16,10 +16,10 @@ import torch
 
 from abbench.engine import Engine, EngineConfig
 from abbench.engine.config import MAX_GROUPED_MM_GROUPS, PRESETS, ModelConfig
-from abbench.engine.memory import GIB, RUNTIME_RESERVE_BYTES, dense_params, plan_device_memory
-from abbench.engine.decode import kv_buckets, kv_len_for
-from abbench.engine.experts import check_host_memory, host_memory_available
-from abbench.engine.model import TooManyGroups, grouped_mm
+from abbench.engine.runtime.memory import GIB, RUNTIME_RESERVE_BYTES, dense_params, plan_device_memory
+from abbench.engine.runtime.decode import kv_buckets, kv_len_for
+from abbench.engine.models.bank import check_host_memory, host_memory_available
+from abbench.engine.ops.moe import TooManyGroups, grouped_mm
 
 WIDE = ModelConfig(vocab_size=512, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
                    num_key_value_heads=2, head_dim=8, moe_intermediate_size=16, num_experts=512,
@@ -224,7 +224,7 @@ def test_decode_warmup_leaves_no_trace(preset):
 def test_decode_gqa_equals_repeated_kv_attention_with_the_mask():
     """decode_gqa reads each KV head for its query group in place; the same numbers as attention over
     K and V repeated to every query head (transformers' repeat_kv) with the hidden positions masked."""
-    from abbench.engine.model import decode_gqa
+    from abbench.engine.ops.dense import decode_gqa
 
     g = torch.Generator().manual_seed(0)
     hq, hkv, d, L, pos = 8, 2, 16, 64, 37
@@ -250,7 +250,7 @@ def test_decode_never_calls_sdpa(preset, monkeypatch):
     length, and long-context decode several times slower)."""
     import torch.nn.functional as F
 
-    from abbench.engine import decode as decode_mod
+    from abbench.engine.runtime import decode as decode_mod
 
     eng = Engine(EngineConfig(model=preset, weights="random:0", chunk_tokens=64, layer_major_window_tokens=128,
                               bandwidth_probe_bytes=0, max_context=512, device=KNOBS["device"]))

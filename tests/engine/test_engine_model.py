@@ -1,7 +1,7 @@
 """The vendored engine's model: configuration, weights, numerics against transformers, sampling.
 
 Reference: transformers' own ``Qwen3MoeForCausalLM`` (installed in the venv), random-initialised at a tiny
-shape, saved with ``save_pretrained`` and loaded by ``abbench.engine.weights``. No network, no hub.
+shape, saved with ``save_pretrained`` and loaded by ``abbench.engine.models.weights``. No network, no hub.
 """
 
 from __future__ import annotations
@@ -16,12 +16,12 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from abbench.engine import PRESETS, EngineConfig, ModelConfig  # noqa: E402
-from abbench.engine.experts import ExpertBank  # noqa: E402
-from abbench.engine.model import looped_mm, moe_experts  # noqa: E402
-from abbench.engine.prefill import prefill  # noqa: E402
-from abbench.engine.reference import random_qwen3_moe  # noqa: E402
-from abbench.engine.runtime import ContextOverflow, Engine  # noqa: E402
-from abbench.engine.weights import load_checkpoint  # noqa: E402
+from abbench.engine.models.bank import ExpertBank  # noqa: E402
+from abbench.engine.ops.moe import looped_mm, moe_experts  # noqa: E402
+from abbench.engine.runtime.prefill import prefill  # noqa: E402
+from abbench.engine.serve.reference import random_qwen3_moe  # noqa: E402
+from abbench.engine.runtime.engine import ContextOverflow, Engine  # noqa: E402
+from abbench.engine.models.weights import load_checkpoint  # noqa: E402
 
 HF_SHAPE = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=16, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,

@@ -19,8 +19,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from abbench.engine import PRESETS, EngineConfig, ModelConfig  # noqa: E402
-from abbench.engine.prefill import prefill  # noqa: E402
-from abbench.engine.runtime import Cancelled, Engine  # noqa: E402
+from abbench.engine.runtime.prefill import prefill  # noqa: E402
+from abbench.engine.runtime.engine import Cancelled, Engine  # noqa: E402
 
 MINI = ModelConfig(vocab_size=1024, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
                    head_dim=16, moe_intermediate_size=32, num_experts=16, num_experts_per_tok=2,

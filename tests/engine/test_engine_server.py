@@ -1,4 +1,4 @@
-"""End-to-end tests of the vendored engine's HTTP server (``abbench.engine.server``).
+"""End-to-end tests of the vendored engine's HTTP server (``abbench.engine.serve.server``).
 
 A real uvicorn server on a free loopback port, a real httpx client. Most tests drive the real ``tiny``
 engine on the CPU. A scripted stand-in engine (same contract as ``runtime.Engine``) is used only where a
@@ -29,9 +29,9 @@ uvicorn = pytest.importorskip("uvicorn")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from abbench.engine.config import PRESETS, EngineConfig  # noqa: E402
-from abbench.engine.runtime import Cancelled, ContextOverflow, Engine, RequestStats, TokenEvent  # noqa: E402
-from abbench.engine.server import create_app  # noqa: E402
-from abbench.engine.tokenizer import IncrementalDetokenizer, TokenizerSpecError, load_tokenizer  # noqa: E402
+from abbench.engine.runtime.engine import Cancelled, ContextOverflow, Engine, RequestStats, TokenEvent  # noqa: E402
+from abbench.engine.serve.server import create_app  # noqa: E402
+from abbench.engine.serve.tokenizer import IncrementalDetokenizer, TokenizerSpecError, load_tokenizer  # noqa: E402
 from tests.support.uvicorn_thread import ServerThread  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]

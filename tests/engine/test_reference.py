@@ -1,4 +1,4 @@
-"""The transformers reference backend (``abbench serve --backend transformers``, abbench/engine/reference.py).
+"""The transformers reference backend (``abbench serve --backend transformers``, abbench/engine/serve/reference.py).
 
 One random tiny Qwen3-MoE checkpoint (``save_tiny_qwen3_moe``: transformers' ``Qwen3MoeForCausalLM``,
 ``save_pretrained``, no hub) is served by the reference and loaded by the vendored engine (``--weights DIR``):
@@ -25,11 +25,11 @@ pytest.importorskip("transformers")
 pytest.importorskip("fastapi")
 
 from abbench.engine import Engine, EngineConfig  # noqa: E402
-from abbench.engine.backend import GenerateRequest  # noqa: E402
-from abbench.engine.reference import ReferenceEngine, save_tiny_qwen3_moe  # noqa: E402
-from abbench.engine.runtime import Cancelled, ContextOverflow  # noqa: E402
-from abbench.engine.server import create_app  # noqa: E402
-from abbench.engine.tokenizer import load_tokenizer  # noqa: E402
+from abbench.engine.contract import GenerateRequest  # noqa: E402
+from abbench.engine.serve.reference import ReferenceEngine, save_tiny_qwen3_moe  # noqa: E402
+from abbench.engine.runtime.engine import Cancelled, ContextOverflow  # noqa: E402
+from abbench.engine.serve.server import create_app  # noqa: E402
+from abbench.engine.serve.tokenizer import load_tokenizer  # noqa: E402
 
 from tests.engine.test_engine_server import ServerThread, assert_openai_error, sse_events  # noqa: E402
 
@@ -143,7 +143,7 @@ def test_reference_serves_the_engine_api(reference: ReferenceEngine) -> None:
 @pytest.mark.parametrize("backend", [Engine, ReferenceEngine])
 def test_both_backends_take_the_whole_request_contract(backend: type) -> None:
     """``generate`` of each backend takes exactly the fields of the typed request (plus ``cancel``), so the
-    server can hand either one any request (abbench.engine.backend)."""
+    server can hand either one any request (abbench.engine.contract)."""
     params = inspect.signature(backend.generate).parameters
     fields = [f.name for f in dataclasses.fields(GenerateRequest)]
     assert set(params) - {"self"} == set(fields) | {"cancel"}
@@ -195,7 +195,7 @@ def test_run_engine_against_the_reference_passes_parity(checkpoint: Path, tmp_pa
 def test_tiny_checkpoint_spec_is_written_once_into_the_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``tiny-qwen3-moe:SEED`` resolves to a folder in abbench's cache, written on first use only (into a
     temporary folder renamed into place); any other value passes through."""
-    from abbench.engine import reference as ref
+    from abbench.engine.serve import reference as ref
 
     calls: list[int] = []
 

@@ -27,7 +27,7 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
     # the vendored runtime and its HTTP server: imports nothing above it (see also the test below)
     ("engine", ("abbench.engine",)),
     # the one command line of both serving backends; neither backend imports it
-    ("engine launcher", ("abbench.engine.launch", "abbench.engine.__main__")),
+    ("engine launcher", ("abbench.engine.serve.launch", "abbench.engine.__main__")),
     # pure formats and records, nothing of the profile: the declared checks' grammar and the wire adapters
     # sit here, below the profile that validates with them
     ("formats and records", ("abbench.prometheus", "abbench.nvml", "abbench.sse", "abbench.results",
@@ -137,7 +137,7 @@ def _circles(graph: dict[str, list[str]]) -> list[list[str]]:
 
 def test_the_graph_is_read_from_the_source() -> None:
     """The walk sees what it must: deferred imports, relative imports and ``from abbench import x``."""
-    assert "abbench.engine.launch" in GRAPH["abbench.cli.engine"]  # inside the serve command's body
+    assert "abbench.engine.serve.launch" in GRAPH["abbench.cli.engine"]  # inside the serve command's body
     assert "abbench.engine.config" in GRAPH["abbench.engine"]  # `from .config import ...`
     assert "abbench.runner" in GRAPH["abbench.cli.experiment"]  # `from abbench import runner`
     assert len(MODULES) > 80
@@ -175,9 +175,9 @@ def test_the_engine_imports_nothing_of_the_harness(module: str) -> None:
 
 
 def test_neither_backend_imports_the_launcher_and_the_runner_no_diagnostics() -> None:
-    for backend in ("abbench.engine.server", "abbench.engine.reference"):
-        assert "abbench.engine.launch" not in GRAPH[backend]
-    assert {"abbench.engine.server", "abbench.engine.reference"} <= set(GRAPH["abbench.engine.launch"])
+    for backend in ("abbench.engine.serve.server", "abbench.engine.serve.reference"):
+        assert "abbench.engine.serve.launch" not in GRAPH[backend]
+    assert {"abbench.engine.serve.server", "abbench.engine.serve.reference"} <= set(GRAPH["abbench.engine.serve.launch"])
     runner = [m for m in MODULES if m == "abbench.runner" or m.startswith("abbench.runner.")]
     for m in runner:
         assert not [t for t in GRAPH[m] if t.startswith("abbench.diagnostics")], m

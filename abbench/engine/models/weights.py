@@ -36,11 +36,11 @@ from pathlib import Path
 
 import torch
 
-from .config import ModelConfig
-from .experts import ExpertBank
-from .config import HybridConfig
-from .hybrid import AttnWeights, HybridLayerWeights, HybridWeights, LinearWeights
-from .model import DenseWeights, LayerWeights
+from abbench.engine.config import ModelConfig
+from abbench.engine.models.bank import ExpertBank
+from abbench.engine.config import HybridConfig
+from abbench.engine.models.hybrid import AttnWeights, HybridLayerWeights, HybridWeights, LinearWeights
+from abbench.engine.models.qwen3_moe import DenseWeights, LayerWeights
 
 
 # Tensor kinds for seeding (stable numbers: changing them changes every random model).

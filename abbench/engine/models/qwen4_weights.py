@@ -20,12 +20,15 @@ from pathlib import Path
 
 import torch
 
-from .config import Qwen4Config
-from .experts import ExpertBank
-from .qwen4 import (IndexedAttnWeights, MixerWeights, PLEWeights, Qwen4LayerWeights, Qwen4Weights, ngram_head_sizes,
-                    ngram_multipliers, ple_table_rows)
-from .weights import (Draw, _Checkpoint, _load_experts, _seed, load_embed_and_head, load_linear_mixer,
-                      random_linear_mixer)
+from abbench.engine.config import Qwen4Config
+from abbench.engine.models.bank import ExpertBank
+from abbench.engine.models.qwen4 import (
+    IndexedAttnWeights, MixerWeights, PLEWeights, Qwen4LayerWeights, Qwen4Weights, ngram_head_sizes,
+    ngram_multipliers, ple_table_rows,
+)
+from abbench.engine.models.weights import (
+    Draw, _Checkpoint, _load_experts, _seed, load_embed_and_head, load_linear_mixer, random_linear_mixer,
+)
 
 # Tensor kinds for seeding (the hybrid's kinds 0..18 keep their meaning).
 (_EMBED, _LM_HEAD, _Q, _K, _V, _O, _ROUTER, _GATE_UP, _DOWN, _QKV, _Z, _B, _A, _CONV, _ALOG, _OUT, _SH_GATE_UP,

@@ -44,18 +44,24 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import MAX_ATTENTION_BATCH, PREFILL_MODES, PREFILL_PATHS, EngineConfig, ModelConfig, check_hybrid_chunk
-from .memory import MemoryPlan, plan_device_memory
-from .decode import Decoder, Sampler
-from .experts import ExpertBank, ExpertStore
-from .factory import build_model
-from .graphs import GraphCache
-from .hybrid import attention_batching_exact
-from .model import attention_backends, probe_graph_capture
-from .policy import Calibration, CostModel, choose, expected_demand_copies
-from .prefill import Batching, CancelLike, Cancelled, PrefillStats, check_cancel, plan_chunks, prefill
-from .steps import LayerSteps
-from .trace import LayerTrace
+from abbench.engine.config import (
+    MAX_ATTENTION_BATCH, PREFILL_MODES, PREFILL_PATHS, EngineConfig, ModelConfig, check_hybrid_chunk,
+)
+from abbench.engine.runtime.memory import MemoryPlan, plan_device_memory
+from abbench.engine.runtime.decode import Decoder, Sampler
+from abbench.engine.models.bank import ExpertBank
+from abbench.engine.runtime.experts import ExpertStore
+from abbench.engine.models.factory import build_model
+from abbench.engine.runtime.graphs import GraphCache
+from abbench.engine.models.hybrid import attention_batching_exact
+from abbench.engine.ops.dense import attention_backends
+from abbench.engine.ops.moe import probe_graph_capture
+from abbench.engine.runtime.policy import Calibration, CostModel, choose, expected_demand_copies
+from abbench.engine.runtime.prefill import (
+    Batching, CancelLike, Cancelled, PrefillStats, check_cancel, plan_chunks, prefill,
+)
+from abbench.engine.runtime.steps import LayerSteps
+from abbench.engine.ops.trace import LayerTrace
 
 __all__ = ["Cancelled", "ContextOverflow", "Engine", "RequestStats", "TokenEvent"]
 
@@ -265,7 +271,7 @@ class Engine:
         return Batching(k, cfg.attention_batch_max_context, exact)
 
     def _measure_costs(self) -> CostModel:
-        """The auto policy's inputs (:mod:`abbench.engine.policy`), measured now: the H2D bandwidth (the start-up
+        """The auto policy's inputs (:mod:`abbench.engine.runtime.policy`), measured now: the H2D bandwidth (the start-up
         probe's, or a small probe when it was skipped), one layer step's compute time at the demand and chunk
         lengths (layer 0, eagerly, through the first prefill buffer filled with its experts: median of 3 after a
         warm-up) and one host round trip. The steps write KV and states: the engine is reset afterwards."""
@@ -353,7 +359,7 @@ class Engine:
         """Generator; yields one TokenEvent per output token; its return value (StopIteration.value) is
         RequestStats. Raises Cancelled (checked every layer step and every decode step), ContextOverflow
         before any work. ``trace_layers``: ``RequestStats.layer_trace`` holds the prefill's layer trace
-        (:mod:`abbench.engine.trace`). ``chunk_tokens``: this request's prefill chunk length (default the
+        (:mod:`abbench.engine.ops.trace`). ``chunk_tokens``: this request's prefill chunk length (default the
         config's; :meth:`check_chunk_tokens`). ``attention_batch``: this request's chunks per attention call in
         layer-major prefill (default the config's; hybrid Qwen3.5/3.6 models only). ``decode_misses``: who
         handles the decode slot cache's misses, "host" or "device" (default the config's;

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .config import ITEMSIZE, EngineConfig, HybridConfig, ModelConfig, Qwen4Config
+from abbench.engine.config import ITEMSIZE, EngineConfig, HybridConfig, ModelConfig, Qwen4Config
 
 GIB = 2**30
 RUNTIME_RESERVE_BYTES = GIB
@@ -129,7 +129,7 @@ def plan_device_memory(config: EngineConfig, budget_bytes: int) -> MemoryPlan:
                      + 2 * (mc.num_attention_heads // mc.num_key_value_heads) * s * mc.head_dim * item
                      + chunk * mc.indexer_n_heads * (s // mc.indexer_compress_ratio) * 4)
     if config.prefill_graphs and config.device.startswith("cuda") and mc.is_hybrid and not mc.is_qwen4:
-        # prefill CUDA graphs (abbench.engine.steps): their private pool holds one chunk's temporaries beside
+        # prefill CUDA graphs (abbench.engine.runtime.steps): their private pool holds one chunk's temporaries beside
         # the eager ones, plus the static input, output and mid-layer buffers
         chunk_ws += chunk_ws + chunk * (3 * w + h + 2 * k) * item
     if config.attention_batch > 1:  # the joint call's queries and output beyond one chunk's

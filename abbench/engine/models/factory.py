@@ -11,19 +11,22 @@ from __future__ import annotations
 
 import torch
 
-from .config import ModelConfig
-from .experts import ExpertBank
-from .hybrid import HybridCache, HybridModel
-from .model import KVCache, Model, router_skew_bias
-from .qwen4 import Qwen4Cache, Qwen4Model
-from .qwen4_weights import load_qwen4_checkpoint, random_qwen4_weights
-from .weights import load_checkpoint, load_hybrid_checkpoint, random_hybrid_weights, random_weights
+from abbench.engine.config import ModelConfig
+from abbench.engine.models.bank import ExpertBank
+from abbench.engine.models.hybrid import HybridCache, HybridModel
+from abbench.engine.models.qwen3_moe import KVCache, Model
+from abbench.engine.ops.moe import router_skew_bias
+from abbench.engine.models.qwen4 import Qwen4Cache, Qwen4Model
+from abbench.engine.models.qwen4_weights import load_qwen4_checkpoint, random_qwen4_weights
+from abbench.engine.models.weights import (
+    load_checkpoint, load_hybrid_checkpoint, random_hybrid_weights, random_weights,
+)
 
 
 def build_model(mc: ModelConfig, weights: str, bank: ExpertBank, max_context: int, device: torch.device,
                 dtype: torch.dtype, router_skew: float = 0.0) -> tuple[Model | HybridModel, KVCache | HybridCache]:
     """The model and its cache; ``router_skew`` > 0 (random weights only) concentrates the routing
-    (:func:`~abbench.engine.model.router_skew_bias`)."""
+    (:func:`~abbench.engine.ops.moe.router_skew_bias`)."""
     model, cache = _build(mc, weights, bank, max_context, device, dtype)
     if router_skew > 0:
         if not weights.startswith("random:"):

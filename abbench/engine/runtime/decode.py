@@ -54,12 +54,14 @@ from collections.abc import Callable
 
 import torch
 
-from . import decode_kernels
-from .config import DECODE_ATTENTION, DECODE_EXPERTS, DECODE_MISSES
-from .experts import ExpertStore
-from .graphs import GraphCache
-from .model import KVCache, Model, attention_backends, probe_graph_capture
-from .prefill import CancelLike, check_cancel
+from abbench.engine.ops import kernels as decode_kernels
+from abbench.engine.config import DECODE_ATTENTION, DECODE_EXPERTS, DECODE_MISSES
+from abbench.engine.runtime.experts import ExpertStore
+from abbench.engine.runtime.graphs import GraphCache
+from abbench.engine.models.qwen3_moe import KVCache, Model
+from abbench.engine.ops.dense import attention_backends
+from abbench.engine.ops.moe import probe_graph_capture
+from abbench.engine.runtime.prefill import CancelLike, check_cancel
 
 MIN_KV_LEN = 1024
 

@@ -1,7 +1,7 @@
 """Self-check of the hybrid (Qwen3.5/3.6-MoE) engine on one device: bitwise equality of the prefill modes and
 the time of one Gated DeltaNet layer per chunk.
 
-``python -m abbench.engine.gpucheck_hybrid [--layers N] [--tokens T] [--chunk-tokens C] [--device D]``
+``python -m abbench.engine.tools.gpucheck_hybrid [--layers N] [--tokens T] [--chunk-tokens C] [--device D]``
 
 On CUDA (the default when available) it builds the first ``--layers`` layers (default 8: 6 DeltaNet, 2 gated
 attention) of the full ``qwen3.5-35b-a3b`` shape with random bf16 weights, prefills one random ``--tokens``
@@ -32,9 +32,9 @@ import time
 
 import torch
 
-from .config import PRESETS, EngineConfig
-from .model import attention_backends
-from .prefill import layer_major_loop, plan_chunks, plan_windows, prefill
+from abbench.engine.config import PRESETS, EngineConfig
+from abbench.engine.ops.dense import attention_backends
+from abbench.engine.runtime.prefill import layer_major_loop, plan_chunks, plan_windows, prefill
 
 MODES = ("chunked", "layer-major", "demand", "resident")
 
@@ -86,7 +86,7 @@ def gpu_compute_seconds(fn, device: torch.device) -> tuple[float, float]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m abbench.engine.gpucheck_hybrid", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m abbench.engine.tools.gpucheck_hybrid", description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--model", default=None,
                    help="hybrid preset (default: qwen3.5-35b-a3b on cuda, qwen3.5-tiny on cpu)")
@@ -125,7 +125,7 @@ def attention_batch_timing(mc, chunk: int, k: int, positions: list[int], device:
                            repeats: int) -> list[tuple[str, str]]:
     """Rows 'attention k=K at P': the joint call's time over the per-chunk calls' (median of ``repeats``), and
     whether every row is bitwise equal."""
-    from .hybrid import causal_sdpa
+    from abbench.engine.models.hybrid import causal_sdpa
 
     hq, hkv, d = mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim
     scale, gqa, rows = d**-0.5, mc.num_attention_heads != mc.num_key_value_heads, []
@@ -148,7 +148,7 @@ def attention_batch_timing(mc, chunk: int, k: int, positions: list[int], device:
 
 def _build(args, p: argparse.ArgumentParser):
     """(engine, model config, tokens, chunk, window) for the parsed arguments."""
-    from .runtime import Engine
+    from abbench.engine.runtime.engine import Engine
 
     cuda = args.device.startswith("cuda")
     preset = PRESETS[args.model or ("qwen3.5-35b-a3b" if cuda else "qwen3.5-tiny")]

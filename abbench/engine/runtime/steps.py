@@ -5,7 +5,7 @@ Contract:
   prefill mode makes: ``attn(layer, x, kv, start)`` (the model's ``attn_block``; returns the router's expert
   ids [T, k], which demand loading reads back) and ``moe(x, gate_up, down)`` (``moe_block`` over the experts
   the caller passes), which writes the layer's output into ``x`` in place. ``layer(...)`` is both.
-- CUDA graphs (``graphs`` a :class:`~abbench.engine.graphs.GraphCache`): a chunk of exactly ``graph_tokens``
+- CUDA graphs (``graphs`` a :class:`~abbench.engine.runtime.graphs.GraphCache`): a chunk of exactly ``graph_tokens``
   tokens runs the half-steps whose shapes and addresses are fixed from static buffers: the first half of
   every layer in ``model.prefill_graph_layers`` (the hybrid's Gated DeltaNet layers: norms, projections, conv,
   delta rule, shared expert and router; the state buffers are the cache's own) and the MoE half of every layer
@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .graphs import GraphCache
+from abbench.engine.runtime.graphs import GraphCache
 
 FALLBACK_REASONS = ("not-bit-identical", "window-end", "short-chunk", "long-context")
 

@@ -1,6 +1,6 @@
 """Time the candidate decode kernels (``decode_kernels``) against the engine's own, one layer at full width.
 
-``python -m abbench.engine.gpucheck_decode_kernels [--model qwen3-30b-a3b] [--contexts 4096,32768,131072]``
+``python -m abbench.engine.tools.gpucheck_decode_kernels [--model qwen3-30b-a3b] [--contexts 4096,32768,131072]``
 
 For one token of the preset's shape, with random weights and cache:
 
@@ -29,10 +29,11 @@ from pathlib import Path
 
 import torch
 
-from . import decode_kernels as dk
-from .graphs import GraphCache
-from .config import PRESETS
-from .model import attention_backends, decode_gqa, grouped_mm, looped_mm, moe_experts, probe_grouped_mm
+from abbench.engine.ops import kernels as dk
+from abbench.engine.runtime.graphs import GraphCache
+from abbench.engine.config import PRESETS
+from abbench.engine.ops.dense import attention_backends, decode_gqa
+from abbench.engine.ops.moe import grouped_mm, looped_mm, moe_experts, probe_grouped_mm
 
 
 def _time_us(fn: Callable[[], torch.Tensor], device: torch.device, replays: int) -> float:
@@ -134,7 +135,7 @@ def run(model: str, device: torch.device, dtype: torch.dtype, contexts: list[int
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m abbench.engine.gpucheck_decode_kernels",
+    p = argparse.ArgumentParser(prog="python -m abbench.engine.tools.gpucheck_decode_kernels",
                                 description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--model", default=None, help="preset (default: qwen3-30b-a3b on cuda, tiny on cpu)")

@@ -1,6 +1,6 @@
 """Full-width checks of the engine on a GPU, run before a committed GPU run (not in CI: it needs CUDA).
 
-``python -m abbench.engine.gpucheck [--layers N] [--prompt-tokens T] [--out FILE.json]`` builds the
+``python -m abbench.engine.tools.gpucheck [--layers N] [--prompt-tokens T] [--out FILE.json]`` builds the
 Qwen3-30B-A3B shape (hidden 2048, 128 experts top-8, real head and expert sizes; ``--preset`` picks another,
 e.g. the ``qwen3.5-35b-a3b`` hybrid) with its first ``--layers`` layers and random bf16 weights, and checks what the unit tests check at tiny sizes, at the sizes where CUDA's limits bite:
 
@@ -31,9 +31,9 @@ import time
 
 import torch
 
-from .config import DECODE_ATTENTION, DECODE_EXPERTS, MAX_GROUPED_MM_GROUPS, PRESETS, EngineConfig
-from .model import TooManyGroups, grouped_mm
-from .runtime import Engine
+from abbench.engine.config import DECODE_ATTENTION, DECODE_EXPERTS, MAX_GROUPED_MM_GROUPS, PRESETS, EngineConfig
+from abbench.engine.ops.moe import TooManyGroups, grouped_mm
+from abbench.engine.runtime.engine import Engine
 
 
 def _groups_check(device: str) -> dict:
@@ -113,7 +113,7 @@ def fetch_bandwidth(engine: Engine, trials: int = 5) -> list[dict]:
     ``fetch``), whose bandwidth ``fused_gbps`` counts the bytes over the whole of its time. The best of
     ``trials`` timed repeats each, after a warm-up. ``equal``: the slots hold the bank's bits afterwards and
     the fused kernels' output is the copy-then-compute output's."""
-    from . import decode_kernels
+    from abbench.engine.ops import kernels as decode_kernels
 
     store, dev = engine.store, engine.device
     bank, slots, k = store.bank, store.slots, engine.model_config.num_experts_per_tok
@@ -202,7 +202,7 @@ def profile_decode(engine: Engine, prompt: list[int], n: int, top: int = 15) -> 
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m abbench.engine.gpucheck", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m abbench.engine.tools.gpucheck", description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--prompt-tokens", type=int, default=4096)
     ap.add_argument("--decode-tokens", type=int, default=16)

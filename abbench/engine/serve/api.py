@@ -1,8 +1,8 @@
 """The vendored engine's HTTP API: the request schema, API errors in OpenAI's shape, and the pieces of a
 response (usage, logprobs, SSE framing, the per-request ``abbench`` object).
 
-No routes and no queue here: :mod:`abbench.engine.serving` runs requests on the engine one at a time,
-:mod:`abbench.engine.server` routes HTTP requests to it. The ``abbench`` object is
+No routes and no queue here: :mod:`abbench.engine.serve.serving` runs requests on the engine one at a time,
+:mod:`abbench.engine.serve.server` routes HTTP requests to it. The ``abbench`` object is
 :class:`abbench.engine.stats.AbbenchStats`, the model the harness reads back.
 """
 
@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, Stri
 from abbench.engine.config import PREFILL_MODES
 from abbench.engine.stats import AbbenchDecode, AbbenchStats, AbbenchTimings
 
-log = logging.getLogger("abbench.engine.server")
+log = logging.getLogger("abbench.engine.serve.server")
 
 MIN_TEMPERATURE = 1e-5  # below it (and above 0), logits / temperature overflows float32 to inf -> NaN probs
 
@@ -72,7 +72,7 @@ class CompletionRequest(BaseModel):
     )
     trace_layers: StrictBool | None = Field(
         None, description="Return abbench.layer_trace: per layer and sub-block the hash and RMS of the last prompt "
-        "position's hidden state (abbench.engine.trace); needs --allow-request-overrides."
+        "position's hidden state (abbench.engine.ops.trace); needs --allow-request-overrides."
     )
     # Accepted and ignored at their neutral values only.
     n: StrictInt | None = Field(None, description="Must be 1.")
@@ -160,7 +160,7 @@ def validation_error(exc: ValidationError) -> APIError:
 
 def engine_error(exc: BaseException) -> APIError:
     """Map an exception raised by the engine (before the response started) to an APIError."""
-    from abbench.engine.runtime import ContextOverflow
+    from abbench.engine.runtime.engine import ContextOverflow
 
     import torch
 

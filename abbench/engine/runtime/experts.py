@@ -1,15 +1,7 @@
-"""Expert offload: the host bank, the prefill double buffer, the decode slot cache, and byte accounting.
+"""Expert offload on the device: the prefill double buffer, the decode slot cache, and byte accounting (the
+host bank itself is :mod:`abbench.engine.models.bank`).
 
 Contract:
-- ``ExpertBank`` keeps every layer's experts in host memory, two tensors a layer allocated at their exact
-  size: ``gate_up[l]`` [E, 2I, H] (gate rows then up rows, nn.Linear layout) and ``down[l]`` [E, H, I].
-  ``torch._grouped_mm`` takes them as transposed views (K-contiguous B operand), so a layer crosses PCIe in
-  two copies and nothing is transposed in the hot loop. On CUDA the memory is page-locked with
-  ``cudaHostRegister`` on an exact-size allocation: ``torch.empty(..., pin_memory=True)`` goes through the
-  caching host allocator, which rounds every block up to a power of two (measured on an H200 host, torch
-  2.11: a 1.21 GB Qwen3-30B-A3B layer grew the process by 2.00 GiB that way, by 1.13 GiB = 1.21 GB
-  registered). Copies from registered memory run at full speed (54.7 GB/s measured, layer by layer).
-  On CPU it is ordinary memory and every "transfer" is a plain synchronous copy.
 - ``ExpertStore`` owns what lives on the compute device:
   * two layer buffers for prefill. ``stream_layers(order)`` yields (layer, gate_up, down) for each layer
     of ``order`` while the copy of the next one runs on a separate CUDA stream (events order copy after
@@ -36,18 +28,18 @@ Contract:
 
 from __future__ import annotations
 
+from __future__ import annotations
+
 import time
-import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from . import decode_kernels
-from .config import ModelConfig
-
-_PAGE = 4096
+from abbench.engine.config import ModelConfig
+from abbench.engine.models.bank import ExpertBank
+from abbench.engine.ops import kernels as decode_kernels
 
 
 @dataclass
@@ -64,75 +56,6 @@ class Traffic:
 
     def snapshot(self) -> Traffic:
         return Traffic(self.h2d_bytes, self.d2d_bytes, self.expert_copies)
-
-
-def _unregister(ptrs: list[int]) -> None:
-    if torch.cuda.is_available():
-        cudart = torch.cuda.cudart()
-        for ptr in ptrs:
-            cudart.cudaHostUnregister(ptr)
-
-
-def host_memory_available() -> int | None:
-    """Bytes of host memory available to new allocations: /proc/meminfo's MemAvailable, lowered to the
-    cgroup's limit minus its usage where one is set. None where neither can be read (not Linux)."""
-    found: list[int] = []
-    try:
-        for line in open("/proc/meminfo", encoding="ascii"):
-            if line.startswith("MemAvailable:"):
-                found.append(int(line.split()[1]) * 1024)
-    except OSError:
-        pass
-    try:
-        limit = open("/sys/fs/cgroup/memory.max", encoding="ascii").read().strip()
-        used = int(open("/sys/fs/cgroup/memory.current", encoding="ascii").read().strip())
-        if limit != "max":
-            found.append(int(limit) - used)
-    except (OSError, ValueError):
-        pass
-    return min(found) if found else None
-
-
-HOST_MEMORY_HEADROOM = 2 * 2**30  # left for the process itself, the tokenizer and the dense weights on the way
-
-
-def check_host_memory(bank_bytes: int, available: int | None) -> None:
-    """Refuse a bank that does not fit the host's available memory (a clear error instead of an OOM kill)."""
-    if available is not None and bank_bytes + HOST_MEMORY_HEADROOM > available:
-        raise ValueError(f"the expert bank needs {bank_bytes / 1e9:.2f} GB of host memory (+{HOST_MEMORY_HEADROOM / 1e9:.1f} "
-                         f"GB headroom) but {available / 1e9:.2f} GB is available; use a machine with more "
-                         "memory, a smaller model (e.g. a -half preset), or --no-host-memory-check if the "
-                         "host grows its memory on demand")
-
-
-class ExpertBank:
-    """All layers' experts in host memory (page-locked when the compute device is CUDA)."""
-
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, pin: bool, check_memory: bool = True):
-        self.cfg, self.dtype, self.pinned = cfg, dtype, pin
-        e, i, h = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
-        self.expert_bytes = 3 * h * i * dtype.itemsize
-        self.layer_bytes = e * self.expert_bytes
-        self.bank_bytes = cfg.num_hidden_layers * self.layer_bytes
-        if check_memory:
-            check_host_memory(self.bank_bytes, host_memory_available())
-        self._registered: list[int] = []
-        weakref.finalize(self, _unregister, self._registered)
-        self.gate_up = [self._alloc((e, 2 * i, h)) for _ in range(cfg.num_hidden_layers)]  # [E, 2I, H] each
-        self.down = [self._alloc((e, h, i)) for _ in range(cfg.num_hidden_layers)]  # [E, H, I] each
-
-    def _alloc(self, shape: tuple[int, ...]) -> torch.Tensor:
-        if not self.pinned:
-            return torch.empty(shape, dtype=self.dtype)
-        nbytes = self.dtype.itemsize * shape[0] * shape[1] * shape[2]  # exact: no power-of-two rounding
-        raw = torch.empty(nbytes + _PAGE, dtype=torch.uint8)  # exact size plus alignment slack
-        off = (-raw.data_ptr()) % _PAGE
-        t = raw[off:off + nbytes].view(self.dtype).view(shape)
-        err = int(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), nbytes, 0))
-        if err != 0:
-            raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed with CUDA error {err}")
-        self._registered.append(t.data_ptr())
-        return t
 
 
 class SlotCache:

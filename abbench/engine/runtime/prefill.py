@@ -37,9 +37,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .experts import ExpertStore
-from .model import KVCache, Model, attention_backends
-from .steps import BatchingStats, LayerSteps, plan_attention_groups
+from abbench.engine.runtime.experts import ExpertStore
+from abbench.engine.models.qwen3_moe import KVCache, Model
+from abbench.engine.ops.dense import attention_backends
+from abbench.engine.runtime.steps import BatchingStats, LayerSteps, plan_attention_groups
 
 CancelLike = threading.Event | Callable[[], bool] | None
 

@@ -43,11 +43,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from . import gdn
-from .config import HybridConfig
-from .decode_kernels import rms_norm as fused_rms_norm
-from .model import (Model, decode_attend, decode_route, expert_kernel, lower_right_causal, rope_tables, rotate_half,
-                    route)
+from abbench.engine.ops import gdn
+from abbench.engine.config import HybridConfig
+from abbench.engine.ops.kernels import rms_norm as fused_rms_norm
+from abbench.engine.models.qwen3_moe import Model
+from abbench.engine.ops.dense import decode_attend, lower_right_causal, rope_tables, rotate_half
+from abbench.engine.ops.moe import decode_route, expert_kernel, route
 
 
 @dataclass
@@ -190,7 +191,7 @@ class HybridModel:
     """Dense weights, RoPE tables and the layer functions of a ``HybridConfig`` model; stateless between
     calls except for the cache passed in."""
 
-    trace = None  # as Model.trace (abbench.engine.trace); the hybrid adds the shared expert
+    trace = None  # as Model.trace (abbench.engine.ops.trace); the hybrid adds the shared expert
     # decode's kernels, set by the Decoder (as Model's): "triton" for the norms around the mixer and the attention
     # layers' attention (EngineConfig.decode_attention), and for the router's softmax and top-k (decode_experts)
     decode_attention_kernel = "torch"
@@ -318,7 +319,7 @@ class HybridModel:
         i_s = gu.shape[-1] // 2
         shared = F.linear(F.silu(gu[:, :i_s]) * gu[:, i_s:], lw.shared_down)  # [T, H]
         shared = torch.sigmoid(F.linear(h, lw.shared_gate)) * shared  # [T, H]
-        if self.trace is not None:  # a traced prefill (abbench.engine.trace): observe, change nothing
+        if self.trace is not None:  # a traced prefill (abbench.engine.ops.trace): observe, change nothing
             self.trace(layer, "router", top_ids)
             self.trace(layer, "shared_expert", shared)
         return x + shared, h, top_w, top_ids

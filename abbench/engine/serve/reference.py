@@ -1,27 +1,27 @@
 """The reference backend: a model's own transformers implementation behind the vendored engine's API.
 
 ``abbench serve --backend transformers --model DIR [--device cpu|cuda] [--dtype ...] --port P`` (or
-``python -m abbench.engine --backend transformers ...``; the command line is :mod:`abbench.engine.launch`,
+``python -m abbench.engine --backend transformers ...``; the command line is :mod:`abbench.engine.serve.launch`,
 which this module does not import) serves the same OpenAI-compatible API as the vendored engine
-(:mod:`abbench.engine.server`: native ``token_ids``, top-k logprobs with ``top_logprob_ids``, SSE, usage,
+(:mod:`abbench.engine.serve.server`: native ``token_ids``, top-k logprobs with ``top_logprob_ids``, SSE, usage,
 ``/health``, ``/reset``, ``/metrics``, OpenAI-shaped errors) by running ``AutoModelForCausalLM`` from a local
 checkpoint directory, any architecture transformers knows. So an arm can ask "does my engine match the
 model's reference implementation?" in the same run, prompts and ABBA plan as the engine's other arms.
 
-Contract: :class:`ReferenceEngine` is a :class:`abbench.engine.backend.Backend`, as
-:class:`abbench.engine.runtime.Engine` is (``generate(...)`` / ``reset()``: a generator of ``TokenEvent``,
+Contract: :class:`ReferenceEngine` is a :class:`abbench.engine.contract.Backend`, as
+:class:`abbench.engine.runtime.engine.Engine` is (``generate(...)`` / ``reset()``: a generator of ``TokenEvent``,
 one per output token, whose return value is a ``RequestStats``; ``ValueError``/``ContextOverflow`` before any
 work; ``Cancelled`` at the next step after the cancel flag is set; one request at a time), so the vendored
 server's routes, queue, request schema, SSE framing and errors serve it unchanged.
 
 How it computes: the whole prompt in one forward pass with a fresh KV cache (transformers' ``DynamicCache``),
 then one token per forward pass with that cache; the logits of the last position in float32, chosen by the
-engine's own :class:`abbench.engine.decode.Sampler` (greedy at temperature 0: ``argmax``, the first of equal
+engine's own :class:`abbench.engine.runtime.decode.Sampler` (greedy at temperature 0: ``argmax``, the first of equal
 maxima; the logprobs from ``log_softmax`` in float32), so the two backends' margins compare like for like.
 No prefix cache (every request starts from an empty cache; ``/reset`` has nothing to flush) and no
 offload: the per-request ``abbench`` object reports ``prefill_path = "reference"``, zero host-to-device
 expert bytes and zero cached prompt tokens. A per-request ``prefill_mode`` is refused (400).
-``trace_layers`` (with ``--allow-request-overrides``) returns the layer trace of :mod:`abbench.engine.trace`
+``trace_layers`` (with ``--allow-request-overrides``) returns the layer trace of :mod:`abbench.engine.ops.trace`
 from forward hooks on the decoder layers (``model.model.layers``): ``attention`` (``self_attn``'s output),
 ``experts`` (``mlp``'s output: every expert, shared ones included) and ``residual`` (the layer's output),
 at the last prompt position; hashes of two implementations rarely agree, the RMS of the difference does
@@ -50,14 +50,14 @@ from typing import Any
 import torch
 
 from abbench.engine.config import DTYPES
-from abbench.engine.decode import Sampler
-from abbench.engine.prefill import CancelLike, check_cancel
-from abbench.engine.runtime import Cancelled, RequestStats, TokenEvent, check_request, drain
-from abbench.engine.trace import LayerTrace
+from abbench.engine.runtime.decode import Sampler
+from abbench.engine.runtime.prefill import CancelLike, check_cancel
+from abbench.engine.runtime.engine import Cancelled, RequestStats, TokenEvent, check_request, drain
+from abbench.engine.ops.trace import LayerTrace
 
 __all__ = ["ReferenceEngine", "resolve_checkpoint", "save_tiny_qwen3_moe"]
 
-log = logging.getLogger("abbench.engine.reference")
+log = logging.getLogger("abbench.engine.serve.reference")
 
 PATH = "reference"
 
@@ -167,7 +167,7 @@ class ReferenceEngine:
                  prefill_mode: str | None = None, cancel: CancelLike = None,
                  trace_layers: bool = False, chunk_tokens: int | None = None,
                  attention_batch: int | None = None, decode_misses: str | None = None) -> Iterator[TokenEvent]:
-        """As :meth:`abbench.engine.runtime.Engine.generate` (the :class:`abbench.engine.backend.Backend`
+        """As :meth:`abbench.engine.runtime.engine.Engine.generate` (the :class:`abbench.engine.contract.Backend`
         contract); validates eagerly."""
         vocab = self.model_config.vocab_size
         prompt = check_request(prompt_ids, max_tokens, vocab, self.config.max_context)

@@ -1,7 +1,7 @@
 """Where demand loading stops paying, measured in one process: every offloaded prefill path and ``auto`` over a
 grid of uncached suffix lengths after a cached prefix, under uniform and concentrated routing.
 
-``python -m abbench.engine.gpucheck_policy [--model qwen3-30b-a3b] [--prefix 16384] [--suffixes 64,...]
+``python -m abbench.engine.tools.gpucheck_policy [--model qwen3-30b-a3b] [--prefix 16384] [--suffixes 64,...]
 [--skews 0,1.2] [--repeats 3]``
 
 For each router skew it builds an engine started with ``--prefill-mode auto`` (random weights, experts offloaded
@@ -25,8 +25,8 @@ import time
 
 import torch
 
-from .config import EngineConfig
-from .model import attention_backends
+from abbench.engine.config import EngineConfig
+from abbench.engine.ops.dense import attention_backends
 
 MODES = ("demand", "chunked", "layer-major", "auto")
 
@@ -50,7 +50,7 @@ def crossover(lengths: list[int], demand_s: list[float], streamed_s: list[float]
 
 def sweep(engine, prefix: int, suffixes: list[int], repeats: int) -> tuple[bool, list[dict]]:
     """(every mode bitwise equal, one row per suffix length)."""
-    from .runtime import Engine  # noqa: F401  (type only)
+    from abbench.engine.runtime.engine import Engine  # noqa: F401  (type only)
 
     mc, dev = engine.model_config, engine.device
     gen = torch.Generator().manual_seed(0)
@@ -86,9 +86,9 @@ def sweep(engine, prefix: int, suffixes: list[int], repeats: int) -> tuple[bool,
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .runtime import Engine
+    from abbench.engine.runtime.engine import Engine
 
-    p = argparse.ArgumentParser(prog="python -m abbench.engine.gpucheck_policy", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m abbench.engine.tools.gpucheck_policy", description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--model", default=None, help="preset (default: qwen3-30b-a3b on cuda, tiny on cpu)")
     p.add_argument("--prefix", type=int, default=None, help="cached prefix tokens (default 16384 on cuda, 256 on cpu)")

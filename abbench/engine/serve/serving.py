@@ -25,8 +25,8 @@ from fastapi import Request
 from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from abbench.engine.api import APIError
-from abbench.engine.backend import Backend, GenerateRequest
+from abbench.engine.serve.api import APIError
+from abbench.engine.contract import Backend, GenerateRequest
 
 DISCONNECT_POLL_S = 0.02
 

@@ -1,9 +1,9 @@
 """The contract between the HTTP layer and a serving backend.
 
-:class:`GenerateRequest` is what the HTTP layer (:mod:`abbench.engine.server`) asks of a backend for one
-completion, its fields already validated by the API schema (:class:`abbench.engine.api.CompletionRequest`)
+:class:`GenerateRequest` is what the HTTP layer (:mod:`abbench.engine.serve.server`) asks of a backend for one
+completion, its fields already validated by the API schema (:class:`abbench.engine.serve.api.CompletionRequest`)
 and the per-request overrides already allowed. :class:`Backend` is what a backend offers the HTTP layer and
-its queue (:mod:`abbench.engine.serving`): ``generate`` takes every field of :class:`GenerateRequest` as a
+its queue (:mod:`abbench.engine.serve.serving`): ``generate`` takes every field of :class:`GenerateRequest` as a
 keyword argument (:meth:`GenerateRequest.options`) plus ``cancel``, and returns a generator of token events
 (``TokenEvent``: ``token_id``, ``logprob``, ``top``), one per output token, whose return value is the
 request's ``RequestStats``; it raises ``ValueError`` (the server answers 400) for a value it cannot serve,
@@ -11,8 +11,8 @@ request's ``RequestStats``; it raises ``ValueError`` (the server answers 400) fo
 a time. ``reset`` flushes its caches. The attributes are what the server reports (``/v1/models``, the
 per-request ``abbench`` object, ``/metrics``).
 
-Both backends implement it: the vendored :class:`abbench.engine.runtime.Engine` and the transformers
-:class:`abbench.engine.reference.ReferenceEngine` (which refuses the fields it has no use for, e.g.
+Both backends implement it: the vendored :class:`abbench.engine.runtime.engine.Engine` and the transformers
+:class:`abbench.engine.serve.reference.ReferenceEngine` (which refuses the fields it has no use for, e.g.
 ``prefill_mode``). No torch here.
 """
 

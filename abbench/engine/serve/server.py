@@ -3,10 +3,10 @@
 Contract
 --------
 ``create_app(engine, tokenizer, ...)`` builds the ASGI app around an already-built backend: the vendored
-:class:`abbench.engine.runtime.Engine` or the transformers :class:`abbench.engine.reference.ReferenceEngine`,
-both of which honour the contract of :mod:`abbench.engine.backend` (the route hands each completion to the
-backend as a :class:`~abbench.engine.backend.GenerateRequest`). The command line that builds a backend,
-binds the socket and serves (``abbench serve``, ``python -m abbench.engine``) is :mod:`abbench.engine.launch`;
+:class:`abbench.engine.runtime.engine.Engine` or the transformers :class:`abbench.engine.serve.reference.ReferenceEngine`,
+both of which honour the contract of :mod:`abbench.engine.contract` (the route hands each completion to the
+backend as a :class:`~abbench.engine.contract.GenerateRequest`). The command line that builds a backend,
+binds the socket and serves (``abbench serve``, ``python -m abbench.engine``) is :mod:`abbench.engine.serve.launch`;
 this module does not import it.
 
 Endpoints
@@ -35,8 +35,8 @@ engine stays usable). An error after a stream started is sent as a ``data: {"err
 by ``[DONE]``, as vLLM does. Nothing in a request names a file; the server reads none on its behalf.
 Device OOM can be injected for tests with ``ABBENCH_ENGINE_FAULT=oom-once`` (see ``runtime``).
 
-Layout: the request schema, API errors and response pieces are :mod:`abbench.engine.api`; the queue (one
-request at a time, FIFO, cancellable) and the Prometheus metrics are :mod:`abbench.engine.serving`; this
+Layout: the request schema, API errors and response pieces are :mod:`abbench.engine.serve.api`; the queue (one
+request at a time, FIFO, cancellable) and the Prometheus metrics are :mod:`abbench.engine.serve.serving`; this
 module holds the routes (module-level functions reading :class:`ServerState` from ``app.state``) and
 :func:`create_app`.
 """
@@ -59,24 +59,19 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from abbench.engine.api import (
-    APIError,
-    CompletionRequest,
-    RequestContext,
-    abbench_object,
-    decode_request,
-    engine_error,
-    logprobs_block,
-    sse_event,
-    usage,
+from abbench.engine.serve.api import (
+    APIError, CompletionRequest, RequestContext, abbench_object, decode_request, engine_error, logprobs_block,
+    sse_event, usage,
 )
-from abbench.engine.backend import Backend, GenerateRequest
-from abbench.engine.serving import ClientGone, EngineService, Finished, Job, ReceivedAt, ServiceMetrics, next_item
-from abbench.engine.tokenizer import IncrementalDetokenizer
+from abbench.engine.contract import Backend, GenerateRequest
+from abbench.engine.serve.serving import (
+    ClientGone, EngineService, Finished, Job, ReceivedAt, ServiceMetrics, next_item,
+)
+from abbench.engine.serve.tokenizer import IncrementalDetokenizer
 
 __all__ = ["CompletionRequest", "RequireAPIKey", "ServerState", "create_app"]
 
-log = logging.getLogger("abbench.engine.server")
+log = logging.getLogger("abbench.engine.serve.server")
 
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
 
@@ -329,7 +324,7 @@ def create_app(engine: Backend, tokenizer: Any, *, served_model_name: str | None
                allow_request_overrides: bool = False, queue_limit: int = 64,
                max_context: int | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                api_key: str | None = None) -> FastAPI:
-    """The ASGI app serving ``engine`` (a :class:`~abbench.engine.backend.Backend`). Its state is one :class:`ServerState` in ``app.state.server``; nothing is global. With
+    """The ASGI app serving ``engine`` (a :class:`~abbench.engine.contract.Backend`). Its state is one :class:`ServerState` in ``app.state.server``; nothing is global. With
     ``api_key`` every route but /health needs ``Authorization: Bearer <api_key>`` (:class:`RequireAPIKey`)."""
     model_field = engine.config.model
     name = served_model_name or (model_field if isinstance(model_field, str) else engine.model_config.name)

@@ -1,9 +1,9 @@
 """The one command line of both serving backends: ``abbench serve [--backend engine|transformers] ...`` and
 ``python -m abbench.engine ...`` end here.
 
-``--backend engine`` (the default) serves the vendored engine (:class:`abbench.engine.runtime.Engine`),
-``--backend transformers`` a model's transformers implementation (:class:`abbench.engine.reference.
-ReferenceEngine`, the reference), both through the same HTTP app (:func:`abbench.engine.server.create_app`).
+``--backend engine`` (the default) serves the vendored engine (:class:`abbench.engine.runtime.engine.Engine`),
+``--backend transformers`` a model's transformers implementation (:class:`abbench.engine.serve.reference.
+ReferenceEngine`, the reference), both through the same HTTP app (:func:`abbench.engine.serve.server.create_app`).
 What they share is done once, here, for both:
 
 * one argument parser (:func:`build_arg_parser`): the backend's own options, then the server's;
@@ -34,16 +34,18 @@ import socket
 import sys
 from typing import Any
 
-from abbench.engine.config import DECODE_ATTENTION, DECODE_EXPERTS, DECODE_MISSES, DTYPES, PREFILL_MODES, PRESETS, EngineConfig
+from abbench.engine.config import (
+    DECODE_ATTENTION, DECODE_EXPERTS, DECODE_MISSES, DTYPES, PREFILL_MODES, PRESETS, EngineConfig,
+)
 
 __all__ = ["API_KEY_ENV", "BACKENDS", "api_key_or_refuse", "build_arg_parser", "is_loopback", "main"]
 
-log = logging.getLogger("abbench.engine.launch")
+log = logging.getLogger("abbench.engine.serve.launch")
 
 BACKENDS = ("engine", "transformers")
 API_KEY_ENV = "ABBENCH_ENGINE_API_KEY"
-TINY_SPEC = "tiny-qwen3-moe:"  # abbench.engine.reference.TINY_SPEC (not imported: it loads torch)
-TINY_SPECS = (TINY_SPEC, "tiny-qwen3-moe-hd64:")  # the names of abbench.engine.reference.TINY_SHAPES
+TINY_SPEC = "tiny-qwen3-moe:"  # abbench.engine.serve.reference.TINY_SPEC (not imported: it loads torch)
+TINY_SPECS = (TINY_SPEC, "tiny-qwen3-moe-hd64:")  # the names of abbench.engine.serve.reference.TINY_SHAPES
 _PROG = {"engine": "python -m abbench.engine", "transformers": "abbench serve --backend transformers"}
 _DESCRIPTION = {
     "engine": "Serve the vendored offloaded-MoE engine over an OpenAI-compatible API.",
@@ -260,7 +262,7 @@ def _engine_tokenizer_spec(args: argparse.Namespace) -> str:
     for name in ("model", "weights"):  # tiny-qwen3-moe:SEED -> the cached tiny checkpoint (made on first use)
         value = getattr(args, name)
         if isinstance(value, str) and value.startswith(TINY_SPECS):
-            from abbench.engine.reference import resolve_checkpoint
+            from abbench.engine.serve.reference import resolve_checkpoint
 
             setattr(args, name, resolve_checkpoint(value))
     if args.model is None:  # tiny, unless --weights names a checkpoint: then its own config.json
@@ -275,7 +277,7 @@ def _engine_tokenizer_spec(args: argparse.Namespace) -> str:
 
 def _build_engine(args: argparse.Namespace) -> tuple[Any, str]:
     """The vendored engine and the ready line's description of it."""
-    from abbench.engine.runtime import Engine
+    from abbench.engine.runtime.engine import Engine
 
     engine = Engine(_engine_config(args))
     log.info("engine built in %.2fs (bank %d bytes, measured H2D %.2f GB/s)", engine.startup_s,
@@ -292,7 +294,7 @@ def _build_engine(args: argparse.Namespace) -> tuple[Any, str]:
 
 def _build_reference(args: argparse.Namespace) -> tuple[Any, str]:
     """The transformers reference and the ready line's description of it."""
-    from abbench.engine.reference import ReferenceEngine
+    from abbench.engine.serve.reference import ReferenceEngine
 
     engine = ReferenceEngine(args.model, device_name=args.device, dtype_name=args.dtype,
                              max_context=args.max_context, attn_implementation=args.attn_implementation)
@@ -322,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--queue-limit must be >= 0")
     if backend == "transformers":
         if args.make_tiny_checkpoint:
-            from abbench.engine.reference import save_tiny_qwen3_moe
+            from abbench.engine.serve.reference import save_tiny_qwen3_moe
 
             print(save_tiny_qwen3_moe(args.make_tiny_checkpoint))
             return 0
@@ -330,13 +332,13 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("--model DIR is required")
     api_key = api_key_or_refuse(args, parser)  # before anything is loaded or written
 
-    from abbench.engine.server import create_app
-    from abbench.engine.tokenizer import TokenizerSpecError, load_tokenizer
+    from abbench.engine.serve.server import create_app
+    from abbench.engine.serve.tokenizer import TokenizerSpecError, load_tokenizer
 
     if backend == "engine":
         tokenizer_spec = _engine_tokenizer_spec(args)
     else:
-        from abbench.engine.reference import resolve_checkpoint
+        from abbench.engine.serve.reference import resolve_checkpoint
 
         args.model = resolve_checkpoint(args.model)
         tokenizer_spec = args.tokenizer or args.model

@@ -55,9 +55,10 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from .config import Qwen4Config
-from .hybrid import AttnWeights, HybridCache, HybridModel, LinearWeights, zc_rms_norm
-from .model import decode_gqa, moe_experts, rotate_half, route
+from abbench.engine.config import Qwen4Config
+from abbench.engine.models.hybrid import AttnWeights, HybridCache, HybridModel, LinearWeights, zc_rms_norm
+from abbench.engine.ops.dense import decode_gqa, rotate_half
+from abbench.engine.ops.moe import moe_experts, route
 
 _MASK64 = (1 << 64) - 1
 _GAMMA = 0x9E3779B97F4A7C15
