@@ -219,7 +219,7 @@ def test_real_vllm_ids_and_logprobs_match_the_vendored_engine(real_vllm: tuple[s
                                       extra={}, target_prompt_tokens=len(ids), model=model, adapter="vllm")
                    for stream in (True, False)}
             assert got[True].output_ids == got[False].output_ids and got[True].ids_source == "native"
-            events = list(engine.generate(ids, 8, temperature=0.0, ignore_eos=True, logprobs=2))
+            events = engine.run(ids, 8, temperature=0.0, ignore_eos=True, logprobs=2)[0]
             assert got[True].output_ids == [e.token_id for e in events], text[:40]
             theirs = [pos[0] for pos in got[True].logprobs]
             assert [i for i, _ in theirs] == [e.token_id for e in events]

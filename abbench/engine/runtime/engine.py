@@ -6,13 +6,16 @@ Contract (the server relies on it):
   expert bank (refused when it does not fit the host's available memory) and the device buffers, loads or
   draws the weights and measures host->device bandwidth (``measured_h2d_gbps``); ``startup_s`` says how long
   it took. ``decoder`` runs decode steps (CUDA graphs on CUDA).
-- ``generate(prompt_ids, max_tokens, ...)`` validates eagerly (``ValueError``; ``ContextOverflow`` when
-  prompt + max_tokens > max_context) and returns a generator of ``TokenEvent``, one per output token; the
-  generator's return value (``StopIteration.value``) is the ``RequestStats``. ``Cancelled`` is raised from
+- ``generate(request, cancel)`` (:class:`abbench.engine.contract.GenerateRequest`; the contract's
+  ``Backend``) validates eagerly (``ValueError``; ``ContextOverflow`` when prompt + max_tokens > max_context),
+  resolves what the request leaves to the engine (prefill mode, chunk length, attention batch, who handles
+  decode's misses) into the request it runs, and returns a generator of ``TokenEvent``, one per output token;
+  the generator's return value (``StopIteration.value``) is the ``RequestStats``. ``Cancelled`` is raised from
   the generator when ``cancel`` is set (checked at every layer step of prefill and decode). A second
   request while one is running raises ``RuntimeError`` (the server serialises requests). On CUDA
   out-of-memory, request-local tensors are released (the traceback's frames are cleared) and
-  ``torch.OutOfMemoryError`` propagates unchanged; the engine stays usable.
+  ``torch.OutOfMemoryError`` propagates unchanged; the engine stays usable. ``run(prompt_ids, max_tokens,
+  **fields)`` drains one request (tests, checks).
 - The EOS token, when generated and ``ignore_eos`` is false, is yielded and counted (finish_reason "stop").
 - Prefix cache: the KV of the previous request's prompt and generated tokens stays valid; a new prompt
   sharing a prefix with those tokens reuses it (at most len(prompt) - 1 tokens, so at least one token is
@@ -22,17 +25,12 @@ Contract (the server relies on it):
   cache (and the hybrid states) and the decode slot cache.
 - Byte accounting per request (``RequestStats``: H2D/D2D bytes, decode slot-cache hits and misses, decode
   steps, torch's peak device memory during the request) and for the engine's lifetime (``counters``).
-
-Fault injection (tests only): the environment variable ``ABBENCH_ENGINE_FAULT``, read once when the Engine
-is built, arms one fault. ``oom-once``: the next prefill raises ``torch.OutOfMemoryError`` from inside its
-layer loop (at its second chunk-layer step, where the cancel check sits), the way a failed CUDA allocation
-surfaces, so the OOM path above runs for real on any device; the server answers 503 and serves the next
-request. Unset in normal use; an unknown value refuses to build the engine (``ValueError``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import sys
 import threading
@@ -40,7 +38,6 @@ import time
 import traceback
 from collections import deque
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import torch
 
@@ -48,7 +45,12 @@ from abbench.engine.config import (
     MAX_ATTENTION_BATCH, PREFILL_MODES, PREFILL_PATHS, EngineConfig, ModelConfig, check_hybrid_chunk,
 )
 from abbench.engine.runtime.memory import MemoryPlan, plan_device_memory
-from abbench.engine.runtime.decode import Decoder, Sampler
+from abbench.engine.contract import (
+    BackendInfo, CancelLike, Cancelled, GenerateRequest, RequestStats, TokenEvent, check_cancel, check_request,
+    drain,
+)
+from abbench.engine.ops.sampling import Sampler
+from abbench.engine.runtime.decode import Decoder
 from abbench.engine.models.bank import ExpertBank
 from abbench.engine.runtime.experts import ExpertStore
 from abbench.engine.models.factory import build_model
@@ -57,91 +59,11 @@ from abbench.engine.models.hybrid import attention_batching_exact
 from abbench.engine.ops.dense import attention_backends
 from abbench.engine.ops.moe import probe_graph_capture
 from abbench.engine.runtime.policy import Calibration, CostModel, choose, expected_demand_copies
-from abbench.engine.runtime.prefill import (
-    Batching, CancelLike, Cancelled, PrefillStats, check_cancel, plan_chunks, prefill,
-)
+from abbench.engine.runtime.prefill import Batching, PrefillStats, plan_chunks, prefill
 from abbench.engine.runtime.steps import LayerSteps
 from abbench.engine.ops.trace import LayerTrace
 
-__all__ = ["Cancelled", "ContextOverflow", "Engine", "RequestStats", "TokenEvent"]
-
-
-FAULT_ENV = "ABBENCH_ENGINE_FAULT"
-FAULTS = ("oom-once",)
-
-
-class ContextOverflow(ValueError):
-    """prompt + max_tokens exceeds the engine's max_context."""
-
-
-@dataclass
-class TokenEvent:
-    token_id: int
-    logprob: float | None  # logprob of the chosen token when logprobs requested
-    top_logprobs: list[tuple[int, float]] | None  # top-k (id, logprob) when requested
-
-
-@dataclass
-class RequestStats:
-    prefill_path: str  # chunked|layer-major|demand|resident (what ran)
-    fallback_reason: str | None
-    h2d_bytes: int  # prefill + decode of this request
-    d2d_bytes: int
-    prefill_h2d_bytes: int
-    decode_h2d_bytes: int
-    bank_bytes: int  # all layers' experts, one full pass
-    expert_copies: int
-    cached_prompt_tokens: int  # prefix-cache reuse
-    prompt_tokens: int
-    completion_tokens: int
-    n_chunks: int
-    n_windows: int
-    prefill_start: float  # time.perf_counter() values
-    prefill_end: float
-    first_token: float
-    finish_reason: str  # "length" | "stop"
-    slot_hits: int = 0  # decode: routed (layer, expert) pairs found in the slot cache
-    slot_misses: int = 0  # decode: routed pairs copied in from the host bank
-    decode_misses: str | None = None  # decode: who handled the misses ("host", "device"; None: resident)
-    decode_steps_whole: int = 0  # decode steps that ran as one piece (no expert could miss)
-    decode_steps_per_layer: int = 0  # decode steps that read the router back layer by layer
-    peak_device_bytes: int | None = None  # torch's peak allocated device memory during the request (CUDA)
-    start_device_bytes: int | None = None  # torch's allocated device memory when it started: what the engine holds
-    chunk_tokens: int | None = None  # the prefill chunk length this request ran with
-    alloc_retries: int | None = None  # CUDA caching-allocator retries (free cache + cudaMalloc again) during it
-    copy_wait_s: float | None = None  # prefill: GPU time compute waited for streamed expert copies (CUDA)
-    prefill_graph_replays: int | None = None  # prefill layer half-steps replayed from CUDA graphs
-    attention_batch: int | None = None  # layer-major: chunks per attention call asked for
-    attention_batched: int | None = None  # attention groups that ran as one call
-    attention_fallbacks: dict | None = None  # groups that ran one call per chunk, by reason (steps.py)
-    auto: dict | None = None  # prefill_mode auto: the path it picked, why, and its estimates (policy.py)
-    layer_trace: list | None = None  # trace_layers: per layer and sub-block, the last prompt position (trace.py)
-
-
-def check_request(prompt_ids: list[int], max_tokens: int, vocab: int, max_context: int) -> list[int]:
-    """The prompt as ints, after the checks every engine behind the server makes before any work (ValueError;
-    ContextOverflow when prompt + max_tokens > max_context)."""
-    prompt = [int(t) for t in prompt_ids]
-    if not prompt:
-        raise ValueError("prompt_ids is empty")
-    if min(prompt) < 0 or max(prompt) >= vocab:
-        raise ValueError(f"prompt token ids must be in [0, {vocab}); got {min(prompt)}..{max(prompt)}")
-    if int(max_tokens) < 1:
-        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-    if len(prompt) + int(max_tokens) > max_context:
-        raise ContextOverflow(f"prompt of {len(prompt)} tokens + max_tokens {max_tokens} = "
-                              f"{len(prompt) + int(max_tokens)} tokens exceeds max_context {max_context}")
-    return prompt
-
-
-def drain(gen: Iterator[TokenEvent]) -> tuple[list[TokenEvent], RequestStats]:
-    """Run a ``generate`` generator to its end: (events, its return value, the RequestStats)."""
-    events: list[TokenEvent] = []
-    while True:
-        try:
-            events.append(next(gen))
-        except StopIteration as stop:
-            return events, stop.value
+__all__ = ["Engine"]
 
 
 def _resolve_device(name: str) -> torch.device:
@@ -219,10 +141,6 @@ class Engine:
             "requests_by_path": {m: 0 for m in PREFILL_PATHS},
             "prefill_tokens_by_path": {m: 0 for m in PREFILL_PATHS},
         }
-        fault = os.environ.get(FAULT_ENV, "")
-        if fault and fault not in FAULTS:
-            raise ValueError(f"{FAULT_ENV}={fault!r}: unknown fault (known: {', '.join(FAULTS)}); unset it")
-        self._fault: str | None = fault or None  # test-only, see the module docstring
         self.startup_s = time.perf_counter() - t0
 
     def _warm_decode(self) -> None:
@@ -351,29 +269,28 @@ class Engine:
         return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
 
     # -- public API -------------------------------------------------------------------------------------
-    def generate(self, prompt_ids: list[int], max_tokens: int, *, temperature: float = 0.0,
-                 seed: int | None = None, ignore_eos: bool = False, logprobs: int | None = None,
-                 prefill_mode: str | None = None, cancel: threading.Event | None = None,
-                 trace_layers: bool = False, chunk_tokens: int | None = None,
-                 attention_batch: int | None = None, decode_misses: str | None = None) -> Iterator[TokenEvent]:
+    def generate(self, request: GenerateRequest, cancel: CancelLike = None) -> Iterator[TokenEvent]:
         """Generator; yields one TokenEvent per output token; its return value (StopIteration.value) is
         RequestStats. Raises Cancelled (checked every layer step and every decode step), ContextOverflow
-        before any work. ``trace_layers``: ``RequestStats.layer_trace`` holds the prefill's layer trace
-        (:mod:`abbench.engine.ops.trace`). ``chunk_tokens``: this request's prefill chunk length (default the
-        config's; :meth:`check_chunk_tokens`). ``attention_batch``: this request's chunks per attention call in
-        layer-major prefill (default the config's; hybrid Qwen3.5/3.6 models only). ``decode_misses``: who
-        handles the decode slot cache's misses, "host" or "device" (default the config's;
-        ``Decoder.check_misses``)."""
-        mode = prefill_mode or self.config.prefill_mode
-        k = self.config.attention_batch if attention_batch is None else int(attention_batch)
+        before any work. What the request leaves to the engine is resolved here (:meth:`resolve`), so the
+        request that runs says everything it ran with."""
+        return self._generate(self.resolve(request), cancel)
+
+    def resolve(self, request: GenerateRequest) -> GenerateRequest:
+        """``request`` checked (ValueError, ContextOverflow) with every choice it left to the engine made: the
+        prefill mode, the chunk length (:meth:`check_chunk_tokens`), the chunks per attention call in
+        layer-major prefill (hybrid Qwen3.5/3.6 models only) and who handles the decode slot cache's misses
+        (``Decoder.check_misses``; None with resident experts). ``trace_layers``: ``RequestStats.layer_trace``
+        holds the prefill's layer trace (:mod:`abbench.engine.ops.trace`)."""
+        mode = request.prefill_mode or self.config.prefill_mode
+        k = self.config.attention_batch if request.attention_batch is None else int(request.attention_batch)
         if not 1 <= k <= MAX_ATTENTION_BATCH:
             raise ValueError(f"attention_batch must be in [1, {MAX_ATTENTION_BATCH}], got {k}")
         if k > 1 and not getattr(self.model, "attention_batching", False):
             raise ValueError(f"attention_batch {k} needs a model with joint attention calls (the Qwen3.5/3.6 "
                              f"hybrid); {self.model_config.name} has none")
-        chunk = self.check_chunk_tokens(chunk_tokens)
-        vocab = self.model_config.vocab_size
-        prompt = check_request(prompt_ids, max_tokens, vocab, self.config.max_context)
+        chunk = self.check_chunk_tokens(request.chunk_tokens)
+        prompt = check_request(request, self.model_config.vocab_size, self.config.max_context)
         if mode not in PREFILL_MODES:
             raise ValueError(f"prefill_mode must be one of {PREFILL_MODES}, got {mode!r}")
         if mode == "resident" and self.store.resident is None:
@@ -381,14 +298,11 @@ class Engine:
         if mode == "auto" and self.policy is None:
             raise ValueError("prefill_mode 'auto' needs an engine started with prefill_mode='auto' (it measures "
                              "the cost model's inputs and tracks the routing from the start)")
-        if logprobs is not None and not 0 <= int(logprobs) <= vocab:
-            raise ValueError(f"logprobs must be in [0, {vocab}], got {logprobs}")
-        if temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {temperature}")
-        misses = self.decoder.check_misses(decode_misses)
-        return self._generate(prompt, int(max_tokens), float(temperature), seed, ignore_eos,
-                              None if logprobs is None else int(logprobs), mode, cancel, bool(trace_layers),
-                              chunk, k, misses)
+        misses = self.decoder.check_misses(request.decode_misses)
+        return dataclasses.replace(
+            request, prompt_ids=prompt, max_tokens=int(request.max_tokens), temperature=float(request.temperature),
+            logprobs=None if request.logprobs is None else int(request.logprobs), prefill_mode=mode,
+            chunk_tokens=chunk, attention_batch=k, decode_misses=misses, trace_layers=bool(request.trace_layers))
 
     def check_chunk_tokens(self, chunk_tokens: int | None) -> int:
         """A request's prefill chunk length: the config's when None. Every mode runs the same chunk shapes, so
@@ -409,9 +323,22 @@ class Engine:
                              f"{cfg.chunk_tokens}-token chunks (start it with a larger --chunk-tokens)")
         return chunk
 
-    def run(self, prompt_ids: list[int], max_tokens: int, **kwargs) -> tuple[list[TokenEvent], RequestStats]:
-        """Drain ``generate``: (events, stats)."""
-        return drain(self.generate(prompt_ids, max_tokens, **kwargs))
+    def run(self, prompt_ids: list[int], max_tokens: int = 16, cancel: CancelLike = None,
+            **fields) -> tuple[list[TokenEvent], RequestStats]:
+        """Drain one request of ``prompt_ids`` and ``fields`` (GenerateRequest's): (events, stats)."""
+        return drain(self.generate(GenerateRequest(list(prompt_ids), max_tokens, **fields), cancel))
+
+    @property
+    def info(self) -> BackendInfo:
+        """What the server reports about this engine (the contract's ``BackendInfo``)."""
+        model = self.config.model
+        return BackendInfo(model=model if isinstance(model, str) else self.model_config.name,
+                           model_name=self.model_config.name, vocab_size=self.model_config.vocab_size,
+                           max_context=self.config.max_context or self.model_config.max_position_embeddings,
+                           startup_s=self.startup_s,
+                           decode_mode=self.decoder.mode, decode_kernels=self.decoder.kernels,
+                           measured_h2d_gbps=self.measured_h2d_gbps, bank_bytes=self.bank_bytes,
+                           slots_per_layer=self.slots_per_layer)
 
     def reset(self) -> None:
         """Flush the prefix cache and the decode slot cache."""
@@ -433,8 +360,6 @@ class Engine:
         auto = None
         if mode == "auto":
             mode, auto = self._auto_path(len(ids), start, chunk_tokens)
-        if self._fault == "oom-once":
-            cancel = self._inject_oom(cancel)
         with self._on_device():
             copies0 = self.store.request.expert_copies
             t = torch.tensor(ids, dtype=torch.long, device=self.device)  # [T]
@@ -452,23 +377,6 @@ class Engine:
                 stats.requested_mode, stats.auto = "auto", auto
             return logits, stats
 
-    def _inject_oom(self, cancel: CancelLike) -> CancelLike:
-        """``cancel`` wrapped so that prefill's second layer-step check raises torch.OutOfMemoryError (once)."""
-        steps = 0
-
-        def check() -> bool:
-            nonlocal steps
-            steps += 1
-            if steps == 2 and self._fault == "oom-once":
-                self._fault = None
-                raise torch.OutOfMemoryError(f"CUDA out of memory (injected by {FAULT_ENV}=oom-once at prefill "
-                                             f"layer step {steps})")
-            if cancel is None:
-                return False
-            return cancel.is_set() if hasattr(cancel, "is_set") else bool(cancel())
-
-        return check
-
     def _alloc_retries(self) -> int | None:
         """The CUDA caching allocator's retry count so far (None off CUDA)."""
         if self.device.type != "cuda":
@@ -483,12 +391,12 @@ class Engine:
         with self._on_device():
             return TokenEvent(*sampler(logits))
 
-    def _generate(self, prompt: list[int], max_tokens: int, temperature: float, seed: int | None,
-                  ignore_eos: bool, logprobs: int | None, mode: str, cancel: CancelLike, trace_layers: bool,
-                  chunk_tokens: int, attention_batch: int = 1, misses: str | None = None):
+    def _generate(self, request: GenerateRequest, cancel: CancelLike):
+        """The resolved ``request`` (:meth:`resolve`) run: the generator :meth:`generate` returns."""
         if not self._lock.acquire(blocking=False):
             raise RuntimeError("Engine.generate() while another request is running (one at a time)")
         store, counters = self.store, self.counters
+        prompt, chunk_tokens, misses = request.prompt_ids, request.chunk_tokens, request.decode_misses
         before = store.lifetime.snapshot()
         steps0 = dict(self.decoder.steps)
         try:
@@ -506,10 +414,11 @@ class Engine:
                         self.kv.restore()
             self._kv_tokens = self._kv_tokens[:reuse]  # only the shared prefix stays valid from here on
             prefill_start = time.perf_counter()
-            tracer = LayerTrace() if trace_layers else None
+            tracer = LayerTrace() if request.trace_layers else None
             self.model.trace = tracer
             try:
-                logits, pstats = self._prefill(prompt[reuse:], reuse, mode, cancel, chunk_tokens, attention_batch)
+                logits, pstats = self._prefill(prompt[reuse:], reuse, request.prefill_mode, cancel, chunk_tokens,
+                                               request.attention_batch)
             finally:
                 self.model.trace = None
             prefill_end = time.perf_counter()
@@ -521,13 +430,13 @@ class Engine:
             counters["requests_by_path"][pstats.path] += 1
             counters["prefill_tokens_by_path"][pstats.path] += pstats.n_tokens
             counters["cached_prompt_tokens_total"] += reuse
-            sampler = Sampler(temperature, seed, self.device, logprobs)
+            sampler = Sampler(request.temperature, request.seed, self.device, request.logprobs)
             event = self._sample(sampler, logits)
             first_token = time.perf_counter()
-            eos = frozenset() if ignore_eos else self.model_config.eos_ids
+            eos = frozenset() if request.ignore_eos else self.model_config.eos_ids
             n_out, pos, finish = 1, len(prompt), "length"
             yield event
-            while event.token_id not in eos and n_out < max_tokens:
+            while event.token_id not in eos and n_out < request.max_tokens:
                 check_cancel(cancel)
                 logits = self._decode(event.token_id, pos, cancel, misses)
                 self._kv_tokens.append(event.token_id)

@@ -31,31 +31,16 @@ mode. Layer-major is copy-bound (58 GB / 54.7 GB/s = 1.06 s) until resident comp
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 
+from abbench.engine.contract import CancelLike, check_cancel
 from abbench.engine.runtime.experts import ExpertStore
 from abbench.engine.models.qwen3_moe import KVCache, Model
 from abbench.engine.ops.dense import attention_backends
 from abbench.engine.runtime.steps import BatchingStats, LayerSteps, plan_attention_groups
-
-CancelLike = threading.Event | Callable[[], bool] | None
-
-
-class Cancelled(Exception):
-    """The request was cancelled (checked at every layer step of prefill and decode)."""
-
-
-def check_cancel(cancel: CancelLike) -> None:
-    if cancel is None:
-        return
-    is_set = cancel.is_set() if hasattr(cancel, "is_set") else cancel()
-    if is_set:
-        raise Cancelled("request cancelled")
-
 
 @dataclass
 class PrefillStats:

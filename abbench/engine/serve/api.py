@@ -15,9 +15,11 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, ValidationError, field_validator
+from pydantic import (
+    BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, ValidationError, create_model, field_validator,
+)
 
-from abbench.engine.config import PREFILL_MODES
+from abbench.engine.contract import BackendInfo, ContextOverflow, GenerateRequest, Override, RequestStats
 from abbench.engine.stats import AbbenchDecode, AbbenchStats, AbbenchTimings
 
 log = logging.getLogger("abbench.engine.serve.server")
@@ -33,9 +35,10 @@ class StreamOptions(BaseModel):
     include_usage: StrictBool = Field(False, description="Send a final chunk with choices [] and usage.")
 
 
-class CompletionRequest(BaseModel):
-    """``POST /v1/completions`` body. Unknown fields are refused; a few harmless OpenAI fields are
-    accepted only at their neutral values (``n``=1, ``top_p``=1, ``stop`` null, ``echo`` false, ``user``)."""
+class OpenAICompletion(BaseModel):
+    """The OpenAI fields of a ``POST /v1/completions`` body (:data:`CompletionRequest` adds the engine's
+    overrides). Unknown fields are refused; a few harmless OpenAI fields are accepted only at their neutral
+    values (``n``=1, ``top_p``=1, ``stop`` null, ``echo`` false, ``user``)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -53,27 +56,6 @@ class CompletionRequest(BaseModel):
     stream: StrictBool = Field(False, description="Stream SSE chunks, one per output token.")
     stream_options: StreamOptions | None = Field(None, description="OpenAI stream options.")
     logprobs: StrictInt | None = Field(None, ge=0, le=20, description="Top-k logprobs per output token.")
-    prefill_mode: Literal[PREFILL_MODES] | None = Field(  # type: ignore[valid-type]
-        None, description="Per-request prefill mode; needs --allow-request-overrides."
-    )
-    chunk_tokens: StrictInt | None = Field(
-        None, gt=0, description="Per-request prefill chunk length (default: the server's --chunk-tokens); needs "
-        "--allow-request-overrides. With --gpu-memory-budget, at most the server's chunk length (the budget was "
-        "planned for it)."
-    )
-    attention_batch: StrictInt | None = Field(
-        None, ge=1, le=8, description="Per-request chunks per attention call in layer-major prefill (default: the "
-        "server's --attention-batch); needs --allow-request-overrides."
-    )
-    decode_misses: Literal["host", "device"] | None = Field(
-        None, description="Per-request: who handles the decode slot cache's misses, host (a host round trip per "
-        "layer) or device (kernels of the step; needs the Triton experts); default the server's --decode-misses; "
-        "needs --allow-request-overrides."
-    )
-    trace_layers: StrictBool | None = Field(
-        None, description="Return abbench.layer_trace: per layer and sub-block the hash and RMS of the last prompt "
-        "position's hidden state (abbench.engine.ops.trace); needs --allow-request-overrides."
-    )
     # Accepted and ignored at their neutral values only.
     n: StrictInt | None = Field(None, description="Must be 1.")
     top_p: StrictFloat | None = Field(None, description="Must be 1.")
@@ -123,6 +105,27 @@ class CompletionRequest(BaseModel):
         return p
 
 
+def _override_field(o: Override) -> tuple[Any, Any]:
+    """The schema of one engine override (:meth:`abbench.engine.contract.GenerateRequest.overrides`): its type
+    (null allowed: the server's own) and its limits and description."""
+    kind = {"int": StrictInt, "flag": StrictBool, "choice": Literal[o.choices]}[o.kind]
+    limits = {k: v for k, v in (("gt", o.gt), ("ge", o.ge), ("le", o.le)) if v is not None}
+    return kind | None, Field(None, description=f"{o.doc} Needs --allow-request-overrides.", **limits)
+
+
+def completion_schema(request_type: type[GenerateRequest] = GenerateRequest) -> type[OpenAICompletion]:
+    """The ``POST /v1/completions`` body's model: the OpenAI fields and one field per override of
+    ``request_type`` (:meth:`~abbench.engine.contract.GenerateRequest.overrides`), so a new per-request knob is
+    declared once, in the contract."""
+    return create_model(
+        "CompletionRequest", __base__=OpenAICompletion, __doc__="``POST /v1/completions`` body: the OpenAI fields "
+        "and the engine's per-request overrides.",
+        **{name: _override_field(o) for name, o in request_type.overrides().items()})
+
+
+CompletionRequest = completion_schema()
+
+
 # ------------------------------------------------------------------------------------------------- errors
 
 
@@ -160,9 +163,7 @@ def validation_error(exc: ValidationError) -> APIError:
 
 def engine_error(exc: BaseException) -> APIError:
     """Map an exception raised by the engine (before the response started) to an APIError."""
-    from abbench.engine.runtime.engine import ContextOverflow
-
-    import torch
+    import torch  # deferred: the schema and the response pieces load without it
 
     if isinstance(exc, ContextOverflow):
         return APIError(400, f"prompt does not fit the context: {exc}", param="prompt",
@@ -213,7 +214,7 @@ class RequestContext:
     first_item: float | None = None  # perf_counter when the event loop got the first token from the worker
 
 
-def abbench_object(ctx: RequestContext, stats: Any, finished: float, engine: Any) -> dict[str, Any]:
+def abbench_object(ctx: RequestContext, stats: RequestStats, finished: float, info: BackendInfo) -> dict[str, Any]:
     """The response's ``abbench`` object (:class:`~abbench.engine.stats.AbbenchStats`) from the runtime's
     per-request stats; timings in seconds after ``received``."""
 
@@ -226,7 +227,7 @@ def abbench_object(ctx: RequestContext, stats: Any, finished: float, engine: Any
         prefill_h2d_bytes=stats.prefill_h2d_bytes, decode_h2d_bytes=stats.decode_h2d_bytes,
         bank_bytes=stats.bank_bytes, expert_copies=stats.expert_copies,
         cached_prompt_tokens=stats.cached_prompt_tokens, n_chunks=stats.n_chunks,
-        n_windows=stats.n_windows, measured_h2d_gbps=finite(engine.measured_h2d_gbps),
+        n_windows=stats.n_windows, measured_h2d_gbps=finite(info.measured_h2d_gbps),
         timings=AbbenchTimings(received=0.0, prefill_start=rel(stats.prefill_start),
                                prefill_end=rel(stats.prefill_end), first_token=rel(stats.first_token),
                                finished=rel(finished), first_item=rel(ctx.first_item),
@@ -234,22 +235,22 @@ def abbench_object(ctx: RequestContext, stats: Any, finished: float, engine: Any
         queue_wait_s=round(ctx.queue_wait_s, 6),
         decode=AbbenchDecode(slot_hits=stats.slot_hits, slot_misses=stats.slot_misses,
                              steps_whole=stats.decode_steps_whole, steps_per_layer=stats.decode_steps_per_layer,
-                             mode=engine.decoder.mode, kernels=getattr(engine.decoder, "kernels", None),
-                             misses=getattr(stats, "decode_misses", None),
-                             slots_per_layer=engine.slots_per_layer),
-        peak_device_bytes=stats.peak_device_bytes, start_device_bytes=getattr(stats, "start_device_bytes", None),
-        chunk_tokens=getattr(stats, "chunk_tokens", None), alloc_retries=getattr(stats, "alloc_retries", None),
-        copy_wait_s=(None if getattr(stats, "copy_wait_s", None) is None else round(stats.copy_wait_s, 6)),
-        prefill_graph_replays=getattr(stats, "prefill_graph_replays", None),
-        attention_batch=getattr(stats, "attention_batch", None),
-        attention_batched=getattr(stats, "attention_batched", None),
-        attention_fallbacks=getattr(stats, "attention_fallbacks", None),
-        auto=getattr(stats, "auto", None),
-        layer_trace=getattr(stats, "layer_trace", None),
+                             mode=info.decode_mode, kernels=info.decode_kernels,
+                             misses=stats.decode_misses,
+                             slots_per_layer=info.slots_per_layer),
+        peak_device_bytes=stats.peak_device_bytes, start_device_bytes=stats.start_device_bytes,
+        chunk_tokens=stats.chunk_tokens, alloc_retries=stats.alloc_retries,
+        copy_wait_s=(None if stats.copy_wait_s is None else round(stats.copy_wait_s, 6)),
+        prefill_graph_replays=stats.prefill_graph_replays,
+        attention_batch=stats.attention_batch,
+        attention_batched=stats.attention_batched,
+        attention_fallbacks=stats.attention_fallbacks,
+        auto=stats.auto,
+        layer_trace=stats.layer_trace,
     ).model_dump()
 
 
-def usage(stats: Any) -> dict[str, Any]:
+def usage(stats: RequestStats) -> dict[str, Any]:
     return {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.completion_tokens,
             "total_tokens": stats.prompt_tokens + stats.completion_tokens,
             "prompt_tokens_details": {"cached_tokens": stats.cached_prompt_tokens}}

@@ -278,7 +278,9 @@ def _engine_tokenizer_spec(args: argparse.Namespace) -> str:
 def _build_engine(args: argparse.Namespace) -> tuple[Any, str]:
     """The vendored engine and the ready line's description of it."""
     from abbench.engine.runtime.engine import Engine
+    from abbench.engine.serve.faults import InjectFaults, armed
 
+    fault = armed()  # tests only: ABBENCH_ENGINE_FAULT (ValueError for an unknown one, before the slow build)
     engine = Engine(_engine_config(args))
     log.info("engine built in %.2fs (bank %d bytes, measured H2D %.2f GB/s)", engine.startup_s,
              engine.bank_bytes, engine.measured_h2d_gbps)
@@ -289,7 +291,8 @@ def _build_engine(args: argparse.Namespace) -> tuple[Any, str]:
     if engine.decode_warmup is not None:
         log.info("decode graphs captured for KV lengths %s in %.2fs",
                  ", ".join(map(str, engine.decode_warmup["kv_buckets"])), engine.decode_warmup["seconds"])
-    return engine, f"model {args.model}, prefill {args.prefill_mode}, device {args.device}"
+    described = f"model {args.model}, prefill {args.prefill_mode}, device {args.device}"
+    return (engine if fault is None else InjectFaults(engine, fault)), described
 
 
 def _build_reference(args: argparse.Namespace) -> tuple[Any, str]:

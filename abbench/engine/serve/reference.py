@@ -9,18 +9,20 @@ checkpoint directory, any architecture transformers knows. So an arm can ask "do
 model's reference implementation?" in the same run, prompts and ABBA plan as the engine's other arms.
 
 Contract: :class:`ReferenceEngine` is a :class:`abbench.engine.contract.Backend`, as
-:class:`abbench.engine.runtime.engine.Engine` is (``generate(...)`` / ``reset()``: a generator of ``TokenEvent``,
-one per output token, whose return value is a ``RequestStats``; ``ValueError``/``ContextOverflow`` before any
-work; ``Cancelled`` at the next step after the cancel flag is set; one request at a time), so the vendored
-server's routes, queue, request schema, SSE framing and errors serve it unchanged.
+:class:`abbench.engine.runtime.engine.Engine` is (``generate(request, cancel)`` / ``reset()``: a generator of
+``TokenEvent``, one per output token, whose return value is a ``RequestStats``; ``ValueError``/``ContextOverflow``
+before any work; ``Cancelled`` at the next step after the cancel flag is set; one request at a time), so the
+vendored server's routes, queue, request schema, SSE framing and errors serve it unchanged. It imports the
+contract and the ops it shares with the engine (the sampler, the layer trace), never the runtime.
 
 How it computes: the whole prompt in one forward pass with a fresh KV cache (transformers' ``DynamicCache``),
 then one token per forward pass with that cache; the logits of the last position in float32, chosen by the
-engine's own :class:`abbench.engine.runtime.decode.Sampler` (greedy at temperature 0: ``argmax``, the first of equal
+engine's own :class:`abbench.engine.ops.sampling.Sampler` (greedy at temperature 0: ``argmax``, the first of equal
 maxima; the logprobs from ``log_softmax`` in float32), so the two backends' margins compare like for like.
 No prefix cache (every request starts from an empty cache; ``/reset`` has nothing to flush) and no
 offload: the per-request ``abbench`` object reports ``prefill_path = "reference"``, zero host-to-device
-expert bytes and zero cached prompt tokens. A per-request ``prefill_mode`` is refused (400).
+expert bytes and zero cached prompt tokens. Every per-request engine override but ``trace_layers``
+(``GenerateRequest.overrides``: ``prefill_mode``, ``chunk_tokens``, ...) is refused (400).
 ``trace_layers`` (with ``--allow-request-overrides``) returns the layer trace of :mod:`abbench.engine.ops.trace`
 from forward hooks on the decoder layers (``model.model.layers``): ``attention`` (``self_attn``'s output),
 ``experts`` (``mlp``'s output: every expert, shared ones included) and ``residual`` (the layer's output),
@@ -50,9 +52,10 @@ from typing import Any
 import torch
 
 from abbench.engine.config import DTYPES
-from abbench.engine.runtime.decode import Sampler
-from abbench.engine.runtime.prefill import CancelLike, check_cancel
-from abbench.engine.runtime.engine import Cancelled, RequestStats, TokenEvent, check_request, drain
+from abbench.engine.contract import (
+    BackendInfo, CancelLike, Cancelled, GenerateRequest, RequestStats, TokenEvent, check_cancel, check_request, drain,
+)
+from abbench.engine.ops.sampling import Sampler
 from abbench.engine.ops.trace import LayerTrace
 
 __all__ = ["ReferenceEngine", "resolve_checkpoint", "save_tiny_qwen3_moe"]
@@ -60,6 +63,7 @@ __all__ = ["ReferenceEngine", "resolve_checkpoint", "save_tiny_qwen3_moe"]
 log = logging.getLogger("abbench.engine.serve.reference")
 
 PATH = "reference"
+SUPPORTED_OVERRIDES = ("trace_layers",)  # of GenerateRequest.overrides(): the rest are the offload engine's
 
 
 @dataclass(frozen=True)
@@ -80,12 +84,6 @@ class ReferenceConfig:
     device: str
     dtype: str
     max_context: int
-
-
-@dataclass
-class _Decoder:
-    mode: str = "transformers"
-    kernels: str = "transformers"
 
 
 def _eos_ids(*sources: Any) -> frozenset[int]:
@@ -149,46 +147,33 @@ class ReferenceEngine:
         params = inspect.signature(self.model.forward).parameters
         self._keep = "logits_to_keep" in params
         self._cache_arg = "cache" if "cache" in params else "past_key_values"  # transformers >= 5.2x: cache
-        # What the server's metrics and ``abbench`` object read; there is no offload here.
-        self.measured_h2d_gbps = float("nan")
-        self.bank_bytes = 0
-        self.slots_per_layer = None
-        self.decoder = _Decoder()
-        self.memory_plan = None
         self.counters.update({"requests_total": 0, "requests_cancelled": 0, "h2d_bytes_total": 0,
                               "d2d_bytes_total": 0, "expert_copies_total": 0, "cached_prompt_tokens_total": 0,
                               "requests_by_path": {PATH: 0}, "prefill_tokens_by_path": {PATH: 0}})
         self._lock = threading.Lock()
         self.startup_s = time.perf_counter() - t0
+        self.info = BackendInfo(model=self.model_dir, model_name=self.model_config.name, vocab_size=vocab,
+                                max_context=ctx, startup_s=self.startup_s, decode_mode="transformers",
+                                decode_kernels="transformers")  # no offload: no bandwidth, bank or slots
 
     # -- the Engine contract ----------------------------------------------------------------------------
-    def generate(self, prompt_ids: list[int], max_tokens: int, *, temperature: float = 0.0,
-                 seed: int | None = None, ignore_eos: bool = False, logprobs: int | None = None,
-                 prefill_mode: str | None = None, cancel: CancelLike = None,
-                 trace_layers: bool = False, chunk_tokens: int | None = None,
-                 attention_batch: int | None = None, decode_misses: str | None = None) -> Iterator[TokenEvent]:
+    def generate(self, request: GenerateRequest, cancel: CancelLike = None) -> Iterator[TokenEvent]:
         """As :meth:`abbench.engine.runtime.engine.Engine.generate` (the :class:`abbench.engine.contract.Backend`
-        contract); validates eagerly."""
-        vocab = self.model_config.vocab_size
-        prompt = check_request(prompt_ids, max_tokens, vocab, self.config.max_context)
-        if prefill_mode is not None:
-            raise ValueError("the transformers reference has no prefill modes (prefill_mode must be omitted)")
-        if chunk_tokens is not None:
-            raise ValueError("the transformers reference prefills in one forward pass (chunk_tokens must be "
-                             "omitted)")
-        if attention_batch is not None:
-            raise ValueError("the transformers reference has no layer-major prefill (attention_batch must be "
-                             "omitted)")
-        if decode_misses is not None:
-            raise ValueError("the transformers reference has no expert offload (decode_misses must be omitted)")
-        if logprobs is not None and not 0 <= int(logprobs) <= vocab:
-            raise ValueError(f"logprobs must be in [0, {vocab}], got {logprobs}")
-        sampler = Sampler(float(temperature), seed, self.device, None if logprobs is None else int(logprobs))
-        return self._generate(prompt, int(max_tokens), sampler, ignore_eos, cancel, bool(trace_layers))
+        contract); validates eagerly. The engine's per-request overrides are refused, ``trace_layers`` aside."""
+        prompt = check_request(request, self.model_config.vocab_size, self.config.max_context)
+        refused = [name for name in request.overridden() if name not in SUPPORTED_OVERRIDES]
+        if refused:
+            raise ValueError(f"the transformers reference runs the model's own forward pass: no {refused[0]} "
+                             f"(omit {', '.join(refused)})")
+        sampler = Sampler(float(request.temperature), request.seed, self.device,
+                          None if request.logprobs is None else int(request.logprobs))
+        return self._generate(prompt, int(request.max_tokens), sampler, request.ignore_eos, cancel,
+                              request.trace_layers)
 
-    def run(self, prompt_ids: list[int], max_tokens: int, **kwargs: Any) -> tuple[list[TokenEvent], RequestStats]:
-        """Drain ``generate``: (events, stats)."""
-        return drain(self.generate(prompt_ids, max_tokens, **kwargs))
+    def run(self, prompt_ids: list[int], max_tokens: int = 16, cancel: CancelLike = None,
+            **fields: Any) -> tuple[list[TokenEvent], RequestStats]:
+        """Drain one request of ``prompt_ids`` and ``fields`` (GenerateRequest's): (events, stats)."""
+        return drain(self.generate(GenerateRequest(list(prompt_ids), max_tokens, **fields), cancel))
 
     def reset(self) -> None:
         """Nothing to flush: every request starts from an empty KV cache."""

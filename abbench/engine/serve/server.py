@@ -33,7 +33,7 @@ unknown fields, bad values and prompts over the context, 404 for another model n
 body over the size cap, 429 when the wait queue is full, 503 when the device runs out of memory (the
 engine stays usable). An error after a stream started is sent as a ``data: {"error": ...}`` event followed
 by ``[DONE]``, as vLLM does. Nothing in a request names a file; the server reads none on its behalf.
-Device OOM can be injected for tests with ``ABBENCH_ENGINE_FAULT=oom-once`` (see ``runtime``).
+Device OOM can be injected for tests with ``ABBENCH_ENGINE_FAULT=oom-once`` (:mod:`abbench.engine.serve.faults`).
 
 Layout: the request schema, API errors and response pieces are :mod:`abbench.engine.serve.api`; the queue (one
 request at a time, FIFO, cancellable) and the Prometheus metrics are :mod:`abbench.engine.serve.serving`; this
@@ -139,7 +139,7 @@ async def health() -> dict[str, str]:
 async def models(request: Request) -> dict[str, Any]:
     st = _state(request)
     return {"object": "list", "data": [{"id": st.name, "object": "model", "created": int(time.time()),
-                                        "owned_by": "abbench", "root": st.engine.model_config.name,
+                                        "owned_by": "abbench", "root": st.engine.info.model_name,
                                         "max_model_len": st.max_context}]}
 
 
@@ -163,18 +163,14 @@ async def completions(request: Request) -> Response:
     if req.model is not None and req.model != st.name:
         raise APIError(404, f"the model '{req.model}' does not exist; this server serves '{st.name}'",
                        param="model", code="model_not_found")
-    for field in ("prefill_mode", "chunk_tokens", "attention_batch", "trace_layers", "decode_misses"):
+    for field in GenerateRequest.overrides():
         if getattr(req, field) not in (None, False) and not st.allow_request_overrides:
             raise APIError(400, f"per-request {field} needs the server flag --allow-request-overrides",
                            param=field, code="override_not_allowed")
     ids = await _prompt_ids(req, st)
+    work = GenerateRequest.build(ids, req)  # a null takes the contract's default (max_tokens: 16)
     ctx = RequestContext(rid=f"cmpl-{uuid.uuid4().hex}", created=int(time.time()), model=st.name,
                          received=received, logprobs=req.logprobs)
-    work = GenerateRequest(prompt_ids=ids, max_tokens=req.max_tokens or 16, temperature=req.temperature,
-                           seed=req.seed, ignore_eos=req.ignore_eos, logprobs=req.logprobs,
-                           prefill_mode=req.prefill_mode, chunk_tokens=req.chunk_tokens,
-                           attention_batch=req.attention_batch, trace_layers=bool(req.trace_layers),
-                           decode_misses=req.decode_misses)
     queued = time.perf_counter()
     try:
         await st.service.acquire(request)
@@ -235,7 +231,7 @@ def _finished_ok(st: ServerState, ctx: RequestContext, item: Finished) -> dict[s
     st.metrics.observe(item.stats)
     st.metrics.outcomes.labels("ok").inc()
     _log_done(ctx, item.stats, item.finished)
-    return abbench_object(ctx, item.stats, item.finished, st.engine)
+    return abbench_object(ctx, item.stats, item.finished, st.engine.info)
 
 
 async def _complete(st: ServerState, job: Job, first: Any, ctx: RequestContext, request: Request) -> Response:
@@ -326,13 +322,13 @@ def create_app(engine: Backend, tokenizer: Any, *, served_model_name: str | None
                api_key: str | None = None) -> FastAPI:
     """The ASGI app serving ``engine`` (a :class:`~abbench.engine.contract.Backend`). Its state is one :class:`ServerState` in ``app.state.server``; nothing is global. With
     ``api_key`` every route but /health needs ``Authorization: Bearer <api_key>`` (:class:`RequireAPIKey`)."""
-    model_field = engine.config.model
-    name = served_model_name or (model_field if isinstance(model_field, str) else engine.model_config.name)
+    info = engine.info
+    name = served_model_name or info.model
     if max_context is None:
-        max_context = engine.config.max_context or engine.model_config.max_position_embeddings
+        max_context = info.max_context
     service = EngineService(engine, queue_limit=queue_limit)
     state = ServerState(engine=engine, tokenizer=tokenizer, service=service, metrics=ServiceMetrics(service),
-                        name=name, max_context=max_context, vocab_size=int(engine.model_config.vocab_size),
+                        name=name, max_context=max_context, vocab_size=int(info.vocab_size),
                         allow_request_overrides=allow_request_overrides, max_body_bytes=max_body_bytes)
 
     @asynccontextmanager

@@ -26,7 +26,7 @@ from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from abbench.engine.serve.api import APIError
-from abbench.engine.contract import Backend, GenerateRequest
+from abbench.engine.contract import Backend, GenerateRequest, RequestStats
 
 DISCONNECT_POLL_S = 0.02
 
@@ -37,7 +37,7 @@ class ClientGone(Exception):
 
 @dataclass
 class Finished:
-    stats: Any  # runtime.RequestStats
+    stats: RequestStats
     finished: float  # perf_counter when the generator returned
 
 
@@ -139,8 +139,7 @@ class EngineService:
 
     def _run(self, job: Job, request: GenerateRequest) -> None:  # worker thread
         try:
-            gen = self.engine.generate(request.prompt_ids, request.max_tokens,
-                                       cancel=CountedCancel(job.cancel, self), **request.options())
+            gen = self.engine.generate(request, CountedCancel(job.cancel, self))
             while True:
                 try:
                     event = next(gen)
@@ -194,7 +193,7 @@ class _EngineCollector:
 
     def collect(self):  # noqa: ANN201 - prometheus_client collector protocol
         engine = self.service.engine
-        counters = dict(engine.counters)
+        info, counters = engine.info, dict(engine.counters)
         yield CounterMetricFamily("abbench_engine_h2d_bytes", "Host-to-device bytes copied (lifetime).",
                                   value=counters.get("h2d_bytes_total", 0))
         yield CounterMetricFamily("abbench_engine_d2d_bytes", "Device-to-device bytes copied (lifetime).",
@@ -218,11 +217,11 @@ class _EngineCollector:
                                   "(the engine stops at the first).", value=self.service.cancel_checks_set)
         yield GaugeMetricFamily("abbench_engine_h2d_bandwidth_bytes_per_second",
                                 "Host-to-device bandwidth measured at startup.",
-                                value=float(engine.measured_h2d_gbps) * 1e9)
+                                value=float(info.measured_h2d_gbps) * 1e9)
         yield GaugeMetricFamily("abbench_engine_bank_bytes", "Bytes of one layer's expert bank x layers "
-                                "(the whole offloaded bank).", value=engine.bank_bytes)
+                                "(the whole offloaded bank).", value=info.bank_bytes)
         yield GaugeMetricFamily("abbench_engine_startup_seconds", "Seconds the engine took to build.",
-                                value=engine.startup_s)
+                                value=info.startup_s)
         yield GaugeMetricFamily("abbench_engine_queue_waiting", "Requests waiting for the engine.",
                                 value=self.service.waiting)
         yield GaugeMetricFamily("abbench_engine_requests_running", "Requests running on the engine (0/1).",
@@ -245,7 +244,7 @@ class ServiceMetrics:
         self.outcomes = Counter("abbench_engine_request_outcomes", "Completion requests by outcome.",
                                 ["outcome"], registry=self.registry)
 
-    def observe(self, stats: Any) -> None:
+    def observe(self, stats: RequestStats) -> None:
         self.prompt_tokens.inc(stats.prompt_tokens)
         self.generation_tokens.inc(stats.completion_tokens)
         self.cached_prompt_tokens.inc(stats.cached_prompt_tokens)
