@@ -14,6 +14,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from abbench.engine.ops import kernels as dk  # noqa: E402
+from abbench.engine.tools import reference_kernels as rk  # noqa: E402
 from abbench.engine.config import PRESETS  # noqa: E402
 from abbench.engine.tools.gpucheck_decode_kernels import main  # noqa: E402
 from abbench.engine.ops.dense import decode_gqa  # noqa: E402
@@ -40,8 +41,8 @@ def test_sdpa_attention_equals_the_engines_over_the_bucket_and_exactly(pos: int)
     keys, values = torch.randn(hkv, length, d, generator=gen).to(DEVICE), torch.randn(hkv, length, d, generator=gen).to(DEVICE)
     at = torch.tensor([pos], device=DEVICE)
     ref = decode_gqa(q, keys, values, torch.arange(length, device=DEVICE) > at, d ** -0.5)
-    torch.testing.assert_close(dk.attention_sdpa(q, keys, values, at, d ** -0.5), ref, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(dk.attention_sdpa_exact(q, keys, values, pos + 1, d ** -0.5), ref, rtol=1e-5,
+    torch.testing.assert_close(rk.attention_sdpa(q, keys, values, at, d ** -0.5), ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(rk.attention_sdpa_exact(q, keys, values, pos + 1, d ** -0.5), ref, rtol=1e-5,
                                atol=1e-5)
 
 
@@ -185,7 +186,7 @@ def test_device_slot_lookup_is_the_host_lru(e: int, k: int, s: int, via: str):
             pool = e if step % 3 == 0 else min(e, k + 3)  # alternate wide routing with a hot set that hits
             ids = (torch.randperm(pool, generator=rng)[:k]).tolist()
             if via == "assign_slots":
-                table.lookup(layer, torch.tensor([ids], device=DEVICE))
+                rk.lookup(table, layer, torch.tensor([ids], device=DEVICE))
             else:  # logits whose top k are ids, in that order
                 logits = torch.zeros(1, e)
                 logits[0, ids] = 8.0 - torch.arange(k, dtype=torch.float32)
@@ -215,7 +216,7 @@ def test_fetch_misses_copies_exactly_the_missed_experts_bits():
     gu, dn = torch.zeros(S, 2 * inter, H, device=DEVICE), torch.zeros(S, H, inter, device=DEVICE)
     src = torch.tensor([7, -1, 2], dtype=torch.int32, device=DEVICE)  # expert 7 into slot 4, a hit, 2 into 0
     slots = torch.tensor([4, 3, 0], device=DEVICE)
-    dk.fetch_misses(src, slots, host_gu, host_dn, gu, dn, chunks=3, block=128)
+    rk.fetch_misses(src, slots, host_gu, host_dn, gu, dn, chunks=3, block=128)
     assert torch.equal(gu[4].cpu(), host_gu[7]) and torch.equal(dn[4].cpu(), host_dn[7])
     assert torch.equal(gu[0].cpu(), host_gu[2]) and torch.equal(dn[0].cpu(), host_dn[2])
     assert not gu[[1, 2, 3]].any() and not dn[[1, 2, 3]].any()  # the hit's slot and the others untouched
@@ -243,7 +244,7 @@ def test_experts_reading_their_misses_from_the_host_equal_fetching_first(dtype):
     x = torch.randn(1, H, generator=gen).to(dtype).to(DEVICE)
     w = torch.softmax(torch.randn(1, 3, generator=gen), -1).to(DEVICE)
     ref_gu, ref_dn = gu.clone(), dn.clone()
-    dk.fetch_misses(src, slots.reshape(-1), host_gu, host_dn, ref_gu, ref_dn, chunks=3, block=128)
+    rk.fetch_misses(src, slots.reshape(-1), host_gu, host_dn, ref_gu, ref_dn, chunks=3, block=128)
     ref = dk.moe_one_token(h, w, slots, ref_gu, ref_dn, block_n=16, block_k=32, residual=x)
     before_gu, before_dn = gu.clone(), dn.clone()
     got = dk.moe_one_token(h, w, slots, gu, dn, block_n=16, block_k=32, residual=x, fetch=(src, host_gu, host_dn))

@@ -226,6 +226,15 @@ def _calls(module: str) -> Iterator[ast.Call]:
             yield node
 
 
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if m.startswith("abbench.engine.runtime")))
+def test_the_runtime_probes_no_model_by_name(module: str) -> None:
+    """The model interface (abbench.engine.models.base) defaults every optional hook, so the runtime calls them:
+    no ``hasattr``, and no ``getattr`` with a default, anywhere in the runtime."""
+    probes = [f"line {c.lineno}: {c.func.id}" for c in _calls(module)
+              if c.func.id == "hasattr" or (c.func.id == "getattr" and len(c.args) == 3)]
+    assert not probes, f"{module} probes by name: {probes}"
+
+
 @pytest.mark.parametrize("module", sorted(m for m in MODULES if m.startswith("abbench.engine.")
                                            and _wing(m) == "contract"))
 def test_the_engine_contract_needs_no_torch(module: str) -> None:

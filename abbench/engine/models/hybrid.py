@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from abbench.engine.ops import gdn
 from abbench.engine.config import HybridConfig
 from abbench.engine.ops.kernels import rms_norm as fused_rms_norm
-from abbench.engine.models.qwen3_moe import Model
+from abbench.engine.models.base import ModelCache, MoEModel
 from abbench.engine.ops.dense import decode_attend, lower_right_causal, rope_tables, rotate_half
 from abbench.engine.ops.moe import decode_route, expert_kernel, route
 
@@ -99,7 +99,7 @@ class HybridWeights:
     lm_head: torch.Tensor  # [V, H]
 
 
-class HybridCache:
+class HybridCache(ModelCache):
     """KV of the full-attention layers and the conv/recurrent states of the linear layers (see the module
     docstring). ``k``/``v`` list the attention layers in order; ``slot[layer]`` is a layer's index there
     (attention layers) or in ``conv``/``rec`` (linear layers)."""
@@ -187,21 +187,15 @@ def attention_batching_exact(cfg: HybridConfig, chunk: int, k: int, starts: list
     return True
 
 
-class HybridModel:
+class HybridModel(MoEModel):
     """Dense weights, RoPE tables and the layer functions of a ``HybridConfig`` model; stateless between
-    calls except for the cache passed in."""
+    calls except for the cache passed in. Its trace adds the shared expert; its MoE half is
+    :class:`~abbench.engine.models.base.MoEModel`'s (the routed experts) after the shared expert."""
 
-    trace = None  # as Model.trace (abbench.engine.ops.trace); the hybrid adds the shared expert
-    # decode's kernels, set by the Decoder (as Model's): "triton" for the norms around the mixer and the attention
-    # layers' attention (EngineConfig.decode_attention), and for the router's softmax and top-k (decode_experts)
-    decode_attention_kernel = "torch"
-    decode_router_kernel = "torch"
-    # decode's Triton kernels apply: the MoE block is the routed experts alone, decode attends over the whole cache
+    # decode's kernels (set by the Decoder, as Model's): "triton" for the norms around the mixer and the attention
+    # layers' attention, and for the router's softmax and top-k; they apply: the MoE block is the routed experts
     triton_decode = True
-    _trace_layer = -1
     attention_batching = True  # attn_block_group: adjacent chunks share one attention call (layer-major)
-    router_bias = None  # as Model's
-    bias_of = Model.bias_of
 
     def __init__(self, cfg: HybridConfig, weights: HybridWeights, max_context: int, device: torch.device,
                  dtype: torch.dtype):
@@ -389,9 +383,6 @@ class HybridModel:
             cache.conv[i].copy_(conv)
             cache.rec[i].copy_(rec)
         return self._post_mixer(layer, x, mixed, decode=True, lookup=lookup)
-
-    # Second half of a layer: x (already + the shared expert) + routed experts(h), as the Qwen3-MoE model's
-    moe_block = Model.moe_block
 
     def logits(self, x_last: torch.Tensor) -> torch.Tensor:
         """Final zero-centred norm and lm_head of x_last [1, H] -> float32 logits [V]."""

@@ -38,7 +38,8 @@ import torch.nn.functional as F
 from abbench.engine.config import ModelConfig
 from abbench.engine.ops.dense import decode_attend, lower_right_causal, rms_norm, rope_tables, rotate_half
 from abbench.engine.ops.kernels import qk_norm_rope_store, rms_norm as fused_rms_norm
-from abbench.engine.ops.moe import decode_route, expert_kernel, moe_experts, route
+from abbench.engine.models.base import ModelCache, MoEModel
+from abbench.engine.ops.moe import decode_route, expert_kernel, route
 
 
 @dataclass
@@ -66,7 +67,7 @@ class DenseWeights:
     lm_head: torch.Tensor  # [V, H]
 
 
-class KVCache:
+class KVCache(ModelCache):
     """Preallocated keys and values, per layer [n_kv, max_context, head_dim] (head-major, as SDPA reads)."""
 
     def __init__(self, cfg: ModelConfig, max_context: int, device: torch.device, dtype: torch.dtype):
@@ -80,21 +81,10 @@ class KVCache:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
 
-class Model:
+class Model(MoEModel):
     """Dense weights, RoPE tables and the layer functions. Stateless between calls except for ``kv``."""
 
-    trace = None  # Callable[[layer, block, tensor], None] while a traced request prefills (runtime sets it)
-    _trace_layer = -1  # the layer of the last attn_block call (moe_block is called for the same layer next)
-    # decode's kernels, set by the Decoder: "triton" for the attention half's norms, rope, cache write and attention
-    # (EngineConfig.decode_attention), and for the router's softmax and top-k (EngineConfig.decode_experts)
-    decode_attention_kernel = "torch"
-    decode_router_kernel = "torch"
-    # decode's Triton kernels apply: the MoE block is the routed experts alone, decode attends over the whole cache
-    triton_decode = True
-    router_bias: list[torch.Tensor] | None = None  # random weights with router_skew: router_skew_bias
-
-    def bias_of(self, layer: int) -> torch.Tensor | None:
-        return None if self.router_bias is None else self.router_bias[layer]
+    triton_decode = True  # decode's Triton kernels apply: the MoE block is the routed experts alone
 
     def __init__(self, cfg: ModelConfig, weights: DenseWeights, max_context: int, device: torch.device,
                  dtype: torch.dtype):
@@ -194,16 +184,6 @@ class Model:
             self.trace(layer, "attention", a)
             self.trace(layer, "router", top_ids)
         return x, h, top_w, top_ids
-
-    def moe_block(self, x: torch.Tensor, h: torch.Tensor, top_w: torch.Tensor, top_ids: torch.Tensor,
-                  gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-        """Second half of a layer: x + experts(h). ``top_ids`` index the first dim of gate_up/down."""
-        y = moe_experts(h, top_w, top_ids, gate_up, down, self._mm)  # [T, H]
-        out = x + y  # [T, H]
-        if self.trace is not None:
-            self.trace(self._trace_layer, "experts", y)
-            self.trace(self._trace_layer, "residual", out)
-        return out
 
     def logits(self, x_last: torch.Tensor) -> torch.Tensor:
         """Final norm and lm_head of the last position's hidden state [1, H] -> float32 logits [V]."""

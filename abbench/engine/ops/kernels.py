@@ -2,7 +2,7 @@
 them: ``EngineConfig.decode_experts`` / ``decode_attention``, "auto" = these on CUDA where they apply).
 
 On the H200 (results/20261201n-h200-decode-kernels) they took a resident Qwen3-30B-A3B decode step from 0.402 to
-0.147 ms a layer at 32K; ``gpucheck_decode_kernels`` times each against the engine's torch functions at full
+0.147 ms a layer at 32K; ``tools.gpucheck_decode_kernels`` times each against the engine's torch functions at full
 width. Each follows its torch counterpart's roundings in the model dtype where that is cheap, with float32
 accumulation; none is bitwise equal to it (other summation orders), and each is deterministic (no atomics).
 
@@ -24,14 +24,12 @@ accumulation; none is bitwise equal to it (other summation orders), and each is 
   cache write of one decode token, one kernel.
 - ``route_topk(logits, k, norm, dtype, bias, lookup)``: the router's softmax, top-k and renormalisation, one
   kernel; with ``lookup`` the same program looks the experts up in the decode slot cache's device-side table
-  (``assign_slots``' policy), for offloaded decode with the misses on the device.
+  (``slot_assign``: the host LRU's policy), for offloaded decode with the misses on the device.
 - ``moe_one_token``'s ``fetch``: a slot-cache miss read from the registered host bank (zero-copy over PCIe) by
-  the experts' kernels, which compute with it and store it into its slot (the bits ``fetch_misses`` copies).
-- ``attention_sdpa(q, keys, values, pos, kv_len)``: one token's grouped-query attention through
-  ``F.scaled_dot_product_attention``, the G query heads of a KV head taken as G queries of one sequence
-  (q [1, Hkv, G, D] against [1, Hkv, L, D]: no expansion of K and V), the positions after ``pos`` masked by an
-  additive bias (static shapes: it captures); ``attention_sdpa_exact`` attends over exactly pos + 1 keys with
-  no mask (the flash kernel; one shape per position, so no graph).
+  the experts' kernels, which compute with it and store it into its slot.
+
+The reference kernels no request runs (the lookup and the miss copy as kernels of their own, SDPA's decode
+attention) are :mod:`abbench.engine.tools.reference_kernels`.
 """
 
 from __future__ import annotations
@@ -39,7 +37,6 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 
 try:  # optional: CUDA builds of torch ship Triton; the CPU build does not
     import triton
@@ -256,23 +253,13 @@ if triton is not None:
         tl.store(w_ptr + kk, vals.to(w_ptr.dtype.element_ty), mask=km)
         tl.store(ids_ptr + kk, idx, mask=km)
         if LOOKUP:  # the slot cache's lookup of these experts (assign_slots), in the same program
-            _assign(tl.where(km, idx, 0).to(tl.int32), km, slot_of_ptr, expert_of_ptr, stamp_ptr, tick_ptr,
+            slot_assign(tl.where(km, idx, 0).to(tl.int32), km, slot_of_ptr, expert_of_ptr, stamp_ptr, tick_ptr,
                     counts_ptr, slots_ptr, src_ptr, K, KP, S, SP, IDENTITY, STEP, NEVER)
 
 
 if triton is not None:
     @triton.jit
-    def _assign_slots(ids_ptr, slot_of_ptr, expert_of_ptr, stamp_ptr, tick_ptr, counts_ptr, slots_ptr, src_ptr,
-                      K: tl.constexpr, KP: tl.constexpr, S: tl.constexpr, SP: tl.constexpr,
-                      IDENTITY: tl.constexpr, STEP: tl.constexpr, NEVER: tl.constexpr):
-        j = tl.arange(0, KP)
-        jm = j < K
-        ids = tl.load(ids_ptr + j, mask=jm, other=0).to(tl.int32)
-        _assign(ids, jm, slot_of_ptr, expert_of_ptr, stamp_ptr, tick_ptr, counts_ptr, slots_ptr, src_ptr, K, KP,
-                S, SP, IDENTITY, STEP, NEVER)
-
-    @triton.jit
-    def _assign(ids, jm, slot_of_ptr, expert_of_ptr, stamp_ptr, tick_ptr, counts_ptr, slots_ptr, src_ptr,
+    def slot_assign(ids, jm, slot_of_ptr, expert_of_ptr, stamp_ptr, tick_ptr, counts_ptr, slots_ptr, src_ptr,
                 K: tl.constexpr, KP: tl.constexpr, S: tl.constexpr, SP: tl.constexpr, IDENTITY: tl.constexpr,
                 STEP: tl.constexpr, NEVER: tl.constexpr):
         """assign_slots on routed ids [KP] int32 (lanes past k masked off by jm)."""
@@ -321,24 +308,6 @@ if triton is not None:
         tl.store(counts_ptr, tl.load(counts_ptr) + n_hit)
         tl.store(counts_ptr + 1, tl.load(counts_ptr + 1) + n_miss)
 
-    @triton.jit
-    def _fetch_misses(src_ptr, slots_ptr, host_gu, host_dn, dev_gu, dev_dn, N_GU: tl.constexpr,
-                      N_DN: tl.constexpr, PER_GU: tl.constexpr, PER_DN: tl.constexpr, BLOCK: tl.constexpr):
-        j = tl.program_id(0)
-        c = tl.program_id(1)
-        e = tl.load(src_ptr + j).to(tl.int64)
-        if e >= 0:  # a miss: copy chunk c of its rows from the host bank into its slot
-            s = tl.load(slots_ptr + j).to(tl.int64)
-            lo = c * PER_GU
-            for off in range(0, PER_GU, BLOCK):
-                i = lo + off + tl.arange(0, BLOCK)
-                m = i < N_GU
-                tl.store(dev_gu + s * N_GU + i, tl.load(host_gu + e * N_GU + i, mask=m), mask=m)
-            lo = c * PER_DN
-            for off in range(0, PER_DN, BLOCK):
-                i = lo + off + tl.arange(0, BLOCK)
-                m = i < N_DN
-                tl.store(dev_dn + s * N_DN + i, tl.load(host_dn + e * N_DN + i, mask=m), mask=m)
 
 
 def attention_applies(head_dim: int) -> bool:
@@ -347,7 +316,7 @@ def attention_applies(head_dim: int) -> bool:
     return head_dim >= 16 and head_dim & (head_dim - 1) == 0
 
 
-def _next_pow2(x: int) -> int:
+def next_pow2(x: int) -> int:
     return 1 << max(0, (int(x) - 1).bit_length())
 
 
@@ -364,8 +333,8 @@ def attention_split_kv(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
         raise ValueError("attention_split_kv: K and V with one layout, a contiguous last dimension, and a "
                          "power-of-two head dimension of at least 16")
     g = hq // hkv
-    gp = max(16, _next_pow2(g))  # tl.dot takes at least 16 rows
-    nsplits = min(max_splits, _next_pow2(-(-length // block_l)))
+    gp = max(16, next_pow2(g))  # tl.dot takes at least 16 rows
+    nsplits = min(max_splits, next_pow2(-(-length // block_l)))
     split = -(-length // nsplits)
     split = -(-split // block_l) * block_l  # whole blocks
     f32 = dict(dtype=torch.float32, device=q.device)
@@ -392,7 +361,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     out = torch.empty_like(x)
     total = torch.empty_like(x) if residual is not None else out
     _rms_norm[(T,)](x, x if residual is None else residual.contiguous(), weight, total, out, eps, N=N,
-                    BLOCK=_next_pow2(N), ADD=residual is not None, PLUS_ONE=plus_one)
+                    BLOCK=next_pow2(N), ADD=residual is not None, PLUS_ONE=plus_one)
     return out if residual is None else (total, out)
 
 
@@ -449,11 +418,11 @@ def route_topk(logits: torch.Tensor, top_k: int, norm_topk_prob: bool, dtype: to
     ids = torch.empty(1, top_k, dtype=torch.long, device=logits.device)
     lg = logits.contiguous()
     t = lookup
-    n_slots = 1 if t is None else _check_table(top_k, t.stamp.shape[0])
+    n_slots = 1 if t is None else check_slot_table(top_k, t.stamp.shape[0])
     args = (ids,) * 7 if t is None else (t.slot_of, t.expert_of, t.stamp, t.tick, t.counts, t.slots, t.src)
-    _route_topk[(1,)](lg, lg if bias is None else bias, w, ids, *args, E=e, EP=_next_pow2(e), K=top_k,
-                      KP=_next_pow2(top_k), HAS_BIAS=bias is not None, NORM=norm_topk_prob, LOOKUP=t is not None,
-                      S=n_slots, SP=_next_pow2(n_slots), IDENTITY=t is not None and t.identity, STEP=STAMP_STEP,
+    _route_topk[(1,)](lg, lg if bias is None else bias, w, ids, *args, E=e, EP=next_pow2(e), K=top_k,
+                      KP=next_pow2(top_k), HAS_BIAS=bias is not None, NORM=norm_topk_prob, LOOKUP=t is not None,
+                      S=n_slots, SP=next_pow2(n_slots), IDENTITY=t is not None and t.identity, STEP=STAMP_STEP,
                       NEVER=STAMP_NEVER, num_warps=1)
     return w, ids
 
@@ -462,32 +431,14 @@ STAMP_STEP = 256  # a slot's recency stamp: tick * STAMP_STEP + its rank within 
 STAMP_NEVER = 2**62  # padding slots' stamp: never the least recently used
 
 
-def _check_table(k: int, s: int) -> int:
+def check_slot_table(k: int, s: int) -> int:
     """The slot count s of a table a top-``k`` lookup can use; ValueError otherwise."""
     if k >= STAMP_STEP or k > s:
         raise ValueError(f"assign_slots: top_k {k} must be < {STAMP_STEP} and <= the {s} slots")
     return s
 
 
-def assign_slots(top_ids: torch.Tensor, slot_of: torch.Tensor, expert_of: torch.Tensor, stamp: torch.Tensor,
-                 tick: torch.Tensor, counts: torch.Tensor, slots: torch.Tensor, src: torch.Tensor,
-                 identity: bool) -> None:
-    """One layer's decode slot-cache lookup on the device, one program (module docstring of
-    ``experts.DeviceSlotTable``): top_ids [1, k] routed expert ids; the layer's table slot_of [E] int32 (slot
-    or -1), expert_of [S] int32 (expert or -1), stamp [S] int64 (recency), updated in place; tick [1] int64 the
-    step; counts [2] int64 (hits, misses) added to. Writes slots [k] int64 (each routed expert's slot) and src
-    [k] int32 (the expert to copy into that slot, -1 for a hit). Hits are touched first, then each miss takes
-    the least recently used slot (a free one first, lowest slot first), misses in ascending expert order: the
-    host cache's order (``ExpertStore.decode_experts``). ``identity``: expert e lives in slot e."""
-    if triton is None:
-        raise RuntimeError("assign_slots needs Triton")
-    k, s = top_ids.shape[-1], _check_table(top_ids.shape[-1], stamp.shape[0])
-    _assign_slots[(1,)](top_ids.reshape(-1), slot_of, expert_of, stamp, tick, counts, slots, src, K=k,
-                        KP=_next_pow2(k), S=s, SP=_next_pow2(s), IDENTITY=identity, STEP=STAMP_STEP,
-                        NEVER=STAMP_NEVER, num_warps=1)  # one warp: its reductions need no shared memory
-
-
-class _Mapped:
+class HostMapped:
     """A page-locked host tensor as a kernel argument: Triton's launcher takes any object with ``data_ptr()``
     and ``dtype`` and asks the driver for the pointer's device address, which for memory registered with
     ``cudaHostRegister`` is the host memory itself, read over PCIe (unified addressing)."""
@@ -497,37 +448,6 @@ class _Mapped:
 
     def data_ptr(self) -> int:
         return self.t.data_ptr()
-
-
-def _as_bits(t: torch.Tensor) -> torch.Tensor:
-    """The same memory as integers of the element size: a copy that moves bits, never converts them."""
-    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
-
-
-def fetch_misses(src: torch.Tensor, slots: torch.Tensor, host_gate_up: torch.Tensor, host_down: torch.Tensor,
-                 gate_up: torch.Tensor, down: torch.Tensor, chunks: int = 32, block: int = 4096,
-                 warps: int = 4) -> None:
-    """Copy the missed experts (``src`` [k] int32, -1 for a hit) of one layer from the host bank (host_gate_up
-    [E, 2I, H], host_down [E, H, I], page-locked and registered when the slots are on CUDA) into their slots
-    (``slots`` [k]) of gate_up [S, 2I, H] / down [S, H, I]: one kernel of k x ``chunks`` programs whose loads
-    read host memory directly over PCIe (zero-copy), so the host never learns which experts missed. Bitwise
-    copies. A hit's programs return at once. ``block`` elements per load, ``warps`` warps per program. Decode
-    no longer calls it (``moe_one_token``'s ``fetch`` makes the same copy inside the experts' kernels); it is
-    that copy's reference in the tests and gpucheck's measure of zero-copy bandwidth."""
-    if triton is None:
-        raise RuntimeError("fetch_misses needs Triton")
-    if not all(t.is_contiguous() for t in (host_gate_up, host_down, gate_up, down)):
-        raise ValueError("fetch_misses: contiguous expert blocks")
-    n_gu, n_dn = host_gate_up[0].numel(), host_down[0].numel()
-    chunks = max(1, min(chunks, triton.cdiv(n_gu, block)))  # no programs with nothing to copy
-    per_gu = triton.cdiv(triton.cdiv(n_gu, chunks), block) * block
-    per_dn = triton.cdiv(triton.cdiv(n_dn, chunks), block) * block
-    hg, hd = _as_bits(host_gate_up), _as_bits(host_down)
-    if gate_up.is_cuda and not host_gate_up.is_cuda:
-        hg, hd = _Mapped(hg), _Mapped(hd)
-    _fetch_misses[(src.shape[0], chunks)](src, slots, hg, hd, _as_bits(gate_up), _as_bits(down), N_GU=n_gu,
-                                          N_DN=n_dn, PER_GU=per_gu, PER_DN=per_dn, BLOCK=block,
-                                          num_warps=warps)
 
 
 def moe_one_token(h: torch.Tensor, top_w: torch.Tensor, top_ids: torch.Tensor, gate_up: torch.Tensor,
@@ -559,7 +479,7 @@ def moe_one_token(h: torch.Tensor, top_w: torch.Tensor, top_ids: torch.Tensor, g
                 or host_gu.dtype != gate_up.dtype or host_dn.dtype != down.dtype:
             raise ValueError("moe_one_token: the host bank's experts must be shaped and typed as the slots'")
         if gate_up.is_cuda and not host_gu.is_cuda:
-            host_gu, host_dn = _Mapped(host_gu), _Mapped(host_dn)
+            host_gu, host_dn = HostMapped(host_gu), HostMapped(host_dn)
     act = torch.empty(k, inter, dtype=torch.float32, device=h.device)  # [k, I]
     _gate_up_act[(k, triton.cdiv(inter, block_n))](h.reshape(-1), gate_up, ids, act, src, host_gu, H, inter,
                                                     gate_up.stride(0), gate_up.stride(1),
@@ -571,28 +491,3 @@ def moe_one_token(h: torch.Tensor, top_w: torch.Tensor, top_ids: torch.Tensor, g
                                          down.stride(0), down.stride(1), BLOCK_N=block_n, BLOCK_K=block_k,
                                          HAS_RES=residual is not None, FETCH=fetch is not None)
     return out  # [1, H]
-
-
-def attention_sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos: torch.Tensor,
-                   scale: float) -> torch.Tensor:
-    """``model.decode_gqa``'s contract through SDPA: q [Hq, 1, D] over keys, values [Hkv, L, D] (L: the static
-    bucket), positions after ``pos`` (int64 [1] on the device) masked -> [Hq, 1, D]."""
-    hq, _, d = q.shape
-    hkv, length, _ = keys.shape
-    qg = q.reshape(1, hkv, hq // hkv, d)  # [1, Hkv, G, D]: a KV head's query heads as queries of one sequence
-    bias = torch.zeros(length, dtype=q.dtype, device=q.device).masked_fill(
-        torch.arange(length, device=q.device) > pos, float("-inf"))  # [L]
-    out = F.scaled_dot_product_attention(qg, keys.unsqueeze(0), values.unsqueeze(0),
-                                         attn_mask=bias.view(1, 1, 1, length), scale=scale)  # [1, Hkv, G, D]
-    return out.reshape(hq, 1, d)
-
-
-def attention_sdpa_exact(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, n: int,
-                         scale: float) -> torch.Tensor:
-    """One token's attention over exactly the first ``n`` cache positions, no mask (SDPA picks flash where it
-    can): q [Hq, 1, D], keys, values [Hkv, >=n, D] -> [Hq, 1, D]. The shape changes with n: no CUDA graph."""
-    hq, _, d = q.shape
-    hkv = keys.shape[0]
-    qg = q.reshape(1, hkv, hq // hkv, d)
-    out = F.scaled_dot_product_attention(qg, keys[:, :n].unsqueeze(0), values[:, :n].unsqueeze(0), scale=scale)
-    return out.reshape(hq, 1, d)

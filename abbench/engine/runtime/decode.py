@@ -255,8 +255,7 @@ class Decoder:
         on_device = self.check_misses(misses) == "device"
         self.token.fill_(token_id)
         self.pos.fill_(pos)
-        if hasattr(self.model, "prepare_decode"):  # host-side work of a step (Qwen4-Exp: PLE rows staged)
-            self.model.prepare_decode(self.kv, token_id, pos)
+        self.model.prepare_decode(self.kv, token_id, pos)  # host-side work of a step (Qwen4-Exp: PLE rows staged)
         if store.cuda and store.resident is None:  # slot writes below go after any prefill copy still queued
             torch.cuda.current_stream(store.device).wait_stream(store.copy_stream)
         with attention_backends():

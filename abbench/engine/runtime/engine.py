@@ -162,7 +162,7 @@ class Engine:
         (``EngineConfig.prefill_graphs``, CUDA, a grouped expert kernel that captures), else eager."""
         cfg, model = self.config, self.model
         graphs = None
-        if (cfg.prefill_graphs and self.device.type == "cuda" and getattr(model, "prefill_graph_moe", False)
+        if (cfg.prefill_graphs and self.device.type == "cuda" and model.prefill_graph_moe
                 and model.grouped and probe_graph_capture(self.device, self.dtype)):
             graphs = GraphCache(self.device)
         return LayerSteps(model, graphs, cfg.chunk_tokens)
@@ -286,7 +286,7 @@ class Engine:
         k = self.config.attention_batch if request.attention_batch is None else int(request.attention_batch)
         if not 1 <= k <= MAX_ATTENTION_BATCH:
             raise ValueError(f"attention_batch must be in [1, {MAX_ATTENTION_BATCH}], got {k}")
-        if k > 1 and not getattr(self.model, "attention_batching", False):
+        if k > 1 and not self.model.attention_batching:
             raise ValueError(f"attention_batch {k} needs a model with joint attention calls (the Qwen3.5/3.6 "
                              f"hybrid); {self.model_config.name} has none")
         chunk = self.check_chunk_tokens(request.chunk_tokens)

@@ -14,7 +14,7 @@ Contract:
     resident experts), so no grouped call ever sees more than num_experts groups. Hits and misses are
     counted per request and for the engine's lifetime (``SlotStats``).
   * or the slot cache's bookkeeping on the device (``DeviceSlotTable``, ``SlotCache.attach_table``): decode's
-    Triton path looks up and fills the slots itself (``decode_kernels.assign_slots`` / ``moe_one_token``'s fetch, the
+    Triton path looks up and fills the slots itself (``route_topk``'s lookup / ``moe_one_token``'s fetch, the
     misses read from the registered host bank over PCIe by the kernel), so a step never waits for the host.
     The host's view (``lru``, ``free``, ``loaded``) is pulled from the table when the host next needs it, and
     the table's hit/miss counts are folded into the accounting by ``collect_decode_counts``.
@@ -139,7 +139,7 @@ class SlotCache:
 
 class DeviceSlotTable:
     """A slot cache's bookkeeping as device tensors, read and written by decode's kernels inside the step's
-    graph (``decode_kernels.assign_slots``): per layer ``slot_of`` [E] int32 (an expert's slot, -1 if absent),
+    graph (``decode_kernels.route_topk``'s lookup): per layer ``slot_of`` [E] int32 (an expert's slot, -1 if absent),
     ``expert_of`` [S] int32 (a slot's expert, -1 if free) and ``stamp`` [S] int64 (recency: tick * STAMP_STEP +
     rank within the step; a free slot s holds s - S so free slots go first, lowest first); ``tick`` [1] the
     step (the graph adds 1); ``counts`` [2] hits and misses since the last ``take_counts``; ``slots`` [L, k]
@@ -200,17 +200,10 @@ class DeviceSlotTable:
 
     def layer(self, layer: int) -> decode_kernels.SlotLookup:
         """``layer``'s table for a lookup inside the router's kernel (``decode_kernels.route_topk``'s
-        ``lookup``): its result lands in ``slots[layer]`` / ``src[layer]`` as ``lookup``'s does."""
+        ``lookup``): its result lands in ``slots[layer]`` / ``src[layer]``."""
         self.uncounted = True
         return decode_kernels.SlotLookup(self.slot_of[layer], self.expert_of[layer], self.stamp[layer], self.tick,
                                          self.counts, self.slots[layer], self.src[layer], self.identity)
-
-    def lookup(self, layer: int, top_ids: torch.Tensor) -> None:
-        """``decode_kernels.assign_slots`` for ``layer``: the result in ``slots[layer]`` / ``src[layer]``. (A
-        graph's replay runs it without this call: the decoder marks the counts after each device-side step.)"""
-        self.uncounted = True
-        decode_kernels.assign_slots(top_ids, self.slot_of[layer], self.expert_of[layer], self.stamp[layer],
-                                    self.tick, self.counts, self.slots[layer], self.src[layer], self.identity)
 
 
 @dataclass

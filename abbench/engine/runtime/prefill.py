@@ -105,9 +105,8 @@ def _bank_stream(model: Model, store: ExpertStore, kv: KVCache,
     """The streamed banks for ``visits`` [(the chunks that run through the layer on this visit, layer)], in
     order. What a model needs uploaded for a visit's chunks (``prepare_layer_window``: Qwen4-Exp's PLE rows)
     goes up once the visit's bank copy is queued and before the next one's, so it does not wait behind it."""
-    prepare = getattr(model, "prepare_layer_window", None)
-    hook = None if prepare is None else (lambda i: prepare(visits[i][1], kv, visits[i][0]))
-    return store.stream_layers([layer for _, layer in visits], before_next=hook)
+    return store.stream_layers([layer for _, layer in visits],
+                               before_next=lambda i: model.prepare_layer_window(visits[i][1], kv, visits[i][0]))
 
 
 def _streamed_chunks(steps: LayerSteps, store: ExpertStore, kv: KVCache, ids: torch.Tensor, start: int,
@@ -235,8 +234,7 @@ def prefill(model: Model | LayerSteps, store: ExpertStore, kv: KVCache, ids: tor
         raise ValueError("resident prefill needs an engine started with prefill_mode='resident'")
     chunks = plan_chunks(start, start + n, chunk_tokens)
     path, reason = choose_path(mode, chunks, chunk_tokens, window_tokens, demand_max_tokens)
-    if hasattr(kv, "write_tokens"):  # models that read token ids inside layers (Qwen4-Exp's PLE)
-        kv.write_tokens(start, ids)
+    kv.write_tokens(start, ids)  # kept by models that read token ids inside layers (Qwen4-Exp's PLE)
     before, replays = store.request.snapshot(), steps.replays
     batch_stats = BatchingStats()
     with attention_backends():

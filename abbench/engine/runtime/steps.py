@@ -131,7 +131,7 @@ class LayerSteps:
             self._mid = model.attn_block(layer, x, kv, start)
             return
         self._mid = self.static_mid
-        if layer in getattr(model, "prefill_graph_layers", ()):
+        if layer in model.prefill_graph_layers:
             self.xin.copy_(x)
             key = ("prefill-attn", layer, start == 0, self.T, kv.conv[kv.slot[layer]].data_ptr())
             self.graphs.run(key, lambda: self._store_mid(model.attn_block(layer, self.xin, kv, start)))
@@ -150,7 +150,7 @@ class LayerSteps:
     def moe(self, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> None:
         """The MoE half over ``gate_up`` [G, 2I, H], ``down`` [G, H, I]; the layer's output goes into x."""
         model, mid = self.model, self._mid
-        if mid is not None and mid is self.static_mid and getattr(model, "prefill_graph_moe", False):
+        if mid is not None and mid is self.static_mid and model.prefill_graph_moe:
             key = ("prefill-moe", self.T, gate_up.data_ptr(), down.data_ptr())
             self.graphs.run(key, lambda: self.xout.copy_(model.moe_block(*mid, gate_up, down)))
             x.copy_(self.xout)

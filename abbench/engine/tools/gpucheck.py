@@ -106,7 +106,7 @@ def _time_steps(engine: Engine, prompt: list[int], n: int, fill_all: bool = Fals
 def fetch_bandwidth(engine: Engine, trials: int = 5) -> list[dict]:
     """CUDA: the misses of one layer (layer 0), n = 1, 2, 4 and top_k missed experts of the k routed: GB/s
     (1e9 bytes/s) of the host's copies (``dma``: two per expert, as ``ExpertStore.decode_experts`` issues
-    them) and of the copy kernel (``fetch``: ``decode_kernels.fetch_misses``, zero-copy reads of the
+    them) and of the copy kernel (``fetch``: ``reference_kernels.fetch_misses``, zero-copy reads of the
     registered host bank), and microseconds of the routed experts' kernels (``moe_one_token``) with every
     expert already in its slot (``moe_hits_us``: the compute alone), after the copy kernel
     (``fetch_then_moe_us``) and reading the misses from the host themselves (``fused_us``, the decode path's
@@ -114,6 +114,7 @@ def fetch_bandwidth(engine: Engine, trials: int = 5) -> list[dict]:
     ``trials`` timed repeats each, after a warm-up. ``equal``: the slots hold the bank's bits afterwards and
     the fused kernels' output is the copy-then-compute output's."""
     from abbench.engine.ops import kernels as decode_kernels
+    from abbench.engine.tools import reference_kernels
 
     store, dev = engine.store, engine.device
     bank, slots, k = store.bank, store.slots, engine.model_config.num_experts_per_tok
@@ -136,7 +137,7 @@ def fetch_bandwidth(engine: Engine, trials: int = 5) -> list[dict]:
                 dn[j].copy_(bank.down[0][e], non_blocking=True)
 
         def fetch() -> None:
-            decode_kernels.fetch_misses(src, where, bank.gate_up[0], bank.down[0], gu, dn)
+            reference_kernels.fetch_misses(src, where, bank.gate_up[0], bank.down[0], gu, dn)
 
         def moe(fused: bool) -> torch.Tensor:
             return decode_kernels.moe_one_token(h, w, where.view(1, -1), gu, dn, residual=x,
@@ -201,7 +202,7 @@ def profile_decode(engine: Engine, prompt: list[int], n: int, top: int = 15) -> 
     return rows[:top] + [("all kernels", total, sum(r[2] for r in rows))]
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m abbench.engine.tools.gpucheck", description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--prompt-tokens", type=int, default=4096)
@@ -218,7 +219,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decode-attention", choices=DECODE_ATTENTION, default="auto",
                     help="decode's attention in every engine built here (EngineConfig.decode_attention; default "
                     "auto, as the engine's)")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     if args.device != "cpu" and not torch.cuda.is_available():
         print("gpucheck needs CUDA", file=sys.stderr)
         return 2

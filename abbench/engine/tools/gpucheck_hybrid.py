@@ -230,8 +230,7 @@ def _check_modes(args, engine, mc, tokens: int, chunk: int, window: int) -> tupl
         engine.reset()
         windows = plan_windows(plan_chunks(0, tokens, chunk), args.window_chunks)
         weights = (engine.store.resident[layer] for _ in windows for layer in range(mc.num_hidden_layers))
-        if hasattr(kv, "write_tokens"):
-            kv.write_tokens(0, ids)
+        kv.write_tokens(0, ids)  # kept by the models that read token ids inside layers (Qwen4-Exp)
         t0 = time.perf_counter()
         with torch.no_grad(), attention_backends():
             logits = model.logits(layer_major_loop(engine.steps, weights, kv, ids, 0, windows)[-1:])
