@@ -9,8 +9,9 @@ that refuses a bank the host cannot hold.
   host, torch 2.11: a 1.21 GB Qwen3-30B-A3B layer grew the process by 2.00 GiB that way, by 1.13 GiB = 1.21 GB
   registered). Copies from registered memory run at full speed (54.7 GB/s measured, layer by layer). On CPU it
   is ordinary memory.
-- ``check_host_memory(bank_bytes, available)``: a clear error instead of an OOM kill when the bank does not fit
-  the host's available memory (``host_memory_available``: MemAvailable, lowered to the cgroup's room).
+- ``check_host_memory(bank_bytes, available, dense_bytes)``: a clear error instead of an OOM kill when the bank
+  and its headroom (``host_memory_headroom``: the dense weights plus a twentieth of the bank, at least 256 MiB)
+  do not fit the host's available memory (``host_memory_available``: MemAvailable, lowered to the cgroup's room).
 """
 
 from __future__ import annotations
@@ -52,29 +53,40 @@ def host_memory_available() -> int | None:
     return min(found) if found else None
 
 
-HOST_MEMORY_HEADROOM = 2 * 2**30  # left for the process itself, the tokenizer and the dense weights on the way
+HEADROOM_FLOOR = 256 * 2**20  # at least this much is left for the process itself (torch, the tokenizer)
+HEADROOM_BANK_FRACTION = 0.05  # and a twentieth of the bank: the allocator's slack and transient copies
 
 
-def check_host_memory(bank_bytes: int, available: int | None) -> None:
-    """Refuse a bank that does not fit the host's available memory (a clear error instead of an OOM kill)."""
-    if available is not None and bank_bytes + HOST_MEMORY_HEADROOM > available:
-        raise ValueError(f"the expert bank needs {bank_bytes / 1e9:.2f} GB of host memory (+{HOST_MEMORY_HEADROOM / 1e9:.1f} "
-                         f"GB headroom) but {available / 1e9:.2f} GB is available; use a machine with more "
-                         "memory, a smaller model (e.g. a -half preset), or --no-host-memory-check if the "
-                         "host grows its memory on demand")
+def host_memory_headroom(bank_bytes: int, dense_bytes: int = 0) -> int:
+    """Host memory the engine needs beside the bank: the dense weights (``dense_bytes``; in host memory on CPU,
+    passing through it on the way to a device) plus a twentieth of the bank, at least :data:`HEADROOM_FLOOR`. It
+    grows with what the engine allocates, so a tiny model asks for a few hundred MB, not gigabytes."""
+    return max(HEADROOM_FLOOR, int(HEADROOM_BANK_FRACTION * bank_bytes) + int(dense_bytes))
+
+
+def check_host_memory(bank_bytes: int, available: int | None, dense_bytes: int = 0) -> None:
+    """Refuse a bank that does not fit the host's available memory with its headroom
+    (:func:`host_memory_headroom`): a clear error instead of an OOM kill. ``available`` None: nothing to check."""
+    headroom = host_memory_headroom(bank_bytes, dense_bytes)
+    if available is not None and bank_bytes + headroom > available:
+        raise ValueError(f"the expert bank needs {bank_bytes / 1e9:.2f} GB of host memory (+{headroom / 1e9:.2f} "
+                         f"GB headroom: the dense weights and a twentieth of the bank) but {available / 1e9:.2f} GB "
+                         "is available; use a machine with more memory, a smaller model (e.g. a -half preset), or "
+                         "--no-host-memory-check if the host grows its memory on demand")
 
 
 class ExpertBank:
     """All layers' experts in host memory (page-locked when the compute device is CUDA)."""
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, pin: bool, check_memory: bool = True):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, pin: bool, check_memory: bool = True,
+                 dense_bytes: int = 0):
         self.cfg, self.dtype, self.pinned = cfg, dtype, pin
         e, i, h = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
         self.expert_bytes = 3 * h * i * dtype.itemsize
         self.layer_bytes = e * self.expert_bytes
         self.bank_bytes = cfg.num_hidden_layers * self.layer_bytes
         if check_memory:
-            check_host_memory(self.bank_bytes, host_memory_available())
+            check_host_memory(self.bank_bytes, host_memory_available(), dense_bytes)
         self._registered: list[int] = []
         weakref.finalize(self, _unregister, self._registered)
         self.gate_up = [self._alloc((e, 2 * i, h)) for _ in range(cfg.num_hidden_layers)]  # [E, 2I, H] each

@@ -44,7 +44,7 @@ import torch
 from abbench.engine.config import (
     MAX_ATTENTION_BATCH, PREFILL_MODES, PREFILL_PATHS, EngineConfig, ModelConfig, check_hybrid_chunk,
 )
-from abbench.engine.runtime.memory import MemoryPlan, plan_device_memory
+from abbench.engine.runtime.memory import MemoryPlan, dense_params, plan_device_memory
 from abbench.engine.contract import (
     BackendInfo, CancelLike, Cancelled, GenerateRequest, RequestStats, TokenEvent, check_cancel, check_request,
     drain,
@@ -104,7 +104,8 @@ class Engine:
         self._lock = threading.Lock()
         with self._on_device():
             self.memory_plan = self._plan_memory()
-            bank = ExpertBank(mc, self.dtype, pin=self.device.type == "cuda", check_memory=cfg.host_memory_check)
+            bank = ExpertBank(mc, self.dtype, pin=self.device.type == "cuda", check_memory=cfg.host_memory_check,
+                              dense_bytes=dense_params(mc) * self.dtype.itemsize)
             self.model, self.kv = build_model(mc, cfg.weights, bank, cfg.max_context, self.device, self.dtype,
                                               router_skew=cfg.router_skew)
             self.slots_per_layer = self.memory_plan.slots_per_layer if self.memory_plan else (
