@@ -27,7 +27,7 @@ from abbench.engine.models.qwen4 import (
     ngram_multipliers, ple_table_rows,
 )
 from abbench.engine.models.weights import (
-    Draw, _Checkpoint, _load_experts, _seed, load_embed_and_head, load_linear_mixer, random_linear_mixer,
+    Draw, Checkpoint, load_experts, layer_seed, load_embed_and_head, load_linear_mixer, random_linear_mixer,
 )
 
 # Tensor kinds for seeding (the hybrid's kinds 0..18 keep their meaning).
@@ -75,7 +75,7 @@ def random_qwen4_weights(cfg: Qwen4Config, seed: int, bank: ExpertBank, device: 
         ple = None
         if l in cfg.ple_layers:
             index = cfg.ple_layers.index(l)
-            host_gen.manual_seed(_seed(seed, l, _PLE_TABLE))
+            host_gen.manual_seed(layer_seed(seed, l, _PLE_TABLE))
             table = torch.randn(ple_table_rows(cfg, index), p // cfg.ngram_heads, generator=host_gen).to(dtype)
             mult, sizes, offsets = _ple_static(cfg, index)
             ple = PLEWeights(table=table, multipliers=mult, head_sizes=sizes, head_offsets=offsets,
@@ -95,7 +95,7 @@ def random_qwen4_weights(cfg: Qwen4Config, seed: int, bank: ExpertBank, device: 
 
 def load_qwen4_checkpoint(path: str | Path, cfg: Qwen4Config, bank: ExpertBank, device: torch.device,
                           dtype: torch.dtype) -> Qwen4Weights:
-    ck = _Checkpoint(Path(path))
+    ck = Checkpoint(Path(path))
     root = "model.language_model." if "model.language_model.embed_tokens.weight" in ck else "model."
     h, d = cfg.hidden_size, cfg.head_dim
     hq, hkv, i_s = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.shared_expert_intermediate_size
@@ -160,7 +160,7 @@ def load_qwen4_checkpoint(path: str | Path, cfg: Qwen4Config, bank: ExpertBank, 
             shared_gate_up=torch.cat([dev(s + "gate_proj.weight", (i_s, h)), dev(s + "up_proj.weight", (i_s, h))]),
             shared_down=dev(s + "down_proj.weight", (h, i_s)),
             shared_gate=dev(pre + "mlp.shared_expert_gate.weight", (1, h)), ple=ple))
-        _load_experts(ck, pre, l, cfg, bank)
+        load_experts(ck, pre, l, cfg, bank)
     embed, lm_head = load_embed_and_head(ck, dev, root, cfg, path)
     return Qwen4Weights(embed=embed, layers=layers, final_mix=mixer(root + "hyper_connection_mixer.", False),
                         lm_head=lm_head)

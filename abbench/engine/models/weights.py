@@ -48,7 +48,8 @@ _EMBED, _LM_HEAD, _Q, _K, _V, _O, _ROUTER, _GATE_UP, _DOWN = range(9)
 _QKV, _Z, _B, _A, _CONV, _ALOG, _OUT, _SH_GATE_UP, _SH_DOWN, _SH_GATE = range(9, 19)  # hybrid models
 
 
-def _seed(seed: int, layer: int, kind: int) -> int:
+def layer_seed(seed: int, layer: int, kind: int) -> int:
+    """The seed of one tensor kind of one layer under the weights' ``seed`` (every family draws with it)."""
     return (seed * 1_000_003 + (layer + 2) * 1_009 + kind) % (2**63 - 1)
 
 
@@ -62,7 +63,7 @@ class Draw:
 
     def normal(self, shape: tuple[int, ...], layer: int, kind: int, std: float | None = None) -> torch.Tensor:
         """N(0, std^2), std 1/sqrt(fan_in) (the last dimension) by default, cast to the model dtype."""
-        self.gen.manual_seed(_seed(self.seed, layer, kind))
+        self.gen.manual_seed(layer_seed(self.seed, layer, kind))
         t = torch.randn(shape, generator=self.gen, device=self.device, dtype=torch.float32)
         return t.mul_(shape[-1] ** -0.5 if std is None else std).to(self.dtype)
 
@@ -114,7 +115,7 @@ def random_weights(cfg: ModelConfig, seed: int, bank: ExpertBank, device: torch.
                         lm_head=lm_head)
 
 
-class _Checkpoint:
+class Checkpoint:
     """Key -> tensor access over the safetensors files of a directory."""
 
     def __init__(self, path: Path):
@@ -146,7 +147,7 @@ class _Checkpoint:
 
 def load_checkpoint(path: str | Path, cfg: ModelConfig, bank: ExpertBank, device: torch.device,
                     dtype: torch.dtype) -> DenseWeights:
-    ck = _Checkpoint(Path(path))
+    ck = Checkpoint(Path(path))
     h, d, e, i = cfg.hidden_size, cfg.head_dim, cfg.num_experts, cfg.moe_intermediate_size
     hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
 
@@ -180,7 +181,7 @@ def load_checkpoint(path: str | Path, cfg: ModelConfig, bank: ExpertBank, device
     return DenseWeights(embed=embed, layers=layers, norm=dev("model.norm.weight", (h,)), lm_head=lm_head)
 
 
-def load_embed_and_head(ck: _Checkpoint, dev, root: str, cfg, path) -> tuple[torch.Tensor, torch.Tensor]:
+def load_embed_and_head(ck: Checkpoint, dev, root: str, cfg, path) -> tuple[torch.Tensor, torch.Tensor]:
     """The token embedding (``{root}embed_tokens.weight``) and lm_head of a checkpoint, through ``dev`` (the
     loader's key, shape -> device tensor); a tied lm_head is the embedding itself."""
     embed = dev(root + "embed_tokens.weight", (cfg.vocab_size, cfg.hidden_size))
@@ -196,7 +197,7 @@ def random_linear_mixer(cfg: HybridConfig, draw: Draw, l: int) -> LinearWeights:
     transformers initialises it, dt_bias 1, the output norm's weight 1, matrices N(0, 1/fan_in)."""
     normal, const = draw.normal, draw.const
     h, hv, dv, c = cfg.hidden_size, cfg.linear_num_value_heads, cfg.linear_value_head_dim, cfg.conv_dim
-    draw.gen.manual_seed(_seed(draw.seed, l, _ALOG))
+    draw.gen.manual_seed(layer_seed(draw.seed, l, _ALOG))
     a = torch.rand(hv, generator=draw.gen, device=draw.device, dtype=torch.float32) * 15 + 1  # [Hv] U(1, 16)
     return LinearWeights(
         in_proj_qkv=normal((c, h), l, _QKV), in_proj_z=normal((hv * dv, h), l, _Z),
@@ -231,7 +232,7 @@ def random_hybrid_weights(cfg: HybridConfig, seed: int, bank: ExpertBank, device
     return HybridWeights(embed=embed, layers=layers, norm=const(h, 0.0), lm_head=lm_head)
 
 
-def _load_experts(ck: _Checkpoint, p: str, l: int, cfg: ModelConfig, bank: ExpertBank) -> None:
+def load_experts(ck: Checkpoint, p: str, l: int, cfg: ModelConfig, bank: ExpertBank) -> None:
     """Layer ``l``'s routed experts (key prefix ``p``), fused or per expert, into the bank."""
     h, e, i = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
     fused = p + "mlp.experts.gate_up_proj"
@@ -261,7 +262,7 @@ def load_linear_mixer(cfg: HybridConfig, dev: Callable[[str, tuple[int, ...]], t
 
 def load_hybrid_checkpoint(path: str | Path, cfg: HybridConfig, bank: ExpertBank, device: torch.device,
                            dtype: torch.dtype) -> HybridWeights:
-    ck = _Checkpoint(Path(path))
+    ck = Checkpoint(Path(path))
     root = "model.language_model." if "model.language_model.embed_tokens.weight" in ck else "model."
     h, d = cfg.hidden_size, cfg.head_dim
     hq, hkv, i_s = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.shared_expert_intermediate_size
@@ -289,6 +290,6 @@ def load_hybrid_checkpoint(path: str | Path, cfg: HybridConfig, bank: ExpertBank
             shared_gate_up=torch.cat([dev(s + "gate_proj.weight", (i_s, h)), dev(s + "up_proj.weight", (i_s, h))]),
             shared_down=dev(s + "down_proj.weight", (h, i_s)),
             shared_gate=dev(p + "mlp.shared_expert_gate.weight", (1, h))))
-        _load_experts(ck, p, l, cfg, bank)
+        load_experts(ck, p, l, cfg, bank)
     embed, lm_head = load_embed_and_head(ck, dev, root, cfg, path)
     return HybridWeights(embed=embed, layers=layers, norm=dev(root + "norm.weight", (h,)), lm_head=lm_head)

@@ -214,6 +214,13 @@ class RequestContext:
     first_item: float | None = None  # perf_counter when the event loop got the first token from the worker
 
 
+SAME_NAMED = ("prefill_path", "fallback_reason", "h2d_bytes", "d2d_bytes", "prefill_h2d_bytes", "decode_h2d_bytes",
+              "bank_bytes", "expert_copies", "cached_prompt_tokens", "n_chunks", "n_windows", "peak_device_bytes",
+              "start_device_bytes", "chunk_tokens", "alloc_retries", "prefill_graph_replays", "attention_batch",
+              "attention_batched", "attention_fallbacks", "auto", "layer_trace")
+"""The fields of the ``abbench`` object that are the request's stats of the same name, as they are."""
+
+
 def abbench_object(ctx: RequestContext, stats: RequestStats, finished: float, info: BackendInfo) -> dict[str, Any]:
     """The response's ``abbench`` object (:class:`~abbench.engine.stats.AbbenchStats`) from the runtime's
     per-request stats; timings in seconds after ``received``."""
@@ -222,12 +229,8 @@ def abbench_object(ctx: RequestContext, stats: RequestStats, finished: float, in
         return None if t is None else round(t - ctx.received, 6)
 
     return AbbenchStats(
-        prefill_path=stats.prefill_path, fallback_reason=stats.fallback_reason,
-        h2d_bytes=stats.h2d_bytes, d2d_bytes=stats.d2d_bytes,
-        prefill_h2d_bytes=stats.prefill_h2d_bytes, decode_h2d_bytes=stats.decode_h2d_bytes,
-        bank_bytes=stats.bank_bytes, expert_copies=stats.expert_copies,
-        cached_prompt_tokens=stats.cached_prompt_tokens, n_chunks=stats.n_chunks,
-        n_windows=stats.n_windows, measured_h2d_gbps=finite(info.measured_h2d_gbps),
+        **{name: getattr(stats, name) for name in SAME_NAMED},
+        measured_h2d_gbps=finite(info.measured_h2d_gbps),
         timings=AbbenchTimings(received=0.0, prefill_start=rel(stats.prefill_start),
                                prefill_end=rel(stats.prefill_end), first_token=rel(stats.first_token),
                                finished=rel(finished), first_item=rel(ctx.first_item),
@@ -235,18 +238,9 @@ def abbench_object(ctx: RequestContext, stats: RequestStats, finished: float, in
         queue_wait_s=round(ctx.queue_wait_s, 6),
         decode=AbbenchDecode(slot_hits=stats.slot_hits, slot_misses=stats.slot_misses,
                              steps_whole=stats.decode_steps_whole, steps_per_layer=stats.decode_steps_per_layer,
-                             mode=info.decode_mode, kernels=info.decode_kernels,
-                             misses=stats.decode_misses,
+                             mode=info.decode_mode, kernels=info.decode_kernels, misses=stats.decode_misses,
                              slots_per_layer=info.slots_per_layer),
-        peak_device_bytes=stats.peak_device_bytes, start_device_bytes=stats.start_device_bytes,
-        chunk_tokens=stats.chunk_tokens, alloc_retries=stats.alloc_retries,
         copy_wait_s=(None if stats.copy_wait_s is None else round(stats.copy_wait_s, 6)),
-        prefill_graph_replays=stats.prefill_graph_replays,
-        attention_batch=stats.attention_batch,
-        attention_batched=stats.attention_batched,
-        attention_fallbacks=stats.attention_fallbacks,
-        auto=stats.auto,
-        layer_trace=stats.layer_trace,
     ).model_dump()
 
 
