@@ -3,9 +3,10 @@
 Contract (the server relies on it):
 - ``Engine(config)`` plans device memory (``memory_plan``: the decode slot cache sized from
   ``gpu_memory_budget_gb``, or the device's free memory; ``slots_per_layer``), builds the model, the host
-  expert bank (refused when it does not fit the host's available memory) and the device buffers, loads or
-  draws the weights and measures host->device bandwidth (``measured_h2d_gbps``); ``startup_s`` says how long
-  it took. ``decoder`` runs decode steps (CUDA graphs on CUDA).
+  expert bank (refused when it and its headroom, the dense weights plus a twentieth of the bank, do not fit the
+  host's available memory) and the device buffers, loads or draws the weights and measures host->device
+  bandwidth (``measured_h2d_gbps``); ``startup_s`` says how long it took. ``decoder`` runs decode steps (CUDA
+  graphs on CUDA). ``info`` is what the server reports about it (the contract's ``BackendInfo``).
 - ``generate(request, cancel)`` (:class:`abbench.engine.contract.GenerateRequest`; the contract's
   ``Backend``) validates eagerly (``ValueError``; ``ContextOverflow`` when prompt + max_tokens > max_context),
   resolves what the request leaves to the engine (prefill mode, chunk length, attention batch, who handles
