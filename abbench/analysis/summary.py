@@ -18,6 +18,7 @@ from abbench.analysis.frames import (
     reference_arm,
     samples_frame,
 )
+from abbench.analysis.numerics import numerics_arms, numerics_positions, numerics_table
 from abbench.analysis.parity import NEAR_TIE_NATS, parity_frame, parity_tokens_of
 from abbench.analysis.paths import active_path_samples, active_path_summary, attention_batching_table
 from abbench.analysis.sweep import SweepPair, analyze_sweep
@@ -55,6 +56,10 @@ class Analysis:
     notes: list[str]
     gate: GateVerdict
     sweep: list[SweepPair] = field(default_factory=list)
+    numerics_positions: pd.DataFrame = field(default_factory=pd.DataFrame)
+    """Per compared position of each ``parity = "numerics"`` arm (:mod:`~abbench.analysis.numerics`)."""
+    numerics: pd.DataFrame = field(default_factory=pd.DataFrame)
+    """Per numerics arm: KL, same-top rate and delta-p over its compared positions."""
 
 
 def analyze(record: RunRecord, *, parity_tokens: int | None = None, near_tie_nats: float = NEAR_TIE_NATS,
@@ -68,6 +73,7 @@ def analyze(record: RunRecord, *, parity_tokens: int | None = None, near_tie_nat
     path_samples = active_path_samples(record)
     path_summary = active_path_summary(record, path_samples)
     comp = completeness(record)
+    positions = numerics_positions(record) if numerics_arms(record) else pd.DataFrame()
     return Analysis(
         reference=reference_arm(record), parity_reference=parity_reference_arm(record), arms=arm_names(record),
         parity_tokens=k,
@@ -80,4 +86,6 @@ def analyze(record: RunRecord, *, parity_tokens: int | None = None, near_tie_nat
         notes=small_n_notes(record, ratios, ttft),
         gate=run_checks(GateInput.of(record, k, comp, parity, path_samples), gate_checks(record, checks)),
         sweep=analyze_sweep(record),
+        numerics_positions=positions,
+        numerics=numerics_table(record, positions) if not positions.empty else pd.DataFrame(),
     )

@@ -46,6 +46,9 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
     ("analysis", ("abbench.analysis",)),  # pure: derived numbers and the gate, from results
     ("services and requests", ("abbench.response", "abbench.client", "abbench.services", "abbench.ports",
                                "abbench.telemetry", "abbench.prompts", "abbench.fingerprint")),
+    # the runner's plans (fixed rounds, auto rounds, sweeps): what to measure next, from the record; below the run
+    # loop, the service slot and the requests, which they never import
+    ("runner plans", ("abbench.runner.plans", "abbench.runner.rounds", "abbench.runner.sweep")),
     ("runner", ("abbench.runner",)),
     # what reads runs (report, compare) and the diagnostics, which launch services through the runner
     ("reports and diagnostics", ("abbench.report", "abbench.compare", "abbench.diagnostics")),

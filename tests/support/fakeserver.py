@@ -97,6 +97,7 @@ class FakeConfig:
     vocab_size: int = 32000
     model: str = "fake-model"
     api_key: str | None = None  # when set, every route but /health needs "Authorization: Bearer <api_key>"
+    max_model_len: int | None = None  # when set, GET /v1/models lists the model with this context (else 404)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -314,6 +315,10 @@ class _Handler(BaseHTTPRequestHandler):
             self._send_text(200, "\n".join(lines) + "\n")
         elif path == "/stats":
             self._send_json(200, self.server.count())
+        elif path == "/v1/models" and self.server.config.max_model_len:
+            cfg = self.server.config
+            self._send_json(200, {"object": "list", "data": [{"id": cfg.model, "object": "model",
+                                                              "max_model_len": cfg.max_model_len}]})
         else:
             self._send_json(404, {"error": {"message": f"no route {path}", "code": 404}})
 
@@ -633,6 +638,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokenizer", default=None, help="count tokens with abbench.engine.serve.tokenizer (e.g. qwen3)")
     ap.add_argument("--api-key-env", default=None,
                     help="require 'Authorization: Bearer $VAR' on every route but /health (VAR names the key)")
+    ap.add_argument("--max-model-len", type=int, default=None, help="list the model at /v1/models with this context")
     ap.add_argument("--log-level", default="INFO")
     args = ap.parse_args(argv)
     logging.basicConfig(level=args.log_level, stream=sys.stderr, format="%(asctime)s fakeserver %(message)s")
@@ -653,6 +659,7 @@ def main(argv: list[str] | None = None) -> int:
         never_healthy=args.never_healthy,
         exit_process=True,
         api_key=os.environ[args.api_key_env] if args.api_key_env else None,
+        max_model_len=args.max_model_len,
     )
     server = FakeServer(config, host=args.host, port=args.port, tokenizer=tokenizer)
     log.info("listening on %s", server.base_url)
