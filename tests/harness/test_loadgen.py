@@ -1,0 +1,153 @@
+"""The load generator against real streaming servers on loopback: closed and open loop, stamps, errors counted,
+seeded arrivals, prompts built to exact lengths."""
+
+from __future__ import annotations
+
+import math
+import socket
+import statistics
+
+import numpy as np
+import pytest
+
+from abbench.loadgen import Level, LoadPrompt, Target, arrivals, draw_lengths, prompt_plan, run_level
+from abbench.profile import LengthDist, LoadSpec, RequestSpec
+from tests.support.fakeserver import FakeConfig, FakeServer
+from tests.support.fakeserver import output_ids as fake_ids
+from tests.support.fastsse import FastServer
+from tests.support.fastsse import output_ids as fast_ids
+
+
+def _prompts(n: int = 6, out: int = 8) -> list[LoadPrompt]:
+    return [LoadPrompt(f"load-{i}", 4 + i, out, " ".join(f"w{i}x{j}" for j in range(4 + i))) for i in range(n)]
+
+
+def test_closed_loop_keeps_n_in_flight_and_records_every_stamp() -> None:
+    prompts = _prompts()
+    with FastServer(token_delay_s=0.002) as srv:
+        rec = run_level(Level("concurrency", 4, requests=24), Target(srv.base_url, RequestSpec(max_tokens=8), arm="a"),
+                        prompts)
+    assert [r.index for r in rec.requests] == list(range(24)) and all(r.ok for r in rec.requests)
+    assert [r.prompt_id for r in rec.requests[:7]] == [f"load-{i % 6}" for i in range(7)]  # they cycle
+    for r in rec.requests:
+        p = prompts[int(r.prompt_id.split("-")[1])]
+        assert r.output_ids == fast_ids(p.prompt, 8) and r.ids_source == "native"
+        assert r.prompt_tokens == p.target_tokens and r.completion_tokens == 8 and r.scheduled_s is None
+        assert 0 <= r.sent_s < r.first_token_s <= r.end_s  # type: ignore[operator]
+        assert len(r.token_times_s) == 8 and r.token_times_s == sorted(r.token_times_s)
+        assert abs(r.sent_s + r.token_times_s[0] - r.first_token_s) < 1e-5  # type: ignore[operator]
+        assert r.token_times_s[-1] - r.token_times_s[0] >= 7 * 0.002 * 0.9  # the server's spacing is seen
+    from abbench.analysis.load import in_flight
+
+    steps = in_flight(rec)
+    assert max(n for _, n in steps) == 4 and steps[-1][1] == 0
+    assert rec.window_start_s == 0 and rec.window_end_s == max(r.sent_s for r in rec.requests)
+
+
+def test_open_loop_sends_on_schedule_while_the_server_is_slow() -> None:
+    """Each response takes ~0.3 s, arrivals come every ~25 ms: the generator must not wait for answers."""
+    with FastServer(first_delay_s=0.3) as srv:
+        rec = run_level(Level("rate", 40, requests=20, seed=3), Target(srv.base_url, RequestSpec(max_tokens=4)),
+                        _prompts(out=4))
+    due = arrivals(40, n=20, seed=3)
+    assert [r.scheduled_s for r in rec.requests] == [round(t, 6) for t in due]
+    lags = [r.sent_s - r.scheduled_s for r in rec.requests]  # type: ignore[operator]
+    assert min(lags) >= 0 and max(lags) < 0.05, lags
+    assert rec.requests[-1].sent_s < 0.3 + due[-1]  # the last was sent before the first answers could pace it
+    from abbench.analysis.load import in_flight
+
+    assert max(n for _, n in in_flight(rec)) >= 8
+    assert all(r.ok and r.ttft_s >= 0.29 for r in rec.requests)  # type: ignore[operator]
+
+
+def test_refusals_and_failures_are_counted_never_dropped() -> None:
+    prompts = _prompts(4)
+    with FastServer() as srv:
+        refused = run_level(Level("concurrency", 2, requests=4),
+                            Target(srv.base_url, RequestSpec(max_tokens=4), extra={"status": 429}), prompts)
+        bad_usage = run_level(Level("concurrency", 1, requests=2), Target(srv.base_url, RequestSpec(max_tokens=4)),
+                              [LoadPrompt("load-0", 99, 4, "only three words")])
+    assert [(r.ok, r.error_kind, r.status) for r in refused.requests] == [(False, "http", 429)] * 4
+    assert "too many requests" in (refused.requests[0].error or "")
+    assert [(r.ok, r.error_kind) for r in bad_usage.requests] == [(False, "usage")] * 2
+    with FakeServer(FakeConfig(mode="malformed-sse")) as srv:
+        sse = run_level(Level("rate", math.inf, requests=3), Target(srv.base_url, RequestSpec(max_tokens=4)), prompts)
+    assert [r.error_kind for r in sse.requests] == ["sse"] * 3
+    with FakeServer(FakeConfig(mode="hang")) as srv:
+        hung = run_level(Level("concurrency", 2, requests=2),
+                         Target(srv.base_url, RequestSpec(max_tokens=4, timeout_s=0.3)), prompts)
+    assert [r.error_kind for r in hung.requests] == ["timeout"] * 2 and hung.elapsed_s < 2
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()  # nothing listens there
+    refused_conn = run_level(Level("rate", 50, requests=3), Target(f"http://127.0.0.1:{port}", RequestSpec()),
+                             prompts)
+    assert [r.error_kind for r in refused_conn.requests] == ["connect"] * 3
+
+
+def test_the_fake_engine_of_the_other_tests_works_too() -> None:
+    """The threaded fake of the engine's wire format (its ids are its own function of the prompt)."""
+    prompts = _prompts(3, out=5)
+    with FakeServer(FakeConfig()) as srv:
+        rec = run_level(Level("rate", 100, requests=6), Target(srv.base_url, RequestSpec(max_tokens=5),
+                                                               metrics_path="/metrics"), prompts)
+    assert all(r.ok for r in rec.requests)
+    assert rec.requests[1].output_ids == fake_ids(prompts[1].prompt, 5)
+
+
+def test_scrapes_during_the_level() -> None:
+    with FastServer(first_delay_s=0.05) as srv:
+        rec = run_level(Level("concurrency", 2, requests=10, scrape_interval_s=0.05),
+                        Target(srv.base_url, RequestSpec(max_tokens=4), metrics_path="/metrics"), _prompts(out=4))
+    assert len(rec.scrapes) >= 3 and rec.scrape_error is None
+    assert {"fast_running", "fast_completions_total"} <= set(rec.scrapes[-1].metrics)
+    assert max(s.metrics["fast_running"] for s in rec.scrapes) >= 1
+
+
+def test_seeded_arrivals_are_reproducible_and_have_the_asked_rate() -> None:
+    a = arrivals(10, n=2000, seed=7)
+    assert a == arrivals(10, n=2000, seed=7) and a[0] == 0.0
+    assert a != arrivals(10, n=2000, seed=7, round=2) and a != arrivals(10, n=2000, seed=8)
+    g = np.diff(a)
+    assert abs(g.mean() - 0.1) < 0.01 and abs(g.std() / g.mean() - 1) < 0.1  # exponential: CV 1
+    bursty = np.diff(arrivals(10, n=2000, seed=7, burstiness=0.25))
+    assert abs(bursty.mean() - 0.1) < 0.02 and bursty.std() / bursty.mean() > 1.6  # gamma k=0.25: CV 2
+    timed = arrivals(10, duration_s=5, seed=1)
+    assert max(timed) < 5 and 30 < len(timed) < 75
+    assert arrivals(math.inf, n=4) == [0.0] * 4
+    with pytest.raises(ValueError):
+        arrivals(0, n=3)
+
+
+def test_length_draws() -> None:
+    rng = np.random.default_rng(0)
+    assert draw_lengths(LengthDist(fixed=9), 3, rng) == [9, 9, 9]
+    u = draw_lengths(LengthDist(uniform=(4, 6)), 600, rng)
+    assert set(u) == {4, 5, 6}
+    w = draw_lengths(LengthDist(values=[8, 64], weights=[3, 1]), 4000, rng)
+    assert set(w) == {8, 64} and abs(w.count(8) / 4000 - 0.75) < 0.03
+    spec = LoadSpec(concurrency=[2], requests=5, prompt_tokens=LengthDist(uniform=(8, 12)),
+                    output_tokens=LengthDist(values=[3, 5]), seed=4)
+    plan = prompt_plan(spec, 16)
+    assert plan == prompt_plan(spec, 16) and [p[0] for p in plan] == [f"load-{i}" for i in range(5)]
+    assert all(8 <= n <= 12 and o in (3, 5) for _, n, o in plan)
+    assert [o for _, _, o in prompt_plan(LoadSpec(concurrency=[1], requests=2), 16)] == [16, 16]
+
+
+def test_load_prompts_are_built_to_exact_lengths() -> None:
+    from abbench.loadgen import build_load_prompts
+    from abbench.profile import PromptsSpec
+    from abbench.tokenizers import encode_ids, load_tokenizer
+
+    tok = load_tokenizer("qwen3")
+    spec = LoadSpec(concurrency=[1], requests=3, prompt_tokens=LengthDist(values=[16, 40]), seed=2)
+    built = build_load_prompts(tok, PromptsSpec(), spec, 8)
+    assert [p.id for p in built] == ["load-0", "load-1", "load-2"]
+    for p in built:
+        assert len(encode_ids(tok, p.prompt)) == p.target_tokens and p.record is not None
+        assert p.record.token_count == p.target_tokens
+    again = build_load_prompts(tok, PromptsSpec(), spec, 8)
+    assert [p.record.sha256 for p in again] == [p.record.sha256 for p in built]  # type: ignore[union-attr]
+    assert len({p.record.sha256 for p in built}) == 3  # type: ignore[union-attr]
+    assert statistics.mean(p.max_tokens for p in built) == 8
