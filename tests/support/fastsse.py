@@ -9,8 +9,8 @@ process (``python tests/support/fastsse.py --port N [--token-delay S] [--first-d
 ``token_ids``; ``logprobs`` with ``top_logprob_ids`` when asked), the last with ``finish_reason`` "length",
 then a ``usage`` chunk and ``data: [DONE]``. Output ids are a deterministic function of the prompt's words
 (whitespace-separated; their number is ``usage.prompt_tokens``); a body field ``diverge_at: K`` changes them
-from position K on, ``near_tie_at: K`` makes position K a near tie (runner-up 0.01 nats below) and chooses the
-runner-up there, ``status: S`` answers HTTP S instead (e.g. 429) and ``token_delay_s`` / ``first_delay_s``
+from position K on, ``flip_tie: true`` chooses the runner-up at the server's ``tie_at`` position (where every
+output is a near tie: the runner-up 0.01 nats below; elsewhere 2.5 nats), ``status: S`` answers HTTP S instead (e.g. 429) and ``token_delay_s`` / ``first_delay_s``
 override the server's delays. The first event's top-level ``abbench`` object holds the server's
 ``time.perf_counter`` stamps (``t_received``: the request's body read; ``t_first``: just before the first
 event was written), so a client on the same machine can tell its own latency from the server's.
@@ -100,7 +100,7 @@ class _Proto(asyncio.Protocol):
             return
         prompt, n = str(req.get("prompt", "")), int(req.get("max_tokens", 16))
         ids = output_ids(prompt, n, req.get("diverge_at"))
-        near = req.get("near_tie_at")
+        tie, flip = srv.tie_at, bool(req.get("flip_tie"))
         token_delay = float(req.get("token_delay_s", srv.token_delay_s))
         first_delay = float(req.get("first_delay_s", srv.first_delay_s))
         lp = req.get("logprobs") is not None
@@ -115,8 +115,8 @@ class _Proto(asyncio.Protocol):
                                       "finish_reason": "length" if i == n - 1 else None}
             if lp:
                 other = (tok + 1) % 32000
-                top = [[tok, -0.5], [other, -0.51 if near == i else -3.0]]
-                if near == i:  # the runner-up was chosen: a near-tie flip
+                top = [[tok, -0.5], [other, -0.51 if tie == i else -3.0]]
+                if flip and tie == i:  # the runner-up was chosen: a near-tie flip
                     choice["text"], choice["token_ids"], top = f"t{other} ", [other], [[other, -0.5], [tok, -0.51]]
                 choice["logprobs"] = {"top_logprob_ids": [top]}
             ev: dict[str, Any] = {"object": "text_completion", "choices": [choice]}
@@ -139,8 +139,9 @@ def _chunk(data: bytes) -> bytes:
 class FastServer:
     """The server on a free loopback port, in a thread of its own (module docstring)."""
 
-    def __init__(self, *, token_delay_s: float = 0.0, first_delay_s: float = 0.0, port: int = 0) -> None:
-        self.token_delay_s, self.first_delay_s = token_delay_s, first_delay_s
+    def __init__(self, *, token_delay_s: float = 0.0, first_delay_s: float = 0.0, port: int = 0,
+                 tie_at: int | None = None) -> None:
+        self.token_delay_s, self.first_delay_s, self.tie_at = token_delay_s, first_delay_s, tie_at
         self.running = 0
         self.completions = 0
         self.sock = socket.socket()
