@@ -225,12 +225,16 @@ class _Scraper:
         self.texts: list[tuple[float, str]] = []
         self.error: str | None = None
         self._stop = threading.Event()
+        self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, name="abbench-load-scrape", daemon=True)
         self.t0 = time.perf_counter()
 
-    def start(self, t0: float) -> None:
-        self.t0 = t0
+    def start(self) -> None:
+        """Start scraping; returns after the first scrape (the client is made and warm before the level's
+        clock starts, so its first, slowest round trip never falls inside the level)."""
+        self.t0 = time.perf_counter()
         self._thread.start()
+        self._ready.wait(30)
 
     def _run(self) -> None:
         with httpx.Client(trust_env=False, timeout=max(2.0, self.interval)) as http:
@@ -244,6 +248,8 @@ class _Scraper:
                 except httpx.HTTPError as e:
                     self.error = f"GET {self.url}: {type(e).__name__}: {e}"
                     return
+                finally:
+                    self._ready.set()
                 self._stop.wait(self.interval)
 
     def stop(self) -> list[LoadScrape]:
@@ -279,9 +285,10 @@ def run_level(level: Level, target: Target, prompts: list[LoadPrompt], *,
     started_at = time.time()
     stopped: str | None = None
 
+    if scraper is not None:
+        scraper.start()
+
     async def main() -> None:
-        if scraper is not None:
-            scraper.start(time.perf_counter())
         try:
             if level.kind == "concurrency":
                 await drv.closed_loop(int(level.value))

@@ -1,0 +1,86 @@
+"""The report of a run with load levels: its Load section (per-cell table with intervals, throughput ratio,
+parity under load, server gauges), its plot, the HTML page with the plot inline, and the load checks in the
+gate; a run without load levels has no such section."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from abbench import analysis as an
+from abbench.loadgen import Level, LoadPrompt, Target, run_level
+from abbench.profile import RequestSpec, profile_from_dict
+from abbench.report import write_report
+from abbench.report.html import write_html
+from abbench.report.sections import load_section
+from abbench.results import RunRecord, load_run, save_run
+from tests.support.fastsse import FastServer
+
+CHECKS = ["parity_under_load[b, c=4]", "parity_under_load[a, c=4]", "throughput_ratio[b, c=4] >= 0.01",
+          "goodput[a, rate=300] >= 1"]
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    prof = profile_from_dict({
+        "name": "load-report", "engine": {"base_url": "http://127.0.0.1:1"}, "arms": [{"name": "a"}, {"name": "b"}],
+        "request": {"max_tokens": 6},
+        "load": {"concurrency": [1, 4], "rate": [300], "requests": 12, "slo": ["ttft_s <= 1"]},
+        "gate": {"checks": CHECKS}})
+    prompts = [LoadPrompt(f"load-{i}", 3, 6, f"alpha{i} beta gamma") for i in range(4)]
+    levels = []
+    with FastServer(token_delay_s=0.0005, tie_at=1) as srv:
+        for rnd, order in ((1, ("a", "b")), (2, ("b", "a"))):
+            for pos, arm in enumerate(order):
+                plain = Target(srv.base_url, RequestSpec(max_tokens=6), arm=arm, position=pos, metrics_path="/metrics")
+                levels.append(run_level(Level.from_spec(prof.load, "concurrency", 1, round=rnd, role="reference"),
+                                        plain, prompts))
+                for kind, v in prof.load.levels():
+                    flip = {"flip_tie": True} if arm == "b" and v == 4 else {}
+                    t = Target(srv.base_url, RequestSpec(max_tokens=6), arm=arm, position=pos, extra=flip,
+                               metrics_path="/metrics")
+                    levels.append(run_level(Level.from_spec(prof.load, kind, v, round=rnd), t, prompts))
+    record = RunRecord(run_id="load-report", status="complete", created_at=0.0, abbench_version="0",
+                       profile=prof.model_dump(), load=levels)
+    d = tmp_path_factory.mktemp("runs") / "load-report"
+    save_run(d, record)
+    return d
+
+
+def test_the_load_section_and_plot(run_dir: Path, tmp_path: Path) -> None:
+    record, problems = load_run(run_dir)
+    assert len(record.load) == 16 and all(r.ok for lv in record.load for r in lv.requests)
+    md = write_report(record, problems, tmp_path / "r.md", tmp_path / "r")
+    text = md.read_text()
+    assert "## Load levels" in text and "### Throughput against the reference arm" in text
+    assert "### Parity under load" in text and "### Server metrics during the levels" in text
+    assert "open loop (Poisson arrivals, seed 0" in text and "goodput SLOs: `ttft_s <= 1`" in text
+    rows = [line for line in text.splitlines() if line.startswith("| a | c=4 ") or line.startswith("| b | c=4 ")]
+    assert len(rows) >= 4  # the cell table and the parity table
+    parity_b = next(line for line in text.splitlines() if line.startswith("| b | c=4 | 4 |"))
+    assert parity_b.split("|")[3:9] == [" 4 ", " 0 ", " 4 ", " 0 ", " 0 ", " 0 "]  # 4 prompts, all near-tie flips
+    assert "| b | c=4 | 2 |" in text  # the ratio row: two rounds
+    assert (tmp_path / "r" / "load.png").stat().st_size > 10_000
+    assert "![TTFT and ITL against achieved output tokens/s, per arm and level](r/load.png)" in text
+    page = write_html(md).read_text()
+    assert 'id="load-levels"' in page and "data:image/png;base64," in page
+
+
+def test_the_gate_judges_the_load_checks(run_dir: Path) -> None:
+    record, _ = load_run(run_dir)
+    v = an.gate(record)
+    results = {c.name: c.result for c in v.checks}
+    assert results["parity_under_load[b, c=4] >= 1"] == "FAIL", results  # near ties, not accepted
+    assert results["parity_under_load[a, c=4] >= 1"] == "pass"
+    assert results["throughput_ratio[b, c=4] >= 0.01"] == "pass"
+    assert results["goodput[a, rate=300] >= 1"] == "pass"
+
+
+def test_a_run_without_load_levels_has_no_load_section() -> None:
+    from abbench.report.sections import ReportInput
+
+    record = RunRecord(run_id="x", status="complete", created_at=0.0, abbench_version="0",
+                       profile={"name": "x", "arms": [{"name": "a"}]})
+    assert load_section(ReportInput(record=record, analysis=an.analyze(record))) == []
+    assert an.analyze(record).load is None
