@@ -95,6 +95,8 @@ class LoadLevel(_Model):
     adapter: str = "openai"
     base_url: str = ""
     started_at: float = Field(description="Wall-clock time (unix seconds) of the level's start.")
+    clock_s: float | None = Field(None, description="time.perf_counter() at the level's start: the level clock's "
+                                  "origin, so stamps another process of this machine took compare with its own.")
     warmup_s: float = 0.0
     cooldown_s: float = 0.0
     window_start_s: float = Field(description="Measured window start (level clock).")

@@ -52,8 +52,8 @@ from abbench.checkexpr import Slo, parse_slo
 from abbench.loadrecords import LoadLevel, LoadRequest
 from abbench.results import RunRecord
 
-__all__ = ["CELL_COLUMNS", "PARITY_COLUMNS", "cell_table", "in_flight", "level_rounds", "load_levels",
-           "load_slos", "measured", "parity_under_load", "request_metrics", "round_figures", "throughput_ratios",
+__all__ = ["CELL_COLUMNS", "PARITY_COLUMNS", "REQUEST_COLUMNS", "cell_table", "in_flight", "level_rounds", "load_levels",
+           "load_slos", "measured", "parity_under_load", "request_metrics", "requests_table", "round_figures", "throughput_ratios",
            "values"]
 
 PERCENTILES = (50, 90, 99)
@@ -64,6 +64,10 @@ CELL_COLUMNS = (["arm", "level", "kind", "value", "rounds", "sent", "measured", 
                 + [f"{f}{x}" for f in ("request_s", "output_tok_s", "goodput", "error_rate")
                    for x in ("", "_low", "_high")]
                 + ["in_flight_mean", "in_flight_max", "lag_p99_s", "ttft_sched_p99_s", "slo_met"])
+REQUEST_COLUMNS = ["arm", "round", "position", "role", "level", "index", "prompt_id", "target_tokens", "max_tokens",
+                   "scheduled_s", "sent_s", "first_token_s", "end_s", "measured", "ok", "error_kind", "status",
+                   "ttft_s", "tpot_s", "e2e_s", "itl_max_s", "lag_s", "prompt_tokens", "completion_tokens",
+                   "ids_source", "output_ids", "error"]
 PARITY_COLUMNS = ["arm", "level", "prompts", "identical", "near_tie", "broken", "unchecked", "kept",
                   "first_diverging", "example", "tolerance", "accepts"]
 
@@ -317,3 +321,23 @@ def values(record: RunRecord, metric: str, vs: str | None = None) -> pd.DataFram
             oks = [request_metrics(r) for r in measured(lv) if r.ok]
             rows += [{"arm": arm, "level": label, "round": lv.round, "value": v} for v in _latency(name, oks)]
     return pd.DataFrame(rows, columns=cols)
+
+
+def requests_table(record: RunRecord) -> pd.DataFrame:
+    """One row per load request of every level, references included (:data:`REQUEST_COLUMNS`; stamps on the
+    level's clock, ``measured`` says whether it counts, output ids space-separated)."""
+    rows = []
+    for lv in record.load:
+        inside = {id(r) for r in measured(lv)} if lv.role == "load" else set()
+        for r in lv.requests:
+            m = request_metrics(r) if r.ok else {}
+            rows.append({
+                "arm": lv.arm, "round": lv.round, "position": lv.position, "role": lv.role, "level": lv.label,
+                "index": r.index, "prompt_id": r.prompt_id, "target_tokens": r.target_tokens,
+                "max_tokens": r.max_tokens, "scheduled_s": r.scheduled_s, "sent_s": r.sent_s,
+                "first_token_s": r.first_token_s, "end_s": r.end_s, "measured": id(r) in inside, "ok": r.ok,
+                "error_kind": r.error_kind, "status": r.status, "ttft_s": m.get("ttft"), "tpot_s": m.get("tpot"),
+                "e2e_s": m.get("e2e"), "itl_max_s": m.get("itl_max"), "lag_s": m.get("lag"),
+                "prompt_tokens": r.prompt_tokens, "completion_tokens": r.completion_tokens,
+                "ids_source": r.ids_source, "output_ids": " ".join(map(str, r.output_ids)), "error": r.error})
+    return pd.DataFrame(rows, columns=REQUEST_COLUMNS)

@@ -41,7 +41,7 @@ import httpx
 from abbench.adapters import Adapter, get_adapter
 from abbench.errors import RequestError
 from abbench.loadgen.plan import LoadPrompt, arrivals, request_prompt
-from abbench.loadgen.wire import Connection, Exchange, Pool
+from abbench.loadgen.wire import Connection, Exchange, Pool, request_bytes
 from abbench.loadrecords import LoadLevel, LoadRequest, LoadScrape
 from abbench.profile import LoadSpec, RequestSpec
 from abbench.prometheus import parse_prometheus
@@ -119,12 +119,14 @@ class _Driver:
         self.what = f"POST {target.base_url.rstrip('/')}{self.ad.completion_path}"
         self.headers = [("connection", "close")] if self.ad.closes_after_stream else []
         self.headers += [(k.lower(), v) for k, v in target.headers.items()]
-        self.bodies: dict[str, bytes] = {}
+        self.bodies: dict[str, bytes] = {}  # the whole request, head and body
         self.ignore_eos: dict[str, bool] = {}
+        host = self.pool.host if self.pool.port == 80 else f"{self.pool.host}:{self.pool.port}"
         for p in prompts:
             req = target.request.model_copy(update={"max_tokens": p.max_tokens})
             body = self.ad.build_body(p.prompt, request=req, extra=target.extra, model=target.model)
-            self.bodies[p.id] = json.dumps(body, ensure_ascii=False).encode("utf-8")
+            self.bodies[p.id] = request_bytes(host, self.path, json.dumps(body, ensure_ascii=False).encode("utf-8"),
+                                              self.headers)
             self.ignore_eos[p.id] = self.ad.ignore_eos_sent(body)
         self.reqs: list[_Req] = []
         self.t0 = 0.0
@@ -133,7 +135,7 @@ class _Driver:
         loop = asyncio.get_running_loop()
         ex = Exchange(self.ad, self.what, loop)
         r.ex = ex
-        conn.send(ex, self.path, self.bodies[r.prompt.id], self.headers)
+        conn.send(ex, self.bodies[r.prompt.id])
         r.attempt = ex.t0 or time.perf_counter()
         timer = loop.call_later(self.target.request.timeout_s, _expire, ex, conn, self.target.request.timeout_s)
         ex.done.add_done_callback(lambda _f: timer.cancel())
@@ -322,7 +324,7 @@ def _record(drv: _Driver, level: Level, target: Target, started_at: float, scrap
         kind=level.kind,  # type: ignore[arg-type]
         value=level.value, arrival=level.arrival if level.kind == "rate" else None,  # type: ignore[arg-type]
         burstiness=level.burstiness if level.kind == "rate" else None, seed=level.seed,
-        adapter=drv.ad.name, base_url=target.base_url, started_at=started_at, warmup_s=level.warmup_s,
+        adapter=drv.ad.name, base_url=target.base_url, started_at=started_at, clock_s=t0, warmup_s=level.warmup_s,
         cooldown_s=level.cooldown_s, window_start_s=level.warmup_s,
         window_end_s=max(level.warmup_s, last_send - level.cooldown_s),
         elapsed_s=round(max(ends) if ends else last_send, 6), requests=rows, scrapes=scrapes,

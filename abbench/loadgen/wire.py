@@ -2,9 +2,10 @@
 
 Contract
 --------
-:class:`Connection` is one keep-alive HTTP/1.1 connection (``asyncio.Protocol``, ``TCP_NODELAY``, HTTP framing
-by ``h11``) that carries one request at a time. :meth:`Connection.send` writes a request at once (no await
-between the ``sent`` stamp and the write) and returns an :class:`Exchange`, whose future resolves when the
+:class:`Connection` is one keep-alive HTTP/1.1 connection (``asyncio.Protocol``, ``TCP_NODELAY``; the response framed
+by a small HTTP/1.1 reader of its own: chunked, content-length or close-delimited bodies, interim 1xx skipped)
+that carries one request at a time. :meth:`Connection.send` writes a request built before the level at once
+(no await between the ``sent`` stamp and the write) and returns an :class:`Exchange`, whose future resolves when the
 response has ended or failed. Every network chunk is stamped with ``time.perf_counter`` in
 ``data_received``, before it is parsed, as :class:`abbench.client.EngineClient` stamps its chunks; the body is
 read with the SSE parser of :mod:`abbench.sse`, and, as there, events are decoded only up to the first that
@@ -31,8 +32,6 @@ from collections import deque
 from typing import Any
 from urllib.parse import urlsplit
 
-import h11
-
 from abbench.adapters import Adapter
 from abbench.client import KEEPALIVE_EXPIRY_S
 from abbench.client import _error_message as _message
@@ -40,7 +39,7 @@ from abbench.errors import RequestError
 from abbench.response import RawResponse
 from abbench.sse import SNIPPET, SSEParser
 
-__all__ = ["Connection", "Exchange", "Pool"]
+__all__ = ["Connection", "Exchange", "Pool", "request_bytes"]
 
 _ERROR_LIMIT = 64 * 1024  # bytes of an error body kept for its message
 
@@ -138,16 +137,35 @@ class Exchange:
                            event_times=list(self.arrived))
 
 
+_HEAD, _SIZE, _CHUNK, _CRLF, _TRAILER, _LENGTH, _TO_CLOSE, _DONE = range(8)
+_HEAD_LIMIT = 64 * 1024  # bytes of a response head, and of a chunk-size or trailer line
+
+
+def request_bytes(host: str, target: str, body: bytes, headers: list[tuple[str, str]]) -> bytes:
+    """One POST of ``body`` (JSON) as HTTP/1.1 bytes, built once before a level so a send is one write."""
+    lines = [f"POST {target} HTTP/1.1", f"host: {host}", "content-type: application/json",
+             "accept: text/event-stream", "accept-encoding: identity", f"content-length: {len(body)}",
+             *(f"{k}: {v}" for k, v in headers)]
+    for line in lines:
+        if "\r" in line or "\n" in line:
+            raise ValueError(f"a header holds a line break: {line!r}")
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
+
+
 class Connection(asyncio.Protocol):
-    """One keep-alive HTTP/1.1 connection (module docstring)."""
+    """One keep-alive HTTP/1.1 connection (module docstring). The response is framed here (status line and
+    headers; chunked, content-length or close-delimited body), with as little work per chunk as it takes."""
 
     def __init__(self, host: str) -> None:
         self.host = host
-        self.h11 = h11.Connection(h11.CLIENT)
         self.transport: asyncio.Transport | None = None
         self.current: Exchange | None = None
         self.closed = False
         self.idle_since = time.monotonic()
+        self._buf = b""
+        self._state = _DONE
+        self._left = 0  # bytes left of a chunk or a content-length body
+        self._keep = True  # the response allows another request on this connection
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -158,58 +176,132 @@ class Connection(asyncio.Protocol):
             except OSError:
                 pass
 
-    def send(self, ex: Exchange, target: str, body: bytes, headers: list[tuple[str, str]]) -> None:
-        """Write the request now; ``ex.t0`` is stamped just before the write."""
+    def send(self, ex: Exchange, data: bytes) -> None:
+        """Write the request bytes now (:func:`request_bytes`); ``ex.t0`` is stamped just before the write."""
         assert self.current is None and self.transport is not None
         self.current = ex
-        h = [("host", self.host), ("content-type", "application/json"), ("accept", "text/event-stream"),
-             ("accept-encoding", "identity"), ("content-length", str(len(body))), *headers]
-        try:
-            data = self.h11.send(h11.Request(method="POST", target=target, headers=h))
-            data += self.h11.send(h11.Data(data=body))
-            data += self.h11.send(h11.EndOfMessage())
-        except h11.LocalProtocolError as e:
-            self.abort()
-            ex.fail(RequestError("connect", f"{ex.what}: the connection cannot take a request ({e})"))
-            return
+        self._buf, self._state, self._keep = b"", _HEAD, True
         ex.t0 = time.perf_counter()
         self.transport.write(data)
 
     def data_received(self, data: bytes) -> None:
         t = time.perf_counter()
         ex = self.current
+        if ex is None:  # nothing was asked: a server that talks out of turn cannot be trusted with the next one
+            self.abort()
+            return
         try:
-            self.h11.receive_data(data)
-            while True:
-                event = self.h11.next_event()
-                if event is h11.NEED_DATA or event is h11.PAUSED:
-                    return
-                if ex is None:
-                    raise RequestError("protocol", f"the server sent {type(event).__name__} with no request out")
-                if isinstance(event, h11.Response):
-                    ex._headers(event.status_code, list(event.headers))
-                elif isinstance(event, h11.Data):
-                    ex._data(bytes(event.data), t)
-                elif isinstance(event, h11.EndOfMessage):
-                    self.current = None
-                    ex._finish(t)
-                    self._recycle()
-                    return
-                elif isinstance(event, h11.ConnectionClosed):
-                    raise RequestError("connect", "the connection was closed before the response ended")
-        except h11.RemoteProtocolError as e:
-            self._fail(RequestError("protocol", f"{ex.what if ex else 'response'}: invalid HTTP ({e})"), t)
+            self._feed(ex, self._buf + data if self._buf else data, t)
         except RequestError as e:
-            self._fail(e if ex is None or e.detail.startswith(ex.what) else
-                       RequestError(e.kind, f"{ex.what}: {e.detail}", status=e.status), t)
+            self._fail(e if e.detail.startswith(ex.what) else RequestError(e.kind, f"{ex.what}: {e.detail}",
+                                                                              status=e.status), t)
+        except ValueError as e:
+            self._fail(RequestError("protocol", f"{ex.what}: invalid HTTP from the server ({e})"), t)
+
+    def _feed(self, ex: Exchange, buf: bytes, t: float) -> None:
+        self._buf = b""
+        pos, n = 0, len(buf)
+        while True:
+            st = self._state
+            if st == _CHUNK or st == _LENGTH:
+                take = min(self._left, n - pos)
+                if take:
+                    ex._data(buf[pos:pos + take], t)
+                    pos += take
+                    self._left -= take
+                if self._left:
+                    return
+                if st == _LENGTH:
+                    self._end(ex, t, pos < n)
+                    return
+                self._state = _CRLF
+            elif st == _SIZE or st == _CRLF or st == _TRAILER:
+                eol = buf.find(b"\r\n", pos)
+                if eol < 0:
+                    self._keep_rest(buf, pos)
+                    return
+                line, pos = buf[pos:eol], eol + 2
+                if st == _CRLF:
+                    if line:
+                        raise ValueError("a chunk is longer than its size")
+                    self._state = _SIZE
+                elif st == _SIZE:
+                    self._left = int(line.split(b";", 1)[0].strip(), 16)
+                    self._state = _CHUNK if self._left else _TRAILER
+                elif not line:  # the blank line that ends the trailers: the response is complete
+                    self._end(ex, t, pos < n)
+                    return
+            elif st == _HEAD:
+                end = buf.find(b"\r\n\r\n", pos)
+                if end < 0:
+                    self._keep_rest(buf, pos)
+                    return
+                head, pos = buf[pos:end], end + 4
+                self._head(ex, head)
+                if self._state == _DONE:
+                    self._end(ex, t, pos < n)
+                    return
+            elif st == _TO_CLOSE:
+                if pos < n:
+                    ex._data(buf[pos:], t)
+                return
+            else:
+                raise ValueError("data after the response")
+            if pos >= n and self._state in (_CHUNK, _LENGTH) and self._left:
+                return
+
+    def _keep_rest(self, buf: bytes, pos: int) -> None:
+        rest = buf[pos:]
+        if len(rest) > _HEAD_LIMIT:
+            raise ValueError(f"a header or chunk line of over {_HEAD_LIMIT} bytes")
+        self._buf = rest
+
+    def _head(self, ex: Exchange, head: bytes) -> None:
+        lines = head.split(b"\r\n")
+        version, _, rest = lines[0].partition(b" ")
+        if not version.startswith(b"HTTP/1."):
+            raise ValueError(f"not an HTTP/1 status line: {lines[0][:80]!r}")
+        status = int(rest[:3])
+        headers = []
+        for line in lines[1:]:
+            k, sep, v = line.partition(b":")
+            if not sep:
+                raise ValueError(f"a header line without a colon: {line[:80]!r}")
+            headers.append((k.strip().lower(), v.strip()))
+        if 100 <= status < 200:  # an interim response (100 Continue): the real one follows
+            self._state = _HEAD
+            return
+        names = dict(headers)
+        conn = names.get(b"connection", b"").lower()
+        self._keep = b"close" not in conn and (version == b"HTTP/1.1" or b"keep-alive" in conn)
+        ex._headers(status, headers)
+        if status in (204, 304):
+            self._state = _DONE
+        elif b"chunked" in names.get(b"transfer-encoding", b"").lower():
+            self._state = _SIZE
+        elif b"content-length" in names:
+            self._left = int(names[b"content-length"])
+            self._state = _LENGTH if self._left else _DONE
+        else:
+            self._state, self._keep = _TO_CLOSE, False
+
+    def _end(self, ex: Exchange, t: float, extra: bool) -> None:
+        self.current = None
+        self._state = _DONE
+        if extra:  # bytes after the end of the response: the connection is not reused
+            self._keep = False
+        ex._finish(t)
+        if self._keep:
+            self.idle_since = time.monotonic()
+        else:
+            self.abort()
 
     def eof_received(self) -> bool | None:
-        try:
-            self.h11.receive_data(b"")
-        except h11.RemoteProtocolError:
-            pass
-        if self.current is not None:  # a response delimited by the close
-            self.data_received(b"")
+        ex = self.current
+        if ex is not None and self._state == _TO_CLOSE:  # a response delimited by the close: complete
+            self.current = None
+            self.closed = True
+            ex._finish(time.perf_counter())
         return None
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -225,13 +317,6 @@ class Connection(asyncio.Protocol):
         if ex is not None:
             ex.fail(error, t)
 
-    def _recycle(self) -> None:
-        if self.h11.our_state is h11.DONE and self.h11.their_state is h11.DONE:
-            self.h11.start_next_cycle()
-            self.idle_since = time.monotonic()
-        else:
-            self.abort()
-
     def abort(self) -> None:
         self.closed = True
         if self.transport is not None:
@@ -239,7 +324,7 @@ class Connection(asyncio.Protocol):
 
     @property
     def reusable(self) -> bool:
-        return (not self.closed and self.current is None and self.h11.our_state is h11.IDLE
+        return (not self.closed and self.current is None and self._keep
                 and time.monotonic() - self.idle_since < KEEPALIVE_EXPIRY_S)
 
 

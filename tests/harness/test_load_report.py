@@ -84,3 +84,22 @@ def test_a_run_without_load_levels_has_no_load_section() -> None:
                        profile={"name": "x", "arms": [{"name": "a"}]})
     assert load_section(ReportInput(record=record, analysis=an.analyze(record))) == []
     assert an.analyze(record).load is None
+
+
+def test_export_csv_has_one_row_per_load_request(run_dir: Path, tmp_path: Path) -> None:
+    import pandas as pd
+    from typer.testing import CliRunner
+
+    from abbench.cli import app
+
+    out = tmp_path / "load.csv"
+    r = CliRunner().invoke(app, ["export", str(run_dir), "--csv", "--load", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    df = pd.read_csv(out)
+    assert len(df) == sum(len(lv.requests) for lv in load_run(run_dir)[0].load) == 16 * 12  # 4 reference levels, 12 load
+    assert set(df["level"]) == {"c=1", "c=4", "rate=300"} and set(df["role"]) == {"load", "reference"}
+    assert df["ok"].all() and (df["ttft_s"] > 0).all() and df["run_id"].eq("load-report").all()
+    assert df[df["role"] == "load"]["measured"].any() and not df[df["role"] == "reference"]["measured"].any()
+    assert df["output_ids"].str.split().map(len).eq(6).all()
+    plain = CliRunner().invoke(app, ["export", str(run_dir), "--csv"])
+    assert plain.exit_code == 0 and plain.output.startswith("run_id,")  # the samples: none in a load-only run

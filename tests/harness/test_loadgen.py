@@ -151,3 +151,76 @@ def test_load_prompts_are_built_to_exact_lengths() -> None:
     assert [p.record.sha256 for p in again] == [p.record.sha256 for p in built]  # type: ignore[union-attr]
     assert len({p.record.sha256 for p in built}) == 3  # type: ignore[union-attr]
     assert statistics.mean(p.max_tokens for p in built) == 8
+
+
+def test_the_http_reader_takes_odd_framings() -> None:
+    """A stream written in odd-sized pieces with CRLF line ends, comments and two-line data; an error body
+    framed by content-length; the same ids as a plain stream."""
+    prompts = _prompts(2, out=5)
+    with FakeServer(FakeConfig(mode="split-chunks")) as srv:
+        split = run_level(Level("concurrency", 2, requests=4), Target(srv.base_url, RequestSpec(max_tokens=5)),
+                          prompts)
+    assert all(r.ok for r in split.requests), [r.error for r in split.requests]
+    assert split.requests[1].output_ids == fake_ids(prompts[1].prompt, 5)
+    with FakeServer(FakeConfig(mode="http-500")) as srv:
+        err = run_level(Level("concurrency", 1, requests=3), Target(srv.base_url, RequestSpec(max_tokens=5)),
+                        prompts)
+    assert [(r.error_kind, r.status) for r in err.requests] == [("http", 500)] * 3
+
+
+def test_the_reader_by_hand() -> None:
+    """Framing fed byte by byte: chunk sizes split, a chunk extension, trailers, an interim 100, a keep-alive
+    that the server refuses, and a body delimited by the close."""
+    import asyncio
+
+    from abbench.adapters import get_adapter
+    from abbench.loadgen.wire import Connection, Exchange
+
+    class _T:
+        def __init__(self) -> None:
+            self.aborted = False
+
+        def write(self, data: bytes) -> None:
+            pass
+
+        def abort(self) -> None:
+            self.aborted = True
+
+        def get_extra_info(self, name: str) -> None:
+            return None
+
+    ev = (b'data: {"choices":[{"index":0,"text":"a","token_ids":[7],"finish_reason":"length"}]}\n\n'
+          b'data: {"choices":[],"usage":{"prompt_tokens":1,"completion_tokens":1}}\n\ndata: [DONE]\n\n')
+
+    async def run(resp: bytes, step: int) -> tuple[Exchange, Connection, _T]:
+        loop = asyncio.get_running_loop()
+        c, t = Connection("h"), _T()
+        c.connection_made(t)  # type: ignore[arg-type]
+        ex = Exchange(get_adapter("openai"), "POST x", loop)
+        c.send(ex, b"")
+        for i in range(0, len(resp), step):
+            c.data_received(resp[i:i + step])
+        if not ex.done.done():
+            c.eof_received()
+        if not ex.done.done():  # the transport closes after an EOF
+            c.connection_lost(None)
+        await asyncio.wait_for(ex.done, 1)
+        return ex, c, t
+
+    half = len(ev) // 2
+    chunked = (b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+               b"transfer-encoding: chunked\r\n\r\n" + f"{half:x};ext=1\r\n".encode() + ev[:half] + b"\r\n"
+               + f"{len(ev) - half:X}\r\n".encode() + ev[half:] + b"\r\n0\r\nx-trailer: 1\r\n\r\n")
+    for step in (1, 7, len(chunked)):
+        ex, c, t = asyncio.run(run(chunked, step))
+        assert ex.error is None and ex.saw_done and ex.status == 200 and c.reusable and not t.aborted
+        assert ex.raw().events[0]["choices"][0]["token_ids"] == [7]
+    closing = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n" + ev)
+    ex, c, t = asyncio.run(run(closing, 5))
+    assert ex.error is None and ex.saw_done and not c.reusable
+    short = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-length: 999\r\n\r\n" + ev
+    ex, c, _ = asyncio.run(run(short, 9))
+    assert ex.error is not None and ex.error.kind == "connect"  # cut short: a dropped connection, not a success
+    bad = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\nzz\r\n"
+    ex, c, t = asyncio.run(run(bad, 4))
+    assert ex.error is not None and ex.error.kind == "protocol" and t.aborted

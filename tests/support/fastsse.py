@@ -14,7 +14,9 @@ output is a near tie: the runner-up 0.01 nats below; elsewhere 2.5 nats), ``stat
 override the server's delays. The first event's top-level ``abbench`` object holds the server's
 ``time.perf_counter`` stamps (``t_received``: the request's body read; ``t_first``: just before the first
 event was written), so a client on the same machine can tell its own latency from the server's.
-``GET /health`` 200; ``GET /metrics`` a gauge of running requests and a counter of completions.
+``GET /health`` 200; ``GET /metrics`` a gauge of running requests and a counter of completions; ``GET /stats``
+the server's own TTFT of every completion since the last ``/stats`` (``t_first - t_received``, seconds), then
+forgets them.
 """
 
 from __future__ import annotations
@@ -83,6 +85,9 @@ class _Proto(asyncio.Protocol):
                 text = (f"# TYPE fast_running gauge\nfast_running {srv.running}\n"
                         f"# TYPE fast_completions_total counter\nfast_completions_total {srv.completions}\n")
                 self._write(200, "text/plain; version=0.0.4", text.encode())
+            elif method == "GET" and path == "/stats":
+                stats, srv.server_ttfts = srv.server_ttfts, []
+                self._write(200, "application/json", json.dumps({"ttft_s": stats}).encode())
             elif method == "POST" and path == "/v1/completions":
                 await self._complete(json.loads(body), t_received)
             else:
@@ -121,7 +126,9 @@ class _Proto(asyncio.Protocol):
                 choice["logprobs"] = {"top_logprob_ids": [top]}
             ev: dict[str, Any] = {"object": "text_completion", "choices": [choice]}
             if i == 0:
-                ev["abbench"] = {"t_received": t_received, "t_first": time.perf_counter()}
+                t_first = time.perf_counter()
+                ev["abbench"] = {"t_received": t_received, "t_first": t_first}
+                srv.server_ttfts.append(t_first - t_received)
             tr.write(_chunk(b"data: " + json.dumps(ev).encode() + b"\n\n"))
             if token_delay and i < n - 1:
                 await asyncio.sleep(token_delay)
@@ -144,6 +151,7 @@ class FastServer:
         self.token_delay_s, self.first_delay_s, self.tie_at = token_delay_s, first_delay_s, tie_at
         self.running = 0
         self.completions = 0
+        self.server_ttfts: list[float] = []
         self.sock = socket.socket()
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind(("127.0.0.1", port))
