@@ -202,7 +202,6 @@ def export(
     \b
       abbench export results/readme-cpu-tiny --csv --out samples.csv
       abbench export results/readme-cpu-tiny --csv
-      abbench export RUN --csv --load --out load-requests.csv
     """
     from abbench.cli.documents import samples_table
     from abbench.results import load_run
