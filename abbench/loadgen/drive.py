@@ -345,7 +345,7 @@ def _request(drv: _Driver, r: _Req, t0: float, started_at: float,
     base["end_s"] = None if ex.end is None else round(ex.end - t0, 6)
     if ex.ttft is not None:
         base["first_token_s"] = round(ex.t0 + ex.ttft - t0, 6)
-    if not ex.done.done():
+    if not ex.done.done() or ex.done.cancelled() or ex.end is None:  # cut off by an interrupt
         return LoadRequest(**base, ok=False, error_kind="interrupted",
                            error="the level was interrupted before this response ended", status=ex.status)
     try:

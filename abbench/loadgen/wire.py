@@ -339,7 +339,7 @@ class Pool:
         self.prefix = u.path.rstrip("/")
         self.connect_timeout_s = connect_timeout_s
         self.idle: deque[Connection] = deque()
-        self.opened = 0
+        self.opened: list[Connection] = []  # every connection it opened (closed at the end of the level)
 
     def take_idle(self) -> Connection | None:
         while self.idle:
@@ -360,7 +360,7 @@ class Pool:
                                           f"{self.connect_timeout_s:g} s") from None
         except OSError as e:
             raise RequestError("connect", f"cannot connect to {self.host}:{self.port}: {e}") from None
-        self.opened += 1
+        self.opened.append(proto)
         return proto
 
     def give_back(self, c: Connection) -> None:
@@ -370,6 +370,9 @@ class Pool:
             c.abort()
 
     def close(self) -> None:
-        while self.idle:
-            self.idle.pop().abort()
+        """Abort every connection it opened, idle or busy (the end of a level, or an interrupt)."""
+        self.idle.clear()
+        for c in self.opened:
+            if not c.closed:
+                c.abort()
 

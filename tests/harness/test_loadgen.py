@@ -224,3 +224,41 @@ def test_the_reader_by_hand() -> None:
     bad = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\nzz\r\n"
     ex, c, t = asyncio.run(run(bad, 4))
     assert ex.error is not None and ex.error.kind == "protocol" and t.aborted
+
+
+def test_duration_and_windows() -> None:
+    """Sends stop after duration_s; the window cuts warmup_s off the start and cooldown_s off the last send."""
+    from abbench.analysis.load import measured
+
+    with FastServer(first_delay_s=0.02) as srv:
+        rec = run_level(Level("concurrency", 2, requests=None, duration_s=0.4, warmup_s=0.1, cooldown_s=0.1),
+                        Target(srv.base_url, RequestSpec(max_tokens=4)), _prompts(out=4))
+        timed = run_level(Level("rate", 50, requests=None, duration_s=0.3, seed=2),
+                          Target(srv.base_url, RequestSpec(max_tokens=4)), _prompts(out=4))
+    sends = [r.sent_s for r in rec.requests]
+    assert max(sends) < 0.4 + 0.05 and len(sends) >= 10 and all(r.ok for r in rec.requests)
+    assert rec.window_start_s == 0.1 and rec.window_end_s == pytest.approx(max(sends) - 0.1, abs=1e-6)
+    inside = measured(rec)
+    assert inside and all(0.1 <= r.sent_s <= rec.window_end_s for r in inside) and len(inside) < len(sends)
+    assert [r.scheduled_s for r in timed.requests] == [round(t, 6) for t in arrivals(50, duration_s=0.3, seed=2)]
+
+
+def test_an_interrupt_keeps_what_finished() -> None:
+    """SIGINT in the middle of a level: the requests that ended are kept, those in flight are marked, and the
+    level says it stopped."""
+    import os
+    import signal
+    import threading
+
+    with FastServer(first_delay_s=0.15) as srv:
+        timer = threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGINT))
+        timer.start()
+        try:
+            rec = run_level(Level("concurrency", 2, requests=40), Target(srv.base_url, RequestSpec(max_tokens=4)),
+                            _prompts(out=4))
+        finally:
+            timer.cancel()
+    assert rec.stopped and rec.stopped.startswith("interrupted")
+    kinds = [r.error_kind for r in rec.requests]
+    assert 2 <= sum(r.ok for r in rec.requests) < 40 and "interrupted" in kinds
+    assert all(r.ok or r.error_kind == "interrupted" for r in rec.requests)
