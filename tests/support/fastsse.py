@@ -171,13 +171,15 @@ class FastServer:
 
         def run() -> None:
             loop = asyncio.new_event_loop()
+            asyncio.set_event_loop(loop)
             loop.run_until_complete(self.serve())
             ready.set()
             loop.run_forever()
             pending = asyncio.all_tasks(loop)  # answers still streaming when the server stops
             for task in pending:
                 task.cancel()
-            loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+            if pending:
+                loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
             loop.close()
 
         self._thread = threading.Thread(target=run, daemon=True)
