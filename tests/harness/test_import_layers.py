@@ -41,7 +41,7 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
                                "abbench.loadgen")),
     ("runner", ("abbench.runner",)),
     # what reads runs (report, compare) and the diagnostics, which launch services through the runner
-    ("reports and diagnostics", ("abbench.report", "abbench.compare", "abbench.diagnostics")),
+    ("reports and diagnostics", ("abbench.report", "abbench.compare", "abbench.compare_load", "abbench.diagnostics")),
     ("command line", ("abbench.cli", "abbench.__main__")),
 ]
 

@@ -103,3 +103,49 @@ def test_export_csv_has_one_row_per_load_request(run_dir: Path, tmp_path: Path) 
     assert df["output_ids"].str.split().map(len).eq(6).all()
     plain = CliRunner().invoke(app, ["export", str(run_dir), "--csv"])
     assert plain.exit_code == 0 and plain.output.startswith("run_id,")  # the samples: none in a load-only run
+
+
+def _slower(record: RunRecord, factor: float) -> RunRecord:
+    """The run with every stamp of every load request stretched by ``factor`` (a slower candidate)."""
+    levels = []
+    for lv in record.load:
+        reqs = [r.model_copy(update={
+            "sent_s": r.sent_s * factor, "first_token_s": None if r.first_token_s is None else r.first_token_s * factor,
+            "end_s": None if r.end_s is None else r.end_s * factor,
+            "token_times_s": None if r.token_times_s is None else [t * factor for t in r.token_times_s]})
+            for r in lv.requests]
+        levels.append(lv.model_copy(update={"requests": reqs, "window_end_s": lv.window_end_s * factor,
+                                            "elapsed_s": lv.elapsed_s * factor}))
+    return record.model_copy(update={"load": levels, "run_id": record.run_id + "-slower"})
+
+
+def test_compare_judges_the_load_cells(run_dir: Path, tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from abbench.cli import app
+    from abbench.compare import compare
+
+    base, _ = load_run(run_dir)
+    same = compare(base, base)
+    assert same.exit_code == 0 and not same.load.empty
+    assert set(same.load["verdict"]) <= {"not significant", "too few to judge"}
+    assert set(same.load["metric"]) == {"output_tok_s", "goodput", "ttft_p50_s", "ttft_p99_s", "itl_p99_s"}
+    slow = _slower(base, 3.0)
+    c = compare(base, slow)
+    rows = c.load.set_index(["arm", "level", "metric"])
+    ttft = rows.xs("ttft_p50_s", level="metric")
+    assert ttft["change"].to_list() == pytest.approx([2.0] * 6)
+    assert (ttft["verdict"] == "worse").sum() >= 4  # a wide interval (a bimodal cell of 24 requests) may hold 0
+    assert rows.loc[("a", "c=4", "output_tok_s"), "change"] == pytest.approx(-2 / 3, abs=0.02)
+    assert rows.loc[("a", "c=4", "ttft_p99_s"), "verdict"] == "too few to judge"  # 24 requests: no p99
+    assert c.exit_code == 1
+    save_run(tmp_path / "slower", slow)
+    r = CliRunner().invoke(app, ["compare", str(run_dir), str(tmp_path / "slower"), "--out", str(tmp_path / "c.md")])
+    assert r.exit_code == 1, r.output
+    text = (tmp_path / "c.md").read_text()
+    assert "### Load levels" in text and "Regressions: " in text and "TTFT p50 +200.0%" in text
+    j = CliRunner().invoke(app, ["compare", str(run_dir), str(tmp_path / "slower"), "--json"])
+    import json
+
+    doc = json.loads(j.stdout)  # the document alone (the closing line goes to stderr)
+    assert j.exit_code == 1 and any(x["metric"] == "ttft_p50_s" and x["regression"] for x in doc["load"])
