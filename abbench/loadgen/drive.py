@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import ssl
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -96,6 +97,8 @@ class Target:
     arm: str = ""
     service: str = ""
     position: int = 0
+    verify: ssl.SSLContext | bool = True
+    """https: the CA rules (:func:`abbench.auth.tls_verify`)."""
 
 
 class _Req:
@@ -114,14 +117,14 @@ class _Driver:
     def __init__(self, level: Level, target: Target, prompts: list[LoadPrompt]) -> None:
         self.level, self.target, self.prompts = level, target, prompts
         self.ad = get_adapter(target.adapter)
-        self.pool = Pool(target.base_url, connect_timeout_s=min(10.0, target.request.timeout_s))
+        self.pool = Pool(target.base_url, connect_timeout_s=min(10.0, target.request.timeout_s), verify=target.verify)
         self.path = self.pool.prefix + self.ad.completion_path
         self.what = f"POST {target.base_url.rstrip('/')}{self.ad.completion_path}"
         self.headers = [("connection", "close")] if self.ad.closes_after_stream else []
         self.headers += [(k.lower(), v) for k, v in target.headers.items()]
         self.bodies: dict[str, bytes] = {}  # the whole request, head and body
         self.ignore_eos: dict[str, bool] = {}
-        host = self.pool.host if self.pool.port == 80 else f"{self.pool.host}:{self.pool.port}"
+        host = self.pool.host_header
         for p in prompts:
             req = target.request.model_copy(update={"max_tokens": p.max_tokens})
             body = self.ad.build_body(p.prompt, request=req, extra=target.extra, model=target.model)
@@ -222,8 +225,9 @@ def _expire(ex: Exchange, conn: Connection, seconds: float) -> None:
 class _Scraper:
     """GET the metrics path every ``interval`` seconds from a thread; the texts are parsed after the level."""
 
-    def __init__(self, url: str, interval: float, headers: Mapping[str, str]) -> None:
-        self.url, self.interval, self.headers = url, interval, dict(headers)
+    def __init__(self, url: str, interval: float, headers: Mapping[str, str],
+                 verify: ssl.SSLContext | bool = True) -> None:
+        self.url, self.interval, self.headers, self.verify = url, interval, dict(headers), verify
         self.texts: list[tuple[float, str]] = []
         self.error: str | None = None
         self._stop = threading.Event()
@@ -239,7 +243,7 @@ class _Scraper:
         self._ready.wait(30)
 
     def _run(self) -> None:
-        with httpx.Client(trust_env=False, timeout=max(2.0, self.interval)) as http:
+        with httpx.Client(trust_env=False, timeout=max(2.0, self.interval), verify=self.verify) as http:
             while not self._stop.is_set():
                 try:
                     r = http.get(self.url, headers=self.headers)
@@ -283,7 +287,7 @@ def run_level(level: Level, target: Target, prompts: list[LoadPrompt], *,
     scraper = None
     if target.metrics_path:
         scraper = _Scraper(target.base_url.rstrip("/") + "/" + target.metrics_path.lstrip("/"),
-                           level.scrape_interval_s, target.headers)
+                           level.scrape_interval_s, target.headers, target.verify)
     started_at = time.time()
     stopped: str | None = None
 

@@ -18,7 +18,7 @@ An exchange fails with a :class:`~abbench.errors.RequestError`: ``http`` (any no
 (no complete response within the whole-response deadline: the connection is aborted), ``sse`` or
 ``protocol`` (a stream that is not ``text/event-stream``, or malformed). A failed connection is never reused.
 
-:class:`Pool` keeps idle connections to one server, drops those idle longer than
+:class:`Pool` keeps idle connections to one server (http, or https with the client's CA rules), drops those idle longer than
 :data:`abbench.client.KEEPALIVE_EXPIRY_S` (the common servers close theirs after 5 s) and opens new ones.
 """
 
@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import ssl
 import time
 from collections import deque
 from typing import Any
@@ -329,17 +330,31 @@ class Connection(asyncio.Protocol):
 
 
 class Pool:
-    """Connections to one server (``base_url``): idle ones reused, stale ones closed, new ones opened."""
+    """Connections to one server (``base_url``, http or https): idle ones reused, stale ones closed, new ones
+    opened. ``verify`` is the client's (:func:`abbench.auth.tls_verify`: a context trusting a private CA, or
+    True for the default public CAs)."""
 
-    def __init__(self, base_url: str, connect_timeout_s: float = 10.0) -> None:
+    def __init__(self, base_url: str, connect_timeout_s: float = 10.0,
+                 verify: ssl.SSLContext | bool = True) -> None:
         u = urlsplit(base_url)
-        if u.scheme != "http" or not u.hostname:
-            raise RequestError("connect", f"{base_url}: the load generator speaks plain http:// only")
-        self.host, self.port = u.hostname, u.port or 80
+        if u.scheme not in ("http", "https") or not u.hostname:
+            raise RequestError("connect", f"{base_url}: not an http:// or https:// URL")
+        self.default_port = 443 if u.scheme == "https" else 80
+        self.host, self.port = u.hostname, u.port or self.default_port
+        self.ssl: ssl.SSLContext | None = None
+        if u.scheme == "https":
+            self.ssl = verify if isinstance(verify, ssl.SSLContext) else ssl.create_default_context()
+            if verify is False:
+                self.ssl.check_hostname = False
+                self.ssl.verify_mode = ssl.CERT_NONE
         self.prefix = u.path.rstrip("/")
         self.connect_timeout_s = connect_timeout_s
         self.idle: deque[Connection] = deque()
         self.opened: list[Connection] = []  # every connection it opened (closed at the end of the level)
+
+    @property
+    def host_header(self) -> str:
+        return self.host if self.port == self.default_port else f"{self.host}:{self.port}"
 
     def take_idle(self) -> Connection | None:
         while self.idle:
@@ -351,13 +366,16 @@ class Pool:
 
     async def connect(self) -> Connection:
         loop = asyncio.get_running_loop()
-        host = self.host if self.port == 80 else f"{self.host}:{self.port}"
         try:
             _, proto = await asyncio.wait_for(
-                loop.create_connection(lambda: Connection(host), self.host, self.port), self.connect_timeout_s)
+                loop.create_connection(lambda: Connection(self.host_header), self.host, self.port, ssl=self.ssl),
+                self.connect_timeout_s)
         except asyncio.TimeoutError:
             raise RequestError("timeout", f"could not connect to {self.host}:{self.port} within "
                                           f"{self.connect_timeout_s:g} s") from None
+        except ssl.SSLError as e:
+            raise RequestError("connect", f"TLS handshake with {self.host}:{self.port} failed: {e}; if the server's "
+                                          "certificate is signed by a private CA, set engine.ca_bundle") from None
         except OSError as e:
             raise RequestError("connect", f"cannot connect to {self.host}:{self.port}: {e}") from None
         self.opened.append(proto)

@@ -262,3 +262,23 @@ def test_an_interrupt_keeps_what_finished() -> None:
     kinds = [r.error_kind for r in rec.requests]
     assert 2 <= sum(r.ok for r in rec.requests) < 40 and "interrupted" in kinds
     assert all(r.ok or r.error_kind == "interrupted" for r in rec.requests)
+
+
+from tests.harness.test_auth import _https_fake, tls_files  # noqa: E402,F401 (a private CA and its server)
+
+
+def test_https_with_a_private_ca_and_a_key(tls_files) -> None:  # noqa: F811
+    from abbench.auth import tls_verify
+
+    prompts = _prompts(2, out=4)
+    with _https_fake(tls_files, api_key="sekrit") as srv:
+        url = srv.base_url.replace("http://", "https://")
+        good = run_level(Level("concurrency", 2, requests=4),
+                         Target(url, RequestSpec(max_tokens=4), headers={"Authorization": "Bearer sekrit"},
+                                verify=tls_verify(tls_files["ca"])), prompts)
+        untrusted = run_level(Level("concurrency", 1, requests=1), Target(url, RequestSpec(max_tokens=4)), prompts)
+        no_key = run_level(Level("concurrency", 1, requests=1),
+                           Target(url, RequestSpec(max_tokens=4), verify=tls_verify(tls_files["ca"])), prompts)
+    assert all(r.ok for r in good.requests), [r.error for r in good.requests]
+    assert untrusted.requests[0].error_kind == "connect" and "TLS" in (untrusted.requests[0].error or "")
+    assert (no_key.requests[0].error_kind, no_key.requests[0].status) == ("http", 401)
