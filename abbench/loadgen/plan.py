@@ -16,6 +16,11 @@ Contract
 * A level's requests cycle through the prompts in order: request ``k`` sends prompt ``k % len(prompts)``
   (:func:`request_prompt`), so every level uses the same prompts and one run of each alone is the parity
   reference of every level.
+* :func:`level_plan` is the order a run's load cells run in: round by round, each round's parity references
+  first (with ``parity_reference``: every arm, every prompt alone), then level by level in the profile's order,
+  the arms at each level in the round's ABBA order (:func:`abbench.schedule.arm_order`), so drift falls on
+  every arm alike. :func:`resume_at` is the first step of that plan a run's records do not hold complete (a
+  level stopped by an interrupt runs again).
 """
 
 from __future__ import annotations
@@ -27,12 +32,14 @@ from typing import Any
 
 import numpy as np
 
+from abbench.loadrecords import LoadLevel
 from abbench.profile import LengthDist, LoadSpec, PromptsSpec
 from abbench.prompts import PromptItem, build_prompt_items
 from abbench.results import PromptRecord
+from abbench.schedule import arm_order
 
-__all__ = ["POSITION_BASE", "LoadPrompt", "arrivals", "build_load_prompts", "draw_lengths", "prompt_plan",
-           "request_prompt"]
+__all__ = ["POSITION_BASE", "LevelStep", "LoadPrompt", "arrivals", "build_load_prompts", "draw_lengths",
+           "level_plan", "prompt_plan", "request_prompt", "resume_at"]
 
 POSITION_BASE = 1_000_000
 """Corpus position of load prompt 0: far past any position the run's own prompt sets use."""
@@ -110,3 +117,40 @@ def arrivals(rate: float, *, n: int | None = None, duration_s: float | None = No
 def request_prompt(prompts: list[LoadPrompt], k: int) -> LoadPrompt:
     """The prompt request ``k`` of a level sends: they cycle in order."""
     return prompts[k % len(prompts)]
+
+
+@dataclass(frozen=True)
+class LevelStep:
+    """One cell of one round as the run takes it: the arm at a level (or its parity reference)."""
+
+    round: int
+    kind: str
+    value: float
+    arm: str
+    position: int
+    role: str = "load"
+
+    def done_by(self, lv: LoadLevel) -> bool:
+        """Whether ``lv`` is this step's record, complete (not stopped by an interrupt)."""
+        return (lv.round, lv.arm, lv.role, lv.kind, lv.value) == (self.round, self.arm, self.role, self.kind,
+                                                                     self.value) and lv.stopped is None
+
+
+def level_plan(arms: list[str], load: LoadSpec, rounds: int) -> list[LevelStep]:
+    """Every step of a load run, in order (module docstring)."""
+    out: list[LevelStep] = []
+    for r in range(1, rounds + 1):
+        order = arm_order(arms, r)
+        if load.parity_reference:
+            out += [LevelStep(r, "concurrency", 1.0, a, i, "reference") for i, a in enumerate(order)]
+        for kind, value in load.levels():
+            out += [LevelStep(r, kind, value, a, i) for i, a in enumerate(order)]
+    return out
+
+
+def resume_at(plan: list[LevelStep], done: list[LoadLevel]) -> int:
+    """The index of the first step of ``plan`` that ``done`` does not hold complete (``len(plan)``: none)."""
+    for i, step in enumerate(plan):
+        if not any(step.done_by(lv) for lv in done):
+            return i
+    return len(plan)

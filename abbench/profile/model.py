@@ -278,12 +278,20 @@ class Profile(_Model):
         return [self.launch_spec(a.name) for a in self.arms]
 
     def with_overrides(
-        self, *, arms: list[str] | None = None, rounds: int | str | None = None, lengths: list[int] | None = None
+        self, *, arms: list[str] | None = None, rounds: int | str | None = None, lengths: list[int] | None = None,
+        concurrency: list[float] | None = None, rate: list[float] | None = None,
     ) -> Profile:
         """The profile with ``abbench run`` flag overrides applied (validated again). ``rounds`` is a count, or
         "auto" with the profile's rule (its ``target_halfwidth`` and ``max_rounds``, else
-        :data:`AUTO_DEFAULTS`)."""
+        :data:`AUTO_DEFAULTS`). ``concurrency``/``rate`` (``--concurrency 1,4,16``, ``--rate 2,8,inf``: read by
+        :func:`abbench.profile.load.parse_levels`) replace the ``[load]`` levels, and the other kind's when only
+        one is given; a profile without ``[load]`` gets one with its defaults."""
         data = self.model_dump()
+        if concurrency is not None or rate is not None:
+            load = dict(data.get("load") or {})
+            load["concurrency"] = [int(c) for c in concurrency or []]
+            load["rate"] = list(rate or [])
+            data["load"] = load
         where = "--arms"
         if arms is not None:
             known = {a["name"]: a for a in data["arms"]}

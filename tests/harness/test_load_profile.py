@@ -115,3 +115,38 @@ def test_slos_and_command_line_levels() -> None:
                                ("0", "rate", "0 is not a rate"), ("a", "rate", "'a' is not a number")):
         with pytest.raises(ConfigError, match=needle):
             parse_levels(text, kind)  # type: ignore[arg-type]
+
+
+def test_command_line_levels_replace_the_tables() -> None:
+    p = _profile({"concurrency": [1, 4], "rate": [8], "slo": ["ttft_s <= 2"]})
+    q = p.with_overrides(concurrency=[2.0, 16.0])
+    assert (q.load.concurrency, q.load.rate, q.load.slo) == ([2, 16], [], ["ttft_s <= 2"])
+    r = p.with_overrides(rate=[math.inf])
+    assert (r.load.concurrency, r.load.rate) == ([], [math.inf])
+    fresh = _profile(None).with_overrides(concurrency=[4.0])
+    assert fresh.load.concurrency == [4] and fresh.load.requests is None and fresh.load.n_requests == 32
+    assert _profile(None).with_overrides(rounds=3).load is None
+
+
+def test_the_level_plan_runs_the_arms_abba_at_each_level_and_resumes_where_it_stopped() -> None:
+    from abbench.loadgen import level_plan, resume_at
+    from abbench.loadrecords import LoadLevel
+    from abbench.profile import LoadSpec
+
+    load = LoadSpec(concurrency=[1, 4], rate=[8])
+    plan = level_plan(["a", "b"], load, 2)
+    cells = [(s.round, s.role, s.kind[0] + str(int(s.value)), s.arm, s.position) for s in plan]
+    assert cells[:8] == [(1, "reference", "c1", "a", 0), (1, "reference", "c1", "b", 1),
+                         (1, "load", "c1", "a", 0), (1, "load", "c1", "b", 1), (1, "load", "c4", "a", 0),
+                         (1, "load", "c4", "b", 1), (1, "load", "r8", "a", 0), (1, "load", "r8", "b", 1)]
+    assert [c[3] for c in cells[8:]] == ["b", "a"] * 4  # round 2 reversed
+    assert len(level_plan(["a", "b"], LoadSpec(concurrency=[1], parity_reference=False), 3)) == 6
+
+    def record(step, stopped=None):  # type: ignore[no-untyped-def]
+        return LoadLevel(arm=step.arm, round=step.round, role=step.role, kind=step.kind, value=step.value,
+                         started_at=0.0, window_start_s=0.0, window_end_s=0.0, elapsed_s=0.0, stopped=stopped)
+
+    assert resume_at(plan, []) == 0
+    assert resume_at(plan, [record(s) for s in plan[:5]]) == 5
+    assert resume_at(plan, [record(s) for s in plan[:4]] + [record(plan[4], "interrupted")]) == 4
+    assert resume_at(plan, [record(s) for s in plan]) == len(plan)
