@@ -22,7 +22,7 @@ __all__ = ["GAUGE_WORDS", "load_section"]
 
 GAUGE_WORDS = ("running", "waiting", "usage", "queue")
 """Scraped series shown in the report: gauges whose name holds one of these (vLLM's num_requests_running and
-num_requests_waiting, kv_cache_usage_perc, the vendored engine's queue)."""
+num_requests_waiting, kv_cache_usage_perc, the vendored engine's queue); counters (``_total``) are left out."""
 
 
 def _ci_s(row: Any, key: str) -> str:
@@ -95,9 +95,10 @@ def _cells(cells: pd.DataFrame) -> list[str]:
     return [table(pd.DataFrame(rows), cols)]
 
 
-def _ratios(ratios: pd.DataFrame, reference: str | None) -> list[str]:
+def _ratios(ratios: pd.DataFrame, reference: str | None, arms: int) -> list[str]:
     if ratios is None or ratios.empty:
-        return ["No arm has a level and round in common with the reference arm."]
+        return ["One arm ran the levels: no ratio." if arms < 2 else
+                "No arm has a level and round in common with the reference arm."]
     rows = []
     for (arm, level), g in ratios.groupby(["arm", "level"], sort=False):
         ci = median_ci(g["value"].astype(float))
@@ -122,6 +123,22 @@ def _parity(parity: pd.DataFrame, k: int) -> list[str]:
     return [table(parity, cols)]
 
 
+def _peaks(scrapes: list[Any]) -> dict[str, float]:
+    """Per gauge name (:data:`GAUGE_WORDS` in the name, counters left out): its peak over the scrapes, each
+    scrape's value the sum over its label sets (vLLM labels by engine and model, waiting by reason)."""
+    peaks: dict[str, float] = {}
+    for s in scrapes:
+        sums: dict[str, float] = {}
+        for key, v in s.metrics.items():
+            name = key.split("{", 1)[0]
+            if name.endswith("_total") or not any(w in name.lower() for w in GAUGE_WORDS):
+                continue
+            sums[name] = sums.get(name, 0.0) + v
+        for name, v in sums.items():
+            peaks[name] = max(peaks.get(name, v), v)
+    return dict(sorted(peaks.items())[:8])
+
+
 def _gauges(record: RunRecord) -> list[str]:
     cells: dict[tuple[str, str], list[Any]] = {}
     for lv in load_levels(record):
@@ -131,15 +148,16 @@ def _gauges(record: RunRecord) -> list[str]:
         scrapes = [s for lv in levels for s in lv.scrapes]
         if not scrapes:
             continue
-        names = sorted({k for s in scrapes for k in s.metrics if any(w in k.lower() for w in GAUGE_WORDS)})
-        peaks = {k: max(s.metrics[k] for s in scrapes if k in s.metrics) for k in names[:6]}
+        peaks = _peaks(scrapes)
         rows.append(f"{arm} {label}: {len(scrapes)} scrapes over {len(levels)} round(s); peak "
-                    + (", ".join(f"`{k}` {fmt_num(v)}" for k, v in peaks.items()) or "no matching gauge"))
+                    + (", ".join(f"`{k}` {v:.4g}" for k, v in peaks.items()) or "no matching gauge"))
     errors = [f"scraping stopped ({lv.arm} {lv.label} round {lv.round}): {lv.scrape_error}"
               for lv in load_levels(record) if lv.scrape_error]
     if not rows and not errors:
         return []
-    return ["### Server metrics during the levels", "", bullets(rows + errors)]
+    return ["### Server metrics during the levels", "",
+            "Peaks of the engine's gauges of running, waiting and queued requests and of cache usage, each summed "
+            "over its label sets, scraped during the levels.", "", bullets(rows + errors)]
 
 
 def load_section(ri: ReportInput) -> list[str]:
@@ -158,7 +176,8 @@ def load_section(ri: ReportInput) -> list[str]:
                   "send lag = sent - due (open loop).", "", *_cells(a.load)]
         lines += ["", "### Throughput against the reference arm", "",
                   "Output tokens/s of the arm over the reference's at the same level and round (ABBA pairs): "
-                  "median over rounds and its 95% bootstrap interval.", "", *_ratios(a.load_ratios, a.reference)]
+                  "median over rounds and its 95% bootstrap interval.", "", *_ratios(a.load_ratios, a.reference,
+                                                                                  a.load["arm"].nunique())]
     lines += ["", "### Parity under load", "",
               f"Each measured request's greedy ids against the same prompt run alone on the same arm, over the "
               f"first {a.parity_tokens} tokens (gate.parity_tokens); per prompt its worst request. Near-tie flips "
