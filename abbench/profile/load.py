@@ -148,6 +148,8 @@ class LoadSpec(_Model):
             raise ValueError("give at least one level: concurrency = [1, 4, 16] and/or rate = [2, 8, inf]")
         if self.requests is not None and self.duration_s is not None:
             raise ValueError("give requests or duration_s per level, not both")
+        if self.duration_s is not None and any(math.isinf(r) for r in self.rate):
+            raise ValueError("rate = inf sends every request at once: give it requests, not duration_s")
         if self.arrival == "poisson" and self.burstiness != 1.0:
             raise ValueError("burstiness applies to arrival = \"gamma\" (poisson is burstiness 1)")
         return self

@@ -50,6 +50,7 @@ def test_a_profile_without_load_dumps_none() -> None:
     ({"concurrency": [1], "prompt_tokens": {"values": [8, 16], "weights": [1]}}, "weights needs values"),
     ({"concurrency": [1], "prompt_tokens": {}}, "give exactly one of"),
     ({"concurrency": [1], "warmup": 3}, "unknown field"),
+    ({"rate": [4, "inf"], "duration_s": 30}, "rate = inf sends every request at once"),
 ])
 def test_bad_load_tables_are_refused_naming_the_field(load: dict[str, Any], needle: str) -> None:
     with pytest.raises(ConfigError, match=None) as e:

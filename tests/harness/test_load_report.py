@@ -149,3 +149,20 @@ def test_compare_judges_the_load_cells(run_dir: Path, tmp_path: Path) -> None:
 
     doc = json.loads(j.stdout)  # the document alone (the closing line goes to stderr)
     assert j.exit_code == 1 and any(x["metric"] == "ttft_p50_s" and x["regression"] for x in doc["load"])
+
+
+def test_a_level_without_a_measured_window_is_named() -> None:
+    from abbench.loadrecords import LoadLevel, LoadRequest
+    from abbench.report.sections import ReportInput
+
+    req = LoadRequest(index=0, prompt_id="load-0", target_tokens=3, max_tokens=2, sent_s=0.0, first_token_s=0.1,
+                      end_s=0.2, token_times_s=[0.1, 0.2], ok=True, output_ids=[1, 2], ids_source="native",
+                      completion_tokens=2)
+    lv = LoadLevel(arm="a", round=1, kind="rate", value=2.0, started_at=0.0, warmup_s=5.0, window_start_s=5.0,
+                   window_end_s=5.0, elapsed_s=0.2, requests=[req])
+    prof = profile_from_dict({"name": "w", "engine": {"base_url": "http://127.0.0.1:1"}, "arms": [{"name": "a"}],
+                              "load": {"rate": [2], "warmup_s": 5}})
+    record = RunRecord(run_id="w", status="complete", created_at=0.0, abbench_version="0", profile=prof.model_dump(),
+                       load=[lv])
+    text = "\n".join(load_section(ReportInput(record=record, analysis=an.analyze(record))))
+    assert "No measured window (warm-up and cool-down cover every send" in text and "a rate=2 round 1" in text

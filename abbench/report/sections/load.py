@@ -168,6 +168,10 @@ def load_section(ri: ReportInput) -> list[str]:
     stopped = [f"{lv.arm} {lv.label} round {lv.round}: {lv.stopped}" for lv in record.load if lv.stopped]
     if stopped:
         lines += ["Stopped early:", "", bullets(stopped), ""]
+    empty = [f"{lv.arm} {lv.label} round {lv.round}" for lv in load_levels(record) if lv.window_s <= 0]
+    if empty:
+        lines += ["No measured window (warm-up and cool-down cover every send; no throughput, no goodput): "
+                  + ", ".join(empty) + ".", ""]
     if a.load is None or a.load.empty:
         lines.append("No load level ran (only parity references).")
     else:
