@@ -21,9 +21,8 @@ Connections: a closed loop opens its N connections before the level's clock star
 open loop opens :data:`PREOPEN` before it starts and a new one whenever no idle connection is free when a
 request is due (the connect then counts in ``sent_s - scheduled_s``, the generator's lag, not in TTFT).
 
-The engine's metrics path, when given, is scraped every ``scrape_interval_s`` from a thread (the answer is
-parsed after the level, so scraping costs the loop nothing); gauges and counters are kept, histogram series
-left out.
+The engine's metrics path, when given, is scraped every ``scrape_interval_s`` from a thread, and the GPUs are
+sampled through NVML where it is available (:mod:`abbench.loadgen.scrape`).
 """
 
 from __future__ import annotations
@@ -31,21 +30,19 @@ from __future__ import annotations
 import asyncio
 import json
 import ssl
-import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
-
 from abbench.adapters import Adapter, get_adapter
 from abbench.errors import RequestError
 from abbench.loadgen.plan import LoadPrompt, arrivals, request_prompt
 from abbench.loadgen.wire import Connection, Exchange, Pool, request_bytes
+from abbench.loadgen.scrape import Scraper
 from abbench.loadrecords import LoadLevel, LoadRequest, LoadScrape
+from abbench.nvml import nvml_available
 from abbench.profile import LoadSpec, RequestSpec
-from abbench.prometheus import parse_prometheus
 from abbench.response import finish
 
 __all__ = ["PREOPEN", "Level", "Target", "run_level"]
@@ -99,6 +96,9 @@ class Target:
     position: int = 0
     verify: ssl.SSLContext | bool = True
     """https: the CA rules (:func:`abbench.auth.tls_verify`)."""
+    gpus: list[int] | None = None
+    """NVML indices of the service's GPUs, sampled during a level where NVML is available (None: every GPU)."""
+    sample_gpus: bool = True
 
 
 class _Req:
@@ -222,58 +222,6 @@ def _expire(ex: Exchange, conn: Connection, seconds: float) -> None:
         ex.fail(RequestError("timeout", f"{ex.what}: no complete response within {seconds:g} s (request.timeout_s)"))
 
 
-class _Scraper:
-    """GET the metrics path every ``interval`` seconds from a thread; the texts are parsed after the level."""
-
-    def __init__(self, url: str, interval: float, headers: Mapping[str, str],
-                 verify: ssl.SSLContext | bool = True) -> None:
-        self.url, self.interval, self.headers, self.verify = url, interval, dict(headers), verify
-        self.texts: list[tuple[float, str]] = []
-        self.error: str | None = None
-        self._stop = threading.Event()
-        self._ready = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="abbench-load-scrape", daemon=True)
-        self.t0 = time.perf_counter()
-
-    def start(self) -> None:
-        """Start scraping; returns after the first scrape (the client is made and warm before the level's
-        clock starts, so its first, slowest round trip never falls inside the level)."""
-        self.t0 = time.perf_counter()
-        self._thread.start()
-        self._ready.wait(30)
-
-    def _run(self) -> None:
-        with httpx.Client(trust_env=False, timeout=max(2.0, self.interval), verify=self.verify) as http:
-            while not self._stop.is_set():
-                try:
-                    r = http.get(self.url, headers=self.headers)
-                    if r.status_code != 200:
-                        self.error = f"GET {self.url}: HTTP {r.status_code}"
-                        return
-                    self.texts.append((time.perf_counter() - self.t0, r.text))
-                except httpx.HTTPError as e:
-                    self.error = f"GET {self.url}: {type(e).__name__}: {e}"
-                    return
-                finally:
-                    self._ready.set()
-                self._stop.wait(self.interval)
-
-    def stop(self) -> list[LoadScrape]:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(10)
-        out = []
-        for t, text in self.texts:
-            m = parse_prometheus(text, strict=False)
-            out.append(LoadScrape(t=round(t, 6), metrics={k: v for k, v in m.items() if not _histogram(k)}))
-        return out
-
-
-def _histogram(key: str) -> bool:
-    name = key.split("{", 1)[0]
-    return name.endswith(("_bucket", "_sum", "_count", "_created"))
-
-
 def run_level(level: Level, target: Target, prompts: list[LoadPrompt], *,
               retokenize: Callable[[str], list[int]] | None = None) -> LoadLevel:
     """Run ``level`` against ``target`` with ``prompts`` (module docstring) and return its record."""
@@ -285,9 +233,11 @@ def run_level(level: Level, target: Target, prompts: list[LoadPrompt], *,
         raise ValueError(f"rate {level.value!r}: requests/s above 0")
     drv = _Driver(level, target, prompts)
     scraper = None
-    if target.metrics_path:
-        scraper = _Scraper(target.base_url.rstrip("/") + "/" + target.metrics_path.lstrip("/"),
-                           level.scrape_interval_s, target.headers, target.verify)
+    gpus = target.sample_gpus and nvml_available()
+    if target.metrics_path or gpus:
+        url = target.base_url.rstrip("/") + "/" + target.metrics_path.lstrip("/") if target.metrics_path else None
+        scraper = Scraper(url, level.scrape_interval_s, target.headers, target.verify,
+                          gpus=target.gpus if gpus else False)
     started_at = time.time()
     stopped: str | None = None
 

@@ -282,3 +282,40 @@ def test_https_with_a_private_ca_and_a_key(tls_files) -> None:  # noqa: F811
     assert all(r.ok for r in good.requests), [r.error for r in good.requests]
     assert untrusted.requests[0].error_kind == "connect" and "TLS" in (untrusted.requests[0].error or "")
     assert (no_key.requests[0].error_kind, no_key.requests[0].status) == ("http", 401)
+
+
+def test_gpus_are_sampled_through_nvml_during_a_level(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stand-in for pynvml (this machine has no GPU): two GPUs, their memory and utilisation sampled during
+    the level beside the metrics path; without NVML nothing is sampled and nothing fails."""
+    import types
+
+    import abbench.loadgen.drive as drive
+    import abbench.nvml as nvml
+
+    calls = {"n": 0}
+
+    def util(h: int) -> types.SimpleNamespace:
+        calls["n"] += 1
+        return types.SimpleNamespace(gpu=40 + h)
+
+    fake = types.SimpleNamespace(
+        nvmlDeviceGetCount=lambda: 2, nvmlDeviceGetHandleByIndex=lambda i: i,
+        nvmlDeviceGetMemoryInfo=lambda h: types.SimpleNamespace(used=(h + 1) * 2**30), nvmlDeviceGetUtilizationRates=util)
+    assert nvml.gpu_sample() is None or isinstance(nvml.gpu_sample(), dict)
+    monkeypatch.setattr(nvml, "module", lambda: fake)
+    monkeypatch.setattr(drive, "nvml_available", lambda: True)
+    assert nvml.gpu_sample([1]) == {'nvml_gpu_memory_used_bytes{gpu="1"}': 2.0 * 2**30,
+                                    'nvml_gpu_utilization_pct{gpu="1"}': 41.0}
+    with FastServer(first_delay_s=0.05) as srv:
+        rec = run_level(Level("concurrency", 2, requests=8, scrape_interval_s=0.05),
+                        Target(srv.base_url, RequestSpec(max_tokens=4)), _prompts(out=4))
+    assert len(rec.scrapes) >= 3 and calls["n"] >= 6
+    assert rec.scrapes[-1].metrics == {'nvml_gpu_memory_used_bytes{gpu="0"}': 2.0**30,
+                                       'nvml_gpu_utilization_pct{gpu="0"}': 40.0,
+                                       'nvml_gpu_memory_used_bytes{gpu="1"}': 2.0 * 2**30,
+                                       'nvml_gpu_utilization_pct{gpu="1"}': 41.0}
+    monkeypatch.setattr(drive, "nvml_available", lambda: False)
+    with FastServer() as srv:
+        plain = run_level(Level("concurrency", 1, requests=2), Target(srv.base_url, RequestSpec(max_tokens=4)),
+                          _prompts(out=4))
+    assert plain.scrapes == [] and all(r.ok for r in plain.requests)

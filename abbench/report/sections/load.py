@@ -20,9 +20,10 @@ from abbench.results import RunRecord
 
 __all__ = ["GAUGE_WORDS", "load_section"]
 
-GAUGE_WORDS = ("running", "waiting", "usage", "queue")
+GAUGE_WORDS = ("running", "waiting", "usage", "queue", "nvml_gpu")
 """Scraped series shown in the report: gauges whose name holds one of these (vLLM's num_requests_running and
-num_requests_waiting, kv_cache_usage_perc, the vendored engine's queue); counters (``_total``) are left out."""
+num_requests_waiting, kv_cache_usage_perc, the vendored engine's queue, the GPUs' NVML samples); counters
+(``_total``) are left out."""
 
 
 def _ci_s(row: Any, key: str) -> str:
@@ -157,7 +158,7 @@ def _gauges(record: RunRecord) -> list[str]:
         return []
     return ["### Server metrics during the levels", "",
             "Peaks of the engine's gauges of running, waiting and queued requests and of cache usage, each summed "
-            "over its label sets, scraped during the levels.", "", bullets(rows + errors)]
+            "over its label sets, scraped during the levels (and of the GPUs' memory and utilisation, from NVML).", "", bullets(rows + errors)]
 
 
 def load_section(ri: ReportInput) -> list[str]:
