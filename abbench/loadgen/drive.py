@@ -138,7 +138,7 @@ class _Driver:
         loop = asyncio.get_running_loop()
         ex = Exchange(self.ad, self.what, loop)
         r.ex = ex
-        conn.send(ex, self.bodies[r.prompt.id])
+        conn.send(ex, self.bodies[r.prompt.id], close_after=self.ad.closes_after_stream)
         r.attempt = ex.t0 or time.perf_counter()
         timer = loop.call_later(self.target.request.timeout_s, _expire, ex, conn, self.target.request.timeout_s)
         ex.done.add_done_callback(lambda _f: timer.cancel())

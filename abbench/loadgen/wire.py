@@ -167,6 +167,7 @@ class Connection(asyncio.Protocol):
         self._state = _DONE
         self._left = 0  # bytes left of a chunk or a content-length body
         self._keep = True  # the response allows another request on this connection
+        self._close_after = False  # the client decided not to reuse it after this response
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -177,11 +178,14 @@ class Connection(asyncio.Protocol):
             except OSError:
                 pass
 
-    def send(self, ex: Exchange, data: bytes) -> None:
-        """Write the request bytes now (:func:`request_bytes`); ``ex.t0`` is stamped just before the write."""
+    def send(self, ex: Exchange, data: bytes, *, close_after: bool = False) -> None:
+        """Write the request bytes now (:func:`request_bytes`); ``ex.t0`` is stamped just before the write.
+        ``close_after``: the connection is not reused after this response (a server that closes it after every
+        stream without saying so: ``Adapter.closes_after_stream``)."""
         assert self.current is None and self.transport is not None
         self.current = ex
         self._buf, self._state, self._keep = b"", _HEAD, True
+        self._close_after = close_after
         ex.t0 = time.perf_counter()
         self.transport.write(data)
 
@@ -274,7 +278,8 @@ class Connection(asyncio.Protocol):
             return
         names = dict(headers)
         conn = names.get(b"connection", b"").lower()
-        self._keep = b"close" not in conn and (version == b"HTTP/1.1" or b"keep-alive" in conn)
+        self._keep = (b"close" not in conn and (version == b"HTTP/1.1" or b"keep-alive" in conn)
+                      and not self._close_after)
         ex._headers(status, headers)
         if status in (204, 304):
             self._state = _DONE

@@ -319,3 +319,17 @@ def test_gpus_are_sampled_through_nvml_during_a_level(monkeypatch: pytest.Monkey
         plain = run_level(Level("concurrency", 1, requests=2), Target(srv.base_url, RequestSpec(max_tokens=4)),
                           _prompts(out=4))
     assert plain.scrapes == [] and all(r.ok for r in plain.requests)
+
+
+def test_a_server_that_closes_after_every_stream_gets_a_new_connection_each_time() -> None:
+    """llama.cpp's adapter says its server closes the connection after each stream: never reused."""
+    from abbench.adapters import OpenAIAdapter
+
+    class Closing(OpenAIAdapter):
+        closes_after_stream = True
+
+    with FakeServer(FakeConfig()) as srv:
+        rec = run_level(Level("concurrency", 1, requests=4),
+                        Target(srv.base_url, RequestSpec(max_tokens=3), adapter=Closing()), _prompts(out=3))
+        stats = srv.stats()
+    assert all(r.ok for r in rec.requests) and stats["connections"] >= 4
