@@ -15,7 +15,9 @@ Request bodies are built before the level starts, by the target's :class:`~abben
 streams are read by :mod:`abbench.loadgen.wire` and, after the level, verified by
 :func:`abbench.response.finish` (the synchronous client's checks and error kinds: ``usage`` when the server
 counted another prompt length, ``finish-reason``, ``no-done``...). Verifying after the level keeps the event
-loop free to stamp arrivals while the level runs.
+loop free to stamp arrivals while the level runs; a llama.cpp stream that left out the ids of tokens ending
+inside a UTF-8 character is completed then as the synchronous client completes it (the request once more, not
+streamed: :meth:`_Driver.refetch`).
 
 Connections: a closed loop opens its N connections before the level's clock starts and keeps each busy; an
 open loop opens :data:`PREOPEN` before it starts and a new one whenever no idle connection is free when a
@@ -36,14 +38,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from abbench.adapters import Adapter, get_adapter
+from abbench.client import EngineClient
+from abbench.client import _with_refetched_ids as with_refetched_ids
 from abbench.errors import RequestError
 from abbench.loadgen.plan import LoadPrompt, arrivals, request_prompt
-from abbench.loadgen.wire import Connection, Exchange, Pool, request_bytes
 from abbench.loadgen.scrape import Scraper
+from abbench.loadgen.wire import Connection, Exchange, Pool, request_bytes
 from abbench.loadrecords import LoadLevel, LoadRequest, LoadScrape
 from abbench.nvml import nvml_available
 from abbench.profile import LoadSpec, RequestSpec
-from abbench.response import finish
+from abbench.response import Completion, RawResponse, ShortIds, finish
 
 __all__ = ["PREOPEN", "Level", "Target", "run_level"]
 
@@ -133,6 +137,24 @@ class _Driver:
             self.ignore_eos[p.id] = self.ad.ignore_eos_sent(body)
         self.reqs: list[_Req] = []
         self.t0 = 0.0
+        self._sync: EngineClient | None = None  # after the level: the non-streamed repeats of short streams
+
+    def refetch(self, p: LoadPrompt, short: ShortIds, raw: RawResponse, started_at: float,
+                retokenize: Callable[[str], list[int]] | None) -> Completion:
+        """A stream that left out ids of tokens ending inside a UTF-8 character (llama.cpp), completed as the
+        synchronous client completes it: the same request once more, not streamed, after the level; its ids
+        replace the stream's only if they agree with everything the stream carried. Timings stay the stream's."""
+        if self._sync is None:
+            self._sync = EngineClient(verify=self.target.verify)
+        t = self.target
+        again = self._sync.complete(t.base_url, p.prompt, request=t.request.model_copy(
+            update={"max_tokens": p.max_tokens, "stream": False}), extra=t.extra, target_prompt_tokens=p.target_tokens,
+            model=t.model, retokenize=retokenize, adapter=self.ad, headers=t.headers)
+        return with_refetched_ids(short, again, raw, started_at, self.what)
+
+    def close(self) -> None:
+        if self._sync is not None:
+            self._sync.close()
 
     def _send(self, r: _Req, conn: Connection) -> Exchange:
         loop = asyncio.get_running_loop()
@@ -268,7 +290,10 @@ def _record(drv: _Driver, level: Level, target: Target, started_at: float, scrap
             scrape_error: str | None, stopped: str | None,
             retokenize: Callable[[str], list[int]] | None) -> LoadLevel:
     t0 = drv.t0
-    rows = [_request(drv, r, t0, started_at, retokenize) for r in sorted(drv.reqs, key=lambda r: r.k)]
+    try:
+        rows = [_request(drv, r, t0, started_at, retokenize) for r in sorted(drv.reqs, key=lambda r: r.k)]
+    finally:
+        drv.close()
     sends = [x.sent_s for x in rows]
     last_send = max(sends) if sends else 0.0
     ends = [x.end_s for x in rows if x.end_s is not None]
@@ -302,11 +327,17 @@ def _request(drv: _Driver, r: _Req, t0: float, started_at: float,
     if not ex.done.done() or ex.done.cancelled() or ex.end is None:  # cut off by an interrupt
         return LoadRequest(**base, ok=False, error_kind="interrupted",
                            error="the level was interrupted before this response ended", status=ex.status)
+    sent_at = started_at + (ex.t0 - t0)
     try:
         if ex.error is not None:
             raise ex.error
-        c = finish(ex.raw(), drv.ad, drv.ignore_eos[p.id], started_at + (ex.t0 - t0), p.target_tokens, retokenize,
-                   drv.what)
+        raw = ex.raw()
+        try:
+            c = finish(raw, drv.ad, drv.ignore_eos[p.id], sent_at, p.target_tokens, retokenize, drv.what)
+        except ShortIds as short:
+            if not drv.ad.refetch_short_stream_ids or raw.ttft is None:
+                raise
+            c = drv.refetch(p, short, raw, sent_at, retokenize)
     except RequestError as e:
         return LoadRequest(**base, ok=False, error_kind=e.kind, error=e.detail, status=e.status or ex.status)
     return LoadRequest(**base, ok=True, status=ex.status, token_times_s=c.token_times_s, output_ids=c.output_ids,

@@ -333,3 +333,44 @@ def test_a_server_that_closes_after_every_stream_gets_a_new_connection_each_time
                         Target(srv.base_url, RequestSpec(max_tokens=3), adapter=Closing()), _prompts(out=3))
         stats = srv.stats()
     assert all(r.ok for r in rec.requests) and stats["connections"] >= 4
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang", "llamacpp"])
+def test_every_adapter_under_load(engine: str) -> None:
+    """The fakes of vLLM, SGLang (cumulative events) and llama.cpp (no done marker, a closed connection after
+    every stream) in their own wire formats, with real exact-length prompts: every request verified."""
+    from abbench.loadgen import build_load_prompts
+    from abbench.profile import PromptsSpec
+    from abbench.tokenizers import load_tokenizer
+    from tests.support.fake_engines import FakeEngine, FakeEngineConfig
+
+    load = LoadSpec(concurrency=[3], requests=6, prompts=3, prompt_tokens=LengthDist(values=[12, 20]), seed=5)
+    prompts = build_load_prompts(load_tokenizer("qwen3"), PromptsSpec(), load, 5)
+    cfg = FakeEngineConfig(engine, llamacpp_close_after_stream_s=0.0 if engine == "llamacpp" else None)
+    with FakeEngine(cfg) as eng:
+        rec = run_level(Level("concurrency", 3, requests=6), Target(eng.base_url, RequestSpec(max_tokens=5),
+                                                                    adapter=engine), prompts)
+    assert all(r.ok for r in rec.requests), [r.error for r in rec.requests]
+    assert all(r.completion_tokens == 5 and len(r.output_ids) == 5 and r.ids_source == "native"
+               and r.prompt_tokens == r.target_tokens for r in rec.requests)
+    assert rec.requests[0].output_ids == rec.requests[3].output_ids  # the same prompt, the same greedy ids
+
+
+def test_a_llamacpp_stream_short_of_ids_is_completed_after_the_level() -> None:
+    """Tokens ending inside a UTF-8 character send no id in llama.cpp's stream: the request is repeated, not
+    streamed, after the level, and its ids taken when they agree with the stream (as the sequential client)."""
+    from abbench.loadgen import build_load_prompts
+    from abbench.profile import PromptsSpec
+    from abbench.tokenizers import load_tokenizer
+    from tests.support.fake_engines import FakeEngine, FakeEngineConfig
+
+    load = LoadSpec(concurrency=[2], requests=2, prompts=2, prompt_tokens=LengthDist(fixed=16))
+    prompts = build_load_prompts(load_tokenizer("qwen3"), PromptsSpec(), load, 6)
+    with FakeEngine(FakeEngineConfig("llamacpp")) as eng:
+        rec = run_level(Level("concurrency", 2, requests=2),
+                        Target(eng.base_url, RequestSpec(max_tokens=6), adapter="llamacpp",
+                               extra={"fake_mid_char": [2]}), prompts)
+    for r in rec.requests:
+        assert r.ok, r.error
+        assert len(r.output_ids) == 6 and len(r.token_times_s or []) == 5  # the stream's own arrivals stay
+        assert r.engine is not None and r.engine["ids_refetched"]["streamed_ids"] == 5
