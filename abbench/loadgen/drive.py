@@ -168,6 +168,9 @@ class _Driver:
 
     async def _one(self, r: _Req, conn: Connection | None) -> Connection | None:
         """Send ``r`` (on ``conn``, or a new connection) and wait for its end; the connection, if reusable."""
+        if conn is not None and not conn.reusable:  # closed by the server since its last response
+            conn.abort()
+            conn = None
         if conn is None:
             r.attempt = time.perf_counter()
             try:

@@ -183,6 +183,10 @@ class Connection(asyncio.Protocol):
         ``close_after``: the connection is not reused after this response (a server that closes it after every
         stream without saying so: ``Adapter.closes_after_stream``)."""
         assert self.current is None and self.transport is not None
+        if self.closed:  # never write into a connection already lost: that would wait for its timeout
+            ex.t0 = time.perf_counter()
+            ex.fail(RequestError("connect", f"{ex.what}: the connection was closed before the request went out"))
+            return
         self.current = ex
         self._buf, self._state, self._keep = b"", _HEAD, True
         self._close_after = close_after

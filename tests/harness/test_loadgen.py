@@ -374,3 +374,23 @@ def test_a_llamacpp_stream_short_of_ids_is_completed_after_the_level() -> None:
         assert r.ok, r.error
         assert len(r.output_ids) == 6 and len(r.token_times_s or []) == 5  # the stream's own arrivals stay
         assert r.engine is not None and r.engine["ids_refetched"]["streamed_ids"] == 5
+
+
+def test_a_connection_lost_before_the_send_fails_at_once() -> None:
+    import asyncio
+
+    from abbench.adapters import get_adapter
+    from abbench.loadgen.wire import Connection, Exchange
+
+    async def go() -> Exchange:
+        c = Connection("h")
+        c.connection_made(type("T", (), {"get_extra_info": lambda self, n: None, "abort": lambda self: None,
+                                         "write": lambda self, d: None})())  # type: ignore[arg-type]
+        c.connection_lost(None)
+        ex = Exchange(get_adapter("openai"), "POST x", asyncio.get_running_loop())
+        c.send(ex, b"")
+        await asyncio.wait_for(ex.done, 1)
+        return ex
+
+    ex = asyncio.run(go())
+    assert ex.error is not None and ex.error.kind == "connect" and "closed before the request" in ex.error.detail
