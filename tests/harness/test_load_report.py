@@ -119,34 +119,68 @@ def _slower(record: RunRecord, factor: float) -> RunRecord:
     return record.model_copy(update={"load": levels, "run_id": record.run_id + "-slower"})
 
 
+def _synthetic() -> RunRecord:
+    """Two arms at c=4, two rounds, 40 requests a level with seeded TTFTs of 10 ms +- 10% and 6 tokens 5 ms apart
+    (the statistics of compare judged on data that does not depend on this machine's load)."""
+    import numpy as np
+
+    from abbench.loadrecords import LoadLevel, LoadRequest
+
+    rng = np.random.default_rng(0)
+    levels = []
+    for rnd in (1, 2):
+        for arm in ("a", "b"):
+            reqs = []
+            for k in range(40):
+                sent, ttft = 0.01 * k, float(rng.uniform(0.009, 0.011))
+                times = [round(ttft + 0.005 * j, 6) for j in range(6)]
+                reqs.append(LoadRequest(index=k, prompt_id=f"load-{k % 4}", target_tokens=3, max_tokens=6,
+                                        sent_s=sent, first_token_s=sent + times[0], end_s=sent + times[-1],
+                                        token_times_s=times, ok=True, output_ids=list(range(6)),
+                                        ids_source="native", completion_tokens=6))
+            levels.append(LoadLevel(arm=arm, round=rnd, kind="concurrency", value=4.0, started_at=0.0,
+                                    window_start_s=0.0, window_end_s=0.39, elapsed_s=0.43, requests=reqs))
+    prof = profile_from_dict({"name": "s", "engine": {"base_url": "http://127.0.0.1:1"},
+                              "arms": [{"name": "a"}, {"name": "b"}], "load": {"concurrency": [4]}})
+    return RunRecord(run_id="s", status="complete", created_at=0.0, abbench_version="0", profile=prof.model_dump(),
+                     load=levels)
+
+
 def test_compare_judges_the_load_cells(run_dir: Path, tmp_path: Path) -> None:
+    import json
+
     from typer.testing import CliRunner
 
     from abbench.cli import app
     from abbench.compare import compare
 
-    base, _ = load_run(run_dir)
-    same = compare(base, base)
+    live, _ = load_run(run_dir)  # a real run: compared with itself, nothing moves
+    same = compare(live, live)
     assert same.exit_code == 0 and not same.load.empty
     assert set(same.load["verdict"]) <= {"not significant", "too few to judge"}
     assert set(same.load["metric"]) == {"output_tok_s", "goodput", "ttft_p50_s", "ttft_p99_s", "itl_p99_s"}
-    slow = _slower(base, 3.0)
-    c = compare(base, slow)
+    base = _synthetic()
+    c = compare(base, _slower(base, 3.0))
     rows = c.load.set_index(["arm", "level", "metric"])
-    ttft = rows.xs("ttft_p50_s", level="metric")
-    assert ttft["change"].to_list() == pytest.approx([2.0] * 6)
-    assert (ttft["verdict"] == "worse").sum() >= 4  # a wide interval (a bimodal cell of 24 requests) may hold 0
-    assert rows.loc[("a", "c=4", "output_tok_s"), "change"] == pytest.approx(-2 / 3, abs=0.02)
-    assert rows.loc[("a", "c=4", "ttft_p99_s"), "verdict"] == "too few to judge"  # 24 requests: no p99
+    for arm in ("a", "b"):
+        assert rows.loc[(arm, "c=4", "ttft_p50_s"), "change"] == pytest.approx(2.0)
+        assert rows.loc[(arm, "c=4", "ttft_p50_s"), "verdict"] == "worse"
+        assert rows.loc[(arm, "c=4", "output_tok_s"), "change"] == pytest.approx(-2 / 3, abs=0.02)
+        assert rows.loc[(arm, "c=4", "ttft_p99_s"), "verdict"] == "too few to judge"  # 80 requests: no p99
+        assert rows.loc[(arm, "c=4", "itl_p99_s"), "verdict"] == "worse"  # 400 gaps
     assert c.exit_code == 1
-    save_run(tmp_path / "slower", slow)
-    r = CliRunner().invoke(app, ["compare", str(run_dir), str(tmp_path / "slower"), "--out", str(tmp_path / "c.md")])
+    faster = compare(base, _slower(base, 0.5))
+    assert set(faster.load.set_index("metric").loc["ttft_p50_s", "verdict"]) == {"better"}
+    assert faster.exit_code == 0
+    save_run(tmp_path / "base", base)
+    save_run(tmp_path / "slower", _slower(base, 3.0))
+    r = CliRunner().invoke(app, ["compare", str(tmp_path / "base"), str(tmp_path / "slower"),
+                                 "--out", str(tmp_path / "c.md")])
     assert r.exit_code == 1, r.output
     text = (tmp_path / "c.md").read_text()
-    assert "### Load levels" in text and "Regressions: " in text and "TTFT p50 +200.0%" in text
-    j = CliRunner().invoke(app, ["compare", str(run_dir), str(tmp_path / "slower"), "--json"])
-    import json
-
+    assert "### Load levels" in text and "Regressions: a c=4: Output tok/s -66.7%" in text
+    assert "a c=4: TTFT p50 +200.0% (CI +190.6% – +210.0%)" in text
+    j = CliRunner().invoke(app, ["compare", str(tmp_path / "base"), str(tmp_path / "slower"), "--json"])
     doc = json.loads(j.stdout)  # the document alone (the closing line goes to stderr)
     assert j.exit_code == 1 and any(x["metric"] == "ttft_p50_s" and x["regression"] for x in doc["load"])
 

@@ -52,7 +52,7 @@ def test_open_loop_sends_on_schedule_while_the_server_is_slow() -> None:
     due = arrivals(40, n=20, seed=3)
     assert [r.scheduled_s for r in rec.requests] == [round(t, 6) for t in due]
     lags = [r.sent_s - r.scheduled_s for r in rec.requests]  # type: ignore[operator]
-    assert min(lags) >= 0 and max(lags) < 0.05, lags
+    assert min(lags) >= 0 and max(lags) < 0.15, lags  # far below the 0.3 s a paced (omitting) sender would lag
     assert rec.requests[-1].sent_s < 0.3 + due[-1]  # the last was sent before the first answers could pace it
     from abbench.analysis.load import in_flight
 
