@@ -43,6 +43,8 @@ class LoadRequest(_Model):
     index: int = Field(description="Position in the level's plan (the order requests were due).")
     prompt_id: str = Field(description="The load prompt it sent (load-<i>: rebuilt from the profile's seed).")
     target_tokens: int = Field(description="Exact prompt length it was built to.")
+    prompt_sha256: str | None = Field(None, description="sha256 of the prompt's UTF-8 text (a replay rebuilds the "
+                                      "text from the profile's seed and checks it against this).")
     max_tokens: int = Field(description="Output tokens asked for (the output-length draw).")
     scheduled_s: float | None = Field(None, description="Open loop: when it was due (level clock); None closed.")
     sent_s: float = Field(description="When its bytes were written (level clock).")

@@ -318,6 +318,7 @@ def _request(drv: _Driver, r: _Req, t0: float, started_at: float,
     p, ex = r.prompt, r.ex
     sent = (ex.t0 if ex is not None and ex.t0 else r.attempt or t0) - t0
     base: dict[str, Any] = {"index": r.k, "prompt_id": p.id, "target_tokens": p.target_tokens,
+                            "prompt_sha256": p.record.sha256 if p.record is not None else None,
                             "max_tokens": p.max_tokens, "sent_s": round(sent, 6),
                             "scheduled_s": None if r.scheduled is None else round(r.scheduled, 6)}
     if ex is None or r.error is not None:

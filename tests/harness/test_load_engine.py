@@ -56,6 +56,8 @@ def test_load_levels_against_the_vendored_engine(engine: str) -> None:
         assert all(r.ok for r in lv.requests), [r.error for r in lv.requests if not r.ok]
         assert all(r.prompt_tokens == r.target_tokens and r.completion_tokens == 6 for r in lv.requests)
         assert all(r.ids_source == "native" and r.logprobs for r in lv.requests)
+        sha = {p.id: p.record.sha256 for p in prompts if p.record is not None}
+        assert all(r.prompt_sha256 == sha[r.prompt_id] for r in lv.requests)  # what a replay checks
     assert max(n for _, n in al.in_flight(levels[1])) == 4  # sent at once; the engine queues them
     assert levels[1].scrapes
     prof = profile_from_dict({"name": "e", "engine": {"base_url": engine}, "arms": [{"name": "engine"}],
