@@ -89,6 +89,14 @@ METRICS: dict[str, Metric] = {m.name: m for m in (
            "prompt tokens served from the prefix cache, from the engine's /metrics counters around the request"),
     Metric("crossover", "tokens", True, False,
            "a sweep's quantity where TTFT(arm) / TTFT(other arm) crosses 1 (crossover[A, B]; needs [sweep])"),
+    Metric("kl_mean", "nats", True, False,
+           "mean KL(parity reference || arm) per position where both saw the same context, a lower bound from "
+           "the top-k logprobs (abbench.analysis.numerics)"),
+    Metric("kl_p99", "nats", True, False, "99th percentile of that per-position KL (needs 100 positions)", 0.99),
+    Metric("same_top", "rate", True, False,
+           "share of those positions where both sides' most likely token is the same"),
+    Metric("delta_p_rms", "", True, False,
+           "root mean square of p_arm(t) - p_reference(t), t the reference's most likely token"),
 )}
 PAIRED = ("ttft_ratio", "peak_vram_ratio", "decode_ratio", "throughput_ratio")
 """Metrics that divide by another arm's sample of the same prompt and round (``vs ARM``, else the reference)."""
@@ -107,6 +115,9 @@ LOAD_METRIC_SPECS: dict[str, Metric] = {m.name: m for m in (
 )}
 """The metrics of load cells alone (a run with ``[load]``); :data:`ALL_METRICS` holds both."""
 ALL_METRICS: dict[str, Metric] = {**METRICS, **LOAD_METRIC_SPECS}
+NUMERICS = ("kl_mean", "kl_p99", "same_top", "delta_p_rms")
+"""Metrics of an arm's next-token distributions against the parity reference's, from their top-k logprobs: one
+cell over everything the selector picks, judged on a cluster-bootstrap interval (:mod:`abbench.analysis.numerics`)."""
 TWO_ARMS = ("crossover",)
 """Metrics of two arms, both named in the selector: ``crossover[A, B]`` (the second is held in ``vs``)."""
 LOAD_METRICS = tuple(LOAD_METRIC_SPECS)

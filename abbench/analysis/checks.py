@@ -17,10 +17,13 @@ The gate passes only when every check passes; it never passes on missing data.
   another arm) has ok measured samples.
 * ``token-ids``: no measured ok sample has ``ids_source`` 'none'.
 * ``parity``: every sample of another arm equals the parity reference over the first K ids, and every
-  prompt has a reference sample to compare with. With a tolerance T (nats: the arm's own
+  prompt has a reference sample to compare with. A plan with other arms of which no sample could be compared
+  is "not checked", and fails (a run of the reference arm alone has nothing to compare, and passes). With a tolerance T (nats: the arm's own
   ``accept_near_ties``, else ``gate.accept_near_ties``) a mismatch whose verdict is a near-tie flip under T
   (:func:`abbench.analysis.parity.flip_verdict`) is accepted and listed in the notes; every failure names
   its verdict (near-tie flip or broken) either way.
+  An arm with ``parity = "numerics"`` (one that changes arithmetic on purpose) is not judged here but by its
+  declared numerics checks (:mod:`abbench.analysis.numerics`); how many of its samples differ is noted.
 * ``reference-stable``: the parity reference's first K ids are equal across rounds.
 * ``active-path`` (when ``gate.require_active_path``): for an arm with ``expect_path``, each measured ok
   sample must report that path, or another path *with* the engine's ``fallback_reason`` where either the
@@ -35,7 +38,7 @@ The gate passes only when every check passes; it never passes on missing data.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -55,6 +58,7 @@ from abbench.analysis.frames import (
     reference_arm,
     where,
 )
+from abbench.analysis.numerics import numerics_arms
 from abbench.analysis.parity import parity_frame, parity_tokens_of
 from abbench.analysis.paths import active_path_samples
 from abbench.profile import GateSpec
@@ -68,7 +72,8 @@ class Check(NamedTuple):
     passed: bool
     detail: str
     result: str = ""
-    """'pass', 'FAIL' or 'inconclusive' (a declared check whose interval straddles its bound; fails)."""
+    """'pass', 'FAIL', 'inconclusive' (a declared check whose interval straddles its bound; fails) or 'not checked'
+    (parity with nothing to compare; fails)."""
 
 
 @dataclass
@@ -81,7 +86,7 @@ class CheckResult:
     failures: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     status: str | None = None
-    """Overrides the verdict word ('inconclusive'); default 'pass' / 'FAIL'."""
+    """Overrides the verdict word ('inconclusive', 'not checked'); default 'pass' / 'FAIL'."""
 
     @property
     def check(self) -> Check:
@@ -244,6 +249,10 @@ def _parity_rows(g: GateInput, check: str, name: str) -> CheckResult:
         if n_unchecked:
             detail += f", {n_unchecked} not checked"
     if check == "parity" and rows.empty:
+        others = sorted({s.arm for s in g.record.plan if not s.excluded and s.arm != ref})
+        if others:  # arms to compare, and not one sample of theirs to compare: nothing was checked
+            why = f"not checked: no sample of {', '.join(others)} to compare with the reference {ref}"
+            return CheckResult(name, False, why, [f"{name}: {why}"], status="not checked")
         detail = "no non-reference sample to compare"
     other = _flags(rows["other_round"], True)
     if check == "parity" and not rows.empty and other.any():
@@ -257,8 +266,24 @@ def _tolerance_source(arm: str, own: dict[str, float]) -> str:
 
 
 def check_parity(g: GateInput) -> CheckResult:
-    """Every non-reference sample equals the reference over the first K ids."""
-    return _parity_rows(g, "parity", "parity")
+    """Every non-reference sample equals the reference over the first K ids; an arm with ``parity =
+    "numerics"`` is left to its numerics checks (its differing ids are noted)."""
+    numerics = numerics_arms(g.record)
+    if not numerics:
+        return _parity_rows(g, "parity", "parity")
+    theirs = (g.parity["check"] == "parity") & g.parity["arm"].isin(numerics)
+    notes = []
+    for arm, rows in g.parity[theirs].groupby("arm", sort=False):
+        differ = int(_flags(rows["match"], False).sum())
+        notes.append(f"parity: arm {arm} has parity = \"numerics\": {differ}/{int(rows['match'].notna().sum())} of "
+                     f"its samples differ from {g.parity_reference} within the first {g.parity_tokens} ids; its "
+                     "numerics checks judge it")
+    if not (g.parity["check"] == "parity")[~theirs].any():
+        return CheckResult("parity", True, f"no arm is judged by ids ({', '.join(numerics)}: by numerics checks)",
+                           notes=notes)
+    result = _parity_rows(replace(g, parity=g.parity[~theirs]), "parity", "parity")
+    result.notes.extend(notes)
+    return result
 
 
 def check_reference_stable(g: GateInput) -> CheckResult:
@@ -321,8 +346,8 @@ def declared_check(c: DeclaredCheck) -> Callable[[GateInput], CheckResult]:
             msg = f"no measured data for {c.metric} of arm {c.arm} matches the selector"
             return CheckResult(c.name, False, msg, [f"{c.name}: {msg}"], status="FAIL")
         detail = "; ".join(describe_cell(c, x) for x in cells)
-        failures = [f"{c.name}: {x.kind} {x.tokens}: {x.status}: {fmt_value(x.value)}, {x.why}"
-                    for x in cells if x.status != "pass"]
+        failures = [f"{c.name}: {x.kind}{'' if x.tokens is None else f' {x.tokens}'}: {x.status}: "
+                    f"{fmt_value(x.value)}, {x.why}" for x in cells if x.status != "pass"]
         return CheckResult(c.name, status == "pass", detail, failures,
                            status={"pass": "pass", "fail": "FAIL"}.get(status, status))
 

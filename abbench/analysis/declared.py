@@ -37,6 +37,11 @@ Metrics (:data:`METRICS`), each per (arm, kind, prompt length) cell over measure
 * ``crossover[A, B]`` (runs with a ``[sweep]``): the swept quantity where TTFT(A) / TTFT(B) crosses 1, with A
   the arm faster below it; one cell, judged on the crossover's 95% interval the same way (an interval that
   reaches past the swept range is open on that side; no interval is inconclusive): :mod:`~abbench.analysis.sweep`.
+* numerics metrics (an arm that changes arithmetic on purpose, ``parity = "numerics"``, though any arm can be
+  checked): ``kl_mean``, ``kl_p99``, ``same_top`` and ``delta_p_rms`` of the arm's next-token distributions
+  against the parity reference's, from their top-k logprobs, over the positions where both saw the same context;
+  one cell pooling every pair the selector picks, judged the same way on a 95% cluster-bootstrap interval that
+  resamples whole pairs (:mod:`~abbench.analysis.numerics`). Fewer than two pairs: inconclusive.
 * counter metrics, judged on every sample: ``h2d_banks`` (prefill H2D bytes / the bank; the whole
   request's bytes when the engine gives no split), ``banks_per_window`` (the same over the engine's
   layer-major windows, at least 1: one bank per window is the layer-major promise at any length) and ``peak_vram_gb`` (the engine's ``peak_device_bytes``
@@ -85,10 +90,11 @@ from abbench.analysis.frames import (
 from abbench.analysis.decode import decode_over_expected
 from abbench.analysis.latency import itl_values, min_n, tpot_values, ttft_values
 from abbench.analysis.load import values as load_values
+from abbench.analysis.numerics import estimate, numerics_positions
 from abbench.analysis.sweep import crossover, judge_crossover, sweep_pairs, sweep_spec
 from abbench.analysis.timing import CONFIDENCE, paired_ratios, quantile_ci
 from abbench.analysis.transfer import FLOOR_KINDS, floor_table
-from abbench.checkexpr import KINDS, METRICS, OPS, PAIRED, DeclaredCheck, Metric, check_arms, parse_check, parse_checks
+from abbench.checkexpr import KINDS, METRICS, NUMERICS, OPS, PAIRED, DeclaredCheck, Metric, check_arms, parse_check, parse_checks
 from abbench.prometheus import ENGINE_COUNTERS, common_counters, metrics_delta
 from abbench.results import RunRecord, Sample
 
@@ -293,6 +299,17 @@ def rounds_to_settle(value: float, low: float, high: float, bound: float, n: int
     return f"roughly {total} rounds (now {rounds}) might settle it (median {value:.4g} is {side} {bound:g})"
 
 
+def interval_status(c: DeclaredCheck, value: float, low: float, high: float, n: int, rounds: int) -> tuple[str, str]:
+    """(status, why) of an interval against the check's bound: pass when the whole interval is on the right side,
+    fail when wholly on the wrong side, else inconclusive with the rounds that might settle it."""
+    if (high <= c.value) if c.op == "<=" else (low >= c.value):
+        return "pass", ""
+    if (low > c.value) if c.op == "<=" else (high < c.value):
+        return "fail", f"the whole interval is {'above' if c.op == '<=' else 'below'} {c.value:g}"
+    return "inconclusive", f"the interval contains {c.value:g}; " + rounds_to_settle(value, low, high, c.value, n,
+                                                                                      rounds)
+
+
 def _judge_interval(c: DeclaredCheck, vals: np.ndarray, rounds: int) -> tuple[float, float | None, float | None,
                                                                               str, str]:
     q = c.spec.quantile
@@ -303,16 +320,27 @@ def _judge_interval(c: DeclaredCheck, vals: np.ndarray, rounds: int) -> tuple[fl
     if ci.low is None or ci.high is None:
         return ci.median, None, None, "inconclusive", (f"n={len(vals)}: no {CONFIDENCE:.0%} interval; at least "
                                                         "2 rounds are needed")
-    ok = ci.high <= c.value if c.op == "<=" else ci.low >= c.value
-    bad = ci.low > c.value if c.op == "<=" else ci.high < c.value
-    if ok:
-        return ci.median, ci.low, ci.high, "pass", ""
-    if bad:
-        return ci.median, ci.low, ci.high, "fail", f"the whole interval is {'above' if c.op == '<=' else 'below'} " \
-                                                    f"{c.value:g}"
-    why = f"the interval contains {c.value:g}; " + rounds_to_settle(ci.median, ci.low, ci.high, c.value, len(vals),
-                                                                      rounds)
-    return ci.median, ci.low, ci.high, "inconclusive", why
+    status, why = interval_status(c, ci.median, ci.low, ci.high, len(vals), rounds)
+    return ci.median, ci.low, ci.high, status, why
+
+
+def _numerics_cells(record: RunRecord, c: DeclaredCheck) -> list[Cell]:
+    """A numerics metric (:mod:`abbench.analysis.numerics`): one cell pooling every position of the pairs the
+    selector picks, judged on the cluster-bootstrap interval."""
+    pos = numerics_positions(record, [c.arm])
+    keep = [c.selects(str(k), None if pd.isna(t) else int(t)) for k, t in zip(pos["kind"], pos["target_tokens"])]
+    pos = pos[np.asarray(keep, dtype=bool)] if len(pos) else pos
+    if pos.empty:
+        return []
+    est = estimate(pos, c.metric)
+    rounds = int(pos["round"].nunique())
+    kind = c.kind or "all"
+    if est.low is None or est.high is None:
+        return [Cell(kind, c.tokens if c.tokens_op == "==" else None, est.pairs, rounds, est.value, None, None,
+                     "inconclusive", f"{est.note}; run more rounds or prompts")]
+    status, why = interval_status(c, est.value, est.low, est.high, est.pairs, rounds)
+    return [Cell(kind, c.tokens if c.tokens_op == "==" else None, est.pairs, rounds, est.value, est.low, est.high,
+                 status, why or f"{est.positions} positions")]
 
 
 def _judge_counter(c: DeclaredCheck, vals: np.ndarray) -> tuple[float, float, float, str, str]:
@@ -354,6 +382,8 @@ def judge(record: RunRecord, c: DeclaredCheck, values: pd.DataFrame | None = Non
         return _crossover_cells(record, c)
     if c.load and values is None:
         return _load_cells(record, c)
+    if c.metric in NUMERICS:
+        return _numerics_cells(record, c)
     df = _values(record, c) if values is None else values
     df = df[df["arm"] == c.arm]
     cells: list[Cell] = []
@@ -378,7 +408,7 @@ def fmt_value(v: float | None) -> str:
 
 def describe_cell(c: DeclaredCheck, cell: Cell) -> str:
     """'fresh 32768: 0.146 (95% CI 0.143-0.148, n=2 pairs) pass'."""
-    what = ("pairs" if c.metric in PAIRED or c.metric == "crossover" else
+    what = ("pairs" if c.metric in PAIRED or c.metric in ("crossover", *NUMERICS) else
             "rounds" if c.metric in ("output_tok_s", "request_s", "goodput", "error_rate") else
             "level" if c.metric == "parity_under_load" else "samples")
     if cell.low is None:

@@ -19,7 +19,7 @@ def serve(ctx: typer.Context) -> None:
     """Serve the vendored offloaded-MoE engine (OpenAI-compatible), or with `--backend transformers` a model's
     transformers implementation behind the same API (the reference). All other options pass through; see
     `abbench serve --help` and `abbench serve --backend transformers --help`."""
-    from abbench.engine.launch import main as serve_main  # --backend is the launcher's option
+    from abbench.engine.serve.launch import main as serve_main  # --backend is the launcher's option
 
     raise typer.Exit(serve_main(list(ctx.args)))
 
@@ -51,7 +51,7 @@ def memory_plan_cmd(
       abbench memory-plan --model qwen3.5-35b-a3b --chunk-tokens 2048,8192 --max-context 131072
     """
     from abbench.engine.config import EngineConfig
-    from abbench.engine.memory import plan_device_memory
+    from abbench.engine.runtime.memory import plan_device_memory
 
     try:
         chunks = [int(c) for c in (_parse_csv(chunk_tokens, "--chunk-tokens") or [])]

@@ -1,5 +1,6 @@
-"""``abbench run``: an A/B experiment with a progress display (or, with ``--quiet``, warnings only); a run stopped
-before it is complete exits 2 and names the ``--resume`` command.
+"""``abbench run``: an A/B experiment with a progress display (or, with ``--quiet``, warnings only), ending with
+the gate's verdict line. Exit 0: every measured sample ok; 1: a measured sample failed; 2: a usage, service or
+results error, or a run stopped before it is complete (the ``--resume`` command is named); 130: interrupted.
 """
 
 from __future__ import annotations
@@ -24,13 +25,20 @@ def run(
         "else 0.05 and 10.")] = None,
     lengths: Annotated[Optional[str], typer.Option(help="Fresh prompt lengths, e.g. 512,2k,4k.")] = None,
     out_dir: Annotated[Optional[Path], typer.Option("--out", help="The run directory to write (it must not hold a run). Default: results/<run-id>.")] = None,
-    resume: Annotated[Optional[Path], typer.Option(help="Finish an interrupted run in this directory.")] = None,
+    resume: Annotated[Optional[Path], typer.Option(
+        help="Finish a partial run in this directory: the steps without a sample, and those whose sample failed.")] = None,
+    keep_failed: Annotated[bool, typer.Option(
+        "--keep-failed", help="With --resume: keep the failed samples instead of running their steps again.")] = False,
     report: Annotated[bool, typer.Option(help="Render the Markdown report when the run ends.")] = True,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress display.")] = False,
 ) -> None:
     """Run an A/B experiment: build exact prompts, drive every arm in ABBA rounds, record every sample as it
-    finishes (results/<run-id>/), and render the report. A run stopped before it is complete exits 2 and names
-    the --resume command.
+    finishes (results/<run-id>/), render the report, and end with the gate's verdict line (gate: PASS or FAIL,
+    as abbench gate prints it). Every arm's service is checked before the first sample.
+
+    Exit codes: 0 every measured sample ok; 1 a measured sample failed (--resume runs its step again); 2 a
+    usage, service or results error, or a run stopped before it is complete (the --resume command is printed);
+    130 interrupted (likewise).
 
     Examples:
 
@@ -47,12 +55,15 @@ def run(
             prof = None
             run_dir = resume
         else:
+            if keep_failed:
+                raise ConfigError("--keep-failed applies to a resumed run; give it with --resume DIR")
             prof = load_profile(profile).with_overrides(arms=_parse_csv(arms, "--arms"), rounds=_parse_rounds(rounds),
                                                         lengths=_parse_lengths(lengths))
             run_dir = out_dir or RESULTS_ROOT / runner.new_run_id(prof)
             runner.check_run_dir_free(run_dir)
         t0 = time.perf_counter()
-        record = run_with_progress(runner, prof, run_dir, resume=resume is not None, quiet=quiet)
+        record = run_with_progress(runner, prof, run_dir, resume=resume is not None, quiet=quiet,
+                                   keep_failed=keep_failed)
         finish(record, run_dir, time.perf_counter() - t0, report=report, what="run")
     except AbbenchError as e:
         _fail(e)

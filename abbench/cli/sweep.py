@@ -94,7 +94,7 @@ def sweep(
                 emit(sweep_document(record))
             else:
                 _print(sweep_summary(record))
-        finish(record, run_dir, time.perf_counter() - t0, report=report, what="sweep")
+        finish(record, run_dir, time.perf_counter() - t0, report=report, what="sweep", as_json=as_json)
     except AbbenchError as e:
         _fail(e)
     except KeyboardInterrupt:

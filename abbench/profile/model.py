@@ -14,7 +14,7 @@ from typing import Any
 
 from pydantic import Field, ValidationError, model_validator
 
-from abbench.checkexpr import check_arms, checks_within, level_label, parse_checks
+from abbench.checkexpr import NUMERICS, check_arms, checks_within, level_label, parse_checks
 from abbench.errors import ConfigError
 from abbench.profile.load import LoadSpec
 from abbench.profile.specs import (
@@ -106,6 +106,7 @@ class Profile(_Model):
         self._check_sweep()
         self._check_load()
         self._check_auto_rounds()
+        self._check_numerics()
         named = [a.name for a in self.arms if a.service is not None]
         if named and not self.engine.shared_service:
             raise ValueError(f"arms {', '.join(named)} name a service but engine.shared_service is false; set "
@@ -163,6 +164,22 @@ class Profile(_Model):
                                  "alone)")
             if c.metric == "goodput" and not ld.slo:
                 raise ValueError(f"gate.checks: {c.expr!r} needs load.slo (the objectives goodput counts)")
+
+    def _check_numerics(self) -> None:
+        """An arm with ``parity = "numerics"`` is judged by numerics checks instead of bitwise ids: it needs one,
+        and it cannot be the yardstick of ids itself."""
+        checked = {c.arm for c in parse_checks(self.gate.checks) if c.metric in NUMERICS}
+        for arm in self.arms:
+            if arm.parity != "numerics":
+                continue
+            if arm.name == self.parity_reference_arm:
+                raise ValueError(f"arm {arm.name!r} has parity = \"numerics\" but is the parity reference; the "
+                                 "reference's ids are what the other arms are checked against")
+            if arm.name not in checked:
+                raise ValueError(f"arm {arm.name!r} has parity = \"numerics\": the gate judges it by numerics "
+                                 f"checks instead of bitwise ids, and gate.checks declares none for it; add e.g. "
+                                 f"\"kl_mean[{arm.name}] <= 0.01\" and \"same_top[{arm.name}] >= 0.98\" "
+                                 f"({', '.join(NUMERICS)})")
 
     def _check_sweep(self) -> None:
         sw, names = self.sweep, [a.name for a in self.arms]

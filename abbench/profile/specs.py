@@ -185,6 +185,14 @@ class ArmSpec(_AdapterPaths):
     expect_path: str | None = Field(
         None, description="The engine must report this prefill path (abbench.prefill_path) when eligible."
     )
+    parity: Literal["ids", "numerics"] = Field(
+        "ids",
+        description="How the gate judges this arm against the parity reference: \"ids\", its first "
+        "gate.parity_tokens greedy ids must be equal (bitwise); \"numerics\", for an arm that changes arithmetic "
+        "on purpose (FP8 weights, another kernel or dtype): its ids are shown but not gated, and declared numerics "
+        "checks judge it (kl_mean, kl_p99, same_top, delta_p_rms; at least one is required). Ask for top-k "
+        "logprobs (request.logprobs, up to 20): the KL is computed from them.",
+    )
     accept_near_ties: float | None = Field(
         None, gt=0,
         description="This arm's own parity tolerance (nats), replacing gate.accept_near_ties for its rows: a "

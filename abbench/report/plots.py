@@ -226,6 +226,8 @@ def write_plots(record: RunRecord, a: an.Analysis, plots_dir: Path) -> tuple[dic
 
         cells = a.load
         jobs["load"] = (not cells.empty, "no load level ran", lambda p: plot_load(cells, a.arms, p))
+    if not a.numerics_positions.empty:  # an arm judged by numerics: its per-position KL
+        jobs["numerics"] = (True, "", lambda p: plot_numerics(a, p))
     if a.sweep:  # a sweep run: its ratio against the quantity
         jobs["sweep"] = (any(not p.points.empty for p in a.sweep), "no sweep point has pairs of both arms",
                          lambda p: plot_sweep(record, a, p))
@@ -303,4 +305,29 @@ def plot_sweep(record: RunRecord, a: an.Analysis, path: Path) -> None:
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
         ax.set_title(c.summary, fontsize=9)
+    fig.savefig(path)
+
+
+def plot_numerics(a: an.Analysis, path: Path) -> None:
+    """The per-position KL divergence of each numerics arm from the parity reference, as a cumulative
+    distribution (log x; a KL of 0 is drawn at the axis' left end), its mean marked."""
+    import numpy as np
+
+    pos = a.numerics_positions
+    fig = _figure(7.5, 3.6)
+    ax = fig.subplots()
+    kls = pos["kl"].astype(float)
+    floor = max(float(kls[kls > 0].min()) / 2 if (kls > 0).any() else 1e-9, 1e-12)
+    for i, (arm, g) in enumerate(pos.groupby("arm", sort=False)):
+        xs = np.sort(np.maximum(g["kl"].astype(float).to_numpy(), floor))
+        ys = np.arange(1, len(xs) + 1) / len(xs)
+        ax.step(xs, ys, where="post", color=f"C{i}", lw=1.8, label=f"{arm} ({len(xs)} positions)")
+        ax.axvline(max(float(g["kl"].mean()), floor), color=f"C{i}", ls="--", lw=1, label=f"{arm} mean")
+    ax.set_xscale("log")
+    ax.set_xlabel(f"KL({a.parity_reference} || arm) per position, nats (a lower bound from the top-k logprobs; log)")
+    ax.set_ylabel("share of positions at or below")
+    ax.set_ylim(0, 1.02)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    ax.set_title("Numerics: per-position KL divergence from the parity reference", fontsize=10)
     fig.savefig(path)

@@ -1,16 +1,24 @@
 """Resume checks: a partial run continues only with the same prompts, the same plan and the same key
 environment fields (:data:`abbench.fingerprint.KEY_FIELDS`); each resume is listed in
 ``environment["resumed"]``.
+
+A resume runs again the steps whose sample failed (a server that died once, an arm skipped because its
+service could not start), unless told to keep them: :func:`drop_failed` takes the failed samples out of the
+record, and :func:`rewrite_log` out of ``requests.jsonl`` (every other line stays byte for byte), and the
+resume's entry lists what it retried (``retried``: step, arm, prompt, error kind and error of each).
 """
 
 from __future__ import annotations
 
+import json
+import os
 import time
 from pathlib import Path
+from typing import Any
 
 from abbench.errors import ResultsError
 from abbench.fingerprint import KEY_FIELDS, key_value
-from abbench.results import PromptRecord, RunRecord, Step
+from abbench.results import SAMPLES_FILE, PromptRecord, RunRecord, Step
 
 
 def environment_notes(run_dir: Path, old: dict, new: dict) -> list[str]:
@@ -56,3 +64,40 @@ def mark_resumed(record: RunRecord, env: dict, argv: list[str] | None, notes: li
     })
     record.status = "running"
     record.status_reason = None
+
+
+def drop_failed(record: RunRecord) -> list[dict[str, Any]]:
+    """Take the failed samples out of ``record`` (their steps are run again) and note them in its last resume
+    entry (``retried``); returns the notes."""
+    failed = [s for s in record.samples if not s.ok]
+    if not failed:
+        return []
+    record.samples = [s for s in record.samples if s.ok]
+    notes = [{"step": s.step, "arm": s.arm, "prompt_id": s.prompt_id, "error_kind": s.error_kind, "error": s.error}
+             for s in failed]
+    resumed = record.environment.get("resumed") or [{}]
+    resumed[-1]["retried"] = notes
+    return notes
+
+
+def rewrite_log(run_dir: Path, steps: set[int]) -> None:
+    """Remove the failed samples of ``steps`` from ``requests.jsonl`` (written whole to a new file, then
+    renamed over it: a crash leaves the old file or the new one). Every other line stays byte for byte."""
+    path = run_dir / SAMPLES_FILE
+    if not path.exists():
+        return
+    kept: list[bytes] = []
+    for line in path.read_bytes().splitlines(keepends=True):
+        try:
+            raw = json.loads(line)
+        except ValueError:
+            raw = None
+        if isinstance(raw, dict) and raw.get("ok") is False and raw.get("step") in steps:
+            continue
+        kept.append(line)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(b"".join(kept))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)

@@ -2,7 +2,9 @@
 gathers telemetry and records every sample the moment it finishes.
 
 :func:`execute` opens a :class:`Run` (:meth:`Run.open`: prompts, plan, record, sample log) and executes it:
-``start_service`` / ``prime`` / ``measure(step) -> Sample`` / ``on_failure`` / ``finish``. The service slot
+``start_service`` / ``prime`` / ``measure(step) -> Sample`` / ``on_failure`` / ``finish``. What is planned, and
+what comes next when the planned steps have run, is the profile's kind of plan (:mod:`abbench.runner.plans`:
+fixed rounds, auto rounds, a sweep), one strategy behind one interface, so the run is one loop. The service slot
 is :mod:`abbench.runner.slot`, the lock and signals :mod:`abbench.runner.lock`, the resume checks
 :mod:`abbench.runner.resume`.
 
@@ -14,6 +16,9 @@ Contract:
   before its first sample (nothing measured: a ``base_url`` nothing answers at, a service that never became
   healthy, Ctrl-C while starting) leaves no run behind: :func:`discard_unmeasured` removes it, keeping only
   the logs of launched services, which the error names.
+* Before the first sample, the service of every arm is checked (:mod:`abbench.runner.preflight`): an attached
+  server's health, cache reset and model, a launched command's program. A service that cannot serve stops the
+  run there, naming the arm and the URL or command, before any other arm's service starts.
 * A failed request is a failed sample (``ok=False`` with ``error_kind``/``error``), never a timing. What
   happens next is the profile's choice, ``run.on_request_failure``:
 
@@ -34,15 +39,19 @@ Contract:
 * A launched command must contain the ``{port}`` placeholder (abbench picks the port and checks it is
   free): a :class:`ConfigError` before anything starts otherwise.
 * SIGINT/SIGTERM tear every service down and leave a valid run marked ``partial`` (:class:`Interrupted`,
-  exit code 130); a second signal during that teardown is ignored. ``resume=True`` continues a partial run
-  in its planned order without repeating steps that already have a sample (failed ones included); it
-  refuses when the prompts, the plan or the key environment fields differ, or when another process still
-  holds the run (``run.lock``). Each resume is listed in ``environment["resumed"]``.
+  exit code 130); a second signal during that teardown is ignored.
+* Every stop that leaves a partial run behind (a signal, a service that dies or cannot start, a refused
+  request) says so with the exact command that finishes it (:func:`resume_hint`).
+* ``resume=True`` continues a partial run (or a complete one with failed samples) in its planned order,
+  running the steps without a sample and, unless ``keep_failed``, those whose sample failed (the failed samples leave ``run.json`` and
+  ``requests.jsonl``; the resume's entry lists them: :mod:`abbench.runner.resume`); it refuses when the
+  prompts, the plan or the key environment fields differ, or when another process still holds the run
+  (``run.lock``). Each resume is listed in ``environment["resumed"]``.
+* The warnings say what happens to the service by its kind: a launched one is launched again, an attached
+  one (``base_url``) is waited for, never "restarted".
 """
 
 from __future__ import annotations
-
-import os
 
 import logging
 import time
@@ -56,18 +65,17 @@ from abbench import auth
 from abbench.auth import Credentials, auth_failure, is_auth_failure
 from abbench.client import EngineClient
 from abbench.response import Completion
-from abbench.errors import AbbenchError, AuthError, ConfigError, RequestError, ResultsError, ServiceError
+from abbench.errors import AbbenchError, AuthError, RequestError, ServiceError
 from abbench.fingerprint import environment_fingerprint
 from abbench.profile import Profile, profile_from_dict
 from abbench.prometheus import parse_prometheus
 from abbench.prompts import BuiltPrompt, build_prompts
-from abbench.results import (LOGS_DIR, RUN_FILE, SAMPLES_FILE, RunRecord, Sample, SampleLog, Step, Telemetry, load_run,
-                             save_run)
-from abbench.runner.lock import LOCK_FILE, RunLock, signals_as_interrupt, signals_deferred, signals_held
-from abbench.runner.resume import check_resumable, mark_resumed
-from abbench.runner.rounds import initial_rounds, is_auto, next_round, plan_for, planned_rounds
-from abbench.runner.rounds import rule as auto_rule
-from abbench.runner import sweep as sweeps
+from abbench.results import RunRecord, Sample, SampleLog, Step, Telemetry, save_run
+from abbench.runner.lock import RunLock, signals_as_interrupt, signals_deferred, signals_held
+from abbench.runner.preflight import check_context, check_services
+from abbench.runner.resume import check_resumable, drop_failed, mark_resumed, rewrite_log
+from abbench.runner.rundir import discard_unmeasured, load_for_resume, open_log, resume_hint
+from abbench.runner import plans
 from abbench.runner.slot import ServiceSlot, check_launch_commands
 from abbench.services import Service, stop_all
 from abbench.telemetry import ServiceMonitor
@@ -141,17 +149,19 @@ def execute(
     run_dir: Path,
     *,
     resume: bool = False,
+    keep_failed: bool = False,
     observer: Observer | None = None,
     cache_dir: Path | None = None,
     argv: list[str] | None = None,
 ) -> RunRecord:
-    """Run the profile into ``run_dir`` (or resume the partial run there)."""
+    """Run the profile into ``run_dir`` (or resume the partial run there: its failed samples are run again
+    unless ``keep_failed``)."""
     lock = RunLock(run_dir)
     run: Run | None = None
     try:
         with signals_as_interrupt():
-            run = Run.open(profile, run_dir, lock, resume=resume, observer=observer, cache_dir=cache_dir,
-                           argv=argv)
+            run = Run.open(profile, run_dir, lock, resume=resume, keep_failed=keep_failed, observer=observer,
+                           cache_dir=cache_dir, argv=argv)
             return run.execute()
     except KeyboardInterrupt as e:  # before the first request: nothing ran, nothing to tear down
         what = "the resumed run is unchanged" if resume else "no run was saved"
@@ -163,52 +173,6 @@ def execute(
             if observer is not None:
                 observer(ProgressEvent("warning", f"nothing was measured, so no run was saved in {run_dir}"
                                        + (f" (the service logs stay in {kept})" if kept else "")))
-
-
-def discard_unmeasured(run_dir: Path) -> Path | None:
-    """Remove a new run that ended before its first sample (a server that is not there, a service that never
-    started, Ctrl-C while starting): a partial run that holds nothing would only become "the latest run" that
-    ``report`` and ``gate`` pick. The logs of launched services stay (an error names them); returns their
-    folder, or None when there is none and the run directory itself is gone."""
-    for name in (RUN_FILE, SAMPLES_FILE, LOCK_FILE):
-        (run_dir / name).unlink(missing_ok=True)
-    logs = run_dir / LOGS_DIR
-    try:
-        if logs.is_dir() and any(logs.iterdir()):
-            return logs
-        logs.rmdir()
-        run_dir.rmdir()
-    except OSError:  # something else is there: leave it
-        pass
-    return None
-
-
-def _load_for_resume(run_dir: Path, lock: RunLock, notify: Observer) -> RunRecord:
-    if (run_dir / RUN_FILE).is_file():
-        try:
-            lock.acquire()
-        except OSError as e:
-            raise ResultsError(f"{run_dir}: cannot lock the run for resuming: {e}") from None
-    existing, problems = load_run(run_dir)
-    for problem in problems:
-        notify(ProgressEvent("warning", f"resuming {run_dir}: {problem}"))
-    if existing.status == "complete":
-        raise ResultsError(f"{run_dir}: this run is already complete; nothing to resume")
-    return existing
-
-
-def _open_log(run_dir: Path, record: RunRecord, lock: RunLock, *, resume: bool) -> SampleLog:
-    """Create the run directory, take the lock (a new run), save run.json and open requests.jsonl."""
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / LOGS_DIR).mkdir(exist_ok=True)
-        if not resume:
-            lock.acquire()
-        save_run(run_dir, record)
-        return SampleLog(run_dir)
-    except OSError as e:
-        raise ConfigError(f"run directory {run_dir}: cannot write there ({e.strerror or e}); choose another "
-                          "--out") from None
 
 
 def _scrape(client: EngineClient, base_url: str, path: str | None,
@@ -261,7 +225,7 @@ class Run:
 
     def __init__(self, profile: Profile, run_dir: Path, record: RunRecord, log: SampleLog, tokenizer: Any,
                  prompts: list[BuiltPrompt], observer: Observer | None = None,
-                 credentials: Credentials | None = None) -> None:
+                 credentials: Credentials | None = None, strategy: plans.PlanStrategy | None = None) -> None:
         self.profile = profile
         self.run_dir = run_dir
         self.record = record
@@ -270,6 +234,7 @@ class Run:
         self.prompts = {b.record.id: b for b in prompts}
         self.observer = observer
         self.plan = record.plan
+        self.strategy = strategy or plans.for_profile(profile)
         self.credentials = credentials or Credentials()
         self.client = EngineClient(verify=auth.tls_verify(profile.ca_bundle_path()))
         self.slot = ServiceSlot(profile, run_dir, self.client, record, self.credentials)
@@ -279,13 +244,15 @@ class Run:
         self.added_tokens = int(record.environment.get("tokenizer", {}).get("special_tokens_added") or 0)
 
     @classmethod
-    def open(cls, profile: Profile, run_dir: Path, lock: RunLock, *, resume: bool = False,
+    def open(cls, profile: Profile, run_dir: Path, lock: RunLock, *, resume: bool = False, keep_failed: bool = False,
              observer: Observer | None = None, cache_dir: Path | None = None,
              argv: list[str] | None = None) -> Run:
-        """Build the prompts and the plan, create the record (or check and reopen the partial run's), save
-        run.json and open the sample log."""
+        """Build the prompts and the plan, create the record (or check and reopen the partial run's, its failed
+        samples taken out to be run again unless ``keep_failed``), save run.json and open the sample log."""
         notify = observer or (lambda ev: None)
-        existing = _load_for_resume(run_dir, lock, notify) if resume else None
+        retried: list[dict[str, Any]] = []
+        existing = load_for_resume(run_dir, lock, lambda m: notify(ProgressEvent("warning", m)),
+                                   keep_failed=keep_failed) if resume else None
         if existing is not None:
             profile = profile_from_dict(existing.profile, where=f"{run_dir}/run.json profile")
         check_launch_commands(profile)
@@ -293,20 +260,17 @@ class Run:
         ca_bundle = profile.ca_bundle_path()
         notify(ProgressEvent("prompts", "building exact-length prompts"))
         tok, built = prepare(profile, cache_dir=cache_dir)
-        sweep = None
-        if sweeps.is_sweep(profile):  # its points' prompts too: the grid's, or (resumed) every recorded pass's
-            sweep = existing.sweep if existing is not None and existing.sweep else sweeps.initial_state(profile)
-            built += sweeps.build_points(tok, profile, sweeps.all_points(sweep))
+        strategy = plans.for_profile(profile)
+        state = strategy.state(existing)
+        built += strategy.prompts(tok, state)  # a sweep's points': the grid's, or (resumed) every recorded pass's
         prompt_records = [b.record for b in built]
-        rounds = planned_rounds(existing.plan) if existing is not None and existing.plan and is_auto(profile) \
-            else initial_rounds(profile)
-        plan = sweeps.sweep_plan(profile, prompt_records, sweep) if sweep is not None else \
-            plan_for(profile, prompt_records, rounds)
+        plan = strategy.plan(prompt_records, state, existing.plan if existing is not None else None)
         env = environment_fingerprint([s.argv for s in profile.launch_specs() if s.argv is not None])
         if existing is not None:
             notes = check_resumable(run_dir, existing, prompt_records, plan, env)
             record = existing
             mark_resumed(record, env, argv, notes)
+            retried = [] if keep_failed else drop_failed(record)
             for n in notes:
                 notify(ProgressEvent("warning", f"resuming with {n.removeprefix('note: ')}"))
         else:
@@ -316,12 +280,19 @@ class Run:
             record = RunRecord(run_id=run_dir.name, status="running", created_at=time.time(),
                                abbench_version=__version__, profile=profile.model_dump(mode="json"),
                                environment=env, prompts=prompt_records, plan=plan,
-                               auto_rounds={"rule": auto_rule(profile), "decisions": []} if is_auto(profile) else None,
-                               sweep=sweep)
-        log = _open_log(run_dir, record, lock, resume=resume)
+                               **strategy.record_fields(state))
+        with signals_held():  # run.json and requests.jsonl lose the retried samples together
+            log = open_log(run_dir, record, lock, resume=resume)
+            if existing is not None and retried:
+                log.close()
+                rewrite_log(run_dir, {r["step"] for r in retried})
+                log = SampleLog(run_dir)
+        if existing is not None and retried:
+            notify(ProgressEvent("warning", f"resuming: {len(retried)} failed sample(s) run again (steps "
+                                 f"{', '.join(str(r['step']) for r in retried)}); --keep-failed keeps them"))
         if log.repaired:
             notify(ProgressEvent("warning", log.repaired))
-        return cls(profile, run_dir, record, log, tok, built, observer, credentials)
+        return cls(profile, run_dir, record, log, tok, built, observer, credentials, strategy)
 
     # ------------------------------------------------------------------------------------------ reporting
 
@@ -351,21 +322,49 @@ class Run:
         done = {s.step for s in self.record.samples}
         interrupted = False
         try:
+            self.preflight()
             self._steps([s for s in self.plan if s.index not in done])
         except KeyboardInterrupt as e:
             interrupted = True
             self._partial(f"interrupted ({e or 'SIGINT'})")
         except AbbenchError as e:
             self._partial(str(e).splitlines()[0])
+            if self.kept():
+                e.args = (f"{e}\nthe run is saved as partial ({len(self.record.samples)} samples); "
+                          f"{resume_hint(self.run_dir)}",)
             raise
         finally:
             self.finish()
         if interrupted:
-            if not self.record.samples and not self.record.environment.get("resumed"):
+            if not self.kept():
                 raise Interrupted("interrupted before the first sample; nothing was measured")
-            raise Interrupted(f"interrupted; {len(self.record.samples)} samples saved in {self.run_dir} (resume "
-                              f"with `abbench run --resume {self.run_dir}`)")
+            raise Interrupted(f"interrupted; {len(self.record.samples)} samples saved in {self.run_dir} "
+                              f"({resume_hint(self.run_dir)})")
         return self.record
+
+    def kept(self) -> bool:
+        """Whether the run stays behind when it stops now (it has samples, or it is a resumed run)."""
+        return bool(self.record.samples or self.record.environment.get("resumed"))
+
+    def preflight(self) -> None:
+        """Check the service of every arm before the first of them starts (a sweep's later stages and the
+        rounds auto adds use the same arms): :func:`abbench.runner.preflight.check_services`."""
+        arms = [a.name for a in self.profile.arms]
+        self.notify("service", "checking the services of " + ", ".join(arms))
+        check_services(self.profile, self.client, self.credentials, arms, lambda m: self.notify("warning", m))
+        for arm in arms:
+            url = self.profile.launch_spec(arm).base_url
+            if url is not None and arm not in self.skipped_arms:
+                self.check_context(url, arm)
+
+    def check_context(self, base_url: str, arm: str) -> None:
+        """The longest prompt ``arm`` will be sent, plus ``request.max_tokens``, fits the context the server
+        lists (:func:`abbench.runner.preflight.check_context`); a launched service is checked once healthy."""
+        lengths = [(st.prompt_id, self.prompts[st.prompt_id].record.token_count)
+                   for st in self.record.plan if st.arm == arm and st.prompt_id in self.prompts]
+        check_context(self.client, base_url, self.headers(arm), self.profile.arm_engine(arm).model,
+                      longest=max(lengths, key=lambda x: x[1], default=None),
+                      max_tokens=self.profile.request.max_tokens, where=f"arm {arm} ({base_url})")
 
     def _partial(self, reason: str) -> None:
         self.record.status = "partial"
@@ -388,50 +387,23 @@ class Run:
                     e = RequestError(e.kind, self.credentials.redact(e.detail), status=e.status)
                     if self.on_failure(svc, step, e):
                         return
-            todo = self.more_rounds()
+            todo = self.more_steps()
             if not todo:
                 break
         self.record.status = "complete"
 
-    def more_rounds(self) -> list[Step]:
-        """With ``run.rounds = "auto"``: decide after the planned rounds (:mod:`abbench.runner.rounds`) and
-        append the next round to the plan, or [] when the run stops (the reason is recorded). A sweep decides
-        its next pass instead (:meth:`more_points`)."""
-        if sweeps.is_sweep(self.profile):
-            return self.more_points()
-        if not is_auto(self.profile):
+    def more_steps(self) -> list[Step]:
+        """When every planned step has run: the plan's next steps (:meth:`PlanStrategy.next
+        <abbench.runner.plans.base.PlanStrategy.next>`), appended to the plan with their prompts and the decision
+        and saved together, or [] when the run ends."""
+        ext = self.strategy.next(self.record, self.tokenizer, self.notify)
+        if ext is None:
             return []
-        steps = next_round(self.record, self.profile)
-        decision = self.record.auto_rounds["decisions"][-1] if self.record.auto_rounds else {}
-        self.notify("warning" if not steps and "max_rounds" in str(decision.get("reason")) else "service",
-                    f"auto rounds after round {decision.get('round')}: "
-                    + (f"one more ({decision.get('reason')})" if steps else f"stop: {decision.get('reason')}"))
-        self.record.plan.extend(steps)
-        save_run(self.run_dir, self.record)
-        return steps
-
-    def more_points(self) -> list[Step]:
-        """A sweep's next pass (:func:`abbench.runner.sweep.next_pass`): its new points' prompts are built, then
-        the decision, the prompts and the pass's steps are recorded together and saved, or [] when the sweep
-        stops."""
-        decision, nxt = sweeps.next_pass(self.record, self.profile)
-        self.notify("service", f"sweep: {decision['next']}")
-        known = {p.id for p in self.record.prompts}
-        todo = [x for x in (nxt or {}).get("points", [])
-                if not set(sweeps.point_prompt_ids(self.profile.sweep, x)) <= known]
-        if todo:
-            self.notify("prompts", f"building the prompts of {', '.join(map(str, todo))}")
-        built = sweeps.build_points(self.tokenizer, self.profile, todo)
-        with signals_held():  # the pass, its prompts and its steps: all in run.json, or none
-            sweeps.record_pass(self.record, decision, nxt)
-            for b in built:
+        with signals_held():  # the decision, its prompts and its steps: all in run.json, or none
+            for b in ext.prompts:
                 self.record.prompts.append(b.record)
                 self.prompts[b.record.id] = b
-            full = sweeps.sweep_plan(self.profile, self.record.prompts, self.record.sweep)
-            done = len(self.record.plan)
-            if [x.model_dump() for x in full[:done]] != [x.model_dump() for x in self.record.plan]:
-                raise AssertionError("a sweep's passes no longer rebuild the plan they made")
-            steps = full[done:]
+            steps = ext.commit(self.record)
             self.record.plan.extend(steps)
             save_run(self.run_dir, self.record)
         return steps
@@ -450,8 +422,10 @@ class Run:
         return svc
 
     def start_service(self, step: Step) -> Service | None:
-        restarting = step.service in self.slot.launches
-        self.notify("service", f"{'restarting' if restarting else 'starting'} {step.service}")
+        again = step.service in self.slot.launches
+        url = self.profile.launch_spec(step.arm).base_url
+        self.notify("service", (f"attaching {'again ' if again else ''}to {step.service} at {url}" if url
+                                else f"{'restarting' if again else 'starting'} {step.service}"))
         try:
             svc = self.slot.start(step.service, step.arm, step.round)
         except ServiceError as e:
@@ -465,6 +439,9 @@ class Run:
         save_run(self.run_dir, self.record)
         for warning in (svc.control or {}).get("warnings", []):
             self.notify("warning", warning)
+        if not url:
+            for arm in svc.arms:
+                self.check_context(svc.base_url, arm)
         return svc
 
     def _reset_if_planned(self, svc: Service, step: Step) -> None:
@@ -478,7 +455,7 @@ class Run:
         bp = self.prompts[step.prompt_id]
         return self.client.complete(
             svc.base_url, bp.text, request=req,
-            extra={**req.extra, **self.profile.arm(step.arm).request, **sweeps.request_fields(self.profile, step)},
+            extra={**req.extra, **self.profile.arm(step.arm).request, **self.strategy.request_fields(step)},
             target_prompt_tokens=bp.record.target_tokens + self.added_tokens, model=eng.model,
             retokenize=lambda text: self.tokenizer.encode(text, add_special_tokens=False), adapter=eng.adapter,
             headers=self.headers(step.arm))
@@ -530,7 +507,11 @@ class Run:
             return True
         dead = self._why_dead(svc, step, e)
         if dead:
-            self.notify("warning", f"service {step.service} {dead}; it is launched again for the next step")
+            self.notify("warning", f"service {step.service} {dead}; " + (
+                "it is launched again for the next step" if svc.launched else
+                f"abbench did not start it ({svc.base_url}), so cannot restart it: the next step waits up to "
+                f"{self.profile.engine.health_timeout_s:g} s for it to answer again, and the run stops if nothing "
+                "listens there"))
             self.slot.stop(error=dead)
         elif policy == "restart":
             self.slot.stop()  # the next step launches it again
@@ -571,17 +552,3 @@ class Run:
                 record.finished_at = time.time()
                 save_run(self.run_dir, record)
                 self.notify("done", record.status)
-
-
-def check_run_dir_free(run_dir: Path) -> None:
-    """Refuse, before any prompt is built, a ``--out`` that holds a run or that cannot become a directory (a file
-    there, or a file or an unwritable folder on the way): the same errors opening the run would give later."""
-    if (run_dir / "run.json").exists():
-        raise ConfigError(f"--out {run_dir}: a run already exists there; choose another directory or use --resume")
-    where = run_dir
-    while not where.exists() and where.parent != where:
-        where = where.parent  # the nearest part of the path that exists
-    blocked = (f"{where} is a file" if not where.is_dir()
-               else None if os.access(where, os.W_OK | os.X_OK) else f"{where} is not writable")
-    if blocked:
-        raise ConfigError(f"run directory {run_dir}: cannot write there ({blocked}); choose another --out")

@@ -16,10 +16,12 @@ import torch
 
 from abbench.engine import Engine, EngineConfig
 from abbench.engine.config import MAX_GROUPED_MM_GROUPS, PRESETS, ModelConfig
-from abbench.engine.memory import GIB, RUNTIME_RESERVE_BYTES, dense_params, plan_device_memory
-from abbench.engine.decode import kv_buckets, kv_len_for
-from abbench.engine.experts import check_host_memory, host_memory_available
-from abbench.engine.model import TooManyGroups, grouped_mm
+from abbench.engine.runtime.memory import GIB, RUNTIME_RESERVE_BYTES, dense_params, plan_device_memory
+from abbench.engine.runtime.decode import kv_buckets, kv_len_for
+from abbench.engine.models.bank import (
+    HEADROOM_FLOOR, check_host_memory, host_memory_available, host_memory_headroom,
+)
+from abbench.engine.ops.moe import TooManyGroups, grouped_mm
 
 WIDE = ModelConfig(vocab_size=512, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
                    num_key_value_heads=2, head_dim=8, moe_intermediate_size=16, num_experts=512,
@@ -175,6 +177,24 @@ def test_host_memory_check_refuses_a_bank_that_does_not_fit():
     check_host_memory(10**15, None)  # unknown: nothing to check against
 
 
+def test_host_memory_headroom_scales_with_what_the_engine_allocates():
+    """The headroom is the dense weights plus a twentieth of the bank, at least 256 MiB: a tiny engine's bank fits
+    where a fixed 2 GiB headroom refused it (0.01 GB with 1.72 GB free), every tiny preset starts with 1 GB free,
+    and a large bank still gets gigabytes of room."""
+    assert host_memory_headroom(10**7) == HEADROOM_FLOOR == 256 * 2**20
+    assert host_memory_headroom(100 * 10**9, 3 * 10**9) == 8 * 10**9
+    assert host_memory_headroom(10**9, 10**9) == 10**9 + 5 * 10**7
+    check_host_memory(10**7, int(1.72e9), dense_bytes=156 * 10**6)  # refused before with 2 GiB of headroom
+    for name in ("tiny", "qwen3.5-tiny", "qwen4-exp-tiny"):
+        mc = PRESETS[name]
+        check_host_memory(mc.bank_bytes(4), 10**9, dense_bytes=dense_params(mc) * 4)  # float32 on CPU
+    with pytest.raises(ValueError, match=r"needs 0.50 GB .*\+0.62 GB headroom.* but 1.00 GB is available"):
+        check_host_memory(5 * 10**8, 10**9, dense_bytes=6 * 10**8)  # the dense weights count
+    with pytest.raises(ValueError, match=r"\+2.90 GB headroom"):
+        check_host_memory(58 * 10**9, 60 * 10**9)
+    check_host_memory(58 * 10**9, 61 * 10**9)
+
+
 def test_kv_len_is_a_power_of_two_cover_capped_at_the_cache():
     assert [kv_len_for(p, 40960) for p in (0, 1023, 1024, 4100, 40959)] == [1024, 1024, 2048, 8192, 40960]
     assert kv_len_for(10, 512) == 512
@@ -224,7 +244,7 @@ def test_decode_warmup_leaves_no_trace(preset):
 def test_decode_gqa_equals_repeated_kv_attention_with_the_mask():
     """decode_gqa reads each KV head for its query group in place; the same numbers as attention over
     K and V repeated to every query head (transformers' repeat_kv) with the hidden positions masked."""
-    from abbench.engine.model import decode_gqa
+    from abbench.engine.ops.dense import decode_gqa
 
     g = torch.Generator().manual_seed(0)
     hq, hkv, d, L, pos = 8, 2, 16, 64, 37
@@ -250,7 +270,7 @@ def test_decode_never_calls_sdpa(preset, monkeypatch):
     length, and long-context decode several times slower)."""
     import torch.nn.functional as F
 
-    from abbench.engine import decode as decode_mod
+    from abbench.engine.runtime import decode as decode_mod
 
     eng = Engine(EngineConfig(model=preset, weights="random:0", chunk_tokens=64, layer_major_window_tokens=128,
                               bandwidth_probe_bytes=0, max_context=512, device=KNOBS["device"]))

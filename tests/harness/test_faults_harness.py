@@ -399,15 +399,15 @@ def test_resume_primes_a_service_started_mid_block_and_repairs_a_torn_line(tmp_p
 
 
 def test_a_resumed_run_keeps_a_failed_step_and_does_not_repeat_it(tmp_path: Path) -> None:
-    """A run stopped by a failed request (the service died answering step 3) is resumed: step 3 keeps its
-    failed sample (a step is never run twice: a second try would be an unplanned extra measurement of that
-    cell) and the run goes on from step 4, on a service launched again."""
+    """A run stopped by a failed request (the service died answering step 3) is resumed with keep_failed
+    (``--keep-failed``): step 3 keeps its failed sample and the run goes on from step 4, on a service launched
+    again. (Without it step 3 runs again: test_resume_retry.py.)"""
     mark = fk.new_mark()
     prof = fk.fake_profile(mark, args=("--die-after-requests", "3"), prompts={"per_length": 4},
                            run={"on_request_failure": "stop"})
     first = run_profile(prof, tmp_path / "run")
     assert first.status == "partial" and [s.step for s in first.samples] == [0, 1, 2, 3]
-    record = runner.execute(profile_from_dict(prof), tmp_path / "run", resume=True)
+    record = runner.execute(profile_from_dict(prof), tmp_path / "run", resume=True, keep_failed=True)
     assert [s.step for s in record.samples] == [0, 1, 2, 3, 4]
     assert [s.ok for s in record.samples] == [True, True, True, False, True]
     assert record.status == "complete"

@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 from abbench import cli
 from abbench.cli import app
 from abbench.engine.config import EngineConfig
-from abbench.engine.memory import plan_device_memory
+from abbench.engine.runtime.memory import plan_device_memory
 
 
 @pytest.fixture(autouse=True)

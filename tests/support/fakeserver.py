@@ -26,7 +26,7 @@ Endpoints
                          ``requests_on_connection``).
 
 Prompt tokens are whitespace-separated words (:func:`prompt_token_count`), or, with ``--tokenizer SPEC``,
-the ids of ``abbench.engine.tokenizer.load_tokenizer(SPEC)`` (then the output ids are real vocabulary words
+the ids of ``abbench.engine.serve.tokenizer.load_tokenizer(SPEC)`` (then the output ids are real vocabulary words
 and the text is their decoding). A request field ``fake_diverge_at: K`` changes the ids from position K on
 (to test parity checks).
 
@@ -97,6 +97,7 @@ class FakeConfig:
     vocab_size: int = 32000
     model: str = "fake-model"
     api_key: str | None = None  # when set, every route but /health needs "Authorization: Bearer <api_key>"
+    max_model_len: int | None = None  # when set, GET /v1/models lists the model with this context (else 404)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -150,7 +151,7 @@ class _Vocab:
             return ids, [token_text(i) for i in ids]
         raw = output_ids(prompt, n, vocab_size=len(self._words), diverge_at=diverge_at)
         ids = [self._words[r] for r in raw]
-        from abbench.engine.tokenizer import IncrementalDetokenizer
+        from abbench.engine.serve.tokenizer import IncrementalDetokenizer
 
         detok = IncrementalDetokenizer(self.tok)
         texts = [detok.push(i) for i in ids]
@@ -315,6 +316,10 @@ class _Handler(BaseHTTPRequestHandler):
             self._send_text(200, "\n".join(lines) + "\n")
         elif path == "/stats":
             self._send_json(200, self.server.count())
+        elif path == "/v1/models" and self.server.config.max_model_len:
+            cfg = self.server.config
+            self._send_json(200, {"object": "list", "data": [{"id": cfg.model, "object": "model",
+                                                              "max_model_len": cfg.max_model_len}]})
         else:
             self._send_json(404, {"error": {"message": f"no route {path}", "code": 404}})
 
@@ -611,10 +616,10 @@ class FakeServer:
 
 def _load_tokenizer(spec: str) -> Any:
     try:
-        from abbench.engine.tokenizer import load_tokenizer
+        from abbench.engine.serve.tokenizer import load_tokenizer
     except ImportError:  # run as a script from a checkout: make the repository importable
         sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-        from abbench.engine.tokenizer import load_tokenizer
+        from abbench.engine.serve.tokenizer import load_tokenizer
     return load_tokenizer(spec)
 
 
@@ -631,9 +636,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="from completion K+1 on: never answer, and /health answers 503 (alive but stuck)")
     ap.add_argument("--never-healthy", action="store_true", help="/health answers 503 forever")
     ap.add_argument("--ignore-sigterm", action="store_true", help="ignore SIGTERM (needs SIGKILL)")
-    ap.add_argument("--tokenizer", default=None, help="count tokens with abbench.engine.tokenizer (e.g. qwen3)")
+    ap.add_argument("--tokenizer", default=None, help="count tokens with abbench.engine.serve.tokenizer (e.g. qwen3)")
     ap.add_argument("--api-key-env", default=None,
                     help="require 'Authorization: Bearer $VAR' on every route but /health (VAR names the key)")
+    ap.add_argument("--max-model-len", type=int, default=None, help="list the model at /v1/models with this context")
     ap.add_argument("--log-level", default="INFO")
     args = ap.parse_args(argv)
     logging.basicConfig(level=args.log_level, stream=sys.stderr, format="%(asctime)s fakeserver %(message)s")
@@ -654,6 +660,7 @@ def main(argv: list[str] | None = None) -> int:
         never_healthy=args.never_healthy,
         exit_process=True,
         api_key=os.environ[args.api_key_env] if args.api_key_env else None,
+        max_model_len=args.max_model_len,
     )
     server = FakeServer(config, host=args.host, port=args.port, tokenizer=tokenizer)
     log.info("listening on %s", server.base_url)

@@ -4,8 +4,10 @@ them in the report's order (:func:`render_markdown` joins them). A section witho
 One module per group of sections: :mod:`~abbench.report.sections.summary` (header, verdict, small-n notes,
 problems, plots), :mod:`~abbench.report.sections.timing` (TTFT, latency percentiles, engines, ratios, floor, overhead),
 :mod:`~abbench.report.sections.transfer` (H2D, engine counters, decode, host CPU, memory),
-:mod:`~abbench.report.sections.parity` (parity, active path, attention batching), :mod:`~abbench.report.sections.sweep`
-(a sweep's crossovers), :mod:`~abbench.report.sections.load` (load levels) and :mod:`~abbench.report.sections.environment`;
+:mod:`~abbench.report.sections.parity` (parity, active path, attention batching),
+:mod:`~abbench.report.sections.numerics` (an arm judged by numerics), :mod:`~abbench.report.sections.sweep`
+(a sweep's crossovers), :mod:`~abbench.report.sections.load` (load levels) and
+:mod:`~abbench.report.sections.environment`;
 :mod:`~abbench.report.sections.base` holds what they share. Every section is importable from here.
 """
 
@@ -14,6 +16,7 @@ from __future__ import annotations
 from abbench import analysis as an
 from abbench.report.sections.base import CELL_COLS, PLOTS, ReportInput, plot_link
 from abbench.report.sections.environment import environment_section, key_environment
+from abbench.report.sections.numerics import numerics_section
 from abbench.report.sections.parity import active_path_section, attention_batching_section, parity_section
 from abbench.report.sections.summary import (
     header_section,
@@ -46,7 +49,8 @@ __all__ = [
     "CELL_COLS", "PLOTS", "SECTIONS", "ReportInput", "active_path_section", "attention_batching_section",
     "decode_section", "engine_counters_section", "engines_section", "environment_section", "floor_section",
     "h2d_section", "header_section", "host_cpu_section",
-    "key_environment", "latency_section", "load_section", "memory_section", "overhead_section", "parity_section", "plot_link", "plots_section",
+    "key_environment", "latency_section", "load_section", "memory_section", "numerics_section", "overhead_section",
+    "parity_section", "plot_link", "plots_section",
     "problems_section", "ratios_section", "render_markdown", "small_n_section", "sweep_section", "ttft_section",
     "verdict_section",
 ]
@@ -54,7 +58,7 @@ __all__ = [
 SECTIONS = [
     header_section, verdict_section, sweep_section, load_section, ttft_section, engines_section, ratios_section, h2d_section, floor_section,
     engine_counters_section, decode_section, latency_section, host_cpu_section, memory_section, parity_section,
-    active_path_section, attention_batching_section, overhead_section, environment_section, small_n_section,
+    numerics_section, active_path_section, attention_batching_section, overhead_section, environment_section, small_n_section,
     problems_section, plots_section,
 ]
 """The report's sections, in order."""

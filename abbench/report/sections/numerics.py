@@ -1,0 +1,68 @@
+"""The report's *Numerics* section (runs with an arm of ``parity = "numerics"``): per such arm, how far its
+next-token distributions move from the parity reference's, from the top-k logprobs both return
+(:mod:`abbench.analysis.numerics`): pairs, compared positions, mean and p99 KL, same-top rate and RMS delta-p with
+their intervals, and the plot (``numerics.png``: the distribution of the per-position KL). Nothing for other runs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pandas as pd
+
+from abbench.report.format import DASH, Col, fmt_int, fmt_num, fmt_pct, is_na, table
+from abbench.report.sections.base import ReportInput, plot_link
+from abbench.results import RunRecord
+
+RANDOM_WEIGHTS = ("random:", "tiny-qwen3-moe:")
+"""A launch argument starting so names random weights (the vendored engine's presets)."""
+
+
+def _interval(low: Any, high: Any, fmt: Any) -> str:
+    return DASH if is_na(low) or is_na(high) else f"{fmt(low)} – {fmt(high)}"
+
+
+def _nats(v: Any) -> str:
+    return DASH if is_na(v) else f"{float(v):.3g}"
+
+
+def random_weights(record: RunRecord) -> bool:
+    """Whether a launched service of the run loads random weights (a ``random:SEED`` or tiny-preset argument)."""
+    engine = record.profile.get("engine") or {}
+    argvs = [engine.get("command") or []] + [[*(a.get("command") or []), *(a.get("args") or [])]
+                                             for a in record.profile.get("arms") or [] if isinstance(a, dict)]
+    return any(str(x).startswith(RANDOM_WEIGHTS) for argv in argvs for x in argv)
+
+
+def numerics_section(ri: ReportInput) -> list[str]:
+    a = ri.analysis
+    t: pd.DataFrame = a.numerics
+    if t.empty:
+        return []
+    rows = t.copy()
+    rows["kl_ci"] = [_interval(lo, hi, _nats) for lo, hi in zip(rows["kl_mean_low"], rows["kl_mean_high"])]
+    rows["same_ci"] = [_interval(lo, hi, lambda v: fmt_pct(v, 1)) for lo, hi in
+                       zip(rows["same_top_low"], rows["same_top_high"])]
+    lines = [
+        "## Numerics", "",
+        f"Arms with `parity = \"numerics\"` change arithmetic on purpose: the gate judges them by their declared "
+        f"numerics checks against **{a.parity_reference}**, not by bitwise ids. Each sample is paired with the "
+        "reference's sample of the same prompt and round; a pair is compared at every position up to and including "
+        "its first differing token (both sides saw the same context there) where both captured top-k logprobs. "
+        "KL(reference || arm) is taken over the ids both lists hold plus one bucket for the rest of the vocabulary, "
+        "a lower bound of the full-vocabulary KL (more logprobs tighten it); same top: both sides' most likely token "
+        "agrees; Δp: p_arm − p_reference of the reference's most likely token. Intervals: 95%, resampling whole "
+        "pairs.", "",
+        table(rows, [Col("arm", "Arm", right=False), Col("pairs", "Pairs", fmt_int),
+                     Col("positions", "Positions", fmt_int), Col("diverged", "Pairs that diverged", fmt_int),
+                     Col("kl_mean", "Mean KL (nats)", _nats), Col("kl_ci", "95% CI"),
+                     Col("kl_p99", "KL p99 (nats)", _nats), Col("same_top", "Same top", lambda v: fmt_pct(v, 1)),
+                     Col("same_ci", "95% CI "), Col("delta_p_rms", "RMS Δp", lambda v: fmt_num(v, 4)),
+                     Col("listed_median", "Ids in both lists (median)", lambda v: fmt_num(v, 0))],
+              drop_constant=False),
+    ]
+    if random_weights(ri.record):
+        lines += ["", "The services load random weights: these figures check the machinery (the logprobs, the "
+                      "pairing, the statistics), not a trained model's quality."]
+    lines += plot_link(ri.plots, "numerics", "Per-position KL divergence from the parity reference")
+    return lines

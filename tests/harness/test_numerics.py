@@ -1,0 +1,162 @@
+"""Numerics (abbench.analysis.numerics): an arm that changes arithmetic on purpose declares ``parity =
+"numerics"`` and is judged by KL divergence, same-top rate and delta-p from the top-k logprobs both sides return,
+not by bitwise ids. On hand-computed positions, on small records built here with planted distributions, and on the
+committed cpu-tiny-numerics run (float32 vs bfloat16 on the vendored engine)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from abbench import analysis as an
+from abbench.analysis.declared import judge, parse_check
+from abbench.analysis.numerics import estimate, numerics_positions, numerics_table, position_stats
+from abbench.errors import ConfigError
+from abbench.profile import load_profile, profile_from_dict
+from abbench.report import write_report
+from abbench.results import load_run
+from tests.harness.test_analysis import make_run
+
+REPO = Path(__file__).resolve().parents[2]
+COMMITTED = REPO / "results" / "20261204-cpu-tiny-numerics"
+
+
+def lp(pairs: list[tuple[int, float]]) -> list[tuple[int, float]]:
+    """(id, probability) as (id, logprob)."""
+    return [(i, math.log(p)) for i, p in pairs]
+
+
+# ------------------------------------------------------------------------------------------ one position
+
+
+def test_one_position_by_hand() -> None:
+    kl, same, delta, listed = position_stats(lp([(1, 0.5), (2, 0.3)]), lp([(1, 0.4), (2, 0.4)]))
+    want = 0.5 * math.log(0.5 / 0.4) + 0.3 * math.log(0.3 / 0.4) + 0.2 * math.log(0.2 / 0.2)
+    assert kl == pytest.approx(want) and same == 1 and delta == pytest.approx(-0.1) and listed == 2
+    # ids only one side lists go into the rest bucket; a different top token counts 0 and delta-p is still known
+    kl, same, delta, listed = position_stats(lp([(1, 0.6), (3, 0.1)]), lp([(2, 0.5), (1, 0.3)]))
+    assert kl == pytest.approx(0.6 * math.log(0.6 / 0.3) + 0.4 * math.log(0.4 / 0.7))
+    assert (same, listed) == (0, 1) and delta == pytest.approx(0.3 - 0.6)
+    # the reference's top token missing from the arm's list: no delta-p
+    assert position_stats(lp([(1, 0.6)]), lp([(2, 0.5)]))[2] is None
+    assert position_stats(None, lp([(1, 0.5)])) is None and position_stats(lp([(1, 0.5)]), []) is None
+    assert position_stats(lp([(1, 0.5), (2, 0.3)]), lp([(1, 0.5), (2, 0.3)]))[0] == pytest.approx(0.0, abs=1e-12)
+
+
+def test_the_top_k_kl_never_exceeds_the_full_kl() -> None:
+    """Merging the ids outside both lists into one bucket is a coarse-graining: a lower bound, tightening as k
+    grows, and exact when the lists hold the whole vocabulary."""
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        v = int(rng.integers(3, 40))
+        p, q = rng.dirichlet(np.full(v, 0.3)), rng.dirichlet(np.full(v, 0.3))
+        q = 0.7 * p + 0.3 * q  # related, as two arithmetics of one model are
+        full = float(np.sum(p * np.log(p / q)))
+        bounds = []
+        for k in (1, 2, 5, v):
+            top = lambda d: lp([(int(i), float(d[i])) for i in np.argsort(-d)[:k]])  # noqa: E731
+            bounds.append(position_stats(top(p), top(q))[0])
+        assert all(b <= full + 1e-9 for b in bounds) and bounds[-1] == pytest.approx(full, rel=1e-6, abs=1e-12)
+
+
+# ------------------------------------------------------------------------------------------ records
+
+
+def numerics_run(shift: float, *, diverge_at: int | None = 3, rounds: int = 2):
+    """A run whose arm B declares parity = "numerics": A's top-3 at every position is (id, 0.5), (id+1, 0.3),
+    (id+2, 0.1); B's moves ``shift`` of probability from the first to the second; B's ids differ from A's at
+    ``diverge_at``."""
+    rec = make_run(arms=("A", "B"), rounds=rounds, gate={"checks": ["kl_mean[B] <= 0.01"]})
+    for a in rec.profile["arms"]:
+        if a["name"] == "B":
+            a["parity"] = "numerics"
+    for s in rec.samples:
+        if s.kind in ("warmup", "jit"):
+            continue
+        p1 = 0.5 - (shift if s.arm == "B" else 0.0)
+        p2 = 0.3 + (shift if s.arm == "B" else 0.0)
+        s.logprobs = [lp([(t, p1), (t + 1, p2), (t + 2, 0.1)]) for t in s.output_ids]
+        if s.arm == "B" and diverge_at is not None:
+            s.output_ids = [*s.output_ids[:diverge_at], s.output_ids[diverge_at] + 1, *s.output_ids[diverge_at + 1:]]
+    return rec
+
+
+def test_positions_stop_at_the_first_divergence() -> None:
+    rec = numerics_run(0.05, diverge_at=3)
+    pos = numerics_positions(rec)
+    assert set(pos["arm"]) == {"B"} and set(pos.groupby("pair")["position"].max()) == {3}
+    assert len(pos) == 4 * pos["pair"].nunique()
+    assert pos["kl"].to_numpy() == pytest.approx(np.full(len(pos), 0.5 * math.log(0.5 / 0.45)
+                                                         + 0.3 * math.log(0.3 / 0.35)))
+    full = numerics_positions(numerics_run(0.05, diverge_at=None))
+    assert set(full.groupby("pair")["position"].max()) == {15}
+
+
+def test_the_gate_judges_a_numerics_arm_by_its_checks_not_its_ids() -> None:
+    small = an.gate(numerics_run(0.02))
+    checks = {c.name: c for c in small.checks}
+    assert small.passed, small.failures
+    assert checks["parity"].passed and "numerics" in checks["parity"].detail
+    assert any("parity = \"numerics\"" in n and "differ" in n for n in small.notes)
+    assert checks["kl_mean[B] <= 0.01"].result == "pass"
+    large = an.gate(numerics_run(0.3))
+    assert not large.passed and {c.name: c for c in large.checks}["kl_mean[B] <= 0.01"].result == "FAIL"
+    assert any(f.startswith("kl_mean[B] <= 0.01: all: fail") for f in large.failures), large.failures
+    # the same arm without parity = "numerics" fails parity on its ids
+    rec = numerics_run(0.02)
+    for a in rec.profile["arms"]:
+        a.pop("parity", None)
+    assert not {c.name: c for c in an.gate(rec).checks}["parity"].passed
+
+
+def test_same_top_and_delta_p() -> None:
+    rec = numerics_run(0.25)  # B's second token (0.55) now beats its first (0.25): every top differs
+    cells = judge(rec, parse_check("same_top[B] >= 0.5"))
+    assert len(cells) == 1 and cells[0].value == 0.0 and cells[0].status == "fail"
+    t = numerics_table(rec)
+    assert t.loc[0, "delta_p_rms"] == pytest.approx(0.25) and t.loc[0, "same_top"] == 0.0
+    assert judge(numerics_run(0.0, diverge_at=None), parse_check("same_top[B] >= 0.99"))[0].status == "pass"
+
+
+def test_one_pair_is_inconclusive_and_intervals_resample_pairs() -> None:
+    rec = numerics_run(0.05, rounds=1)
+    rec.samples = [s for s in rec.samples if s.prompt_id != "fresh-4096-0"]
+    rec.plan = [st for st in rec.plan if st.prompt_id != "fresh-4096-0"]
+    cells = judge(rec, parse_check("kl_mean[B] <= 1"))
+    assert cells[0].status == "inconclusive" and cells[0].low is None and "1 pair" in cells[0].why
+    pos = numerics_positions(numerics_run(0.05, rounds=3))
+    e = estimate(pos, "kl_mean")
+    assert e.pairs == 6 and e.low == pytest.approx(e.value) and e.high == pytest.approx(e.value)  # all pairs alike
+    assert estimate(pos, "kl_p99").note.startswith("24 positions: a p99 needs")
+
+
+def test_a_numerics_arm_needs_a_check_and_cannot_be_the_reference() -> None:
+    base = load_profile("cpu-tiny-numerics").model_dump()
+    base["gate"]["checks"] = []
+    with pytest.raises(ConfigError, match="gate.checks declares none for it"):
+        profile_from_dict(base)
+    base = load_profile("cpu-tiny-numerics").model_dump()
+    base["run"]["reference"] = "bfloat16"
+    with pytest.raises(ConfigError, match="is the parity reference"):
+        profile_from_dict(base)
+    with pytest.raises(ConfigError, match="parity"):
+        profile_from_dict({**load_profile("cpu-tiny").model_dump(),
+                           "arms": [{"name": "a", "parity": "bitwise"}]})
+
+
+# ------------------------------------------------------------------------------------------ committed run
+
+
+@pytest.mark.skipif(not COMMITTED.is_dir(), reason="the committed cpu-tiny-numerics run")
+def test_the_committed_float32_bfloat16_run(tmp_path: Path) -> None:
+    record, _ = load_run(COMMITTED)
+    verdict = an.gate(record)
+    assert verdict.passed, verdict.failures
+    t = numerics_table(record)
+    assert list(t["arm"]) == ["bfloat16"] and t.loc[0, "positions"] > 0 and t.loc[0, "listed_median"] == 20
+    text = write_report(record, [], tmp_path / "r.md", tmp_path / "r").read_text()
+    assert "## Numerics" in text and "random weights" in text and "(r/numerics.png)" in text
+    assert (tmp_path / "r" / "numerics.png").is_file()
