@@ -53,6 +53,12 @@ Metrics (:data:`METRICS`), each per (arm, kind, prompt length) cell over measure
   ``cached_prompt_tokens`` counter: after - before). ``<=``: the largest sample <= VALUE; ``>=``: the
   smallest >= VALUE; ``==``: every sample equal (relative tolerance 1e-6).
 
+Load checks (a run with ``[load]``): a load metric, or a latency metric with a level selector (``c=16``,
+``rate=8``), is judged per level of its arm on the values :func:`abbench.analysis.load.values` gives:
+``throughput_ratio``, ``output_tok_s``, ``request_s`` and ``goodput`` one value per round (their interval is
+over rounds), the latency percentiles one per request (ITL: per gap), ``error_rate`` per round and
+``parity_under_load`` one per level (the fraction of prompts kept; bare it means ``>= 1``).
+
 Every cell the selector picks must pass; a selector that picks no cell with data fails (the gate never
 passes on missing data). :func:`parse_check` raises :class:`~abbench.errors.ConfigError` (exit 2) naming
 the problem; :func:`bind` also checks the arm against a run.
@@ -83,6 +89,7 @@ from abbench.analysis.frames import (
 )
 from abbench.analysis.decode import decode_over_expected
 from abbench.analysis.latency import itl_values, min_n, tpot_values, ttft_values
+from abbench.analysis.load import values as load_values
 from abbench.analysis.numerics import estimate, numerics_positions
 from abbench.analysis.sweep import crossover, judge_crossover, sweep_pairs, sweep_spec
 from abbench.analysis.timing import CONFIDENCE, paired_ratios, quantile_ci
@@ -349,10 +356,32 @@ def _judge_counter(c: DeclaredCheck, vals: np.ndarray) -> tuple[float, float, fl
     return med, lo, hi, "pass" if ok else "fail", "" if ok else why
 
 
+def _load_cells(record: RunRecord, c: DeclaredCheck) -> list[Cell]:
+    """A load check's cells: one per level of its arm (``kind`` holds the level, e.g. ``c=16``), judged as the
+    other metrics are (:mod:`abbench.analysis.load` defines the values)."""
+    df = load_values(record, c.metric, c.vs)
+    df = df[df["arm"] == c.arm]
+    cells: list[Cell] = []
+    for label, g in df.groupby("level", sort=False):
+        if not c.selects_level(str(label)):
+            continue
+        vals = g["value"].astype(float).to_numpy()
+        rounds = int(g["round"].nunique())
+        if c.spec.interval:
+            v, lo, hi, status, why = _judge_interval(c, vals, rounds)
+        else:
+            v, lo, hi, status, why = _judge_counter(c, vals)
+        cells.append(Cell(str(label), None, len(vals), rounds, v, lo, hi, status, why))
+    return cells
+
+
 def judge(record: RunRecord, c: DeclaredCheck, values: pd.DataFrame | None = None) -> list[Cell]:
-    """The check's cells (kind, length) for its arm, each with its value, interval and verdict."""
+    """The check's cells (kind, length) for its arm, each with its value, interval and verdict; a load check's
+    cells are its levels."""
     if c.metric == "crossover":
         return _crossover_cells(record, c)
+    if c.load and values is None:
+        return _load_cells(record, c)
     if c.metric in NUMERICS:
         return _numerics_cells(record, c)
     df = _values(record, c) if values is None else values
@@ -379,7 +408,9 @@ def fmt_value(v: float | None) -> str:
 
 def describe_cell(c: DeclaredCheck, cell: Cell) -> str:
     """'fresh 32768: 0.146 (95% CI 0.143-0.148, n=2 pairs) pass'."""
-    what = "pairs" if c.metric in PAIRED or c.metric in ("crossover", *NUMERICS) else "samples"
+    what = ("pairs" if c.metric in PAIRED or c.metric in ("crossover", *NUMERICS) else
+            "rounds" if c.metric in ("output_tok_s", "request_s", "goodput", "error_rate") else
+            "level" if c.metric == "parity_under_load" else "samples")
     if cell.low is None:
         span = f"n={cell.n} {what}"
     else:

@@ -40,18 +40,19 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
     # sit here, below the profile that validates with them
     ("formats and records", ("abbench.prometheus", "abbench.nvml", "abbench.sse", "abbench.results",
                              "abbench.tokenizers", "abbench.auth", "abbench.checkexpr", "abbench.schedule",
-                             "abbench.adapters")),
+                             "abbench.adapters", "abbench.loadrecords")),
     ("peer engines", ("abbench.peers",)),
     ("profile", ("abbench.profile",)),
     ("analysis", ("abbench.analysis",)),  # pure: derived numbers and the gate, from results
     ("services and requests", ("abbench.response", "abbench.client", "abbench.services", "abbench.ports",
-                               "abbench.telemetry", "abbench.prompts", "abbench.fingerprint")),
+                               "abbench.telemetry", "abbench.prompts", "abbench.fingerprint",
+                               "abbench.loadgen")),
     # the runner's plans (fixed rounds, auto rounds, sweeps): what to measure next, from the record; below the run
     # loop, the service slot and the requests, which they never import
     ("runner plans", ("abbench.runner.plans", "abbench.runner.rounds", "abbench.runner.sweep")),
     ("runner", ("abbench.runner",)),
     # what reads runs (report, compare) and the diagnostics, which launch services through the runner
-    ("reports and diagnostics", ("abbench.report", "abbench.compare", "abbench.diagnostics")),
+    ("reports and diagnostics", ("abbench.report", "abbench.compare", "abbench.compare_load", "abbench.diagnostics")),
     ("command line", ("abbench.cli", "abbench.__main__")),
 ]
 

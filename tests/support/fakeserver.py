@@ -168,6 +168,7 @@ class _Vocab:
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
+    request_queue_size = 128  # a load generator opens many connections at once
 
     def __init__(self, addr: tuple[str, int], config: FakeConfig, vocab: _Vocab) -> None:
         super().__init__(addr, _Handler)
