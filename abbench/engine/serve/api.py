@@ -35,10 +35,53 @@ class StreamOptions(BaseModel):
     include_usage: StrictBool = Field(False, description="Send a final chunk with choices [] and usage.")
 
 
-class OpenAICompletion(BaseModel):
+NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "repetition_penalty": (1, 1.0), "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0),
+    "top_k": (-1, 0), "min_p": (0, 0.0), "best_of": (1,), "logit_bias": ({},), "suffix": ("",),
+}
+"""Sampling fields common clients send with every request (``vllm bench serve`` sends ``repetition_penalty`` 1.0,
+OpenAI's SDK may send the penalties), accepted at their neutral values (or null) and refused otherwise, since this
+engine samples with temperature and seed alone."""
+
+
+class NeutralSampling(BaseModel):
+    """The fields of :data:`NEUTRAL`: null or their neutral value, else a 400 naming the field."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    repetition_penalty: StrictFloat | StrictInt | None = Field(None, description="Must be 1 (no penalty).")
+    presence_penalty: StrictFloat | StrictInt | None = Field(None, description="Must be 0.")
+    frequency_penalty: StrictFloat | StrictInt | None = Field(None, description="Must be 0.")
+    top_k: StrictInt | None = Field(None, description="Must be -1 or 0 (every token).")
+    min_p: StrictFloat | StrictInt | None = Field(None, description="Must be 0.")
+    best_of: StrictInt | None = Field(None, description="Must be 1.")
+    logit_bias: dict[str, float] | None = Field(None, description="Must be empty.")
+    suffix: str | None = Field(None, description="Must be empty.")
+
+    @field_validator(*NEUTRAL)
+    @classmethod
+    def _neutral(cls, v: Any, info: Any) -> Any:
+        allowed = NEUTRAL[info.field_name]
+        if v is not None and (isinstance(v, bool) or v not in allowed):
+            raise ValueError(f"only {_said(allowed)} is supported (this engine samples with temperature and seed "
+                             "alone)")
+        return v
+
+
+def _said(allowed: tuple[Any, ...]) -> str:
+    """'1', '-1 or 0', '{}': the neutral values as a user would write them."""
+    out: list[str] = []
+    for a in allowed:
+        text = json.dumps(a) if not isinstance(a, float) else f"{a:g}"
+        if text not in out:
+            out.append(text)
+    return " or ".join(out)
+
+
+class OpenAICompletion(NeutralSampling):
     """The OpenAI fields of a ``POST /v1/completions`` body (:data:`CompletionRequest` adds the engine's
     overrides). Unknown fields are refused; a few harmless OpenAI fields are accepted only at their neutral
-    values (``n``=1, ``top_p``=1, ``stop`` null, ``echo`` false, ``user``)."""
+    values (``n``=1, ``top_p``=1, ``stop`` null, ``echo`` false, ``user``, and :data:`NEUTRAL`'s)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -105,7 +148,7 @@ class OpenAICompletion(BaseModel):
         return p
 
 
-def _override_field(o: Override) -> tuple[Any, Any]:
+def override_field(o: Override) -> tuple[Any, Any]:
     """The schema of one engine override (:meth:`abbench.engine.contract.GenerateRequest.overrides`): its type
     (null allowed: the server's own) and its limits and description."""
     kind = {"int": StrictInt, "flag": StrictBool, "choice": Literal[o.choices]}[o.kind]
@@ -120,7 +163,7 @@ def completion_schema(request_type: type[GenerateRequest] = GenerateRequest) -> 
     return create_model(
         "CompletionRequest", __base__=OpenAICompletion, __doc__="``POST /v1/completions`` body: the OpenAI fields "
         "and the engine's per-request overrides.",
-        **{name: _override_field(o) for name, o in request_type.overrides().items()})
+        **{name: override_field(o) for name, o in request_type.overrides().items()})
 
 
 CompletionRequest = completion_schema()

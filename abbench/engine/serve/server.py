@@ -59,6 +59,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from abbench.engine.serve.chat import ChatFormat, CompletionFormat, decode_chat
 from abbench.engine.serve.api import (
     APIError, CompletionRequest, RequestContext, abbench_object, decode_request, engine_error, logprobs_block,
     sse_event, usage,
@@ -159,7 +160,23 @@ async def reset(request: Request) -> dict[str, str]:
 async def completions(request: Request) -> Response:
     st = _state(request)
     received = request.scope.get("abbench_received", time.perf_counter())
-    req = await _parse(request, st.max_body_bytes)
+    req = decode_request(await _body(request, st.max_body_bytes))
+    return await _serve(st, request, req, received, CompletionFormat(st.tokenizer))
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request) -> Response:
+    """OpenAI's chat API: the conversation rendered by the model's chat template, then served as a completion
+    (:mod:`abbench.engine.serve.chat`)."""
+    st = _state(request)
+    received = request.scope.get("abbench_received", time.perf_counter())
+    req, _chat = decode_chat(await _body(request, st.max_body_bytes), st.tokenizer)
+    return await _serve(st, request, req, received, ChatFormat(st.tokenizer))
+
+
+async def _serve(st: ServerState, request: Request, req: CompletionRequest, received: float,
+                 fmt: CompletionFormat) -> Response:
+    """One parsed request through the engine, answered in ``fmt``'s shapes (completions or chat)."""
     if req.model is not None and req.model != st.name:
         raise APIError(404, f"the model '{req.model}' does not exist; this server serves '{st.name}'",
                        param="model", code="model_not_found")
@@ -169,8 +186,8 @@ async def completions(request: Request) -> Response:
                            param=field, code="override_not_allowed")
     ids = await _prompt_ids(req, st)
     work = GenerateRequest.build(ids, req)  # a null takes the contract's default (max_tokens: 16)
-    ctx = RequestContext(rid=f"cmpl-{uuid.uuid4().hex}", created=int(time.time()), model=st.name,
-                         received=received, logprobs=req.logprobs)
+    ctx = RequestContext(rid=f"{'chatcmpl' if isinstance(fmt, ChatFormat) else 'cmpl'}-{uuid.uuid4().hex}",
+                         created=int(time.time()), model=st.name, received=received, logprobs=req.logprobs)
     queued = time.perf_counter()
     try:
         await st.service.acquire(request)
@@ -195,20 +212,20 @@ async def completions(request: Request) -> Response:
         raise engine_error(first)
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return StreamingResponse(_stream(st, job, first, ctx, include_usage, request),
+        return StreamingResponse(_stream(st, job, first, ctx, include_usage, request, fmt),
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    return await _complete(st, job, first, ctx, request)
+    return await _complete(st, job, first, ctx, request, fmt)
 
 
-async def _parse(request: Request, max_body_bytes: int) -> CompletionRequest:
+async def _body(request: Request, max_body_bytes: int) -> bytes:
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > max_body_bytes:
         raise APIError(413, f"request body over {max_body_bytes} bytes", code="body_too_large")
     body = await request.body()
     if len(body) > max_body_bytes:
         raise APIError(413, f"request body over {max_body_bytes} bytes", code="body_too_large")
-    return decode_request(body)
+    return body
 
 
 async def _prompt_ids(req: CompletionRequest, st: ServerState) -> list[int]:
@@ -234,7 +251,8 @@ def _finished_ok(st: ServerState, ctx: RequestContext, item: Finished) -> dict[s
     return abbench_object(ctx, item.stats, item.finished, st.engine.info)
 
 
-async def _complete(st: ServerState, job: Job, first: Any, ctx: RequestContext, request: Request) -> Response:
+async def _complete(st: ServerState, job: Job, first: Any, ctx: RequestContext, request: Request,
+                    fmt: CompletionFormat) -> Response:
     events, item = [], first
     try:
         while not isinstance(item, (Finished, BaseException)):
@@ -250,27 +268,28 @@ async def _complete(st: ServerState, job: Job, first: Any, ctx: RequestContext, 
     stats = item.stats
     abbench = _finished_ok(st, ctx, item)
     out_ids = [int(ev.token_id) for ev in events]
-    choice = {"index": 0, "text": st.tokenizer.decode(out_ids), "finish_reason": stats.finish_reason,
-              "logprobs": logprobs_block(st.tokenizer, events) if ctx.logprobs is not None else None,
-              "token_ids": out_ids}
-    return JSONResponse({"id": ctx.rid, "object": "text_completion", "created": ctx.created, "model": ctx.model,
+    lp = fmt.logprobs(logprobs_block(st.tokenizer, events)) if ctx.logprobs is not None else None
+    choice = fmt.whole_choice(st.tokenizer.decode(out_ids), stats.finish_reason, lp, out_ids)
+    return JSONResponse({"id": ctx.rid, "object": fmt.object, "created": ctx.created, "model": ctx.model,
                          "choices": [choice], "usage": usage(stats), "abbench": abbench})
 
 
 async def _stream(st: ServerState, job: Job, first: Any, ctx: RequestContext, include_usage: bool,
-                  request: Request) -> AsyncIterator[bytes]:
+                  request: Request, fmt: CompletionFormat) -> AsyncIterator[bytes]:
     detok = IncrementalDetokenizer(st.tokenizer)
-    head = {"id": ctx.rid, "object": "text_completion", "created": ctx.created, "model": ctx.model}
+    head = {"id": ctx.rid, "object": fmt.chunk, "created": ctx.created, "model": ctx.model}
     offset, item, finished_ok = 0, first, False
     try:
+        for choice in fmt.opening():
+            yield sse_event({**head, "choices": [choice]})
         while not isinstance(item, (Finished, BaseException)):
             piece = detok.push(item.token_id)
             lp = None
             if ctx.logprobs is not None:
-                lp = logprobs_block(st.tokenizer, [item], offset)
-                offset += len(lp["tokens"][0])
-            yield sse_event({**head, "choices": [{"index": 0, "text": piece, "finish_reason": None,
-                                                  "logprobs": lp, "token_ids": [int(item.token_id)]}]})
+                block = logprobs_block(st.tokenizer, [item], offset)
+                offset += len(block["tokens"][0])
+                lp = fmt.logprobs(block)
+            yield sse_event({**head, "choices": [fmt.token_choice(piece, item.token_id, lp)]})
             if ctx.first_event is None:
                 ctx.first_event = time.perf_counter()
             item = await next_item(job, request)
@@ -282,8 +301,7 @@ async def _stream(st: ServerState, job: Job, first: Any, ctx: RequestContext, in
         stats = item.stats
         finished_ok = True  # the engine is done; a hang-up from here on cancels nothing
         abbench = _finished_ok(st, ctx, item)
-        last = {**head, "choices": [{"index": 0, "text": detok.flush(), "finish_reason": stats.finish_reason,
-                                     "logprobs": None, "token_ids": []}]}
+        last = {**head, "choices": [fmt.last_choice(detok.flush(), stats.finish_reason)]}
         if include_usage:
             yield sse_event(last)
             last = {**head, "choices": [], "usage": usage(stats)}

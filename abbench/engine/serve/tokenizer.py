@@ -95,6 +95,7 @@ class HFDirTokenizer:
         self.name = path
         self.eos_token_id = self._impl.eos_token_id
         self.vocab_size = len(self._impl)
+        self.hf = self._impl  # its chat template, where it has one (abbench.engine.serve.chat.render)
 
     def encode(self, text: str) -> list[int]:
         return list(self._impl.encode(text, add_special_tokens=False))
