@@ -80,7 +80,13 @@ METRICS: dict[str, Metric] = {m.name: m for m in (
     Metric("itl_p99_s", "s", True, False, "99th percentile of the inter-token latency (seconds)", 0.99),
     Metric("h2d_banks", "banks", False, False, "prefill host-to-device bytes / the expert bank"),
     Metric("banks_per_window", "banks", False, False, "h2d_banks / the engine's layer-major windows (at least 1)"),
-    Metric("peak_vram_gb", "GiB", False, False, "peak device memory (engine's peak_device_bytes, else NVML)"),
+    Metric("peak_vram_gib", "GiB", False, False, "peak device memory in GiB (engine's peak_device_bytes, else NVML)"),
+    Metric("peak_vram_gb", "GiB", False, False, "the older name of peak_vram_gib (the same GiB values; runs that "
+           "declared it keep reporting as they did)"),
+    Metric("nvml_process_peak_gib", "GiB", False, False,
+           "NVML's peak for the service's processes during the request, in GiB: what the driver sees the process "
+           "hold (CUDA context, workspaces, caches, graph pools and the allocator's reserve included); "
+           "<= the card's size means the process fits it"),
     Metric("peak_vram_ratio", "x", False, False,
            "paired peak device memory(arm) / peak(reference arm, or vs ARM), same prompt and round"),
     Metric("cached_tokens", "tokens", False, False,

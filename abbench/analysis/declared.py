@@ -44,7 +44,9 @@ Metrics (:data:`METRICS`), each per (arm, kind, prompt length) cell over measure
   resamples whole pairs (:mod:`~abbench.analysis.numerics`). Fewer than two pairs: inconclusive.
 * counter metrics, judged on every sample: ``h2d_banks`` (prefill H2D bytes / the bank; the whole
   request's bytes when the engine gives no split), ``banks_per_window`` (the same over the engine's
-  layer-major windows, at least 1: one bank per window is the layer-major promise at any length) and ``peak_vram_gb`` (the engine's ``peak_device_bytes``
+  layer-major windows, at least 1: one bank per window is the layer-major promise at any length), ``nvml_process_peak_gib``
+  (NVML's peak for the service's processes during the request, in GiB: the process fits a card of size VALUE when
+  it passes ``<= VALUE``) and ``peak_vram_gib`` (``peak_vram_gb``, its older name, gives the same values: the engine's ``peak_device_bytes``
   when present, else NVML's peak for the service's processes; GiB = 2^30 bytes) and ``peak_vram_ratio``
   (that peak over the peak of the reference arm, or of ``vs ARM``, for the same prompt in the same round:
   one value per pair), ``cached_tokens`` (the prompt tokens the engine says, in its response, it served from
@@ -251,7 +253,8 @@ VALUES: dict[str, Callable[[RunRecord], pd.DataFrame]] = {
     "decode_tok_s": _column("decode_tok_s"), "decode_ratio": _paired("decode_ratio"),
     "decode_x_floor": decode_over_expected, "h2d_banks": _h2d_banks,
     "banks_per_window": _banks_per_window,
-    "peak_vram_gb": _peak_vram, "peak_vram_ratio": _paired("peak_vram_ratio"),
+    "peak_vram_gib": _peak_vram, "peak_vram_gb": _peak_vram, "peak_vram_ratio": _paired("peak_vram_ratio"),
+    "nvml_process_peak_gib": _column("proc_gpu_mem_peak", 2**30),
     "ttft_p90_s": ttft_values, "ttft_p99_s": ttft_values, "tpot_s": tpot_values, "tpot_p90_s": tpot_values,
     "tpot_p99_s": tpot_values, "itl_s": itl_values, "itl_p90_s": itl_values, "itl_p99_s": itl_values,
     "cached_tokens": _column("cached_prompt_tokens"), "metrics_cached_tokens": _metrics_cached,

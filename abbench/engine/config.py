@@ -184,11 +184,12 @@ class EngineConfig:
     demand_max_tokens: int = 256  # chunks of at most this many tokens load only their routed experts
     # Decode slot cache: this many expert slots for every layer (LRU within the layer; each layer's slots are
     # one block, so a grouped GEMM over them has at most num_experts groups). None: sized from
-    # ``gpu_memory_budget_gb`` (plan_device_memory), at most num_experts, at least num_experts_per_tok.
+    # ``gpu_memory_budget_gib`` (plan_device_memory), at most num_experts, at least num_experts_per_tok.
     expert_slots_per_layer: int | None = None
-    # Device-memory budget in GB (1e9 bytes) for everything the engine allocates plus RUNTIME_RESERVE_BYTES;
+    # Device-memory budget in GiB (2^30 bytes, as cards are sized: a 16 GB card holds 16 GiB) for everything the
+    # engine allocates plus RUNTIME_RESERVE_BYTES, so the process fits a card of this size;
     # None: the device's free memory at start (the Engine measures it), or all experts on CPU.
-    gpu_memory_budget_gb: float | None = None
+    gpu_memory_budget_gib: float | None = None
     host_memory_check: bool = True  # refuse to build a bank larger than the host's available memory
     decode_graphs: bool = True  # CUDA: replay decode steps as CUDA graphs (ignored on CPU)
     # CUDA with decode graphs: at start, run and capture every decode KV-length bucket's graphs (two throwaway
@@ -258,8 +259,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.expert_slots_per_layer is not None and self.expert_slots_per_layer <= 0:
             raise ValueError(f"expert_slots_per_layer must be positive, got {self.expert_slots_per_layer}")
-        if self.gpu_memory_budget_gb is not None and not self.gpu_memory_budget_gb > 0:
-            raise ValueError(f"gpu_memory_budget_gb must be positive, got {self.gpu_memory_budget_gb}")
+        if self.gpu_memory_budget_gib is not None and not self.gpu_memory_budget_gib > 0:
+            raise ValueError(f"gpu_memory_budget_gib must be positive, got {self.gpu_memory_budget_gib}")
         if self.max_context is not None and self.max_context <= 1:
             raise ValueError(f"max_context must be > 1, got {self.max_context}")
         if not (self.weights.startswith("random:") or Path(self.weights).is_dir()):

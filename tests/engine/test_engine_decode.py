@@ -118,8 +118,8 @@ def test_budgets_size_the_slot_cache_and_give_identical_ids(resident_ids):
     slot = plan_device_memory(base, 10**12).slot_bytes
     sizes = []
     for n in (4, 50, 512, 600):
-        budget_gb = (fixed + n * slot) / 1e9
-        engine = Engine(EngineConfig(**KNOBS, prefill_mode="chunked", gpu_memory_budget_gb=budget_gb))
+        budget_gib = (fixed + n * slot) / 2**30
+        engine = Engine(EngineConfig(**KNOBS, prefill_mode="chunked", gpu_memory_budget_gib=budget_gib))
         sizes.append(engine.slots_per_layer)
         assert _decode_ids(engine, prompts[:1]) == want[:1]
     assert sizes == [4, 50, 512, 512]  # at most every expert
@@ -127,24 +127,24 @@ def test_budgets_size_the_slot_cache_and_give_identical_ids(resident_ids):
 
 def test_memory_plan_adds_up_and_refuses_with_every_term_named():
     cfg = EngineConfig(model="qwen3-30b-a3b-2507", device="cuda", max_context=131_072 + 512).resolved()
-    plan = plan_device_memory(cfg, 24 * 10**9)
+    plan = plan_device_memory(cfg, 24 * GIB)
     mc = cfg.model
     assert plan.dense_bytes == dense_params(mc) * 2
     assert plan.kv_bytes == 2 * 48 * 4 * (131_072 + 512) * 128 * 2  # 12.9 GB of bf16 keys and values
     assert plan.prefill_buffer_bytes == 2 * 128 * 3 * 2048 * 768 * 2  # two layer banks
-    assert plan.reserve_bytes == RUNTIME_RESERVE_BYTES == GIB
+    assert plan.reserve_bytes == RUNTIME_RESERVE_BYTES == 2 * GIB
     assert plan.slot_bytes == 48 * 3 * 2048 * 768 * 2
-    assert 8 <= plan.slots_per_layer < 128 and plan.total_bytes <= 24 * 10**9
-    assert plan.total_bytes + plan.slot_bytes > 24 * 10**9  # one more slot per layer would not fit
+    assert 8 <= plan.slots_per_layer < 128 and plan.total_bytes <= 24 * GIB
+    assert plan.total_bytes + plan.slot_bytes > 24 * GIB  # one more slot per layer would not fit
     with pytest.raises(ValueError) as e:
-        plan_device_memory(cfg, 16 * 10**9)
+        plan_device_memory(cfg, 16 * GIB)
     msg = str(e.value)
-    for term in ("dense", "KV 12.9", "prefill buffers", "workspace", "--gpu-memory-budget to at least", "8"):
+    for term in ("dense", "KV 12.05 GiB", "prefill buffers", "workspace", "--gpu-memory-budget to at least", "8"):
         assert term in msg
     resident = EngineConfig(model="qwen3-30b-a3b", device="cuda", prefill_mode="resident").resolved()
     with pytest.raises(ValueError, match="resident experts do not fit"):
-        plan_device_memory(resident, 24 * 10**9)
-    assert plan_device_memory(resident, 80 * 10**9).resident_bytes == PRESETS["qwen3-30b-a3b"].bank_bytes(2)
+        plan_device_memory(resident, 24 * GIB)
+    assert plan_device_memory(resident, 80 * GIB).resident_bytes == PRESETS["qwen3-30b-a3b"].bank_bytes(2)
 
 
 def test_explicit_expert_slots_beyond_the_budget_are_refused():
@@ -154,7 +154,7 @@ def test_explicit_expert_slots_beyond_the_budget_are_refused():
         return EngineConfig(model="qwen3-30b-a3b-2507", device="cuda", max_context=131_072 + 512,
                             expert_slots_per_layer=slots).resolved()
 
-    budget = 24 * 10**9
+    budget = 24 * GIB  # --gpu-memory-budget 24: GiB
     fit = plan_device_memory(cfg(None), budget).slots_per_layer  # what the budget holds (below num_experts)
     plan = plan_device_memory(cfg(fit), budget)
     assert plan.slots_per_layer == fit and plan.total_bytes <= budget
@@ -165,7 +165,7 @@ def test_explicit_expert_slots_beyond_the_budget_are_refused():
 
 def test_engine_refuses_a_budget_below_one_tokens_experts():
     with pytest.raises(ValueError, match="holds 0 expert slots per layer but decode needs 4"):
-        Engine(EngineConfig(**KNOBS, gpu_memory_budget_gb=0.001))
+        Engine(EngineConfig(**KNOBS, gpu_memory_budget_gib=0.001))
 
 
 def test_host_memory_check_refuses_a_bank_that_does_not_fit():

@@ -197,7 +197,7 @@ def test_a_per_request_chunk_length_is_checked():
     for bad in (0, -32):
         with pytest.raises(ValueError, match="chunk_tokens must be positive"):
             engine.run(_prompt(10), 2, chunk_tokens=bad)
-    budget = _engine(gpu_memory_budget_gb=10.0)
+    budget = _engine(gpu_memory_budget_gib=10.0)
     with pytest.raises(ValueError, match="planned for 32-token chunks"):
         budget.run(_prompt(10), 2, chunk_tokens=64)
     assert budget.run(_prompt(40), 2, chunk_tokens=16)[1].n_chunks == 3  # smaller fits the plan

@@ -183,7 +183,7 @@ def test_a_budget_that_cannot_hold_the_window_is_refused_at_start() -> None:
     k = MINI.num_experts_per_tok
     budget = small.fixed_bytes + k * small.slot_bytes + small.slot_bytes // 2
     assert _plan(layer_major_window_tokens=512).fixed_bytes > small.fixed_bytes + small.slot_bytes // 2
-    Engine(EngineConfig(**KNOBS, gpu_memory_budget_gb=budget / 1e9))  # fits
+    Engine(EngineConfig(**KNOBS, gpu_memory_budget_gib=budget / 2**30))  # fits
     with pytest.raises(ValueError, match="workspace") as e:
-        Engine(EngineConfig(**{**KNOBS, "layer_major_window_tokens": 512}, gpu_memory_budget_gb=budget / 1e9))
+        Engine(EngineConfig(**{**KNOBS, "layer_major_window_tokens": 512}, gpu_memory_budget_gib=budget / 2**30))
     assert "decode needs" in str(e.value)

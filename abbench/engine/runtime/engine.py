@@ -2,7 +2,7 @@
 
 Contract (the server relies on it):
 - ``Engine(config)`` plans device memory (``memory_plan``: the decode slot cache sized from
-  ``gpu_memory_budget_gb``, or the device's free memory; ``slots_per_layer``), builds the model, the host
+  ``gpu_memory_budget_gib``, or the device's free memory; ``slots_per_layer``), builds the model, the host
   expert bank (refused when it and its headroom, the dense weights plus a twentieth of the bank, do not fit the
   host's available memory) and the device buffers, loads or draws the weights and measures host->device
   bandwidth (``measured_h2d_gbps``); ``startup_s`` says how long it took. ``decoder`` runs decode steps (CUDA
@@ -45,7 +45,7 @@ import torch
 from abbench.engine.config import (
     MAX_ATTENTION_BATCH, PREFILL_MODES, PREFILL_PATHS, EngineConfig, ModelConfig, check_hybrid_chunk,
 )
-from abbench.engine.runtime.memory import MemoryPlan, dense_params, plan_device_memory
+from abbench.engine.runtime.memory import GIB, MemoryPlan, dense_params, plan_device_memory
 from abbench.engine.contract import (
     BackendInfo, CancelLike, Cancelled, GenerateRequest, RequestStats, TokenEvent, check_cancel, check_request,
     drain,
@@ -257,14 +257,14 @@ class Engine:
         """The device-memory plan (slots per layer from the budget); None on CPU without a budget, where the
         slot cache holds every expert unless expert_slots_per_layer says otherwise."""
         cfg = self.config
-        budget = cfg.gpu_memory_budget_gb
+        budget = cfg.gpu_memory_budget_gib
         if budget is None and self.device.type != "cuda":
             return None
         if budget is None:
             free, _total = torch.cuda.mem_get_info(self.device)
             budget_bytes = int(free)
         else:
-            budget_bytes = int(budget * 1e9)
+            budget_bytes = int(budget * GIB)
         return plan_device_memory(cfg, budget_bytes)
 
     def _on_device(self):
@@ -319,9 +319,9 @@ class Engine:
         if chunk <= 0:
             raise ValueError(f"chunk_tokens must be positive, got {chunk}")
         check_hybrid_chunk(self.model_config, chunk)
-        if cfg.gpu_memory_budget_gb is not None and chunk > cfg.chunk_tokens:
+        if cfg.gpu_memory_budget_gib is not None and chunk > cfg.chunk_tokens:
             raise ValueError(f"chunk_tokens {chunk} > the engine's {cfg.chunk_tokens}: its "
-                             f"{cfg.gpu_memory_budget_gb:g} GB device-memory budget was planned for "
+                             f"{cfg.gpu_memory_budget_gib:g} GiB device-memory budget was planned for "
                              f"{cfg.chunk_tokens}-token chunks (start it with a larger --chunk-tokens)")
         return chunk
 

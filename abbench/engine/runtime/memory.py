@@ -7,9 +7,12 @@ Contract:
   gives the rest to expert slots, the same number for every layer. A budget that cannot hold one token's experts in every layer is refused with
   every term named.
 - ``RUNTIME_RESERVE_BYTES``: what a budget sets aside beyond the engine's own tensors (CUDA context,
-  cuBLAS/CUTLASS workspaces, decode graphs, allocator slack). Measured on the H200 (torch 2.11, run
-  20261130-h200-qwen3-30b-a3b): NVML's process peak was ~1.6 GB above torch's own peak, more than this 1 GiB,
-  so a budget is honoured to within about 2%.
+  cuBLAS/CUTLASS workspaces, Triton's and the graphs' pools, allocator slack), so that the process as the driver
+  sees it fits the budget: a budget is in GiB, as cards are sized, and ``--gpu-memory-budget 16`` means "the
+  process fits a 16 GB card". Measured on the H200 (torch 2.11): NVML's process peak was ~1.6 GB above torch's own
+  peak in run 20261130-h200-qwen3-30b-a3b, and 1.19 GiB above it (22.23 against 21.04 GiB) in
+  20261204b-h200-decode-offload-4k, so the reserve is 2 GiB (it was 1 GiB, which left NVML's peak over the budget
+  by up to half a GiB).
 
 Like :mod:`abbench.engine.config`, it imports no torch.
 """
@@ -21,7 +24,7 @@ from dataclasses import dataclass
 from abbench.engine.config import ITEMSIZE, EngineConfig, HybridConfig, ModelConfig, Qwen4Config
 
 GIB = 2**30
-RUNTIME_RESERVE_BYTES = GIB
+RUNTIME_RESERVE_BYTES = 2 * GIB
 
 
 @dataclass(frozen=True)
@@ -48,7 +51,7 @@ class MemoryPlan:
         return self.fixed_bytes + self.slots_per_layer * self.slot_bytes
 
     def describe(self) -> str:
-        gb = lambda b: f"{b / 1e9:.2f} GB"  # noqa: E731
+        gb = lambda b: f"{b / GIB:.2f} GiB"  # noqa: E731
         return (f"budget {gb(self.budget_bytes)}: dense {gb(self.dense_bytes)} + KV {gb(self.kv_bytes)} + prefill "
                 f"buffers {gb(self.prefill_buffer_bytes)} + resident experts {gb(self.resident_bytes)} + "
                 f"workspace {gb(self.workspace_bytes)} + runtime reserve {gb(self.reserve_bytes)} = "
@@ -157,6 +160,6 @@ def plan_device_memory(config: EngineConfig, budget_bytes: int) -> MemoryPlan:
         raise ValueError(
             f"the device-memory budget holds {fit} expert slots per layer but decode needs "
             f"{need} (num_experts_per_tok={k}{'' if slots <= k else ', as requested'}); {p.describe()}. Raise "
-            f"--gpu-memory-budget to at least {(fixed + need * plan['slot_bytes']) / 1e9:.2f} GB, lower "
+            f"--gpu-memory-budget to at least {(fixed + need * plan['slot_bytes']) / GIB:.2f} GiB, lower "
             "--max-context, or set fewer --expert-slots-per-layer")
     return p

@@ -90,8 +90,10 @@ def _engine_options(e: argparse._ArgumentGroup) -> None:
     e.add_argument("--chunk-tokens", type=int, default=2048)
     e.add_argument("--layer-major-window-tokens", type=int, default=None)
     e.add_argument("--demand-max-tokens", type=int, default=None)
-    e.add_argument("--gpu-memory-budget", dest="gpu_memory_budget_gb", type=float, default=None, metavar="GB",
-                   help="device memory the engine may use, in GB (1e9 bytes), CUDA context included: the decode "
+    e.add_argument("--gpu-memory-budget", dest="gpu_memory_budget_gib", type=float, default=None, metavar="GIB",
+                   help="device memory the engine may use, in GiB (2^30 bytes, as cards are sized: a 16 GB card "
+                   "holds 16 GiB), CUDA context and the runtime's reserve included, so the process fits a card "
+                   "of this size: the decode "
                    "slot cache gets what the dense weights, KV cache, prefill buffers and workspace leave; a "
                    "budget that cannot hold one token's experts per layer is refused (default: the device's "
                    "free memory at start; on CPU every expert)")
@@ -246,7 +248,7 @@ def _serve(app: Any, sock: socket.socket, log_level: str, ready_message: str) ->
 def _engine_config(args: argparse.Namespace) -> EngineConfig:
     kwargs: dict[str, Any] = dict(model=args.model, weights=args.weights, device=args.device,
                                   prefill_mode=args.prefill_mode, chunk_tokens=args.chunk_tokens)
-    for field in ("dtype", "layer_major_window_tokens", "demand_max_tokens", "gpu_memory_budget_gb",
+    for field in ("dtype", "layer_major_window_tokens", "demand_max_tokens", "gpu_memory_budget_gib",
                   "expert_slots_per_layer", "host_memory_check", "decode_graphs", "warm_decode_graphs",
                   "prefill_graphs", "attention_batch", "attention_batch_max_context", "router_skew",
                   "auto_demand_max_tokens", "auto_calibration", "decode_experts", "decode_attention",

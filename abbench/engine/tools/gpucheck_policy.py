@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
                                      device=args.device, prefill_mode="auto", chunk_tokens=chunk,
                                      demand_max_tokens=chunk, layer_major_window_tokens=max(suffixes) + chunk,
                                      max_context=prefix + max(suffixes) + 64, router_skew=skew,
-                                     gpu_memory_budget_gb=args.gpu_memory_budget))
+                                     gpu_memory_budget_gib=args.gpu_memory_budget))
         print(f"router skew {skew:g}: {engine.model_config.name}, {engine.device}, built in "
               f"{time.perf_counter() - t0:.1f} s; cost model {engine.policy}")
         with torch.no_grad(), attention_backends():
