@@ -5,6 +5,8 @@ or on the command line (``abbench gate RUN --check EXPR``)::
 
     METRIC[ARM(, KIND)(, >=TOKENS | <=TOKENS | TOKENS)(, vs ARM)] OP VALUE        OP: <=  >=  ==
     crossover[ARM, ARM] OP VALUE
+    METRIC[ARM, c=N | rate=R(, vs ARM)] OP VALUE                                  (a run with [load])
+    parity_under_load[ARM, c=N | rate=R]
 
 ``ARM`` is an arm of the run; ``KIND`` one of fresh, cold, continuation (default: every kind); ``TOKENS`` a
 prompt length (``32768`` or ``32k``) with ``>=``/``<=`` for a range, bare for exactly that length; ``vs ARM``
@@ -13,6 +15,16 @@ A|B|C`` (``ttft_ratio`` only) divides, in each cell, by whichever of those arms 
 there: "within 5% of the fastest arm at every point". ``crossover[A, B]`` (a run with a ``[sweep]``) is the
 swept quantity at which TTFT(A) / TTFT(B) crosses 1, A being the arm faster below it
 (:mod:`abbench.analysis.sweep`).
+
+Load levels (a run with a ``[load]`` table): ``c=16`` selects the closed-loop level of 16 requests in flight,
+``rate=8`` (or ``rate=inf``) the open-loop level of 8 requests/s; without one, every level. The load metrics
+(:data:`LOAD_METRIC_SPECS`) need a level selector or apply to every level; ``ttft_p99_s``, ``itl_p99_s`` and the
+other latency metrics judge the load cell instead of the sequential samples when a level is selected.
+``parity_under_load[ARM, c=16]`` alone means ``>= 1``: every prompt at that level kept its greedy ids (or
+differs by an accepted near tie) against the same prompt run alone.
+
+SLOs (``[load] slo = ["ttft_s <= 2", "tpot_s <= 0.05"]``): :func:`parse_slo` reads ``METRIC OP VALUE`` with a
+per-request metric of :data:`SLO_METRICS` and ``<=`` or ``>=``.
 
 This module is pure (no numbers, no run): the profile validates its ``gate.checks`` with it, and
 :mod:`abbench.analysis.declared` computes and judges the metrics it names (the semantics of each metric and
@@ -68,7 +80,13 @@ METRICS: dict[str, Metric] = {m.name: m for m in (
     Metric("itl_p99_s", "s", True, False, "99th percentile of the inter-token latency (seconds)", 0.99),
     Metric("h2d_banks", "banks", False, False, "prefill host-to-device bytes / the expert bank"),
     Metric("banks_per_window", "banks", False, False, "h2d_banks / the engine's layer-major windows (at least 1)"),
-    Metric("peak_vram_gb", "GiB", False, False, "peak device memory (engine's peak_device_bytes, else NVML)"),
+    Metric("peak_vram_gib", "GiB", False, False, "peak device memory in GiB (engine's peak_device_bytes, else NVML)"),
+    Metric("peak_vram_gb", "GiB", False, False, "the older name of peak_vram_gib (the same GiB values; runs that "
+           "declared it keep reporting as they did)"),
+    Metric("nvml_process_peak_gib", "GiB", False, False,
+           "NVML's peak for the service's processes during the request, in GiB: what the driver sees the process "
+           "hold (CUDA context, workspaces, caches, graph pools and the allocator's reserve included); "
+           "<= the card's size means the process fits it"),
     Metric("peak_vram_ratio", "x", False, False,
            "paired peak device memory(arm) / peak(reference arm, or vs ARM), same prompt and round"),
     Metric("cached_tokens", "tokens", False, False,
@@ -86,18 +104,42 @@ METRICS: dict[str, Metric] = {m.name: m for m in (
     Metric("delta_p_rms", "", True, False,
            "root mean square of p_arm(t) - p_reference(t), t the reference's most likely token"),
 )}
-PAIRED = ("ttft_ratio", "peak_vram_ratio", "decode_ratio")
+PAIRED = ("ttft_ratio", "peak_vram_ratio", "decode_ratio", "throughput_ratio")
 """Metrics that divide by another arm's sample of the same prompt and round (``vs ARM``, else the reference)."""
+LOAD_METRIC_SPECS: dict[str, Metric] = {m.name: m for m in (
+    Metric("throughput_ratio", "x", True, True,
+           "load: output tokens/s(arm) / output tokens/s(reference arm, or vs ARM), paired by level and round"),
+    Metric("output_tok_s", "tok/s", True, False, "load: output tokens/s over a level's measured window, per round"),
+    Metric("request_s", "req/s", True, False, "load: completed requests/s over a level's measured window, per round"),
+    Metric("goodput", "req/s", True, False,
+           "load: requests/s over the measured window that met every SLO of [load] slo, per round"),
+    Metric("e2e_p99_s", "s", True, False, "load: 99th percentile of the end-to-end latency (seconds)", 0.99),
+    Metric("error_rate", "x", False, False, "load: failed or refused requests / requests sent, per level and round"),
+    Metric("parity_under_load", "x", False, False,
+           "load: fraction of a level's prompts whose greedy ids match the prompt run alone (accepted near ties "
+           "count as kept); parity_under_load[ARM, c=N] alone means >= 1"),
+)}
+"""The metrics of load cells alone (a run with ``[load]``); :data:`ALL_METRICS` holds both."""
+ALL_METRICS: dict[str, Metric] = {**METRICS, **LOAD_METRIC_SPECS}
 NUMERICS = ("kl_mean", "kl_p99", "same_top", "delta_p_rms")
 """Metrics of an arm's next-token distributions against the parity reference's, from their top-k logprobs: one
 cell over everything the selector picks, judged on a cluster-bootstrap interval (:mod:`abbench.analysis.numerics`)."""
 TWO_ARMS = ("crossover",)
 """Metrics of two arms, both named in the selector: ``crossover[A, B]`` (the second is held in ``vs``)."""
+LOAD_METRICS = tuple(LOAD_METRIC_SPECS)
+"""Metrics of load cells only (a run with ``[load]``); they take a level selector (``c=16``, ``rate=8``) or none."""
+LOAD_LATENCY = ("ttft_s", "ttft_p90_s", "ttft_p99_s", "tpot_s", "tpot_p90_s", "tpot_p99_s", "itl_s", "itl_p90_s",
+                "itl_p99_s")
+"""Latency metrics that judge a load cell when the check selects a level."""
+SLO_METRICS = {"ttft_s": "time to first token", "tpot_s": "time per output token after the first",
+               "itl_s": "the request's longest inter-token gap", "e2e_s": "end-to-end latency"}
+"""Per-request metrics an SLO may bound (seconds)."""
 
 _EXPR = re.compile(r"^\s*(?P<metric>[A-Za-z_][A-Za-z0-9_]*)\s*\[(?P<sel>[^\[\]]*)\]\s*(?P<op><=|>=|==|=<|=>|<|>|=)?"
                    r"\s*(?P<value>\S*)\s*$")
 _TOKENS = re.compile(r"^(?P<op><=|>=|==)?\s*(?P<n>\d+)(?P<k>[kK])?$")
 _VS = re.compile(r"^vs\s+(?P<arm>\S.*)$")
+_LEVEL = re.compile(r"^(?P<kind>c|rate)\s*=\s*(?P<v>\S+)$")
 
 
 @dataclass(frozen=True)
@@ -116,6 +158,16 @@ class DeclaredCheck:
     vs: str | None = None
     """The arm a paired metric divides by (None: the run's reference arm); ``A|B|C``: the fastest of those arms
     in each cell; for ``crossover[A, B]``: B."""
+    level: str | None = None
+    """A load level (``c=16``, ``rate=8``, ``rate=inf``: :func:`level_label`); None: none selected."""
+
+    @property
+    def load(self) -> bool:
+        """Whether the check judges load cells (a load metric, or a latency metric with a level)."""
+        return self.metric in LOAD_METRICS or self.level is not None
+
+    def selects_level(self, label: str) -> bool:
+        return self.level is None or self.level == label
 
     @property
     def vs_arms(self) -> tuple[str, ...]:
@@ -129,13 +181,15 @@ class DeclaredCheck:
         sel = [self.arm] + ([self.kind] if self.kind else [])
         if self.tokens is not None:
             sel.append(f"{'' if self.tokens_op == '==' else self.tokens_op}{self.tokens}")
+        if self.level is not None:
+            sel.append(self.level)
         if self.vs is not None:
             sel.append(f"vs {self.vs}")
         return f"{self.metric}[{', '.join(sel)}] {self.op} {self.value:g}"
 
     @property
     def spec(self) -> Metric:
-        return METRICS[self.metric]
+        return ALL_METRICS[self.metric]
 
     def selects(self, kind: str, tokens: int | None) -> bool:
         if self.kind is not None and kind != self.kind:
@@ -156,33 +210,37 @@ def parse_check(expr: str) -> DeclaredCheck:
         raise ConfigError(f"{where}: not of the form {GRAMMAR}, e.g. "
                           "'ttft_ratio[layer-major, fresh, >=32768] <= 0.15'")
     metric = m["metric"]
-    if metric not in METRICS:
-        raise ConfigError(f"{where}: unknown metric {metric!r}; metrics are {', '.join(METRICS)}")
-    op = m["op"]
+    if metric not in ALL_METRICS:
+        raise ConfigError(f"{where}: unknown metric {metric!r}; metrics are {', '.join(ALL_METRICS)}")
+    op, text = m["op"], m["value"]
+    if metric == "parity_under_load" and not op and not text:  # bare: every prompt kept its ids
+        op, text = ">=", "1"
     if op not in OPS:
         raise ConfigError(f"{where}: " + ("missing comparison" if not op else f"unknown comparison {op!r}")
                           + "; use <=, >= or ==")
     try:
-        value = float(m["value"])
+        value = float(text)
     except ValueError:
-        raise ConfigError(f"{where}: {m['value']!r} is not a number" if m["value"] else
+        raise ConfigError(f"{where}: {text!r} is not a number" if text else
                           f"{where}: no value after {op}") from None
     if not math.isfinite(value):
         raise ConfigError(f"{where}: the value must be a finite number")
-    if op == "==" and METRICS[metric].interval:
+    if op == "==" and ALL_METRICS[metric].interval:
         raise ConfigError(f"{where}: {metric} is judged on an interval; use <= or >= (== is for counters: "
-                          f"{', '.join(m.name for m in METRICS.values() if not m.interval)})")
+                          f"{', '.join(m.name for m in ALL_METRICS.values() if not m.interval)})")
     parts = [p.strip() for p in m["sel"].split(",")]
     if metric in TWO_ARMS:
         return _two_arms(expr, where, metric, parts, op, value)
     if not parts[0]:
         raise ConfigError(f"{where}: the selector needs an arm first, e.g. {metric}[layer-major]")
-    arm, kind, tokens_op, tokens, vs = parts[0], None, None, None, None
+    arm, kind, tokens_op, tokens, vs, level = parts[0], None, None, None, None, None
     for p in parts[1:]:
-        t, v = _TOKENS.match(p), _VS.match(p)
+        t, v, lv = _TOKENS.match(p), _VS.match(p), _LEVEL.match(p)
         if vs is not None:
             raise ConfigError(f"{where}: 'vs ARM' comes last in the selector (ARM, KIND, LENGTH, vs ARM)")
-        if p in KINDS and kind is None and tokens is None:
+        if lv and level is None:
+            level = _level(where, metric, lv["kind"], lv["v"])
+        elif p in KINDS and kind is None and tokens is None:
             kind = p
         elif t and tokens is None:
             tokens_op, tokens = t["op"] or "==", int(t["n"]) * (1024 if t["k"] else 1)
@@ -193,10 +251,71 @@ def parse_check(expr: str) -> DeclaredCheck:
             vs = _vs_arms(where, metric, v["arm"])
         else:
             raise ConfigError(f"{where}: selector part {p!r} is neither a kind ({', '.join(KINDS)}), a "
-                              "prompt length (>=32768, <=65536 or 32768) nor 'vs ARM', in the order ARM, KIND, "
-                              "LENGTH, vs ARM")
+                              "prompt length (>=32768, <=65536 or 32768), a load level (c=16, rate=8) nor "
+                              "'vs ARM', in the order ARM, KIND, LENGTH, vs ARM")
+    if (metric in LOAD_METRICS or level is not None) and (kind is not None or tokens is not None):
+        raise ConfigError(f"{where}: a load cell is selected by its level (c=N or rate=R), not by a prompt kind "
+                          "or length")
     return DeclaredCheck(expr=expr, metric=metric, arm=arm, kind=kind, tokens_op=tokens_op, tokens=tokens, op=op,
-                         value=value, vs=vs)
+                         value=value, vs=vs, level=level)
+
+
+def level_label(kind: str, value: float) -> str:
+    """A load level's name as selectors write it: ``c=16``, ``rate=8``, ``rate=0.5``, ``rate=inf``."""
+    if kind in ("c", "concurrency"):
+        return f"c={int(value)}"
+    return "rate=inf" if math.isinf(value) else f"rate={value:g}"
+
+
+def _level(where: str, metric: str, kind: str, text: str) -> str:
+    if metric not in LOAD_METRICS and metric not in LOAD_LATENCY:
+        raise ConfigError(f"{where}: {metric} is not measured per load level; the load metrics are "
+                          f"{', '.join(LOAD_METRICS + LOAD_LATENCY)}")
+    try:
+        v = float(text)
+    except ValueError:
+        raise ConfigError(f"{where}: level {kind}={text!r} is not a number") from None
+    if kind == "c" and (not v.is_integer() or v < 1):
+        raise ConfigError(f"{where}: c={text} is not a concurrency (a whole number of requests in flight, >= 1)")
+    if kind == "rate" and not (v > 0):
+        raise ConfigError(f"{where}: rate={text} is not a request rate (requests/s above 0, or inf)")
+    return level_label(kind, v)
+
+
+@dataclass(frozen=True)
+class Slo:
+    """One service-level objective of ``[load] slo``: a per-request ``metric`` (:data:`SLO_METRICS`) bounded."""
+
+    expr: str
+    metric: str
+    op: str
+    value: float
+
+    def met(self, v: float | None) -> bool:
+        if v is None or math.isnan(v):
+            return False
+        return v <= self.value if self.op == "<=" else v >= self.value
+
+
+_SLO = re.compile(r"^\s*(?P<metric>[A-Za-z_][A-Za-z0-9_]*)\s*(?P<op><=|>=)\s*(?P<value>\S+)\s*$")
+
+
+def parse_slo(expr: str) -> Slo:
+    """``ttft_s <= 2``: a per-request metric of :data:`SLO_METRICS`, ``<=`` or ``>=``, a finite number.
+    :class:`ConfigError` names the problem."""
+    m = _SLO.match(expr or "")
+    if not m:
+        raise ConfigError(f"slo {expr!r}: not of the form METRIC <= VALUE, e.g. 'ttft_s <= 2'")
+    if m["metric"] not in SLO_METRICS:
+        raise ConfigError(f"slo {expr!r}: unknown metric {m['metric']!r}; an SLO bounds one of "
+                          f"{', '.join(SLO_METRICS)} (seconds, per request)")
+    try:
+        value = float(m["value"])
+    except ValueError:
+        raise ConfigError(f"slo {expr!r}: {m['value']!r} is not a number") from None
+    if not math.isfinite(value) or value < 0:
+        raise ConfigError(f"slo {expr!r}: the bound must be a finite number of seconds, >= 0")
+    return Slo(expr=expr, metric=m["metric"], op=m["op"], value=value)
 
 
 def _vs_arms(where: str, metric: str, text: str) -> str:

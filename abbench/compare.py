@@ -49,6 +49,7 @@ import pandas as pd
 
 from abbench.analysis.frames import arm_rank, measured_ok_frame, peak_bytes
 from abbench.analysis.sweep import SWEEP_PREFIX
+from abbench.compare_load import load_changes, load_lines
 from abbench.errors import AbbenchError
 from abbench.fingerprint import key_value
 from abbench.report.format import DASH, Col, bullets, code, fmt_gb, fmt_gib, fmt_int, fmt_num, fmt_s, table, when
@@ -112,6 +113,8 @@ class Comparison:
     """What the verdict cannot tell apart (see :func:`drift_notes`)."""
     arms: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(columns=ARM_COLUMNS))
     """One row per (arm, metric): the test over all the arm's cells (:func:`arm_changes`)."""
+    load: pd.DataFrame | None = None
+    """Runs with load levels: one row per (arm, level, metric) (:func:`abbench.compare_load.load_changes`)."""
 
     @property
     def regressions(self) -> pd.DataFrame:
@@ -125,7 +128,8 @@ class Comparison:
 
     @property
     def regression_count(self) -> int:
-        return int(len(self.regressions) + len(self.arm_regressions))
+        return int(len(self.regressions) + len(self.arm_regressions) + (
+            int(self.load["regression"].sum()) if self.load is not None and len(self.load) else 0))
 
     @property
     def judged(self) -> bool:
@@ -133,7 +137,8 @@ class Comparison:
         (a deterministic counter's), or both runs the same throughout. With neither, "no regression" would
         claim what was never tested."""
         unjudged = ("no interval", "base is 0")
-        verdicts = pd.concat([self.changes["verdict"], self.arms["verdict"] if len(self.arms) else None])
+        verdicts = pd.concat([self.changes["verdict"], self.arms["verdict"] if len(self.arms) else None,
+                              self.load["verdict"] if self.load is not None and len(self.load) else None])
         if verdicts.empty or (verdicts == "same").all():
             return not verdicts.empty
         judged = ((verdicts != "same") & ~verdicts.str.startswith(TOO_FEW) & ~verdicts.str.startswith(TOO_FEW_CELLS)
@@ -427,7 +432,8 @@ def compare(base: RunRecord, cand: RunRecord, *, threshold: float = DEFAULT_THRE
                       profile_diffs=profile_differences(base.profile, cand.profile),
                       only_base=sorted(label(k) for k in cb.keys() - cc.keys()),
                       only_cand=sorted(label(k) for k in cc.keys() - cb.keys()),
-                      notes=drift_notes(changes, base, cand, threshold, arms), arms=arms)
+                      notes=drift_notes(changes, base, cand, threshold, arms), arms=arms,
+                      load=load_changes(base, cand, threshold))
 
 
 def _sorted_arms(df: pd.DataFrame, record: RunRecord) -> pd.DataFrame:
@@ -513,7 +519,7 @@ def render_markdown(c: Comparison, plot_link: str | None = None) -> str:
             Col("label", "Metric", descriptive=True, right=False), Col("n", "n base/cand", descriptive=True),
             Col("base_s", "Base"), Col("cand_s", "Candidate"), Col("change", "Change", _pct),
             Col("ci", "95% CI"), Col("verdict", "Verdict", right=False)]))
-    lines += _arm_section(c)
+    lines += _arm_section(c) + load_lines(c.load)
     for name, cells in (("base", c.only_base), ("candidate", c.only_cand)):
         if cells:
             lines += ["", f"Only in the {name} run (not compared): {', '.join(cells)}."]

@@ -22,7 +22,7 @@ The chain, in order (each step's output in its own log, each step's exit status 
    ``--test-device`` (default ``cuda``): ``python3 -m pytest -o addopts="" -p no:cacheprovider -q ...`` into
    ``gpucheck/pytest-cuda.log``;
 5. each ``--gpucheck "[-m MODULE] ARGS"``: ``python3 -m MODULE ARGS`` into ``gpucheck/NAME.log``; MODULE
-   defaults to ``--gpucheck-module`` (default ``abbench.engine.gpucheck``, given as a parameter because the
+   defaults to ``--gpucheck-module`` (default ``abbench.engine.tools.gpucheck``, given as a parameter because the
    module may move); NAME is the module's last part and the ``--preset``/``--model`` value
    (``gpucheck-qwen3-30b-a3b-half``); ``{json}`` in ARGS becomes ``gpucheck/NAME.json``, and for the default
    module, whose command line takes ``--out``, ``--out {json}`` is added when ARGS name no ``--out``;
@@ -77,7 +77,7 @@ import tarfile
 import time
 from pathlib import Path
 
-DEFAULT_GPUCHECK_MODULE = "abbench.engine.gpucheck"
+DEFAULT_GPUCHECK_MODULE = "abbench.engine.tools.gpucheck"
 MAX_RUNS = 6  # $OUT brings back 8 files: the runs' archives, chain.log and status.json
 PYTEST = ["-m", "pytest", "-o", "addopts=", "-p", "no:cacheprovider", "-q"]
 EXIT_OK, EXIT_FAILED, EXIT_RUNNING, EXIT_USAGE = 0, 1, 3, 2

@@ -15,7 +15,8 @@ both read the GPUs through this module, so neither imports the other.
 * :func:`device_indices` validates NVML indices; :func:`devices_for_env` maps a service's
   ``CUDA_VISIBLE_DEVICES`` to NVML indices.
 * :func:`gpu_snapshot` / :func:`gpu_idle`: per-GPU memory and compute processes, and whether the GPUs
-  are idle before a run.
+  are idle before a run; :func:`gpu_sample`: per-GPU memory used and utilisation as flat gauges (the load
+  generator samples them during a level).
 """
 
 from __future__ import annotations
@@ -196,3 +197,22 @@ def gpu_idle(threshold_bytes: int = GPU_IDLE_THRESHOLD_BYTES, devices: list[int]
     if snap is None or not snap or any("error" in d for d in snap):
         return None
     return all(not d["processes"] and d["memory_used"] < threshold_bytes for d in snap)
+
+
+def gpu_sample(devices: list[int] | None = None) -> dict[str, float] | None:
+    """Per GPU, ``nvml_gpu_memory_used_bytes{gpu="i"}`` and ``nvml_gpu_utilization_pct{gpu="i"}`` (what a
+    Prometheus scrape would name them); None without NVML; a GPU NVML cannot answer for is left out."""
+    m = module()
+    if m is None:
+        return None
+    out: dict[str, float] = {}
+    for i in device_indices(devices):
+        try:
+            h = m.nvmlDeviceGetHandleByIndex(i)
+            mem = m.nvmlDeviceGetMemoryInfo(h)
+            util = m.nvmlDeviceGetUtilizationRates(h)
+        except errors():
+            continue
+        out[f'nvml_gpu_memory_used_bytes{{gpu="{i}"}}'] = float(mem.used)
+        out[f'nvml_gpu_utilization_pct{{gpu="{i}"}}'] = float(util.gpu)
+    return out

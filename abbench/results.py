@@ -22,6 +22,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from abbench.errors import ResultsError
+from abbench.loadrecords import LoadLevel
 
 SCHEMA_VERSION = 1
 RUN_FILE = "run.json"
@@ -167,6 +168,9 @@ class RunRecord(_Model):
         None, description="With a [sweep] table: its rule, each pass (stage, arms, points, why), each decision "
         "after a pass, why the sweep stopped and its result: per arm pair the points and the crossover "
         "(abbench.runner.sweep).")
+    load: list[LoadLevel] = Field(
+        default_factory=list, description="With a [load] table: every (arm, level, round) cell as it ran, with "
+        "each request's stamps, ids and errors (abbench.loadrecords); empty otherwise.")
 
 
 def _atomic_write(path: Path, text: str) -> None:

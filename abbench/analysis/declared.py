@@ -44,7 +44,9 @@ Metrics (:data:`METRICS`), each per (arm, kind, prompt length) cell over measure
   resamples whole pairs (:mod:`~abbench.analysis.numerics`). Fewer than two pairs: inconclusive.
 * counter metrics, judged on every sample: ``h2d_banks`` (prefill H2D bytes / the bank; the whole
   request's bytes when the engine gives no split), ``banks_per_window`` (the same over the engine's
-  layer-major windows, at least 1: one bank per window is the layer-major promise at any length) and ``peak_vram_gb`` (the engine's ``peak_device_bytes``
+  layer-major windows, at least 1: one bank per window is the layer-major promise at any length), ``nvml_process_peak_gib``
+  (NVML's peak for the service's processes during the request, in GiB: the process fits a card of size VALUE when
+  it passes ``<= VALUE``) and ``peak_vram_gib`` (``peak_vram_gb``, its older name, gives the same values: the engine's ``peak_device_bytes``
   when present, else NVML's peak for the service's processes; GiB = 2^30 bytes) and ``peak_vram_ratio``
   (that peak over the peak of the reference arm, or of ``vs ARM``, for the same prompt in the same round:
   one value per pair), ``cached_tokens`` (the prompt tokens the engine says, in its response, it served from
@@ -52,6 +54,12 @@ Metrics (:data:`METRICS`), each per (arm, kind, prompt length) cell over measure
   and ``metrics_cached_tokens`` (the same read from its Prometheus counters around the request, the adapter's
   ``cached_prompt_tokens`` counter: after - before). ``<=``: the largest sample <= VALUE; ``>=``: the
   smallest >= VALUE; ``==``: every sample equal (relative tolerance 1e-6).
+
+Load checks (a run with ``[load]``): a load metric, or a latency metric with a level selector (``c=16``,
+``rate=8``), is judged per level of its arm on the values :func:`abbench.analysis.load.values` gives:
+``throughput_ratio``, ``output_tok_s``, ``request_s`` and ``goodput`` one value per round (their interval is
+over rounds), the latency percentiles one per request (ITL: per gap), ``error_rate`` per round and
+``parity_under_load`` one per level (the fraction of prompts kept; bare it means ``>= 1``).
 
 Every cell the selector picks must pass; a selector that picks no cell with data fails (the gate never
 passes on missing data). :func:`parse_check` raises :class:`~abbench.errors.ConfigError` (exit 2) naming
@@ -83,6 +91,7 @@ from abbench.analysis.frames import (
 )
 from abbench.analysis.decode import decode_over_expected
 from abbench.analysis.latency import itl_values, min_n, tpot_values, ttft_values
+from abbench.analysis.load import values as load_values
 from abbench.analysis.numerics import estimate, numerics_positions
 from abbench.analysis.sweep import crossover, judge_crossover, sweep_pairs, sweep_spec
 from abbench.analysis.timing import CONFIDENCE, paired_ratios, quantile_ci
@@ -244,7 +253,8 @@ VALUES: dict[str, Callable[[RunRecord], pd.DataFrame]] = {
     "decode_tok_s": _column("decode_tok_s"), "decode_ratio": _paired("decode_ratio"),
     "decode_x_floor": decode_over_expected, "h2d_banks": _h2d_banks,
     "banks_per_window": _banks_per_window,
-    "peak_vram_gb": _peak_vram, "peak_vram_ratio": _paired("peak_vram_ratio"),
+    "peak_vram_gib": _peak_vram, "peak_vram_gb": _peak_vram, "peak_vram_ratio": _paired("peak_vram_ratio"),
+    "nvml_process_peak_gib": _column("proc_gpu_mem_peak", 2**30),
     "ttft_p90_s": ttft_values, "ttft_p99_s": ttft_values, "tpot_s": tpot_values, "tpot_p90_s": tpot_values,
     "tpot_p99_s": tpot_values, "itl_s": itl_values, "itl_p90_s": itl_values, "itl_p99_s": itl_values,
     "cached_tokens": _column("cached_prompt_tokens"), "metrics_cached_tokens": _metrics_cached,
@@ -349,10 +359,32 @@ def _judge_counter(c: DeclaredCheck, vals: np.ndarray) -> tuple[float, float, fl
     return med, lo, hi, "pass" if ok else "fail", "" if ok else why
 
 
+def _load_cells(record: RunRecord, c: DeclaredCheck) -> list[Cell]:
+    """A load check's cells: one per level of its arm (``kind`` holds the level, e.g. ``c=16``), judged as the
+    other metrics are (:mod:`abbench.analysis.load` defines the values)."""
+    df = load_values(record, c.metric, c.vs)
+    df = df[df["arm"] == c.arm]
+    cells: list[Cell] = []
+    for label, g in df.groupby("level", sort=False):
+        if not c.selects_level(str(label)):
+            continue
+        vals = g["value"].astype(float).to_numpy()
+        rounds = int(g["round"].nunique())
+        if c.spec.interval:
+            v, lo, hi, status, why = _judge_interval(c, vals, rounds)
+        else:
+            v, lo, hi, status, why = _judge_counter(c, vals)
+        cells.append(Cell(str(label), None, len(vals), rounds, v, lo, hi, status, why))
+    return cells
+
+
 def judge(record: RunRecord, c: DeclaredCheck, values: pd.DataFrame | None = None) -> list[Cell]:
-    """The check's cells (kind, length) for its arm, each with its value, interval and verdict."""
+    """The check's cells (kind, length) for its arm, each with its value, interval and verdict; a load check's
+    cells are its levels."""
     if c.metric == "crossover":
         return _crossover_cells(record, c)
+    if c.load and values is None:
+        return _load_cells(record, c)
     if c.metric in NUMERICS:
         return _numerics_cells(record, c)
     df = _values(record, c) if values is None else values
@@ -379,7 +411,9 @@ def fmt_value(v: float | None) -> str:
 
 def describe_cell(c: DeclaredCheck, cell: Cell) -> str:
     """'fresh 32768: 0.146 (95% CI 0.143-0.148, n=2 pairs) pass'."""
-    what = "pairs" if c.metric in PAIRED or c.metric in ("crossover", *NUMERICS) else "samples"
+    what = ("pairs" if c.metric in PAIRED or c.metric in ("crossover", *NUMERICS) else
+            "rounds" if c.metric in ("output_tok_s", "request_s", "goodput", "error_rate") else
+            "level" if c.metric == "parity_under_load" else "samples")
     if cell.low is None:
         span = f"n={cell.n} {what}"
     else:

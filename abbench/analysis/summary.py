@@ -9,6 +9,7 @@ import pandas as pd
 from abbench.analysis.checks import GateInput, GateVerdict, gate_checks, run_checks
 from abbench.analysis.decode import decode_table, ttft_memory_table
 from abbench.analysis.latency import latency_table
+from abbench.analysis.load import cell_table, parity_under_load, throughput_ratios
 from abbench.analysis.frames import (
     Completeness,
     arm_names,
@@ -56,6 +57,12 @@ class Analysis:
     notes: list[str]
     gate: GateVerdict
     sweep: list[SweepPair] = field(default_factory=list)
+    load: pd.DataFrame | None = None
+    """A run with load levels: one row per (arm, level) cell (:func:`abbench.analysis.load.cell_table`)."""
+    load_ratios: pd.DataFrame | None = None
+    """Its throughput ratios per (arm, level, round) against the reference arm."""
+    load_parity: pd.DataFrame | None = None
+    """Its parity under load per cell (:func:`abbench.analysis.load.parity_under_load`)."""
     numerics_positions: pd.DataFrame = field(default_factory=pd.DataFrame)
     """Per compared position of each ``parity = "numerics"`` arm (:mod:`~abbench.analysis.numerics`)."""
     numerics: pd.DataFrame = field(default_factory=pd.DataFrame)
@@ -86,6 +93,9 @@ def analyze(record: RunRecord, *, parity_tokens: int | None = None, near_tie_nat
         notes=small_n_notes(record, ratios, ttft),
         gate=run_checks(GateInput.of(record, k, comp, parity, path_samples), gate_checks(record, checks)),
         sweep=analyze_sweep(record),
+        load=cell_table(record) if record.load else None,
+        load_ratios=throughput_ratios(record) if record.load else None,
+        load_parity=parity_under_load(record) if record.load else None,
         numerics_positions=positions,
         numerics=numerics_table(record, positions) if not positions.empty else pd.DataFrame(),
     )

@@ -79,6 +79,7 @@ def compare_document(c: Any) -> dict[str, Any]:
         "identical": list(c.identical),
         "environment_differences": list(c.env_diffs), "profile_differences": list(c.profile_diffs),
         "only_in_base": list(c.only_base), "only_in_candidate": list(c.only_cand), "notes": list(c.notes),
+        "load": c.load.to_dict(orient="records") if c.load is not None else [],
     }
 
 

@@ -19,7 +19,7 @@ def serve(ctx: typer.Context) -> None:
     """Serve the vendored offloaded-MoE engine (OpenAI-compatible), or with `--backend transformers` a model's
     transformers implementation behind the same API (the reference). All other options pass through; see
     `abbench serve --help` and `abbench serve --backend transformers --help`."""
-    from abbench.engine.launch import main as serve_main  # --backend is the launcher's option
+    from abbench.engine.serve.launch import main as serve_main  # --backend is the launcher's option
 
     raise typer.Exit(serve_main(list(ctx.args)))
 
@@ -27,7 +27,8 @@ def serve(ctx: typer.Context) -> None:
 def memory_plan_cmd(
     model: Annotated[str, typer.Option(help="The engine's preset (e.g. qwen3-30b-a3b-2507, qwen3.5-35b-a3b, "
                                             "qwen4-exp-half) or a local HF model directory.")] = "tiny",
-    budget: Annotated[Optional[float], typer.Option(help="Device-memory budget in GB (1e9 bytes), the engine's "
+    budget: Annotated[Optional[float], typer.Option(help="Device-memory budget in GiB (2^30 bytes, as cards are "
+                                                         "sized: a 16 GB card holds 16 GiB), the engine's "
                                                          "--gpu-memory-budget; without it, the smallest budget "
                                                          "each chunk length needs.")] = None,
     chunk_tokens: Annotated[str, typer.Option(help="Comma-separated prefill chunk lengths to compare.")] =
@@ -51,7 +52,7 @@ def memory_plan_cmd(
       abbench memory-plan --model qwen3.5-35b-a3b --chunk-tokens 2048,8192 --max-context 131072
     """
     from abbench.engine.config import EngineConfig
-    from abbench.engine.memory import plan_device_memory
+    from abbench.engine.runtime.memory import GIB, plan_device_memory
 
     try:
         chunks = [int(c) for c in (_parse_csv(chunk_tokens, "--chunk-tokens") or [])]
@@ -61,10 +62,11 @@ def memory_plan_cmd(
         _fail(ConfigError(f"--chunk-tokens {chunk_tokens!r}: give positive token counts, e.g. 2048,8192"))
         return
     table = Table(title=f"device-memory plan: {model}, {dtype}, max context {max_context:,}"
-                  + (f", budget {budget:g} GB" if budget is not None else "") + (", resident" if resident else ""))
-    for col in ("chunk tokens", "workspace", "fixed (GB)", "slots/layer", "slot cache", "total", "note"):
+                  + (f", budget {budget:g} GiB" if budget is not None else "") + (", resident" if resident else ""))
+    for col in ("chunk tokens", "workspace (GiB)", "fixed (GiB)", "slots/layer", "slot cache (GiB)", "total (GiB)",
+                "note"):
         table.add_column(col, justify="left" if col == "note" else "right")
-    gb = lambda b: f"{b / 1e9:.2f}"  # noqa: E731
+    gb = lambda b: f"{b / GIB:.2f}"  # noqa: E731
     for chunk in chunks:
         knobs = dict(layer_major_window_tokens=window_tokens) if window_tokens else {}
         try:
@@ -78,9 +80,9 @@ def memory_plan_cmd(
                 k = 0 if resident else cfg.model.num_experts_per_tok
                 unbounded = plan_device_memory(cfg, 1 << 62)
                 plan = plan_device_memory(cfg, unbounded.fixed_bytes + k * unbounded.slot_bytes)
-                note = f"needs at least {plan.total_bytes / 1e9:.2f} GB" + ("" if resident else f" ({k} slots per layer)")
+                note = f"needs at least {plan.total_bytes / GIB:.2f} GiB" + ("" if resident else f" ({k} slots per layer)")
             else:
-                plan, note = plan_device_memory(cfg, int(budget * 1e9)), ""
+                plan, note = plan_device_memory(cfg, int(budget * GIB)), ""
         except ValueError as e:
             table.add_row(f"{chunk:,}", "", "", "", "", "", f"[red]does not fit[/]: {str(e).split(';')[0]}")
             continue

@@ -190,6 +190,8 @@ def export(
     run: RunArg = None,
     csv: Annotated[bool, typer.Option("--csv", help="One row per sample, comma-separated, with a header.")] = False,
     out_file: Annotated[Optional[Path], typer.Option("--out", help="The file to write. Default: stdout.")] = None,
+    load: Annotated[bool, typer.Option("--load", help="One row per request of the run's load levels instead "
+                                                      "(stamps, latencies, errors, ids; docs/json.md).")] = False,
 ) -> None:
     """Export a run's samples for pandas, a spreadsheet or a database: one row per sample (every sample, with
     `measured` and `ok` saying which count), its timings (ttft_s, total_s, decode_tok_s, tpot_s), token counts,
@@ -208,11 +210,20 @@ def export(
         if not csv:
             raise ConfigError("choose a format: --csv (the run's own records are run.json and requests.jsonl)")
         record, _ = load_run(_run_or_latest(run), RESULTS_ROOT)
-        table = samples_table(record)
+        if load:
+            from abbench.analysis.load import requests_table
+
+            if not record.load:
+                raise ConfigError(f"--load: run {record.run_id} has no load levels (its profile has no [load] table)")
+            table = requests_table(record)
+            table.insert(0, "run_id", record.run_id)
+        else:
+            table = samples_table(record)
         if out_file is not None:
             out_file.parent.mkdir(parents=True, exist_ok=True)
             table.to_csv(out_file, index=False)
-            console.print(f"export -> {out_file}: {len(table)} samples", highlight=False)
+            console.print(f"export -> {out_file}: {len(table)} {'load requests' if load else 'samples'}",
+                          highlight=False)
         else:
             table.to_csv(sys.stdout, index=False)
     except AbbenchError as e:

@@ -1,7 +1,7 @@
 """Layer-level localization of a divergence (``abbench probe RUN --prompt P --arm A --layers``): pure parts.
 
 Two layer traces of the same token history (the ``abbench.layer_trace`` of the vendored engine or the
-transformers reference, :mod:`abbench.engine.trace`: per layer and sub-block the hash, the RMS and the float32
+transformers reference, :mod:`abbench.engine.ops.trace`: per layer and sub-block the hash, the RMS and the float32
 values of the last position's hidden state) are compared entry by entry, in the order a layer computes them:
 same hash (bitwise equal) or not, each side's RMS, the RMS of the difference and that relative to the
 reference's RMS. :attr:`LayerProbe.first_difference` names the first layer and sub-block where they differ;

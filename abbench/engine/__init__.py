@@ -10,28 +10,26 @@ only in how often the expert bank crosses PCIe:
 - ``demand``: short chunks copy only the experts they are routed to;
 - ``resident``: all experts on the device (the compute floor, not an offload mode).
 
-The same code runs on CPU (tests, CI) and CUDA. Modules: ``config`` (ModelConfig, PRESETS, EngineConfig; ``memory``: the device-memory plan;
-no torch), ``weights`` (random init and HF safetensors loading), ``experts`` (bank, buffers, slot cache,
-byte accounting), ``model`` (the decoder), ``hybrid`` and ``gdn`` (the Qwen3.5/3.6-MoE Gated DeltaNet hybrid
-and its delta-rule math), ``qwen4`` and ``qwen4_weights`` (Qwen4-Exp: hyper-connections, per-layer n-gram
-embeddings, indexed attention, on the hybrid's DeltaNet), ``factory`` (the right model and cache for a
-config), ``prefill``, ``decode`` (static-shape steps, CUDA graphs), ``runtime`` (``Engine``, the API the HTTP server calls), ``gpucheck`` and
-``gpucheck_hybrid`` (device self-checks at full width); the HTTP server is ``api`` (request schema, errors,
-response pieces), ``serving`` (the FIFO worker queue, metrics) and ``server`` (routes, the command line);
-``stats`` (no torch) is the per-request ``abbench`` object, which the harness reads too. It imports nothing
-from the rest of abbench.
+The same code runs on CPU (tests, CI) and CUDA. The folders are the layers, lowest first, and every import
+points down (``tests/harness/test_import_layers.py``): ``contract`` (the backend contract: ``GenerateRequest``,
+``Backend``, ``TokenEvent``, ``RequestStats``), ``config`` and ``shapes`` (ModelConfig, PRESETS, EngineConfig) and
+``stats`` (the per-request ``abbench`` object, which the harness reads too), none of them importing torch;
+``ops/`` (tensor functions and kernels); ``models/`` (one file per family, the model interface, weights, the
+host expert bank); ``runtime/`` (``Engine``, prefill, decode, slot caches, the memory plan, the auto policy);
+``serve/`` (the HTTP API, queue and server, the tokenizer, the transformers reference on the contract alone, the
+launcher); ``tools/`` (device self-checks and reference kernels). It imports nothing from the rest of abbench.
 
 ``Engine`` is imported lazily so that ``abbench.engine.config`` works without torch.
 """
 
-from .config import PRESETS, EngineConfig, ModelConfig
+from abbench.engine.config import PRESETS, EngineConfig, ModelConfig
 
 __all__ = ["PRESETS", "Engine", "EngineConfig", "ModelConfig"]
 
 
 def __getattr__(name: str):
     if name == "Engine":
-        from .runtime import Engine
+        from abbench.engine.runtime.engine import Engine
 
         return Engine
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

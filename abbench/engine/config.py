@@ -25,7 +25,7 @@ Contract:
   ``qwen4_exp_text``); ``is_qwen4`` tells it apart, ``stream_width`` is the width of the activations between
   layers (hc_count x hidden). Presets ``qwen4-exp-tiny``, ``qwen4-exp`` and ``qwen4-exp-half``.
 - The device-memory plan (``plan_device_memory``, sizing the decode slot cache from a budget) is in
-  :mod:`abbench.engine.memory`.
+  :mod:`abbench.engine.runtime.memory`.
 - ``MAX_GROUPED_MM_GROUPS``: CUDA's bf16 ``torch._grouped_mm`` accepts at most 1,023 groups (1,024 fails on
   an H200 with torch 2.11). Every grouped call passes one layer's experts or one layer's slots, so both must
   stay at or under it; ``resolved()`` refuses a model with more experts per layer.
@@ -40,7 +40,9 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
-from .shapes import HYBRID_MODEL_TYPES, LAYER_TYPES, QWEN4_MODEL_TYPES, HybridConfig, ModelConfig, Qwen4Config
+from abbench.engine.shapes import (
+    HYBRID_MODEL_TYPES, LAYER_TYPES, QWEN4_MODEL_TYPES, HybridConfig, ModelConfig, Qwen4Config,
+)
 
 __all__ = [
     "ATTENTION_BATCH_MAX_CONTEXT", "DECODE_ATTENTION", "DECODE_EXPERTS", "DECODE_MISSES", "DTYPES", "GDN_BLOCK",
@@ -52,7 +54,7 @@ PREFILL_PATHS = ("chunked", "layer-major", "demand", "resident")  # what a prefi
 DECODE_EXPERTS = ("auto", "grouped", "triton")  # decode's routed experts (EngineConfig.decode_experts)
 DECODE_ATTENTION = ("auto", "torch", "triton")  # decode's attention (EngineConfig.decode_attention)
 DECODE_MISSES = ("auto", "host", "device")  # who copies decode's slot-cache misses (EngineConfig.decode_misses)
-PREFILL_MODES = PREFILL_PATHS + ("auto",)  # what a request may ask for: auto picks a path (abbench.engine.policy)
+PREFILL_MODES = PREFILL_PATHS + ("auto",)  # what a request may ask for: auto picks a path (abbench.engine.runtime.policy)
 DTYPES = ("float32", "bfloat16", "float16")
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 MAX_GROUPED_MM_GROUPS = 1023
@@ -182,11 +184,12 @@ class EngineConfig:
     demand_max_tokens: int = 256  # chunks of at most this many tokens load only their routed experts
     # Decode slot cache: this many expert slots for every layer (LRU within the layer; each layer's slots are
     # one block, so a grouped GEMM over them has at most num_experts groups). None: sized from
-    # ``gpu_memory_budget_gb`` (plan_device_memory), at most num_experts, at least num_experts_per_tok.
+    # ``gpu_memory_budget_gib`` (plan_device_memory), at most num_experts, at least num_experts_per_tok.
     expert_slots_per_layer: int | None = None
-    # Device-memory budget in GB (1e9 bytes) for everything the engine allocates plus RUNTIME_RESERVE_BYTES;
+    # Device-memory budget in GiB (2^30 bytes, as cards are sized: a 16 GB card holds 16 GiB) for everything the
+    # engine allocates plus RUNTIME_RESERVE_BYTES, so the process fits a card of this size;
     # None: the device's free memory at start (the Engine measures it), or all experts on CPU.
-    gpu_memory_budget_gb: float | None = None
+    gpu_memory_budget_gib: float | None = None
     host_memory_check: bool = True  # refuse to build a bank larger than the host's available memory
     decode_graphs: bool = True  # CUDA: replay decode steps as CUDA graphs (ignored on CPU)
     # CUDA with decode graphs: at start, run and capture every decode KV-length bucket's graphs (two throwaway
@@ -194,7 +197,7 @@ class EngineConfig:
     warm_decode_graphs: bool = True
     d2d_from_slot_cache: bool = False  # prefill takes experts already in the slot cache device-to-device
     # decode's routed experts: "grouped" (torch._grouped_mm, as prefill) or "triton" (the router's softmax/top-k
-    # and a GEMV over the k routed experts, abbench.engine.decode_kernels; Qwen3-MoE and the hybrid, needs
+    # and a GEMV over the k routed experts, abbench.engine.ops.kernels; Qwen3-MoE and the hybrid, needs
     # Triton); "auto": triton on CUDA where it applies and Triton is installed, else grouped
     decode_experts: str = "auto"
     # decode's attention: "torch" (batched matmuls over the bucket, decode_gqa) or "triton" (split-KV flash
@@ -208,20 +211,20 @@ class EngineConfig:
     # experts, else host
     decode_misses: str = "auto"
     # CUDA, hybrid (Qwen3.5/3.6) models: replay the fixed-shape prefill layer steps of full chunks as CUDA
-    # graphs (abbench.engine.steps); every mode makes the same calls either way
+    # graphs (abbench.engine.runtime.steps); every mode makes the same calls either way
     prefill_graphs: bool = True
     # Layer-major: chunks per attention call in full-attention layers (1: one call per chunk), where the joint
     # call is bit-identical on the device and the group ends at or below attention_batch_max_context tokens
     attention_batch: int = 1
     attention_batch_max_context: int = ATTENTION_BATCH_MAX_CONTEXT
     # Random weights: concentrate the routing as trained routers do (a per-layer Zipf-like router bias of this
-    # exponent, abbench.engine.model.router_skew_bias); 0 = the random router's near-uniform routing
+    # exponent, abbench.engine.ops.moe.router_skew_bias); 0 = the random router's near-uniform routing
     router_skew: float = 0.0
     # prefill_mode "auto": demand for prompts of at most this many uncached tokens, else the best streamed path,
-    # instead of the cost model (abbench.engine.policy); None: the cost model decides
+    # instead of the cost model (abbench.engine.runtime.policy); None: the cost model decides
     auto_demand_max_tokens: int | None = None
     # prefill_mode "auto": scale demand's expected expert copies by the median copied/expected ratio of the last
-    # this many demand prefills (abbench.engine.policy.Calibration); 0: the model alone
+    # this many demand prefills (abbench.engine.runtime.policy.Calibration); 0: the model alone
     auto_calibration: int = 16
     max_context: int | None = None  # KV cache length; default max_position_embeddings
     deterministic: bool = False  # torch.use_deterministic_algorithms(True) (the kernels used already are)
@@ -256,8 +259,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.expert_slots_per_layer is not None and self.expert_slots_per_layer <= 0:
             raise ValueError(f"expert_slots_per_layer must be positive, got {self.expert_slots_per_layer}")
-        if self.gpu_memory_budget_gb is not None and not self.gpu_memory_budget_gb > 0:
-            raise ValueError(f"gpu_memory_budget_gb must be positive, got {self.gpu_memory_budget_gb}")
+        if self.gpu_memory_budget_gib is not None and not self.gpu_memory_budget_gib > 0:
+            raise ValueError(f"gpu_memory_budget_gib must be positive, got {self.gpu_memory_budget_gib}")
         if self.max_context is not None and self.max_context <= 1:
             raise ValueError(f"max_context must be > 1, got {self.max_context}")
         if not (self.weights.startswith("random:") or Path(self.weights).is_dir()):

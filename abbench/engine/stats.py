@@ -116,10 +116,10 @@ class AbbenchStats(_Lenient):
     auto: dict[str, Any] | None = Field(
         None, description="prefill_mode auto: {path, reason, routing (uniform|observed), estimates_s per path, and "
         "with calibration calibrated_s per path and calibration {demand_copies_factor, demand_prefills}} "
-        "(abbench.engine.policy); None for requests that named their mode.")
+        "(abbench.engine.runtime.policy); None for requests that named their mode.")
     layer_trace: list[dict[str, Any]] | None = Field(
         None, description="With trace_layers: per layer and sub-block {layer, block, hash, rms, values} of the last "
-        "prompt position (abbench.engine.trace)."
+        "prompt position (abbench.engine.ops.trace)."
     )
 
     @property

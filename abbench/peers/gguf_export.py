@@ -6,7 +6,7 @@ Contract
 for ``--model MODEL --weights random:SEED --dtype DTYPE`` on ``device`` as a GGUF that llama.cpp loads as
 architecture ``qwen3moe``, so both engines compute the same model:
 
-* The values come from the engine's own builder (:func:`abbench.engine.weights.random_layer`,
+* The values come from the engine's own builder (:func:`abbench.engine.models.weights.random_layer`,
   ``random_embed``, ``random_lm_head``: the functions ``random_weights`` builds the engine's model with),
   drawn on ``device`` in ``dtype``. The draws depend on the device type (a CUDA generator is not a CPU one):
   export on the machine and device the engine will run on (``--device cuda`` for the H200 profile).
@@ -106,7 +106,7 @@ def _tensors(cfg: Any, seed: int, device: Any, dtype: Any) -> Iterator[tuple[str
     """(name, torch tensor) in :func:`tensor_plan` order, drawn by the engine's own builder."""
     import torch
 
-    from abbench.engine.weights import Draw, random_embed, random_layer, random_lm_head
+    from abbench.engine.models.weights import Draw, random_embed, random_layer, random_lm_head
 
     draw = Draw(seed, device, dtype)
     yield "token_embd.weight", random_embed(cfg, draw)

@@ -8,7 +8,7 @@ Contract
 * The environment is ``--venv DIR``, else ``$ABBENCH_VLLM_VENV``, else the default of
   :mod:`abbench.peers.vllm_env` (where ``python -m abbench.peers.vllm_env install`` puts it); one without
   its record is an error (exit 2) naming the install command.
-* ``--model``: ``NAME:SEED`` names a random tiny checkpoint (:data:`abbench.engine.reference.TINY_SHAPES`),
+* ``--model``: ``NAME:SEED`` names a random tiny checkpoint (:data:`abbench.engine.serve.reference.TINY_SHAPES`),
   written into abbench's cache on first use by this process (so with the project's transformers, in the
   format the vendored engine's ``--weights`` loads); anything else goes to vLLM as given (a directory or a
   hub name). ``--tokenizer``: ``qwen3``/``qwen3.6`` (default for a tiny checkpoint: ``qwen3``) is abbench's
@@ -44,7 +44,7 @@ __all__ = ["API_SERVER", "describe", "main"]
 MODULE = "abbench.peers.vllm_serve"
 API_SERVER = "vllm.entrypoints.openai.api_server"
 BUILTIN_TOKENIZERS = ("qwen3", "qwen3.6")
-#: The tiny checkpoints' names (abbench.engine.reference.TINY_SHAPES; not imported here: it loads torch, and a
+#: The tiny checkpoints' names (abbench.engine.serve.reference.TINY_SHAPES; not imported here: it loads torch, and a
 #: fingerprint of a vLLM command needs none)
 TINY_NAMES = ("tiny-qwen3-moe", "tiny-qwen3-moe-hd64")
 
@@ -107,7 +107,7 @@ def _model_path(spec: str, *, create: bool) -> str:
     if not _is_tiny(spec):
         return spec
     if create:
-        from abbench.engine.reference import resolve_checkpoint
+        from abbench.engine.serve.reference import resolve_checkpoint
 
         return resolve_checkpoint(spec)
     from abbench.tokenizers import default_cache_dir

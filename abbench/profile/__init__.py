@@ -13,7 +13,8 @@ Errors name the file, the field (dotted path) and what is allowed: they are rais
 :meth:`Profile.launch_spec` is the one rule that turns an arm into its service (argv, env, base URL to attach
 to, profile folder): the runner, ``abbench probe`` and the launch-command checks all call it.
 
-Layout: :mod:`~abbench.profile.specs` (the schema: one model per table), :mod:`~abbench.profile.model` (the
+Layout: :mod:`~abbench.profile.specs` (the schema: one model per table; ``[load]`` in
+:mod:`~abbench.profile.load`), :mod:`~abbench.profile.model` (the
 :class:`Profile` and its rules), :mod:`~abbench.profile.lookup` (finding and loading profile files). Everything
 is importable from ``abbench.profile``.
 """
@@ -32,6 +33,7 @@ from abbench.profile.specs import (
     SweepSpec,
     TokenizerSpec,
 )
+from abbench.profile.load import LengthDist, LoadSpec, parse_levels
 from abbench.profile.model import ArmEngine, LaunchSpec, Profile, profile_from_dict
 from abbench.profile.lookup import (
     BUNDLED_PROFILES_DIR,
@@ -47,7 +49,7 @@ from abbench.profile.lookup import (
 
 __all__ = [
     "ADAPTER_PATHS", "BUNDLED_PROFILES_DIR", "DEFAULT_PROFILE", "LOCAL_PROFILES_DIR", "PROFILES_DIR",
-    "AdapterName", "ArmEngine", "ArmSpec", "EngineSpec", "EnvVarName", "GateSpec", "LaunchSpec", "PairSpec",
+    "AdapterName", "ArmEngine", "LengthDist", "LoadSpec", "parse_levels", "ArmSpec", "EngineSpec", "EnvVarName", "GateSpec", "LaunchSpec", "PairSpec",
     "PositiveInt", "Profile", "ProfileEntry", "PromptsSpec", "RequestSpec", "RunSpec", "SweepSpec", "TokenizerSpec",
     "available_profiles", "load_profile", "profile_dirs", "profile_from_dict", "resolve_profile_path",
 ]

@@ -14,8 +14,9 @@ from typing import Any
 
 from pydantic import Field, ValidationError, model_validator
 
-from abbench.checkexpr import NUMERICS, check_arms, checks_within, parse_checks
+from abbench.checkexpr import NUMERICS, check_arms, checks_within, level_label, parse_checks
 from abbench.errors import ConfigError
+from abbench.profile.load import LoadSpec
 from abbench.profile.specs import (
     ArmSpec,
     EngineSpec,
@@ -73,6 +74,7 @@ class Profile(_Model):
     run: RunSpec = Field(default_factory=RunSpec)
     gate: GateSpec = Field(default_factory=GateSpec)
     sweep: SweepSpec | None = None
+    load: LoadSpec | None = None
     # Where the profile came from; not a TOML field (set by load_profile).
     source_path: str | None = Field(None, exclude=False)
 
@@ -102,6 +104,7 @@ class Profile(_Model):
         except ConfigError as e:
             raise ValueError(str(e)) from None
         self._check_sweep()
+        self._check_load()
         self._check_auto_rounds()
         self._check_numerics()
         named = [a.name for a in self.arms if a.service is not None]
@@ -135,6 +138,32 @@ class Profile(_Model):
         if not any(c.spec.ratio for c in parse_checks(self.gate.checks)):
             raise ValueError("run.rounds = \"auto\" narrows the intervals of declared ratio checks, and gate.checks "
                              "declares none: add e.g. \"ttft_ratio[ARM, fresh] <= 0.5\" (ttft_ratio, x_floor)")
+
+    def _check_load(self) -> None:
+        checks = [c for c in parse_checks(self.gate.checks) if c.load]
+        ld = self.load
+        if ld is None:
+            if checks:
+                raise ValueError(f"gate.checks: {checks[0].expr!r} judges load levels; add a [load] table "
+                                 "(concurrency = [...] and/or rate = [...])")
+            return
+        if not self.request.stream:
+            raise ValueError("[load] measures TTFT and inter-token latency from the stream: request.stream must be "
+                             "true")
+        if self.sweep is not None:
+            raise ValueError("[load] and [sweep] are different runs; give one of them")
+        if self.run.rounds == "auto":
+            raise ValueError("[load] runs a fixed number of rounds at every level; set run.rounds to a number")
+        labels = {level_label("c" if k == "concurrency" else "rate", v) for k, v in ld.levels()}
+        for c in checks:
+            if c.level is not None and c.level not in labels:
+                raise ValueError(f"gate.checks: {c.expr!r} selects {c.level}, which is not a level of [load] "
+                                 f"({', '.join(sorted(labels))})")
+            if c.metric == "parity_under_load" and not ld.parity_reference:
+                raise ValueError(f"gate.checks: {c.expr!r} needs load.parity_reference = true (each prompt run "
+                                 "alone)")
+            if c.metric == "goodput" and not ld.slo:
+                raise ValueError(f"gate.checks: {c.expr!r} needs load.slo (the objectives goodput counts)")
 
     def _check_numerics(self) -> None:
         """An arm with ``parity = "numerics"`` is judged by numerics checks instead of bitwise ids: it needs one,
@@ -266,12 +295,20 @@ class Profile(_Model):
         return [self.launch_spec(a.name) for a in self.arms]
 
     def with_overrides(
-        self, *, arms: list[str] | None = None, rounds: int | str | None = None, lengths: list[int] | None = None
+        self, *, arms: list[str] | None = None, rounds: int | str | None = None, lengths: list[int] | None = None,
+        concurrency: list[float] | None = None, rate: list[float] | None = None,
     ) -> Profile:
         """The profile with ``abbench run`` flag overrides applied (validated again). ``rounds`` is a count, or
         "auto" with the profile's rule (its ``target_halfwidth`` and ``max_rounds``, else
-        :data:`AUTO_DEFAULTS`)."""
+        :data:`AUTO_DEFAULTS`). ``concurrency``/``rate`` (``--concurrency 1,4,16``, ``--rate 2,8,inf``: read by
+        :func:`abbench.profile.load.parse_levels`) replace the ``[load]`` levels, and the other kind's when only
+        one is given; a profile without ``[load]`` gets one with its defaults."""
         data = self.model_dump()
+        if concurrency is not None or rate is not None:
+            load = dict(data.get("load") or {})
+            load["concurrency"] = [int(c) for c in concurrency or []]
+            load["rate"] = list(rate or [])
+            data["load"] = load
         where = "--arms"
         if arms is not None:
             known = {a["name"]: a for a in data["arms"]}

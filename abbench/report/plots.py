@@ -224,6 +224,11 @@ def write_plots(record: RunRecord, a: an.Analysis, plots_dir: Path,
         "ttft_memory": (not a.ttft_memory.empty, "no peak device memory per request",
                         lambda p: plot_ttft_memory(a, p)),
     }
+    if a.load is not None:  # a load run: latency against throughput per level
+        from abbench.report.loadplot import plot_load
+
+        cells = a.load
+        jobs["load"] = (not cells.empty, "no load level ran", lambda p: plot_load(cells, a.arms, p))
     if not a.numerics_positions.empty:  # an arm judged by numerics: its per-position KL
         jobs["numerics"] = (True, "", lambda p: plot_numerics(a, p))
     if a.sweep:  # a sweep run: its ratio against the quantity

@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from abbench.engine.steps import BatchingStats, plan_attention_groups  # noqa: E402
+from abbench.engine.runtime.steps import BatchingStats, plan_attention_groups  # noqa: E402
 
 
 @pytest.mark.parametrize("k, chunks, full_groups", [(3, 7, 2), (3, 8, 2), (4, 6, 1), (4, 7, 1), (4, 11, 2)])

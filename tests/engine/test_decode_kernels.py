@@ -1,4 +1,4 @@
-"""Candidate decode kernels (abbench.engine.decode_kernels) agree with the engine's own functions.
+"""Candidate decode kernels (abbench.engine.ops.kernels) agree with the engine's own functions.
 
 The SDPA attention variants are checked here on every machine, at positions that mask most of the bucket, none
 of it, and one key; the Triton one-token experts where Triton is installed (CUDA builds of torch; on CPU only
@@ -13,10 +13,12 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from abbench.engine import decode_kernels as dk  # noqa: E402
+from abbench.engine.ops import kernels as dk  # noqa: E402
+from abbench.engine.tools import reference_kernels as rk  # noqa: E402
 from abbench.engine.config import PRESETS  # noqa: E402
-from abbench.engine.gpucheck_decode_kernels import main  # noqa: E402
-from abbench.engine.model import decode_gqa, looped_mm, moe_experts  # noqa: E402
+from abbench.engine.tools.gpucheck_decode_kernels import main  # noqa: E402
+from abbench.engine.ops.dense import decode_gqa  # noqa: E402
+from abbench.engine.ops.moe import looped_mm, moe_experts  # noqa: E402
 
 DEVICE = torch.device(os.environ.get("ABBENCH_ENGINE_TEST_DEVICE", "cpu"))
 
@@ -39,8 +41,8 @@ def test_sdpa_attention_equals_the_engines_over_the_bucket_and_exactly(pos: int)
     keys, values = torch.randn(hkv, length, d, generator=gen).to(DEVICE), torch.randn(hkv, length, d, generator=gen).to(DEVICE)
     at = torch.tensor([pos], device=DEVICE)
     ref = decode_gqa(q, keys, values, torch.arange(length, device=DEVICE) > at, d ** -0.5)
-    torch.testing.assert_close(dk.attention_sdpa(q, keys, values, at, d ** -0.5), ref, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(dk.attention_sdpa_exact(q, keys, values, pos + 1, d ** -0.5), ref, rtol=1e-5,
+    torch.testing.assert_close(rk.attention_sdpa(q, keys, values, at, d ** -0.5), ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(rk.attention_sdpa_exact(q, keys, values, pos + 1, d ** -0.5), ref, rtol=1e-5,
                                atol=1e-5)
 
 
@@ -72,8 +74,8 @@ _triton_only = pytest.mark.skipif("not _triton_runs_here()",
 def test_fused_rms_norm_equals_the_models_norms_with_and_without_the_residual(n: int):
     """One kernel for model.rms_norm and hybrid.zc_rms_norm (a width no power of two when 72), and the
     residual add before the norm returned beside it."""
-    from abbench.engine.hybrid import zc_rms_norm
-    from abbench.engine.model import rms_norm
+    from abbench.engine.models.hybrid import zc_rms_norm
+    from abbench.engine.ops.dense import rms_norm
 
     gen = torch.Generator().manual_seed(n)
     x, a = (torch.randn(3, n, generator=gen) * 4).to(DEVICE), torch.randn(3, n, generator=gen).to(DEVICE)
@@ -91,7 +93,7 @@ def test_fused_rms_norm_equals_the_models_norms_with_and_without_the_residual(n:
 def test_fused_qk_norm_rope_store_equals_the_models_ops(pos: int):
     """q/k per-head norms, rope at a position read on the device and the cache write, against the torch ops of
     Model.decode_attention; the cache written at pos only."""
-    from abbench.engine.model import rms_norm, rope_tables, rotate_half
+    from abbench.engine.ops.dense import rms_norm, rope_tables, rotate_half
 
     hq, hkv, d, length = 8, 2, 16, 32
     gen = torch.Generator().manual_seed(pos)
@@ -116,7 +118,7 @@ def test_fused_qk_norm_rope_store_equals_the_models_ops(pos: int):
 def test_fused_router_equals_route(e: int, k: int, norm: bool, skew: bool):
     """Softmax, top-k in descending order and the renormalisation in one kernel, against model.route; an
     expert count no power of two, with and without the skew bias."""
-    from abbench.engine.model import route
+    from abbench.engine.ops.moe import route
 
     gen = torch.Generator().manual_seed(e)
     h, router = torch.randn(1, 32, generator=gen).to(DEVICE), torch.randn(e, 32, generator=gen).to(DEVICE)
@@ -169,7 +171,7 @@ def test_device_slot_lookup_is_the_host_lru(e: int, k: int, s: int, via: str):
     kernel or inside the router's kernel (the decode step's way), which routes to the same experts."""
     from collections import OrderedDict
 
-    from abbench.engine.experts import DeviceSlotTable
+    from abbench.engine.runtime.experts import DeviceSlotTable
 
     if not _triton_runs_here():
         pytest.skip("Triton runs on CUDA, or on CPU under TRITON_INTERPRET=1")
@@ -184,7 +186,7 @@ def test_device_slot_lookup_is_the_host_lru(e: int, k: int, s: int, via: str):
             pool = e if step % 3 == 0 else min(e, k + 3)  # alternate wide routing with a hot set that hits
             ids = (torch.randperm(pool, generator=rng)[:k]).tolist()
             if via == "assign_slots":
-                table.lookup(layer, torch.tensor([ids], device=DEVICE))
+                rk.lookup(table, layer, torch.tensor([ids], device=DEVICE))
             else:  # logits whose top k are ids, in that order
                 logits = torch.zeros(1, e)
                 logits[0, ids] = 8.0 - torch.arange(k, dtype=torch.float32)
@@ -214,7 +216,7 @@ def test_fetch_misses_copies_exactly_the_missed_experts_bits():
     gu, dn = torch.zeros(S, 2 * inter, H, device=DEVICE), torch.zeros(S, H, inter, device=DEVICE)
     src = torch.tensor([7, -1, 2], dtype=torch.int32, device=DEVICE)  # expert 7 into slot 4, a hit, 2 into 0
     slots = torch.tensor([4, 3, 0], device=DEVICE)
-    dk.fetch_misses(src, slots, host_gu, host_dn, gu, dn, chunks=3, block=128)
+    rk.fetch_misses(src, slots, host_gu, host_dn, gu, dn, chunks=3, block=128)
     assert torch.equal(gu[4].cpu(), host_gu[7]) and torch.equal(dn[4].cpu(), host_dn[7])
     assert torch.equal(gu[0].cpu(), host_gu[2]) and torch.equal(dn[0].cpu(), host_dn[2])
     assert not gu[[1, 2, 3]].any() and not dn[[1, 2, 3]].any()  # the hit's slot and the others untouched
@@ -242,7 +244,7 @@ def test_experts_reading_their_misses_from_the_host_equal_fetching_first(dtype):
     x = torch.randn(1, H, generator=gen).to(dtype).to(DEVICE)
     w = torch.softmax(torch.randn(1, 3, generator=gen), -1).to(DEVICE)
     ref_gu, ref_dn = gu.clone(), dn.clone()
-    dk.fetch_misses(src, slots.reshape(-1), host_gu, host_dn, ref_gu, ref_dn, chunks=3, block=128)
+    rk.fetch_misses(src, slots.reshape(-1), host_gu, host_dn, ref_gu, ref_dn, chunks=3, block=128)
     ref = dk.moe_one_token(h, w, slots, ref_gu, ref_dn, block_n=16, block_k=32, residual=x)
     before_gu, before_dn = gu.clone(), dn.clone()
     got = dk.moe_one_token(h, w, slots, gu, dn, block_n=16, block_k=32, residual=x, fetch=(src, host_gu, host_dn))
@@ -342,7 +344,7 @@ def test_triton_decode_kernels_refuse_what_they_cannot_run(kernel):
 def test_gpucheck_runs_on_cpu_with_the_kernels_it_is_given(capsys):
     """The pre-run check of a GPU session (grouped GEMM limit, decode equal across graphs, eager and slot
     budgets, step times) runs end to end on CPU at a tiny shape, with the decode kernels it was given."""
-    from abbench.engine import gpucheck
+    from abbench.engine.tools import gpucheck
 
     kernels = (["--decode-experts", "triton", "--decode-attention", "triton"] if _triton_runs_here() else [])
     assert gpucheck.main(["--device", str(DEVICE), "--preset", "tiny", "--layers", "2", "--prompt-tokens", "64",
@@ -408,7 +410,7 @@ def test_the_slot_cache_hands_over_between_host_and_device_and_a_flush_empties_b
     flush discards what device-side steps did as well (no Triton needed: the table's own copies)."""
     from collections import OrderedDict
 
-    from abbench.engine.experts import SlotCache
+    from abbench.engine.runtime.experts import SlotCache
 
     cfg = PRESETS["tiny"]
     cache = SlotCache(cfg, 4, torch.device("cpu"), torch.float32)

@@ -19,10 +19,10 @@ pytest.importorskip("fastapi")
 uvicorn = pytest.importorskip("uvicorn")
 
 from abbench.engine.config import EngineConfig  # noqa: E402
-from abbench.engine.runtime import Engine  # noqa: E402
-from abbench.engine.launch import API_KEY_ENV, is_loopback  # noqa: E402
-from abbench.engine.server import create_app  # noqa: E402
-from abbench.engine.tokenizer import load_tokenizer  # noqa: E402
+from abbench.engine.runtime.engine import Engine  # noqa: E402
+from abbench.engine.serve.launch import API_KEY_ENV, is_loopback  # noqa: E402
+from abbench.engine.serve.server import create_app  # noqa: E402
+from abbench.engine.serve.tokenizer import load_tokenizer  # noqa: E402
 from tests.support.uvicorn_thread import ServerThread  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]

@@ -16,10 +16,12 @@ import torch
 
 from abbench.engine import Engine, EngineConfig
 from abbench.engine.config import MAX_GROUPED_MM_GROUPS, PRESETS, ModelConfig
-from abbench.engine.memory import GIB, RUNTIME_RESERVE_BYTES, dense_params, plan_device_memory
-from abbench.engine.decode import kv_buckets, kv_len_for
-from abbench.engine.experts import check_host_memory, host_memory_available
-from abbench.engine.model import TooManyGroups, grouped_mm
+from abbench.engine.runtime.memory import GIB, RUNTIME_RESERVE_BYTES, dense_params, plan_device_memory
+from abbench.engine.runtime.decode import kv_buckets, kv_len_for
+from abbench.engine.models.bank import (
+    HEADROOM_FLOOR, check_host_memory, host_memory_available, host_memory_headroom,
+)
+from abbench.engine.ops.moe import TooManyGroups, grouped_mm
 
 WIDE = ModelConfig(vocab_size=512, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
                    num_key_value_heads=2, head_dim=8, moe_intermediate_size=16, num_experts=512,
@@ -116,8 +118,8 @@ def test_budgets_size_the_slot_cache_and_give_identical_ids(resident_ids):
     slot = plan_device_memory(base, 10**12).slot_bytes
     sizes = []
     for n in (4, 50, 512, 600):
-        budget_gb = (fixed + n * slot) / 1e9
-        engine = Engine(EngineConfig(**KNOBS, prefill_mode="chunked", gpu_memory_budget_gb=budget_gb))
+        budget_gib = (fixed + n * slot) / 2**30
+        engine = Engine(EngineConfig(**KNOBS, prefill_mode="chunked", gpu_memory_budget_gib=budget_gib))
         sizes.append(engine.slots_per_layer)
         assert _decode_ids(engine, prompts[:1]) == want[:1]
     assert sizes == [4, 50, 512, 512]  # at most every expert
@@ -125,24 +127,24 @@ def test_budgets_size_the_slot_cache_and_give_identical_ids(resident_ids):
 
 def test_memory_plan_adds_up_and_refuses_with_every_term_named():
     cfg = EngineConfig(model="qwen3-30b-a3b-2507", device="cuda", max_context=131_072 + 512).resolved()
-    plan = plan_device_memory(cfg, 24 * 10**9)
+    plan = plan_device_memory(cfg, 24 * GIB)
     mc = cfg.model
     assert plan.dense_bytes == dense_params(mc) * 2
     assert plan.kv_bytes == 2 * 48 * 4 * (131_072 + 512) * 128 * 2  # 12.9 GB of bf16 keys and values
     assert plan.prefill_buffer_bytes == 2 * 128 * 3 * 2048 * 768 * 2  # two layer banks
-    assert plan.reserve_bytes == RUNTIME_RESERVE_BYTES == GIB
+    assert plan.reserve_bytes == RUNTIME_RESERVE_BYTES == 2 * GIB
     assert plan.slot_bytes == 48 * 3 * 2048 * 768 * 2
-    assert 8 <= plan.slots_per_layer < 128 and plan.total_bytes <= 24 * 10**9
-    assert plan.total_bytes + plan.slot_bytes > 24 * 10**9  # one more slot per layer would not fit
+    assert 8 <= plan.slots_per_layer < 128 and plan.total_bytes <= 24 * GIB
+    assert plan.total_bytes + plan.slot_bytes > 24 * GIB  # one more slot per layer would not fit
     with pytest.raises(ValueError) as e:
-        plan_device_memory(cfg, 16 * 10**9)
+        plan_device_memory(cfg, 16 * GIB)
     msg = str(e.value)
-    for term in ("dense", "KV 12.9", "prefill buffers", "workspace", "--gpu-memory-budget to at least", "8"):
+    for term in ("dense", "KV 12.05 GiB", "prefill buffers", "workspace", "--gpu-memory-budget to at least", "8"):
         assert term in msg
     resident = EngineConfig(model="qwen3-30b-a3b", device="cuda", prefill_mode="resident").resolved()
     with pytest.raises(ValueError, match="resident experts do not fit"):
-        plan_device_memory(resident, 24 * 10**9)
-    assert plan_device_memory(resident, 80 * 10**9).resident_bytes == PRESETS["qwen3-30b-a3b"].bank_bytes(2)
+        plan_device_memory(resident, 24 * GIB)
+    assert plan_device_memory(resident, 80 * GIB).resident_bytes == PRESETS["qwen3-30b-a3b"].bank_bytes(2)
 
 
 def test_explicit_expert_slots_beyond_the_budget_are_refused():
@@ -152,7 +154,7 @@ def test_explicit_expert_slots_beyond_the_budget_are_refused():
         return EngineConfig(model="qwen3-30b-a3b-2507", device="cuda", max_context=131_072 + 512,
                             expert_slots_per_layer=slots).resolved()
 
-    budget = 24 * 10**9
+    budget = 24 * GIB  # --gpu-memory-budget 24: GiB
     fit = plan_device_memory(cfg(None), budget).slots_per_layer  # what the budget holds (below num_experts)
     plan = plan_device_memory(cfg(fit), budget)
     assert plan.slots_per_layer == fit and plan.total_bytes <= budget
@@ -163,7 +165,7 @@ def test_explicit_expert_slots_beyond_the_budget_are_refused():
 
 def test_engine_refuses_a_budget_below_one_tokens_experts():
     with pytest.raises(ValueError, match="holds 0 expert slots per layer but decode needs 4"):
-        Engine(EngineConfig(**KNOBS, gpu_memory_budget_gb=0.001))
+        Engine(EngineConfig(**KNOBS, gpu_memory_budget_gib=0.001))
 
 
 def test_host_memory_check_refuses_a_bank_that_does_not_fit():
@@ -173,6 +175,24 @@ def test_host_memory_check_refuses_a_bank_that_does_not_fit():
         check_host_memory(58 * 10**9, 24 * 10**9)
     check_host_memory(10**9, 24 * 10**9)  # fits
     check_host_memory(10**15, None)  # unknown: nothing to check against
+
+
+def test_host_memory_headroom_scales_with_what_the_engine_allocates():
+    """The headroom is the dense weights plus a twentieth of the bank, at least 256 MiB: a tiny engine's bank fits
+    where a fixed 2 GiB headroom refused it (0.01 GB with 1.72 GB free), every tiny preset starts with 1 GB free,
+    and a large bank still gets gigabytes of room."""
+    assert host_memory_headroom(10**7) == HEADROOM_FLOOR == 256 * 2**20
+    assert host_memory_headroom(100 * 10**9, 3 * 10**9) == 8 * 10**9
+    assert host_memory_headroom(10**9, 10**9) == 10**9 + 5 * 10**7
+    check_host_memory(10**7, int(1.72e9), dense_bytes=156 * 10**6)  # refused before with 2 GiB of headroom
+    for name in ("tiny", "qwen3.5-tiny", "qwen4-exp-tiny"):
+        mc = PRESETS[name]
+        check_host_memory(mc.bank_bytes(4), 10**9, dense_bytes=dense_params(mc) * 4)  # float32 on CPU
+    with pytest.raises(ValueError, match=r"needs 0.50 GB .*\+0.62 GB headroom.* but 1.00 GB is available"):
+        check_host_memory(5 * 10**8, 10**9, dense_bytes=6 * 10**8)  # the dense weights count
+    with pytest.raises(ValueError, match=r"\+2.90 GB headroom"):
+        check_host_memory(58 * 10**9, 60 * 10**9)
+    check_host_memory(58 * 10**9, 61 * 10**9)
 
 
 def test_kv_len_is_a_power_of_two_cover_capped_at_the_cache():
@@ -224,7 +244,7 @@ def test_decode_warmup_leaves_no_trace(preset):
 def test_decode_gqa_equals_repeated_kv_attention_with_the_mask():
     """decode_gqa reads each KV head for its query group in place; the same numbers as attention over
     K and V repeated to every query head (transformers' repeat_kv) with the hidden positions masked."""
-    from abbench.engine.model import decode_gqa
+    from abbench.engine.ops.dense import decode_gqa
 
     g = torch.Generator().manual_seed(0)
     hq, hkv, d, L, pos = 8, 2, 16, 64, 37
@@ -250,7 +270,7 @@ def test_decode_never_calls_sdpa(preset, monkeypatch):
     length, and long-context decode several times slower)."""
     import torch.nn.functional as F
 
-    from abbench.engine import decode as decode_mod
+    from abbench.engine.runtime import decode as decode_mod
 
     eng = Engine(EngineConfig(model=preset, weights="random:0", chunk_tokens=64, layer_major_window_tokens=128,
                               bandwidth_probe_bytes=0, max_context=512, device=KNOBS["device"]))

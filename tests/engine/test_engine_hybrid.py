@@ -3,7 +3,7 @@ transformers, bitwise equality of the prefill modes, the linear layers' states a
 prefix-cache continuations, decode and /reset.
 
 Reference: transformers' ``Qwen3_5MoeForCausalLM`` (installed in the venv), random-initialised at a tiny shape,
-saved with ``save_pretrained`` and loaded by ``abbench.engine.weights``. No network, no hub. Everything runs on
+saved with ``save_pretrained`` and loaded by ``abbench.engine.models.weights``. No network, no hub. Everything runs on
 CPU with 64-token chunks (the delta rule's block) in a few seconds; set ABBENCH_ENGINE_TEST_DEVICE=cuda to run
 the same assertions on a GPU (bfloat16 there, except the float32 comparison with transformers; the delta rule
 through fla when it imports).
@@ -23,9 +23,9 @@ transformers = pytest.importorskip("transformers")
 
 from abbench.engine import PRESETS, EngineConfig, ModelConfig  # noqa: E402
 from abbench.engine.config import HybridConfig  # noqa: E402
-from abbench.engine.prefill import prefill  # noqa: E402
-from abbench.engine.runtime import Engine  # noqa: E402
-from abbench.engine.steps import BatchingStats, plan_attention_groups  # noqa: E402
+from abbench.engine.runtime.prefill import prefill  # noqa: E402
+from abbench.engine.runtime.engine import Engine  # noqa: E402
+from abbench.engine.runtime.steps import BatchingStats, plan_attention_groups  # noqa: E402
 from tests.support.hf_models import save_random_hybrid  # noqa: E402
 
 L, F = "linear_attention", "full_attention"
@@ -463,7 +463,7 @@ def test_qwen3_5_tiny_preset_end_to_end_in_every_mode():
 
 
 def test_gpucheck_runs_on_cpu_at_the_tiny_shape(capsys):
-    from abbench.engine import gpucheck_hybrid
+    from abbench.engine.tools import gpucheck_hybrid
 
     assert gpucheck_hybrid.main(["--device", "cpu", "--tokens", "200", "--repeats", "1"]) == 0
     out = capsys.readouterr().out
@@ -473,7 +473,7 @@ def test_gpucheck_runs_on_cpu_at_the_tiny_shape(capsys):
 
 def test_gpu_busy_is_the_union_of_kernel_intervals():
     """``gpucheck_hybrid --gpu-busy`` counts overlapping kernels (several streams) once and idle gaps not."""
-    from abbench.engine.gpucheck_hybrid import union_seconds
+    from abbench.engine.tools.gpucheck_hybrid import union_seconds
 
     assert union_seconds([]) == 0.0
     assert union_seconds([(0, 10), (5, 20), (30, 40), (32, 35), (40, 41)]) == pytest.approx(31e-6)
@@ -483,7 +483,7 @@ def test_gpu_busy_is_the_union_of_kernel_intervals():
 def test_the_memory_plan_counts_prefill_graphs_and_joint_attention_calls():
     """On CUDA the prefill graphs' pool (a second chunk workspace) and static buffers are planned, and a joint
     attention call's extra queries and output; the decode slots shrink to pay for them, never the budget."""
-    from abbench.engine.memory import plan_device_memory
+    from abbench.engine.runtime.memory import plan_device_memory
 
     mc = PRESETS["qwen3.5-35b-a3b"]
     base = dict(model=mc, device="cuda", chunk_tokens=2048, layer_major_window_tokens=131072, max_context=262144)

@@ -1,7 +1,7 @@
 """The vendored engine's model: configuration, weights, numerics against transformers, sampling.
 
 Reference: transformers' own ``Qwen3MoeForCausalLM`` (installed in the venv), random-initialised at a tiny
-shape, saved with ``save_pretrained`` and loaded by ``abbench.engine.weights``. No network, no hub.
+shape, saved with ``save_pretrained`` and loaded by ``abbench.engine.models.weights``. No network, no hub.
 """
 
 from __future__ import annotations
@@ -16,12 +16,13 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from abbench.engine import PRESETS, EngineConfig, ModelConfig  # noqa: E402
-from abbench.engine.experts import ExpertBank  # noqa: E402
-from abbench.engine.model import looped_mm, moe_experts  # noqa: E402
-from abbench.engine.prefill import prefill  # noqa: E402
-from abbench.engine.reference import random_qwen3_moe  # noqa: E402
-from abbench.engine.runtime import ContextOverflow, Engine  # noqa: E402
-from abbench.engine.weights import load_checkpoint  # noqa: E402
+from abbench.engine.models.bank import ExpertBank  # noqa: E402
+from abbench.engine.ops.moe import looped_mm, moe_experts  # noqa: E402
+from abbench.engine.runtime.prefill import prefill  # noqa: E402
+from abbench.engine.serve.reference import random_qwen3_moe  # noqa: E402
+from abbench.engine.contract import ContextOverflow, GenerateRequest  # noqa: E402
+from abbench.engine.runtime.engine import Engine  # noqa: E402
+from abbench.engine.models.weights import load_checkpoint  # noqa: E402
 
 HF_SHAPE = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=16, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
@@ -241,5 +242,5 @@ def test_eos_stops_unless_ignored_and_context_overflow_is_eager():
     events, stats = engine.run(prompt, 5, ignore_eos=True)
     assert [e.token_id for e in events] == [e.token_id for e in free] and stats.finish_reason == "length"
     with pytest.raises(ContextOverflow, match="40 tokens.*max_tokens 89.*129.*128"):
-        engine.generate(prompt, 89)  # raised at the call, before the generator starts any work
+        engine.generate(GenerateRequest(prompt, 89))  # raised at the call, before the generator starts any work
     assert engine.run(prompt, 1)[1].prompt_tokens == 40

@@ -19,9 +19,10 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from abbench.engine import EngineConfig  # noqa: E402
-from abbench.engine.policy import (Calibration, CostModel, choose, estimate, expected_demand_copies,  # noqa: E402
-                                   expected_distinct)
-from abbench.engine.runtime import Engine  # noqa: E402
+from abbench.engine.runtime.policy import (
+    Calibration, CostModel, choose, estimate, expected_demand_copies, expected_distinct,
+)
+from abbench.engine.runtime.engine import Engine  # noqa: E402
 
 DEVICE = os.environ.get("ABBENCH_ENGINE_TEST_DEVICE", "cpu")
 E, K, L, EB = 128, 8, 48, 9_437_184  # Qwen3-30B-A3B: 128 experts top-8, 48 layers, one bf16 expert 9.4 MB
@@ -200,7 +201,7 @@ def test_auto_gives_bitwise_the_path_it_picked_and_says_why():
 
 
 def test_the_sweep_brackets_a_crossover_by_the_sign_of_the_log_ratio():
-    from abbench.engine.gpucheck_policy import crossover
+    from abbench.engine.tools.gpucheck_policy import crossover
 
     lengths = [64, 128, 256, 512]
     lo, hi, x = crossover(lengths, [1.0, 2.0, 4.0, 8.0], [2.0, 2.0, 2.0, 2.0])  # equal at 128: not faster there
@@ -211,7 +212,7 @@ def test_the_sweep_brackets_a_crossover_by_the_sign_of_the_log_ratio():
 
 
 def test_gpucheck_policy_runs_on_cpu_and_every_mode_agrees(capsys):
-    from abbench.engine.gpucheck_policy import main
+    from abbench.engine.tools.gpucheck_policy import main
 
     main(["--device", "cpu", "--suffixes", "8,128", "--skews", "0", "--repeats", "1", "--prefix", "64"])
     out = capsys.readouterr().out

@@ -19,8 +19,9 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from abbench.engine import PRESETS, EngineConfig, ModelConfig  # noqa: E402
-from abbench.engine.prefill import prefill  # noqa: E402
-from abbench.engine.runtime import Cancelled, Engine  # noqa: E402
+from abbench.engine.runtime.prefill import prefill  # noqa: E402
+from abbench.engine.contract import Cancelled, GenerateRequest  # noqa: E402
+from abbench.engine.runtime.engine import Engine  # noqa: E402
 
 MINI = ModelConfig(vocab_size=1024, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
                    head_dim=16, moe_intermediate_size=32, num_experts=16, num_experts_per_tok=2,
@@ -196,7 +197,7 @@ def test_a_per_request_chunk_length_is_checked():
     for bad in (0, -32):
         with pytest.raises(ValueError, match="chunk_tokens must be positive"):
             engine.run(_prompt(10), 2, chunk_tokens=bad)
-    budget = _engine(gpu_memory_budget_gb=10.0)
+    budget = _engine(gpu_memory_budget_gib=10.0)
     with pytest.raises(ValueError, match="planned for 32-token chunks"):
         budget.run(_prompt(10), 2, chunk_tokens=64)
     assert budget.run(_prompt(40), 2, chunk_tokens=16)[1].n_chunks == 3  # smaller fits the plan
@@ -213,7 +214,7 @@ def test_optimised_modes_report_their_fallbacks():
     assert stats.prefill_path == "chunked" and "window" in stats.fallback_reason
     assert stats.prefill_h2d_bytes == 3 * engine.bank_bytes
     with pytest.raises(ValueError, match="resident"):
-        engine.generate(_prompt(10), 1, prefill_mode="resident")  # not started resident
+        engine.generate(GenerateRequest(_prompt(10), 1, prefill_mode="resident"))  # not started resident
     assert engine.counters["requests_by_path"]["chunked"] == 2
     assert engine.counters["requests_by_path"]["demand"] == 1
 
@@ -240,7 +241,7 @@ def test_cancellation_is_prompt_and_leaves_the_engine_correct(resident, mode):
         cancel, seen = CancelAfter(n), []
         resident.reset()
         with pytest.raises(Cancelled):
-            for event in resident.generate(p, 5, prefill_mode=mode, cancel=cancel):
+            for event in resident.generate(GenerateRequest(p, 5, prefill_mode=mode), cancel):
                 seen.append(event.token_id)
         assert cancel.checks == n  # stopped at the first check that saw the flag
         assert seen == ref[0][: len(seen)] and (len(seen) > 0) == (n > 7)
@@ -264,10 +265,10 @@ def test_generate_from_a_worker_thread_and_one_request_at_a_time(resident):
     worker.start()
     worker.join()
     assert [e.token_id for e in box["out"][0]] == [e.token_id for e in ref]
-    first = resident.generate(p, 4)
+    first = resident.generate(GenerateRequest(p, 4))
     next(first)
     with pytest.raises(RuntimeError, match="one at a time"):
-        next(resident.generate(p, 4))
+        next(resident.generate(GenerateRequest(p, 4)))
     first.close()  # an abandoned request releases the engine
     assert len(resident.run(p, 2)[0]) == 2
 

@@ -4,7 +4,7 @@ cache and decode.
 
 Reference: transformers' ``Qwen4ExpForCausalLM`` (installed in the venv), random-initialised at a tiny shape with
 PLE on two layers and an indexer budget far below the prompt length, saved with ``save_pretrained`` (the PLE
-tables in row shards) and loaded by ``abbench.engine.qwen4_weights``. No network, no hub; CPU, float32, seconds.
+tables in row shards) and loaded by ``abbench.engine.models.qwen4_weights``. No network, no hub; CPU, float32, seconds.
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ transformers = pytest.importorskip("transformers")
 
 from abbench.engine import PRESETS, EngineConfig, ModelConfig  # noqa: E402
 from abbench.engine.config import Qwen4Config  # noqa: E402
-from abbench.engine.memory import dense_params, kv_cache_bytes, plan_device_memory  # noqa: E402
-from abbench.engine.prefill import prefill  # noqa: E402
-from abbench.engine.qwen4 import Qwen4Model  # noqa: E402
-from abbench.engine.runtime import Engine  # noqa: E402
+from abbench.engine.runtime.memory import dense_params, kv_cache_bytes, plan_device_memory  # noqa: E402
+from abbench.engine.runtime.prefill import prefill  # noqa: E402
+from abbench.engine.models.qwen4 import Qwen4Model  # noqa: E402
+from abbench.engine.runtime.engine import Engine  # noqa: E402
 from tests.support.hf_models import save_random_hybrid  # noqa: E402
 
 EOS = 7
@@ -252,7 +252,7 @@ def test_indexer_ties_pick_the_lower_block_in_every_mode_and_in_decode(hf):
 
 
 def test_gpucheck_hybrid_runs_qwen4_on_cpu(capsys):
-    from abbench.engine import gpucheck_hybrid
+    from abbench.engine.tools import gpucheck_hybrid
     assert gpucheck_hybrid.main(["--device", "cpu", "--model", "qwen4-exp-tiny", "--tokens", "200",
                                  "--repeats", "1"]) == 0
     assert "qwen4-exp-tiny" in capsys.readouterr().out

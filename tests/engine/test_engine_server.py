@@ -1,4 +1,4 @@
-"""End-to-end tests of the vendored engine's HTTP server (``abbench.engine.server``).
+"""End-to-end tests of the vendored engine's HTTP server (``abbench.engine.serve.server``).
 
 A real uvicorn server on a free loopback port, a real httpx client. Most tests drive the real ``tiny``
 engine on the CPU. A scripted stand-in engine (same contract as ``runtime.Engine``) is used only where a
@@ -17,7 +17,6 @@ import subprocess
 import sys
 import threading
 import time
-import types
 from pathlib import Path
 
 import httpx
@@ -29,9 +28,10 @@ uvicorn = pytest.importorskip("uvicorn")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from abbench.engine.config import PRESETS, EngineConfig  # noqa: E402
-from abbench.engine.runtime import Cancelled, ContextOverflow, Engine, RequestStats, TokenEvent  # noqa: E402
-from abbench.engine.server import create_app  # noqa: E402
-from abbench.engine.tokenizer import IncrementalDetokenizer, TokenizerSpecError, load_tokenizer  # noqa: E402
+from abbench.engine.contract import BackendInfo, Cancelled, ContextOverflow, RequestStats, TokenEvent  # noqa: E402
+from abbench.engine.runtime.engine import Engine  # noqa: E402
+from abbench.engine.serve.server import create_app  # noqa: E402
+from abbench.engine.serve.tokenizer import IncrementalDetokenizer, TokenizerSpecError, load_tokenizer  # noqa: E402
 from tests.support.uvicorn_thread import ServerThread  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
@@ -79,9 +79,10 @@ class ScriptedEngine:
 
     def __init__(self, outputs=(785, 3974), layers=10, step_s=0.01):
         self.config = EngineConfig(model="tiny", max_context=MAX_CONTEXT).resolved()
-        self.model_config = PRESETS["tiny"]
-        self.bank_bytes, self.measured_h2d_gbps, self.startup_s = 4096, 12.5, 0.01
-        self.decoder, self.slots_per_layer = types.SimpleNamespace(mode="scripted"), 0  # as Engine has
+        tiny = PRESETS["tiny"]
+        self.info = BackendInfo(model="tiny", model_name=tiny.name, vocab_size=tiny.vocab_size,
+                                max_context=MAX_CONTEXT, startup_s=0.01, decode_mode="scripted",
+                                measured_h2d_gbps=12.5, bank_bytes=4096, slots_per_layer=0)
         self.counters = {"h2d_bytes_total": 0, "d2d_bytes_total": 0, "requests_by_path": {},
                          "prefill_tokens_by_path": {}}
         self.outputs, self.layers, self.step_s = list(outputs), layers, step_s
@@ -94,9 +95,8 @@ class ScriptedEngine:
         self.outcomes: list[str] = []
         self.active = self.max_active = self.resets = 0
 
-    def generate(self, prompt_ids, max_tokens, *, temperature=0.0, seed=None, ignore_eos=False, logprobs=None,
-                 prefill_mode=None, cancel=None, trace_layers=False, chunk_tokens=None, attention_batch=None,
-                 decode_misses=None):
+    def generate(self, request, cancel=None):
+        prompt_ids, max_tokens, logprobs = request.prompt_ids, request.max_tokens, request.logprobs
         if len(prompt_ids) + max_tokens > self.config.max_context:
             raise ContextOverflow(f"{len(prompt_ids)} + {max_tokens} > {self.config.max_context}")
         self.active += 1
@@ -121,10 +121,10 @@ class ScriptedEngine:
                 yield TokenEvent(tid, -0.5 if logprobs is not None else None,
                                  [(tid, -0.5)] if logprobs else None)
             self.outcomes.append("ok")
-            path = prefill_mode or self.config.prefill_mode
+            path = request.prefill_mode or self.config.prefill_mode
             self.counters["requests_by_path"][path] = self.counters["requests_by_path"].get(path, 0) + 1
             return RequestStats(prefill_path=path, fallback_reason=None, h2d_bytes=0, d2d_bytes=0,
-                                prefill_h2d_bytes=0, decode_h2d_bytes=0, bank_bytes=self.bank_bytes,
+                                prefill_h2d_bytes=0, decode_h2d_bytes=0, bank_bytes=self.info.bank_bytes,
                                 expert_copies=0, cached_prompt_tokens=0, prompt_tokens=len(prompt_ids),
                                 completion_tokens=max_tokens, n_chunks=1, n_windows=0, prefill_start=t0,
                                 prefill_end=t1, first_token=first, finish_reason="length")

@@ -30,7 +30,7 @@ pytest.importorskip("fastapi")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from abbench import runner  # noqa: E402
-from abbench.engine.tokenizer import load_tokenizer  # noqa: E402
+from abbench.engine.serve.tokenizer import load_tokenizer  # noqa: E402
 from abbench.profile import profile_from_dict  # noqa: E402
 
 from tests.support import faultkit as fk

@@ -1,4 +1,4 @@
-"""Layer traces of the vendored engine (``trace_layers``, abbench/engine/trace.py): they observe without
+"""Layer traces of the vendored engine (``trace_layers``, abbench/engine/ops/trace.py): they observe without
 changing a bit, every prefill path traces the same states, a change shows up at the layer and sub-block where it
 enters, one configuration traces the same bits every time, and the server gives them only behind
 ``--allow-request-overrides``."""
@@ -12,9 +12,9 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("fastapi")
 
 from abbench.engine import Engine, EngineConfig  # noqa: E402
-from abbench.engine.server import create_app  # noqa: E402
-from abbench.engine.tokenizer import load_tokenizer  # noqa: E402
-from abbench.engine.trace import BLOCKS, LayerTrace, entry  # noqa: E402
+from abbench.engine.serve.server import create_app  # noqa: E402
+from abbench.engine.serve.tokenizer import load_tokenizer  # noqa: E402
+from abbench.engine.ops.trace import BLOCKS, LayerTrace, entry  # noqa: E402
 from abbench.diagnostics.layertrace import compare_traces  # noqa: E402
 
 from tests.engine.test_engine_server import ServerThread, assert_openai_error  # noqa: E402

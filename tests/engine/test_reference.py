@@ -1,4 +1,4 @@
-"""The transformers reference backend (``abbench serve --backend transformers``, abbench/engine/reference.py).
+"""The transformers reference backend (``abbench serve --backend transformers``, abbench/engine/serve/reference.py).
 
 One random tiny Qwen3-MoE checkpoint (``save_tiny_qwen3_moe``: transformers' ``Qwen3MoeForCausalLM``,
 ``save_pretrained``, no hub) is served by the reference and loaded by the vendored engine (``--weights DIR``):
@@ -9,7 +9,6 @@ speaks the vendored server's API (token_ids, top_logprob_ids, SSE, usage, /reset
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import json
 import random
@@ -25,11 +24,11 @@ pytest.importorskip("transformers")
 pytest.importorskip("fastapi")
 
 from abbench.engine import Engine, EngineConfig  # noqa: E402
-from abbench.engine.backend import GenerateRequest  # noqa: E402
-from abbench.engine.reference import ReferenceEngine, save_tiny_qwen3_moe  # noqa: E402
-from abbench.engine.runtime import Cancelled, ContextOverflow  # noqa: E402
-from abbench.engine.server import create_app  # noqa: E402
-from abbench.engine.tokenizer import load_tokenizer  # noqa: E402
+from abbench.engine.contract import GenerateRequest  # noqa: E402
+from abbench.engine.serve.reference import ReferenceEngine, save_tiny_qwen3_moe  # noqa: E402
+from abbench.engine.contract import Cancelled, ContextOverflow  # noqa: E402
+from abbench.engine.serve.server import create_app  # noqa: E402
+from abbench.engine.serve.tokenizer import load_tokenizer  # noqa: E402
 
 from tests.engine.test_engine_server import ServerThread, assert_openai_error, sse_events  # noqa: E402
 
@@ -87,16 +86,16 @@ def test_reference_layer_trace_localizes_against_the_engine(checkpoint: Path, re
 
 
 def test_reference_validates_and_cancels(reference: ReferenceEngine) -> None:
-    with pytest.raises(ValueError, match="prefill modes"):
-        reference.generate([1, 2], 4, prefill_mode="chunked")
-    with pytest.raises(ValueError, match="one forward pass"):
-        reference.generate([1, 2], 4, chunk_tokens=64)
+    for field, value in (("prefill_mode", "chunked"), ("chunk_tokens", 64), ("attention_batch", 1),
+                         ("decode_misses", "host")):
+        with pytest.raises(ValueError, match=f"no {field} "):
+            reference.generate(GenerateRequest([1, 2], 4, **{field: value}))
     with pytest.raises(ContextOverflow):
-        reference.generate([1] * 2040, 16)
+        reference.generate(GenerateRequest([1] * 2040, 16))
     with pytest.raises(ValueError, match="vocab|token ids"):
-        reference.generate([10**7], 4)
+        reference.generate(GenerateRequest([10**7], 4))
     cancel = threading.Event()
-    gen = reference.generate([1, 2, 3], 8, cancel=cancel)
+    gen = reference.generate(GenerateRequest([1, 2, 3], 8), cancel)
     next(gen)
     cancel.set()
     with pytest.raises(Cancelled):
@@ -142,13 +141,10 @@ def test_reference_serves_the_engine_api(reference: ReferenceEngine) -> None:
 
 @pytest.mark.parametrize("backend", [Engine, ReferenceEngine])
 def test_both_backends_take_the_whole_request_contract(backend: type) -> None:
-    """``generate`` of each backend takes exactly the fields of the typed request (plus ``cancel``), so the
-    server can hand either one any request (abbench.engine.backend)."""
+    """``generate`` of each backend takes the typed request whole (plus ``cancel``), so the server hands either
+    one any request and a new field reaches both without a signature to edit (abbench.engine.contract)."""
     params = inspect.signature(backend.generate).parameters
-    fields = [f.name for f in dataclasses.fields(GenerateRequest)]
-    assert set(params) - {"self"} == set(fields) | {"cancel"}
-    assert list(params)[1:3] == ["prompt_ids", "max_tokens"]
-    assert all(params[f].kind is inspect.Parameter.KEYWORD_ONLY for f in fields[2:])
+    assert list(params) == ["self", "request", "cancel"] and params["cancel"].default is None
 
 
 def test_reference_refuses_what_it_has_no_use_for(reference: ReferenceEngine) -> None:
@@ -195,7 +191,7 @@ def test_run_engine_against_the_reference_passes_parity(checkpoint: Path, tmp_pa
 def test_tiny_checkpoint_spec_is_written_once_into_the_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``tiny-qwen3-moe:SEED`` resolves to a folder in abbench's cache, written on first use only (into a
     temporary folder renamed into place); any other value passes through."""
-    from abbench.engine import reference as ref
+    from abbench.engine.serve import reference as ref
 
     calls: list[int] = []
 

@@ -19,9 +19,9 @@ torch = pytest.importorskip("torch")
 
 from abbench.engine import EngineConfig, ModelConfig  # noqa: E402
 from abbench.engine.config import ITEMSIZE  # noqa: E402
-from abbench.engine.memory import plan_device_memory  # noqa: E402
-from abbench.engine.prefill import plan_chunks, plan_windows, prefill  # noqa: E402
-from abbench.engine.runtime import Engine  # noqa: E402
+from abbench.engine.runtime.memory import plan_device_memory  # noqa: E402
+from abbench.engine.runtime.prefill import plan_chunks, plan_windows, prefill  # noqa: E402
+from abbench.engine.runtime.engine import Engine  # noqa: E402
 
 MINI = ModelConfig(vocab_size=512, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
                    head_dim=16, moe_intermediate_size=16, num_experts=8, num_experts_per_tok=2,
@@ -183,7 +183,7 @@ def test_a_budget_that_cannot_hold_the_window_is_refused_at_start() -> None:
     k = MINI.num_experts_per_tok
     budget = small.fixed_bytes + k * small.slot_bytes + small.slot_bytes // 2
     assert _plan(layer_major_window_tokens=512).fixed_bytes > small.fixed_bytes + small.slot_bytes // 2
-    Engine(EngineConfig(**KNOBS, gpu_memory_budget_gb=budget / 1e9))  # fits
+    Engine(EngineConfig(**KNOBS, gpu_memory_budget_gib=budget / 2**30))  # fits
     with pytest.raises(ValueError, match="workspace") as e:
-        Engine(EngineConfig(**{**KNOBS, "layer_major_window_tokens": 512}, gpu_memory_budget_gb=budget / 1e9))
+        Engine(EngineConfig(**{**KNOBS, "layer_major_window_tokens": 512}, gpu_memory_budget_gib=budget / 2**30))
     assert "decode needs" in str(e.value)

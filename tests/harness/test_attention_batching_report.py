@@ -1,7 +1,7 @@
 """The report's attention-batching table against the engine's stated rule, on the committed H200 run.
 
 ``results/20261201g-h200-qwen3.5-35b-a3b-long``: 2048-token chunks, 131,072-token windows, the Qwen3.5-35B-A3B
-shape's 10 full-attention layers, two chunks per call up to 16,384 tokens. The rule (abbench.engine.steps) says
+shape's 10 full-attention layers, two chunks per call up to 16,384 tokens. The rule (abbench.engine.runtime.steps) says
 what each prompt must show: per attention layer the first 4 pairs run batched, every later pair falls back as
 long-context, and a window with an odd number of chunks leaves one window-end group.
 """

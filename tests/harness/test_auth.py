@@ -200,7 +200,7 @@ def test_ca_bundle_is_relative_to_the_profile(tls_files: dict[str, Path], tmp_pa
 def test_run_against_an_https_server_with_a_key(tls_files: dict[str, Path], tmp_path: Path,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """The whole run path (health, reset, metrics, completions) over https with the key and the CA bundle."""
-    from abbench.engine.tokenizer import load_tokenizer
+    from abbench.engine.serve.tokenizer import load_tokenizer
 
     monkeypatch.setenv("ABB_TEST_KEY", SECRET)
     with _https_fake(tls_files, api_key=SECRET, tokenizer=load_tokenizer("qwen3")) as srv:

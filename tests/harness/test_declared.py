@@ -168,7 +168,8 @@ def test_peak_vram_falls_back_to_nvml_without_the_engine_figure() -> None:
 def test_every_metric_has_values_on_a_cpu_run() -> None:
     record, _ = load_run(CPU)
     for metric in METRICS:
-        if metric in ("peak_vram_gb", "peak_vram_ratio", "x_floor", "decode_x_floor"):  # no GPU, no resident arm
+        if metric in ("peak_vram_gb", "peak_vram_gib", "nvml_process_peak_gib", "peak_vram_ratio", "x_floor",
+                      "decode_x_floor"):  # no GPU, no resident arm
             continue
         if metric == "crossover":  # two arms and a [sweep]: tests/harness/test_sweep.py
             continue
@@ -278,3 +279,14 @@ def test_the_report_verdict_lists_declared_checks(h200) -> None:
     assert "| ttft_ratio[layer-major, fresh, 32768] <= 0.15 | pass | fresh 32768: 0.1457 (95% CI" in verdict
     assert "| x_floor[layer-major, fresh] <= 1.15 | inconclusive |" in verdict
     assert "**Gate: FAIL**" in verdict
+
+
+def test_the_drivers_view_of_the_process_is_a_declared_check() -> None:
+    """nvml_process_peak_gib: NVML's peak for the service's processes, in GiB, on the committed H200 run (22.23
+    GiB by NVML against the engine's own 21.04 GiB); peak_vram_gb, the older name, reads as peak_vram_gib."""
+    record, _ = load_run(REPO / "results" / "20261204b-h200-decode-offload-4k")
+    (cell,) = judge(record, parse_check("nvml_process_peak_gib[offloaded-device] <= 24"))
+    assert cell.status == "pass" and 22.2 < cell.value < 22.3
+    assert judge(record, parse_check("nvml_process_peak_gib[offloaded-device] <= 22"))[0].status == "fail"
+    old, new = (judge(record, parse_check(f"{m}[offloaded-device] <= 24"))[0] for m in ("peak_vram_gb", "peak_vram_gib"))
+    assert old.value == new.value and 21.0 < new.value < 21.1

@@ -63,7 +63,7 @@ def test_dry_run_prints_the_chain_in_order() -> None:
                   "tests/engine/test_engine_decode.py", "--gpucheck", "--preset qwen3-30b-a3b-half --layers 8",
                   "--step", "gguf: python3 -m abbench export-gguf --model tiny", "--run", "h200-decode-offload-4k",
                   "--run", "h200-hybrid-decode-offload-4k", "--after-gpucheck",
-                  "-m abbench.engine.gpucheck_hybrid --model qwen3.5-35b-a3b --layers 8 --out {json}",
+                  "-m abbench.engine.tools.gpucheck_hybrid --model qwen3.5-35b-a3b --layers 8 --out {json}",
                   "--commit", "abc1234", "--work", "/tmp/w", "--out", "/tmp/o", "--dry-run")
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
@@ -71,19 +71,20 @@ def test_dry_run_prints_the_chain_in_order() -> None:
                         "tests/engine/test_engine_decode.py --gpucheck '--preset qwen3-30b-a3b-half --layers 8' --step "
                         "'gguf: python3 -m abbench export-gguf --model tiny' --run "
                         "h200-decode-offload-4k --run h200-hybrid-decode-offload-4k --after-gpucheck "
-                        "'-m abbench.engine.gpucheck_hybrid --model qwen3.5-35b-a3b --layers 8 --out {json}' "
+                        "'-m abbench.engine.tools.gpucheck_hybrid --model qwen3.5-35b-a3b --layers 8 --out {json}' "
                         "--commit abc1234 --work /tmp/w --dry-run")  # --out: where it goes, not what is made
     assert "export ABBENCH_GIT_COMMIT=abc1234" in lines and "export ABBENCH_GIT_DIRTY=0" in lines
     assert f"export PYTHONPATH=/tmp/site:{REPO}" in lines and "export ABBENCH_CACHE_DIR=/tmp/w/cache" in lines
     steps = [line.rpartition("   # ")[2] for line in lines if "   # " in line]
-    assert steps == ["versions-python", "versions-gpu", "versions-memory", "versions-cpus", "nvidia-smi", "tests",
+    carried = ["install"] if any((REPO / ".whl").glob("*.whl")) else []  # a checkout that holds wheels to carry
+    assert steps == [*carried, "versions-python", "versions-gpu", "versions-memory", "versions-cpus", "nvidia-smi", "tests",
                      "gpucheck-qwen3-30b-a3b-half", "gguf", "run-h200-decode-offload-4k",
                      "run-h200-hybrid-decode-offload-4k", "gpucheck_hybrid-qwen3.5-35b-a3b"]
     text = r.stdout
     assert ("ABBENCH_ENGINE_TEST_DEVICE=cuda timeout 480 " in text and "-m pytest -o addopts= -p no:cacheprovider "
             "-q tests/engine/test_decode_kernels.py tests/engine/test_engine_decode.py > "
             "/tmp/w/gpucheck/pytest-cuda.log 2>&1 || exit 1" in text)
-    assert ("-m abbench.engine.gpucheck --preset qwen3-30b-a3b-half --layers 8 --out "
+    assert ("-m abbench.engine.tools.gpucheck --preset qwen3-30b-a3b-half --layers 8 --out "
             "/tmp/w/gpucheck/gpucheck-qwen3-30b-a3b-half.json > /tmp/w/gpucheck/gpucheck-qwen3-30b-a3b-half.log"
             in text)
     assert ("-m abbench run -p h200-decode-offload-4k --out /tmp/w/runs/h200-decode-offload-4k --no-report -q > "

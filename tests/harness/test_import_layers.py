@@ -24,26 +24,35 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
     ("base", ("abbench", "abbench.errors")),
     # the recipe for a GPU run: the standard library alone (it runs before the carried wheels are installed)
     ("device recipe", ("abbench.devicerun",)),
-    # the vendored runtime and its HTTP server: imports nothing above it (see also the test below)
-    ("engine", ("abbench.engine",)),
-    # the one command line of both serving backends; neither backend imports it
-    ("engine launcher", ("abbench.engine.launch", "abbench.engine.__main__")),
+    # the vendored engine, in wings (ENGINE_WINGS): imports nothing of the harness (see also the tests below).
+    # its contract and configuration: no torch
+    ("engine contract", ("abbench.engine.contract", "abbench.engine.config", "abbench.engine.shapes",
+                         "abbench.engine.stats")),
+    ("engine ops", ("abbench.engine.ops",)),  # tensor functions and kernels, no model, no state
+    ("engine models", ("abbench.engine.models",)),  # one file per family, the model interface, the host bank
+    ("engine runtime", ("abbench.engine.runtime",)),  # Engine, prefill, decode, slot caches, plans, policy
+    # the HTTP layer and the reference backend: on the contract (the tests below keep the runtime out of it)
+    ("engine serve", ("abbench.engine.serve",)),
+    ("engine tools", ("abbench.engine.tools",)),  # gpuchecks and reference kernels: nothing below imports them
+    # the one command line of both serving backends (neither backend imports it) and the package's lazy Engine
+    ("engine launcher", ("abbench.engine", "abbench.engine.serve.launch", "abbench.engine.__main__")),
     # pure formats and records, nothing of the profile: the declared checks' grammar and the wire adapters
     # sit here, below the profile that validates with them
     ("formats and records", ("abbench.prometheus", "abbench.nvml", "abbench.sse", "abbench.results",
                              "abbench.tokenizers", "abbench.auth", "abbench.checkexpr", "abbench.schedule",
-                             "abbench.adapters")),
+                             "abbench.adapters", "abbench.loadrecords")),
     ("peer engines", ("abbench.peers",)),
     ("profile", ("abbench.profile",)),
     ("analysis", ("abbench.analysis",)),  # pure: derived numbers and the gate, from results
     ("services and requests", ("abbench.response", "abbench.client", "abbench.services", "abbench.ports",
-                               "abbench.telemetry", "abbench.prompts", "abbench.fingerprint")),
+                               "abbench.telemetry", "abbench.prompts", "abbench.fingerprint",
+                               "abbench.loadgen")),
     # the runner's plans (fixed rounds, auto rounds, sweeps): what to measure next, from the record; below the run
     # loop, the service slot and the requests, which they never import
     ("runner plans", ("abbench.runner.plans", "abbench.runner.rounds", "abbench.runner.sweep")),
     ("runner", ("abbench.runner",)),
     # what reads runs (report, compare) and the diagnostics, which launch services through the runner
-    ("reports and diagnostics", ("abbench.report", "abbench.compare", "abbench.diagnostics")),
+    ("reports and diagnostics", ("abbench.report", "abbench.compare", "abbench.compare_load", "abbench.diagnostics")),
     ("command line", ("abbench.cli", "abbench.__main__")),
 ]
 
@@ -140,8 +149,9 @@ def _circles(graph: dict[str, list[str]]) -> list[list[str]]:
 
 def test_the_graph_is_read_from_the_source() -> None:
     """The walk sees what it must: deferred imports, relative imports and ``from abbench import x``."""
-    assert "abbench.engine.launch" in GRAPH["abbench.cli.engine"]  # inside the serve command's body
-    assert "abbench.engine.config" in GRAPH["abbench.engine"]  # `from .config import ...`
+    assert "abbench.engine.serve.launch" in GRAPH["abbench.cli.engine"]  # inside the serve command's body
+    assert "abbench.engine.config" in GRAPH["abbench.engine"]  # `from abbench.engine.config import ...`
+    assert "abbench.engine.runtime.engine" in GRAPH["abbench.engine"]  # deferred, in __getattr__
     assert "abbench.runner" in GRAPH["abbench.cli.experiment"]  # `from abbench import runner`
     assert len(MODULES) > 80
 
@@ -177,10 +187,71 @@ def test_the_engine_imports_nothing_of_the_harness(module: str) -> None:
     assert not outside, f"{module} imports {outside}"
 
 
+ENGINE_WINGS = ("contract", "ops", "models", "runtime", "serve", "tools", "launcher")
+
+
+def _wing(module: str) -> str:
+    return FLOORS[_floor(module)][0].removeprefix("engine ")
+
+
+def test_every_engine_module_sits_in_a_wing() -> None:
+    """A new engine module is placed in a wing by its folder (or named in FLOORS), never by falling back on the
+    package's own floor."""
+    engine = [m for m in MODULES if m.startswith("abbench.engine.")]
+    assert {_wing(m) for m in engine} == set(ENGINE_WINGS)
+    loose = [m for m in engine if _wing(m) == "launcher" and m not in ("abbench.engine.serve.launch",
+                                                                        "abbench.engine.__main__")]
+    assert not loose, f"engine modules outside every wing (put them in a folder or name them in FLOORS): {loose}"
+
+
+def test_the_engine_wings_keep_their_order() -> None:
+    """contract < ops < models < runtime < serve < tools < launcher, as FLOORS lists them."""
+    order = [name.removeprefix("engine ") for name, _ in FLOORS if name.startswith("engine")]
+    assert order == list(ENGINE_WINGS)
+
+
+def test_the_serving_layer_and_the_reference_stand_on_the_contract() -> None:
+    """The HTTP layer and the transformers reference never import the runtime (only the launcher builds an
+    Engine), the reference imports the contract, and nothing below the serving layer imports it or the tools."""
+    serve = [m for m in MODULES if m.startswith("abbench.engine.serve.") and m != "abbench.engine.serve.launch"]
+    assert "abbench.engine.serve.reference" in serve and "abbench.engine.serve.server" in serve
+    for m in serve:
+        assert not [t for t in GRAPH[m] if t.startswith("abbench.engine.runtime")], m
+    assert "abbench.engine.contract" in GRAPH["abbench.engine.serve.reference"]
+    assert "abbench.engine.runtime.engine" in GRAPH["abbench.engine.serve.launch"]
+    for m in MODULES:
+        if m.startswith(("abbench.engine.runtime", "abbench.engine.models", "abbench.engine.ops")):
+            assert not [t for t in GRAPH[m] if t.startswith(("abbench.engine.serve", "abbench.engine.tools"))], m
+
+
+def _calls(module: str) -> Iterator[ast.Call]:
+    for node in ast.walk(ast.parse(MODULES[module].read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+            yield node
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if m.startswith("abbench.engine.runtime")))
+def test_the_runtime_probes_no_model_by_name(module: str) -> None:
+    """The model interface (abbench.engine.models.base) defaults every optional hook, so the runtime calls them:
+    no ``hasattr``, and no ``getattr`` with a default, anywhere in the runtime."""
+    probes = [f"line {c.lineno}: {c.func.id}" for c in _calls(module)
+              if c.func.id == "hasattr" or (c.func.id == "getattr" and len(c.args) == 3)]
+    assert not probes, f"{module} probes by name: {probes}"
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if m.startswith("abbench.engine.")
+                                           and _wing(m) == "contract"))
+def test_the_engine_contract_needs_no_torch(module: str) -> None:
+    tree = ast.parse(MODULES[module].read_text(encoding="utf-8"))
+    names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+    names += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+    assert not [n for n in names if n == "torch" or n.startswith("torch.")], module
+
+
 def test_neither_backend_imports_the_launcher_and_the_runner_no_diagnostics() -> None:
-    for backend in ("abbench.engine.server", "abbench.engine.reference"):
-        assert "abbench.engine.launch" not in GRAPH[backend]
-    assert {"abbench.engine.server", "abbench.engine.reference"} <= set(GRAPH["abbench.engine.launch"])
+    for backend in ("abbench.engine.serve.server", "abbench.engine.serve.reference"):
+        assert "abbench.engine.serve.launch" not in GRAPH[backend]
+    assert {"abbench.engine.serve.server", "abbench.engine.serve.reference"} <= set(GRAPH["abbench.engine.serve.launch"])
     runner = [m for m in MODULES if m == "abbench.runner" or m.startswith("abbench.runner.")]
     for m in runner:
         assert not [t for t in GRAPH[m] if t.startswith("abbench.diagnostics")], m

@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 from abbench import cli
 from abbench.cli import app
 from abbench.engine.config import EngineConfig
-from abbench.engine.memory import plan_device_memory
+from abbench.engine.runtime.memory import plan_device_memory
 
 
 @pytest.fixture(autouse=True)
@@ -40,11 +40,11 @@ def test_each_chunk_length_gets_the_plan_the_engine_applies() -> None:
     for chunk, cells in rows.items():
         cfg = EngineConfig(model="qwen3-30b-a3b-2507", device="cuda", dtype="bfloat16", chunk_tokens=chunk,
                            max_context=65600).resolved()
-        plan = plan_device_memory(cfg, 24_000_000_000)
-        assert cells[1:6] == [f"{plan.workspace_bytes / 1e9:.2f}", f"{plan.fixed_bytes / 1e9:.2f}",
-                              str(plan.slots_per_layer), f"{plan.slots_per_layer * plan.slot_bytes / 1e9:.2f}",
-                              f"{plan.total_bytes / 1e9:.2f}"]
-        assert plan.total_bytes <= 24e9
+        plan = plan_device_memory(cfg, 24 * 2**30)  # --budget is in GiB
+        assert cells[1:6] == [f"{plan.workspace_bytes / 2**30:.2f}", f"{plan.fixed_bytes / 2**30:.2f}",
+                              str(plan.slots_per_layer), f"{plan.slots_per_layer * plan.slot_bytes / 2**30:.2f}",
+                              f"{plan.total_bytes / 2**30:.2f}"]
+        assert 23 * 2**30 < plan.total_bytes <= 24 * 2**30  # a 24 GiB card, and nearly all of it used
         slots.append(plan.slots_per_layer)
     assert slots == sorted(slots, reverse=True) and slots[0] > slots[-1]  # longer chunks leave fewer slots
 
@@ -54,7 +54,7 @@ def test_without_a_budget_it_gives_the_least_each_length_needs_and_a_small_budge
     res = runner.invoke(app, ["memory-plan", "--model", "qwen3-30b-a3b-2507", "--chunk-tokens", "2048"])
     assert res.exit_code == 0, res.output
     (cells,) = _rows(res.output).values()
-    need = float(re.search(r"needs at least ([\d.]+) GB \(8 slots per layer\)", cells[6])[1])
+    need = float(re.search(r"needs at least ([\d.]+) GiB \(8 slots per layer\)", cells[6])[1])
     assert cells[3] == "8" and need == float(cells[5])
     tight = runner.invoke(app, ["memory-plan", "--model", "qwen3-30b-a3b-2507", "--chunk-tokens", "2048",
                                 "--budget", str(need - 0.2)])

@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 
 from abbench import runner
 from abbench.cli import app
-from abbench.engine.tokenizer import load_tokenizer
+from abbench.engine.serve.tokenizer import load_tokenizer
 from abbench.errors import ResultsError, ServiceError
 from abbench.profile import profile_from_dict
 from abbench.runner.run import ProgressEvent

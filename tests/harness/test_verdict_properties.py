@@ -239,7 +239,7 @@ def excluded_run(tmp_path_factory: pytest.TempPathFactory) -> RunRecord:
     warm-up, a fresh prompt and a cold/continuation pair; ``exclude_kinds`` = :data:`EXCLUDE`; declared checks
     on every kind."""
     from abbench import runner
-    from abbench.engine.tokenizer import load_tokenizer
+    from abbench.engine.serve.tokenizer import load_tokenizer
     from abbench.profile import profile_from_dict
 
     from tests.support import faultkit as fk

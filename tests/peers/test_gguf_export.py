@@ -17,8 +17,8 @@ torch = pytest.importorskip("torch")
 gguf = pytest.importorskip("gguf", reason="the GGUF exporter needs the gguf package (pip install 'abbench[peer]')")
 
 from abbench.engine.config import EngineConfig, ModelConfig  # noqa: E402
-from abbench.engine.experts import ExpertBank  # noqa: E402
-from abbench.engine.weights import random_weights  # noqa: E402
+from abbench.engine.models.bank import ExpertBank  # noqa: E402
+from abbench.engine.models.weights import random_weights  # noqa: E402
 from abbench.peers.gguf_export import export_gguf, gguf_vocab, tensor_plan  # noqa: E402
 from abbench.tokenizers import load_tokenizer  # noqa: E402
 

@@ -375,7 +375,7 @@ def test_real_llama_server_tokenizes_like_the_harness_and_matches_the_engine(tmp
             body = httpx.post(url + "/completion", json={"prompt": ids, "n_predict": 12, "temperature": 0,
                                                          "ignore_eos": True, "return_tokens": True, "n_probs": 2},
                               timeout=120).json()
-            events = list(engine.generate(ids, 12, temperature=0.0, ignore_eos=True, logprobs=2))
+            events = engine.run(ids, 12, temperature=0.0, ignore_eos=True, logprobs=2)[0]
             assert body["tokens"] == [e.token_id for e in events], text[:60]
             if len(body["completion_probabilities"]) == len(events):  # else a mid-character token left them out
                 theirs = [p["logprob"] for p in body["completion_probabilities"]]

@@ -134,7 +134,7 @@ def test_describe_records_the_environment_and_plain_vllm_commands(tmp_path: Path
     assert plain["engine"] == "vllm" and plain["python"] == sys.executable
     assert "torch" in plain["packages"] and "vllm" not in plain["packages"]  # this interpreter has no vLLM
     assert vs.describe(["abbench-engine", "--port", "1"]) is None
-    from abbench.engine.reference import TINY_SHAPES
+    from abbench.engine.serve.reference import TINY_SHAPES
 
     assert vs.TINY_NAMES == tuple(TINY_SHAPES)  # the launcher's copy of the names (it does not load torch)
     from abbench.fingerprint import _peer_engines
@@ -201,7 +201,7 @@ def test_real_vllm_ids_and_logprobs_match_the_vendored_engine(real_vllm: tuple[s
     checkpoint (in process here), with logprobs within 1e-4 nats."""
     from abbench.client import EngineClient
     from abbench.engine import Engine, EngineConfig
-    from abbench.engine.reference import resolve_checkpoint
+    from abbench.engine.serve.reference import resolve_checkpoint
     from abbench.profile import RequestSpec
     from abbench.tokenizers import encode_ids, load_tokenizer
 
@@ -219,7 +219,7 @@ def test_real_vllm_ids_and_logprobs_match_the_vendored_engine(real_vllm: tuple[s
                                       extra={}, target_prompt_tokens=len(ids), model=model, adapter="vllm")
                    for stream in (True, False)}
             assert got[True].output_ids == got[False].output_ids and got[True].ids_source == "native"
-            events = list(engine.generate(ids, 8, temperature=0.0, ignore_eos=True, logprobs=2))
+            events = engine.run(ids, 8, temperature=0.0, ignore_eos=True, logprobs=2)[0]
             assert got[True].output_ids == [e.token_id for e in events], text[:40]
             theirs = [pos[0] for pos in got[True].logprobs]
             assert [i for i, _ in theirs] == [e.token_id for e in events]

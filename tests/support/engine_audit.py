@@ -42,7 +42,7 @@ def main() -> int:
     with open(os.path.join(marker, "probe"), "a"):
         pass
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-    from abbench.engine.launch import main as serve
+    from abbench.engine.serve.launch import main as serve
 
     args = a.engine_args[1:] if a.engine_args[:1] == ["--"] else a.engine_args
     return serve(args)

@@ -155,7 +155,7 @@ def output_ids(prompt_ids: list[int], n: int, choices: list[int], **kw: Any) -> 
 
 class _Model:
     def __init__(self, spec: str) -> None:
-        from abbench.engine.tokenizer import IncrementalDetokenizer, load_tokenizer
+        from abbench.engine.serve.tokenizer import IncrementalDetokenizer, load_tokenizer
 
         self.tok = load_tokenizer(spec)
         self._detok = IncrementalDetokenizer

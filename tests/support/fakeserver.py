@@ -26,7 +26,7 @@ Endpoints
                          ``requests_on_connection``).
 
 Prompt tokens are whitespace-separated words (:func:`prompt_token_count`), or, with ``--tokenizer SPEC``,
-the ids of ``abbench.engine.tokenizer.load_tokenizer(SPEC)`` (then the output ids are real vocabulary words
+the ids of ``abbench.engine.serve.tokenizer.load_tokenizer(SPEC)`` (then the output ids are real vocabulary words
 and the text is their decoding). A request field ``fake_diverge_at: K`` changes the ids from position K on
 (to test parity checks).
 
@@ -151,7 +151,7 @@ class _Vocab:
             return ids, [token_text(i) for i in ids]
         raw = output_ids(prompt, n, vocab_size=len(self._words), diverge_at=diverge_at)
         ids = [self._words[r] for r in raw]
-        from abbench.engine.tokenizer import IncrementalDetokenizer
+        from abbench.engine.serve.tokenizer import IncrementalDetokenizer
 
         detok = IncrementalDetokenizer(self.tok)
         texts = [detok.push(i) for i in ids]
@@ -168,6 +168,7 @@ class _Vocab:
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
+    request_queue_size = 128  # a load generator opens many connections at once
 
     def __init__(self, addr: tuple[str, int], config: FakeConfig, vocab: _Vocab) -> None:
         super().__init__(addr, _Handler)
@@ -615,10 +616,10 @@ class FakeServer:
 
 def _load_tokenizer(spec: str) -> Any:
     try:
-        from abbench.engine.tokenizer import load_tokenizer
+        from abbench.engine.serve.tokenizer import load_tokenizer
     except ImportError:  # run as a script from a checkout: make the repository importable
         sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-        from abbench.engine.tokenizer import load_tokenizer
+        from abbench.engine.serve.tokenizer import load_tokenizer
     return load_tokenizer(spec)
 
 
@@ -635,7 +636,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="from completion K+1 on: never answer, and /health answers 503 (alive but stuck)")
     ap.add_argument("--never-healthy", action="store_true", help="/health answers 503 forever")
     ap.add_argument("--ignore-sigterm", action="store_true", help="ignore SIGTERM (needs SIGKILL)")
-    ap.add_argument("--tokenizer", default=None, help="count tokens with abbench.engine.tokenizer (e.g. qwen3)")
+    ap.add_argument("--tokenizer", default=None, help="count tokens with abbench.engine.serve.tokenizer (e.g. qwen3)")
     ap.add_argument("--api-key-env", default=None,
                     help="require 'Authorization: Bearer $VAR' on every route but /health (VAR names the key)")
     ap.add_argument("--max-model-len", type=int, default=None, help="list the model at /v1/models with this context")

@@ -47,7 +47,7 @@ def engine_ids(dtype: str, prompt_list: list[list[int]], n: int) -> list[list[in
     import torch
 
     from abbench.engine.config import EngineConfig
-    from abbench.engine.runtime import Engine
+    from abbench.engine.runtime.engine import Engine
 
     eng = Engine(EngineConfig(model="tiny", weights="random:0", device="cuda", dtype=dtype, chunk_tokens=512,
                               max_context=4096, bandwidth_probe_bytes=0))

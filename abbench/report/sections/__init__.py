@@ -6,7 +6,8 @@ problems, plots), :mod:`~abbench.report.sections.timing` (TTFT, latency percenti
 :mod:`~abbench.report.sections.transfer` (H2D, engine counters, decode, host CPU, memory),
 :mod:`~abbench.report.sections.parity` (parity, active path, attention batching),
 :mod:`~abbench.report.sections.numerics` (an arm judged by numerics), :mod:`~abbench.report.sections.sweep`
-(a sweep's crossovers) and :mod:`~abbench.report.sections.environment`;
+(a sweep's crossovers), :mod:`~abbench.report.sections.load` (load levels) and
+:mod:`~abbench.report.sections.environment`;
 :mod:`~abbench.report.sections.base` holds what they share. Every section is importable from here.
 """
 
@@ -32,6 +33,7 @@ from abbench.report.sections.timing import (
     ratios_section,
     ttft_section,
 )
+from abbench.report.sections.load import load_section
 from abbench.report.sections.sweep import sweep_section
 from abbench.report.sections.transfer import (
     decode_section,
@@ -47,13 +49,14 @@ __all__ = [
     "CELL_COLS", "PLOTS", "SECTIONS", "ReportInput", "active_path_section", "attention_batching_section",
     "decode_section", "engine_counters_section", "engines_section", "environment_section", "floor_section",
     "h2d_section", "header_section", "host_cpu_section",
-    "key_environment", "latency_section", "memory_section", "numerics_section", "overhead_section", "parity_section", "plot_link", "plots_section",
+    "key_environment", "latency_section", "load_section", "memory_section", "numerics_section", "overhead_section",
+    "parity_section", "plot_link", "plots_section",
     "problems_section", "ratios_section", "render_markdown", "small_n_section", "sweep_section", "ttft_section",
     "verdict_section",
 ]
 
 SECTIONS = [
-    header_section, verdict_section, sweep_section, ttft_section, engines_section, ratios_section, h2d_section, floor_section,
+    header_section, verdict_section, sweep_section, load_section, ttft_section, engines_section, ratios_section, h2d_section, floor_section,
     engine_counters_section, decode_section, latency_section, host_cpu_section, memory_section, parity_section,
     numerics_section, active_path_section, attention_batching_section, overhead_section, environment_section, small_n_section,
     problems_section, plots_section,

@@ -12,7 +12,8 @@ from abbench.results import RunRecord
 
 
 PLOTS = ("ttft", "ratios", "h2d", "memory", "ttft_memory")
-"""The plots of every run with data; a sweep run adds ``sweep`` (:mod:`abbench.report.sections.sweep`)."""
+"""The plots of every run with data; a sweep run adds ``sweep`` (:mod:`abbench.report.sections.sweep`), a load run
+``load`` (:mod:`abbench.report.sections.load`)."""
 
 
 @dataclass

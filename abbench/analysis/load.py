@@ -1,0 +1,343 @@
+"""Load cells: what each (arm, level) measured, the throughput ratio between arms, goodput, errors, the number in
+flight, and parity under load. Pure functions of a run's ``RunRecord.load`` (:mod:`abbench.loadrecords`).
+
+Definitions
+-----------
+A **cell** is (arm, level); its rounds are the levels of that arm and level in each round (ABBA: the arms run
+at each level in the rounds' order). Levels of ``role`` "reference" (every prompt alone) are the parity
+reference, never a cell.
+
+* **Measured requests**: those sent in the level's window ``[window_start_s, window_end_s]`` (warm-up and
+  cool-down excluded); a request cut off by an interrupt is not counted at all.
+* Per request, as ``vllm bench serve`` defines them: **TTFT** from its send to its first token; **TPOT** =
+  (end - first token) / (output tokens - 1); **ITL** = gaps between successive distinct arrivals of output
+  (one per network chunk, :func:`abbench.analysis.latency.gaps`); **E2E** from send to end; the generator's
+  **lag** = sent - scheduled (open loop). ``ttft_sched_s`` counts TTFT from the due time instead, so a
+  generator that fell behind cannot hide it.
+* Percentiles p50/p90/p99 over the cell's measured ok requests of every round, with a 95% percentile-bootstrap
+  interval (:func:`abbench.analysis.timing.quantile_ci`); a percentile needs 1 / (1 - q) values
+  (:func:`abbench.analysis.latency.min_n`), else it is not given. ITL gaps of one request are not independent,
+  so an ITL interval is narrower than the truth; the report says so.
+* Per round: **request_s** = ok requests that ended in the window / its length; **output_tok_s** = output tokens
+  that arrived in the window / its length (a token's arrival is its stamp); **goodput** = measured ok requests
+  that met every SLO of ``[load] slo`` and ended in the window / its length; **error_rate** = measured failed
+  requests / measured requests. The cell's figure is the median over rounds, with a bootstrap interval over
+  rounds from two rounds up.
+* **throughput_ratio**: output_tok_s(arm) / output_tok_s(reference arm, or ``vs ARM``) at the same level and
+  round (the pair ABBA makes), median over rounds with its interval.
+* **In flight** over time: the step function of sends and ends (:func:`in_flight`); its mean over the window
+  and its maximum.
+* **Parity under load**: each measured ok request's native ids against the same prompt's run alone on the same
+  arm (its ``reference`` level of the same round, else any round): identical over the gate's K tokens
+  (``gate.parity_tokens``), else a near-tie flip by :func:`abbench.analysis.parity.flip_verdict` with the arm's
+  tolerance, else broken. Per prompt, its worst request decides; a prompt is **kept** when identical, or a
+  near-tie flip that the gate accepts (the arm's or the gate's ``accept_near_ties``).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from abbench.analysis.frames import arm_names, arm_tolerances, gate_spec, reference_arm
+from abbench.analysis.latency import min_n
+from abbench.analysis.parity import NEAR_TIE_NATS, compare_ids, flip_verdict
+from abbench.analysis.timing import quantile_ci
+from abbench.checkexpr import Slo, parse_slo
+from abbench.loadrecords import LoadLevel, LoadRequest
+from abbench.results import RunRecord
+
+__all__ = ["CELL_COLUMNS", "PARITY_COLUMNS", "REQUEST_COLUMNS", "cell_table", "in_flight", "level_rounds", "load_levels",
+           "load_slos", "measured", "parity_under_load", "request_metrics", "requests_table", "round_figures", "throughput_ratios",
+           "values"]
+
+PERCENTILES = (50, 90, 99)
+RESAMPLES = 1000
+LATENCIES = ("ttft", "tpot", "itl", "e2e")
+CELL_COLUMNS = (["arm", "level", "kind", "value", "rounds", "sent", "measured", "ok", "failed", "errors"]
+                + [f"{m}_p{p}_s{x}" for m in LATENCIES for p in PERCENTILES for x in ("", "_low", "_high")]
+                + [f"{f}{x}" for f in ("request_s", "output_tok_s", "goodput", "error_rate")
+                   for x in ("", "_low", "_high")]
+                + ["in_flight_mean", "in_flight_max", "lag_p99_s", "ttft_sched_p99_s", "slo_met"])
+REQUEST_COLUMNS = ["arm", "round", "position", "role", "level", "index", "prompt_id", "target_tokens", "max_tokens",
+                   "scheduled_s", "sent_s", "first_token_s", "end_s", "measured", "ok", "error_kind", "status",
+                   "ttft_s", "tpot_s", "e2e_s", "itl_max_s", "lag_s", "prompt_tokens", "completion_tokens",
+                   "ids_source", "output_ids", "error"]
+PARITY_COLUMNS = ["arm", "level", "prompts", "identical", "near_tie", "broken", "unchecked", "kept",
+                  "first_diverging", "example", "tolerance", "accepts"]
+
+
+def load_levels(record: RunRecord, role: str = "load") -> list[LoadLevel]:
+    return [lv for lv in record.load if lv.role == role]
+
+
+def load_slos(record: RunRecord) -> list[Slo]:
+    return [parse_slo(e) for e in ((record.profile.get("load") or {}).get("slo") or [])]
+
+
+def measured(level: LoadLevel) -> list[LoadRequest]:
+    """The requests sent in the level's window (an interrupted one is not counted)."""
+    lo, hi = level.window_start_s, level.window_end_s
+    return [r for r in level.requests if lo <= r.sent_s <= hi and r.error_kind != "interrupted"]
+
+
+def request_metrics(r: LoadRequest) -> dict[str, Any]:
+    """One ok request's TTFT, TPOT, ITL gaps, E2E, lag and TTFT from its due time (seconds; None where undefined)."""
+    ttft = r.ttft_s
+    e2e = r.e2e_s
+    n = r.completion_tokens or len(r.output_ids)
+    tpot = ((e2e - ttft) / (n - 1)) if e2e is not None and ttft is not None and n > 1 else None
+    times = np.unique(np.asarray(r.token_times_s or [], dtype=float))
+    itl = np.diff(times) if times.size > 1 else np.empty(0)
+    lag = None if r.scheduled_s is None else r.sent_s - r.scheduled_s
+    sched = None if ttft is None or r.scheduled_s is None else r.first_token_s - r.scheduled_s  # type: ignore[operator]
+    return {"ttft": ttft, "tpot": tpot, "itl": itl, "e2e": e2e, "lag": lag, "ttft_sched": sched,
+            "itl_max": float(itl.max()) if itl.size else None}
+
+
+def _slo_value(slo: Slo, m: dict[str, Any]) -> float | None:
+    return {"ttft_s": m["ttft"], "tpot_s": m["tpot"], "e2e_s": m["e2e"],
+            "itl_s": m["itl_max"] if m["itl_max"] is not None else 0.0}[slo.metric]
+
+
+def round_figures(level: LoadLevel, slos: list[Slo]) -> dict[str, float | None]:
+    """One level's per-round figures: request_s, output_tok_s, goodput (None without SLOs), error_rate (module
+    docstring); all None when the window is empty."""
+    lo, hi, w = level.window_start_s, level.window_end_s, level.window_s
+    meas = measured(level)
+    rate = (sum(not r.ok for r in meas) / len(meas)) if meas else None
+    if w <= 0:
+        return {"request_s": None, "output_tok_s": None, "goodput": None, "error_rate": rate}
+    done = [r for r in level.requests if r.ok and r.end_s is not None and lo <= r.end_s <= hi]
+    tokens = 0
+    for r in level.requests:
+        if r.ok and r.token_times_s:
+            tokens += sum(1 for t in r.token_times_s if lo <= r.sent_s + t <= hi)
+    good = None
+    if slos:
+        good = sum(1 for r in meas if r.ok and r.end_s is not None and r.end_s <= hi
+                   and all(s.met(_slo_value(s, request_metrics(r))) for s in slos)) / w
+    return {"request_s": len(done) / w, "output_tok_s": tokens / w, "goodput": good, "error_rate": rate}
+
+
+def in_flight(level: LoadLevel) -> list[tuple[float, int]]:
+    """The number of requests in flight after each send and each end: (level clock, count), in time order."""
+    events = [(r.sent_s, 1) for r in level.requests] + [
+        (r.end_s if r.end_s is not None else level.elapsed_s, -1) for r in level.requests]
+    events.sort(key=lambda e: (e[0], e[1]))
+    out, n = [], 0
+    for t, d in events:
+        n += d
+        out.append((t, n))
+    return out
+
+
+def _in_flight_window(level: LoadLevel) -> tuple[float | None, int | None]:
+    """Time-weighted mean and maximum of the number in flight over the window."""
+    steps, lo, hi = in_flight(level), level.window_start_s, level.window_end_s
+    if not steps or hi <= lo:
+        return None, None
+    area, n, t_prev, peak = 0.0, 0, lo, 0
+    for t, count in steps:
+        if t > lo:
+            seg_end = min(t, hi)
+            if seg_end > t_prev:
+                area += n * (seg_end - t_prev)
+                t_prev = seg_end
+                peak = max(peak, n)
+        n = count
+        if t >= hi:
+            break
+    if t_prev < hi:
+        area += n * (hi - t_prev)
+        peak = max(peak, n)
+    return area / (hi - lo), peak
+
+
+def level_rounds(record: RunRecord) -> dict[tuple[str, str], list[LoadLevel]]:
+    """(arm, level label) -> its levels, one per round, in round order; cells in run order."""
+    out: dict[tuple[str, str], list[LoadLevel]] = {}
+    for lv in sorted(load_levels(record), key=lambda x: (x.kind != "concurrency", x.value, x.round)):
+        out.setdefault((lv.arm, lv.label), []).append(lv)
+    order = {a: i for i, a in enumerate(arm_names(record))}
+    return dict(sorted(out.items(), key=lambda kv: (kv[1][0].kind != "concurrency", kv[1][0].value,
+                                                     order.get(kv[0][0], 99))))
+
+
+def _ci(values: Iterable[float], q: float) -> tuple[float | None, float | None, float | None]:
+    xs = [float(v) for v in values if v is not None and not math.isnan(float(v))]
+    if not xs or len(xs) < min_n(q):
+        return None, None, None
+    ci = quantile_ci(xs, q, n_resamples=RESAMPLES)
+    return ci.median, ci.low, ci.high
+
+
+def _latency(name: str, rows: list[dict[str, Any]]) -> list[float]:
+    if name == "itl":
+        return [float(g) for m in rows for g in m["itl"]]
+    return [m[name] for m in rows if m[name] is not None]
+
+
+def cell_table(record: RunRecord) -> pd.DataFrame:
+    """One row per cell (:data:`CELL_COLUMNS`; seconds, requests/s, tokens/s)."""
+    slos = load_slos(record)
+    rows = []
+    for (arm, label), levels in level_rounds(record).items():
+        meas = [r for lv in levels for r in measured(lv)]
+        oks = [request_metrics(r) for r in meas if r.ok]
+        errors: dict[str, int] = {}
+        for r in meas:
+            if not r.ok:
+                key = f"{r.error_kind} {r.status}" if r.error_kind == "http" and r.status else str(r.error_kind)
+                errors[key] = errors.get(key, 0) + 1
+        row: dict[str, Any] = {"arm": arm, "level": label, "kind": levels[0].kind, "value": levels[0].value,
+                               "rounds": len(levels), "sent": sum(len(lv.requests) for lv in levels),
+                               "measured": len(meas), "ok": len(oks), "failed": len(meas) - len(oks),
+                               "errors": ", ".join(f"{k}: {v}" for k, v in sorted(errors.items())) or None}
+        for name in LATENCIES:
+            vals = _latency(name, oks)
+            for p in PERCENTILES:
+                row[f"{name}_p{p}_s"], row[f"{name}_p{p}_s_low"], row[f"{name}_p{p}_s_high"] = _ci(vals, p / 100)
+        per_round = [round_figures(lv, slos) for lv in levels]
+        for f in ("request_s", "output_tok_s", "goodput", "error_rate"):
+            row[f], row[f"{f}_low"], row[f"{f}_high"] = _ci([x[f] for x in per_round if x[f] is not None], 0.5)
+        flight = [_in_flight_window(lv) for lv in levels]
+        means = [m for m, _ in flight if m is not None]
+        row["in_flight_mean"] = statistics.median(means) if means else None
+        row["in_flight_max"] = max((p for _, p in flight if p is not None), default=None)
+        lags = [m["lag"] for m in (request_metrics(r) for r in meas) if m["lag"] is not None]
+        row["lag_p99_s"] = float(np.percentile(lags, 99)) if lags else None
+        sched = [m["ttft_sched"] for m in oks if m["ttft_sched"] is not None]
+        row["ttft_sched_p99_s"] = float(np.percentile(sched, 99)) if len(sched) >= min_n(0.99) else None
+        row["slo_met"] = (sum(all(s.met(_slo_value(s, m)) for s in slos) for m in oks) if slos else None)
+        rows.append(row)
+    return pd.DataFrame(rows, columns=CELL_COLUMNS)
+
+
+def throughput_ratios(record: RunRecord, against: str | None = None) -> pd.DataFrame:
+    """Per (arm, level, round): output_tok_s(arm) / output_tok_s(``against``, default the reference arm) at the
+    same level and round. Columns: arm, level, round, value."""
+    ref = against or reference_arm(record)
+    slos = load_slos(record)
+    figures = {(lv.arm, lv.label, lv.round): round_figures(lv, slos)["output_tok_s"] for lv in load_levels(record)}
+    rows = []
+    for (arm, label, rnd), v in figures.items():
+        base = figures.get((ref, label, rnd))
+        if arm == ref or v is None or not base:
+            continue
+        rows.append({"arm": arm, "level": label, "round": rnd, "value": v / base})
+    return pd.DataFrame(rows, columns=["arm", "level", "round", "value"])
+
+
+def _tolerance(record: RunRecord, arm: str) -> tuple[float, bool]:
+    own = arm_tolerances(record).get(arm)
+    gate = gate_spec(record).accept_near_ties
+    if own is not None:
+        return own, True
+    return (gate, True) if gate is not None else (NEAR_TIE_NATS, False)
+
+
+def _references(record: RunRecord) -> dict[tuple[str, int, str], LoadRequest]:
+    """(arm, round, prompt id) -> its ok run alone; round 0 holds the first of any round."""
+    out: dict[tuple[str, int, str], LoadRequest] = {}
+    for lv in load_levels(record, "reference"):
+        for r in lv.requests:
+            if r.ok and r.ids_source == "native":
+                out.setdefault((lv.arm, lv.round, r.prompt_id), r)
+                out.setdefault((lv.arm, 0, r.prompt_id), r)
+    return out
+
+
+def _verdict(r: LoadRequest, ref: LoadRequest | None, k: int, tol: float) -> tuple[str, int | None]:
+    if ref is None or not r.ok or r.ids_source != "native":
+        return "unchecked", None
+    match, first, _ = compare_ids(r.output_ids, ref.output_ids, k)
+    if match or first is None:
+        return "identical", None
+    if first >= min(len(r.output_ids), len(ref.output_ids)):
+        return "broken", first  # one output ended before K
+    own, other = r.output_ids[first], ref.output_ids[first]
+    lp_own = r.logprobs[first] if r.logprobs and first < len(r.logprobs) else None
+    lp_ref = ref.logprobs[first] if ref.logprobs and first < len(ref.logprobs) else None
+    verdict, _, _ = flip_verdict(own, other, lp_own, lp_ref, tol)
+    return ("near-tie" if verdict == "near-tie flip" else "broken"), first
+
+
+def parity_under_load(record: RunRecord) -> pd.DataFrame:
+    """Per cell (:data:`PARITY_COLUMNS`): prompts checked and how many kept identical ids over K, were near-tie
+    flips, broke, or could not be checked; the earliest divergence; ``kept`` (identical, plus near ties the
+    gate accepts)."""
+    k = gate_spec(record).parity_tokens
+    refs = _references(record)
+    rank = {"unchecked": 0, "identical": 1, "near-tie": 2, "broken": 3}
+    rows = []
+    for (arm, label), levels in level_rounds(record).items():
+        tol, accepts = _tolerance(record, arm)
+        worst: dict[str, tuple[str, int | None]] = {}
+        for lv in levels:
+            for r in measured(lv):
+                ref = refs.get((arm, lv.round, r.prompt_id)) or refs.get((arm, 0, r.prompt_id))
+                v = _verdict(r, ref, k, tol)
+                if r.prompt_id not in worst or rank[v[0]] > rank[worst[r.prompt_id][0]]:
+                    worst[r.prompt_id] = v
+        counts = {name: sum(1 for v, _ in worst.values() if v == name) for name in rank}
+        firsts = [f for _, f in worst.values() if f is not None]
+        example = next((f"{p} at {f}" for p, (v, f) in sorted(worst.items()) if v == "broken"), None) or next(
+            (f"{p} at {f}" for p, (v, f) in sorted(worst.items()) if v == "near-tie"), None)
+        rows.append({"arm": arm, "level": label, "prompts": len(worst), "identical": counts["identical"],
+                     "near_tie": counts["near-tie"], "broken": counts["broken"], "unchecked": counts["unchecked"],
+                     "kept": counts["identical"] + (counts["near-tie"] if accepts else 0),
+                     "first_diverging": min(firsts) if firsts else None, "example": example, "tolerance": tol,
+                     "accepts": accepts})
+    return pd.DataFrame(rows, columns=PARITY_COLUMNS)
+
+
+def values(record: RunRecord, metric: str, vs: str | None = None) -> pd.DataFrame:
+    """A declared check's values per load cell: columns arm, level, round, value (one row per request, gap, round
+    or prompt, as the metric is defined; module docstring)."""
+    cols = ["arm", "level", "round", "value"]
+    rows: list[dict[str, Any]] = []
+    if metric == "throughput_ratio":
+        return throughput_ratios(record, vs)
+    if metric == "parity_under_load":
+        p = parity_under_load(record)
+        rows = [{"arm": a, "level": lv, "round": 0, "value": kept / n} for a, lv, n, kept
+                in zip(p["arm"], p["level"], p["prompts"] - p["unchecked"], p["kept"]) if n > 0]
+        return pd.DataFrame(rows, columns=cols)
+    slos = load_slos(record)
+    for (arm, label), levels in level_rounds(record).items():
+        for lv in levels:
+            if metric in ("request_s", "output_tok_s", "goodput", "error_rate"):
+                v = round_figures(lv, slos)[metric]
+                if v is not None:
+                    rows.append({"arm": arm, "level": label, "round": lv.round, "value": v})
+                continue
+            name = {"e2e_p99_s": "e2e"}.get(metric, metric.split("_")[0])
+            oks = [request_metrics(r) for r in measured(lv) if r.ok]
+            rows += [{"arm": arm, "level": label, "round": lv.round, "value": v} for v in _latency(name, oks)]
+    return pd.DataFrame(rows, columns=cols)
+
+
+def requests_table(record: RunRecord) -> pd.DataFrame:
+    """One row per load request of every level, references included (:data:`REQUEST_COLUMNS`; stamps on the
+    level's clock, ``measured`` says whether it counts, output ids space-separated)."""
+    rows = []
+    for lv in record.load:
+        inside = {id(r) for r in measured(lv)} if lv.role == "load" else set()
+        for r in lv.requests:
+            m = request_metrics(r) if r.ok else {}
+            rows.append({
+                "arm": lv.arm, "round": lv.round, "position": lv.position, "role": lv.role, "level": lv.label,
+                "index": r.index, "prompt_id": r.prompt_id, "target_tokens": r.target_tokens,
+                "max_tokens": r.max_tokens, "scheduled_s": r.scheduled_s, "sent_s": r.sent_s,
+                "first_token_s": r.first_token_s, "end_s": r.end_s, "measured": id(r) in inside, "ok": r.ok,
+                "error_kind": r.error_kind, "status": r.status, "ttft_s": m.get("ttft"), "tpot_s": m.get("tpot"),
+                "e2e_s": m.get("e2e"), "itl_max_s": m.get("itl_max"), "lag_s": m.get("lag"),
+                "prompt_tokens": r.prompt_tokens, "completion_tokens": r.completion_tokens,
+                "ids_source": r.ids_source, "output_ids": " ".join(map(str, r.output_ids)), "error": r.error})
+    return pd.DataFrame(rows, columns=REQUEST_COLUMNS)

@@ -1,0 +1,493 @@
+"""Decode's Triton kernels: one token through a layer in ~16 kernels instead of ~70 (``decode.Decoder`` picks
+them: ``EngineConfig.decode_experts`` / ``decode_attention``, "auto" = these on CUDA where they apply).
+
+On the H200 (results/20261201n-h200-decode-kernels) they took a resident Qwen3-30B-A3B decode step from 0.402 to
+0.147 ms a layer at 32K; ``tools.gpucheck_decode_kernels`` times each against the engine's torch functions at full
+width. Each follows its torch counterpart's roundings in the model dtype where that is cheap, with float32
+accumulation; none is bitwise equal to it (other summation orders), and each is deterministic (no atomics).
+
+- ``moe_one_token(h, top_w, top_ids, gate_up, down)``: the routed SwiGLU experts of one token, [1, H] ->
+  [1, H], as two Triton kernels that read only the k routed experts' rows (a GEMV per expert, the expert ids
+  read on the device, so it captures in a CUDA graph): the first computes gate and up rows of an expert
+  together and writes silu(gate) x up (float32 accumulation), the second the down projection, summing the
+  k experts weighted by the router in a fixed order (deterministic: no atomics). Needs Triton (CUDA; on CPU
+  only under ``TRITON_INTERPRET=1``). Not bitwise equal to the grouped GEMM (another summation order).
+- ``attention_split_kv(q, keys, values, pos, scale)``: one token's grouped-query attention as a flash-decoding
+  kernel (Triton): the static bucket of keys is cut into ``NSPLITS`` ranges, one program per (KV head, range)
+  runs an online softmax over the range's keys up to ``pos`` (read on the device: ranges past it do no work,
+  so a step costs what the filled positions cost, and the graph of a bucket serves every position in it), all
+  G query heads of the KV head at once (one ``tl.dot`` of [G, D] x [D, BLOCK_L]), float32 statistics; a second
+  kernel combines the ranges. The decode_gqa contract, not its bits.
+- ``rms_norm(x, weight, eps, residual=None, plus_one=False)``: ``model.rms_norm`` (or ``hybrid.zc_rms_norm``)
+  as one kernel, optionally after the residual add (returning the sum too).
+- ``qk_norm_rope_store(q, k, v, ...)``: the per-head q/k norms, RoPE at the device-held position and the K/V
+  cache write of one decode token, one kernel.
+- ``route_topk(logits, k, norm, dtype, bias, lookup)``: the router's softmax, top-k and renormalisation, one
+  kernel; with ``lookup`` the same program looks the experts up in the decode slot cache's device-side table
+  (``slot_assign``: the host LRU's policy), for offloaded decode with the misses on the device.
+- ``moe_one_token``'s ``fetch``: a slot-cache miss read from the registered host bank (zero-copy over PCIe) by
+  the experts' kernels, which compute with it and store it into its slot.
+
+The reference kernels no request runs (the lookup and the miss copy as kernels of their own, SDPA's decode
+attention) are :mod:`abbench.engine.tools.reference_kernels`.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+try:  # optional: CUDA builds of torch ship Triton; the CPU build does not
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the installation
+    triton = None
+
+
+def have_triton() -> bool:
+    return triton is not None
+
+
+if triton is not None:
+    @triton.jit
+    def _gate_up_act(h_ptr, w_ptr, ids_ptr, out_ptr, src_ptr, host_ptr, H: tl.constexpr, I: tl.constexpr,
+                     stride_we, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FETCH: tl.constexpr):
+        j = tl.program_id(0)  # routed slot 0..k-1
+        nb = tl.program_id(1)
+        e = tl.load(ids_ptr + j).to(tl.int64)
+        rows = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+        rmask = rows < I
+        base = w_ptr + e * stride_we
+        read = base
+        if FETCH:  # a miss (src >= 0): read the expert from the host bank and leave a copy in its slot
+            miss = tl.load(src_ptr + j).to(tl.int64)
+            if miss >= 0:
+                read = host_ptr + miss * stride_we
+        acc_g = tl.zeros([BLOCK_N], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            cols = k0 + tl.arange(0, BLOCK_K)
+            cmask = cols < H
+            x = tl.load(h_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+            m = rmask[:, None] & cmask[None, :]
+            g_off = rows[:, None] * stride_wn + cols[None, :]
+            u_off = (rows[:, None] + I) * stride_wn + cols[None, :]
+            wg = tl.load(read + g_off, mask=m, other=0.0)
+            wu = tl.load(read + u_off, mask=m, other=0.0)
+            if FETCH:
+                tl.store(base + g_off, wg, mask=m & (miss >= 0))
+                tl.store(base + u_off, wu, mask=m & (miss >= 0))
+            acc_g += tl.sum(wg.to(tl.float32) * x[None, :], axis=1)
+            acc_u += tl.sum(wu.to(tl.float32) * x[None, :], axis=1)
+        act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+        tl.store(out_ptr + j * I + rows, act, mask=rmask)
+
+    @triton.jit
+    def _down_sum(a_ptr, w_ptr, ids_ptr, tw_ptr, res_ptr, out_ptr, src_ptr, host_ptr, H: tl.constexpr,
+                  I: tl.constexpr, K_ROUTED: tl.constexpr, stride_we, stride_wn, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr, HAS_RES: tl.constexpr, FETCH: tl.constexpr):
+        nb = tl.program_id(0)
+        rows = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+        rmask = rows < H
+        total = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for j in range(0, K_ROUTED):  # the routed experts in slot order: a fixed summation order
+            e = tl.load(ids_ptr + j).to(tl.int64)
+            wj = tl.load(tw_ptr + j).to(tl.float32)
+            base = w_ptr + e * stride_we
+            read = base
+            if FETCH:  # a miss: its rows from the host bank, and a copy of them into its slot
+                miss = tl.load(src_ptr + j).to(tl.int64)
+                if miss >= 0:
+                    read = host_ptr + miss * stride_we
+            acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+            for k0 in range(0, I, BLOCK_K):
+                cols = k0 + tl.arange(0, BLOCK_K)
+                cmask = cols < I
+                a = tl.load(a_ptr + j * I + cols, mask=cmask, other=0.0)
+                m = rmask[:, None] & cmask[None, :]
+                off = rows[:, None] * stride_wn + cols[None, :]
+                w = tl.load(read + off, mask=m, other=0.0)
+                if FETCH:
+                    tl.store(base + off, w, mask=m & (miss >= 0))
+                acc += tl.sum(w.to(tl.float32) * a[None, :], axis=1)
+            total += wj * acc
+        y = total.to(out_ptr.dtype.element_ty)  # the experts' sum in the model dtype, as the grouped path's
+        if HAS_RES:  # the residual x + y, rounded as torch's x + y
+            r = tl.load(res_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
+            y = (r + y.to(tl.float32)).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + rows, y, mask=rmask)
+
+
+if triton is not None:
+    @triton.jit
+    def _attn_split(q_ptr, k_ptr, v_ptr, pos_ptr, m_ptr, l_ptr, acc_ptr, stride_kh, stride_kl, scale,
+                    G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, SPLIT: tl.constexpr,
+                    BLOCK_L: tl.constexpr, NSPLITS: tl.constexpr):
+        hk = tl.program_id(0)
+        sp = tl.program_id(1)
+        n = tl.load(pos_ptr).to(tl.int32) + 1  # keys [0, n) are visible
+        g = tl.arange(0, GP)
+        d = tl.arange(0, D)
+        gmask = g < G
+        q = tl.load(q_ptr + (hk * G + g)[:, None] * D + d[None, :], mask=gmask[:, None], other=0.0)  # [GP, D]
+        m = tl.full([GP], float("-inf"), dtype=tl.float32)
+        lsum = tl.zeros([GP], dtype=tl.float32)
+        acc = tl.zeros([GP, D], dtype=tl.float32)
+        start = sp * SPLIT
+        for l0 in range(0, SPLIT, BLOCK_L):
+            if start + l0 < n:  # blocks past pos do no work and read nothing
+                offs = start + l0 + tl.arange(0, BLOCK_L)
+                valid = offs < n
+                kv_off = hk * stride_kh + offs[:, None] * stride_kl + d[None, :]
+                k = tl.load(k_ptr + kv_off, mask=valid[:, None], other=0.0)  # [BLOCK_L, D]
+                s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [GP, BLOCK_L] float32; no TF32
+                s = tl.where(valid[None, :], s, float("-inf"))
+                m_new = tl.maximum(m, tl.max(s, axis=1))
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                p = tl.exp(s - m_safe[:, None])
+                alpha = tl.exp(m - m_safe)
+                v = tl.load(v_ptr + kv_off, mask=valid[:, None], other=0.0)  # [BLOCK_L, D]
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+                lsum = lsum * alpha + tl.sum(p, axis=1)
+                m = m_new
+        base = hk * NSPLITS + sp
+        tl.store(m_ptr + base * GP + g, m)
+        tl.store(l_ptr + base * GP + g, lsum)
+        tl.store(acc_ptr + (base * GP + g)[:, None] * D + d[None, :], acc)
+
+    @triton.jit
+    def _attn_combine(m_ptr, l_ptr, acc_ptr, out_ptr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
+                      NSPLITS: tl.constexpr):
+        hk = tl.program_id(0)
+        g = tl.program_id(1)  # one query head of the KV head's group
+        sp = tl.arange(0, NSPLITS)
+        d = tl.arange(0, D)
+        row = (hk * NSPLITS + sp) * GP + g  # [NSPLITS] this head's statistics in every range
+        m = tl.load(m_ptr + row)
+        lsum = tl.load(l_ptr + row)
+        big = tl.max(m, axis=0)
+        w = tl.where(m == float("-inf"), 0.0, tl.exp(m - big))  # [NSPLITS]; ranges past pos weigh nothing
+        a = tl.load(acc_ptr + row[:, None] * D + d[None, :])  # [NSPLITS, D]
+        out = tl.sum(w[:, None] * a, axis=0) / tl.sum(w * lsum, axis=0)  # [D]
+        tl.store(out_ptr + (hk * G + g) * D + d, out.to(out_ptr.dtype.element_ty))
+
+    @triton.jit
+    def _rms_norm(x_ptr, a_ptr, w_ptr, sum_ptr, out_ptr, eps, N: tl.constexpr, BLOCK: tl.constexpr,
+                  ADD: tl.constexpr, PLUS_ONE: tl.constexpr):
+        row = tl.program_id(0)
+        c = tl.arange(0, BLOCK)
+        cm = c < N
+        dt = out_ptr.dtype.element_ty
+        x = tl.load(x_ptr + row * N + c, mask=cm, other=0.0)
+        if ADD:  # the residual sum first, rounded as torch's x + a, and written out
+            x = (x.to(tl.float32) + tl.load(a_ptr + row * N + c, mask=cm, other=0.0).to(tl.float32)).to(dt)
+            tl.store(sum_ptr + row * N + c, x, mask=cm)
+        xf = x.to(tl.float32)
+        r = tl.rsqrt(tl.sum(xf * xf, axis=0) / N + eps)
+        w = tl.load(w_ptr + c, mask=cm, other=0.0).to(tl.float32)
+        if PLUS_ONE:  # zero-centred: x / rms * (1 + w) in float32, then the model dtype
+            y = (xf * r * (1.0 + w)).to(dt)
+        else:  # x / rms in the model dtype, times w (model.rms_norm's roundings)
+            y = (w * (xf * r).to(dt).to(tl.float32)).to(dt)
+        tl.store(out_ptr + row * N + c, y, mask=cm)
+
+    @triton.jit
+    def _qk_norm_rope_store(q_ptr, k_ptr, v_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, pos_ptr, kc_ptr, vc_ptr,
+                            qout_ptr, stride_kh, stride_kl, eps, HQ: tl.constexpr, D: tl.constexpr):
+        pid = tl.program_id(0)  # query heads, then KV heads
+        d = tl.arange(0, D)
+        partner = (d + D // 2) % D  # rotate_half's source index, negated in the first half
+        sign = tl.where(d < D // 2, -1.0, 1.0)
+        dt = qout_ptr.dtype.element_ty
+        pos = tl.load(pos_ptr).to(tl.int64)
+        cos = tl.load(cos_ptr + pos * D + d).to(tl.float32)
+        sin = tl.load(sin_ptr + pos * D + d).to(tl.float32)
+        if pid < HQ:
+            src = q_ptr + pid * D
+            wp = qn_ptr
+        else:
+            src = k_ptr + (pid - HQ) * D
+            wp = kn_ptr
+        x = tl.load(src + d).to(tl.float32)
+        xp = tl.load(src + partner).to(tl.float32)
+        r = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
+        n = (tl.load(wp + d).to(tl.float32) * (x * r).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+        n_p = (tl.load(wp + partner).to(tl.float32) * (xp * r).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+        # q * cos + rotate_half(q) * sin, each product and the sum rounded as torch's
+        y = ((n * cos).to(dt).to(tl.float32) + (sign * n_p * sin).to(dt).to(tl.float32)).to(dt)
+        if pid < HQ:
+            tl.store(qout_ptr + pid * D + d, y)
+        else:
+            hk = pid - HQ
+            at = hk * stride_kh + pos * stride_kl + d
+            tl.store(kc_ptr + at, y)
+            tl.store(vc_ptr + at, tl.load(v_ptr + hk * D + d))
+
+    @triton.jit
+    def _route_topk(logits_ptr, bias_ptr, w_ptr, ids_ptr, slot_of_ptr, expert_of_ptr, stamp_ptr, tick_ptr,
+                    counts_ptr, slots_ptr, src_ptr, E: tl.constexpr, EP: tl.constexpr, K: tl.constexpr,
+                    KP: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, LOOKUP: tl.constexpr,
+                    S: tl.constexpr, SP: tl.constexpr, IDENTITY: tl.constexpr, STEP: tl.constexpr,
+                    NEVER: tl.constexpr):
+        e = tl.arange(0, EP)
+        em = e < E
+        lg = tl.load(logits_ptr + e, mask=em, other=float("-inf")).to(tl.float32)
+        if HAS_BIAS:
+            lg += tl.load(bias_ptr + e, mask=em, other=0.0)
+        p = tl.exp(lg - tl.max(lg, axis=0))
+        p = p / tl.sum(p, axis=0)
+        p = tl.where(em, p, -1.0)
+        kk = tl.arange(0, KP)
+        vals = tl.zeros([KP], dtype=tl.float32)
+        idx = tl.zeros([KP], dtype=tl.int64)
+        for j in tl.static_range(K):  # the k largest in descending order; ties to the lowest expert id
+            best = tl.max(p, axis=0)
+            at = tl.min(tl.where(p == best, e, EP), axis=0)
+            vals = tl.where(kk == j, best, vals)
+            idx = tl.where(kk == j, at.to(tl.int64), idx)
+            p = tl.where(e == at, -1.0, p)
+        if NORM:
+            vals = vals / tl.sum(vals, axis=0)
+        km = kk < K
+        tl.store(w_ptr + kk, vals.to(w_ptr.dtype.element_ty), mask=km)
+        tl.store(ids_ptr + kk, idx, mask=km)
+        if LOOKUP:  # the slot cache's lookup of these experts (assign_slots), in the same program
+            slot_assign(tl.where(km, idx, 0).to(tl.int32), km, slot_of_ptr, expert_of_ptr, stamp_ptr, tick_ptr,
+                    counts_ptr, slots_ptr, src_ptr, K, KP, S, SP, IDENTITY, STEP, NEVER)
+
+
+if triton is not None:
+    @triton.jit
+    def slot_assign(ids, jm, slot_of_ptr, expert_of_ptr, stamp_ptr, tick_ptr, counts_ptr, slots_ptr, src_ptr,
+                K: tl.constexpr, KP: tl.constexpr, S: tl.constexpr, SP: tl.constexpr, IDENTITY: tl.constexpr,
+                STEP: tl.constexpr, NEVER: tl.constexpr):
+        """assign_slots on routed ids [KP] int32 (lanes past k masked off by jm)."""
+        j = tl.arange(0, KP)
+        cur = tl.load(slot_of_ptr + ids, mask=jm, other=-1)  # [KP] each routed expert's slot, -1 if absent
+        hit = jm & (cur >= 0)
+        miss = jm & (cur < 0)
+        s = tl.arange(0, SP)
+        sm = s < S
+        stamp = tl.load(stamp_ptr + s, mask=sm, other=NEVER)  # [SP] int64; padding is never the oldest
+        owner = tl.load(expert_of_ptr + s, mask=sm, other=-1)  # [SP] the expert in each slot, -1 if free
+        base = tl.load(tick_ptr) * STEP
+        # ranks by expert id, hits first: the order in which the host cache (ExpertStore.decode_experts) touches
+        lower = ids[None, :] < ids[:, None]  # [KP, KP] (j, j'): expert j' < expert j
+        n_hit = tl.sum(hit.to(tl.int32), axis=0)
+        rank_hit = tl.sum((lower & hit[None, :]).to(tl.int32), axis=1)  # [KP]
+        rank_miss = tl.sum((lower & miss[None, :]).to(tl.int32), axis=1)  # [KP]
+        at = hit[:, None] & (cur[:, None] == s[None, :])  # [KP, SP] the slots hits sit in
+        touched = tl.max(at.to(tl.int32), axis=0) > 0  # [SP]
+        stamp = tl.where(touched, tl.sum(tl.where(at, base + rank_hit[:, None], 0), axis=0), stamp)
+        given = tl.full([KP], -1, tl.int32)  # the slot each miss gets
+        evicted = tl.full([KP], -1, tl.int32)  # the expert it held before
+        n_miss = tl.sum(miss.to(tl.int32), axis=0)
+        for r in tl.static_range(K):  # misses in ascending expert order, each into the least recently used slot
+            if r < n_miss:  # (a step's misses are few: the rest of the K rounds do nothing)
+                sel = miss & (rank_miss == r)  # [KP] exactly one
+                some = tl.sum(sel.to(tl.int32), axis=0) > 0
+                e = tl.sum(tl.where(sel, ids, 0), axis=0)
+                if IDENTITY:
+                    victim = e
+                else:
+                    oldest = tl.min(stamp, axis=0)
+                    victim = tl.min(tl.where(stamp == oldest, s, SP), axis=0)
+                put = (s == victim) & some
+                was = tl.sum(tl.where(put, owner, 0), axis=0)
+                stamp = tl.where(put, base + n_hit + r, stamp)
+                owner = tl.where(put, e, owner)
+                given = tl.where(sel, victim, given)
+                evicted = tl.where(sel, was, evicted)
+        tl.store(stamp_ptr + s, stamp, mask=sm)
+        tl.store(expert_of_ptr + s, owner, mask=sm)
+        tl.store(slot_of_ptr + evicted, -1, mask=miss & (evicted >= 0))
+        tl.store(slot_of_ptr + ids, given, mask=miss)
+        tl.store(slots_ptr + j, tl.where(hit, cur, given).to(tl.int64), mask=jm)
+        tl.store(src_ptr + j, tl.where(miss, ids, -1), mask=jm)
+        tl.store(counts_ptr, tl.load(counts_ptr) + n_hit)
+        tl.store(counts_ptr + 1, tl.load(counts_ptr + 1) + n_miss)
+
+
+
+def attention_applies(head_dim: int) -> bool:
+    """Whether ``attention_split_kv`` and ``qk_norm_rope_store`` take this head dimension: a power of two of
+    at least 16 (``tl.dot``'s smallest tile)."""
+    return head_dim >= 16 and head_dim & (head_dim - 1) == 0
+
+
+def next_pow2(x: int) -> int:
+    return 1 << max(0, (int(x) - 1).bit_length())
+
+
+def attention_split_kv(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos: torch.Tensor, scale: float,
+                       block_l: int = 64, max_splits: int = 64) -> torch.Tensor:
+    """``model.decode_gqa``'s contract as a flash-decoding kernel (module docstring): q [Hq, 1, D] over keys,
+    values [Hkv, L, D] (L: the static bucket; each [Hkv, L, D] view with a contiguous last dimension), the
+    positions after ``pos`` (int64 [1] on the device) masked -> [Hq, 1, D] in q's dtype."""
+    if triton is None:
+        raise RuntimeError("attention_split_kv needs Triton")
+    hq, _, d = q.shape
+    hkv, length, _ = keys.shape
+    if keys.stride(-1) != 1 or values.stride() != keys.stride() or d & (d - 1) or d < 16:
+        raise ValueError("attention_split_kv: K and V with one layout, a contiguous last dimension, and a "
+                         "power-of-two head dimension of at least 16")
+    g = hq // hkv
+    gp = max(16, next_pow2(g))  # tl.dot takes at least 16 rows
+    nsplits = min(max_splits, next_pow2(-(-length // block_l)))
+    split = -(-length // nsplits)
+    split = -(-split // block_l) * block_l  # whole blocks
+    f32 = dict(dtype=torch.float32, device=q.device)
+    m = torch.empty(hkv, nsplits, gp, **f32)
+    lsum = torch.empty(hkv, nsplits, gp, **f32)
+    acc = torch.empty(hkv, nsplits, gp, d, **f32)
+    qc = q.reshape(hq, d).contiguous()
+    _attn_split[(hkv, nsplits)](qc, keys, values, pos, m, lsum, acc, keys.stride(0), keys.stride(1), scale,
+                                G=g, GP=gp, D=d, SPLIT=split, BLOCK_L=block_l, NSPLITS=nsplits)
+    out = torch.empty(hq, d, dtype=q.dtype, device=q.device)
+    _attn_combine[(hkv, g)](m, lsum, acc, out, G=g, GP=gp, D=d, NSPLITS=nsplits)
+    return out.view(hq, 1, d)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+             plus_one: bool = False):
+    """``model.rms_norm`` (or, with ``plus_one``, ``hybrid.zc_rms_norm``) of x [T, N] as one kernel, a program
+    per row. With ``residual`` [T, N] it normalises s = residual + x and returns (s, norm(s)): the residual
+    add of a layer and the next norm in one kernel."""
+    if triton is None:
+        raise RuntimeError("rms_norm needs Triton")
+    x = x.contiguous()
+    T, N = x.shape
+    out = torch.empty_like(x)
+    total = torch.empty_like(x) if residual is not None else out
+    _rms_norm[(T,)](x, x if residual is None else residual.contiguous(), weight, total, out, eps, N=N,
+                    BLOCK=next_pow2(N), ADD=residual is not None, PLUS_ONE=plus_one)
+    return out if residual is None else (total, out)
+
+
+def qk_norm_rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm: torch.Tensor,
+                       k_norm: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor,
+                       cache_k: torch.Tensor, cache_v: torch.Tensor, eps: float) -> torch.Tensor:
+    """One decode token's per-head RMSNorm of q and k, rotary embedding at ``pos`` (int64 [1] on the device)
+    and K/V cache write, as one kernel: q [1, Hq*D], k and v [1, Hkv*D] (the projections), the norms' weights
+    [D], the rope tables [S, D], the layer's cache [Hkv, S, D] x2 (written at pos) -> q [Hq, 1, D]. The roundings
+    of ``Model.decode_attention``'s torch ops, the norm's sum in another order."""
+    if triton is None:
+        raise RuntimeError("qk_norm_rope_store needs Triton")
+    hkv, _, d = cache_k.shape
+    hq = q.shape[-1] // d
+    if (d & (d - 1) or cos.stride() != (d, 1) or sin.stride() != (d, 1) or cache_k.stride(-1) != 1
+            or cache_v.stride() != cache_k.stride()):
+        raise ValueError("qk_norm_rope_store: a power-of-two head dimension, [S, D] rope tables, K and V caches "
+                         "with one layout and a contiguous last dimension")
+    q_out = torch.empty(hq, 1, d, dtype=q.dtype, device=q.device)
+    _qk_norm_rope_store[(hq + hkv,)](q.contiguous(), k.contiguous(), v.contiguous(), q_norm, k_norm, cos, sin, pos,
+                                     cache_k, cache_v, q_out, cache_k.stride(0), cache_k.stride(1), eps, HQ=hq, D=d)
+    return q_out
+
+
+class SlotLookup(NamedTuple):
+    """One layer's device-side slot table (``experts.DeviceSlotTable.layer``), as ``assign_slots`` takes it:
+    slot_of [E] int32, expert_of [S] int32, stamp [S] int64, tick [1], counts [2], and the outputs slots [k]
+    int64 and src [k] int32; ``identity``: expert e lives in slot e."""
+
+    slot_of: torch.Tensor
+    expert_of: torch.Tensor
+    stamp: torch.Tensor
+    tick: torch.Tensor
+    counts: torch.Tensor
+    slots: torch.Tensor
+    src: torch.Tensor
+    identity: bool
+
+
+def route_topk(logits: torch.Tensor, top_k: int, norm_topk_prob: bool, dtype: torch.dtype,
+               bias: torch.Tensor | None = None,
+               lookup: SlotLookup | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``model.route`` after its router matmul, for one token, as one kernel: logits [1, E] (+ ``bias`` [E]
+    float32) -> softmax in float32 -> the top k in descending order (ties to the lowest expert id) ->
+    renormalised when ``norm_topk_prob`` -> (weights [1, k] in ``dtype``, expert ids [1, k] int64). With
+    ``lookup``, the same program then looks the k experts up in that slot table (``assign_slots``: the same
+    policy and results, one kernel fewer a layer). One warp."""
+    if triton is None:
+        raise RuntimeError("route_topk needs Triton")
+    if logits.shape[0] != 1:
+        raise ValueError("route_topk: one token")
+    e = logits.shape[-1]
+    w = torch.empty(1, top_k, dtype=dtype, device=logits.device)
+    ids = torch.empty(1, top_k, dtype=torch.long, device=logits.device)
+    lg = logits.contiguous()
+    t = lookup
+    n_slots = 1 if t is None else check_slot_table(top_k, t.stamp.shape[0])
+    args = (ids,) * 7 if t is None else (t.slot_of, t.expert_of, t.stamp, t.tick, t.counts, t.slots, t.src)
+    _route_topk[(1,)](lg, lg if bias is None else bias, w, ids, *args, E=e, EP=next_pow2(e), K=top_k,
+                      KP=next_pow2(top_k), HAS_BIAS=bias is not None, NORM=norm_topk_prob, LOOKUP=t is not None,
+                      S=n_slots, SP=next_pow2(n_slots), IDENTITY=t is not None and t.identity, STEP=STAMP_STEP,
+                      NEVER=STAMP_NEVER, num_warps=1)
+    return w, ids
+
+
+STAMP_STEP = 256  # a slot's recency stamp: tick * STAMP_STEP + its rank within the step (top_k < STAMP_STEP)
+STAMP_NEVER = 2**62  # padding slots' stamp: never the least recently used
+
+
+def check_slot_table(k: int, s: int) -> int:
+    """The slot count s of a table a top-``k`` lookup can use; ValueError otherwise."""
+    if k >= STAMP_STEP or k > s:
+        raise ValueError(f"assign_slots: top_k {k} must be < {STAMP_STEP} and <= the {s} slots")
+    return s
+
+
+class HostMapped:
+    """A page-locked host tensor as a kernel argument: Triton's launcher takes any object with ``data_ptr()``
+    and ``dtype`` and asks the driver for the pointer's device address, which for memory registered with
+    ``cudaHostRegister`` is the host memory itself, read over PCIe (unified addressing)."""
+
+    def __init__(self, t: torch.Tensor):
+        self.t, self.dtype = t, t.dtype
+
+    def data_ptr(self) -> int:
+        return self.t.data_ptr()
+
+
+def moe_one_token(h: torch.Tensor, top_w: torch.Tensor, top_ids: torch.Tensor, gate_up: torch.Tensor,
+                  down: torch.Tensor, block_n: int = 4, block_k: int = 1024,
+                  residual: torch.Tensor | None = None,
+                  fetch: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """Routed SwiGLU experts of one token (module docstring): h [1, H], top_w [1, k], top_ids [1, k] indexing
+    gate_up [G, 2I, H] and down [G, H, I] -> [1, H] in h's dtype; with ``residual`` [1, H], residual + that
+    (the same bits as ``residual + moe_one_token(...)``, one kernel fewer).
+
+    ``fetch`` = (src [k] int32, host_gate_up [E, 2I, H], host_down [E, H, I]): the step's slot-cache misses
+    (``assign_slots``' src: the expert to copy into slot top_ids[j], -1 for a hit). The kernels read a missed
+    expert's weights from the host bank (page-locked and registered when the slots are on CUDA: zero-copy reads
+    over PCIe) instead of its slot, compute with them, and store them into the slot as they go: the copy
+    ``fetch_misses`` makes, bit for bit, with the same arithmetic on the same values (the same result as
+    fetching first), but overlapped with the hit experts' work and with no kernel of its own."""
+    if triton is None:
+        raise RuntimeError("moe_one_token needs Triton")
+    if h.shape[0] != 1 or not (gate_up.stride(-1) == 1 and down.stride(-1) == 1):
+        raise ValueError("moe_one_token: one token, row-major expert weights")
+    G, two_i, H = gate_up.shape
+    inter, k = two_i // 2, top_ids.shape[1]
+    ids = top_ids.reshape(-1).contiguous()  # [k]
+    src, host_gu, host_dn = (ids, gate_up, down) if fetch is None else fetch
+    if fetch is not None:
+        if not all(t.is_contiguous() for t in (host_gu, host_dn, gate_up, down)) or src.shape != (k,):
+            raise ValueError("moe_one_token: a fetch needs src [k] and contiguous expert blocks")
+        if host_gu.shape[1:] != gate_up.shape[1:] or host_dn.shape[1:] != down.shape[1:] \
+                or host_gu.dtype != gate_up.dtype or host_dn.dtype != down.dtype:
+            raise ValueError("moe_one_token: the host bank's experts must be shaped and typed as the slots'")
+        if gate_up.is_cuda and not host_gu.is_cuda:
+            host_gu, host_dn = HostMapped(host_gu), HostMapped(host_dn)
+    act = torch.empty(k, inter, dtype=torch.float32, device=h.device)  # [k, I]
+    _gate_up_act[(k, triton.cdiv(inter, block_n))](h.reshape(-1), gate_up, ids, act, src, host_gu, H, inter,
+                                                    gate_up.stride(0), gate_up.stride(1),
+                                                    BLOCK_N=block_n, BLOCK_K=block_k, FETCH=fetch is not None)
+    out = torch.empty(1, H, dtype=h.dtype, device=h.device)  # [1, H]
+    tw = top_w.reshape(-1).contiguous()  # [k], read as float32 in the kernel
+    res = out if residual is None else residual.reshape(1, H).contiguous()
+    _down_sum[(triton.cdiv(H, block_n),)](act, down, ids, tw, res, out, src, host_dn, H, inter, k,
+                                         down.stride(0), down.stride(1), BLOCK_N=block_n, BLOCK_K=block_k,
+                                         HAS_RES=residual is not None, FETCH=fetch is not None)
+    return out  # [1, H]

@@ -1,0 +1,490 @@
+"""``Engine``: what the HTTP server drives. One request at a time; a prefix cache of the previous request.
+
+Contract (the server relies on it):
+- ``Engine(config)`` plans device memory (``memory_plan``: the decode slot cache sized from
+  ``gpu_memory_budget_gib``, or the device's free memory; ``slots_per_layer``), builds the model, the host
+  expert bank (refused when it and its headroom, the dense weights plus a twentieth of the bank, do not fit the
+  host's available memory) and the device buffers, loads or draws the weights and measures host->device
+  bandwidth (``measured_h2d_gbps``); ``startup_s`` says how long it took. ``decoder`` runs decode steps (CUDA
+  graphs on CUDA). ``info`` is what the server reports about it (the contract's ``BackendInfo``).
+- ``generate(request, cancel)`` (:class:`abbench.engine.contract.GenerateRequest`; the contract's
+  ``Backend``) validates eagerly (``ValueError``; ``ContextOverflow`` when prompt + max_tokens > max_context),
+  resolves what the request leaves to the engine (prefill mode, chunk length, attention batch, who handles
+  decode's misses) into the request it runs, and returns a generator of ``TokenEvent``, one per output token;
+  the generator's return value (``StopIteration.value``) is the ``RequestStats``. ``Cancelled`` is raised from
+  the generator when ``cancel`` is set (checked at every layer step of prefill and decode). A second
+  request while one is running raises ``RuntimeError`` (the server serialises requests). On CUDA
+  out-of-memory, request-local tensors are released (the traceback's frames are cleared) and
+  ``torch.OutOfMemoryError`` propagates unchanged; the engine stays usable. ``run(prompt_ids, max_tokens,
+  **fields)`` drains one request (tests, checks).
+- The EOS token, when generated and ``ignore_eos`` is false, is yielded and counted (finish_reason "stop").
+- Prefix cache: the KV of the previous request's prompt and generated tokens stays valid; a new prompt
+  sharing a prefix with those tokens reuses it (at most len(prompt) - 1 tokens, so at least one token is
+  prefilled) and prefills the rest in chunks starting at the reuse point. Hybrid models (linear-attention
+  states, valid only where snapshotted) reuse exactly the previous prompt when the new prompt extends it
+  (the states are snapshotted at the end of every prefill), else nothing. ``reset()`` flushes the prefix
+  cache (and the hybrid states) and the decode slot cache.
+- Byte accounting per request (``RequestStats``: H2D/D2D bytes, decode slot-cache hits and misses, decode
+  steps, torch's peak device memory during the request) and for the engine's lifetime (``counters``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import sys
+import threading
+import time
+import traceback
+from collections import deque
+from collections.abc import Iterator
+
+import torch
+
+from abbench.engine.config import (
+    MAX_ATTENTION_BATCH, PREFILL_MODES, PREFILL_PATHS, EngineConfig, ModelConfig, check_hybrid_chunk,
+)
+from abbench.engine.runtime.memory import GIB, MemoryPlan, dense_params, plan_device_memory
+from abbench.engine.contract import (
+    BackendInfo, CancelLike, Cancelled, GenerateRequest, RequestStats, TokenEvent, check_cancel, check_request,
+    drain,
+)
+from abbench.engine.ops.sampling import Sampler
+from abbench.engine.runtime.decode import Decoder
+from abbench.engine.models.bank import ExpertBank
+from abbench.engine.runtime.experts import ExpertStore
+from abbench.engine.models.factory import build_model
+from abbench.engine.runtime.graphs import GraphCache
+from abbench.engine.models.hybrid import attention_batching_exact
+from abbench.engine.ops.dense import attention_backends
+from abbench.engine.ops.moe import probe_graph_capture
+from abbench.engine.runtime.policy import Calibration, CostModel, choose, expected_demand_copies
+from abbench.engine.runtime.prefill import Batching, PrefillStats, plan_chunks, prefill
+from abbench.engine.runtime.steps import LayerSteps
+from abbench.engine.ops.trace import LayerTrace
+
+__all__ = ["Engine"]
+
+
+def _resolve_device(name: str) -> torch.device:
+    if name == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise RuntimeError(f"device {name!r} requested but torch.cuda.is_available() is false "
+                           f"(torch {torch.__version__})")
+    dev = torch.device(name)
+    return torch.device("cuda", torch.cuda.current_device() if dev.index is None else dev.index)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class Engine:
+    def __init__(self, config: EngineConfig):
+        t0 = time.perf_counter()
+        self.config = cfg = config.resolved()
+        self.model_config: ModelConfig = cfg.model  # type: ignore[assignment]
+        self.device = _resolve_device(cfg.device)
+        self.dtype = getattr(torch, cfg.dtype)
+        if cfg.deterministic:
+            if self.device.type == "cuda":
+                os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+            torch.use_deterministic_algorithms(True, warn_only=True)
+        mc = self.model_config
+        self._kv_tokens: list[int] = []  # tokens whose KV is valid at positions [0, len) in every layer
+        # Hybrid models: the linear layers' states are valid only where they were snapshotted, at the end of
+        # the last prefilled prompt (0: no snapshot). A prompt reuses the prefix cache only up to that point.
+        self._hybrid = mc.is_hybrid
+        self._states_at = 0
+        self._lock = threading.Lock()
+        with self._on_device():
+            self.memory_plan = self._plan_memory()
+            bank = ExpertBank(mc, self.dtype, pin=self.device.type == "cuda", check_memory=cfg.host_memory_check,
+                              dense_bytes=dense_params(mc) * self.dtype.itemsize)
+            self.model, self.kv = build_model(mc, cfg.weights, bank, cfg.max_context, self.device, self.dtype,
+                                              router_skew=cfg.router_skew)
+            self.slots_per_layer = self.memory_plan.slots_per_layer if self.memory_plan else (
+                cfg.expert_slots_per_layer or mc.num_experts)
+            resident = cfg.prefill_mode == "resident"
+            self.store = ExpertStore(bank, self.device, self.slots_per_layer, resident, cfg.d2d_from_slot_cache)
+            self.decoder = Decoder(self.model, self.store, self.kv, graphs=cfg.decode_graphs,
+                                   experts=cfg.decode_experts, attention=cfg.decode_attention,
+                                   misses=cfg.decode_misses)
+            self.steps = self._layer_steps()
+            self._batch_exact: dict[tuple[int, int], bool] = {}
+            if cfg.attention_batch > 1:  # probe the configured chunk length now, not in the first request
+                self._batching(cfg.attention_batch, cfg.chunk_tokens)
+            self.measured_h2d_gbps = self.store.measure_h2d_gbps(cfg.bandwidth_probe_bytes)
+            self.decode_warmup: dict | None = None
+            if cfg.warm_decode_graphs and self.decoder.graphs is not None:
+                self._warm_decode()
+            self.policy: CostModel | None = None
+            self.calibration: Calibration | None = None
+            # demand prefills not yet compared with the model: (chunks, experts copied)
+            self._calibration_pending: deque[tuple[list[tuple[int, int]], int]] = deque(maxlen=64)
+            if cfg.prefill_mode == "auto":  # the cost model's inputs, and routing counts from now on
+                self.policy = self._measure_costs()
+                self.steps.track_routing()
+                if cfg.auto_calibration:
+                    self.calibration = Calibration(cfg.auto_calibration)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+        self.bank_bytes = bank.bank_bytes
+        self.counters: dict = {
+            "requests_total": 0, "requests_cancelled": 0, "h2d_bytes_total": 0, "d2d_bytes_total": 0,
+            "expert_copies_total": 0, "startup_h2d_bytes": self.store.startup_h2d_bytes,
+            "cached_prompt_tokens_total": 0,
+            "requests_by_path": {m: 0 for m in PREFILL_PATHS},
+            "prefill_tokens_by_path": {m: 0 for m in PREFILL_PATHS},
+        }
+        self.startup_s = time.perf_counter() - t0
+
+    def _warm_decode(self) -> None:
+        """Capture every decode KV-length bucket's graphs now (``Decoder.warm``), then put back what the
+        throwaway steps wrote (KV and states are garbage there, the slot cache holds their experts): the
+        prefix cache and the hybrids' states are cleared, the slots flushed, the decoder's step counts kept."""
+        t0 = time.perf_counter()
+        steps = dict(self.decoder.steps)
+        buckets = self.decoder.warm()
+        self.decoder.steps = steps
+        self.reset()
+        self.store.forget_traffic()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.decode_warmup = {"kv_buckets": buckets, "seconds": round(time.perf_counter() - t0, 3)}
+
+    def _layer_steps(self) -> LayerSteps:
+        """The prefill layer steps: CUDA graphs of full chunks' fixed-shape half-steps where the model has them
+        (``EngineConfig.prefill_graphs``, CUDA, a grouped expert kernel that captures), else eager."""
+        cfg, model = self.config, self.model
+        graphs = None
+        if (cfg.prefill_graphs and self.device.type == "cuda" and model.prefill_graph_moe
+                and model.grouped and probe_graph_capture(self.device, self.dtype)):
+            graphs = GraphCache(self.device)
+        return LayerSteps(model, graphs, cfg.chunk_tokens)
+
+    @property
+    def prefill_graphs_mode(self) -> str:
+        return "eager" if self.steps.graphs is None else "cuda-graphs"
+
+    def _batching(self, k: int, chunk: int) -> Batching:
+        """Attention batching of ``k`` chunks of ``chunk`` tokens; whether the device computes the joint call bit
+        for bit is probed once per (k, chunk) (``hybrid.attention_batching_exact``) at the start of a prompt, at
+        its second chunk and at the batching limit."""
+        if k <= 1:
+            return Batching()
+        cfg = self.config
+        exact = self._batch_exact.get((k, chunk))
+        if exact is None:
+            limit = min(cfg.attention_batch_max_context, cfg.max_context)
+            starts = sorted({0, chunk, max(0, (limit - k * chunk) // chunk * chunk)})
+            with self._on_device(), torch.no_grad(), attention_backends():
+                exact = attention_batching_exact(self.model_config, chunk, k, starts, self.device, self.dtype,
+                                                 self.model.scale)
+            self._batch_exact[(k, chunk)] = exact
+        return Batching(k, cfg.attention_batch_max_context, exact)
+
+    def _measure_costs(self) -> CostModel:
+        """The auto policy's inputs (:mod:`abbench.engine.runtime.policy`), measured now: the H2D bandwidth (the start-up
+        probe's, or a small probe when it was skipped), one layer step's compute time at the demand and chunk
+        lengths (layer 0, eagerly, through the first prefill buffer filled with its experts: median of 3 after a
+        warm-up) and one host round trip. The steps write KV and states: the engine is reset afterwards."""
+        cfg, mc, store, model = self.config, self.model_config, self.store, self.model
+        sync = (lambda: torch.cuda.synchronize(self.device)) if self.device.type == "cuda" else (lambda: None)
+        gbps = self.measured_h2d_gbps
+        if not gbps == gbps:  # NaN: no start-up probe
+            gbps = store.measure_h2d_gbps(min(2 * store.bank.layer_bytes, 256 * 2**20))
+        if store.resident is not None:
+            gate_up, down = store.resident[0]
+        else:
+            store._copy_experts(0, 0, range(mc.num_experts))
+            gate_up, down = store.buf_gate_up[0], store.buf_down[0]
+        step_s: dict[int, float] = {}
+        gen = torch.Generator(device="cpu").manual_seed(0)
+        with torch.no_grad(), attention_backends():
+            for t in sorted({min(cfg.demand_max_tokens, cfg.chunk_tokens), cfg.chunk_tokens}):
+                ids = torch.randint(0, mc.vocab_size, (t,), generator=gen).to(self.device)
+                times = []
+                for _ in range(4):
+                    sync()
+                    t0 = time.perf_counter()
+                    model.moe_block(*model.attn_block(0, model.embed(ids), self.kv, 0), gate_up, down)
+                    sync()
+                    times.append(time.perf_counter() - t0)
+                step_s[t] = sorted(times[1:])[1]
+            probe = torch.zeros(1, device=self.device)
+            rtts = []
+            for _ in range(9):
+                t0 = time.perf_counter()
+                probe.add_(1).tolist()
+                rtts.append(time.perf_counter() - t0)
+        store.forget_traffic()
+        self.reset()
+        return CostModel(bandwidth=gbps * 1e9, layer_bytes=store.bank.layer_bytes,
+                         expert_bytes=store.bank.expert_bytes, n_layers=mc.num_hidden_layers,
+                         num_experts=mc.num_experts, top_k=mc.num_experts_per_tok, step_s=step_s,
+                         sync_s=sorted(rtts)[len(rtts) // 2], overlap=self.device.type == "cuda")
+
+    def _auto_path(self, n: int, start: int, chunk_tokens: int) -> tuple[str, dict]:
+        """The path the auto policy picks for n uncached tokens at ``start``, and what it saw. The demand
+        prefills run since the last call are compared with the model first (``Calibration``)."""
+        cfg = self.config
+        counts = self.steps.route_counts
+        freqs = None
+        if counts is not None and int(counts.sum()) > 0:  # one host read of the routing seen so far
+            freqs = (counts.double() + 1.0).cpu().numpy()  # add-one: an expert never seen is not impossible
+        while self._calibration_pending and self.calibration is not None:
+            chunks, copied = self._calibration_pending.popleft()
+            self.calibration.observe(expected_demand_copies(self.policy, chunks, cfg.demand_max_tokens, freqs), copied)
+        chunks = plan_chunks(start, start + n, chunk_tokens)
+        path, reason, est, cal = choose(self.policy, chunks, cfg.layer_major_window_tokens // chunk_tokens,
+                                        cfg.demand_max_tokens, freqs, cfg.auto_demand_max_tokens, self.calibration)
+        info = {"path": path, "reason": reason, "routing": "observed" if freqs is not None else "uniform",
+                "estimates_s": {k: round(v, 6) for k, v in est.items()}}
+        if self.calibration is not None:
+            info["calibrated_s"] = {k: round(v, 6) for k, v in cal.items()}
+            info["calibration"] = {"demand_copies_factor": round(self.calibration.factor, 4),
+                                   "demand_prefills": self.calibration.seen}
+        return path, info
+
+    def _plan_memory(self) -> MemoryPlan | None:
+        """The device-memory plan (slots per layer from the budget); None on CPU without a budget, where the
+        slot cache holds every expert unless expert_slots_per_layer says otherwise."""
+        cfg = self.config
+        budget = cfg.gpu_memory_budget_gib
+        if budget is None and self.device.type != "cuda":
+            return None
+        if budget is None:
+            free, _total = torch.cuda.mem_get_info(self.device)
+            budget_bytes = int(free)
+        else:
+            budget_bytes = int(budget * GIB)
+        return plan_device_memory(cfg, budget_bytes)
+
+    def _on_device(self):
+        return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
+
+    # -- public API -------------------------------------------------------------------------------------
+    def generate(self, request: GenerateRequest, cancel: CancelLike = None) -> Iterator[TokenEvent]:
+        """Generator; yields one TokenEvent per output token; its return value (StopIteration.value) is
+        RequestStats. Raises Cancelled (checked every layer step and every decode step), ContextOverflow
+        before any work. What the request leaves to the engine is resolved here (:meth:`resolve`), so the
+        request that runs says everything it ran with."""
+        return self._generate(self.resolve(request), cancel)
+
+    def resolve(self, request: GenerateRequest) -> GenerateRequest:
+        """``request`` checked (ValueError, ContextOverflow) with every choice it left to the engine made: the
+        prefill mode, the chunk length (:meth:`check_chunk_tokens`), the chunks per attention call in
+        layer-major prefill (hybrid Qwen3.5/3.6 models only) and who handles the decode slot cache's misses
+        (``Decoder.check_misses``; None with resident experts). ``trace_layers``: ``RequestStats.layer_trace``
+        holds the prefill's layer trace (:mod:`abbench.engine.ops.trace`)."""
+        mode = request.prefill_mode or self.config.prefill_mode
+        k = self.config.attention_batch if request.attention_batch is None else int(request.attention_batch)
+        if not 1 <= k <= MAX_ATTENTION_BATCH:
+            raise ValueError(f"attention_batch must be in [1, {MAX_ATTENTION_BATCH}], got {k}")
+        if k > 1 and not self.model.attention_batching:
+            raise ValueError(f"attention_batch {k} needs a model with joint attention calls (the Qwen3.5/3.6 "
+                             f"hybrid); {self.model_config.name} has none")
+        chunk = self.check_chunk_tokens(request.chunk_tokens)
+        prompt = check_request(request, self.model_config.vocab_size, self.config.max_context)
+        if mode not in PREFILL_MODES:
+            raise ValueError(f"prefill_mode must be one of {PREFILL_MODES}, got {mode!r}")
+        if mode == "resident" and self.store.resident is None:
+            raise ValueError("prefill_mode 'resident' needs an engine started with prefill_mode='resident'")
+        if mode == "auto" and self.policy is None:
+            raise ValueError("prefill_mode 'auto' needs an engine started with prefill_mode='auto' (it measures "
+                             "the cost model's inputs and tracks the routing from the start)")
+        misses = self.decoder.check_misses(request.decode_misses)
+        return dataclasses.replace(
+            request, prompt_ids=prompt, max_tokens=int(request.max_tokens), temperature=float(request.temperature),
+            logprobs=None if request.logprobs is None else int(request.logprobs), prefill_mode=mode,
+            chunk_tokens=chunk, attention_batch=k, decode_misses=misses, trace_layers=bool(request.trace_layers))
+
+    def check_chunk_tokens(self, chunk_tokens: int | None) -> int:
+        """A request's prefill chunk length: the config's when None. Every mode runs the same chunk shapes, so
+        any chunk length keeps chunked, layer-major, demand and resident bitwise equal to each other at that
+        length (not across lengths: the chunking changes the summation order). ValueError when it is not
+        positive, not a multiple of the delta rule's block on a hybrid model, or larger than the config's chunk
+        length on an engine held to a device-memory budget (the budget was planned for that chunk length)."""
+        cfg = self.config
+        if chunk_tokens is None:
+            return cfg.chunk_tokens
+        chunk = int(chunk_tokens)
+        if chunk <= 0:
+            raise ValueError(f"chunk_tokens must be positive, got {chunk}")
+        check_hybrid_chunk(self.model_config, chunk)
+        if cfg.gpu_memory_budget_gib is not None and chunk > cfg.chunk_tokens:
+            raise ValueError(f"chunk_tokens {chunk} > the engine's {cfg.chunk_tokens}: its "
+                             f"{cfg.gpu_memory_budget_gib:g} GiB device-memory budget was planned for "
+                             f"{cfg.chunk_tokens}-token chunks (start it with a larger --chunk-tokens)")
+        return chunk
+
+    def run(self, prompt_ids: list[int], max_tokens: int = 16, cancel: CancelLike = None,
+            **fields) -> tuple[list[TokenEvent], RequestStats]:
+        """Drain one request of ``prompt_ids`` and ``fields`` (GenerateRequest's): (events, stats)."""
+        return drain(self.generate(GenerateRequest(list(prompt_ids), max_tokens, **fields), cancel))
+
+    @property
+    def info(self) -> BackendInfo:
+        """What the server reports about this engine (the contract's ``BackendInfo``)."""
+        model = self.config.model
+        return BackendInfo(model=model if isinstance(model, str) else self.model_config.name,
+                           model_name=self.model_config.name, vocab_size=self.model_config.vocab_size,
+                           max_context=self.config.max_context or self.model_config.max_position_embeddings,
+                           startup_s=self.startup_s,
+                           decode_mode=self.decoder.mode, decode_kernels=self.decoder.kernels,
+                           measured_h2d_gbps=self.measured_h2d_gbps, bank_bytes=self.bank_bytes,
+                           slots_per_layer=self.slots_per_layer)
+
+    def reset(self) -> None:
+        """Flush the prefix cache and the decode slot cache."""
+        if not self._lock.acquire(blocking=False):
+            raise RuntimeError("Engine.reset() while a request is running")
+        try:
+            self._kv_tokens = []
+            self._states_at = 0
+            if self._hybrid:
+                self.kv.clear()
+            self.store.flush_slots()
+        finally:
+            self._lock.release()
+
+    # -- internals --------------------------------------------------------------------------------------
+    def _prefill(self, ids: list[int], start: int, mode: str, cancel: CancelLike,
+                 chunk_tokens: int, attention_batch: int = 1) -> tuple[torch.Tensor, PrefillStats]:
+        cfg = self.config
+        auto = None
+        if mode == "auto":
+            mode, auto = self._auto_path(len(ids), start, chunk_tokens)
+        with self._on_device():
+            copies0 = self.store.request.expert_copies
+            t = torch.tensor(ids, dtype=torch.long, device=self.device)  # [T]
+            logits, stats = prefill(self.steps, self.store, self.kv, t, start, mode,
+                                    chunk_tokens=chunk_tokens,
+                                    window_tokens=cfg.layer_major_window_tokens,
+                                    demand_max_tokens=cfg.demand_max_tokens, cancel=cancel,
+                                    batching=self._batching(attention_batch, chunk_tokens))
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            if self.calibration is not None and stats.path == "demand":  # compared at the next auto decision
+                self._calibration_pending.append((plan_chunks(start, start + len(ids), chunk_tokens),
+                                                  self.store.request.expert_copies - copies0))
+            if auto is not None:
+                stats.requested_mode, stats.auto = "auto", auto
+            return logits, stats
+
+    def _alloc_retries(self) -> int | None:
+        """The CUDA caching allocator's retry count so far (None off CUDA)."""
+        if self.device.type != "cuda":
+            return None
+        return int(torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0))
+
+    def _decode(self, token: int, pos: int, cancel: CancelLike, misses: str | None) -> torch.Tensor:
+        with self._on_device():
+            return self.decoder.step(token, pos, cancel, misses)
+
+    def _sample(self, sampler: Sampler, logits: torch.Tensor) -> TokenEvent:
+        with self._on_device():
+            return TokenEvent(*sampler(logits))
+
+    def _generate(self, request: GenerateRequest, cancel: CancelLike):
+        """The resolved ``request`` (:meth:`resolve`) run: the generator :meth:`generate` returns."""
+        if not self._lock.acquire(blocking=False):
+            raise RuntimeError("Engine.generate() while another request is running (one at a time)")
+        store, counters = self.store, self.counters
+        prompt, chunk_tokens, misses = request.prompt_ids, request.chunk_tokens, request.decode_misses
+        before = store.lifetime.snapshot()
+        steps0 = dict(self.decoder.steps)
+        try:
+            store.begin_request()
+            retries0 = self._alloc_retries()
+            start_bytes = None
+            if self.device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(self.device)
+                start_bytes = int(torch.cuda.memory_allocated(self.device))
+            reuse = min(_common_prefix(self._kv_tokens, prompt), len(prompt) - 1)
+            if self._hybrid:  # resume exactly at the snapshot (a continuation of the last prompt) or not at all
+                reuse = self._states_at if 0 < self._states_at <= reuse else 0
+                if reuse:
+                    with self._on_device():
+                        self.kv.restore()
+            self._kv_tokens = self._kv_tokens[:reuse]  # only the shared prefix stays valid from here on
+            prefill_start = time.perf_counter()
+            tracer = LayerTrace() if request.trace_layers else None
+            self.model.trace = tracer
+            try:
+                logits, pstats = self._prefill(prompt[reuse:], reuse, request.prefill_mode, cancel, chunk_tokens,
+                                               request.attention_batch)
+            finally:
+                self.model.trace = None
+            prefill_end = time.perf_counter()
+            self._kv_tokens = list(prompt)
+            if self._hybrid:
+                with self._on_device():
+                    self.kv.snapshot()
+                self._states_at = len(prompt)
+            counters["requests_by_path"][pstats.path] += 1
+            counters["prefill_tokens_by_path"][pstats.path] += pstats.n_tokens
+            counters["cached_prompt_tokens_total"] += reuse
+            sampler = Sampler(request.temperature, request.seed, self.device, request.logprobs)
+            event = self._sample(sampler, logits)
+            first_token = time.perf_counter()
+            eos = frozenset() if request.ignore_eos else self.model_config.eos_ids
+            n_out, pos, finish = 1, len(prompt), "length"
+            yield event
+            while event.token_id not in eos and n_out < request.max_tokens:
+                check_cancel(cancel)
+                logits = self._decode(event.token_id, pos, cancel, misses)
+                self._kv_tokens.append(event.token_id)
+                pos += 1
+                event = self._sample(sampler, logits)
+                n_out += 1
+                yield event
+            if event.token_id in eos:
+                finish = "stop"
+            store.collect_decode_counts()  # the device-side slot lookups' hits and misses (one read)
+            req = store.request
+            return RequestStats(
+                prefill_path=pstats.path, fallback_reason=pstats.fallback_reason,
+                h2d_bytes=req.h2d_bytes, d2d_bytes=req.d2d_bytes, prefill_h2d_bytes=pstats.h2d_bytes,
+                decode_h2d_bytes=req.h2d_bytes - pstats.h2d_bytes, bank_bytes=self.bank_bytes,
+                expert_copies=req.expert_copies, cached_prompt_tokens=reuse, prompt_tokens=len(prompt),
+                completion_tokens=n_out, n_chunks=pstats.n_chunks, n_windows=pstats.n_windows,
+                prefill_start=prefill_start, prefill_end=prefill_end, first_token=first_token,
+                finish_reason=finish, slot_hits=store.slot_request.hits, slot_misses=store.slot_request.misses,
+                decode_steps_whole=self.decoder.steps["whole"] - steps0["whole"],
+                decode_steps_per_layer=self.decoder.steps["per_layer"] - steps0["per_layer"], decode_misses=misses,
+                peak_device_bytes=(int(torch.cuda.max_memory_allocated(self.device))
+                                   if self.device.type == "cuda" else None),
+                start_device_bytes=start_bytes, chunk_tokens=chunk_tokens,
+                alloc_retries=(None if retries0 is None else self._alloc_retries() - retries0),
+                copy_wait_s=store.copy_stall_seconds(),  # prefill's waits, read once the request is done
+                prefill_graph_replays=pstats.graph_replays, attention_batch=pstats.attention_batch,
+                attention_batched=pstats.attention_batched, attention_fallbacks=pstats.attention_fallbacks,
+                auto=pstats.auto,
+                layer_trace=tracer.export() if tracer is not None else None)
+        except Cancelled:
+            counters["requests_cancelled"] += 1
+            raise
+        except torch.OutOfMemoryError as exc:
+            logits = None  # noqa: F841  (drop request-local tensors, including the frames' locals)
+            traceback.clear_frames(exc.__traceback__)
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            raise
+        finally:
+            counters["requests_total"] += 1
+            if sys.exc_info()[0] is not None:  # a failed or cancelled request's device-side counts too
+                with self._on_device(), contextlib.suppress(RuntimeError):  # never mask the request's error
+                    store.collect_decode_counts()
+            moved = store.lifetime.minus(before)
+            counters["h2d_bytes_total"] += moved.h2d_bytes
+            counters["d2d_bytes_total"] += moved.d2d_bytes
+            counters["expert_copies_total"] += moved.expert_copies
+            self._lock.release()

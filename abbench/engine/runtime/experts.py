@@ -1,0 +1,453 @@
+"""Expert offload on the device: the prefill double buffer, the decode slot cache, and byte accounting (the
+host bank itself is :mod:`abbench.engine.models.bank`).
+
+Contract:
+- ``ExpertStore`` owns what lives on the compute device:
+  * two layer buffers for prefill. ``stream_layers(order)`` yields (layer, gate_up, down) for each layer
+    of ``order`` while the copy of the next one runs on a separate CUDA stream (events order copy after
+    the compute that last read the buffer, and compute after its copy); on CPU the same code copies
+    synchronously.
+  * ``load_experts(layer, ids)``: demand loading of some experts into a layer buffer at their index.
+  * a decode slot cache (``SlotCache``) of ``slots_per_layer`` slots for every layer, one block per layer,
+    LRU within the layer: ``decode_experts(layer, ids)`` makes the routed experts resident and returns their
+    slot indices; ``decode_weights(layer)`` is what decode's grouped GEMM reads (that layer's block, or the
+    resident experts), so no grouped call ever sees more than num_experts groups. Hits and misses are
+    counted per request and for the engine's lifetime (``SlotStats``).
+  * or the slot cache's bookkeeping on the device (``DeviceSlotTable``, ``SlotCache.attach_table``): decode's
+    Triton path looks up and fills the slots itself (``route_topk``'s lookup / ``moe_one_token``'s fetch, the
+    misses read from the registered host bank over PCIe by the kernel), so a step never waits for the host.
+    The host's view (``lru``, ``free``, ``loaded``) is pulled from the table when the host next needs it, and
+    the table's hit/miss counts are folded into the accounting by ``collect_decode_counts``.
+  * resident mode: every layer's experts on the device from the start (on CPU the bank itself).
+  * optional ``d2d_from_slot_cache``: experts already in the slot cache reach a layer buffer by a
+    device-to-device copy instead of from the host.
+- Accounting: every expert copy adds to ``lifetime`` and ``request`` (``Traffic``): host->device bytes,
+  device->device bytes, and the number of experts copied. ``bank_bytes`` is one full pass over all layers.
+  ``measure_h2d_gbps`` times host->device copies of layer banks (not counted as traffic).
+"""
+
+from __future__ import annotations
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from abbench.engine.config import ModelConfig
+from abbench.engine.models.bank import ExpertBank
+from abbench.engine.ops import kernels as decode_kernels
+
+
+@dataclass
+class Traffic:
+    """Expert bytes moved: host->device, device->device, and the number of experts copied."""
+
+    h2d_bytes: int = 0
+    d2d_bytes: int = 0
+    expert_copies: int = 0
+
+    def minus(self, other: Traffic) -> Traffic:
+        return Traffic(self.h2d_bytes - other.h2d_bytes, self.d2d_bytes - other.d2d_bytes,
+                       self.expert_copies - other.expert_copies)
+
+    def snapshot(self) -> Traffic:
+        return Traffic(self.h2d_bytes, self.d2d_bytes, self.expert_copies)
+
+
+class SlotCache:
+    """Decode-time expert slots on the device: ``slots_per_layer`` slots for every layer, in one block per
+    layer (``gate_up[l]`` [S, 2I, H], ``down[l]`` [S, H, I]) so that a grouped GEMM over one layer's slots has
+    S <= num_experts groups whatever the total. Least-recently-used eviction within the layer.
+
+    When a layer has a slot for every expert (S == num_experts), expert e lives in slot e: decode then
+    routes exactly as over resident experts, and once every expert of every layer has been loaded
+    (``complete``) no step needs the host any more."""
+
+    def __init__(self, cfg: ModelConfig, slots_per_layer: int, device: torch.device, dtype: torch.dtype):
+        e_i, h, n_layers = cfg.moe_intermediate_size, cfg.hidden_size, cfg.num_hidden_layers
+        if not cfg.num_experts_per_tok <= slots_per_layer <= cfg.num_experts:
+            raise ValueError(f"slots_per_layer must be in [{cfg.num_experts_per_tok}, {cfg.num_experts}], "
+                             f"got {slots_per_layer}")
+        self.slots_per_layer, self.num_experts = slots_per_layer, cfg.num_experts
+        self.identity = slots_per_layer == cfg.num_experts
+        self.gate_up = [torch.zeros((slots_per_layer, 2 * e_i, h), device=device, dtype=dtype)
+                        for _ in range(n_layers)]  # [S, 2I, H] each
+        self.down = [torch.zeros((slots_per_layer, h, e_i), device=device, dtype=dtype)
+                     for _ in range(n_layers)]  # [S, H, I] each
+        self.n_layers = n_layers
+        self.flush()
+
+    @property
+    def capacity(self) -> int:
+        return self.slots_per_layer * self.n_layers
+
+    def flush(self) -> None:
+        self.lru: list[OrderedDict[int, int]] = [OrderedDict() for _ in range(self.n_layers)]  # expert -> slot
+        self.free = [list(range(self.slots_per_layer - 1, -1, -1)) for _ in range(self.n_layers)]
+        self.loaded = 0  # (layer, expert) pairs present
+        if self.table is not None:
+            self.table.ahead = False  # what the device's steps did is gone too: the host's empty view is the one
+        self.changed()
+
+    # -- the device-side table ------------------------------------------------------------------------
+    table: DeviceSlotTable | None = None
+
+    host_ahead = False  # the host changed the bookkeeping since the device table was last pushed
+
+    def attach_table(self, top_k: int) -> DeviceSlotTable:
+        """A device-side copy of the bookkeeping for decode's device-side lookups; idempotent. Either side may
+        run lookups: each brings its view up to date from the other before it does (``sync_device``,
+        ``sync_host``), so switching between them costs one small copy, not one per lookup."""
+        if self.table is None:
+            self.table = DeviceSlotTable(self.n_layers, self.num_experts, self.slots_per_layer, top_k,
+                                         self.gate_up[0].device)
+            self.table.push(self.lru, self.free)
+        return self.table
+
+    def changed(self) -> None:
+        """The host changed the bookkeeping (flush, a host-side lookup): the device table is now behind."""
+        self.host_ahead = self.table is not None
+
+    def sync_device(self) -> None:
+        """Before device-side lookups: push the host's changes, if any (a small host->device copy)."""
+        if self.table is not None and self.host_ahead:
+            self.sync_host()  # (never both ahead: the device is only ever ahead after a sync_device)
+            self.table.push(self.lru, self.free)
+            self.host_ahead = False
+
+    def sync_host(self) -> None:
+        """Before host-side use: pull the device's changes, if any (one device read)."""
+        if self.table is not None and self.table.ahead:
+            self.lru, self.free = self.table.pull()
+            self.loaded = sum(len(d) for d in self.lru)
+
+    @property
+    def complete(self) -> bool:
+        """Every expert of every layer is in its slot (only possible when S == num_experts)."""
+        self.sync_host()
+        return self.identity and self.loaded == self.n_layers * self.num_experts
+
+    def layer_slots(self, layer: int) -> dict[int, int]:
+        """{expert: slot} of this layer's experts in the cache."""
+        self.sync_host()
+        return dict(self.lru[layer])
+
+
+class DeviceSlotTable:
+    """A slot cache's bookkeeping as device tensors, read and written by decode's kernels inside the step's
+    graph (``decode_kernels.route_topk``'s lookup): per layer ``slot_of`` [E] int32 (an expert's slot, -1 if absent),
+    ``expert_of`` [S] int32 (a slot's expert, -1 if free) and ``stamp`` [S] int64 (recency: tick * STAMP_STEP +
+    rank within the step; a free slot s holds s - S so free slots go first, lowest first); ``tick`` [1] the
+    step (the graph adds 1); ``counts`` [2] hits and misses since the last ``take_counts``; ``slots`` [L, k]
+    and ``src`` [L, k] each layer's lookup result for the experts kernel and the fetch. The same policy as the
+    host's ``OrderedDict`` LRU, so either side can take over from the other (``push`` / ``pull``)."""
+
+    def __init__(self, n_layers: int, num_experts: int, slots_per_layer: int, top_k: int, device: torch.device):
+        L, E, S = n_layers, num_experts, slots_per_layer
+        self.identity = S == E
+        self.slot_of = torch.full((L, E), -1, dtype=torch.int32, device=device)
+        self.expert_of = torch.full((L, S), -1, dtype=torch.int32, device=device)
+        self.stamp = torch.zeros((L, S), dtype=torch.int64, device=device)
+        self.tick = torch.zeros(1, dtype=torch.int64, device=device)
+        self.counts = torch.zeros(2, dtype=torch.int64, device=device)
+        self.slots = torch.zeros((L, top_k), dtype=torch.long, device=device)
+        self.src = torch.full((L, top_k), -1, dtype=torch.int32, device=device)
+        self.ahead = False  # device steps ran since the host's view was last pulled
+        self.uncounted = False  # device steps ran since the counts were last taken
+
+    def push(self, lru: list[OrderedDict[int, int]], free: list[list[int]]) -> None:
+        """Write the host's view: each layer's experts in recency order (oldest first), its free slots."""
+        L, S = self.expert_of.shape
+        E = self.slot_of.shape[1]
+        slot_of = torch.full((L, E), -1, dtype=torch.int32)
+        expert_of = torch.full((L, S), -1, dtype=torch.int32)
+        stamp = torch.arange(S, dtype=torch.int64).repeat(L, 1) - S  # free slots: s - S
+        for layer, order in enumerate(lru):
+            for rank, (e, slot) in enumerate(order.items()):
+                slot_of[layer, e], expert_of[layer, slot], stamp[layer, slot] = slot, e, rank
+        assert self.identity or all(set(free[layer]) == set(range(S)) - set(lru[layer].values())
+                                    for layer in range(L))  # (with a slot per expert, slot e is expert e's)
+        self.slot_of.copy_(slot_of)
+        self.expert_of.copy_(expert_of)
+        self.stamp.copy_(stamp)
+        self.tick.fill_(S // decode_kernels.STAMP_STEP + 1)  # later steps' stamps above every rank pushed
+        self.ahead = False
+
+    def pull(self) -> tuple[list[OrderedDict[int, int]], list[list[int]]]:
+        """The host's view of the table (one device read): per layer {expert: slot} oldest first, free slots
+        in the order the host pops them."""
+        expert_of, stamp = self.expert_of.cpu(), self.stamp.cpu()
+        lru, free = [], []
+        for owners, stamps in zip(expert_of.tolist(), stamp.tolist()):
+            used = sorted((st, slot, e) for slot, (e, st) in enumerate(zip(owners, stamps)) if e >= 0)
+            lru.append(OrderedDict((e, slot) for _, slot, e in used))
+            free.append(sorted((slot for slot, e in enumerate(owners) if e < 0), reverse=True))
+        self.ahead = False
+        return lru, free
+
+    def take_counts(self) -> tuple[int, int]:
+        """(hits, misses) since the last call (one device read, none when no lookup ran), and zero them."""
+        if not self.uncounted:
+            return 0, 0
+        hits, misses = self.counts.tolist()
+        self.counts.zero_()
+        self.uncounted = False
+        return int(hits), int(misses)
+
+    def layer(self, layer: int) -> decode_kernels.SlotLookup:
+        """``layer``'s table for a lookup inside the router's kernel (``decode_kernels.route_topk``'s
+        ``lookup``): its result lands in ``slots[layer]`` / ``src[layer]``."""
+        self.uncounted = True
+        return decode_kernels.SlotLookup(self.slot_of[layer], self.expert_of[layer], self.stamp[layer], self.tick,
+                                         self.counts, self.slots[layer], self.src[layer], self.identity)
+
+
+@dataclass
+class SlotStats:
+    """Decode slot-cache lookups: routed (layer, expert) pairs found in the cache, and those copied in."""
+
+    hits: int = 0
+    misses: int = 0
+
+
+class ExpertStore:
+    """Device side of the expert offload; see the module docstring."""
+
+    def __init__(self, bank: ExpertBank, device: torch.device, slots_per_layer: int, resident: bool,
+                 d2d_from_slot_cache: bool):
+        cfg = bank.cfg
+        self.bank, self.device, self.d2d_from_slot_cache = bank, device, d2d_from_slot_cache
+        self.cuda = device.type == "cuda"
+        self.lifetime, self.request = Traffic(), Traffic()
+        self.slot_lifetime, self.slot_request = SlotStats(), SlotStats()
+        self._stalls: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # (before, after) each streamed wait
+        self.startup_h2d_bytes = 0
+        e, i, h = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+        self.buf_gate_up = [torch.zeros((e, 2 * i, h), device=device, dtype=bank.dtype) for _ in range(2)]
+        self.buf_down = [torch.zeros((e, h, i), device=device, dtype=bank.dtype) for _ in range(2)]
+        if self.cuda:
+            self.copy_stream = torch.cuda.Stream(device)
+            self.ready = [torch.cuda.Event(), torch.cuda.Event()]
+        self.resident: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self.slots: SlotCache | None = None
+        if resident:
+            if self.cuda:  # all experts on the device, copied once at start
+                self.resident = [(bank.gate_up[l].to(device), bank.down[l].to(device))
+                                 for l in range(cfg.num_hidden_layers)]
+                self.startup_h2d_bytes = bank.bank_bytes
+            else:  # the compute device is the host: the bank itself is resident
+                self.resident = list(zip(bank.gate_up, bank.down))
+        else:
+            self.slots = SlotCache(cfg, slots_per_layer, device, bank.dtype)
+
+    # -- accounting -----------------------------------------------------------------------------------
+    def _count(self, h2d: int = 0, d2d: int = 0, experts: int = 0) -> None:
+        for t in (self.lifetime, self.request):
+            t.h2d_bytes += h2d
+            t.d2d_bytes += d2d
+            t.expert_copies += experts
+
+    def begin_request(self) -> None:
+        self.collect_decode_counts()  # device-side lookups since the last request belong to the lifetime
+        self.request = Traffic()
+        self.slot_request = SlotStats()
+        self._stalls = []
+
+    def copy_stall_seconds(self) -> float | None:
+        """GPU time the compute stream spent waiting for streamed layer copies since ``begin_request`` (CUDA
+        timing events on either side of each wait; the caller has synchronised). None off CUDA."""
+        if not self.cuda:
+            return None
+        return sum(a.elapsed_time(b) for a, b in self._stalls) / 1e3
+
+    # -- copies ---------------------------------------------------------------------------------------
+    def _copy_experts(self, buf: int, layer: int, experts: Sequence[int]) -> None:
+        """Copy ``experts`` (sorted, distinct) of ``layer`` into buffer ``buf`` at their expert index, on the
+        current stream: from the slot cache (device-to-device) when allowed, else from the host in runs."""
+        bank, gu, dn = self.bank, self.buf_gate_up[buf], self.buf_down[buf]
+        cached = self.slots.layer_slots(layer) if (self.d2d_from_slot_cache and self.slots) else {}
+        if len(experts) == bank.cfg.num_experts and not cached:  # the whole layer: two large transfers
+            gu.copy_(bank.gate_up[layer], non_blocking=True)
+            dn.copy_(bank.down[layer], non_blocking=True)
+            self._count(h2d=bank.layer_bytes, experts=len(experts))
+            return
+        run: list[int] = []
+        for e in list(experts) + [-1]:  # -1 flushes the last run
+            if e >= 0 and e not in cached and (not run or e == run[-1] + 1):
+                run.append(e)
+                continue
+            if run:  # one copy per run of consecutive host experts
+                a, b = run[0], run[-1] + 1
+                gu[a:b].copy_(bank.gate_up[layer][a:b], non_blocking=True)
+                dn[a:b].copy_(bank.down[layer][a:b], non_blocking=True)
+                self._count(h2d=(b - a) * bank.expert_bytes, experts=b - a)
+                run = []
+            if e >= 0 and e in cached:
+                s = cached[e]
+                gu[e].copy_(self.slots.gate_up[layer][s], non_blocking=True)
+                dn[e].copy_(self.slots.down[layer][s], non_blocking=True)
+                self._count(d2d=bank.expert_bytes, experts=1)
+            elif e >= 0:
+                run = [e]
+
+    def _issue_layer(self, buf: int, layer: int) -> None:
+        """Start copying a whole layer into ``buf``; on CUDA on the copy stream, after the compute enqueued so
+        far (which includes the last reader of ``buf``)."""
+        everything = range(self.bank.cfg.num_experts)
+        if not self.cuda:
+            self._copy_experts(buf, layer, everything)
+            return
+        compute = torch.cuda.current_stream(self.device)
+        self.copy_stream.wait_event(compute.record_event())
+        with torch.cuda.stream(self.copy_stream):
+            self._copy_experts(buf, layer, everything)
+            self.ready[buf].record(self.copy_stream)
+
+    def stream_layers(self, order: Sequence[int], before_next: Callable[[int], None] | None = None,
+                      ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+        """Yield (layer, gate_up [E, 2I, H], down [E, H, I]) for each layer in ``order``, each a full copy of
+        that layer's bank, double-buffered: item i+1's copy is issued before item i is yielded, so it
+        overlaps item i's compute. The consumer must enqueue its compute before asking for the next item.
+        ``before_next(i)`` runs when item i's copy is queued and item i+1's is not yet: what it enqueues on
+        the compute stream (host-to-device uploads item i's compute needs) reaches the link ahead of item
+        i+1's copy, which orders after it."""
+        order = list(order)
+        if not order:
+            return
+        self._issue_layer(0, order[0])
+        for i, layer in enumerate(order):
+            buf = i % 2
+            if before_next is not None:
+                before_next(i)
+            if i + 1 < len(order):
+                self._issue_layer(1 - buf, order[i + 1])
+            if self.cuda:  # the compute stream waits for the copy; timing events either side measure the stall
+                cur = torch.cuda.current_stream(self.device)
+                before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                before.record(cur)
+                cur.wait_event(self.ready[buf])
+                after.record(cur)
+                self._stalls.append((before, after))
+            yield layer, self.buf_gate_up[buf], self.buf_down[buf]
+
+    def load_experts(self, layer: int, experts: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Demand loading: copy only ``experts`` of ``layer`` into buffer 0 at their expert index, on the
+        compute stream (the caller has just synchronised on the routing anyway). Other experts' entries
+        hold stale data and must not be routed to."""
+        if self.cuda:
+            torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)  # no prefetch still writing
+        self._copy_experts(0, layer, sorted(set(experts)))
+        return self.buf_gate_up[0], self.buf_down[0]
+
+    def decode_weights(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tensors decode's grouped GEMM reads for ``layer``: resident experts [E, 2I, H], [E, H, I] or the
+        layer's slot block [S, 2I, H], [S, H, I]."""
+        if self.resident is not None:
+            return self.resident[layer]
+        assert self.slots is not None
+        return self.slots.gate_up[layer], self.slots.down[layer]
+
+    def decode_experts(self, layer: int, ids: Sequence[int]) -> list[int]:
+        """Make ``ids`` (the routed expert ids of ``layer``, any order, repeats allowed) resident in the layer's
+        slots, copying misses from the host bank on the current stream; returns the slot of each id, in order.
+        Hits are touched first so a miss never evicts an expert this step needs."""
+        cache, bank = self.slots, self.bank
+        assert cache is not None, "decode_experts needs a slot cache (not in resident mode)"
+        cache.sync_host()
+        needed = sorted(set(ids))
+        if len(needed) > cache.slots_per_layer:
+            raise RuntimeError(f"{len(needed)} experts needed at once > {cache.slots_per_layer} slots per layer")
+        lru, free = cache.lru[layer], cache.free[layer]
+        slot_of: dict[int, int] = {}
+        for e in needed:
+            s = lru.get(e)
+            if s is not None:
+                lru.move_to_end(e)
+                slot_of[e] = s
+        hits = len(slot_of)
+        for e in needed:
+            if e in slot_of:
+                continue
+            if cache.identity:
+                s = e
+            elif free:
+                s = free.pop()
+            else:
+                s = lru.popitem(last=False)[1]
+                cache.loaded -= 1
+            cache.gate_up[layer][s].copy_(bank.gate_up[layer][e], non_blocking=True)
+            cache.down[layer][s].copy_(bank.down[layer][e], non_blocking=True)
+            self._count(h2d=bank.expert_bytes, experts=1)
+            lru[e] = s
+            cache.loaded += 1
+            slot_of[e] = s
+        self._count_lookups(hits, len(needed) - hits)
+        cache.changed()
+        return [slot_of[e] for e in ids]
+
+    def _count_lookups(self, hits: int, misses: int) -> None:
+        for st in (self.slot_lifetime, self.slot_request):
+            st.hits += hits
+            st.misses += misses
+
+    def decode_fetch(self, layer: int) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """``decode_experts`` on the device, for a step that never waits for the host (the slot cache's
+        ``DeviceSlotTable``), after the router's kernel looked ``layer``'s routed experts up in the table
+        (``DeviceSlotTable.layer``): each routed expert's slot [1, k] and the misses to fetch, (src [k], the
+        layer's host bank gate_up, down), for ``decode_kernels.moe_one_token``'s ``fetch``, whose kernels read
+        the misses from the registered host memory and leave them in their slots. Captures in a CUDA graph;
+        the hits and misses are counted on the device until ``collect_decode_counts``."""
+        table = self.slots.table
+        return table.slots[layer].view(1, -1), (table.src[layer], self.bank.gate_up[layer], self.bank.down[layer])
+
+    def collect_decode_counts(self) -> None:
+        """Fold the device table's hits and misses since the last call into the accounting (each miss copied
+        one expert host->device); nothing without a table."""
+        table = self.slots.table if self.slots is not None else None
+        if table is None:
+            return
+        hits, misses = table.take_counts()
+        self._count(h2d=misses * self.bank.expert_bytes, experts=misses)
+        self._count_lookups(hits, misses)
+
+    def flush_slots(self) -> None:
+        if self.slots is not None:
+            self.slots.flush()
+
+    def forget_traffic(self) -> None:
+        """Zero the lifetime and request counters (after start-up work that is not a request's)."""
+        self.lifetime, self.request = Traffic(), Traffic()
+        self.slot_lifetime, self.slot_request = SlotStats(), SlotStats()
+        if self.slots is not None and self.slots.table is not None:
+            self.slots.table.take_counts()  # and the device-side lookups' counts not yet collected
+
+    # -- bandwidth ------------------------------------------------------------------------------------
+    def measure_h2d_gbps(self, probe_bytes: int, trials: int = 3) -> float:
+        """Host->device GB/s (1e9 bytes/s) of whole-layer bank copies into a layer buffer: the best of
+        ``trials`` timed runs of at least ``probe_bytes / trials`` each, after one warm-up copy (the best,
+        because a busy host only ever makes a run slower). Not counted as traffic. NaN when probe_bytes is 0."""
+        if probe_bytes <= 0:
+            return float("nan")
+        bank, n_layers = self.bank, self.bank.cfg.num_hidden_layers
+
+        def copy(layer: int) -> None:
+            self.buf_gate_up[0].copy_(bank.gate_up[layer], non_blocking=True)
+            self.buf_down[0].copy_(bank.down[layer], non_blocking=True)
+
+        sync = torch.cuda.synchronize if self.cuda else (lambda *a: None)
+        copy(0)
+        sync(self.device)
+        best, n = 0.0, 0
+        for _ in range(max(1, trials)):
+            moved, t0 = 0, time.perf_counter()
+            while moved < probe_bytes / max(1, trials):
+                copy(n % n_layers)
+                moved += bank.layer_bytes
+                n += 1
+            sync(self.device)
+            best = max(best, moved / max(time.perf_counter() - t0, 1e-9) / 1e9)
+        return best

@@ -1,0 +1,165 @@
+"""The device-memory plan: what the engine keeps on the compute device, and the decode slot cache a budget leaves.
+
+Contract:
+- ``plan_device_memory`` sizes the decode slot cache from a device-memory budget: it adds up what the engine
+  keeps on the device (dense weights, KV cache, the prefill double buffer, a workspace bound for one chunk
+  (twice with prefill CUDA graphs) and the parked layer-major activations, resident experts; Qwen4-Exp's PLE tables stay in host memory) and
+  gives the rest to expert slots, the same number for every layer. A budget that cannot hold one token's experts in every layer is refused with
+  every term named.
+- ``RUNTIME_RESERVE_BYTES``: what a budget sets aside beyond the engine's own tensors (CUDA context,
+  cuBLAS/CUTLASS workspaces, Triton's and the graphs' pools, allocator slack), so that the process as the driver
+  sees it fits the budget: a budget is in GiB, as cards are sized, and ``--gpu-memory-budget 16`` means "the
+  process fits a 16 GB card". Measured on the H200 (torch 2.11): NVML's process peak was ~1.6 GB above torch's own
+  peak in run 20261130-h200-qwen3-30b-a3b, and 1.19 GiB above it (22.23 against 21.04 GiB) in
+  20261204b-h200-decode-offload-4k, so the reserve is 2 GiB (it was 1 GiB, which left NVML's peak over the budget
+  by up to half a GiB).
+
+Like :mod:`abbench.engine.config`, it imports no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from abbench.engine.config import ITEMSIZE, EngineConfig, HybridConfig, ModelConfig, Qwen4Config
+
+GIB = 2**30
+RUNTIME_RESERVE_BYTES = 2 * GIB
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """What the engine keeps on the compute device, in bytes, and the slots per layer that fit the budget."""
+
+    budget_bytes: int
+    dense_bytes: int  # embeddings, lm_head, attention and router weights, norms
+    kv_bytes: int  # the KV cache for max_context positions
+    prefill_buffer_bytes: int  # the double buffer of two layer banks (0 when resident)
+    resident_bytes: int  # every expert on the device (resident mode only)
+    workspace_bytes: int  # one chunk's activations and MoE intermediates, parked layer-major activations
+    reserve_bytes: int  # RUNTIME_RESERVE_BYTES
+    slot_bytes: int  # one expert slot in every layer (num_hidden_layers x one expert)
+    slots_per_layer: int  # 0 when resident
+
+    @property
+    def fixed_bytes(self) -> int:
+        return (self.dense_bytes + self.kv_bytes + self.prefill_buffer_bytes + self.resident_bytes
+                + self.workspace_bytes + self.reserve_bytes)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.fixed_bytes + self.slots_per_layer * self.slot_bytes
+
+    def describe(self) -> str:
+        gb = lambda b: f"{b / GIB:.2f} GiB"  # noqa: E731
+        return (f"budget {gb(self.budget_bytes)}: dense {gb(self.dense_bytes)} + KV {gb(self.kv_bytes)} + prefill "
+                f"buffers {gb(self.prefill_buffer_bytes)} + resident experts {gb(self.resident_bytes)} + "
+                f"workspace {gb(self.workspace_bytes)} + runtime reserve {gb(self.reserve_bytes)} = "
+                f"{gb(self.fixed_bytes)} fixed; {self.slots_per_layer} expert slots per layer x "
+                f"{gb(self.slot_bytes)} = {gb(self.slots_per_layer * self.slot_bytes)}")
+
+
+def dense_params(mc: ModelConfig) -> int:
+    """Parameters of everything but the routed experts (for a hybrid: DeltaNet and gated attention layers and
+    the shared experts too)."""
+    h, d = mc.hidden_size, mc.head_dim
+    attn = h * d * (2 * mc.num_attention_heads + 2 * mc.num_key_value_heads) + 2 * d  # q, o, k, v, q/k norms
+    per_layer = mc.num_experts * h + 2 * h  # router + the two norms
+    embeds = mc.vocab_size * h * (1 if mc.tie_word_embeddings else 2)
+    if not mc.is_hybrid:
+        return mc.num_hidden_layers * (per_layer + attn) + embeds + h
+    assert isinstance(mc, HybridConfig)
+    gated_attn = attn + h * d * mc.num_attention_heads  # q_proj also gives the output gate
+    vd = mc.linear_num_value_heads * mc.linear_value_head_dim
+    gdn = (h * mc.conv_dim + h * vd + 2 * h * mc.linear_num_value_heads + mc.conv_dim * mc.linear_conv_kernel_dim
+           + 2 * mc.linear_num_value_heads + mc.linear_value_head_dim + vd * h)  # qkv, z, b, a, conv, A, dt, norm, out
+    shared = 3 * h * mc.shared_expert_intermediate_size + h
+    n_attn = len(mc.attention_layers)
+    if mc.is_qwen4:  # hyper-connection mixers instead of the norms, the indexer, PLE projections (tables: host)
+        assert isinstance(mc, Qwen4Config)
+        w, r = mc.stream_width, mc.hc_lowrank
+        mixer = w + 2 * r * w + mc.hc_count * w
+        indexer = (mc.indexer_n_heads + 1) * mc.indexer_head_dim * h + 2 * mc.indexer_head_dim
+        ple = w * mc.ple_embed_dim + h * mc.ple_embed_dim + 3 * w + w * mc.ple_conv_kernel_size
+        return (n_attn * (gated_attn + indexer) + (mc.num_hidden_layers - n_attn) * gdn
+                + mc.num_hidden_layers * (per_layer - 2 * h + shared + 2 * mixer) + len(mc.ple_layers) * ple
+                + embeds + w + 2 * r * w)
+    return (n_attn * gated_attn + (mc.num_hidden_layers - n_attn) * gdn
+            + mc.num_hidden_layers * (per_layer + shared) + embeds + h)
+
+
+def kv_cache_bytes(mc: ModelConfig, max_context: int, item: int) -> int:
+    """Bytes of the KV cache (attention layers only, for a hybrid) plus the DeltaNet conv and float32 recurrent
+    states."""
+    per_layer = 2 * mc.num_key_value_heads * max_context * mc.head_dim * item
+    if not mc.is_hybrid:
+        return mc.num_hidden_layers * per_layer
+    assert isinstance(mc, HybridConfig)
+    n_lin = len(mc.linear_layers)
+    states = n_lin * (mc.conv_dim * (mc.linear_conv_kernel_dim - 1) * item
+                      + mc.linear_num_value_heads * mc.linear_key_head_dim * mc.linear_value_head_dim * 4)
+    if mc.is_qwen4:  # indexer keys (raw and compressed), token ids, PLE conv states
+        assert isinstance(mc, Qwen4Config)
+        per_layer += (max_context + max_context // mc.indexer_compress_ratio + 1) * mc.indexer_head_dim * item
+        states += len(mc.ple_layers) * mc.stream_width * (mc.ple_conv_kernel_size - 1) * mc.ngram_size * item
+        return len(mc.attention_layers) * per_layer + 2 * states + 8 * max_context
+    return len(mc.attention_layers) * per_layer + 2 * states  # states and their prefix-cache snapshot
+
+
+def plan_device_memory(config: EngineConfig, budget_bytes: int) -> MemoryPlan:
+    """Size the decode slot cache of a resolved ``config`` from ``budget_bytes``; ``expert_slots_per_layer``,
+    when set, is taken as given and checked against the budget. Raises ValueError naming every term when the
+    budget cannot hold the fixed part plus one token's experts in every layer (or, resident, every expert)."""
+    mc = config.model
+    assert isinstance(mc, ModelConfig) and config.dtype and config.max_context, "plan needs a resolved config"
+    item = ITEMSIZE[config.dtype]
+    resident = config.prefill_mode == "resident"
+    expert = mc.expert_params * item
+    layer_bank = mc.num_experts * expert
+    chunk = min(config.chunk_tokens, config.max_context)
+    k, i, h = mc.num_experts_per_tok, mc.moe_intermediate_size, mc.hidden_size
+    # one chunk: hidden states, q/k/v/attention output, and the MoE's [T*k, H] rows, [T*k, 2I] and [T*k, I]
+    # intermediates as they overlap between consecutive ops; plus the parked layer-major activations of one
+    # window and the float32 logits.
+    # (Qwen4-Exp: the hyper-connection streams are hc_count x wider; indexed attention below)
+    w = mc.stream_width
+    chunk_ws = chunk * (8 * w + 4 * mc.num_attention_heads * mc.head_dim + k * (3 * h + 3 * i)) * item
+    if mc.is_qwen4:  # indexed attention: the [T, S] mask (bool temporaries, then as a bias in the model
+        # dtype, maybe padded), one key/value head's keys and values copied out to its query heads, the
+        # float32 block scores [T, Hi, S/c]
+        s = config.max_context
+        chunk_ws += (chunk * s * (3 + 2 * item)
+                     + 2 * (mc.num_attention_heads // mc.num_key_value_heads) * s * mc.head_dim * item
+                     + chunk * mc.indexer_n_heads * (s // mc.indexer_compress_ratio) * 4)
+    if config.prefill_graphs and config.device.startswith("cuda") and mc.is_hybrid and not mc.is_qwen4:
+        # prefill CUDA graphs (abbench.engine.runtime.steps): their private pool holds one chunk's temporaries beside
+        # the eager ones, plus the static input, output and mid-layer buffers
+        chunk_ws += chunk_ws + chunk * (3 * w + h + 2 * k) * item
+    if config.attention_batch > 1:  # the joint call's queries and output beyond one chunk's
+        chunk_ws += 2 * (config.attention_batch - 1) * chunk * mc.num_attention_heads * mc.head_dim * item
+    parked = min(config.layer_major_window_tokens, config.max_context) * w * item
+    if mc.is_qwen4 and mc.ple_layers:  # layer-major uploads one PLE layer's rows for a window ahead
+        parked += min(config.layer_major_window_tokens, config.max_context) * mc.ple_embed_dim * item
+    plan = dict(
+        budget_bytes=int(budget_bytes), dense_bytes=dense_params(mc) * item,
+        kv_bytes=kv_cache_bytes(mc, config.max_context, item),
+        prefill_buffer_bytes=2 * layer_bank, resident_bytes=mc.num_hidden_layers * layer_bank if resident else 0,
+        workspace_bytes=chunk_ws + parked + 2 * mc.vocab_size * 4, reserve_bytes=RUNTIME_RESERVE_BYTES,
+        slot_bytes=mc.num_hidden_layers * expert, slots_per_layer=0)
+    fixed = MemoryPlan(**plan).fixed_bytes
+    if resident:
+        p = MemoryPlan(**plan)
+        if fixed > budget_bytes:
+            raise ValueError(f"resident experts do not fit the device-memory budget: {p.describe()}")
+        return p
+    fit = max(0, (int(budget_bytes) - fixed) // plan["slot_bytes"])
+    slots = config.expert_slots_per_layer or min(mc.num_experts, fit)
+    p = MemoryPlan(**{**plan, "slots_per_layer": slots})
+    if slots < k or slots > fit:
+        need = max(slots, k)
+        raise ValueError(
+            f"the device-memory budget holds {fit} expert slots per layer but decode needs "
+            f"{need} (num_experts_per_tok={k}{'' if slots <= k else ', as requested'}); {p.describe()}. Raise "
+            f"--gpu-memory-budget to at least {(fixed + need * plan['slot_bytes']) / GIB:.2f} GiB, lower "
+            "--max-context, or set fewer --expert-slots-per-layer")
+    return p

@@ -1,0 +1,374 @@
+"""The one command line of both serving backends: ``abbench serve [--backend engine|transformers] ...`` and
+``python -m abbench.engine ...`` end here.
+
+``--backend engine`` (the default) serves the vendored engine (:class:`abbench.engine.runtime.engine.Engine`),
+``--backend transformers`` a model's transformers implementation (:class:`abbench.engine.serve.reference.
+ReferenceEngine`, the reference), both through the same HTTP app (:func:`abbench.engine.serve.server.create_app`).
+What they share is done once, here, for both:
+
+* one argument parser (:func:`build_arg_parser`): the backend's own options, then the server's;
+* one API-key guard (:func:`api_key_or_refuse`): with ``--api-key KEY`` (or :data:`API_KEY_ENV` in the
+  environment, which keeps the key out of the process list) every route but ``GET /health`` needs
+  ``Authorization: Bearer KEY``; without a key only loopback addresses may be bound, and ``--host`` naming
+  any other address is refused (exit 2) unless ``--insecure-no-auth`` says so. Checked before anything is
+  loaded;
+* one bind: the socket is bound before the backend is built (a busy port fails at once) but listens only
+  after, so "port accepts connections" means "ready"; one line ``abbench engine ready: http://HOST:PORT ...``
+  is printed (and flushed) when it listens. ``--port 0`` picks a free port; the ready line names it.
+
+Exit codes: 0 after a clean shutdown (SIGINT/SIGTERM); failures raise ``SystemExit``: 2 for usage errors
+(argparse, a bad tokenizer spec, the guard), 1 when the port cannot be bound or the backend cannot be built,
+each with a one-line message on stderr.
+
+This module imports both backends (lazily: the transformers backend's only when asked for) and neither of them
+imports it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import logging
+import os
+import socket
+import sys
+from typing import Any
+
+from abbench.engine.config import (
+    DECODE_ATTENTION, DECODE_EXPERTS, DECODE_MISSES, DTYPES, PREFILL_MODES, PRESETS, EngineConfig,
+)
+
+__all__ = ["API_KEY_ENV", "BACKENDS", "api_key_or_refuse", "build_arg_parser", "is_loopback", "main"]
+
+log = logging.getLogger("abbench.engine.serve.launch")
+
+BACKENDS = ("engine", "transformers")
+API_KEY_ENV = "ABBENCH_ENGINE_API_KEY"
+TINY_SPEC = "tiny-qwen3-moe:"  # abbench.engine.serve.reference.TINY_SPEC (not imported: it loads torch)
+TINY_SPECS = (TINY_SPEC, "tiny-qwen3-moe-hd64:")  # the names of abbench.engine.serve.reference.TINY_SHAPES
+_PROG = {"engine": "python -m abbench.engine", "transformers": "abbench serve --backend transformers"}
+_DESCRIPTION = {
+    "engine": "Serve the vendored offloaded-MoE engine over an OpenAI-compatible API.",
+    "transformers": "Serve a model's transformers implementation (greedy reference) over the vendored engine's "
+                    "OpenAI-compatible API.",
+}
+_OVERRIDES = {"engine": "prefill_mode, chunk_tokens, attention_batch, decode_misses and trace_layers fields",
+              "transformers": "trace_layers field"}
+
+
+def is_loopback(host: str) -> bool:
+    """Whether every address ``host`` resolves to is a loopback address (``localhost``, 127.0.0.0/8, ::1).
+    A wildcard (``0.0.0.0``, ``::``, empty) is not."""
+    if host in ("", "0.0.0.0", "::"):
+        return False
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except OSError:
+        return False
+    return bool(infos) and all(ipaddress.ip_address(i[4][0].split("%")[0]).is_loopback for i in infos)
+
+
+# ----------------------------------------------------------------------------------------------- the parser
+
+
+def _engine_options(e: argparse._ArgumentGroup) -> None:
+    e.add_argument("--model", default=None, help=f"preset ({', '.join(PRESETS)}) or a local HF model directory "
+                   "with config.json (default: tiny, or the checkpoint's config when --weights is a directory)")
+    e.add_argument("--weights", default="random:0", help="'random:SEED', an HF checkpoint directory, or "
+                   f"'{TINY_SPEC}SEED' (a random tiny Qwen3-MoE checkpoint written once into abbench's cache; "
+                   "tiny-qwen3-moe-hd64:SEED: the same with heads of 64)")
+    e.add_argument("--tokenizer", default=None, help="qwen3, qwen3.6 or a local HF tokenizer directory "
+                   "(default: qwen3.6 for the qwen3.5-* presets, qwen3 for the other presets, the model "
+                   "directory otherwise)")
+    e.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    e.add_argument("--dtype", default=None, choices=DTYPES, help="default: float32 on cpu, bfloat16 on cuda")
+    e.add_argument("--prefill-mode", default="chunked", choices=PREFILL_MODES)
+    e.add_argument("--chunk-tokens", type=int, default=2048)
+    e.add_argument("--layer-major-window-tokens", type=int, default=None)
+    e.add_argument("--demand-max-tokens", type=int, default=None)
+    e.add_argument("--gpu-memory-budget", dest="gpu_memory_budget_gib", type=float, default=None, metavar="GIB",
+                   help="device memory the engine may use, in GiB (2^30 bytes, as cards are sized: a 16 GB card "
+                   "holds 16 GiB), CUDA context and the runtime's reserve included, so the process fits a card "
+                   "of this size: the decode "
+                   "slot cache gets what the dense weights, KV cache, prefill buffers and workspace leave; a "
+                   "budget that cannot hold one token's experts per layer is refused (default: the device's "
+                   "free memory at start; on CPU every expert)")
+    e.add_argument("--expert-slots-per-layer", type=int, default=None, metavar="N",
+                   help="decode slot cache size per layer (default: what --gpu-memory-budget leaves, at most "
+                   "num_experts)")
+    e.add_argument("--no-host-memory-check", dest="host_memory_check", action="store_false", default=None,
+                   help="build the host expert bank even if /proc/meminfo says it will not fit")
+    e.add_argument("--no-decode-graphs", dest="decode_graphs", action="store_false", default=None,
+                   help="CUDA: run decode steps eagerly instead of replaying CUDA graphs")
+    e.add_argument("--no-warm-decode-graphs", dest="warm_decode_graphs", action="store_false", default=None,
+                   help="CUDA: capture a decode KV length's graphs when a request first reaches it, instead of "
+                   "every length's at start (then that request's first steps run eagerly and capture, slower)")
+    e.add_argument("--no-prefill-graphs", dest="prefill_graphs", action="store_false", default=None,
+                   help="CUDA, hybrid models: run every prefill layer step eagerly instead of replaying CUDA graphs "
+                   "of full chunks' fixed-shape steps")
+    e.add_argument("--decode-experts", choices=DECODE_EXPERTS, default=None,
+                   help="decode's routed experts: grouped (torch._grouped_mm over every expert, as prefill) or "
+                   "triton (the router's softmax/top-k in one kernel and a GEMV over the k routed experts only; "
+                   "Qwen3-MoE and Qwen3.5/3.6, needs Triton); default auto: triton on CUDA where it applies, "
+                   "else grouped")
+    e.add_argument("--decode-attention", choices=DECODE_ATTENTION, default=None,
+                   help="decode's attention: torch (batched matmuls over the power-of-two bucket) or triton "
+                   "(split-KV flash decoding that reads only the filled positions, and for Qwen3-MoE the norms, "
+                   "rope and cache write fused; Qwen3-MoE and Qwen3.5/3.6, needs Triton); default auto: triton "
+                   "on CUDA where it applies, else torch")
+    e.add_argument("--decode-misses", choices=DECODE_MISSES, default=None,
+                   help="offloaded decode, who looks up the slot cache and copies its misses: host (per layer the "
+                   "router's choice is read back and the host copies the misses: one round trip a layer) or device "
+                   "(kernels of the step look up the slots and read the misses from the pinned host bank over "
+                   "PCIe: one graph a step; needs --decode-experts triton); default auto: device with Triton's "
+                   "experts, else host")
+    e.add_argument("--router-skew", type=float, default=None, metavar="ALPHA",
+                   help="random weights: concentrate the routing as trained routers do, a per-layer Zipf-like "
+                   "preference of exponent ALPHA over the experts (default 0: the random router's near-uniform "
+                   "routing, under which a short chunk touches most experts)")
+    e.add_argument("--auto-demand-max-tokens", type=int, default=None, metavar="N",
+                   help="--prefill-mode auto: demand loading for prompts of at most N uncached tokens (a threshold "
+                   "from a sweep), the best streamed path otherwise, instead of the cost model")
+    e.add_argument("--auto-calibration", type=int, default=None, metavar="N",
+                   help="--prefill-mode auto: scale demand's expected expert copies by the median copied/expected "
+                   "ratio of the last N demand prefills, any request's (default 16; 0: the cost model alone)")
+    e.add_argument("--attention-batch", type=int, default=None, metavar="K",
+                   help="layer-major prefill: K adjacent chunks share one attention call in full-attention layers "
+                   "where that is bit-identical on the device and the group ends within "
+                   "--attention-batch-max-context (default 1: one call per chunk; hybrid Qwen3.5/3.6 models)")
+    e.add_argument("--attention-batch-max-context", type=int, default=None, metavar="TOKENS",
+                   help="the longest context a batched attention group may end at (default 16384: on the H200 the "
+                   "joint call was faster below ~6K tokens, even at 16K-64K and slower at 128K)")
+    e.add_argument("--d2d-from-slot-cache", action="store_true", default=None)
+    e.add_argument("--max-context", type=int, default=None)
+    e.add_argument("--deterministic", action="store_true", default=None,
+                   help="ask the engine for deterministic kernels")
+
+
+def _reference_options(r: argparse._ArgumentGroup) -> None:
+    r.add_argument("--model", help="local Hugging Face checkpoint directory (config.json + weights), or "
+                   f"{TINY_SPEC}SEED: the random tiny Qwen3-MoE checkpoint, made once in abbench's cache "
+                   "(tiny-qwen3-moe-hd64:SEED: the same with heads of 64)")
+    r.add_argument("--tokenizer", default=None, help="qwen3, qwen3.6 or a local HF tokenizer directory "
+                   "(default: the model directory)")
+    r.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    r.add_argument("--dtype", default=None, choices=DTYPES, help="default: float32 on cpu, bfloat16 on cuda")
+    r.add_argument("--max-context", type=int, default=None)
+    r.add_argument("--attn-implementation", default=None, help="transformers attn_implementation (eager, sdpa, ...)")
+    r.add_argument("--make-tiny-checkpoint", metavar="DIR", default=None,
+                   help="write the random tiny Qwen3-MoE checkpoint (profiles/cpu-tiny-reference.toml) to DIR "
+                   "and exit")
+
+
+def build_arg_parser(backend: str = "engine") -> argparse.ArgumentParser:
+    """The command line of ``backend``: ``--backend``, the backend's own options, then the server's (the same
+    for both)."""
+    p = argparse.ArgumentParser(prog=_PROG[backend], description=_DESCRIPTION[backend])
+    p.add_argument("--backend", choices=BACKENDS, default="engine",
+                   help="engine: the vendored engine (default); transformers: the model's transformers "
+                   "implementation behind the same API (the reference)")
+    if backend == "engine":
+        _engine_options(p.add_argument_group("engine"))
+    else:
+        _reference_options(p.add_argument_group("transformers reference"))
+    s = p.add_argument_group("server")
+    s.add_argument("--allow-request-overrides", action="store_true",
+                   help=f"accept the per-request {_OVERRIDES[backend]}")
+    s.add_argument("--queue-limit", type=int, default=64, help="max waiting requests; more get 429 (default 64)")
+    s.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only; any other address "
+                   "needs --api-key or --insecure-no-auth)")
+    s.add_argument("--api-key", default=None, help=f"require 'Authorization: Bearer KEY' on every route but "
+                   f"/health (default: ${API_KEY_ENV}, which keeps the key out of the process list)")
+    s.add_argument("--insecure-no-auth", action="store_true",
+                   help="allow a non-loopback --host without an API key (anyone who can reach it can use it)")
+    s.add_argument("--port", type=int, default=8000, help="port (0 picks a free one; default 8000)")
+    s.add_argument("--served-model-name", default=None, help="model name in the API (default: --model)")
+    s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    return p
+
+
+def _backend_of(argv: list[str]) -> str:
+    """The ``--backend`` named anywhere in ``argv`` (default engine); exit 2 for another name."""
+    pre = argparse.ArgumentParser(prog="abbench serve", add_help=False)
+    pre.add_argument("--backend", default="engine")
+    known, _ = pre.parse_known_args(argv)
+    if known.backend not in BACKENDS:
+        pre.error(f"--backend {known.backend!r}: expected engine (the vendored engine, the default) or "
+                  "transformers (the reference)")
+    return str(known.backend)
+
+
+# ------------------------------------------------------------------------------------------ shared steps
+
+
+def api_key_or_refuse(args: argparse.Namespace, parser: argparse.ArgumentParser) -> str | None:
+    """The API key (``--api-key``, else :data:`API_KEY_ENV`; None when neither is set). Exit 2 when
+    ``--api-key`` is empty, or when no key is set and ``--host`` is not a loopback address without
+    ``--insecure-no-auth``: anyone who can reach the port could use the backend."""
+    api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
+    api_key = api_key.strip() if api_key else None
+    if args.api_key is not None and not api_key:
+        parser.error("--api-key is empty")
+    if not api_key and not args.insecure_no_auth and not is_loopback(args.host):
+        parser.error(f"--host {args.host} is not a loopback address and no API key is set: anyone who can reach "
+                     f"it could use the engine (/v1/completions, /reset). Set {API_KEY_ENV} (or --api-key), or "
+                     "pass --insecure-no-auth to serve it open anyway")
+    return api_key
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family, type_, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, type_, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(addr)
+    sock.set_inheritable(True)
+    return sock
+
+
+def _serve(app: Any, sock: socket.socket, log_level: str, ready_message: str) -> None:
+    """Listen on ``sock`` until SIGINT/SIGTERM; ``ready_message`` is printed once it listens."""
+    import uvicorn
+
+    class _Server(uvicorn.Server):
+        async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+            await super().startup(sockets=sockets)
+            if self.started:
+                print(ready_message, flush=True)
+
+    _Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5, lifespan="on")).run(sockets=[sock])
+
+
+# ------------------------------------------------------------------------------------------ the backends
+
+
+def _engine_config(args: argparse.Namespace) -> EngineConfig:
+    kwargs: dict[str, Any] = dict(model=args.model, weights=args.weights, device=args.device,
+                                  prefill_mode=args.prefill_mode, chunk_tokens=args.chunk_tokens)
+    for field in ("dtype", "layer_major_window_tokens", "demand_max_tokens", "gpu_memory_budget_gib",
+                  "expert_slots_per_layer", "host_memory_check", "decode_graphs", "warm_decode_graphs",
+                  "prefill_graphs", "attention_batch", "attention_batch_max_context", "router_skew",
+                  "auto_demand_max_tokens", "auto_calibration", "decode_experts", "decode_attention",
+                  "decode_misses", "d2d_from_slot_cache",
+                  "max_context", "deterministic"):
+        if getattr(args, field) is not None:  # leave the engine's defaults alone
+            kwargs[field] = getattr(args, field)
+    return EngineConfig(**kwargs)
+
+
+def _engine_tokenizer_spec(args: argparse.Namespace) -> str:
+    """Resolve ``tiny-qwen3-moe:SEED`` in --model/--weights and the default model; the tokenizer to load."""
+    for name in ("model", "weights"):  # tiny-qwen3-moe:SEED -> the cached tiny checkpoint (made on first use)
+        value = getattr(args, name)
+        if isinstance(value, str) and value.startswith(TINY_SPECS):
+            from abbench.engine.serve.reference import resolve_checkpoint
+
+            setattr(args, name, resolve_checkpoint(value))
+    if args.model is None:  # tiny, unless --weights names a checkpoint: then its own config.json
+        args.model = args.weights if os.path.isdir(args.weights) else "tiny"
+    model_dir = args.model if os.path.isdir(args.model) else os.path.dirname(args.model) or None
+    if args.model in PRESETS or not os.path.exists(args.model):
+        model_dir = None
+    preset = PRESETS.get(args.model)
+    default_tokenizer = "qwen3.6" if preset is not None and preset.is_hybrid else "qwen3"
+    return args.tokenizer or model_dir or default_tokenizer
+
+
+def _build_engine(args: argparse.Namespace) -> tuple[Any, str]:
+    """The vendored engine and the ready line's description of it."""
+    from abbench.engine.runtime.engine import Engine
+    from abbench.engine.serve.faults import InjectFaults, armed
+
+    fault = armed()  # tests only: ABBENCH_ENGINE_FAULT (ValueError for an unknown one, before the slow build)
+    engine = Engine(_engine_config(args))
+    log.info("engine built in %.2fs (bank %d bytes, measured H2D %.2f GB/s)", engine.startup_s,
+             engine.bank_bytes, engine.measured_h2d_gbps)
+    if engine.memory_plan is not None:
+        log.info("device memory plan: %s", engine.memory_plan.describe())
+    log.info("decode: %s, kernels %s, misses %s", engine.decoder.mode, engine.decoder.kernels,
+             engine.decoder.misses or "none (resident)")
+    if engine.decode_warmup is not None:
+        log.info("decode graphs captured for KV lengths %s in %.2fs",
+                 ", ".join(map(str, engine.decode_warmup["kv_buckets"])), engine.decode_warmup["seconds"])
+    described = f"model {args.model}, prefill {args.prefill_mode}, device {args.device}"
+    return (engine if fault is None else InjectFaults(engine, fault)), described
+
+
+def _build_reference(args: argparse.Namespace) -> tuple[Any, str]:
+    """The transformers reference and the ready line's description of it."""
+    from abbench.engine.serve.reference import ReferenceEngine
+
+    engine = ReferenceEngine(args.model, device_name=args.device, dtype_name=args.dtype,
+                             max_context=args.max_context, attn_implementation=args.attn_implementation)
+    log.info("%s loaded in %.2fs (%s, %s)", type(engine.model).__name__, engine.startup_s, engine.config.device,
+             engine.config.dtype)
+    return engine, (f"transformers reference {type(engine.model).__name__}, model {args.model}, "
+                    f"device {args.device}")
+
+
+_LABEL = {"engine": ("abbench engine", "cannot build the engine"),
+          "transformers": ("abbench reference", "cannot load the model")}
+_BUILD_ERRORS = {"engine": (ValueError, TypeError, RuntimeError, OSError),
+                 "transformers": (ValueError, TypeError, RuntimeError, OSError, ImportError)}
+
+
+# ------------------------------------------------------------------------------------------------- main
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse ``argv`` (``--backend`` picks the backend), check the key, bind, build the backend, serve until
+    SIGINT/SIGTERM; returns 0 after a clean shutdown (module docstring: exit codes)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    backend = _backend_of(argv)
+    parser = build_arg_parser(backend)
+    args = parser.parse_args(argv)
+    if args.queue_limit < 0:
+        parser.error("--queue-limit must be >= 0")
+    if backend == "transformers":
+        if args.make_tiny_checkpoint:
+            from abbench.engine.serve.reference import save_tiny_qwen3_moe
+
+            print(save_tiny_qwen3_moe(args.make_tiny_checkpoint))
+            return 0
+        if not args.model:
+            parser.error("--model DIR is required")
+    api_key = api_key_or_refuse(args, parser)  # before anything is loaded or written
+
+    from abbench.engine.serve.server import create_app
+    from abbench.engine.serve.tokenizer import TokenizerSpecError, load_tokenizer
+
+    if backend == "engine":
+        tokenizer_spec = _engine_tokenizer_spec(args)
+    else:
+        from abbench.engine.serve.reference import resolve_checkpoint
+
+        args.model = resolve_checkpoint(args.model)
+        tokenizer_spec = args.tokenizer or args.model
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        tokenizer = load_tokenizer(tokenizer_spec)
+    except TokenizerSpecError as exc:
+        parser.error(str(exc))
+    label, cannot = _LABEL[backend]
+    try:  # bound (not listening) before the slow build: a busy port fails at once
+        sock = _bind(args.host, args.port)
+    except OSError as exc:
+        print(f"{label}: cannot bind {args.host}:{args.port}: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
+    try:
+        engine, described = (_build_engine if backend == "engine" else _build_reference)(args)
+    except _BUILD_ERRORS[backend] as exc:
+        print(f"{label}: {cannot}: {exc}", file=sys.stderr, flush=True)
+        sock.close()
+        raise SystemExit(1) from None
+    app = create_app(engine, tokenizer, served_model_name=args.served_model_name or args.model,
+                     allow_request_overrides=args.allow_request_overrides, queue_limit=args.queue_limit,
+                     api_key=api_key)
+    host, port = sock.getsockname()[:2]
+    shown = f"[{host}]" if ":" in host else host
+    auth = "API key required" if api_key else "no API key"
+    _serve(app, sock, args.log_level, f"abbench engine ready: http://{shown}:{port} ({described}, {auth})")
+    return 0
