@@ -300,7 +300,7 @@ def test_peer_profiles_load_with_per_arm_engines() -> None:
         ub = server[server.index("-ub") + 1] if "-ub" in server else None
         assert ub == {"llamacpp-host": None, "llamacpp-host-ub2048": "2048", "llamacpp-host-ubmax": "32768",
                       "llamacpp-gpu": None}[name]
-    assert "peak_vram_gb[llamacpp-host-ubmax] <= 24" in h200.gate.checks
+    assert "peak_vram_gib[llamacpp-host-ubmax] <= 24" in h200.gate.checks
     for peer in ("llamacpp-host-ub2048", "llamacpp-host-ubmax"):  # faster than each host-expert arm in 24 GB
         assert f"ttft_ratio[layer-major, fresh, 32768, vs {peer}] <= 1.0" in h200.gate.checks
     cpu = load_profile(str(REPO / "profiles" / "cpu-tiny-llamacpp.toml"))
