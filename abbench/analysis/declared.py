@@ -368,14 +368,19 @@ def _load_cells(record: RunRecord, c: DeclaredCheck) -> list[Cell]:
     for label, g in df.groupby("level", sort=False):
         if not c.selects_level(str(label)):
             continue
-        vals = g["value"].astype(float).to_numpy()
-        rounds = int(g["round"].nunique())
-        if c.spec.interval:
-            v, lo, hi, status, why = _judge_interval(c, vals, rounds)
-        else:
-            v, lo, hi, status, why = _judge_counter(c, vals)
-        cells.append(Cell(str(label), None, len(vals), rounds, v, lo, hi, status, why))
+        cells.append(_judged(c, str(label), None, g))
     return cells
+
+
+def _judged(c: DeclaredCheck, kind: str, tokens: int | None, g: pd.DataFrame) -> Cell:
+    """One cell of ``c`` from its rows ``g`` (value, round): on the interval or on every sample, as the metric is."""
+    vals = g["value"].astype(float).to_numpy()
+    rounds = int(g["round"].nunique())
+    if c.spec.interval:
+        v, lo, hi, status, why = _judge_interval(c, vals, rounds)
+    else:
+        v, lo, hi, status, why = _judge_counter(c, vals)
+    return Cell(kind, tokens, len(vals), rounds, v, lo, hi, status, why)
 
 
 def judge(record: RunRecord, c: DeclaredCheck, values: pd.DataFrame | None = None) -> list[Cell]:
@@ -394,13 +399,7 @@ def judge(record: RunRecord, c: DeclaredCheck, values: pd.DataFrame | None = Non
         t = None if pd.isna(tokens) else int(tokens)
         if not c.selects(str(kind), t):
             continue
-        vals = g["value"].astype(float).to_numpy()
-        rounds = int(g["round"].nunique())
-        if c.spec.interval:
-            v, lo, hi, status, why = _judge_interval(c, vals, rounds)
-        else:
-            v, lo, hi, status, why = _judge_counter(c, vals)
-        cells.append(Cell(str(kind), t, len(vals), rounds, v, lo, hi, status, why))
+        cells.append(_judged(c, str(kind), t, g))
     order = {"fresh": 0, "cold": 1, "continuation": 2}
     return sorted(cells, key=lambda x: (order.get(x.kind, 9), x.tokens or 0))
 
