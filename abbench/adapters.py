@@ -45,20 +45,8 @@ from typing import Any, ClassVar, Literal, Protocol
 from abbench.errors import ConfigError, RequestError
 from abbench.prometheus import ENGINE_COUNTERS, Counters, common_counters
 
-__all__ = [
-    "ADAPTERS",
-    "ADAPTER_PATHS",
-    "Adapter",
-    "AdapterName",
-    "EventParts",
-    "LlamaCppAdapter",
-    "OpenAIAdapter",
-    "RequestParams",
-    "SGLangAdapter",
-    "VLLMAdapter",
-    "engine_counters",
-    "get_adapter",
-]
+__all__ = ["ADAPTERS", "ADAPTER_PATHS", "Adapter", "AdapterName", "EventParts", "LlamaCppAdapter", "OpenAIAdapter",
+           "RequestParams", "SGLangAdapter", "VLLMAdapter", "engine_counters", "get_adapter"]
 
 TopLogprobs = list[tuple[int, float]]
 Prompt = str | list[int]  # text, or token ids (an engine that takes them: all four adapters' engines do)
