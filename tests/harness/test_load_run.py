@@ -187,3 +187,11 @@ def test_levels_need_a_streaming_profile_and_a_fresh_run(tmp_path: Path) -> None
     res = fk.abbench("run", "--resume", str(tmp_path / "run"), "--rate", "2", cwd=tmp_path)
     assert res.returncode == 2 and "--resume continues a run with its recorded profile" in fk.flat(res.stderr)
     assert not fk.marked_processes(mark)
+
+
+def test_the_load_plan_sits_on_the_plans_floor() -> None:
+    from tests.harness.test_import_layers import GRAPH
+
+    deps = GRAPH["abbench.runner.plans.load"]
+    assert "abbench.loadgen" in deps or any(d.startswith("abbench.loadgen") for d in deps)
+    assert not [d for d in deps if d in ("abbench.runner.run", "abbench.runner.slot", "abbench.client")]
