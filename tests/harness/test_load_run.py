@@ -195,3 +195,15 @@ def test_the_load_plan_sits_on_the_plans_floor() -> None:
     deps = GRAPH["abbench.runner.plans.load"]
     assert "abbench.loadgen" in deps or any(d.startswith("abbench.loadgen") for d in deps)
     assert not [d for d in deps if d in ("abbench.runner.run", "abbench.runner.slot", "abbench.client")]
+
+
+def test_the_recorded_prompts_are_the_load_generators_own(load_run_dir: Path) -> None:
+    from abbench.loadgen import build_load_prompts
+    from abbench.tokenizers import load_tokenizer
+
+    record, _ = load_run(load_run_dir)
+    prof = profile_from_dict(record.profile)
+    assert prof.load is not None
+    rebuilt = build_load_prompts(load_tokenizer("qwen3"), prof.prompts, prof.load, prof.request.max_tokens)
+    assert [(p.id, p.target_tokens, p.record.sha256 if p.record else None) for p in rebuilt] == [
+        (p.id, p.target_tokens, p.sha256) for p in record.prompts]

@@ -24,10 +24,19 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from abbench.loadgen import LevelStep, LoadPrompt, Level, Target, level_plan, prompt_plan, resume_at, run_level
-from abbench.loadgen import POSITION_BASE
+from abbench.loadgen import (
+    Level,
+    LevelStep,
+    LoadPrompt,
+    Target,
+    build_load_items,
+    level_plan,
+    load_prompt,
+    resume_at,
+    run_level,
+)
 from abbench.profile import LoadSpec, Profile
-from abbench.prompts import BuiltPrompt, PromptItem, build_prompt_items
+from abbench.prompts import BuiltPrompt
 from abbench.results import PromptRecord, RunRecord, Step
 from abbench.runner.plans.base import PlanStrategy, StepContext
 
@@ -64,15 +73,6 @@ def service_key(profile: Profile, arm: str, round_no: int) -> str:
     return f"{arm}@r{round_no}"
 
 
-def build_prompts(tok: Any, profile: Profile) -> list[BuiltPrompt]:
-    """The load prompts, exact and checked (as :func:`abbench.loadgen.build_load_prompts` builds them)."""
-    load = _load(profile)
-    plan = prompt_plan(load, profile.request.max_tokens)
-    items = [(POSITION_BASE + i, PromptItem(pid, "fresh", (n,), (pid,))) for i, (pid, n, _) in enumerate(plan)]
-    spec = profile.prompts.model_copy(update={"seed": load.seed})
-    return build_prompt_items(tok, spec, items, base_dir=profile.profile_dir)
-
-
 def _load(profile: Profile) -> LoadSpec:
     assert profile.load is not None
     return profile.load
@@ -93,11 +93,10 @@ class LoadLevels(PlanStrategy):
         return profile.load is not None
 
     def prompts(self, tokenizer: Any, state: dict[str, Any] | None) -> list[BuiltPrompt]:
-        built = build_prompts(tokenizer, self.profile)
-        outputs = {pid: out for pid, _, out in prompt_plan(_load(self.profile), self.profile.request.max_tokens)}
-        self._prompts = [LoadPrompt(id=b.record.id, target_tokens=b.record.target_tokens,
-                                    max_tokens=outputs[b.record.id], prompt=b.text, record=b.record) for b in built]
-        return built
+        p = self.profile
+        items = build_load_items(tokenizer, p.prompts, _load(p), p.request.max_tokens, base_dir=p.profile_dir)
+        self._prompts = [load_prompt(b, out) for b, out in items]
+        return [b for b, _ in items]
 
     def plan(self, prompts: list[PromptRecord], state: dict[str, Any] | None,
              recorded: list[Step] | None) -> list[Step]:
