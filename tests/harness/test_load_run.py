@@ -6,6 +6,7 @@ checks (complete cells, failed requests, parity between arms and under load; nev
 from __future__ import annotations
 
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -207,3 +208,46 @@ def test_the_recorded_prompts_are_the_load_generators_own(load_run_dir: Path) ->
     rebuilt = build_load_prompts(load_tokenizer("qwen3"), prof.prompts, prof.load, prof.request.max_tokens)
     assert [(p.id, p.target_tokens, p.record.sha256 if p.record else None) for p in rebuilt] == [
         (p.id, p.target_tokens, p.sha256) for p in record.prompts]
+
+
+def test_sigint_mid_level_keeps_the_finished_requests_and_the_resume_completes_the_run(tmp_path: Path) -> None:
+    import json
+    import signal
+
+    mark = fk.new_mark()
+    prof = _profile(mark, concurrency=[1, 2], rate=[], requests=8)
+    for arm in prof["arms"]:
+        arm["request"]["fake_token_delay_s"] = 0.05  # a level takes about a second and a half
+    prof["gate"] = {}
+    toml = fk.write_profile(tmp_path / "p.toml", prof)
+    run_dir = tmp_path / "run"
+
+    def levels() -> int:
+        try:
+            return len(json.loads((run_dir / "run.json").read_text())["load"])
+        except (OSError, ValueError, KeyError):
+            return 0
+
+    proc = fk.abbench_popen("run", "-p", str(toml), "--out", str(run_dir), "-q", "--no-report", cwd=tmp_path,
+                            out=tmp_path / "out.txt")
+    try:
+        fk.wait_for(lambda: levels() >= 3, timeout=60, what="three levels recorded")
+        time.sleep(0.5)  # inside the next level
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(60) == 130, (tmp_path / "out.txt").read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    fk.assert_no_leftovers(mark)
+    record, _ = load_run(run_dir)
+    assert record.status == "partial"
+    last = record.load[-1]
+    assert last.stopped is not None and len(last.requests) <= 8
+    n = len(record.load)
+    res = fk.abbench("run", "--resume", str(run_dir), "-q", "--no-report", cwd=tmp_path)
+    fk.assert_no_leftovers(mark)
+    assert res.returncode == 0, res.stderr
+    done, _ = load_run(run_dir)
+    assert done.status == "complete" and done.load[:n] == record.load
+    assert (done.load[n].arm, done.load[n].label, done.load[n].round) == (last.arm, last.label, last.round)
+    assert len(done.load) == n + 12 - (n - 1) and analysis.gate(done).passed
