@@ -33,6 +33,22 @@ The gate passes only when every check passes; it never passes on missing data.
   fails whatever allow_fallback says; so does a fallback on an eligible (or unknown-eligibility) prompt of
   an arm not in allow_fallback. And each such arm must show its path at least once: an arm whose every
   sample fell back proved nothing, allowed or not. Allowed fallbacks are listed in the verdict's notes.
+
+A **load run** (its profile has a ``[load]`` table: :func:`abbench.analysis.load.is_load_run`) has no sequential
+samples; :data:`LOAD_CHECKS` judge it on its load levels instead of ``samples`` to ``active-path``:
+
+* ``run-complete`` as above;
+* ``load-levels``: every planned cell (:func:`abbench.analysis.load.planned_cells`: each arm at each level in
+  each round, and its run alone per round with ``load.parity_reference``) is recorded complete (a missing or
+  interrupted cell fails), at least one request is ok, and at most ``gate.max_failed_samples`` measured requests
+  failed (a refused one, HTTP 429, counts as failed);
+* ``reference``: the reference arm has ok measured load requests;
+* ``token-ids``: no ok request a parity check reads lacks native ids (only with ``load.parity_reference``);
+* ``parity``: each arm's run alone of every prompt equals the parity reference arm's (same round) over K ids, or
+  is a near-tie flip the arm's or the gate's ``accept_near_ties`` accepts; a prompt not compared fails;
+* ``parity-under-load``: in every cell, every prompt's requests under load equal its run alone on the same arm
+  (or are an accepted near tie); a prompt not compared fails. With ``load.parity_reference = false`` both parity
+  checks say "not run" and pass: the profile chose not to run prompts alone.
 """
 
 from __future__ import annotations
@@ -57,6 +73,14 @@ from abbench.analysis.frames import (
     parity_reference_arm,
     reference_arm,
     where,
+)
+from abbench.analysis.load import (
+    alone_parity,
+    is_load_run,
+    load_levels,
+    measured,
+    parity_under_load,
+    planned_cells,
 )
 from abbench.analysis.numerics import numerics_arms
 from abbench.analysis.parity import parity_frame, parity_tokens_of
@@ -335,6 +359,104 @@ def check_active_path(g: GateInput) -> CheckResult:
     return CheckResult("active-path", bad.empty and not never, detail, failures, notes)
 
 
+def _load_where(lv: Any) -> str:
+    what = "alone" if lv.role == "reference" else lv.label
+    return f"arm {lv.arm} {what}, round {lv.round}"
+
+
+def check_load_levels(g: GateInput) -> CheckResult:
+    """A load run: every planned cell recorded complete, some request ok, few enough failed."""
+    record, spec = g.record, g.spec
+    done = {(lv.arm, lv.role, lv.kind, float(lv.value), lv.round) for lv in record.load if lv.stopped is None}
+    planned = planned_cells(record)
+    fails = [f"missing: arm {a} {'alone' if role == 'reference' else f'{kind} {v:g}'}, round {r}: no complete "
+             "level recorded" for a, role, kind, v, r in planned if (a, role, kind, v, r) not in done]
+    levels = load_levels(record) + load_levels(record, "reference")
+    reqs = [(lv, r) for lv in levels for r in (measured(lv) if lv.role == "load" else lv.requests)]
+    ok = sum(1 for _, r in reqs if r.ok)
+    failed = [(lv, r) for lv, r in reqs if not r.ok]
+    if not planned:
+        fails.append("the load run plans no level (no rounds or no levels): nothing to judge")
+    elif not ok:
+        fails.append("no load request is ok")
+    notes = []
+    if len(failed) > spec.max_failed_samples:
+        fails += [f"failed: {_load_where(lv)}, request {r.index} ({r.prompt_id}): {r.error_kind or 'error'}"
+                  + (f" {r.status}" if r.status else "") + f": {r.error or ''}" for lv, r in failed]
+    elif failed:
+        notes.append(f"{len(failed)} failed load request(s) tolerated (gate.max_failed_samples = "
+                     f"{spec.max_failed_samples})")
+    detail = (f"{sum(1 for c in planned if c in done)}/{len(planned)} planned levels complete; "
+              f"{ok}/{len(reqs)} measured requests ok, {len(failed)} failed (tolerated: {spec.max_failed_samples})")
+    return CheckResult("load-levels", not fails, detail, fails, notes)
+
+
+def check_load_reference(g: GateInput) -> CheckResult:
+    """A load run: the reference arm has ok measured load requests."""
+    ref = g.reference
+    n = sum(1 for lv in load_levels(g.record) if lv.arm == ref for r in measured(lv) if r.ok)
+    if ref is None or not n:
+        why = "no reference arm" if ref is None else f"reference arm {ref} has no ok measured load request"
+        return CheckResult("reference", False, why, [why])
+    return CheckResult("reference", True, f"{ref}: {n} ok measured load requests")
+
+
+def _parity_run(g: GateInput) -> bool:
+    return bool((g.record.profile.get("load") or {}).get("parity_reference", True))
+
+
+def check_load_token_ids(g: GateInput) -> CheckResult:
+    """A load run with parity references: every ok request carries the engine's own ids."""
+    if not _parity_run(g):
+        return CheckResult("token-ids", True, "not needed (load.parity_reference = false)")
+    levels = load_levels(g.record) + load_levels(g.record, "reference")
+    bad = [(lv, r) for lv in levels for r in lv.requests if r.ok and r.ids_source != "native"]
+    fails = [f"token ids: {_load_where(lv)}, request {r.index} ({r.prompt_id}): ids_source {r.ids_source}; parity "
+             "needs the engine's own ids" for lv, r in bad]
+    return CheckResult("token-ids", not bad, f"{len(bad)} ok load request(s) without native ids", fails)
+
+
+def check_load_parity(g: GateInput) -> CheckResult:
+    """A load run: each arm's run alone equals the parity reference arm's over K ids (accepted near ties noted)."""
+    if not _parity_run(g):
+        return CheckResult("parity", True, "not run (load.parity_reference = false)", status="pass")
+    rows = alone_parity(g.record)
+    others = sorted({a for a, *_ in planned_cells(g.record)} - {g.parity_reference})
+    if not rows and others:
+        why = f"not checked: no run alone of {', '.join(others)} to compare with {g.parity_reference}'s"
+        return CheckResult("parity", False, why, [f"parity: {why}"], status="not checked")
+    head = "parity: prompt {prompt_id}, arm {arm} alone, round {round}"
+    fails = [head.format(**r) + (": not compared (no ok run alone on one side)" if r["verdict"] == "unchecked" else
+             f": {r['verdict']} at token {r['first_diverging']} against {r['against']}")
+             for r in rows if not r["accepted"]]
+    notes = [head.format(**r) + f": accepted near-tie flip at token {r['first_diverging']} (< {r['tolerance']:g} "
+             "nats)" for r in rows if r["accepted"] and r["verdict"] == "near-tie"]
+    same = sum(1 for r in rows if r["verdict"] == "identical")
+    detail = (f"{same}/{len(rows)} runs alone equal to {g.parity_reference}'s over the first {g.parity_tokens} ids"
+              if rows else "no arm besides the parity reference")
+    return CheckResult("parity", not fails, detail, fails, notes)
+
+
+def check_parity_under_load(g: GateInput) -> CheckResult:
+    """A load run: in every cell every prompt kept its ids of the run alone (accepted near ties counted)."""
+    if not _parity_run(g):
+        return CheckResult("parity-under-load", True, "not run (load.parity_reference = false)")
+    table = parity_under_load(g.record)
+    if table.empty:
+        why = "not checked: no load level recorded"
+        return CheckResult("parity-under-load", False, why, [f"parity-under-load: {why}"], status="not checked")
+    fails = []
+    for r in table.itertuples():
+        if r.kept < r.prompts:
+            fails.append(f"parity-under-load: arm {r.arm} {r.level}: {r.kept}/{r.prompts} prompts kept their ids "
+                         f"alone ({r.broken} broken, {r.near_tie} near-tie, {r.unchecked} not compared"
+                         + (f"; e.g. {r.example}" if r.example else "") + ")")
+    kept, total = int(table["kept"].sum()), int(table["prompts"].sum())
+    return CheckResult("parity-under-load", not fails,
+                       f"{kept}/{total} (cell, prompt) pairs kept their ids alone over the first "
+                       f"{g.parity_tokens} ids", fails)
+
+
 def declared_check(c: DeclaredCheck) -> Callable[[GateInput], CheckResult]:
     """A declared check (:mod:`abbench.analysis.declared`) as a gate check: every cell its selector picks
     must pass; a cell whose interval straddles the bound is inconclusive, which fails."""
@@ -361,6 +483,12 @@ CHECKS: list[Callable[[GateInput], CheckResult]] = [
 ]
 """The checks the gate runs, in order (their verdict lines, failures and notes keep this order)."""
 
+LOAD_CHECKS: list[Callable[[GateInput], CheckResult]] = [
+    check_run_complete, check_load_levels, check_load_reference, check_load_token_ids, check_load_parity,
+    check_parity_under_load,
+]
+"""The checks the gate runs on a load run (module docstring), in order."""
+
 
 def run_checks(g: GateInput, checks: list[Callable[[GateInput], CheckResult]] | None = None) -> GateVerdict:
     """Run ``checks`` (default :data:`CHECKS`) on ``g``; the gate passes only when every check passes."""
@@ -371,12 +499,12 @@ def run_checks(g: GateInput, checks: list[Callable[[GateInput], CheckResult]] | 
 
 
 def gate_checks(record: RunRecord, extra: list[str] | None = None) -> list[Callable[[GateInput], CheckResult]]:
-    """:data:`CHECKS`, then the run's declared checks (its profile's ``gate.checks``), then ``extra``
+    """:data:`CHECKS` (:data:`LOAD_CHECKS` for a load run), then the run's declared checks (its profile's ``gate.checks``), then ``extra``
     expressions (``abbench gate --check``). :class:`~abbench.errors.ConfigError` on a bad expression or an
     unknown arm."""
     declared = bind(record, declared_exprs(record), "gate.checks") + bind(record, list(extra or []), "--check")
     unique = {c.name: c for c in declared}  # the same check declared twice is judged once
-    return [*CHECKS, *(declared_check(c) for c in unique.values())]
+    return [*(LOAD_CHECKS if is_load_run(record) else CHECKS), *(declared_check(c) for c in unique.values())]
 
 
 def gate(record: RunRecord, *, parity_tokens: int | None = None, checks: list[str] | None = None,

@@ -5,7 +5,12 @@ Definitions
 -----------
 A **cell** is (arm, level); its rounds are the levels of that arm and level in each round (ABBA: the arms run
 at each level in the rounds' order). Levels of ``role`` "reference" (every prompt alone) are the parity
-reference, never a cell.
+reference, never a cell. A level an interrupt stopped (``stopped``) is read only while no complete level of the
+same (arm, role, level, round) exists: a resumed run runs it again, and the complete one replaces it.
+
+A **load run** (:func:`is_load_run`: its profile has a ``[load]`` table) runs load levels only; its planned cells
+(:func:`planned_cells`) are every arm at every level in every round of ``run.rounds``, and each arm's parity
+reference per round with ``parity_reference``.
 
 * **Measured requests**: those sent in the level's window ``[window_start_s, window_end_s]`` (warm-up and
   cool-down excluded); a request cut off by an interrupt is not counted at all.
@@ -27,6 +32,8 @@ reference, never a cell.
   round (the pair ABBA makes), median over rounds with its interval.
 * **In flight** over time: the step function of sends and ends (:func:`in_flight`); its mean over the window
   and its maximum.
+* **Parity between arms** (:func:`alone_parity`): each arm's run alone of a prompt against the parity reference
+  arm's, same round, over K tokens, by the same near-tie rule.
 * **Parity under load**: each measured ok request's native ids against the same prompt's run alone on the same
   arm (its ``reference`` level of the same round, else any round): identical over the gate's K tokens
   (``gate.parity_tokens``), else a near-tie flip by :func:`abbench.analysis.parity.flip_verdict` with the arm's
@@ -44,7 +51,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from abbench.analysis.frames import arm_names, arm_tolerances, gate_spec, reference_arm
+from abbench.analysis.frames import arm_names, arm_tolerances, gate_spec, parity_reference_arm, reference_arm
 from abbench.analysis.latency import min_n
 from abbench.analysis.parity import NEAR_TIE_NATS, compare_ids, flip_verdict
 from abbench.analysis.timing import quantile_ci
@@ -52,7 +59,8 @@ from abbench.checkexpr import Slo, parse_slo
 from abbench.loadrecords import LoadLevel, LoadRequest
 from abbench.results import RunRecord
 
-__all__ = ["CELL_COLUMNS", "PARITY_COLUMNS", "REQUEST_COLUMNS", "cell_table", "in_flight", "level_rounds", "load_levels",
+__all__ = ["CELL_COLUMNS", "PARITY_COLUMNS", "REQUEST_COLUMNS", "alone_parity", "cell_table", "in_flight", "is_load_run",
+           "level_rounds", "load_levels", "planned_cells",
            "load_slos", "measured", "parity_under_load", "request_metrics", "requests_table", "round_figures", "throughput_ratios",
            "values"]
 
@@ -72,8 +80,35 @@ PARITY_COLUMNS = ["arm", "level", "prompts", "identical", "near_tie", "broken", 
                   "first_diverging", "example", "tolerance", "accepts"]
 
 
+def _key(lv: LoadLevel) -> tuple[str, str, str, float, int]:
+    return (lv.arm, lv.role, lv.kind, float(lv.value), lv.round)
+
+
 def load_levels(record: RunRecord, role: str = "load") -> list[LoadLevel]:
-    return [lv for lv in record.load if lv.role == role]
+    """The levels of ``role``; a stopped level only where no complete one of its key replaced it."""
+    complete = {_key(lv) for lv in record.load if lv.stopped is None}
+    return [lv for lv in record.load if lv.role == role and (lv.stopped is None or _key(lv) not in complete)]
+
+
+def is_load_run(record: RunRecord) -> bool:
+    """Whether the run's profile has a ``[load]`` table (``abbench run`` then runs its load levels only)."""
+    return bool(record.profile.get("load"))
+
+
+def planned_cells(record: RunRecord) -> list[tuple[str, str, str, float, int]]:
+    """Every (arm, role, kind, value, round) a load run plans (module docstring), in run order."""
+    load = record.profile.get("load") or {}
+    rounds = (record.profile.get("run") or {}).get("rounds")
+    n = int(rounds) if isinstance(rounds, (int, float)) or str(rounds).isdigit() else 0
+    levels = [("concurrency", float(c)) for c in load.get("concurrency") or []] + [
+        ("rate", float(r)) for r in load.get("rate") or []]
+    out = []
+    for r in range(1, n + 1):
+        for a in arm_names(record):
+            if load.get("parity_reference", True):
+                out.append((a, "reference", "concurrency", 1.0, r))
+            out += [(a, "load", kind, value, r) for kind, value in levels]
+    return out
 
 
 def load_slos(record: RunRecord) -> list[Slo]:
@@ -295,6 +330,28 @@ def parity_under_load(record: RunRecord) -> pd.DataFrame:
                      "first_diverging": min(firsts) if firsts else None, "example": example, "tolerance": tol,
                      "accepts": accepts})
     return pd.DataFrame(rows, columns=PARITY_COLUMNS)
+
+
+def alone_parity(record: RunRecord) -> list[dict[str, Any]]:
+    """A load run's parity between arms: each arm's run alone of each prompt (its ``reference`` level) against
+    the parity reference arm's of the same round (else its first), over ``gate.parity_tokens``, with the near-tie
+    rule of :func:`_verdict`. One row per (arm, round, prompt): verdict ("identical", "near-tie", "broken",
+    "unchecked"), first diverging position, tolerance and whether it is accepted."""
+    k = gate_spec(record).parity_tokens
+    against = parity_reference_arm(record)
+    refs = _references(record)
+    rows = []
+    for lv in load_levels(record, "reference"):
+        if lv.arm == against:
+            continue
+        tol, accepts = _tolerance(record, lv.arm)
+        for r in lv.requests:
+            ref = refs.get((against, lv.round, r.prompt_id)) or refs.get((against, 0, r.prompt_id))
+            verdict, first = _verdict(r, ref, k, tol)
+            rows.append({"arm": lv.arm, "round": lv.round, "prompt_id": r.prompt_id, "against": against,
+                         "verdict": verdict, "first_diverging": first, "tolerance": tol,
+                         "accepted": verdict == "identical" or (verdict == "near-tie" and accepts)})
+    return rows
 
 
 def values(record: RunRecord, metric: str, vs: str | None = None) -> pd.DataFrame:

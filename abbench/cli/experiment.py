@@ -1,5 +1,6 @@
 """``abbench run``: an A/B experiment with a progress display (or, with ``--quiet``, warnings only), ending with
-the gate's verdict line. Exit 0: every measured sample ok; 1: a measured sample failed; 2: a usage, service or
+the gate's verdict line (with ``--concurrency``/``--rate`` or a ``[load]`` table, load levels instead of rounds).
+Exit 0: every measured sample ok; 1: a measured sample failed; 2: a usage, service or
 results error, or a run stopped before it is complete (the ``--resume`` command is named); 130: interrupted.
 """
 
@@ -24,6 +25,15 @@ def run(
         "ratio check (gate.checks) has a narrow interval: the profile's run.target_halfwidth and run.max_rounds, "
         "else 0.05 and 10.")] = None,
     lengths: Annotated[Optional[str], typer.Option(help="Fresh prompt lengths, e.g. 512,2k,4k.")] = None,
+    concurrency: Annotated[Optional[str], typer.Option(
+        metavar="N,N,...", help="Run load levels instead of sequential rounds: closed loop, N requests always in "
+        "flight at each level, e.g. 1,4,16. Replaces the profile's [load] levels (its rates too, unless --rate is "
+        "given); a profile without [load] gets one with its defaults (32 requests a level, 256-token prompts, "
+        "each prompt also run alone as the parity reference). See docs/load.md.")] = None,
+    rate: Annotated[Optional[str], typer.Option(
+        metavar="R,R,...", help="Run load levels: open loop, requests/s arriving on a seeded Poisson schedule "
+        "(the profile's [load] arrival and burstiness), sent on time however slow the server is, e.g. 2,8,inf "
+        "(inf: every request at once). Replaces the profile's [load] levels as --concurrency does.")] = None,
     out_dir: Annotated[Optional[Path], typer.Option("--out", help="The run directory to write (it must not hold a run). Default: results/<run-id>.")] = None,
     resume: Annotated[Optional[Path], typer.Option(
         help="Finish a partial run in this directory: the steps without a sample, and those whose sample failed.")] = None,
@@ -44,21 +54,28 @@ def run(
 
     \b
       abbench run    # the default profile, cpu-tiny: three arms, two rounds, about a minute on 2 cores
+      abbench run -p cpu-tiny-load                   # load levels: 1, 2 and 4 in flight, ABBA at each level
+      abbench run -p cpu-tiny-load --concurrency 1,8 --rate 4,inf
+
+    A profile with a [load] table (or --concurrency/--rate) runs load levels only: per round, every prompt
+    alone on each arm (the parity reference), then each level with the arms in the round's ABBA order; each
+    cell is recorded as it ends (a --resume starts again at the level it stopped in).
     """
     from abbench import runner
-    from abbench.profile import load_profile
+    from abbench.profile import load_profile, parse_levels
 
     try:
         if resume is not None:
-            if any(v is not None for v in (profile, arms, rounds, lengths, out_dir)):
+            if any(v is not None for v in (profile, arms, rounds, lengths, out_dir, concurrency, rate)):
                 raise ConfigError("--resume continues a run with its recorded profile; drop the other options")
             prof = None
             run_dir = resume
         else:
             if keep_failed:
                 raise ConfigError("--keep-failed applies to a resumed run; give it with --resume DIR")
+            levels = {k: parse_levels(v, k) for k, v in (("concurrency", concurrency), ("rate", rate)) if v is not None}
             prof = load_profile(profile).with_overrides(arms=_parse_csv(arms, "--arms"), rounds=_parse_rounds(rounds),
-                                                        lengths=_parse_lengths(lengths))
+                                                        lengths=_parse_lengths(lengths), **levels)
             run_dir = out_dir or RESULTS_ROOT / runner.new_run_id(prof)
             runner.check_run_dir_free(run_dir)
         t0 = time.perf_counter()

@@ -22,7 +22,12 @@ def finish(record, run_dir: Path, seconds: float, *, report: bool, what: str,  #
     2, naming the resume command); otherwise end with the gate's verdict line (:func:`verdict_line`; on stderr
     when stdout holds a JSON document) and exit 1 when a measured sample failed."""
     ok = sum(1 for s in record.samples if s.ok)
-    console.print(f"{what} {record.status}: {len(record.samples)} samples ({ok} ok) in {seconds:.1f} s -> {run_dir}")
+    held = f"{len(record.samples)} samples ({ok} ok)"
+    if record.load:  # a load run: its levels and their requests (failed ones are judged by the gate's load-levels)
+        reqs = [r for lv in record.load for r in lv.requests]
+        held = (f"{len(record.load)} load levels, {len(reqs)} requests ({sum(r.ok for r in reqs)} ok)"
+                if not record.samples else f"{held}, {len(record.load)} load levels")
+    console.print(f"{what} {record.status}: {held} in {seconds:.1f} s -> {run_dir}")
     kinds = Counter(s.error_kind or "error" for s in record.samples if not s.ok)
     if kinds:
         console.print(f"[yellow]note:[/] {sum(kinds.values())} failed sample(s): "

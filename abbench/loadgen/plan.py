@@ -34,12 +34,12 @@ import numpy as np
 
 from abbench.loadrecords import LoadLevel
 from abbench.profile import LengthDist, LoadSpec, PromptsSpec
-from abbench.prompts import PromptItem, build_prompt_items
+from abbench.prompts import BuiltPrompt, PromptItem, build_prompt_items
 from abbench.results import PromptRecord
 from abbench.schedule import arm_order
 
-__all__ = ["POSITION_BASE", "LevelStep", "LoadPrompt", "arrivals", "build_load_prompts", "draw_lengths",
-           "level_plan", "prompt_plan", "request_prompt", "resume_at"]
+__all__ = ["POSITION_BASE", "LevelStep", "LoadPrompt", "arrivals", "build_load_items", "build_load_prompts",
+           "draw_lengths", "level_plan", "load_prompt", "prompt_plan", "request_prompt", "resume_at"]
 
 POSITION_BASE = 1_000_000
 """Corpus position of load prompt 0: far past any position the run's own prompt sets use."""
@@ -78,15 +78,27 @@ def prompt_plan(load: LoadSpec, max_tokens: int) -> list[tuple[str, int, int]]:
     return [(f"load-{i}", p, o) for i, (p, o) in enumerate(zip(lengths, outputs))]
 
 
-def build_load_prompts(tok: Any, prompts: PromptsSpec, load: LoadSpec, max_tokens: int, *,
-                       base_dir: Path | None = None) -> list[LoadPrompt]:
-    """The load prompts, exact and checked, as text (module docstring)."""
+def build_load_items(tok: Any, prompts: PromptsSpec, load: LoadSpec, max_tokens: int, *,
+                     base_dir: Path | None = None) -> list[tuple[BuiltPrompt, int]]:
+    """The load prompts as the exact-length builder gives them (text, ids, record), each with its output
+    length (module docstring)."""
     plan = prompt_plan(load, max_tokens)
     items = [(POSITION_BASE + i, PromptItem(pid, "fresh", (n,), (pid,))) for i, (pid, n, _) in enumerate(plan)]
     spec = prompts.model_copy(update={"seed": load.seed})
     built = build_prompt_items(tok, spec, items, base_dir=base_dir)
-    return [LoadPrompt(id=b.record.id, target_tokens=b.record.target_tokens, max_tokens=out, prompt=b.text,
-                       record=b.record) for b, (_, _, out) in zip(built, plan)]
+    return [(b, out) for b, (_, _, out) in zip(built, plan)]
+
+
+def load_prompt(built: BuiltPrompt, max_tokens: int) -> LoadPrompt:
+    """A built load prompt as a level sends it."""
+    return LoadPrompt(id=built.record.id, target_tokens=built.record.target_tokens, max_tokens=max_tokens,
+                      prompt=built.text, record=built.record)
+
+
+def build_load_prompts(tok: Any, prompts: PromptsSpec, load: LoadSpec, max_tokens: int, *,
+                       base_dir: Path | None = None) -> list[LoadPrompt]:
+    """The load prompts, exact and checked, as text (module docstring)."""
+    return [load_prompt(b, out) for b, out in build_load_items(tok, prompts, load, max_tokens, base_dir=base_dir)]
 
 
 def arrivals(rate: float, *, n: int | None = None, duration_s: float | None = None, burstiness: float = 1.0,

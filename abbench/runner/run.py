@@ -4,7 +4,9 @@ gathers telemetry and records every sample the moment it finishes.
 :func:`execute` opens a :class:`Run` (:meth:`Run.open`: prompts, plan, record, sample log) and executes it:
 ``start_service`` / ``prime`` / ``measure(step) -> Sample`` / ``on_failure`` / ``finish``. What is planned, and
 what comes next when the planned steps have run, is the profile's kind of plan (:mod:`abbench.runner.plans`:
-fixed rounds, auto rounds, a sweep), one strategy behind one interface, so the run is one loop. The service slot
+fixed rounds, auto rounds, a sweep, load levels), one strategy behind one interface, so the run is one loop: a
+plan's steps of its own kind (a load level's cell) are taken by the same loop after the ordinary ones, their
+service started or reused by the same slot, and run by the strategy (``PlanStrategy.execute``). The service slot
 is :mod:`abbench.runner.slot`, the lock and signals :mod:`abbench.runner.lock`, the resume checks
 :mod:`abbench.runner.resume`.
 
@@ -70,6 +72,7 @@ from abbench.fingerprint import environment_fingerprint
 from abbench.profile import Profile, profile_from_dict
 from abbench.prometheus import parse_prometheus
 from abbench.prompts import BuiltPrompt, build_prompts
+from abbench.loadrecords import LoadLevel
 from abbench.results import RunRecord, Sample, SampleLog, Step, Telemetry, save_run
 from abbench.runner.lock import RunLock, signals_as_interrupt, signals_deferred, signals_held
 from abbench.runner.preflight import check_context, check_services
@@ -168,7 +171,7 @@ def execute(
         raise Interrupted(f"interrupted ({e or 'SIGINT'}) while preparing the run; {what}") from None
     finally:
         lock.release()
-        if run is not None and not resume and not run.record.samples:
+        if run is not None and not resume and not run.record.samples and not run.record.load:
             kept = discard_unmeasured(run_dir)
             if observer is not None:
                 observer(ProgressEvent("warning", f"nothing was measured, so no run was saved in {run_dir}"
@@ -259,8 +262,11 @@ class Run:
         credentials = run_credentials(profile)
         ca_bundle = profile.ca_bundle_path()
         notify(ProgressEvent("prompts", "building exact-length prompts"))
-        tok, built = prepare(profile, cache_dir=cache_dir)
         strategy = plans.for_profile(profile)
+        if strategy.sequential:
+            tok, built = prepare(profile, cache_dir=cache_dir)
+        else:  # a plan of its own steps alone (load levels): the profile's [prompts] are not sent
+            tok, built = load_tokenizer(profile.tokenizer.source, base_dir=profile_dir(profile), cache_dir=cache_dir), []
         state = strategy.state(existing)
         built += strategy.prompts(tok, state)  # a sweep's points': the grid's, or (resumed) every recorded pass's
         prompt_records = [b.record for b in built]
@@ -308,6 +314,25 @@ class Run:
         if self.observer is not None:
             self.observer(ProgressEvent(kind, message, len(self.record.samples), len(self.plan), sample))
 
+    def record_load(self, level: LoadLevel) -> None:
+        """Append a load level to the record and save run.json at once (a crash loses no finished level)."""
+        with signals_held():
+            self.record.load.append(level)
+            save_run(self.run_dir, self.record)
+        s = level.summary()
+        self.notify("sample", f"{s['arm']} {s['level']}: {s['ok']}/{s['requests']} ok")
+
+    def step_context(self) -> plans.StepContext:
+        """What the run lends a plan's own steps (:class:`abbench.runner.plans.StepContext`)."""
+        def reset(arm: str, base_url: str) -> None:
+            path = self.profile.arm_engine(arm).reset_path
+            if path:
+                self.client.reset(base_url, path, headers=self.headers(arm))
+
+        return plans.StepContext(tokenizer=self.tokenizer, headers=self.headers,
+                                 verify=auth.tls_verify(self.profile.ca_bundle_path()), reset=reset,
+                                 record_load=self.record_load, notify=self.notify)
+
     def record_sample(self, sample: Sample) -> None:
         with signals_held():  # requests.jsonl and run.json hold the same samples, whenever a signal comes
             self.log.append(sample)  # the durable copy first
@@ -323,14 +348,14 @@ class Run:
         interrupted = False
         try:
             self.preflight()
-            self._steps([s for s in self.plan if s.index not in done])
+            self._steps([s for s in self.plan if s.index not in done] + self.strategy.own_steps(self.record))
         except KeyboardInterrupt as e:
             interrupted = True
             self._partial(f"interrupted ({e or 'SIGINT'})")
         except AbbenchError as e:
             self._partial(str(e).splitlines()[0])
             if self.kept():
-                e.args = (f"{e}\nthe run is saved as partial ({len(self.record.samples)} samples); "
+                e.args = (f"{e}\nthe run is saved as partial ({self.measured()}); "
                           f"{resume_hint(self.run_dir)}",)
             raise
         finally:
@@ -338,13 +363,18 @@ class Run:
         if interrupted:
             if not self.kept():
                 raise Interrupted("interrupted before the first sample; nothing was measured")
-            raise Interrupted(f"interrupted; {len(self.record.samples)} samples saved in {self.run_dir} "
+            raise Interrupted(f"interrupted; {self.measured()} saved in {self.run_dir} "
                               f"({resume_hint(self.run_dir)})")
         return self.record
 
     def kept(self) -> bool:
         """Whether the run stays behind when it stops now (it has samples, or it is a resumed run)."""
-        return bool(self.record.samples or self.record.environment.get("resumed"))
+        return bool(self.record.samples or self.record.load or self.record.environment.get("resumed"))
+
+    def measured(self) -> str:
+        """What the record holds, for a line: its samples, and its load levels when it has any."""
+        n = f"{len(self.record.samples)} samples"
+        return n + (f", {len(self.record.load)} load levels" if self.record.load else "")
 
     def preflight(self) -> None:
         """Check the service of every arm before the first of them starts (a sweep's later stages and the
@@ -370,9 +400,14 @@ class Run:
         self.record.status = "partial"
         self.record.status_reason = reason
 
-    def _steps(self, todo: list[Step]) -> None:
+    def _steps(self, todo: list[Any]) -> None:
         while True:
             for step in todo:
+                if not isinstance(step, Step):  # a step of the plan's own kind (a load level's cell)
+                    svc = None if step.arm in self.skipped_arms else self.service_for(step)
+                    if svc is not None:  # a skipped arm's cells stay unrecorded: the gate names them missing
+                        self.strategy.execute(step, svc.base_url, self.step_context())
+                    continue
                 if step.arm in self.skipped_arms:
                     self.record_sample(_failed_sample(step, "service", "arm skipped: its service failed"))
                     continue
@@ -408,7 +443,7 @@ class Run:
             save_run(self.run_dir, self.record)
         return steps
 
-    def service_for(self, step: Step) -> Service | None:
+    def service_for(self, step: Step | plans.OwnStep) -> Service | None:
         """The running service of ``step``'s block, started (and primed) when needed; None when it could not
         start and its arm is skipped (``run.on_service_failure = "skip-arm"``)."""
         slot = self.slot
@@ -417,11 +452,11 @@ class Run:
         if slot.key == step.service and slot.service is not None:
             slot.stop(error=f"exited before step {step.index}")  # died between requests
         svc = self.start_service(step)
-        if svc is not None:
+        if svc is not None and isinstance(step, Step):
             self.prime(svc, step)
         return svc
 
-    def start_service(self, step: Step) -> Service | None:
+    def start_service(self, step: Step | plans.OwnStep) -> Service | None:
         again = step.service in self.slot.launches
         url = self.profile.launch_spec(step.arm).base_url
         self.notify("service", (f"attaching {'again ' if again else ''}to {step.service} at {url}" if url
@@ -434,7 +469,8 @@ class Run:
                 raise
             self.skipped_arms.add(step.arm)
             self.notify("warning", f"arm {step.arm} skipped (run.on_service_failure = skip-arm): {e}")
-            self.record_sample(_failed_sample(step, "service", str(e).splitlines()[0]))
+            if isinstance(step, Step):
+                self.record_sample(_failed_sample(step, "service", str(e).splitlines()[0]))
             return None
         save_run(self.run_dir, self.record)
         for warning in (svc.control or {}).get("warnings", []):

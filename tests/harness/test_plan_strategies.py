@@ -63,7 +63,7 @@ class TwoPhases(PlanStrategy):
 def two_phases(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.setattr(plans, "STRATEGIES", dict(plans.STRATEGIES))
     plans.register(TwoPhases)
-    assert list(plans.STRATEGIES) == ["sweep", "auto", "two-phases", "fixed"]
+    assert list(plans.STRATEGIES) == ["load", "sweep", "auto", "two-phases", "fixed"]
     yield
 
 

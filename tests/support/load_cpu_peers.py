@@ -1,5 +1,5 @@
 """Load levels against the CPU vLLM and the vendored engine on their tiny checkpoints, driven by the load
-generator directly (``abbench run`` does not run ``[load]`` yet): each server at concurrency 1, 4 and 8, two
+generator directly (without a run directory of ``abbench run``): each server at concurrency 1, 4 and 8, two
 rounds, every prompt also run alone; the run directories and their reports are written under ``--out``.
 
     python tests/support/load_cpu_peers.py --out /tmp/load-peers [--only vllm|engine]

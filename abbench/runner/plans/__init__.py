@@ -4,7 +4,9 @@
 * :class:`~abbench.runner.plans.fixed.FixedRounds` (``fixed.py``): ``run.rounds = N``, planned before the run;
 * :class:`~abbench.runner.plans.auto.AutoRounds` (``auto.py``): ``run.rounds = "auto"``, a round at a time until
   the declared ratio checks' intervals are narrow;
-* :class:`~abbench.runner.plans.sweep.SweepPasses` (``sweep.py``): a ``[sweep]``, pass after pass of points.
+* :class:`~abbench.runner.plans.sweep.SweepPasses` (``sweep.py``): a ``[sweep]``, pass after pass of points;
+* :class:`~abbench.runner.plans.load.LoadLevels` (``load.py``): a ``[load]`` table, its levels' cells, each many
+  requests at once, as steps of their own (no sequential rounds).
 
 How the run uses a strategy (:func:`for_profile` picks it):
 
@@ -18,6 +20,10 @@ How the run uses a strategy (:func:`for_profile` picks it):
    :class:`~abbench.runner.plans.base.Extension`: new prompts, and ``commit(record)``, which records the
    decision in the state and returns the steps to append. The run appends the prompts and the steps and saves
    run.json, then measures those steps; [] ends the run (complete).
+5. Steps of the plan's own kind (``own_steps(record)``: those not yet done; a strategy with ``sequential =
+   False`` has only those, and the run builds none of the profile's ``[prompts]``) run after the ordinary
+   ones: the run starts (or reuses) the step's service as for any step, then ``execute(step, base_url, ctx)``
+   runs it and records it through ``ctx`` (:class:`~abbench.runner.plans.base.StepContext`).
 
 A new kind of plan (load levels, say) is one new file: a subclass of ``PlanStrategy`` with its ``kind``, its
 ``applies(profile)`` (what in the profile asks for it), ``plan`` and, when it decides as it goes, ``next``
@@ -31,11 +37,12 @@ from __future__ import annotations
 
 from abbench.profile import Profile
 from abbench.runner.plans.auto import AutoRounds
-from abbench.runner.plans.base import Extension, Notify, PlanStrategy
+from abbench.runner.plans.base import Extension, Notify, OwnStep, PlanStrategy, StepContext
 from abbench.runner.plans.fixed import FixedRounds
+from abbench.runner.plans.load import LoadLevels
 from abbench.runner.plans.sweep import SweepPasses
 
-STRATEGIES: dict[str, type[PlanStrategy]] = {s.kind: s for s in (SweepPasses, AutoRounds, FixedRounds)}
+STRATEGIES: dict[str, type[PlanStrategy]] = {s.kind: s for s in (LoadLevels, SweepPasses, AutoRounds, FixedRounds)}
 """Every kind of plan by its name, in the order :func:`for_profile` asks them; the last (fixed rounds) applies to
 any profile."""
 
@@ -58,5 +65,5 @@ def for_profile(profile: Profile) -> PlanStrategy:
     raise AssertionError("fixed rounds apply to every profile")
 
 
-__all__ = ["STRATEGIES", "AutoRounds", "Extension", "FixedRounds", "Notify", "PlanStrategy", "SweepPasses",
-           "for_profile", "register"]
+__all__ = ["STRATEGIES", "AutoRounds", "Extension", "FixedRounds", "LoadLevels", "Notify", "OwnStep",
+           "PlanStrategy", "StepContext", "SweepPasses", "for_profile", "register"]

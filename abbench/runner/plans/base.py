@@ -1,17 +1,56 @@
 """The interface every kind of plan implements (:class:`PlanStrategy`), and what its :meth:`~PlanStrategy.next`
-hands the run (:class:`Extension`). The strategies and their registry are :mod:`abbench.runner.plans`."""
+hands the run (:class:`Extension`). The strategies and their registry are :mod:`abbench.runner.plans`.
+
+A kind of plan may also have steps of a kind of its own (load levels: one cell of many requests, not one
+request): :meth:`PlanStrategy.own_steps` lists those still to run (each an :class:`OwnStep`: the arm, round and
+service it needs) and :meth:`PlanStrategy.execute` runs one against its running service, with what the run lends
+it (:class:`StepContext`), recording what it measured through the context at once."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, ClassVar, NamedTuple
+from dataclasses import dataclass
+from typing import Any, ClassVar, NamedTuple, Protocol
 
+from abbench.loadrecords import LoadLevel
 from abbench.profile import Profile
 from abbench.prompts import BuiltPrompt
 from abbench.results import PromptRecord, RunRecord, Step
 
 Notify = Callable[[str, str], None]
 """``notify(kind, message)``: a progress line for the run's observer (kind "service", "prompts" or "warning")."""
+
+
+class OwnStep(Protocol):
+    """A step of a kind of plan's own kind: the service it runs on (``service``, the key of a plan block, as an
+    ordinary step's) for ``arm`` in ``round``, at ``position`` in the round's arm order."""
+
+    @property
+    def arm(self) -> str: ...
+
+    @property
+    def round(self) -> int: ...
+
+    @property
+    def service(self) -> str: ...
+
+    @property
+    def position(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class StepContext:
+    """What the run lends :meth:`PlanStrategy.execute`: the tokenizer, each arm's request headers (its API key),
+    the TLS rules, the engine's cache reset (``reset(arm, base_url)``: a no-op where the profile has none),
+    ``record_load(level)`` (appends a load level to the record and saves run.json at once, signals held) and the
+    progress lines."""
+
+    tokenizer: Any
+    headers: Callable[[str], dict[str, str]]
+    verify: Any
+    reset: Callable[[str, str], None]
+    record_load: Callable[[LoadLevel], None]
+    notify: Notify
 
 
 class Extension(NamedTuple):
@@ -30,6 +69,9 @@ class PlanStrategy:
     methods have defaults for a plan that is fixed before the run starts."""
 
     kind: ClassVar[str] = ""
+    sequential: ClassVar[bool] = True
+    """Whether the run builds the profile's own prompts ([prompts]) for ordinary steps; False for a kind of plan
+    that runs only steps of its own (:meth:`own_steps`)."""
     state_field: ClassVar[str | None] = None
     """The :class:`~abbench.results.RunRecord` field that holds the state (a JSON-able dict), or None."""
 
@@ -73,3 +115,13 @@ class PlanStrategy:
     def request_fields(self, step: Step) -> dict[str, Any]:
         """Request fields the plan adds to ``step``'s over its arm's."""
         return {}
+
+    def own_steps(self, record: RunRecord) -> list[OwnStep]:
+        """The steps of this plan's own kind that ``record`` does not hold done yet, in order; the run takes them
+        after the ordinary steps. Default: none."""
+        return []
+
+    def execute(self, step: OwnStep, base_url: str, ctx: StepContext) -> None:
+        """Run one of :meth:`own_steps` against the running service at ``base_url`` and record it through
+        ``ctx``; raises :class:`KeyboardInterrupt` after recording a step an interrupt stopped."""
+        raise NotImplementedError(f"{self.kind} plans have no steps of their own")

@@ -1,0 +1,47 @@
+"""End to end: the bundled ``cpu-tiny-load`` profile through ``abbench run`` (the vendored engine on CPU, one
+shared service, chunked vs layer-major at 1, 2 and 4 in flight): run.json's load levels, the report's Load
+section and ``abbench gate``'s verdict. About a minute on 2 cores."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from abbench.results import load_run
+
+from tests.support import faultkit as fk
+
+pytestmark = pytest.mark.slow
+
+
+def test_cpu_tiny_load_runs_its_levels_reports_them_and_passes_the_gate(tmp_path: Path) -> None:
+    out = tmp_path / "results" / "load"
+    res = fk.abbench("run", "-p", "cpu-tiny-load", "--out", str(out), "-q", cwd=tmp_path, timeout=600)
+    err = fk.flat(res.stderr)
+    assert res.returncode == 0, err
+    assert res.stdout.strip().splitlines()[-1] == "gate: PASS", res.stdout
+    assert "run complete: 16 load levels, 112 requests (112 ok)" in err
+
+    record, problems = load_run(out)
+    assert record.status == "complete" and not problems and not record.samples
+    cells = [(lv.round, lv.role, lv.label, lv.arm) for lv in record.load]
+    assert len(cells) == 2 * 2 * (1 + 3) and len(set(cells)) == len(cells)
+    assert cells[:2] == [(1, "reference", "c=1", "chunked"), (1, "reference", "c=1", "layer-major")]
+    assert cells[8:10] == [(2, "reference", "c=1", "layer-major"), (2, "reference", "c=1", "chunked")]
+    for lv in record.load:
+        assert lv.stopped is None and all(r.ok and r.ids_source == "native" for r in lv.requests)
+        paths = {(r.engine or {}).get("prefill_path") for r in lv.requests}
+        assert paths == {lv.arm}, (lv.label, paths)  # each arm's prefill mode reached the engine
+    c4 = [lv for lv in record.load if lv.label == "c=4"]
+    assert max(s.metrics.get("abbench_engine_requests_running", 0) + s.metrics.get("abbench_engine_queue_waiting", 0)
+               for lv in c4 for s in lv.scrapes) >= 2  # the engine saw the requests in flight
+
+    report = (tmp_path / "reports" / "load.md").read_text(encoding="utf-8")
+    assert "## Load levels" in report and "### Parity under load" in report
+    assert "| layer-major | c=4 |" in report and (tmp_path / "reports" / "load.html").is_file()
+
+    gate = fk.abbench("gate", str(out), cwd=tmp_path)
+    assert gate.returncode == 0, gate.stdout
+    text = fk.flat(gate.stdout)
+    assert "gate: PASS" in text and "parity-under-load" in text and "16/16 planned levels complete" in text
