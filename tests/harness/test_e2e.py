@@ -29,8 +29,8 @@ def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """`abbench run`'s own example from its --help (the default profile), into a directory of its own."""
     from tests.harness.test_help_examples import examples
 
-    (argv, code, _), = examples("run")
-    assert argv == ["run"] and code == 0
+    (argv, code, _), *load = examples("run")  # the others run the load profile (tests/harness/test_load_run_engine.py)
+    assert argv == ["run"] and code == 0 and all("cpu-tiny-load" in a for a, _, _ in load)
     work = tmp_path_factory.mktemp("e2e")
     run_dir = work / "run"
     res = abbench(*argv, "--out", str(run_dir), "--quiet", "--no-report", cwd=work)
