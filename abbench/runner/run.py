@@ -392,9 +392,14 @@ class Run:
         lists (:func:`abbench.runner.preflight.check_context`); a launched service is checked once healthy."""
         lengths = [(st.prompt_id, self.prompts[st.prompt_id].record.token_count)
                    for st in self.record.plan if st.arm == arm and st.prompt_id in self.prompts]
+        max_tokens = self.profile.request.max_tokens
+        if not self.strategy.sequential:  # a plan of its own steps (load levels) sends every prompt it built
+            lengths = [(pid, b.record.token_count) for pid, b in self.prompts.items()]
+            out = self.profile.load.output_tokens if self.profile.load is not None else None
+            max_tokens = out.largest if out is not None else max_tokens
         check_context(self.client, base_url, self.headers(arm), self.profile.arm_engine(arm).model,
                       longest=max(lengths, key=lambda x: x[1], default=None),
-                      max_tokens=self.profile.request.max_tokens, where=f"arm {arm} ({base_url})")
+                      max_tokens=max_tokens, where=f"arm {arm} ({base_url})")
 
     def _partial(self, reason: str) -> None:
         self.record.status = "partial"

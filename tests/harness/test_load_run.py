@@ -251,3 +251,31 @@ def test_sigint_mid_level_keeps_the_finished_requests_and_the_resume_completes_t
     assert done.status == "complete" and done.load[:n] == record.load
     assert (done.load[n].arm, done.load[n].label, done.load[n].round) == (last.arm, last.label, last.round)
     assert len(done.load) == n + 12 - (n - 1) and analysis.gate(done).passed
+
+
+def test_the_report_of_a_load_run_shows_its_levels_and_leaves_the_sequential_sections_out(
+        load_run_dir: Path, tmp_path: Path) -> None:
+    from abbench.report import write_report
+
+    record, problems = load_run(load_run_dir)
+    text = write_report(record, problems, tmp_path / "r.md", tmp_path / "r").read_text(encoding="utf-8")
+    assert "## Load levels" in text and "### Parity under load" in text and "- **Rounds:** 2" in text
+    for gone in ("## TTFT per arm", "## Paired ratios", "## Parity\n", "## Active path", "the run holds no plan",
+                 "ttft.png: not drawn"):
+        assert gone not in text, gone
+    assert "16 load levels (0 stopped by an interrupt), 84 requests, 84 ok; no sequential samples" in text
+    assert "| load-levels | pass | 16/16 planned levels complete" in text
+
+
+def test_load_prompts_past_the_servers_context_stop_the_run_before_any_request(tmp_path: Path) -> None:
+    mark = fk.new_mark()
+    prof = _profile(mark, prompt_tokens={"fixed": 40}, output_tokens={"fixed": 30})
+    prof["engine"]["command"] = [*prof["engine"]["command"], "--max-model-len", "64"]
+    toml = fk.write_profile(tmp_path / "p.toml", prof)
+    res = fk.abbench("run", "-p", str(toml), "--out", str(tmp_path / "run"), "-q", cwd=tmp_path)
+    fk.assert_no_leftovers(mark)
+    err = fk.flat(res.stderr)
+    assert res.returncode == 2, err
+    assert "the server's context is 64 tokens" in err and "prompt load-0 has 40 tokens" in err
+    assert "asks for 30 more (70)" in err
+    assert not (tmp_path / "run" / "run.json").exists()

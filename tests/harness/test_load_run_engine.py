@@ -31,8 +31,11 @@ def test_cpu_tiny_load_runs_its_levels_reports_them_and_passes_the_gate(tmp_path
     assert cells[8:10] == [(2, "reference", "c=1", "layer-major"), (2, "reference", "c=1", "chunked")]
     for lv in record.load:
         assert lv.stopped is None and all(r.ok and r.ids_source == "native" for r in lv.requests)
-        paths = {(r.engine or {}).get("prefill_path") for r in lv.requests}
-        assert paths == {lv.arm}, (lv.label, paths)  # each arm's prefill mode reached the engine
+        engine = [r.engine or {} for r in lv.requests]
+        assert any(e.get("prefill_path") == lv.arm for e in engine), lv.label  # the arm's mode reached the engine
+        # a prompt sent again within a level can meet the prefix cache: one chunk left, where the engine runs
+        # chunked prefill and says why
+        assert all(e.get("prefill_path") == lv.arm or e.get("fallback_reason") for e in engine), lv.label
     c4 = [lv for lv in record.load if lv.label == "c=4"]
     assert max(s.metrics.get("abbench_engine_requests_running", 0) + s.metrics.get("abbench_engine_queue_waiting", 0)
                for lv in c4 for s in lv.scrapes) >= 2  # the engine saw the requests in flight

@@ -63,10 +63,28 @@ SECTIONS = [
 ]
 """The report's sections, in order."""
 
+SEQUENTIAL = (ttft_section, engines_section, ratios_section, h2d_section, floor_section, engine_counters_section,
+              decode_section, latency_section, host_cpu_section, parity_section, numerics_section, active_path_section,
+              attention_batching_section, overhead_section)
+"""The sections of sequential samples: a load run (load levels only, no samples) leaves them out, and the plots
+drawn from samples alone with them (:data:`SEQUENTIAL_PLOTS`)."""
+SEQUENTIAL_PLOTS = ("ttft", "ratios", "h2d", "ttft_memory")
+
+
+def load_only(record: RunRecord) -> bool:
+    """A load run: load levels and no sequential sample."""
+    from abbench.analysis.load import is_load_run
+
+    return is_load_run(record) and not record.samples
+
 
 def render_markdown(record: RunRecord, problems: list[str], a: an.Analysis, plot_links: dict[str, str],
                     plot_missing: dict[str, str]) -> str:
     """The report's Markdown, given the analysis and the plots' relative links (pure)."""
+    sections = SECTIONS
+    if load_only(record):
+        sections = [s for s in SECTIONS if s not in SEQUENTIAL]
+        plot_missing = {k: v for k, v in plot_missing.items() if k not in SEQUENTIAL_PLOTS}
     ri = ReportInput(record=record, analysis=a, problems=list(problems), plots=dict(plot_links),
                      plot_missing=dict(plot_missing))
-    return "\n\n".join("\n".join(lines) for section in SECTIONS if (lines := section(ri))).rstrip() + "\n"
+    return "\n\n".join("\n".join(lines) for section in sections if (lines := section(ri))).rstrip() + "\n"

@@ -18,7 +18,8 @@ def header_section(ri: ReportInput) -> list[str]:
     status = record.status + (f" ({record.status_reason})" if record.status_reason else "")
     duration = (f"{record.finished_at - record.created_at:.0f} s"
                 if record.finished_at is not None else "unfinished")
-    rounds = sorted({st.round for st in record.plan}) or sorted({s.round for s in record.samples})
+    rounds = (sorted({st.round for st in record.plan}) or sorted({s.round for s in record.samples})
+              or sorted({lv.round for lv in record.load}))
     lines = [
         f"# abbench report: {record.run_id}",
         "",
@@ -67,7 +68,8 @@ def problems_section(ri: ReportInput) -> list[str]:
     items: list[str] = list(problems)
     if record.status != "complete":
         items.append(f"run status is {record.status}" + (f": {record.status_reason}" if record.status_reason else ""))
-    if not c.has_plan:
+    load_run = bool(record.load) and not record.samples and not c.has_plan
+    if not c.has_plan and not load_run:
         items.append("the run holds no plan: completeness cannot be checked")
     items += [f"missing: {an.where(st)}, step {st.index}: no sample" for st in c.missing]
     items += [f"failed: {an.where(s)}, step {s.step}: {s.error_kind or 'error'}" + (f": {s.error}" if s.error else "")
@@ -89,6 +91,13 @@ def problems_section(ri: ReportInput) -> list[str]:
     items += [f"plot {name}.png not drawn: {why}" for name, why in plot_missing.items()]
     counts = (f"{c.ok}/{c.planned} measured planned steps have an ok sample ({c.present} have a sample); "
               f"{c.excluded_planned} step(s) excluded by the pre-registered rule (run, not counted), {c.excluded_ok} of them ok.")
+    if load_run:  # load levels only: what they hold (the gate's load-levels check judges them against the plan)
+        reqs = [r for lv in record.load for r in lv.requests]
+        stopped = sum(1 for lv in record.load if lv.stopped)
+        counts = (f"{len(record.load)} load levels ({stopped} stopped by an interrupt), {len(reqs)} requests, "
+                  f"{sum(r.ok for r in reqs)} ok; no sequential samples (a load run).")
+        items += [f"failed: arm {lv.arm} {lv.label}, round {lv.round}, request {r.index}: {r.error_kind}"
+                  + (f" {r.status}" if r.status else "") for lv in record.load for r in lv.requests if not r.ok][:20]
     lines = ["## Problems and missing data", "", counts, ""]
     lines.append(bullets(items) if items else "None.")
     return lines
