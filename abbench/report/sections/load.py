@@ -106,10 +106,11 @@ def _ratios(ratios: pd.DataFrame, reference: str | None, arms: int) -> list[str]
         rows.append({"arm": arm, "level": level, "n": len(g), "median": ci.median,
                      "ci": DASH if ci.low is None else f"{ci.low:.3f}x – {ci.high:.3f}x",
                      "verdict": {"faster": "less", "slower": "more"}.get(verdict(ci.low, ci.high), "not significant")
-                     if ci.low is not None else "undetermined (one round)"})
+                     if ci.low is not None else "undetermined (one round)",
+                     "note": (ci.note or "").replace("pairs", "rounds")})
     cols = [Col("arm", "Arm", right=False), Col("level", "Level", right=False), Col("n", "Rounds", fmt_int),
             Col("median", f"Output tok/s / {reference}", fmt_ratio), Col("ci", "95% CI"),
-            Col("verdict", "Throughput", right=False)]
+            Col("verdict", "Throughput", right=False), Col("note", "Note", fmt_text, descriptive=True, right=False)]
     return [table(pd.DataFrame(rows), cols, drop_constant=False)]
 
 
