@@ -166,6 +166,8 @@ def check_hybrid_chunk(mc: ModelConfig, chunk_tokens: int) -> None:
 # 0.88-0.94x below 6K tokens, 0.99-1.00x at 16K-64K and 1.05-1.06x at 128K.
 ATTENTION_BATCH_MAX_CONTEXT = 16384
 MAX_ATTENTION_BATCH = 8
+MAX_NUM_SEQS = 64  # sequences at once: each holds a whole max_context cache
+DEFAULT_NUM_SEQS = 4
 
 
 @dataclass(frozen=True)
@@ -227,6 +229,13 @@ class EngineConfig:
     # this many demand prefills (abbench.engine.runtime.policy.Calibration); 0: the model alone
     auto_calibration: int = 16
     max_context: int | None = None  # KV cache length; default max_position_embeddings
+    # sequences the engine runs at once (continuous batching, abbench.engine.runtime.scheduler): one cache of
+    # max_context positions each, all planned in device memory; 1 serves one request at a time. None: 4, or 1
+    # under gpu_memory_budget_gib (a budget is planned for one sequence unless more are asked for)
+    max_num_seqs: int | None = None
+    # one prefill batch's uncached prompt tokens (a longer first prompt runs alone): how long decoding sequences
+    # may wait behind a prefill, and how many queued layer-major prompts share one bank stream
+    max_prefill_batch_tokens: int = 131072
     deterministic: bool = False  # torch.use_deterministic_algorithms(True) (the kernels used already are)
     bandwidth_probe_bytes: int = 256 * 2**20  # H2D bytes timed at start (bounded to ~0.25 s); 0 skips it
 
@@ -244,6 +253,10 @@ class EngineConfig:
             raise ValueError("router_skew applies to random weights only (a checkpoint's router is its own)")
         if self.auto_demand_max_tokens is not None and self.auto_demand_max_tokens < 0:
             raise ValueError(f"auto_demand_max_tokens must be >= 0, got {self.auto_demand_max_tokens}")
+        if self.max_num_seqs is not None and not 1 <= self.max_num_seqs <= MAX_NUM_SEQS:
+            raise ValueError(f"max_num_seqs must be in [1, {MAX_NUM_SEQS}], got {self.max_num_seqs}")
+        if self.max_prefill_batch_tokens < 1:
+            raise ValueError(f"max_prefill_batch_tokens must be >= 1, got {self.max_prefill_batch_tokens}")
         if self.decode_experts not in DECODE_EXPERTS:
             raise ValueError(f"decode_experts must be one of {DECODE_EXPERTS}, got {self.decode_experts!r}")
         if self.decode_misses not in DECODE_MISSES:
@@ -305,4 +318,5 @@ class EngineConfig:
                 raise ValueError(f"expert_slots_per_layer ({slots}) must hold at least one token's experts "
                                  f"(num_experts_per_tok={mc.num_experts_per_tok})")
         check_hybrid_chunk(mc, self.chunk_tokens)
-        return dataclasses.replace(self, model=mc, dtype=dtype, max_context=max_context)
+        seqs = self.max_num_seqs or (1 if self.gpu_memory_budget_gib is not None else DEFAULT_NUM_SEQS)
+        return dataclasses.replace(self, model=mc, dtype=dtype, max_context=max_context, max_num_seqs=seqs)

@@ -20,14 +20,18 @@ value (``StopIteration.value``, :func:`drain`) is the request's :class:`RequestS
 from __future__ import annotations
 
 import dataclasses
+import threading
+import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol, Union
 
 from abbench.engine.config import DECODE_MISSES, MAX_ATTENTION_BATCH, PREFILL_MODES
 
-__all__ = ["Backend", "BackendInfo", "CancelLike", "Cancelled", "ContextOverflow", "GenerateRequest", "Override",
-           "RequestStats", "TokenEvent", "check_cancel", "check_request", "drain", "override"]
+__all__ = ["Backend", "BackendInfo", "CancelLike", "Cancelled", "ContextOverflow", "Finished", "GenerateRequest", "Handle",
+           "Override", "RequestStats", "Scheduler", "SerialScheduler", "TokenEvent", "check_cancel", "check_request",
+           "drain", "override"]
 
 
 # ----------------------------------------------------------------------------------------------- the request
@@ -180,6 +184,8 @@ class RequestStats:
     attention_fallbacks: dict | None = None  # groups that ran one call per chunk, by reason (runtime.steps)
     auto: dict | None = None  # prefill_mode auto: the path it picked, why, and its estimates (runtime.policy)
     layer_trace: list | None = None  # trace_layers: per layer and sub-block, the last prompt position (ops.trace)
+    prefill_batch: int | None = None  # prompts prefilled together with this one (itself included; layer-major)
+    queue_s: float | None = None  # seconds from submission to admission (waiting for a sequence cache)
 
 
 def drain(gen: Iterator[TokenEvent]) -> tuple[list[TokenEvent], RequestStats]:
@@ -216,7 +222,150 @@ class Backend(Protocol):
 
     info: BackendInfo
     counters: dict[str, Any]  # lifetime counters the metrics endpoint reads
+    scheduler: Scheduler  # how the server runs many requests: the engine's own, or a SerialScheduler
 
     def generate(self, request: GenerateRequest, cancel: CancelLike = None) -> Iterator[TokenEvent]: ...
 
     def reset(self) -> None: ...
+
+
+# ---------------------------------------------------------------------------------------------- scheduling
+
+
+@dataclass
+class Finished:
+    """The last thing a scheduled request emits: its stats, and when the backend finished it (perf_counter)."""
+
+    stats: RequestStats
+    finished: float
+
+
+class Handle(Protocol):
+    """A submitted request as its scheduler keeps it."""
+
+    submitted: float  # perf_counter at submission
+    admitted: float | None  # perf_counter when it started on the backend (None: still queued)
+    done: bool
+
+
+class Scheduler(Protocol):
+    """How the server's single engine thread runs requests (:mod:`abbench.engine.serve.serving`).
+
+    ``submit(request, cancel, emit)`` queues a request (thread-safe: called from the event loop); everything it
+    produces goes to ``emit`` from the engine thread, in order: each ``TokenEvent``, then a :class:`Finished`,
+    or instead an exception (``ValueError``/``ContextOverflow`` when it cannot be served, ``Cancelled``,
+    out-of-memory, a bug) after which nothing more comes. ``step()`` does one unit of work (the engine thread
+    calls it while ``busy``); ``abort(handle)`` drops a request silently (engine thread); ``withdraw(handle)``
+    takes a request out of the queue if it has not started (any thread; True if it was queued); ``fail_all(exc)`` ends every request
+    with ``exc`` (the engine thread's last resort); ``waiting``/``running`` are the queued and started requests;
+    ``free`` how many more could start now."""
+
+    waiting: Any
+    running: Any
+
+    @property
+    def busy(self) -> bool: ...
+
+    @property
+    def free(self) -> int: ...
+
+    def submit(self, request: GenerateRequest, cancel: CancelLike, emit: Callable[[Any], None]) -> Handle: ...
+
+    def step(self) -> None: ...
+
+    def abort(self, handle: Any) -> None: ...
+
+    def withdraw(self, handle: Any) -> bool: ...
+
+    def fail_all(self, exc: BaseException) -> None: ...
+
+
+@dataclass(eq=False)
+class _Serial:
+    request: GenerateRequest
+    cancel: CancelLike
+    emit: Callable[[Any], None]
+    submitted: float = dataclasses.field(default_factory=time.perf_counter)
+    admitted: float | None = None
+    done: bool = False
+    gen: Iterator[TokenEvent] | None = None
+
+
+class SerialScheduler:
+    """A :class:`Scheduler` for a backend that runs one request at a time (``generate``): requests start in
+    arrival order; a step advances the running one by one token."""
+
+    def __init__(self, backend: Backend):
+        self.backend = backend
+        self.waiting: deque[_Serial] = deque()
+        self.running: list[_Serial] = []
+        self._lock = threading.Lock()
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def free(self) -> int:
+        return 0 if self.running else 1
+
+    def submit(self, request: GenerateRequest, cancel: CancelLike, emit: Callable[[Any], None]) -> _Serial:
+        seq = _Serial(request, cancel, emit)
+        with self._lock:
+            self.waiting.append(seq)
+        return seq
+
+    def step(self) -> None:
+        if not self.running:
+            with self._lock:
+                if not self.waiting:
+                    return
+                seq = self.waiting.popleft()
+            seq.admitted = time.perf_counter()
+            try:
+                check_cancel(seq.cancel)
+                seq.gen = self.backend.generate(seq.request, seq.cancel)
+            except BaseException as exc:  # noqa: BLE001 - refused before any work, or left while queued
+                self._end(seq, exc)
+                return
+            self.running.append(seq)
+        seq = self.running[0]
+        try:
+            event = next(seq.gen)
+        except StopIteration as stop:
+            self._end(seq, Finished(stop.value, time.perf_counter()))
+            return
+        except BaseException as exc:  # noqa: BLE001 - Cancelled, OOM, bugs: the consumer decides
+            self._end(seq, exc)
+            return
+        seq.emit(event)
+
+    def _end(self, seq: _Serial, last: Any) -> None:
+        seq.done = True
+        if seq in self.running:
+            self.running.remove(seq)
+        seq.emit(last)
+
+    def withdraw(self, handle: Any) -> bool:
+        with self._lock:
+            if handle in self.waiting:
+                self.waiting.remove(handle)
+                handle.done = True
+                return True
+        return False
+
+    def abort(self, handle: Any) -> None:
+        with self._lock:
+            if handle in self.waiting:
+                self.waiting.remove(handle)
+        if handle in self.running:
+            self.running.remove(handle)
+            handle.gen.close()
+        handle.done = True
+
+    def fail_all(self, exc: BaseException) -> None:
+        with self._lock:
+            seqs, self.waiting = [*self.running, *self.waiting], deque()
+        self.running = []
+        for seq in seqs:
+            self._end(seq, exc)

@@ -113,7 +113,7 @@ def test_slot_cache_counts_hits_and_misses_and_goes_whole_step_when_complete():
 
 def test_budgets_size_the_slot_cache_and_give_identical_ids(resident_ids):
     prompts, want = resident_ids
-    base = EngineConfig(**KNOBS, prefill_mode="chunked").resolved()
+    base = EngineConfig(**KNOBS, prefill_mode="chunked", max_num_seqs=1).resolved()  # a budget plans one
     fixed = plan_device_memory(base, 10**12).fixed_bytes
     slot = plan_device_memory(base, 10**12).slot_bytes
     sizes = []
@@ -126,7 +126,8 @@ def test_budgets_size_the_slot_cache_and_give_identical_ids(resident_ids):
 
 
 def test_memory_plan_adds_up_and_refuses_with_every_term_named():
-    cfg = EngineConfig(model="qwen3-30b-a3b-2507", device="cuda", max_context=131_072 + 512).resolved()
+    cfg = EngineConfig(model="qwen3-30b-a3b-2507", device="cuda", max_context=131_072 + 512,
+                       max_num_seqs=1).resolved()
     plan = plan_device_memory(cfg, 24 * GIB)
     mc = cfg.model
     assert plan.dense_bytes == dense_params(mc) * 2
@@ -141,7 +142,7 @@ def test_memory_plan_adds_up_and_refuses_with_every_term_named():
     msg = str(e.value)
     for term in ("dense", "KV 12.05 GiB", "prefill buffers", "workspace", "--gpu-memory-budget to at least", "8"):
         assert term in msg
-    resident = EngineConfig(model="qwen3-30b-a3b", device="cuda", prefill_mode="resident").resolved()
+    resident = EngineConfig(model="qwen3-30b-a3b", device="cuda", prefill_mode="resident", max_num_seqs=1).resolved()
     with pytest.raises(ValueError, match="resident experts do not fit"):
         plan_device_memory(resident, 24 * GIB)
     assert plan_device_memory(resident, 80 * GIB).resident_bytes == PRESETS["qwen3-30b-a3b"].bank_bytes(2)
@@ -152,7 +153,7 @@ def test_explicit_expert_slots_beyond_the_budget_are_refused():
     plan within its budget); one more is refused, naming what the budget holds, not silently over budget."""
     def cfg(slots: int | None) -> EngineConfig:
         return EngineConfig(model="qwen3-30b-a3b-2507", device="cuda", max_context=131_072 + 512,
-                            expert_slots_per_layer=slots).resolved()
+                            expert_slots_per_layer=slots, max_num_seqs=1).resolved()
 
     budget = 24 * GIB  # --gpu-memory-budget 24: GiB
     fit = plan_device_memory(cfg(None), budget).slots_per_layer  # what the budget holds (below num_experts)
@@ -221,12 +222,13 @@ def test_decode_warmup_leaves_no_trace(preset):
     fresh, warmed = Engine(cfg), Engine(cfg)
     positions: list[int] = []
     real_step = warmed.decoder.step
-    warmed.decoder.step = lambda token, pos, cancel=None, misses=None: (
-        positions.append(pos), real_step(token, pos, cancel, misses))[1]
+    warmed.decoder.step = lambda token, pos, cancel=None, misses=None, cache=0: (
+        positions.append((cache, pos)), real_step(token, pos, cancel, misses, cache))[1]
     warmed._warm_decode()
     del warmed.decoder.step
     ways = 2 if warmed.decoder.table is not None else 1  # host and device misses, where both can run
-    assert positions == [p for p in (1023, 2047, 2099) for _ in range(2 * ways)]
+    caches = range(warmed.config.max_num_seqs)  # every sequence cache's graphs
+    assert positions == [(c, p) for c in caches for p in (1023, 2047, 2099) for _ in range(2 * ways)]
     assert warmed.decode_warmup["kv_buckets"] == [1024, 2048, 2100]
     assert warmed.decoder.steps == {"whole": 0, "per_layer": 0} and warmed.store.lifetime.h2d_bytes == 0
     assert not any(warmed.store.slots.lru)  # the throwaway steps' experts are gone from the slot cache

@@ -486,7 +486,8 @@ def test_the_memory_plan_counts_prefill_graphs_and_joint_attention_calls():
     from abbench.engine.runtime.memory import plan_device_memory
 
     mc = PRESETS["qwen3.5-35b-a3b"]
-    base = dict(model=mc, device="cuda", chunk_tokens=2048, layer_major_window_tokens=131072, max_context=262144)
+    base = dict(model=mc, device="cuda", chunk_tokens=2048, layer_major_window_tokens=131072, max_context=262144,
+                max_num_seqs=1)
     plans = {name: plan_device_memory(EngineConfig(**base, **kw).resolved(), int(24e9)) for name, kw in {
         "eager": dict(prefill_graphs=False), "graphs": {}, "graphs+k2": dict(attention_batch=2)}.items()}
     extra = plans["graphs"].workspace_bytes - plans["eager"].workspace_bytes

@@ -28,7 +28,9 @@ uvicorn = pytest.importorskip("uvicorn")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from abbench.engine.config import PRESETS, EngineConfig  # noqa: E402
-from abbench.engine.contract import BackendInfo, Cancelled, ContextOverflow, RequestStats, TokenEvent  # noqa: E402
+from abbench.engine.contract import (  # noqa: E402
+    BackendInfo, Cancelled, ContextOverflow, RequestStats, SerialScheduler, TokenEvent,
+)
 from abbench.engine.runtime.engine import Engine  # noqa: E402
 from abbench.engine.serve.server import create_app  # noqa: E402
 from abbench.engine.serve.tokenizer import IncrementalDetokenizer, TokenizerSpecError, load_tokenizer  # noqa: E402
@@ -94,6 +96,7 @@ class ScriptedEngine:
         self.started: list[list[int]] = []  # prompts in the order the engine began them
         self.outcomes: list[str] = []
         self.active = self.max_active = self.resets = 0
+        self.scheduler = SerialScheduler(self)  # one request at a time, as the contract's serial backends
 
     def generate(self, request, cancel=None):
         prompt_ids, max_tokens, logprobs = request.prompt_ids, request.max_tokens, request.logprobs

@@ -111,7 +111,7 @@ def raw_post(url: str, body: dict) -> socket.socket:
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineProc]:
-    eng = EngineProc(tmp_path_factory.mktemp("engine"), "--queue-limit", "1")
+    eng = EngineProc(tmp_path_factory.mktemp("engine"), "--queue-limit", "1", "--max-num-seqs", "1")
     try:
         yield eng
     finally:
@@ -301,7 +301,8 @@ def test_client_gone_mid_prefill_stops_within_a_layer_step_and_frees_memory(engi
 
 
 def test_full_queue_gets_429_while_the_real_engine_is_busy(engine: EngineProc) -> None:
-    """--queue-limit 1: one request runs, one waits, the third is refused; both accepted ones complete."""
+    """--queue-limit 1 --max-num-seqs 1: one request runs, one waits, the third is refused; both accepted ones
+    complete."""
     c = engine.client
     c.post("/reset")
     results: dict[str, httpx.Response] = {}

@@ -156,7 +156,7 @@ def test_parked_activations_never_exceed_one_window(engine: Engine) -> None:
 
 
 def _plan(**kw):
-    return plan_device_memory(EngineConfig(**{**KNOBS, **kw}).resolved(), 10**12)
+    return plan_device_memory(EngineConfig(**{**KNOBS, "max_num_seqs": 1, **kw}).resolved(), 10**12)  # as budgeted
 
 
 def test_the_plan_sets_aside_a_whole_window_of_parked_activations(engine: Engine) -> None:

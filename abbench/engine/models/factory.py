@@ -36,18 +36,27 @@ def build_model(mc: ModelConfig, weights: str, bank: ExpertBank, max_context: in
     return model, cache
 
 
+def new_cache(mc: ModelConfig, max_context: int, device: torch.device,
+              dtype: torch.dtype) -> KVCache | HybridCache | Qwen4Cache:
+    """One sequence's cache for ``mc``'s family (the engine keeps one per sequence it may run at once)."""
+    if mc.is_qwen4:
+        return Qwen4Cache(mc, max_context, device, dtype)
+    if mc.is_hybrid:
+        return HybridCache(mc, max_context, device, dtype)
+    return KVCache(mc, max_context, device, dtype)
+
+
 def _build(mc: ModelConfig, weights: str, bank: ExpertBank, max_context: int, device: torch.device,
            dtype: torch.dtype) -> tuple[Model | HybridModel, KVCache | HybridCache]:
     seed = int(weights.split(":", 1)[1]) if weights.startswith("random:") else None
     if mc.is_qwen4:
         dense = (random_qwen4_weights(mc, seed, bank, device, dtype) if seed is not None
                  else load_qwen4_checkpoint(weights, mc, bank, device, dtype))
-        return Qwen4Model(mc, dense, max_context, device, dtype), Qwen4Cache(mc, max_context, device, dtype)
+        return Qwen4Model(mc, dense, max_context, device, dtype), new_cache(mc, max_context, device, dtype)
     if mc.is_hybrid:
         dense = (random_hybrid_weights(mc, seed, bank, device, dtype) if seed is not None
                  else load_hybrid_checkpoint(weights, mc, bank, device, dtype))
-        return (HybridModel(mc, dense, max_context, device, dtype),
-                HybridCache(mc, max_context, device, dtype))
+        return HybridModel(mc, dense, max_context, device, dtype), new_cache(mc, max_context, device, dtype)
     dense = (random_weights(mc, seed, bank, device, dtype) if seed is not None
              else load_checkpoint(weights, mc, bank, device, dtype))
-    return Model(mc, dense, max_context, device, dtype), KVCache(mc, max_context, device, dtype)
+    return Model(mc, dense, max_context, device, dtype), new_cache(mc, max_context, device, dtype)

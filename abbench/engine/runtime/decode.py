@@ -82,9 +82,12 @@ def kv_len_for(pos: int, max_context: int) -> int:
 class Decoder:
     """Static buffers and the step functions of decode; see the module docstring."""
 
-    def __init__(self, model: Model, store: ExpertStore, kv: KVCache, graphs: bool, experts: str = "grouped",
-                 attention: str = "torch", misses: str = "host"):
-        self.model, self.store, self.kv = model, store, kv
+    def __init__(self, model: Model, store: ExpertStore, kv: KVCache | list[KVCache], graphs: bool,
+                 experts: str = "grouped", attention: str = "torch", misses: str = "host"):
+        # the sequences' caches (one per sequence the engine may run at once); a step runs over one of them,
+        # ``self.kv`` (its graphs are its own: every key names the cache)
+        self.caches = list(kv) if isinstance(kv, (list, tuple)) else [kv]
+        self.model, self.store, self.kv, self.cache = model, store, self.caches[0], 0
         experts = self._auto(experts, "grouped", True)
         attention = self._auto(attention, "torch", decode_kernels.attention_applies(model.cfg.head_dim))
         self.moe = self._moe_function(experts)
@@ -215,10 +218,11 @@ class Decoder:
         self.x[0].copy_(self.model.embed(self.token))
 
     def _attn(self, layer: int, kv_len: int) -> None:
-        self.mid[layer, kv_len] = self.model.decode_attn_block(layer, self.x[layer], self.kv, self.pos, kv_len)
+        self.mid[self.cache, layer, kv_len] = self.model.decode_attn_block(layer, self.x[layer], self.kv, self.pos,
+                                                                           kv_len)
 
     def _moe(self, layer: int, kv_len: int) -> None:
-        x, h, top_w, _ = self.mid[layer, kv_len]
+        x, h, top_w, _ = self.mid[self.cache, layer, kv_len]
         gate_up, down = self.store.decode_weights(layer)  # [S, 2I, H], [S, H, I]
         self.x[layer + 1].copy_(self.moe(x, h, top_w, self.slot_ids[layer], gate_up, down))
 
@@ -237,20 +241,24 @@ class Decoder:
         """Two throwaway steps at the last position of every KV-length bucket (``kv_buckets``): the first runs
         each piece eagerly, the second captures its graph. They write KV, states, token history and slots at
         those positions: the caller resets the engine afterwards. With a device-side slot table, both ways of
-        handling misses (a request may ask for either). Returns the buckets."""
+        handling misses (a request may ask for either). Every sequence cache's graphs. Returns the buckets."""
         buckets = kv_buckets(self.kv.max_context)
         ways = [self.misses] + ([w for w in ("host", "device") if w != self.misses] if self.table is not None else [])
-        for kv_len in buckets:
-            for misses in ways:
-                for _ in range(2):
-                    self.step(token_id, kv_len - 1, misses=misses)
+        for cache in range(len(self.caches)):
+            for kv_len in buckets:
+                for misses in ways:
+                    for _ in range(2):
+                        self.step(token_id, kv_len - 1, misses=misses, cache=cache)
         return buckets
 
     # -- a step ----------------------------------------------------------------------------------------
     @torch.no_grad()
-    def step(self, token_id: int, pos: int, cancel: CancelLike = None, misses: str | None = None) -> torch.Tensor:
-        """Decode ``token_id`` at ``pos``; returns the logits [V] float32 (a view of a static buffer, valid
-        until the next step). ``misses``: who handles the slot cache's misses in this step (``check_misses``)."""
+    def step(self, token_id: int, pos: int, cancel: CancelLike = None, misses: str | None = None,
+             cache: int = 0) -> torch.Tensor:
+        """Decode ``token_id`` at ``pos`` in the sequence cache ``cache``; returns the logits [V] float32 (a view of
+        a static buffer, valid until the next step). ``misses``: who handles the slot cache's misses in this step
+        (``check_misses``)."""
+        self.cache, self.kv = cache, self.caches[cache]
         store, kv_len = self.store, kv_len_for(pos, self.kv.max_context)
         on_device = self.check_misses(misses) == "device"
         self.token.fill_(token_id)
@@ -264,7 +272,7 @@ class Decoder:
                 self.steps["whole"] += 1
                 if on_device:
                     store.slots.sync_device()  # the host's lookups or flush since the last device-side step
-                self._run(("whole", kv_len, on_device), lambda: self._whole(kv_len, on_device))
+                self._run(("whole", cache, kv_len, on_device), lambda: self._whole(kv_len, on_device))
                 if on_device:
                     self.table.ahead = self.table.uncounted = True
                 return self.logits
@@ -273,10 +281,10 @@ class Decoder:
             for layer in range(self.n_layers):
                 if layer:
                     check_cancel(cancel)
-                self._run(("attn", layer, kv_len), lambda: self._attn(layer, kv_len))
-                routed = self.mid[layer, kv_len][3][0].tolist()  # host sync: which experts this token needs
+                self._run(("attn", cache, layer, kv_len), lambda: self._attn(layer, kv_len))
+                routed = self.mid[cache, layer, kv_len][3][0].tolist()  # host sync: which experts this token needs
                 self.host_ids[layer, 0] = torch.tensor(store.decode_experts(layer, routed))
                 self.slot_ids[layer].copy_(self.host_ids[layer], non_blocking=True)
-                self._run(("moe", layer, kv_len), lambda: self._moe(layer, kv_len))
+                self._run(("moe", cache, layer, kv_len), lambda: self._moe(layer, kv_len))
             self._run(("head",), self._head)
             return self.logits

@@ -33,10 +33,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-import sys
 import threading
 import time
-import traceback
 from collections import deque
 from collections.abc import Iterator
 
@@ -47,22 +45,21 @@ from abbench.engine.config import (
 )
 from abbench.engine.runtime.memory import GIB, MemoryPlan, dense_params, plan_device_memory
 from abbench.engine.contract import (
-    BackendInfo, CancelLike, Cancelled, GenerateRequest, RequestStats, TokenEvent, check_cancel, check_request,
-    drain,
+    BackendInfo, CancelLike, Finished, GenerateRequest, RequestStats, TokenEvent, check_request, drain,
 )
 from abbench.engine.ops.sampling import Sampler
 from abbench.engine.runtime.decode import Decoder
 from abbench.engine.models.bank import ExpertBank
 from abbench.engine.runtime.experts import ExpertStore
-from abbench.engine.models.factory import build_model
+from abbench.engine.models.factory import build_model, new_cache
 from abbench.engine.runtime.graphs import GraphCache
 from abbench.engine.models.hybrid import attention_batching_exact
 from abbench.engine.ops.dense import attention_backends
 from abbench.engine.ops.moe import probe_graph_capture
 from abbench.engine.runtime.policy import Calibration, CostModel, choose, expected_demand_copies
 from abbench.engine.runtime.prefill import Batching, PrefillStats, plan_chunks, prefill
+from abbench.engine.runtime.scheduler import Scheduler
 from abbench.engine.runtime.steps import LayerSteps
-from abbench.engine.ops.trace import LayerTrace
 
 __all__ = ["Engine"]
 
@@ -77,14 +74,6 @@ def _resolve_device(name: str) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device() if dev.index is None else dev.index)
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
-
-
 class Engine:
     def __init__(self, config: EngineConfig):
         t0 = time.perf_counter()
@@ -97,11 +86,6 @@ class Engine:
                 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.use_deterministic_algorithms(True, warn_only=True)
         mc = self.model_config
-        self._kv_tokens: list[int] = []  # tokens whose KV is valid at positions [0, len) in every layer
-        # Hybrid models: the linear layers' states are valid only where they were snapshotted, at the end of
-        # the last prefilled prompt (0: no snapshot). A prompt reuses the prefix cache only up to that point.
-        self._hybrid = mc.is_hybrid
-        self._states_at = 0
         self._lock = threading.Lock()
         with self._on_device():
             self.memory_plan = self._plan_memory()
@@ -109,11 +93,15 @@ class Engine:
                               dense_bytes=dense_params(mc) * self.dtype.itemsize)
             self.model, self.kv = build_model(mc, cfg.weights, bank, cfg.max_context, self.device, self.dtype,
                                               router_skew=cfg.router_skew)
+            # one cache per sequence the engine may run at once (the first is ``kv``, which tools drive directly)
+            self.caches = [self.kv] + [new_cache(mc, cfg.max_context, self.device, self.dtype)
+                                       for _ in range(cfg.max_num_seqs - 1)]
             self.slots_per_layer = self.memory_plan.slots_per_layer if self.memory_plan else (
                 cfg.expert_slots_per_layer or mc.num_experts)
             resident = cfg.prefill_mode == "resident"
             self.store = ExpertStore(bank, self.device, self.slots_per_layer, resident, cfg.d2d_from_slot_cache)
-            self.decoder = Decoder(self.model, self.store, self.kv, graphs=cfg.decode_graphs,
+            self.scheduler = Scheduler(self, self.caches)
+            self.decoder = Decoder(self.model, self.store, self.caches, graphs=cfg.decode_graphs,
                                    experts=cfg.decode_experts, attention=cfg.decode_attention,
                                    misses=cfg.decode_misses)
             self.steps = self._layer_steps()
@@ -343,21 +331,35 @@ class Engine:
                            slots_per_layer=self.slots_per_layer)
 
     def reset(self) -> None:
-        """Flush the prefix cache and the decode slot cache."""
+        """Flush the prefix cache of every sequence cache and the decode slot cache (only while idle)."""
         if not self._lock.acquire(blocking=False):
             raise RuntimeError("Engine.reset() while a request is running")
         try:
-            self._kv_tokens = []
-            self._states_at = 0
-            if self._hybrid:
-                self.kv.clear()
+            if self.scheduler.busy:
+                raise RuntimeError("Engine.reset() while sequences are running")
+            self.scheduler.pool.clear()
             self.store.flush_slots()
         finally:
             self._lock.release()
 
+    def reset_peak(self) -> None:
+        """Start a new peak of torch's allocated device memory (CUDA)."""
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def device_bytes(self) -> int | None:
+        """torch's allocated device memory now (None off CUDA)."""
+        return int(torch.cuda.memory_allocated(self.device)) if self.device.type == "cuda" else None
+
+    def peak_bytes(self) -> int | None:
+        """torch's peak allocated device memory since the last ``reset_peak`` (None off CUDA)."""
+        return int(torch.cuda.max_memory_allocated(self.device)) if self.device.type == "cuda" else None
+
     # -- internals --------------------------------------------------------------------------------------
-    def _prefill(self, ids: list[int], start: int, mode: str, cancel: CancelLike,
-                 chunk_tokens: int, attention_batch: int = 1) -> tuple[torch.Tensor, PrefillStats]:
+    def _prefill(self, ids: list[int], start: int, mode: str, cancel: CancelLike, chunk_tokens: int,
+                 attention_batch: int = 1, kv=None) -> tuple[torch.Tensor, PrefillStats]:
+        """One prompt's prefill into ``kv`` (a sequence cache; the first by default), the auto policy resolved."""
+        kv = self.kv if kv is None else kv
         cfg = self.config
         auto = None
         if mode == "auto":
@@ -365,7 +367,7 @@ class Engine:
         with self._on_device():
             copies0 = self.store.request.expert_copies
             t = torch.tensor(ids, dtype=torch.long, device=self.device)  # [T]
-            logits, stats = prefill(self.steps, self.store, self.kv, t, start, mode,
+            logits, stats = prefill(self.steps, self.store, kv, t, start, mode,
                                     chunk_tokens=chunk_tokens,
                                     window_tokens=cfg.layer_major_window_tokens,
                                     demand_max_tokens=cfg.demand_max_tokens, cancel=cancel,
@@ -385,106 +387,32 @@ class Engine:
             return None
         return int(torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0))
 
-    def _decode(self, token: int, pos: int, cancel: CancelLike, misses: str | None) -> torch.Tensor:
+    def _decode(self, token: int, pos: int, cancel: CancelLike, misses: str | None, cache: int = 0) -> torch.Tensor:
         with self._on_device():
-            return self.decoder.step(token, pos, cancel, misses)
+            return self.decoder.step(token, pos, cancel, misses, cache)
 
     def _sample(self, sampler: Sampler, logits: torch.Tensor) -> TokenEvent:
         with self._on_device():
             return TokenEvent(*sampler(logits))
 
     def _generate(self, request: GenerateRequest, cancel: CancelLike):
-        """The resolved ``request`` (:meth:`resolve`) run: the generator :meth:`generate` returns."""
+        """The resolved ``request`` (:meth:`resolve`) run alone through the scheduler: the generator
+        :meth:`generate` returns. The server drives the scheduler itself (many requests at once)."""
         if not self._lock.acquire(blocking=False):
             raise RuntimeError("Engine.generate() while another request is running (one at a time)")
-        store, counters = self.store, self.counters
-        prompt, chunk_tokens, misses = request.prompt_ids, request.chunk_tokens, request.decode_misses
-        before = store.lifetime.snapshot()
-        steps0 = dict(self.decoder.steps)
+        out: deque = deque()
+        seq = self.scheduler.submit(request, cancel, out.append)
         try:
-            store.begin_request()
-            retries0 = self._alloc_retries()
-            start_bytes = None
-            if self.device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(self.device)
-                start_bytes = int(torch.cuda.memory_allocated(self.device))
-            reuse = min(_common_prefix(self._kv_tokens, prompt), len(prompt) - 1)
-            if self._hybrid:  # resume exactly at the snapshot (a continuation of the last prompt) or not at all
-                reuse = self._states_at if 0 < self._states_at <= reuse else 0
-                if reuse:
-                    with self._on_device():
-                        self.kv.restore()
-            self._kv_tokens = self._kv_tokens[:reuse]  # only the shared prefix stays valid from here on
-            prefill_start = time.perf_counter()
-            tracer = LayerTrace() if request.trace_layers else None
-            self.model.trace = tracer
-            try:
-                logits, pstats = self._prefill(prompt[reuse:], reuse, request.prefill_mode, cancel, chunk_tokens,
-                                               request.attention_batch)
-            finally:
-                self.model.trace = None
-            prefill_end = time.perf_counter()
-            self._kv_tokens = list(prompt)
-            if self._hybrid:
-                with self._on_device():
-                    self.kv.snapshot()
-                self._states_at = len(prompt)
-            counters["requests_by_path"][pstats.path] += 1
-            counters["prefill_tokens_by_path"][pstats.path] += pstats.n_tokens
-            counters["cached_prompt_tokens_total"] += reuse
-            sampler = Sampler(request.temperature, request.seed, self.device, request.logprobs)
-            event = self._sample(sampler, logits)
-            first_token = time.perf_counter()
-            eos = frozenset() if request.ignore_eos else self.model_config.eos_ids
-            n_out, pos, finish = 1, len(prompt), "length"
-            yield event
-            while event.token_id not in eos and n_out < request.max_tokens:
-                check_cancel(cancel)
-                logits = self._decode(event.token_id, pos, cancel, misses)
-                self._kv_tokens.append(event.token_id)
-                pos += 1
-                event = self._sample(sampler, logits)
-                n_out += 1
-                yield event
-            if event.token_id in eos:
-                finish = "stop"
-            store.collect_decode_counts()  # the device-side slot lookups' hits and misses (one read)
-            req = store.request
-            return RequestStats(
-                prefill_path=pstats.path, fallback_reason=pstats.fallback_reason,
-                h2d_bytes=req.h2d_bytes, d2d_bytes=req.d2d_bytes, prefill_h2d_bytes=pstats.h2d_bytes,
-                decode_h2d_bytes=req.h2d_bytes - pstats.h2d_bytes, bank_bytes=self.bank_bytes,
-                expert_copies=req.expert_copies, cached_prompt_tokens=reuse, prompt_tokens=len(prompt),
-                completion_tokens=n_out, n_chunks=pstats.n_chunks, n_windows=pstats.n_windows,
-                prefill_start=prefill_start, prefill_end=prefill_end, first_token=first_token,
-                finish_reason=finish, slot_hits=store.slot_request.hits, slot_misses=store.slot_request.misses,
-                decode_steps_whole=self.decoder.steps["whole"] - steps0["whole"],
-                decode_steps_per_layer=self.decoder.steps["per_layer"] - steps0["per_layer"], decode_misses=misses,
-                peak_device_bytes=(int(torch.cuda.max_memory_allocated(self.device))
-                                   if self.device.type == "cuda" else None),
-                start_device_bytes=start_bytes, chunk_tokens=chunk_tokens,
-                alloc_retries=(None if retries0 is None else self._alloc_retries() - retries0),
-                copy_wait_s=store.copy_stall_seconds(),  # prefill's waits, read once the request is done
-                prefill_graph_replays=pstats.graph_replays, attention_batch=pstats.attention_batch,
-                attention_batched=pstats.attention_batched, attention_fallbacks=pstats.attention_fallbacks,
-                auto=pstats.auto,
-                layer_trace=tracer.export() if tracer is not None else None)
-        except Cancelled:
-            counters["requests_cancelled"] += 1
-            raise
-        except torch.OutOfMemoryError as exc:
-            logits = None  # noqa: F841  (drop request-local tensors, including the frames' locals)
-            traceback.clear_frames(exc.__traceback__)
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()
-            raise
+            while True:
+                while not out:
+                    self.scheduler.step()
+                item = out.popleft()
+                if isinstance(item, Finished):
+                    return item.stats
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
         finally:
-            counters["requests_total"] += 1
-            if sys.exc_info()[0] is not None:  # a failed or cancelled request's device-side counts too
-                with self._on_device(), contextlib.suppress(RuntimeError):  # never mask the request's error
-                    store.collect_decode_counts()
-            moved = store.lifetime.minus(before)
-            counters["h2d_bytes_total"] += moved.h2d_bytes
-            counters["d2d_bytes_total"] += moved.d2d_bytes
-            counters["expert_copies_total"] += moved.expert_copies
+            if not seq.done:  # the consumer closed the generator early
+                self.scheduler.abort(seq)
             self._lock.release()

@@ -2,7 +2,7 @@
 
 Contract:
 - ``plan_device_memory`` sizes the decode slot cache from a device-memory budget: it adds up what the engine
-  keeps on the device (dense weights, KV cache, the prefill double buffer, a workspace bound for one chunk
+  keeps on the device (dense weights, one KV cache per sequence it may run at once, the prefill double buffer, a workspace bound for one chunk
   (twice with prefill CUDA graphs) and the parked layer-major activations, resident experts; Qwen4-Exp's PLE tables stay in host memory) and
   gives the rest to expert slots, the same number for every layer. A budget that cannot hold one token's experts in every layer is refused with
   every term named.
@@ -33,13 +33,14 @@ class MemoryPlan:
 
     budget_bytes: int
     dense_bytes: int  # embeddings, lm_head, attention and router weights, norms
-    kv_bytes: int  # the KV cache for max_context positions
+    kv_bytes: int  # the KV caches: max_context positions for each of seqs sequences
     prefill_buffer_bytes: int  # the double buffer of two layer banks (0 when resident)
     resident_bytes: int  # every expert on the device (resident mode only)
     workspace_bytes: int  # one chunk's activations and MoE intermediates, parked layer-major activations
     reserve_bytes: int  # RUNTIME_RESERVE_BYTES
     slot_bytes: int  # one expert slot in every layer (num_hidden_layers x one expert)
     slots_per_layer: int  # 0 when resident
+    seqs: int = 1  # sequences at once (EngineConfig.max_num_seqs), one cache each
 
     @property
     def fixed_bytes(self) -> int:
@@ -52,7 +53,8 @@ class MemoryPlan:
 
     def describe(self) -> str:
         gb = lambda b: f"{b / GIB:.2f} GiB"  # noqa: E731
-        return (f"budget {gb(self.budget_bytes)}: dense {gb(self.dense_bytes)} + KV {gb(self.kv_bytes)} + prefill "
+        kv = f"KV {gb(self.kv_bytes)}" + (f" ({self.seqs} sequences)" if self.seqs > 1 else "")
+        return (f"budget {gb(self.budget_bytes)}: dense {gb(self.dense_bytes)} + {kv} + prefill "
                 f"buffers {gb(self.prefill_buffer_bytes)} + resident experts {gb(self.resident_bytes)} + "
                 f"workspace {gb(self.workspace_bytes)} + runtime reserve {gb(self.reserve_bytes)} = "
                 f"{gb(self.fixed_bytes)} fixed; {self.slots_per_layer} expert slots per layer x "
@@ -142,7 +144,7 @@ def plan_device_memory(config: EngineConfig, budget_bytes: int) -> MemoryPlan:
         parked += min(config.layer_major_window_tokens, config.max_context) * mc.ple_embed_dim * item
     plan = dict(
         budget_bytes=int(budget_bytes), dense_bytes=dense_params(mc) * item,
-        kv_bytes=kv_cache_bytes(mc, config.max_context, item),
+        kv_bytes=config.max_num_seqs * kv_cache_bytes(mc, config.max_context, item), seqs=config.max_num_seqs,
         prefill_buffer_bytes=2 * layer_bank, resident_bytes=mc.num_hidden_layers * layer_bank if resident else 0,
         workspace_bytes=chunk_ws + parked + 2 * mc.vocab_size * 4, reserve_bytes=RUNTIME_RESERVE_BYTES,
         slot_bytes=mc.num_hidden_layers * expert, slots_per_layer=0)
@@ -161,5 +163,5 @@ def plan_device_memory(config: EngineConfig, budget_bytes: int) -> MemoryPlan:
             f"the device-memory budget holds {fit} expert slots per layer but decode needs "
             f"{need} (num_experts_per_tok={k}{'' if slots <= k else ', as requested'}); {p.describe()}. Raise "
             f"--gpu-memory-budget to at least {(fixed + need * plan['slot_bytes']) / GIB:.2f} GiB, lower "
-            "--max-context, or set fewer --expert-slots-per-layer")
+            "--max-context or --max-num-seqs, or set fewer --expert-slots-per-layer")
     return p

@@ -31,7 +31,7 @@ mode. Layer-major is copy-bound (58 GB / 54.7 GB/s = 1.06 s) until resident comp
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -59,6 +59,7 @@ class PrefillStats:
     attention_batched: int = 0  # attention groups of attention_batch chunks that ran as one call
     attention_fallbacks: dict[str, int] | None = None  # groups that ran one call per chunk, by reason
     auto: dict | None = None  # set by the engine when prefill_mode auto picked the path (engine.policy)
+    batch_prompts: int = 1  # prompts prefilled together (prefill_batch): the bytes and windows are the batch's
 
 
 @dataclass(frozen=True)
@@ -125,6 +126,19 @@ def _streamed_chunks(steps: LayerSteps, store: ExpertStore, kv: KVCache, ids: to
     return x
 
 
+@dataclass
+class Part:
+    """One prompt of a prefill batch: its cache, the uncached ids [T] (on the compute device) and where they start."""
+
+    kv: KVCache
+    ids: torch.Tensor  # [T]
+    start: int
+
+    @property
+    def end(self) -> int:
+        return self.start + int(self.ids.shape[0])
+
+
 def layer_major_loop(steps: LayerSteps | Model, weights: Iterator[tuple[torch.Tensor, torch.Tensor]], kv: KVCache,
                      ids: torch.Tensor, start: int, windows: list[list[tuple[int, int]]],
                      cancel: CancelLike = None, batching: Batching = Batching(),
@@ -133,32 +147,66 @@ def layer_major_loop(steps: LayerSteps | Model, weights: Iterator[tuple[torch.Te
     streamed banks; ``gpucheck_hybrid`` also passes the resident experts, to time the loop order without
     copies). In full-attention layers, adjacent chunks share an attention call as ``batching`` allows
     (``steps.plan_attention_groups``). Returns the last chunk's hidden states."""
+    part = Part(kv, ids, start)
+    return layer_major_parts(steps, weights, [part], [[(0, a, b) for a, b in w] for w in windows], cancel,
+                             batching, batch_stats)[0]
+
+
+def layer_major_parts(steps: LayerSteps | Model, weights: Iterator[tuple[torch.Tensor, torch.Tensor]],
+                      parts: list[Part], windows: list[list[tuple[int, int, int]]], cancel: CancelLike = None,
+                      batching: Batching = Batching(), batch_stats: BatchingStats | None = None) -> list[torch.Tensor]:
+    """Layer-major over a batch of prompts: ``windows`` hold (part, a, b) chunks, each prompt's chunks in order
+    (a window may span prompts); per (window, layer) one bank from ``weights`` serves every chunk of the window,
+    each chunk running through the layer with its own prompt's cache, so every chunk makes the calls it makes
+    alone, in the same shapes, after the same chunks of its own prompt: bitwise what each prompt gives alone.
+    Attention groups (``batching``) form within one prompt's run of chunks. Returns each part's last chunk's
+    hidden states."""
     steps = steps if isinstance(steps, LayerSteps) else LayerSteps(steps)
     model = steps.model
     n_layers = model.cfg.num_hidden_layers
-    chunk_tokens = max(b - a for window in windows for a, b in window)
+    chunk_tokens = max(b - a for window in windows for _, a, b in window)
+    last: list[torch.Tensor | None] = [None] * len(parts)
     acts: list[torch.Tensor] = []
     for window in windows:
         acts.clear()  # the last window's activations go before this window's are embedded: one window parked
-        acts.extend(model.embed(ids[a - start:b - start]) for a, b in window)  # parked, [T_c, H] each
+        for p, a, b in window:  # parked, [T_c, H] each
+            part = parts[p]
+            acts.append(model.embed(part.ids[a - part.start:b - part.start]))
+            if b == part.end:
+                last[p] = acts[-1]
+        runs = _runs_by_part(window)
         for layer in range(n_layers):
             check_cancel(cancel)
             gate_up, down = next(weights)
             k = batching.k if batching.k > 1 and model.cfg.layer_types[layer] == "full_attention" else 1
-            groups = plan_attention_groups(window, k, chunk_tokens, batching.max_context, batching.exact,
-                                           batch_stats)
-            for g, group in enumerate(groups):  # in order: chunk c sees chunks < c at this layer
-                if g:
-                    check_cancel(cancel)
-                if len(group) == 1:
-                    c = group[0]
-                    steps.layer(layer, acts[c], kv, window[c][0], gate_up, down)  # acts[c] [T_c, H] in place
-                    continue
-                mids = model.attn_block_group(layer, [acts[c] for c in group], kv, [window[c][0] for c in group])
-                for c, mid in zip(group, mids, strict=True):
-                    steps.set_mid(layer, acts[c], mid)
-                    steps.moe(acts[c], gate_up, down)
-    return acts[-1]
+            for p, first, spans in runs:  # prompt by prompt, each prompt's chunks in order
+                kv = parts[p].kv
+                groups = plan_attention_groups(spans, k, chunk_tokens, batching.max_context, batching.exact,
+                                               batch_stats)
+                for g, group in enumerate(groups):  # in order: chunk c sees chunks < c at this layer
+                    if g or first:
+                        check_cancel(cancel)
+                    if len(group) == 1:
+                        c = group[0]
+                        steps.layer(layer, acts[first + c], kv, spans[c][0], gate_up, down)  # [T_c, H] in place
+                        continue
+                    mids = model.attn_block_group(layer, [acts[first + c] for c in group], kv,
+                                                  [spans[c][0] for c in group])
+                    for c, mid in zip(group, mids, strict=True):
+                        steps.set_mid(layer, acts[first + c], mid)
+                        steps.moe(acts[first + c], gate_up, down)
+    return [x for x in last if x is not None]
+
+
+def _runs_by_part(window: list[tuple[int, int, int]]) -> list[tuple[int, int, list[tuple[int, int]]]]:
+    """A window's chunks as runs of one prompt: (part, index of its first chunk in the window, its spans)."""
+    runs: list[tuple[int, int, list[tuple[int, int]]]] = []
+    for i, (p, a, b) in enumerate(window):
+        if runs and runs[-1][0] == p:
+            runs[-1][2].append((a, b))
+        else:
+            runs.append((p, i, [(a, b)]))
+    return runs
 
 
 def _demand_chunk(steps: LayerSteps, store: ExpertStore, kv: KVCache, x: torch.Tensor, a: int,
@@ -250,3 +298,58 @@ def prefill(model: Model | LayerSteps, store: ExpertStore, kv: KVCache, ids: tor
                          attention_batched=batch_stats.batched,
                          attention_fallbacks=dict(batch_stats.fallbacks) if batched else None)
     return logits, stats
+
+
+@torch.no_grad()
+def prefill_batch(steps: LayerSteps, store: ExpertStore, parts: list[Part], *, chunk_tokens: int, window_tokens: int,
+                  cancel: CancelLike = None,
+                  batching: Batching = Batching()) -> list[tuple[torch.Tensor, PrefillStats]]:
+    """Layer-major prefill of several prompts together (each ``Part`` with its own cache): the prompts' chunks,
+    prompt after prompt, in windows of ``window_tokens // chunk_tokens`` chunks (the parked-activation budget
+    spans the batch), each window's bank streamed once for every prompt in it (``layer_major_parts``). Each
+    prompt's logits and KV are bitwise what it gives alone in any mode. The stats are per prompt; the bytes,
+    copies, windows and graph replays are the batch's (shared, not divided). Falls back to chunked (each prompt
+    alone) when the batch has one chunk or a window holds one chunk."""
+    model = steps.model
+    for part in parts:
+        if part.ids.shape[0] < 1:
+            raise ValueError("prefill needs at least one token")
+        if part.end > part.kv.max_context:
+            raise ValueError(f"prefill to position {part.end} > KV cache length {part.kv.max_context}")
+    chunks = [(p, a, b) for p, part in enumerate(parts) for a, b in plan_chunks(part.start, part.end, chunk_tokens)]
+    path, reason = choose_path("layer-major", [(a, b) for _, a, b in chunks], chunk_tokens, window_tokens, 0)
+    if path != "layer-major":  # one chunk in all: one prompt
+        return [prefill(steps, store, part.kv, part.ids, part.start, "layer-major", chunk_tokens=chunk_tokens,
+                        window_tokens=window_tokens, demand_max_tokens=0, cancel=cancel, batching=batching)
+                for part in parts]
+    for part in parts:
+        part.kv.write_tokens(part.start, part.ids)
+    before, replays = store.request.snapshot(), steps.replays
+    batch_stats = BatchingStats()
+    windows = plan_windows(chunks, window_tokens // chunk_tokens)
+    n_layers = model.cfg.num_hidden_layers
+    visits = [(window, layer) for window in windows for layer in range(n_layers)]
+
+    def before_next(i: int) -> None:  # what each prompt's chunks of the visit need uploaded (Qwen4-Exp's PLE rows)
+        window, layer = visits[i]
+        for p, _first, spans in _runs_by_part(window):
+            model.prepare_layer_window(layer, parts[p].kv, spans)
+
+    stream = store.stream_layers([layer for _, layer in visits], before_next=before_next)
+    weights = ((gate_up, down) for _, gate_up, down in stream)
+    with attention_backends():
+        lasts = layer_major_parts(steps, weights, parts, windows, cancel, batching, batch_stats)
+        logits = [model.logits(x[-1:]) for x in lasts]  # [V] each
+    moved = store.request.minus(before)
+    out = []
+    for p, part in enumerate(parts):
+        n = int(part.ids.shape[0])
+        stats = PrefillStats(requested_mode="layer-major", path="layer-major", fallback_reason=reason, n_tokens=n,
+                             n_chunks=sum(1 for q, _, _ in chunks if q == p), n_windows=len(windows),
+                             h2d_bytes=moved.h2d_bytes, d2d_bytes=moved.d2d_bytes, expert_copies=moved.expert_copies,
+                             graph_replays=steps.replays - replays, attention_batch=batching.k,
+                             attention_batched=batch_stats.batched,
+                             attention_fallbacks=dict(batch_stats.fallbacks) if batching.k > 1 else None,
+                             batch_prompts=len(parts))
+        out.append((logits[p], stats))
+    return out

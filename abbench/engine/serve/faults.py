@@ -15,7 +15,7 @@ import os
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from abbench.engine.contract import Backend, BackendInfo, CancelLike, GenerateRequest, TokenEvent
+from abbench.engine.contract import Backend, BackendInfo, CancelLike, GenerateRequest, Scheduler, TokenEvent
 
 __all__ = ["FAULTS", "FAULT_ENV", "InjectFaults", "armed"]
 
@@ -77,3 +77,22 @@ class InjectFaults:
 
     def reset(self) -> None:
         self.backend.reset()
+
+    @property
+    def scheduler(self) -> Scheduler:
+        return _FaultyScheduler(self.backend.scheduler, self)
+
+
+class _FaultyScheduler:
+    """The backend's scheduler, with the fault armed in the cancel flag of the requests it is given."""
+
+    def __init__(self, inner: Scheduler, faults: InjectFaults):
+        self.inner, self.faults = inner, faults
+
+    def submit(self, request: GenerateRequest, cancel: CancelLike, emit: Any) -> Any:
+        if self.faults.fault is not None:
+            cancel = _OomAtSecondCheck(cancel, self.faults._fired)
+        return self.inner.submit(request, cancel, emit)
+
+    def __getattr__(self, name: str) -> Any:  # step, busy, free, waiting, running, abort, fail_all
+        return getattr(self.inner, name)

@@ -145,6 +145,14 @@ def _engine_options(e: argparse._ArgumentGroup) -> None:
                    "joint call was faster below ~6K tokens, even at 16K-64K and slower at 128K)")
     e.add_argument("--d2d-from-slot-cache", action="store_true", default=None)
     e.add_argument("--max-context", type=int, default=None)
+    e.add_argument("--max-num-seqs", type=int, default=None, metavar="N",
+                   help="sequences the engine runs at once (continuous batching: requests join and leave between "
+                   "decode steps; queued layer-major prompts are prefilled together, one bank stream for the "
+                   "batch); each holds a KV cache of --max-context positions, counted in the device-memory plan "
+                   "(default 4, or 1 under --gpu-memory-budget; 1: one request at a time)")
+    e.add_argument("--max-prefill-batch-tokens", type=int, default=None, metavar="TOKENS",
+                   help="uncached prompt tokens one prefill batch may hold (a longer first prompt runs alone): the "
+                   "most a prefill delays the decoding sequences, one batch per token (default 131072)")
     e.add_argument("--deterministic", action="store_true", default=None,
                    help="ask the engine for deterministic kernels")
 
@@ -253,7 +261,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
                   "prefill_graphs", "attention_batch", "attention_batch_max_context", "router_skew",
                   "auto_demand_max_tokens", "auto_calibration", "decode_experts", "decode_attention",
                   "decode_misses", "d2d_from_slot_cache",
-                  "max_context", "deterministic"):
+                  "max_context", "max_num_seqs", "max_prefill_batch_tokens", "deterministic"):
         if getattr(args, field) is not None:  # leave the engine's defaults alone
             kwargs[field] = getattr(args, field)
     return EngineConfig(**kwargs)

@@ -11,7 +11,8 @@ model's reference implementation?" in the same run, prompts and ABBA plan as the
 Contract: :class:`ReferenceEngine` is a :class:`abbench.engine.contract.Backend`, as
 :class:`abbench.engine.runtime.engine.Engine` is (``generate(request, cancel)`` / ``reset()``: a generator of
 ``TokenEvent``, one per output token, whose return value is a ``RequestStats``; ``ValueError``/``ContextOverflow``
-before any work; ``Cancelled`` at the next step after the cancel flag is set; one request at a time), so the
+before any work; ``Cancelled`` at the next step after the cancel flag is set; one request at a time: its
+``scheduler`` is a ``SerialScheduler``, where the vendored engine batches), so the
 vendored server's routes, queue, request schema, SSE framing and errors serve it unchanged. It imports the
 contract and the ops it shares with the engine (the sampler, the layer trace), never the runtime.
 
@@ -53,7 +54,8 @@ import torch
 
 from abbench.engine.config import DTYPES
 from abbench.engine.contract import (
-    BackendInfo, CancelLike, Cancelled, GenerateRequest, RequestStats, TokenEvent, check_cancel, check_request, drain,
+    BackendInfo, CancelLike, Cancelled, GenerateRequest, RequestStats, SerialScheduler, TokenEvent, check_cancel,
+    check_request, drain,
 )
 from abbench.engine.ops.sampling import Sampler
 from abbench.engine.ops.trace import LayerTrace
@@ -150,6 +152,7 @@ class ReferenceEngine:
         self.counters.update({"requests_total": 0, "requests_cancelled": 0, "h2d_bytes_total": 0,
                               "d2d_bytes_total": 0, "expert_copies_total": 0, "cached_prompt_tokens_total": 0,
                               "requests_by_path": {PATH: 0}, "prefill_tokens_by_path": {PATH: 0}})
+        self.scheduler = SerialScheduler(self)  # one request at a time, in arrival order
         self._lock = threading.Lock()
         self.startup_s = time.perf_counter() - t0
         self.info = BackendInfo(model=self.model_dir, model_name=self.model_config.name, vocab_size=vocab,

@@ -188,25 +188,20 @@ async def _serve(st: ServerState, request: Request, req: CompletionRequest, rece
     work = GenerateRequest.build(ids, req)  # a null takes the contract's default (max_tokens: 16)
     ctx = RequestContext(rid=f"{'chatcmpl' if isinstance(fmt, ChatFormat) else 'cmpl'}-{uuid.uuid4().hex}",
                          created=int(time.time()), model=st.name, received=received, logprobs=req.logprobs)
-    queued = time.perf_counter()
     try:
-        await st.service.acquire(request)
+        job = st.service.submit(work)
     except APIError:
         st.metrics.outcomes.labels("rejected").inc()
         raise
-    except ClientGone:
-        log.info("%s: client left while queued", ctx.rid)
-        st.metrics.outcomes.labels("client_gone").inc()
-        return Response(status_code=499)
-    ctx.queue_wait_s = time.perf_counter() - queued
-    job = st.service.start(work)
     try:
         first = await next_item(job, request)
         ctx.first_item = time.perf_counter()
     except ClientGone:
-        log.info("%s: client left before the first token; cancelled", ctx.rid)
+        queued = st.service.withdraw(job)
+        log.info("%s: client left %s", ctx.rid, "while queued" if queued else "before the first token; cancelled")
         st.metrics.outcomes.labels("client_gone").inc()
         return Response(status_code=499)
+    ctx.queue_wait_s = job.queue_wait_s
     if isinstance(first, BaseException):
         st.metrics.outcomes.labels("error").inc()
         raise engine_error(first)

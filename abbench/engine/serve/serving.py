@@ -1,24 +1,26 @@
-"""Serving the engine: one request at a time in one worker thread, FIFO, cancellable; and its metrics.
+"""Serving the engine: every request through the backend's scheduler, in one engine thread; and its metrics.
 
-Scheduling: ONE request runs on the engine at a time, in a single worker thread. Others wait on an
-``asyncio.Lock``, which is FIFO-fair (the first coroutine to wait is the first to proceed), so requests
-run in arrival order. More than ``queue_limit`` waiting requests -> 429. The lock is held until the engine
-generator has actually returned, not merely until the HTTP handler ends, so a cancelled request never
-overlaps the next one.
+Scheduling: the backend's :class:`~abbench.engine.contract.Scheduler` decides what runs: the vendored engine's
+continuous batching (:mod:`abbench.engine.runtime.scheduler`: up to ``max_num_seqs`` sequences at once, queued
+layer-major prompts prefilled together), or one request at a time in arrival order
+(:class:`~abbench.engine.contract.SerialScheduler`, the reference backend). One engine thread calls its ``step``
+while there is work and sleeps otherwise; requests are submitted from the event loop and their events come back
+through an ``asyncio.Queue`` per request. More than ``queue_limit`` requests queued beyond what can start at
+once -> 429. ``/reset`` runs in the engine thread once nothing is queued or running.
 
-Cancellation: while a request waits (in the queue or on the engine) the handler polls
-``request.is_disconnected()`` every :data:`DISCONNECT_POLL_S`; a stream's generator also sets the cancel
-event when Starlette cancels it. The engine checks the event every layer step and raises ``Cancelled``,
-so a client that goes away stops its request within one layer step plus one poll interval.
+Cancellation: while a request waits (queued or running) the handler polls ``request.is_disconnected()`` every
+:data:`DISCONNECT_POLL_S`; a stream's generator also sets the cancel flag when Starlette cancels it. A queued
+request then leaves the queue; a running one stops at its next layer step (prefill and decode check the flag at
+every layer step); the others go on.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from collections import deque
 from typing import Any
 
 from fastapi import Request
@@ -26,19 +28,16 @@ from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from abbench.engine.serve.api import APIError
-from abbench.engine.contract import Backend, GenerateRequest, RequestStats
+from abbench.engine.contract import Backend, Finished, GenerateRequest, Handle, RequestStats
+
+__all__ = ["ClientGone", "EngineService", "Finished", "Job", "ReceivedAt", "ServiceMetrics", "next_item"]
 
 DISCONNECT_POLL_S = 0.02
+log = logging.getLogger("abbench.engine")
 
 
 class ClientGone(Exception):
     """The client disconnected while its request waited."""
-
-
-@dataclass
-class Finished:
-    stats: RequestStats
-    finished: float  # perf_counter when the generator returned
 
 
 class ReceivedAt:
@@ -55,12 +54,13 @@ class ReceivedAt:
 
 
 class Job:
-    """One request on the engine: events flow worker thread -> ``queue``; ``cancel`` flows back."""
+    """One request on the engine: events flow engine thread -> ``queue``; ``cancel`` flows back."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop = loop
         self.queue: asyncio.Queue[Any] = asyncio.Queue()
         self.cancel = threading.Event()
+        self.handle: Handle | None = None
 
     def put(self, item: Any) -> None:
         try:
@@ -68,13 +68,21 @@ class Job:
         except RuntimeError:  # event loop closed during shutdown: nobody is listening any more
             pass
 
+    @property
+    def queue_wait_s(self) -> float:
+        """Seconds from submission until the request started on the engine (so far, while still queued)."""
+        h = self.handle
+        if h is None:
+            return 0.0
+        return (h.admitted if h.admitted is not None else time.perf_counter()) - h.submitted
+
 
 class CountedCancel:
     """A job's cancel flag as the engine sees it: the engine looks at it once per layer step of prefill and
     decode (``check_cancel``), and every look is counted on the service: ``cancel_checks`` (layer steps that
-    checked) and ``cancel_checks_set`` (checks that found the flag set; the engine stops at the first one, so
-    this grows by one per cancelled request). Lets a test say in layer steps, not wall time, where a
-    cancelled request stopped. Only the worker thread writes them (one request at a time)."""
+    checked) and ``cancel_checks_set`` (checks that found the flag set; the engine stops a running request at the
+    first, so this grows by one per cancelled request). Lets a test say in layer steps, not wall time, where a
+    cancelled request stopped. Only the engine thread writes them."""
 
     __slots__ = ("event", "service")
 
@@ -91,74 +99,95 @@ class CountedCancel:
 
 
 class EngineService:
-    """Owns the engine, its worker thread and the FIFO gate; all methods run on the event loop."""
+    """Owns the backend's engine thread and the queue limit; the other methods run on the event loop."""
 
     def __init__(self, engine: Backend, *, queue_limit: int):
         self.engine = engine
+        self.scheduler = engine.scheduler
         self.queue_limit = queue_limit
         self.cancel_checks = 0
         self.cancel_checks_set = 0
-        self.waiting = 0
-        self.running: Job | None = None
-        self._lock = asyncio.Lock()
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="abbench-engine")
+        self._jobs: set[Job] = set()
+        self._controls: deque[tuple[Any, asyncio.Future, asyncio.AbstractEventLoop]] = deque()
+        self._wake = threading.Condition()
+        self._stop = False
+        self._thread = threading.Thread(target=self._loop, name="abbench-engine", daemon=True)
+        self._thread.start()
 
-    async def acquire(self, request: Request) -> None:
-        """Wait for the engine in FIFO order; raises APIError(429) when the queue is full and
-        ClientGone when the client disconnects while waiting."""
-        if self._lock.locked() or self.waiting:
-            if self.waiting >= self.queue_limit:
-                raise APIError(429, f"too many waiting requests (queue limit {self.queue_limit})",
-                               code="queue_full")
-        self.waiting += 1
-        acquiring = asyncio.ensure_future(self._lock.acquire())
-        try:
-            await wait_unless_disconnected(acquiring, request)
-        except BaseException:
-            if not acquiring.done():
-                acquiring.cancel()
-            elif not acquiring.cancelled() and acquiring.exception() is None:
-                self._lock.release()  # got the lock just as the client left: pass it on
-            raise
-        finally:
-            self.waiting -= 1
+    @property
+    def waiting(self) -> int:
+        """Requests queued for the engine, not started."""
+        return len(self.scheduler.waiting)
 
-    def start(self, request: GenerateRequest) -> Job:
-        """Run ``request`` on the engine (``engine.generate``) in the worker thread (the caller holds the
-        gate). The gate is released when the generator has returned or raised, whatever the HTTP side does."""
+    @property
+    def running(self) -> int:
+        """Requests running on the engine."""
+        return len(self.scheduler.running)
+
+    def submit(self, request: GenerateRequest) -> Job:
+        """Queue ``request`` for the engine; APIError(429) when ``queue_limit`` requests already wait beyond
+        what can start now."""
+        if self.waiting >= self.queue_limit + self.scheduler.free:
+            raise APIError(429, f"too many waiting requests (queue limit {self.queue_limit})", code="queue_full")
         job = Job(asyncio.get_running_loop())
-        self.running = job
-        fut = job.loop.run_in_executor(self._executor, self._run, job, request)
-        fut.add_done_callback(lambda _f: self._finish(job))
+        self._jobs.add(job)
+
+        def emit(item: Any) -> None:
+            if isinstance(item, (Finished, BaseException)):
+                self._jobs.discard(job)
+            job.put(item)
+
+        with self._wake:
+            job.handle = self.scheduler.submit(request, CountedCancel(job.cancel, self), emit)
+            self._wake.notify()
         return job
 
-    def _finish(self, job: Job) -> None:
-        if self.running is job:
-            self.running = None
-        self._lock.release()
+    def withdraw(self, job: Job) -> bool:
+        """Take ``job`` out of the engine's queue if it has not started (its client left); True if it was queued."""
+        return job.handle is not None and self.scheduler.withdraw(job.handle)
 
-    def _run(self, job: Job, request: GenerateRequest) -> None:  # worker thread
-        try:
-            gen = self.engine.generate(request, CountedCancel(job.cancel, self))
-            while True:
-                try:
-                    event = next(gen)
-                except StopIteration as stop:
-                    job.put(Finished(stop.value, time.perf_counter()))
+    def _loop(self) -> None:  # the engine thread
+        while True:
+            with self._wake:
+                while not (self._stop or self.scheduler.busy or self._controls):
+                    self._wake.wait()
+                if self._stop:
                     return
-                job.put(event)
-        except BaseException as exc:  # Cancelled, ContextOverflow, OOM, bugs: the consumer decides
-            job.put(exc)
+                control = self._controls.popleft() if self._controls and not self.scheduler.busy else None
+            if control is not None:
+                self._control(*control)
+                continue
+            try:
+                self.scheduler.step()
+            except BaseException as exc:  # noqa: BLE001 - a bug: every request hears of it, the thread goes on
+                log.exception("engine step failed; failing every request")
+                self.scheduler.fail_all(exc)
+
+    @staticmethod
+    def _control(fn: Any, fut: asyncio.Future, loop: asyncio.AbstractEventLoop) -> None:
+        try:
+            result = fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
+            err = exc
+            loop.call_soon_threadsafe(lambda: fut.done() or fut.set_exception(err))
+            return
+        loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(result))
 
     async def run_exclusive(self, fn: Any) -> Any:
-        """Run ``fn()`` in the worker thread under the gate (used by /reset)."""
-        async with self._lock:
-            return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
+        """Run ``fn()`` in the engine thread once nothing is queued or running (used by /reset)."""
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        with self._wake:
+            self._controls.append((fn, fut, loop))
+            self._wake.notify()
+        return await fut
 
     def shutdown(self) -> None:
-        if self.running is not None:
-            self.running.cancel.set()
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        for job in list(self._jobs):
+            job.cancel.set()
+        with self._wake:
+            self._stop = True
+            self._wake.notify()
 
 
 async def wait_unless_disconnected(aw: asyncio.Future[Any], request: Request) -> Any:
@@ -172,7 +201,7 @@ async def wait_unless_disconnected(aw: asyncio.Future[Any], request: Request) ->
 
 
 async def next_item(job: Job, request: Request) -> Any:
-    """Next item from the worker; cancels the job if the client disconnects meanwhile (ClientGone)."""
+    """Next item from the engine; cancels the job if the client disconnects meanwhile (ClientGone)."""
     getter = asyncio.ensure_future(job.queue.get())
     try:
         return await wait_unless_disconnected(getter, request)
@@ -224,8 +253,8 @@ class _EngineCollector:
                                 value=info.startup_s)
         yield GaugeMetricFamily("abbench_engine_queue_waiting", "Requests waiting for the engine.",
                                 value=self.service.waiting)
-        yield GaugeMetricFamily("abbench_engine_requests_running", "Requests running on the engine (0/1).",
-                                value=int(self.service.running is not None))
+        yield GaugeMetricFamily("abbench_engine_requests_running", "Requests running on the engine.",
+                                value=self.service.running)
 
 
 class ServiceMetrics:
