@@ -117,6 +117,9 @@ class AbbenchStats(_Lenient):
         None, description="prefill_mode auto: {path, reason, routing (uniform|observed), estimates_s per path, and "
         "with calibration calibrated_s per path and calibration {demand_copies_factor, demand_prefills}} "
         "(abbench.engine.runtime.policy); None for requests that named their mode.")
+    prefill_batch: int | None = Field(None, description="Prompts prefilled together with this one, itself included "
+                                      "(the vendored engine batches queued layer-major prompts: one bank stream per "
+                                      "window for all of them; the bytes and windows above are the batch's).")
     layer_trace: list[dict[str, Any]] | None = Field(
         None, description="With trace_layers: per layer and sub-block {layer, block, hash, rms, values} of the last "
         "prompt position (abbench.engine.ops.trace)."

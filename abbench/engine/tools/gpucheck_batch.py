@@ -1,0 +1,202 @@
+"""The engine serving many requests at once, measured in one process against its floors: a batch of queued
+prompts prefilled layer-major together, and decode with several sequences.
+
+``python -m abbench.engine.tools.gpucheck_batch [--model qwen3-30b-a3b] [--prompts 4] [--tokens 32768]
+[--decode-seqs 8] [--decode-prompt 4096] [--decode-tokens 64] [--budget GIB] [--repeats 3] [--out JSON]``
+
+1. An offloaded engine (random weights, experts in host memory, ``--max-num-seqs`` the larger of ``--prompts`` and
+   ``--decode-seqs``) prefills each of ``--prompts`` distinct prompts of ``--tokens`` tokens alone (layer-major),
+   then all of them submitted together before the engine steps (one prefill batch), ``--repeats`` times each:
+   the batch's time to its last first token, its windows and host-to-device bytes (one bank per window for the
+   whole batch, against one per prompt alone), and every prompt's first ``--check-tokens`` greedy ids and
+   logprobs against its solo run (bitwise).
+2. Decode: one sequence of a ``--decode-prompt``-token prompt decodes ``--decode-tokens`` tokens alone, then
+   ``--decode-seqs`` such sequences (distinct prompts) together: output tokens per second of the decode phase
+   (first token to last) alone and together, and every sequence's ids against its solo run.
+3. A resident engine (every expert on the device) prefills the same prompts one by one: the batch's floor is
+   the larger of the copies (windows x bank bytes / the measured bandwidth) and the sum of the prompts'
+   resident prefill times. The batch's time over that floor is the verdict (``--max-over-floor``, default 1.10).
+
+Exit 1 when an id or logprob differs from its solo run, or the batch is over ``--max-over-floor`` x its floor.
+On CPU it runs the tiny preset in seconds (the tests run it there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+from abbench.engine.config import EngineConfig
+from abbench.engine.contract import GenerateRequest
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _prompts(vocab: int, n: int, tokens: int, seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, vocab, (tokens,), generator=gen).tolist() for _ in range(n)]
+
+
+def run_together(engine, prompts: list[list[int]], max_tokens: int) -> tuple[list[dict], float]:
+    """Submit every prompt before the engine steps, then step until all are done: per prompt its ids, logprobs,
+    stats and first-token / last-token times (perf_counter); and the time the stepping started."""
+    outs: list[list] = [[] for _ in prompts]
+    times: list[list[float]] = [[] for _ in prompts]
+
+    def emit(i: int):
+        def put(item) -> None:
+            outs[i].append(item)
+            times[i].append(time.perf_counter())
+        return put
+
+    for i, p in enumerate(prompts):
+        engine.scheduler.submit(engine.resolve(GenerateRequest(p, max_tokens, ignore_eos=True,
+                                                               prefill_mode="layer-major")), None, emit(i))
+    _sync(engine.device)
+    t0 = time.perf_counter()
+    while engine.scheduler.busy:
+        engine.scheduler.step()
+    rows = []
+    for out, ts in zip(outs, times, strict=True):
+        if isinstance(out[-1], BaseException):
+            raise out[-1]
+        events, stats = out[:-1], out[-1].stats
+        rows.append({"ids": [e.token_id for e in events], "logprobs": [e.logprob for e in events], "stats": stats,
+                     "first": ts[0], "last": ts[-2]})
+    return rows, t0
+
+
+def run_alone(engine, prompt: list[int], max_tokens: int) -> dict:
+    return run_together(engine, [prompt], max_tokens)[0][0]
+
+
+def prefill_check(engine, prompts: list[list[int]], check_tokens: int, repeats: int) -> dict:
+    solo, solo_s = [], []
+    for p in prompts:
+        times = []
+        for _ in range(repeats):
+            engine.reset()
+            row = run_alone(engine, p, check_tokens)
+            times.append(row["stats"].first_token - row["stats"].prefill_start)
+        solo.append(row)
+        solo_s.append(statistics.median(times))
+    batch_s, equal = [], True
+    for _ in range(repeats):
+        engine.reset()
+        rows, t0 = run_together(engine, prompts, check_tokens)
+        batch_s.append(max(r["first"] for r in rows) - t0)
+        equal &= all(r["ids"] == s["ids"] and r["logprobs"] == s["logprobs"] for r, s in zip(rows, solo, strict=True))
+    st = rows[0]["stats"]
+    return {"solo_prefill_s": solo_s, "solo_h2d_bytes": [s["stats"].prefill_h2d_bytes for s in solo],
+            "solo_windows": [s["stats"].n_windows for s in solo], "batch_s": batch_s,
+            "batch_s_median": statistics.median(batch_s), "batch_windows": st.n_windows,
+            "batch_h2d_bytes": st.prefill_h2d_bytes, "batch_prompts": st.prefill_batch,
+            "ids_equal_solo": bool(equal)}
+
+
+def decode_check(engine, prompts: list[list[int]], tokens: int) -> dict:
+    engine.reset()
+    alone = run_alone(engine, prompts[0], tokens)
+    alone_tps = (tokens - 1) / (alone["last"] - alone["first"])
+    solo = [alone] + [run_alone(engine, p, tokens) for p in prompts[1:]]
+    engine.reset()
+    rows, _ = run_together(engine, prompts, tokens)
+    start, end = max(r["first"] for r in rows), max(r["last"] for r in rows)
+    # the decode phase: from the last first token (every sequence decoding) to the last token
+    decoded = sum(sum(1 for _ in r["ids"]) - 1 for r in rows)
+    together_tps = decoded / (end - min(r["first"] for r in rows))
+    return {"alone_tokens_per_s": alone_tps, "together_tokens_per_s": together_tps,
+            "ratio": together_tps / alone_tps, "sequences": len(prompts), "decode_start_spread_s": start - min(
+                r["first"] for r in rows),
+            "ids_equal_solo": all(r["ids"] == s["ids"] for r, s in zip(rows, solo, strict=True)),
+            "slot_misses_alone": alone["stats"].slot_misses,
+            "slot_misses_together": [r["stats"].slot_misses for r in rows]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m abbench.engine.tools.gpucheck_batch", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="qwen3-30b-a3b")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--tokens", type=int, default=32768)
+    ap.add_argument("--chunk-tokens", type=int, default=2048)
+    ap.add_argument("--window-tokens", type=int, default=None, help="--layer-major-window-tokens")
+    ap.add_argument("--check-tokens", type=int, default=8)
+    ap.add_argument("--decode-seqs", type=int, default=8)
+    ap.add_argument("--decode-prompt", type=int, default=4096)
+    ap.add_argument("--decode-tokens", type=int, default=64)
+    ap.add_argument("--budget", type=float, default=None, help="the offloaded engine's --gpu-memory-budget (GiB)")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--max-over-floor", type=float, default=1.10)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    from abbench.engine.runtime.engine import Engine
+
+    seqs = max(args.prompts, args.decode_seqs)
+    ctx = max(args.tokens, args.decode_prompt) + max(args.check_tokens, args.decode_tokens)
+    knobs = dict(model=args.model, device=args.device, chunk_tokens=args.chunk_tokens, max_context=ctx,
+                 bandwidth_probe_bytes=256 * 2**20 if args.device.startswith("cuda") else 0)
+    if args.window_tokens:
+        knobs["layer_major_window_tokens"] = args.window_tokens
+    t0 = time.perf_counter()
+    engine = Engine(EngineConfig(**knobs, prefill_mode="layer-major", max_num_seqs=seqs,
+                                 gpu_memory_budget_gib=args.budget))
+    mc = engine.model_config
+    report: dict = {"model": mc.name, "device": str(engine.device), "prompts": args.prompts, "tokens": args.tokens,
+                    "chunk_tokens": args.chunk_tokens, "max_num_seqs": seqs, "budget_gib": args.budget,
+                    "slots_per_layer": engine.slots_per_layer, "bank_bytes": engine.bank_bytes,
+                    "measured_h2d_gbps": engine.measured_h2d_gbps, "startup_s": round(time.perf_counter() - t0, 1)}
+    print(f"offloaded engine: {mc.name}, {seqs} sequences, {engine.slots_per_layer} slots/layer, "
+          f"H2D {engine.measured_h2d_gbps:.1f} GB/s, start {report['startup_s']} s", flush=True)
+    prompts = _prompts(mc.vocab_size, args.prompts, args.tokens, seed=1)
+    report["prefill"] = prefill_check(engine, prompts, args.check_tokens, args.repeats)
+    print("prefill:", {k: v for k, v in report["prefill"].items()}, flush=True)
+    if args.decode_seqs:
+        report["decode"] = decode_check(engine, _prompts(mc.vocab_size, args.decode_seqs, args.decode_prompt, 2),
+                                        args.decode_tokens)
+        print("decode:", report["decode"], flush=True)
+    gbps = engine.measured_h2d_gbps
+    del engine
+    gc.collect()
+    if args.device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    resident = Engine(EngineConfig(**knobs, prefill_mode="resident", max_num_seqs=1))
+    res_s = []
+    for p in prompts:
+        times = []
+        for _ in range(args.repeats):
+            resident.reset()
+            _, st = resident.run(p, 1, ignore_eos=True)
+            times.append(st.first_token - st.prefill_start)
+        res_s.append(statistics.median(times))
+    pf = report["prefill"]
+    copies_s = pf["batch_windows"] * report["bank_bytes"] / (gbps * 1e9) if gbps == gbps else 0.0
+    floor = max(copies_s, sum(res_s))
+    pf.update(resident_prefill_s=res_s, resident_sum_s=sum(res_s), copies_s=copies_s, floor_s=floor,
+              batch_over_floor=pf["batch_s_median"] / floor,
+              solo_sum_s=sum(pf["solo_prefill_s"]), batch_over_solo_sum=pf["batch_s_median"] / sum(pf["solo_prefill_s"]))
+    ok = pf["ids_equal_solo"] and pf["batch_over_floor"] <= args.max_over_floor
+    if "decode" in report:
+        ok &= report["decode"]["ids_equal_solo"]
+    report["pass"] = bool(ok)
+    print(f"batch {pf['batch_s_median']:.3f} s over floor {floor:.3f} s (copies {copies_s:.3f}, resident sum "
+          f"{sum(res_s):.3f}) = {pf['batch_over_floor']:.3f}x; alone one after another {pf['solo_sum_s']:.3f} s; "
+          f"{'PASS' if ok else 'FAIL'}", flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1, default=str)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,200 @@
+"""The engine serving many requests at once (abbench.engine.runtime.scheduler): a prompt's greedy ids and logprobs
+are bitwise the same alone and in any batch, in every prefill mode and every model family, with the decode slot
+cache missing; a prefill batch streams one bank per window for all of its prompts; sequences join and leave
+between decode steps; one cancelled sequence disturbs no other; admission is bounded by max_num_seqs and
+max_prefill_batch_tokens; each sequence cache keeps its own prefix. And the same through the HTTP server.
+
+Small shapes where the properties hold: 64-token chunks (the delta rule's block), a few hundred tokens, windows
+that span prompts. Set ABBENCH_ENGINE_TEST_DEVICE=cuda to run them on a GPU.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import httpx
+import pytest
+import torch
+
+from abbench.engine.config import EngineConfig
+from abbench.engine.contract import Cancelled, GenerateRequest
+from abbench.engine.runtime.engine import Engine
+from abbench.engine.tools import gpucheck_batch
+from abbench.engine.tools.gpucheck_batch import run_alone, run_together
+
+DEVICE = os.environ.get("ABBENCH_ENGINE_TEST_DEVICE", "cpu")
+KNOBS = dict(chunk_tokens=64, layer_major_window_tokens=256, max_context=1024, bandwidth_probe_bytes=0,
+             device=DEVICE)
+MODELS = ("tiny", "qwen3.5-tiny", "qwen4-exp-tiny")
+
+
+def _prompts(engine: Engine, lengths, seed: int = 0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, engine.model_config.vocab_size, (n,), generator=gen).tolist() for n in lengths]
+
+
+@pytest.fixture(scope="module", params=MODELS)
+def family(request) -> Engine:
+    return Engine(EngineConfig(model=request.param, prefill_mode="layer-major", **KNOBS))
+
+
+def test_a_prefill_batch_is_bitwise_each_prompt_alone_and_streams_one_bank_per_window(family):
+    engine = family
+    prompts = _prompts(engine, (150, 64, 300, 20))  # 3 + 1 + 5 + 1 chunks; windows of 4 span prompts
+    solo = []
+    for p in prompts:
+        engine.reset()
+        solo.append(run_alone(engine, p, 6))
+    engine.reset()
+    rows, _ = run_together(engine, prompts, 6)
+    for r, s in zip(rows, solo, strict=True):
+        assert r["ids"] == s["ids"] and r["logprobs"] == s["logprobs"]
+    st = rows[0]["stats"]
+    assert all(r["stats"].prefill_batch == 4 and r["stats"].prefill_path == "layer-major" for r in rows)
+    assert st.n_windows == 3 and st.prefill_h2d_bytes == 3 * engine.bank_bytes  # 10 chunks, 4 a window
+    alone = sum(s["stats"].prefill_h2d_bytes for s in solo)  # 1 + 1 + 2 + 1 banks (windows of 4 chunks)
+    assert alone == 5 * engine.bank_bytes
+
+
+@pytest.fixture(scope="module")
+def offloaded() -> Engine:
+    """Experts offloaded with a slot cache that misses (8 of 16 experts a layer): decode copies experts."""
+    return Engine(EngineConfig(model="tiny", expert_slots_per_layer=8, max_num_seqs=4, **KNOBS))
+
+
+@pytest.mark.parametrize("mode", ["chunked", "layer-major", "demand"])
+def test_sequences_join_and_leave_between_decode_steps_with_the_ids_they_get_alone(offloaded, mode):
+    engine = offloaded
+    prompts = _prompts(engine, (200, 90, 130, 40, 70), seed=1)
+    lengths = [20, 5, 12, 9, 3]
+    solo = []
+    for p, n in zip(prompts, lengths, strict=True):
+        engine.reset()
+        ev, _ = engine.run(p, n, prefill_mode=mode, ignore_eos=True)
+        solo.append([e.token_id for e in ev])
+    engine.reset()
+    outs = [[] for _ in prompts]
+    sched, most = engine.scheduler, 0
+
+    def submit(i: int) -> None:
+        req = engine.resolve(GenerateRequest(prompts[i], lengths[i], prefill_mode=mode, ignore_eos=True))
+        sched.submit(req, None, outs[i].append)
+
+    submit(0)
+    arrivals = {2: [1, 2], 5: [3], 9: [4]}  # step -> requests arriving then
+    step = 0
+    while sched.busy or any(s > step for s in arrivals):
+        for i in arrivals.get(step, []):
+            submit(i)
+        sched.step()
+        most = max(most, len(sched.running))
+        step += 1
+    assert most >= 3  # several decoding at once
+    for out, want in zip(outs, solo, strict=True):
+        assert [e.token_id for e in out[:-1]] == want
+        assert out[-1].stats.completion_tokens == len(want)
+    assert sum(out[-1].stats.slot_misses for out in outs) > 0  # the slot cache missed: decode copied experts
+
+
+def test_one_cancelled_sequence_disturbs_no_other(offloaded):
+    engine = offloaded
+    prompts = _prompts(engine, (120, 80, 100), seed=2)
+    solo = []
+    for p in prompts:
+        engine.reset()
+        solo.append([e.token_id for e in engine.run(p, 10, ignore_eos=True)[0]])
+    engine.reset()
+    outs = [[] for _ in prompts]
+    flags = [threading.Event() for _ in prompts]
+    for i, p in enumerate(prompts):
+        engine.scheduler.submit(engine.resolve(GenerateRequest(p, 10, ignore_eos=True)), flags[i], outs[i].append)
+    for _ in range(4):
+        engine.scheduler.step()
+    flags[1].set()  # mid-decode
+    cancelled0 = engine.counters["requests_cancelled"]
+    while engine.scheduler.busy:
+        engine.scheduler.step()
+    assert isinstance(outs[1][-1], Cancelled)
+    assert [e.token_id for e in outs[1][:-1]] == solo[1][: len(outs[1]) - 1]
+    for i in (0, 2):
+        assert [e.token_id for e in outs[i][:-1]] == solo[i]
+    assert engine.counters["requests_cancelled"] == cancelled0 + 1
+    assert engine.scheduler.pool.free() == 4  # every cache back
+
+
+def test_max_num_seqs_and_max_prefill_batch_tokens_bound_admission():
+    engine = Engine(EngineConfig(model="tiny", prefill_mode="layer-major", max_num_seqs=3,
+                                 max_prefill_batch_tokens=400, **KNOBS))
+    prompts = _prompts(engine, (300, 300, 90, 90), seed=3)
+    solo = [run_alone(engine, p, 4) for p in prompts if engine.reset() is None]
+    engine.reset()
+    rows, _ = run_together(engine, prompts, 4)
+    assert [r["ids"] for r in rows] == [s["ids"] for s in solo]
+    # 300 + 300 > 400 tokens: the first runs alone; the second and third share a batch (the two other caches);
+    # the fourth waits for a cache
+    assert [r["stats"].prefill_batch for r in rows] == [1, 2, 2, 1]
+    assert rows[3]["stats"].queue_s > rows[0]["stats"].queue_s
+
+
+def test_each_sequence_cache_keeps_its_own_prefix():
+    """Two conversations at once, then each one's next turn: each reuses its own cache's prompt and output."""
+    engine = Engine(EngineConfig(model="tiny", max_num_seqs=2, **KNOBS))
+    a, b = _prompts(engine, (150, 110), seed=4)
+    rows, _ = run_together(engine, [a, b], 5)
+    turn2 = [a + rows[0]["ids"] + [7, 8, 9], b + rows[1]["ids"] + [10]]
+    rows2, _ = run_together(engine, turn2, 3)
+    assert [r["stats"].cached_prompt_tokens for r in rows2] == [len(a) + 4, len(b) + 4]  # the last output's KV
+    engine.reset()
+    cold = [run_alone(engine, p, 3) for p in turn2 if engine.reset() is None]
+    assert [r["ids"] for r in rows2] == [c["ids"] for c in cold]
+
+
+def test_gpucheck_batch_passes_on_cpu(tmp_path):
+    out = tmp_path / "batch.json"
+    rc = gpucheck_batch.main(["--model", "tiny", "--device", DEVICE, "--prompts", "3", "--tokens", "200",
+                              "--chunk-tokens", "64", "--window-tokens", "256", "--decode-seqs", "3",
+                              "--decode-prompt", "100", "--decode-tokens", "6", "--repeats", "1",
+                              "--max-over-floor", "1000", "--out", str(out)])
+    assert rc == 0 and out.exists()
+
+
+def test_the_server_batches_concurrent_requests_with_the_ids_they_get_alone():
+    from abbench.engine.serve.server import create_app
+    from abbench.tokenizers import load_tokenizer
+    from tests.support.uvicorn_thread import ServerThread
+
+    engine = Engine(EngineConfig(model="tiny", prefill_mode="layer-major", max_num_seqs=4, **KNOBS))
+    prompts = _prompts(engine, (900, 200, 180, 160), seed=5)
+    server = ServerThread(create_app(engine, load_tokenizer("qwen3"), queue_limit=8))
+    try:
+        with httpx.Client(base_url=server.url, timeout=120) as c:
+            alone = []
+            for p in prompts:
+                c.post("/reset")
+                r = c.post("/v1/completions", json={"prompt": p, "max_tokens": 4, "temperature": 0,
+                                                    "ignore_eos": True})
+                alone.append(r.json()["choices"][0]["token_ids"])
+            c.post("/reset")
+            results: dict[int, dict] = {}
+
+            def send(i: int) -> None:
+                with httpx.Client(base_url=server.url, timeout=120) as own:
+                    results[i] = own.post("/v1/completions", json={"prompt": prompts[i], "max_tokens": 4,
+                                                                   "temperature": 0, "ignore_eos": True}).json()
+
+            first = threading.Thread(target=send, args=(0,))  # a long prompt: the others queue behind it
+            first.start()
+            while not engine.scheduler.running:
+                pass
+            rest = [threading.Thread(target=send, args=(i,)) for i in (1, 2, 3)]
+            for t in rest:
+                t.start()
+            for t in [first, *rest]:
+                t.join(120)
+            assert [results[i]["choices"][0]["token_ids"] for i in range(4)] == alone
+            assert max(results[i]["abbench"]["prefill_batch"] for i in (1, 2, 3)) > 1  # queued prompts batched
+            metrics = c.get("/metrics").text
+            assert "abbench_engine_requests_running 0.0" in metrics
+    finally:
+        server.stop()
