@@ -39,6 +39,8 @@ def memory_plan_cmd(
     dtype: Annotated[str, typer.Option(help="float32 or bfloat16 (the engine's --dtype on CUDA).")] = "bfloat16",
     resident: Annotated[bool, typer.Option(help="Plan for --prefill-mode resident (every expert on the "
                                                 "device) instead of offloaded experts.")] = False,
+    max_num_seqs: Annotated[int, typer.Option(help="The engine's --max-num-seqs: sequences at once, one KV "
+                                                   "cache of --max-context positions each.")] = 1,
 ) -> None:
     """What the vendored engine keeps on the GPU at each prefill chunk length, and the decode slot cache a
     budget leaves (the plan `--gpu-memory-budget` applies at start-up; no GPU needed). A longer chunk runs
@@ -50,6 +52,7 @@ def memory_plan_cmd(
     \b
       abbench memory-plan --model qwen3-30b-a3b-2507 --budget 24 --chunk-tokens 2048,8192
       abbench memory-plan --model qwen3.5-35b-a3b --chunk-tokens 2048,8192 --max-context 131072
+      abbench memory-plan --model qwen3-30b-a3b --budget 24 --max-context 8192 --max-num-seqs 8
     """
     from abbench.engine.config import EngineConfig
     from abbench.engine.runtime.memory import GIB, plan_device_memory
@@ -62,8 +65,9 @@ def memory_plan_cmd(
         _fail(ConfigError(f"--chunk-tokens {chunk_tokens!r}: give positive token counts, e.g. 2048,8192"))
         return
     table = Table(title=f"device-memory plan: {model}, {dtype}, max context {max_context:,}"
+                  + (f", {max_num_seqs} sequences" if max_num_seqs > 1 else "")
                   + (f", budget {budget:g} GiB" if budget is not None else "") + (", resident" if resident else ""))
-    for col in ("chunk tokens", "workspace (GiB)", "fixed (GiB)", "slots/layer", "slot cache (GiB)", "total (GiB)",
+    for col in ("chunk tokens", "KV (GiB)", "workspace (GiB)", "fixed (GiB)", "slots/layer", "slot cache (GiB)", "total (GiB)",
                 "note"):
         table.add_column(col, justify="left" if col == "note" else "right")
     gb = lambda b: f"{b / GIB:.2f}"  # noqa: E731
@@ -71,7 +75,8 @@ def memory_plan_cmd(
         knobs = dict(layer_major_window_tokens=window_tokens) if window_tokens else {}
         try:
             cfg = EngineConfig(model=model, device="cuda", dtype=dtype, chunk_tokens=chunk, max_context=max_context,
-                               prefill_mode="resident" if resident else "chunked", **knobs).resolved()
+                               prefill_mode="resident" if resident else "chunked", max_num_seqs=max_num_seqs,
+                               **knobs).resolved()
         except (ValueError, AbbenchError) as e:
             _fail(e if isinstance(e, AbbenchError) else ConfigError(str(e)))
             return
@@ -84,9 +89,9 @@ def memory_plan_cmd(
             else:
                 plan, note = plan_device_memory(cfg, int(budget * GIB)), ""
         except ValueError as e:
-            table.add_row(f"{chunk:,}", "", "", "", "", "", f"[red]does not fit[/]: {str(e).split(';')[0]}")
+            table.add_row(f"{chunk:,}", "", "", "", "", "", "", f"[red]does not fit[/]: {str(e).split(';')[0]}")
             continue
-        table.add_row(f"{chunk:,}", gb(plan.workspace_bytes), gb(plan.fixed_bytes), str(plan.slots_per_layer),
+        table.add_row(f"{chunk:,}", gb(plan.kv_bytes), gb(plan.workspace_bytes), gb(plan.fixed_bytes), str(plan.slots_per_layer),
                       gb(plan.slots_per_layer * plan.slot_bytes), gb(plan.total_bytes), note)
     out.print(table)
 

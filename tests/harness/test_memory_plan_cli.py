@@ -39,9 +39,9 @@ def test_each_chunk_length_gets_the_plan_the_engine_applies() -> None:
     slots = []
     for chunk, cells in rows.items():
         cfg = EngineConfig(model="qwen3-30b-a3b-2507", device="cuda", dtype="bfloat16", chunk_tokens=chunk,
-                           max_context=65600).resolved()
+                           max_context=65600, max_num_seqs=1).resolved()
         plan = plan_device_memory(cfg, 24 * 2**30)  # --budget is in GiB
-        assert cells[1:6] == [f"{plan.workspace_bytes / 2**30:.2f}", f"{plan.fixed_bytes / 2**30:.2f}",
+        assert cells[1:7] == [f"{plan.kv_bytes / 2**30:.2f}", f"{plan.workspace_bytes / 2**30:.2f}", f"{plan.fixed_bytes / 2**30:.2f}",
                               str(plan.slots_per_layer), f"{plan.slots_per_layer * plan.slot_bytes / 2**30:.2f}",
                               f"{plan.total_bytes / 2**30:.2f}"]
         assert 23 * 2**30 < plan.total_bytes <= 24 * 2**30  # a 24 GiB card, and nearly all of it used
@@ -54,14 +54,14 @@ def test_without_a_budget_it_gives_the_least_each_length_needs_and_a_small_budge
     res = runner.invoke(app, ["memory-plan", "--model", "qwen3-30b-a3b-2507", "--chunk-tokens", "2048"])
     assert res.exit_code == 0, res.output
     (cells,) = _rows(res.output).values()
-    need = float(re.search(r"needs at least ([\d.]+) GiB \(8 slots per layer\)", cells[6])[1])
-    assert cells[3] == "8" and need == float(cells[5])
+    need = float(re.search(r"needs at least ([\d.]+) GiB \(8 slots per layer\)", cells[7])[1])
+    assert cells[4] == "8" and need == float(cells[6])
     tight = runner.invoke(app, ["memory-plan", "--model", "qwen3-30b-a3b-2507", "--chunk-tokens", "2048",
                                 "--budget", str(need - 0.2)])
     assert tight.exit_code == 0 and "does not fit" in tight.output and "decode needs 8" in tight.output
     ok = runner.invoke(app, ["memory-plan", "--model", "qwen3-30b-a3b-2507", "--chunk-tokens", "2048",
                              "--budget", str(need + 0.01)])
-    assert _rows(ok.output)[2048][3] == "8"
+    assert _rows(ok.output)[2048][4] == "8"
 
 
 @pytest.mark.parametrize("args, words", [
@@ -72,3 +72,12 @@ def test_without_a_budget_it_gives_the_least_each_length_needs_and_a_small_budge
 def test_bad_input_is_exit_2_naming_it(args: list[str], words: str) -> None:
     res = CliRunner().invoke(app, ["memory-plan", *args])
     assert res.exit_code == 2 and words in res.output, res.output
+
+
+def test_max_num_seqs_plans_a_kv_cache_per_sequence_and_leaves_fewer_slots() -> None:
+    runner = CliRunner()
+    args = ["memory-plan", "--model", "qwen3-30b-a3b", "--budget", "24", "--max-context", "8192", "--chunk-tokens",
+            "2048"]
+    one, eight = (_rows(runner.invoke(app, args + ["--max-num-seqs", n]).output)[2048] for n in ("1", "8"))
+    assert float(eight[1]) == pytest.approx(8 * float(one[1]), abs=0.01)  # KV (GiB): one cache per sequence
+    assert int(eight[4]) < int(one[4])  # slots per layer pay for it, within the same budget
