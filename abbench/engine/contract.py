@@ -12,7 +12,10 @@ over the same list.
 cannot serve, :class:`ContextOverflow` when prompt + max_tokens > its context (:func:`check_request` makes the
 checks every backend shares). It returns a generator of :class:`TokenEvent`, one per output token, whose return
 value (``StopIteration.value``, :func:`drain`) is the request's :class:`RequestStats`; it raises
-:class:`Cancelled` at the next step after ``cancel`` is set (:func:`check_cancel`); one request runs at a time.
+:class:`Cancelled` at the next step after ``cancel`` is set (:func:`check_cancel`); one request runs at a time
+through ``generate``. The server runs requests through the backend's :class:`Scheduler` instead: the vendored
+engine's batches several (:mod:`abbench.engine.runtime.scheduler`), a :class:`SerialScheduler` runs a
+``generate``-only backend one request at a time.
 ``reset`` flushes its caches. ``info`` (:class:`BackendInfo`) is what the server reports about it
 (``/v1/models``, the per-request ``abbench`` object, ``/metrics``), ``counters`` its lifetime counts.
 """

@@ -1,4 +1,5 @@
-"""``Engine``: what the HTTP server drives. One request at a time; a prefix cache of the previous request.
+"""``Engine``: what the HTTP server drives. Up to ``max_num_seqs`` sequences at once (``scheduler``:
+:mod:`abbench.engine.runtime.scheduler`), each with its own cache and prefix cache.
 
 Contract (the server relies on it):
 - ``Engine(config)`` plans device memory (``memory_plan``: the decode slot cache sized from
@@ -12,14 +13,16 @@ Contract (the server relies on it):
   resolves what the request leaves to the engine (prefill mode, chunk length, attention batch, who handles
   decode's misses) into the request it runs, and returns a generator of ``TokenEvent``, one per output token;
   the generator's return value (``StopIteration.value``) is the ``RequestStats``. ``Cancelled`` is raised from
-  the generator when ``cancel`` is set (checked at every layer step of prefill and decode). A second
-  request while one is running raises ``RuntimeError`` (the server serialises requests). On CUDA
+  the generator when ``cancel`` is set (checked at every layer step of prefill and decode). ``generate`` runs
+  one request alone through the scheduler; a second ``generate`` while one runs raises ``RuntimeError`` (the
+  server submits to ``scheduler`` instead, many at once). On CUDA
   out-of-memory, request-local tensors are released (the traceback's frames are cleared) and
   ``torch.OutOfMemoryError`` propagates unchanged; the engine stays usable. ``run(prompt_ids, max_tokens,
   **fields)`` drains one request (tests, checks).
 - The EOS token, when generated and ``ignore_eos`` is false, is yielded and counted (finish_reason "stop").
-- Prefix cache: the KV of the previous request's prompt and generated tokens stays valid; a new prompt
-  sharing a prefix with those tokens reuses it (at most len(prompt) - 1 tokens, so at least one token is
+- Prefix cache, per sequence cache (the scheduler picks the free cache that shares the most; requests one at a
+  time always use the first): the KV of the previous request's prompt and generated tokens stays valid; a new
+  prompt sharing a prefix with those tokens reuses it (at most len(prompt) - 1 tokens, so at least one token is
   prefilled) and prefills the rest in chunks starting at the reuse point. Hybrid models (linear-attention
   states, valid only where snapshotted) reuse exactly the previous prompt when the new prompt extends it
   (the states are snapshotted at the end of every prefill), else nothing. ``reset()`` flushes the prefix

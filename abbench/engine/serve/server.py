@@ -35,9 +35,9 @@ engine stays usable). An error after a stream started is sent as a ``data: {"err
 by ``[DONE]``, as vLLM does. Nothing in a request names a file; the server reads none on its behalf.
 Device OOM can be injected for tests with ``ABBENCH_ENGINE_FAULT=oom-once`` (:mod:`abbench.engine.serve.faults`).
 
-Layout: the request schema, API errors and response pieces are :mod:`abbench.engine.serve.api`; the queue (one
-request at a time, FIFO, cancellable) and the Prometheus metrics are :mod:`abbench.engine.serve.serving`; this
-module holds the routes (module-level functions reading :class:`ServerState` from ``app.state``) and
+Layout: the request schema, API errors and response pieces are :mod:`abbench.engine.serve.api`; the queue (the
+backend's scheduler in one engine thread, cancellable) and the Prometheus metrics are
+:mod:`abbench.engine.serve.serving`; this module holds the routes (module-level functions reading :class:`ServerState` from ``app.state``) and
 :func:`create_app`.
 """
 
