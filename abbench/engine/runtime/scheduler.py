@@ -46,7 +46,7 @@ import traceback
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -57,9 +57,6 @@ from abbench.engine.ops.sampling import Sampler
 from abbench.engine.ops.trace import LayerTrace
 from abbench.engine.runtime.experts import SlotStats, Traffic
 from abbench.engine.runtime.prefill import Part, PrefillStats, prefill_batch
-
-if TYPE_CHECKING:
-    from abbench.engine.runtime.engine import Engine
 
 __all__ = ["CachePool", "CacheSlot", "Scheduler", "Sequence"]
 
@@ -144,9 +141,11 @@ class Sequence:
     trace: list | None = None
 
     def cancelled(self) -> bool:
-        if self.cancel is None:
-            return False
-        return bool(self.cancel.is_set() if hasattr(self.cancel, "is_set") else self.cancel())
+        try:
+            check_cancel(self.cancel)
+        except Cancelled:
+            return True
+        return False
 
 
 class _BatchCancel:
@@ -162,7 +161,7 @@ class _BatchCancel:
 class Scheduler:
     """The engine's sequences and one iteration of work (module docstring)."""
 
-    def __init__(self, engine: Engine, caches: list[Any]):
+    def __init__(self, engine: Any, caches: list[Any]):  # the Engine (runtime.engine imports this module)
         self.engine = engine
         self.pool = CachePool(caches, engine.model_config.is_hybrid)
         self.waiting: deque[Sequence] = deque()
