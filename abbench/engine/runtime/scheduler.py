@@ -12,7 +12,11 @@ Contract (what :class:`~abbench.engine.runtime.engine.Engine` and the server's q
   prefilled together (``prefill.prefill_batch``: each window's bank is streamed once for the whole batch);
   any other request is a batch of one; each emits its first token; (2) **decode**: every sequence that had
   its first token before this iteration decodes one token (``Decoder.step`` over its own cache, the slot cache
-  shared). A sequence leaves when it finishes, fails or is cancelled; the next iteration may admit another.
+  shared), in arrival order on even iterations and in reverse on odd ones: the sequences' experts meet in each
+  layer's LRU slot block, and a scan in a fixed order over more experts than the block holds misses on nearly
+  every lookup, where alternating the direction reuses what the last sequences left (a simulation with
+  per-sequence routing that mostly stays: 0.72 of lookups missed in a fixed order, 0.42 alternating). A
+  sequence leaves when it finishes, fails or is cancelled; the next iteration may admit another.
 - **Policy between prefill and decode:** prefill first. A decoding sequence waits at most one prefill batch per
   token, and a batch holds at most ``max_prefill_batch_tokens`` uncached prompt tokens (a first prompt longer
   than that runs alone), so that bound is what a long prompt costs the others' inter-token latency.
@@ -166,6 +170,7 @@ class Scheduler:
         self.pool = CachePool(caches, engine.model_config.is_hybrid)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.iterations = 0
         self._lock = threading.Lock()  # guards ``waiting`` (submit runs on another thread)
 
     # -- the queue ------------------------------------------------------------------------------------------
@@ -214,7 +219,11 @@ class Scheduler:
         batch = self._admit()
         if batch:
             self._prefill(batch)
-        for seq in [s for s in self.running if s not in batch]:
+        decoding = [s for s in self.running if s not in batch]
+        if self.iterations % 2:  # every other iteration in reverse order: the slot cache's LRU (module docstring)
+            decoding.reverse()
+        self.iterations += 1
+        for seq in decoding:
             self._decode(seq)
 
     def _admit(self) -> list[Sequence]:
