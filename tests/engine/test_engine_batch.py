@@ -198,3 +198,24 @@ def test_the_server_batches_concurrent_requests_with_the_ids_they_get_alone():
             assert "abbench_engine_requests_running 0.0" in metrics
     finally:
         server.stop()
+
+
+def test_a_decoding_sequence_gets_a_token_every_iteration_while_others_are_admitted(offloaded):
+    """The policy between prefill and decode: prefill first, one prefill batch per iteration, then every sequence
+    that already had its first token decodes one: so a decoding sequence waits at most one prefill batch per
+    token, whatever arrives meanwhile."""
+    engine = offloaded
+    engine.reset()
+    a, *rest = _prompts(engine, (60, 300, 250, 280), seed=6)
+    out_a: list = []
+    sched = engine.scheduler
+    sched.submit(engine.resolve(GenerateRequest(a, 12, ignore_eos=True)), None, out_a.append)
+    sched.step()  # a's prefill and first token
+    for i, p in enumerate(rest):  # a long prompt arrives at each of the next iterations
+        sched.submit(engine.resolve(GenerateRequest(p, 2, ignore_eos=True)), None, lambda _item: None)
+        before = len(out_a)
+        sched.step()
+        assert len(out_a) == before + 1, i  # one prefill batch, then a's next token
+    while sched.busy:
+        sched.step()
+    assert out_a[-1].stats.completion_tokens == 12

@@ -178,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
                                         args.decode_tokens)
         print("decode:", report["decode"], flush=True)
     gbps = engine.measured_h2d_gbps
+    if engine.device.type == "cuda":  # torch's peak over the whole check: every cache, graph pool and batch
+        report["peak_device_gib"] = round(torch.cuda.max_memory_allocated(engine.device) / 2**30, 3)
     if not prompts:  # decode only: no floor to measure
         ok = report["decode"]["ids_equal_solo"]
         report["pass"] = bool(ok)
