@@ -303,10 +303,17 @@ def _verdict(r: LoadRequest, ref: LoadRequest | None, k: int, tol: float) -> tup
     return ("near-tie" if verdict == "near-tie flip" else "broken"), first
 
 
+def _cached(r: LoadRequest) -> int:
+    """Prompt tokens the engine says it served from its prefix cache (0 when it does not say)."""
+    n = (r.engine or {}).get("cached_prompt_tokens")
+    return int(n) if isinstance(n, (int, float)) else 0
+
+
 def parity_under_load(record: RunRecord) -> pd.DataFrame:
     """Per cell (:data:`PARITY_COLUMNS`): prompts checked and how many kept identical ids over K, were near-tie
     flips, broke, or could not be checked; the earliest divergence; ``kept`` (identical, plus near ties the
-    gate accepts)."""
+    gate accepts); an example, which says when that request met the prefix cache beyond its reference (its
+    prompt's last tokens then ran in other chunks than alone, so other sums are expected)."""
     k = gate_spec(record).parity_tokens
     refs = _references(record)
     rank = {"unchecked": 0, "identical": 1, "near-tie": 2, "broken": 3}
@@ -314,16 +321,22 @@ def parity_under_load(record: RunRecord) -> pd.DataFrame:
     for (arm, label), levels in level_rounds(record).items():
         tol, accepts = _tolerance(record, arm)
         worst: dict[str, tuple[str, int | None]] = {}
+        cached: dict[str, int] = {}  # prompt -> cached prompt tokens of its worst request beyond its reference's
         for lv in levels:
             for r in measured(lv):
                 ref = refs.get((arm, lv.round, r.prompt_id)) or refs.get((arm, 0, r.prompt_id))
                 v = _verdict(r, ref, k, tol)
                 if r.prompt_id not in worst or rank[v[0]] > rank[worst[r.prompt_id][0]]:
                     worst[r.prompt_id] = v
+                    cached[r.prompt_id] = _cached(r) - (_cached(ref) if ref is not None else 0)
         counts = {name: sum(1 for v, _ in worst.values() if v == name) for name in rank}
         firsts = [f for _, f in worst.values() if f is not None]
-        example = next((f"{p} at {f}" for p, (v, f) in sorted(worst.items()) if v == "broken"), None) or next(
-            (f"{p} at {f}" for p, (v, f) in sorted(worst.items()) if v == "near-tie"), None)
+
+        def said(p: str, f: int | None) -> str:  # a request that met the prefix cache ran other sums than its reference
+            return f"{p} at {f}" + (f" ({cached[p]:,} more prompt tokens cached)" if cached.get(p, 0) > 0 else "")
+
+        example = next((said(p, f) for p, (v, f) in sorted(worst.items()) if v == "broken"), None) or next(
+            (said(p, f) for p, (v, f) in sorted(worst.items()) if v == "near-tie"), None)
         rows.append({"arm": arm, "level": label, "prompts": len(worst), "identical": counts["identical"],
                      "near_tie": counts["near-tie"], "broken": counts["broken"], "unchecked": counts["unchecked"],
                      "kept": counts["identical"] + (counts["near-tie"] if accepts else 0),

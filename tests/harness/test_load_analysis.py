@@ -138,6 +138,12 @@ def test_parity_under_load_with_a_planted_near_tie_and_a_real_difference() -> No
     # beyond K the difference does not count: K = 2 keeps the third prompt
     p = al.parity_under_load(_record(levels, parity_tokens=2)).iloc[0]
     assert (p["identical"], p["near_tie"], p["broken"]) == (2, 1, 0)
+    # the same difference from a request that met the prefix cache beyond its reference: the example says so
+    cached = diff.model_copy(update={"engine": {"cached_prompt_tokens": 4095}})
+    refs_cached = [r.model_copy(update={"engine": {"cached_prompt_tokens": 8}}) for r in refs]
+    p = al.parity_under_load(_record([_level("b", refs_cached, role="reference", lo=0.0, hi=3.0),
+                                      _level("b", [same, tie, cached])])).iloc[0]
+    assert p["broken"] == 1 and p["example"] == "load-2 at 2 (4,087 more prompt tokens cached)"
 
 
 def test_parity_under_load_through_a_real_server() -> None:
