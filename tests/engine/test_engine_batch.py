@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 import httpx
 import pytest
@@ -219,3 +220,68 @@ def test_a_decoding_sequence_gets_a_token_every_iteration_while_others_are_admit
     while sched.busy:
         sched.step()
     assert out_a[-1].stats.completion_tokens == 12
+
+
+def _metric(c: httpx.Client, name: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for fam in text_string_to_metric_families(c.get("/metrics").text):
+        for sample in fam.samples:
+            if sample.name == name:
+                return sample.value
+    raise AssertionError(f"no {name}")
+
+
+def test_clients_that_leave_mid_stream_disturb_no_other_request_on_the_server():
+    """Six streamed requests at once on four sequence caches; two clients hang up after their first tokens. The
+    other four get the ids they get alone, the two are counted as cancelled, and the engine ends idle with
+    every cache free and serves the next request as it would alone."""
+    from abbench.engine.serve.server import create_app
+    from abbench.tokenizers import load_tokenizer
+    from tests.support.uvicorn_thread import ServerThread
+
+    engine = Engine(EngineConfig(model="tiny", prefill_mode="layer-major", max_num_seqs=4, **KNOBS))
+    prompts = _prompts(engine, (150,) * 6, seed=7)
+    leaving = {1, 4}
+    body = lambda i, n: {"prompt": prompts[i], "max_tokens": n, "temperature": 0, "ignore_eos": True}  # noqa: E731
+    server = ServerThread(create_app(engine, load_tokenizer("qwen3"), queue_limit=8))
+    try:
+        with httpx.Client(base_url=server.url, timeout=120) as c:
+            alone = {}
+            for i in range(6):
+                if i not in leaving:
+                    c.post("/reset")
+                    alone[i] = c.post("/v1/completions", json=body(i, 24)).json()["choices"][0]["token_ids"]
+            c.post("/reset")
+            cancelled0 = _metric(c, "abbench_engine_requests_cancelled_total")
+            got: dict[int, list[int]] = {}
+
+            def send(i: int) -> None:
+                with httpx.Client(base_url=server.url, timeout=120) as own:
+                    if i in leaving:  # read two events of a long stream, then hang up
+                        with own.stream("POST", "/v1/completions", json={**body(i, 500), "stream": True}) as r:
+                            events = 0
+                            for line in r.iter_lines():
+                                events += line.startswith("data: {")
+                                if events == 2:
+                                    break
+                        return
+                    got[i] = own.post("/v1/completions", json=body(i, 24)).json()["choices"][0]["token_ids"]
+
+            threads = [threading.Thread(target=send, args=(i,)) for i in range(6)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(120)
+            assert got == alone
+            deadline = time.monotonic() + 30
+            while engine.scheduler.busy:  # the two that left stop at their next layer step
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            assert _metric(c, "abbench_engine_requests_cancelled_total") == cancelled0 + 2
+            assert _metric(c, "abbench_engine_requests_running") == 0 and engine.scheduler.pool.free() == 4
+            c.post("/reset")
+            again = c.post("/v1/completions", json=body(0, 24)).json()["choices"][0]["token_ids"]
+            assert again == alone[0]
+    finally:
+        server.stop()
