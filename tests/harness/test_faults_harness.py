@@ -15,7 +15,7 @@ import signal
 import socket
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import psutil
 import pytest
@@ -28,6 +28,27 @@ from abbench.results import RUN_FILE, SAMPLES_FILE, RunRecord, Sample, load_run,
 
 from tests.support import cli
 from tests.support import faultkit as fk
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_tokenizer_per_module() -> Iterator[None]:
+    """Every run here (in this process: runner.execute and the in-process CLI) builds its prompts with the same
+    qwen3 tokenizer: it is read from the on-disk cache once for the module instead of once a run (~0.5 s each).
+    What a run does with it is unchanged; tests/harness/test_tokenizers.py tests the loading itself."""
+    import importlib
+
+    run_module = importlib.import_module("abbench.runner.run")
+    load, loaded = run_module.load_tokenizer, {}
+
+    def load_once(source: str, *, base_dir: Path | None = None, cache_dir: Path | None = None) -> Any:
+        key = (source, base_dir, cache_dir, os.environ.get("ABBENCH_CACHE_DIR"))
+        if key not in loaded:
+            loaded[key] = load(source, base_dir=base_dir, cache_dir=cache_dir)
+        return loaded[key]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(run_module, "load_tokenizer", load_once)
+        yield
 
 
 def run_profile(profile: dict[str, Any], run_dir: Path, events: list | None = None) -> RunRecord:
