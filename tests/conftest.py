@@ -12,11 +12,15 @@ and ``--no-loadscope-reorder`` (``pyproject.toml``) xdist hands the files to its
 long end-to-end files start at once and the short ones fill in the gaps at the end instead of one long file
 keeping a worker busy after the other ran out of work. ``--store-durations`` writes this run's seconds per file
 into ``tests/durations.json`` (with xdist, from the reports the workers send back).
+
+Threads: with as many workers as cores, each worker (and every engine process it starts) computes on
+``cores // workers`` threads (``OMP_NUM_THREADS``, :func:`pytest_configure`), not on every core.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import sys
 from collections import defaultdict
@@ -36,6 +40,17 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--store-durations", action="store_true", default=False,
                      help=f"write the seconds each test file took in this run into {DURATIONS.relative_to(REPO)} "
                           "(the order the files run in: longest first)")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """An xdist worker on a machine with no more cores than workers computes on one thread: torch's intra-op
+    threads (OpenMP) default to every core, so N workers (and the engine processes they start, which inherit
+    the variable) would each spin N threads on N cores, and a CPU test then took several times as long as it
+    does alone. Set before anything imports torch; an ``OMP_NUM_THREADS`` already set is kept."""
+    workers = int(getattr(config, "workerinput", {}).get("workercount", 0))
+    if workers:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        os.environ.setdefault("OMP_NUM_THREADS", str(max(1, cores // workers)))
 
 
 def file_costs() -> dict[str, float]:

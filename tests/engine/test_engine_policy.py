@@ -80,12 +80,19 @@ def _engine(**kw) -> Engine:
     return Engine(EngineConfig(**{**knobs, **kw}))
 
 
+@pytest.fixture(scope="module")
+def chunked() -> Engine:
+    """The random-router engine in chunked mode (tests that only run it reset it first or need no cache)."""
+    return _engine(prefill_mode="chunked")
+
+
 def _ids(n: int, seed: int, vocab: int) -> list[int]:
     return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def test_router_skew_concentrates_a_short_chunk_on_fewer_experts():
-    uniform, skewed = _engine(prefill_mode="chunked"), _engine(prefill_mode="chunked", router_skew=2.0)
+def test_router_skew_concentrates_a_short_chunk_on_fewer_experts(chunked: Engine):
+    uniform, skewed = chunked, _engine(prefill_mode="chunked", router_skew=2.0)
+    uniform.reset()
     vocab = uniform.model_config.vocab_size
     copies = {}
     for name, engine in (("uniform", uniform), ("skewed", skewed)):
@@ -168,13 +175,12 @@ def test_the_engine_calibrates_from_every_demand_prefill_and_reports_it():
     assert f == pytest.approx(auto.calibration.factor, abs=1e-4) and f != 1.0
     assert info["calibrated_s"]["chunked"] == info["estimates_s"]["chunked"]  # only demand's copy term moves
     assert (info["calibrated_s"]["demand"] < info["estimates_s"]["demand"]) == (f < 1.0)
-    plain = _engine(prefill_mode="auto", auto_calibration=0)
-    assert "calibration" not in plain.run(_ids(40, 6, vocab), 1)[1].auto
+    # an engine started with auto_calibration=0 reports none: test_auto_gives_bitwise_the_path_it_picked_and_says_why
     with pytest.raises(ValueError, match="auto_calibration"):
         EngineConfig(auto_calibration=-1)
 
 
-def test_auto_gives_bitwise_the_path_it_picked_and_says_why():
+def test_auto_gives_bitwise_the_path_it_picked_and_says_why(chunked: Engine):
     auto = _engine(prefill_mode="auto", router_skew=2.0, auto_calibration=0)  # the model's own choices
     vocab = auto.model_config.vocab_size
     prefix = _ids(256, 1, vocab)
@@ -186,6 +192,7 @@ def test_auto_gives_bitwise_the_path_it_picked_and_says_why():
         events, stats = auto.run(prompt, 3, logprobs=2)
         assert stats.auto["path"] == stats.prefill_path or stats.fallback_reason
         assert stats.auto["reason"].startswith("auto: ") and stats.auto["routing"] == "observed"
+        assert "calibration" not in stats.auto  # auto_calibration=0
         assert set(stats.auto["estimates_s"]) >= {"chunked", "demand"}
         seen.add(stats.auto["path"])
         auto.reset()
@@ -194,7 +201,7 @@ def test_auto_gives_bitwise_the_path_it_picked_and_says_why():
         assert [(e.token_id, e.top_logprobs) for e in events] == [(e.token_id, e.top_logprobs) for e in ref]
     assert "layer-major" in seen or "chunked" in seen  # 300 uncached tokens stream
     with pytest.raises(ValueError, match="started with prefill_mode='auto'"):
-        _engine(prefill_mode="chunked").run(prefix, 1, prefill_mode="auto")
+        chunked.run(prefix, 1, prefill_mode="auto")
     fixed = _engine(prefill_mode="auto", auto_demand_max_tokens=32)
     assert fixed.run(prefix[:20], 1)[1].prefill_path == "demand"
     assert fixed.run(prefix[:200], 1)[1].prefill_path == "layer-major"

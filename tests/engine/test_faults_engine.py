@@ -328,11 +328,12 @@ def test_full_queue_gets_429_while_the_real_engine_is_busy(engine: EngineProc) -
 # ------------------------------------------------------------------------------------ out of memory
 
 
-def test_device_oom_is_a_503_and_the_engine_serves_the_next(tmp_path: Path) -> None:
+def test_device_oom_is_a_503_and_the_engine_serves_the_next(engine: EngineProc, tmp_path: Path) -> None:
     """ABBENCH_ENGINE_FAULT=oom-once: the first prefill raises torch.OutOfMemoryError inside its layer loop.
     The request gets an OpenAI-shaped 503 with the reason; the next request is served, with the same ids and
-    logprobs as a fresh engine (another process, never faulted) gives. Then the harness, attached to the same server, records such a failure
-    as a failed sample and carries on."""
+    logprobs as an engine that never ran out of memory (this module's engine: another process, the same weights
+    and chunks, reset first) gives. Then the harness, attached to the same server, records such a failure as a
+    failed sample and carries on."""
     eng = EngineProc(tmp_path, env={"ABBENCH_ENGINE_FAULT": "oom-once"})
     try:
         prompt = list(range(1000, 1300))
@@ -346,15 +347,11 @@ def test_device_oom_is_a_503_and_the_engine_serves_the_next(tmp_path: Path) -> N
         assert after.status_code == 200
     finally:
         eng.stop()
-    # against a fresh engine that never ran out of memory (not the same process after /reset): same ids and
-    # the same top-2 logprobs, so nothing the failed request left behind changed the next one
-    (tmp_path / "clean").mkdir()
-    fresh = EngineProc(tmp_path / "clean")
-    try:
-        clean = fresh.client.post("/v1/completions", json=greedy(prompt, max_tokens=4, logprobs=2))
-        assert clean.status_code == 200
-    finally:
-        fresh.stop()
+    # against an engine that never ran out of memory (not the same process after /reset): same ids and the same
+    # top-2 logprobs, so nothing the failed request left behind changed the next one
+    assert engine.client.post("/reset").status_code == 200
+    clean = engine.client.post("/v1/completions", json=greedy(prompt, max_tokens=4, logprobs=2))
+    assert clean.status_code == 200 and clean.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     a, b = after.json()["choices"][0], clean.json()["choices"][0]
     assert a["token_ids"] == b["token_ids"] and len(a["token_ids"]) == 4 and a["logprobs"]
     assert a["logprobs"] == b["logprobs"]

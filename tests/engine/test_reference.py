@@ -46,8 +46,14 @@ def reference(checkpoint: Path) -> ReferenceEngine:
     return ReferenceEngine(str(checkpoint))
 
 
-def test_reference_matches_the_vendored_engine_in_process(checkpoint: Path, reference: ReferenceEngine) -> None:
-    engine = Engine(EngineConfig(model=str(checkpoint), weights=str(checkpoint), device="cpu", chunk_tokens=32))
+@pytest.fixture(scope="module")
+def engine(checkpoint: Path) -> Engine:
+    """The vendored engine on the same checkpoint (chunks of 32; a test wanting others asks per request)."""
+    return Engine(EngineConfig(model=str(checkpoint), weights=str(checkpoint), device="cpu", chunk_tokens=32))
+
+
+def test_reference_matches_the_vendored_engine_in_process(engine: Engine, reference: ReferenceEngine) -> None:
+    engine.reset()
     rng = random.Random(0)
     for n in (5, 70):  # one chunk; three chunks on the engine
         prompt = [rng.randrange(100, 150000) for _ in range(n)]
@@ -69,15 +75,18 @@ def test_reference_matches_the_vendored_engine_in_process(checkpoint: Path, refe
     assert ids[len(prompt):] == [e.token_id for e in ref_events]
 
 
-def test_reference_layer_trace_localizes_against_the_engine(checkpoint: Path, reference: ReferenceEngine) -> None:
+def test_reference_layer_trace_localizes_against_the_engine(engine: Engine, reference: ReferenceEngine) -> None:
     """The reference traces attention / experts / residual per layer from forward hooks; against the vendored
-    engine in float32 the states differ by summation order only (relative RMS of the difference < 1e-5)."""
+    engine in float32 (chunks of 16) the states differ by summation order only (relative RMS of the difference
+    < 1e-5)."""
     from abbench.diagnostics.layertrace import compare_traces
 
-    engine = Engine(EngineConfig(model=str(checkpoint), weights=str(checkpoint), device="cpu", chunk_tokens=16))
+    engine.reset()  # no prefix-cache hit from another test: the whole prompt is prefilled, in three chunks
     prompt = list(range(1000, 1040))
     ref = reference.run(prompt, 1, trace_layers=True)[1].layer_trace
-    eng = engine.run(prompt, 1, trace_layers=True)[1].layer_trace
+    eng, stats = engine.run(prompt, 1, trace_layers=True, chunk_tokens=16)
+    assert stats.n_chunks == 3 and stats.cached_prompt_tokens == 0
+    eng = stats.layer_trace
     assert [(e["layer"], e["block"]) for e in ref] == [(i, b) for i in range(2) for b in ("attention", "experts",
                                                                                             "residual")]
     rows = [r for r in compare_traces(ref, eng) if r.diff_rms is not None]
@@ -163,8 +172,9 @@ def test_reference_refuses_what_it_has_no_use_for(reference: ReferenceEngine) ->
 
 
 def test_run_engine_against_the_reference_passes_parity(checkpoint: Path, tmp_path: Path) -> None:
-    """profiles/cpu-tiny-reference.toml with its checkpoint path pointed at this test's checkpoint: both arms
-    launched as services from their own commands, the gate's parity over 8 ids holds for every prompt."""
+    """profiles/cpu-tiny-reference.toml with its checkpoint path pointed at this test's checkpoint, one round (a
+    second repeats the same prompts on services launched the same way): both arms launched as services from
+    their own commands, the gate's parity over 8 ids holds for every prompt."""
     from abbench import analysis, runner
     from abbench.profile import profile_from_dict
 
@@ -172,6 +182,7 @@ def test_run_engine_against_the_reference_passes_parity(checkpoint: Path, tmp_pa
     for arm in data["arms"]:
         assert CHECKPOINT_IN_PROFILE in arm["command"]
         arm["command"] = [str(checkpoint) if a == CHECKPOINT_IN_PROFILE else a for a in arm["command"]]
+    data["run"]["rounds"] = 1
     data["source_path"] = str(REPO / "profiles" / "cpu-tiny-reference.toml")
     profile = profile_from_dict(data)
     record = runner.execute(profile, tmp_path / "run")

@@ -15,7 +15,7 @@ import signal
 import socket
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import psutil
 import pytest
@@ -28,6 +28,27 @@ from abbench.results import RUN_FILE, SAMPLES_FILE, RunRecord, Sample, load_run,
 
 from tests.support import cli
 from tests.support import faultkit as fk
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_tokenizer_per_module() -> Iterator[None]:
+    """Every run here (in this process: runner.execute and the in-process CLI) builds its prompts with the same
+    qwen3 tokenizer: it is read from the on-disk cache once for the module instead of once a run (~0.5 s each).
+    What a run does with it is unchanged; tests/harness/test_tokenizers.py tests the loading itself."""
+    import importlib
+
+    run_module = importlib.import_module("abbench.runner.run")
+    load, loaded = run_module.load_tokenizer, {}
+
+    def load_once(source: str, *, base_dir: Path | None = None, cache_dir: Path | None = None) -> Any:
+        key = (source, base_dir, cache_dir, os.environ.get("ABBENCH_CACHE_DIR"))
+        if key not in loaded:
+            loaded[key] = load(source, base_dir=base_dir, cache_dir=cache_dir)
+        return loaded[key]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(run_module, "load_tokenizer", load_once)
+        yield
 
 
 def run_profile(profile: dict[str, Any], run_dir: Path, events: list | None = None) -> RunRecord:
@@ -54,7 +75,7 @@ def test_never_healthy_stops_the_run_with_the_log_tail(tmp_path: Path) -> None:
     mark = fk.new_mark()
     prof = fk.fake_profile(mark, args=("--never-healthy",), engine={"health_timeout_s": 1.0})
     toml = fk.write_profile(tmp_path / "sick.toml", prof)
-    res = fk.abbench("run", "-p", str(toml), "--out", str(tmp_path / "run"), "-q", "--no-report", cwd=tmp_path)
+    res = cli.abbench("run", "-p", str(toml), "--out", str(tmp_path / "run"), "-q", "--no-report", cwd=tmp_path)
     assert res.returncode == 2, res.stderr
     err = fk.flat(res.stderr)
     assert "service a@r1: not healthy after 1 s (GET /health at http://127.0.0.1:" in err
@@ -95,7 +116,7 @@ def test_command_not_found(tmp_path: Path) -> None:
     prof = fk.fake_profile(fk.new_mark())
     prof["engine"]["command"] = ["/nonexistent/bin/engine-server", "--port", "{port}"]
     toml = fk.write_profile(tmp_path / "p.toml", prof)
-    res = fk.abbench("run", "-p", str(toml), "--out", str(tmp_path / "run"), "-q", "--no-report", cwd=tmp_path)
+    res = cli.abbench("run", "-p", str(toml), "--out", str(tmp_path / "run"), "-q", "--no-report", cwd=tmp_path)
     assert res.returncode == 2
     assert ("command not found: /nonexistent/bin/engine-server; check engine.command in the profile"
             in fk.flat(res.stderr))
@@ -113,9 +134,9 @@ def test_a_base_url_nothing_answers_at_fails_fast_and_leaves_no_run(tmp_path: Pa
     prof["engine"]["base_url"] = f"http://127.0.0.1:{port}"
     toml = fk.write_profile(tmp_path / "p.toml", prof)
     t0 = time.perf_counter()
-    res = fk.abbench("run", "-p", str(toml), "--out", str(tmp_path / "run"), "-q", cwd=tmp_path)
+    res = cli.abbench("run", "-p", str(toml), "--out", str(tmp_path / "run"), "-q", cwd=tmp_path)
     assert res.returncode == 2, res.stderr
-    assert time.perf_counter() - t0 < 60  # the interpreter and the tokenizer load, then REFUSED_GRACE_S
+    assert time.perf_counter() - t0 < 60  # the tokenizer load, then REFUSED_GRACE_S
     err = fk.flat(res.stderr)
     assert f"connection refused at http://127.0.0.1:{port}: nothing listens on 127.0.0.1 port {port}" in err
     assert "start the server first, or fix base_url in the profile" in err
@@ -339,7 +360,7 @@ def test_signal_while_a_service_starts(tmp_path: Path) -> None:
 def _check_resume(tmp_path: Path, run_dir: Path, mark: str) -> None:
     before = (run_dir / SAMPLES_FILE).read_bytes()
     done = [json.loads(x)["step"] for x in before.splitlines()]
-    res = fk.abbench("run", "--resume", str(run_dir), "-q", "--no-report", cwd=tmp_path)
+    res = cli.abbench("run", "--resume", str(run_dir), "-q", "--no-report", cwd=tmp_path)
     assert res.returncode == 0, res.stderr
     after = (run_dir / SAMPLES_FILE).read_bytes()
     assert after.startswith(before)  # the finished samples are untouched, byte for byte
@@ -423,7 +444,7 @@ def test_resume_refuses_a_run_another_process_holds(tmp_path: Path) -> None:
     (run_dir / RUN_FILE).write_text(src.model_dump_json())
     lock = runner.RunLock(run_dir).acquire()  # as a live `abbench run` holds it
     try:
-        res = fk.abbench("run", "--resume", str(run_dir), "-q", cwd=tmp_path)
+        res = cli.abbench("run", "--resume", str(run_dir), "-q", cwd=tmp_path)
     finally:
         lock.release()
     assert res.returncode == 2
@@ -431,7 +452,7 @@ def test_resume_refuses_a_run_another_process_holds(tmp_path: Path) -> None:
 
 
 def test_resume_of_a_complete_run_is_refused(tmp_path: Path, finished_run: Path) -> None:
-    res = fk.abbench("run", "--resume", str(finished_run), "-q", cwd=tmp_path)
+    res = cli.abbench("run", "--resume", str(finished_run), "-q", cwd=tmp_path)
     assert res.returncode == 2 and "already complete; nothing to resume" in fk.flat(res.stderr)
 
 
@@ -581,7 +602,7 @@ def test_run_stopped_by_a_failed_request_exits_nonzero(tmp_path: Path) -> None:
     prof = fk.fake_profile(mark, arms=[{"name": "a", "request": {"fake_mode": "http-500"}}],
                            run={"on_request_failure": "stop"})
     toml = fk.write_profile(tmp_path / "p.toml", prof)
-    res = fk.abbench("run", "-p", str(toml), "--out", str(tmp_path / "run"), "-q", cwd=tmp_path)
+    res = cli.abbench("run", "-p", str(toml), "--out", str(tmp_path / "run"), "-q", cwd=tmp_path)
     assert res.returncode == 2, res.stderr
     err = fk.flat(res.stderr)
     assert "1 failed sample(s): 1 http" in err and "the run is partial: stopped after a failed request" in err

@@ -5,6 +5,7 @@ does not (layer-major with the reference's chunks)."""
 from __future__ import annotations
 
 import base64
+import contextlib
 import sys
 from pathlib import Path
 
@@ -46,8 +47,10 @@ def test_compare_traces_names_the_first_differing_block_and_the_growth() -> None
 
 
 @pytest.mark.slow
-def test_probe_layers_on_real_engine_services(tmp_path: Path) -> None:
-    from abbench import runner
+def test_probe_layers_on_real_engine_services(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib
+
+    from abbench import runner, services
     from abbench.client import EngineClient
     from abbench.diagnostics.layers import probe_layers, serving
     from abbench.profile import profile_from_dict
@@ -55,7 +58,7 @@ def test_probe_layers_on_real_engine_services(tmp_path: Path) -> None:
     pytest.importorskip("torch")
     command = [sys.executable, "-m", "abbench.engine", "--model", "tiny", "--weights", "random:0", "--device", "cpu",
                "--dtype", "float32", "--port", "{port}"]  # float32: see test_layer_trace's chunk-size test
-    profile = profile_from_dict({
+    data = {
         "name": "layers", "tokenizer": {"source": "qwen3"},
         "prompts": {"lengths": [200], "warmup": 0},
         "request": {"max_tokens": 2, "logprobs": 2, "timeout_s": 60},
@@ -65,26 +68,34 @@ def test_probe_layers_on_real_engine_services(tmp_path: Path) -> None:
                  {"name": "bf16", "args": ["--chunk-tokens", "64", "--dtype", "bfloat16"]},
                  {"name": "lm64", "args": ["--chunk-tokens", "64", "--prefill-mode", "layer-major"]}],
         "run": {"rounds": 1},
-    })
-    record = runner.execute(profile, tmp_path / "run")
-    assert record.status == "complete", record.status_reason
-    prompt = next(p.id for p in record.prompts if p.kind == "fresh")
-    # the reference's server is launched once for the three probes (each resets its prefix cache before it
-    # traces); each probe launches the other arm's server itself
-    with EngineClient() as client, serving(profile, "c64", client) as ref_url:
-        ref = {"c64": ref_url}
+    }
+    profile = profile_from_dict(data)
+    # each arm's server is launched once, from the profile (``serving``: its command plus the overrides flag the
+    # trace needs), and serves both the run (the arms attach to it by base_url) and the probes (each resets its
+    # prefix cache before it traces); the run's teardown stops what it launched (here nothing), not these
+    with EngineClient() as client, contextlib.ExitStack() as stack:
+        urls = {a["name"]: stack.enter_context(serving(profile, a["name"], client)) for a in data["arms"]}
+        ours = {id(s) for s in services.live_services()}
+        assert len(ours) == 4
+        monkeypatch.setattr(importlib.import_module("abbench.runner.run"), "stop_all",
+                            lambda: [s.stop() or s.key for s in reversed(services.live_services()) if id(s) not in ours])
+        attached = {**data, "arms": [{**a, "base_url": urls[a["name"]]} for a in data["arms"]]}
+        record = runner.execute(profile_from_dict(attached), tmp_path / "run")
+        assert record.status == "complete", record.status_reason
+        assert not [s.error for s in record.samples if not s.ok] and len(services.live_services()) == 4
+        prompt = next(p.id for p in record.prompts if p.kind == "fresh")
         # another dtype differs on every CPU, from layer 0's attention on
-        other = probe_layers(record, prompt, "bf16", base_urls=ref)
+        other = probe_layers(record, prompt, "bf16", base_urls=urls)
         first = other.first_difference
         assert first is not None and (first.layer, first.block) == (0, "attention") and first.diff_rms > 0
         # another chunk length sums in another order only where the CPU's GEMM blocking depends on the number of
         # rows (float32 on an Intel Xeon and an AMD EPYC did): where it differs, the first difference is named
-        other = probe_layers(record, prompt, "c24", base_urls=ref)
+        other = probe_layers(record, prompt, "c24", base_urls=urls)
         first = other.first_difference
         if first is not None:
             assert first.diff_rms > 0 and first.block in ("attention", "experts", "residual")
             assert all(r.same for r in other.rows[:other.rows.index(first)])
-        same = probe_layers(record, prompt, "lm64", position=1, base_urls=ref)  # layer-major, same chunks: bitwise
+        same = probe_layers(record, prompt, "lm64", position=1, base_urls=urls)  # layer-major, same chunks: bitwise
         assert same.first_difference is None and same.n_tokens == 201 and same.notes
     from abbench.errors import ConfigError
 

@@ -18,6 +18,7 @@ from abbench.results import RunRecord, load_run, save_run
 from abbench.runner import plans
 from abbench.profile import profile_from_dict
 
+from tests.support import cli
 from tests.support import faultkit as fk
 
 LOAD = {"concurrency": [1, 3], "rate": [40.0], "requests": 6, "prompts": 3, "prompt_tokens": {"values": [20, 28]},
@@ -36,11 +37,11 @@ def _profile(mark: str, **load: Any) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def load_run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One load run through the command line (module-wide: each test copies what it changes)."""
+    """One load run through the command line, in this process (module-wide: each test copies what it changes)."""
     tmp = tmp_path_factory.mktemp("loadrun")
     mark = fk.new_mark()
     toml = fk.write_profile(tmp / "p.toml", _profile(mark))
-    res = fk.abbench("run", "-p", str(toml), "--out", str(tmp / "run"), "-q", "--no-report", cwd=tmp)
+    res = cli.abbench("run", "-p", str(toml), "--out", str(tmp / "run"), "-q", "--no-report", cwd=tmp)
     fk.assert_no_leftovers(mark)
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip().splitlines()[-1] == "gate: PASS", res.stdout
@@ -174,7 +175,7 @@ def test_bad_levels_on_the_command_line_fail_before_any_request(tmp_path: Path, 
                                                                 message: str) -> None:
     mark = fk.new_mark()
     toml = fk.write_profile(tmp_path / "p.toml", _profile(mark))
-    res = fk.abbench("run", "-p", str(toml), "--out", str(tmp_path / "run"), "-q", *flags, cwd=tmp_path)
+    res = cli.abbench("run", "-p", str(toml), "--out", str(tmp_path / "run"), "-q", *flags, cwd=tmp_path)
     assert res.returncode == 2 and message in fk.flat(res.stderr), res.stderr
     assert not (tmp_path / "run").exists() and not fk.marked_processes(mark)
 
@@ -183,9 +184,9 @@ def test_levels_need_a_streaming_profile_and_a_fresh_run(tmp_path: Path) -> None
     mark = fk.new_mark()
     prof = fk.fake_profile(mark, request={"stream": False})
     toml = fk.write_profile(tmp_path / "p.toml", prof)
-    res = fk.abbench("run", "-p", str(toml), "--out", str(tmp_path / "run"), "-q", "--concurrency", "2", cwd=tmp_path)
+    res = cli.abbench("run", "-p", str(toml), "--out", str(tmp_path / "run"), "-q", "--concurrency", "2", cwd=tmp_path)
     assert res.returncode == 2 and "request.stream must be true" in fk.flat(res.stderr), res.stderr
-    res = fk.abbench("run", "--resume", str(tmp_path / "run"), "--rate", "2", cwd=tmp_path)
+    res = cli.abbench("run", "--resume", str(tmp_path / "run"), "--rate", "2", cwd=tmp_path)
     assert res.returncode == 2 and "--resume continues a run with its recorded profile" in fk.flat(res.stderr)
     assert not fk.marked_processes(mark)
 
@@ -244,7 +245,7 @@ def test_sigint_mid_level_keeps_the_finished_requests_and_the_resume_completes_t
     last = record.load[-1]
     assert last.stopped is not None and len(last.requests) <= 8
     n = len(record.load)
-    res = fk.abbench("run", "--resume", str(run_dir), "-q", "--no-report", cwd=tmp_path)
+    res = cli.abbench("run", "--resume", str(run_dir), "-q", "--no-report", cwd=tmp_path)
     fk.assert_no_leftovers(mark)
     assert res.returncode == 0, res.stderr
     done, _ = load_run(run_dir)
@@ -272,7 +273,7 @@ def test_load_prompts_past_the_servers_context_stop_the_run_before_any_request(t
     prof = _profile(mark, prompt_tokens={"fixed": 40}, output_tokens={"fixed": 30})
     prof["engine"]["command"] = [*prof["engine"]["command"], "--max-model-len", "64"]
     toml = fk.write_profile(tmp_path / "p.toml", prof)
-    res = fk.abbench("run", "-p", str(toml), "--out", str(tmp_path / "run"), "-q", cwd=tmp_path)
+    res = cli.abbench("run", "-p", str(toml), "--out", str(tmp_path / "run"), "-q", cwd=tmp_path)
     fk.assert_no_leftovers(mark)
     err = fk.flat(res.stderr)
     assert res.returncode == 2, err

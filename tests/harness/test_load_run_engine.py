@@ -10,6 +10,7 @@ import pytest
 
 from abbench.results import load_run
 
+from tests.support import cli
 from tests.support import faultkit as fk
 
 pytestmark = pytest.mark.slow
@@ -44,7 +45,7 @@ def test_cpu_tiny_load_runs_its_levels_reports_them_and_passes_the_gate(tmp_path
     assert "## Load levels" in report and "### Parity under load" in report
     assert "| layer-major | c=4 |" in report and (tmp_path / "reports" / "load.html").is_file()
 
-    gate = fk.abbench("gate", str(out), cwd=tmp_path)
+    gate = cli.abbench("gate", str(out), cwd=tmp_path)  # in this process: reading a run needs none of its own
     assert gate.returncode == 0, gate.stdout
     text = fk.flat(gate.stdout)
     assert "gate: PASS" in text and "parity-under-load" in text and "16/16 planned levels complete" in text

@@ -11,6 +11,7 @@ from abbench import analysis, runner
 from abbench.profile import profile_from_dict
 from abbench.results import load_run
 
+from tests.support import cli
 from tests.support import faultkit as fk
 
 
@@ -18,7 +19,7 @@ def _run(tmp_path: Path, arms: list[dict]) -> tuple[int, str, str, Path]:
     mark = fk.new_mark()
     toml = fk.write_profile(tmp_path / "p.toml", fk.fake_profile(mark, arms=arms, prompts={"warmup": 0}))
     out = tmp_path / "run"
-    res = fk.abbench("run", "-p", str(toml), "--out", str(out), "-q", "--no-report", cwd=tmp_path)
+    res = cli.abbench("run", "-p", str(toml), "--out", str(out), "-q", "--no-report", cwd=tmp_path)  # in this process
     fk.assert_no_leftovers(mark)
     return res.returncode, res.stdout, fk.flat(res.stderr), out
 
