@@ -287,7 +287,7 @@ class Scheduler:
         now = time.perf_counter()
         for seq in batch:
             self.running.append(seq)
-            seq.times["admitted"] = seq.admitted = now
+            seq.admitted = now
             seq.start_bytes, seq.retries0 = engine.device_bytes(), engine._alloc_retries()
             if engine.model_config.is_hybrid and seq.reuse:
                 with engine._on_device():
@@ -412,7 +412,7 @@ class Scheduler:
             prefill_graph_replays=p.graph_replays, attention_batch=p.attention_batch,
             attention_batched=p.attention_batched, attention_fallbacks=p.attention_fallbacks, auto=p.auto,
             layer_trace=seq.trace, prefill_batch=p.batch_prompts,
-            queue_s=round(seq.times["admitted"] - seq.submitted, 6))
+            queue_s=round(seq.admitted - seq.submitted, 6))
 
     # -- leaving --------------------------------------------------------------------------------------------------
     def _leave(self, seq: Sequence) -> None:
