@@ -97,7 +97,7 @@ def test_the_fake_engine_of_the_other_tests_works_too() -> None:
 
 
 def test_scrapes_during_the_level() -> None:
-    with FastServer(first_delay_s=0.05) as srv:
+    with FastServer(first_delay_s=0.2) as srv:  # each request in flight for 4 scrape intervals
         rec = run_level(Level("concurrency", 2, requests=10, scrape_interval_s=0.05),
                         Target(srv.base_url, RequestSpec(max_tokens=4), metrics_path="/metrics"), _prompts(out=4))
     assert len(rec.scrapes) >= 3 and rec.scrape_error is None
