@@ -184,19 +184,25 @@ def ratio_summary(record: RunRecord, pairs: pd.DataFrame | None = None) -> pd.Da
 
 
 def overhead_table(record: RunRecord) -> pd.DataFrame:
-    """Per arm: harness TTFT minus the engine's own (first_token - received), in seconds: n, median, min,
-    max; and the median of harness TTFT minus the engine's ``first_event`` (when the server handed the first
-    event to the transport): the share of the socket and the client alone. Only samples whose engine
-    reports timings."""
+    """Per arm, what the harness adds to TTFT, in seconds. ``harness_*`` (median, p90, max): harness TTFT minus
+    the engine's own span from receiving the request to handing its first event to the transport
+    (``first_event``): the client, the socket, and the server's HTTP parsing before the application sees the
+    request; the protocol's target is at most 1 ms median and 1.5 ms p90. ``with_write_s`` (median): harness
+    TTFT minus the engine's first_token - received, i.e. also the server's own time from its first token to
+    that event (its HTTP/SSE stack). Only samples whose engine reports timings; ``harness_*`` only where it
+    reports ``first_event`` (a streamed response)."""
     df = measured_ok_frame(record)
     df = df[df["client_overhead_s"].notna()]
     rows = []
     for arm, g in df.groupby("arm", sort=False):
-        o = g["client_overhead_s"].astype(float)
-        rows.append({"arm": arm, "n": len(o), "median_s": float(o.median()), "min_s": float(o.min()),
-                     "max_s": float(o.max()), "after_write_s": median_of(g["after_write_s"]),
+        h = pd.to_numeric(g["after_write_s"], errors="coerce").dropna().astype(float)
+        rows.append({"arm": arm, "n": len(g),
+                     "harness_s": float(h.median()) if len(h) else None,
+                     "harness_p90_s": float(h.quantile(0.9)) if len(h) else None,
+                     "harness_max_s": float(h.max()) if len(h) else None,
+                     "with_write_s": median_of(g["client_overhead_s"]),
                      "queue_wait_s": median_of(g["queue_wait_s"])})
-    out = frame(rows, ["arm", "n", "median_s", "min_s", "max_s", "after_write_s", "queue_wait_s"])
+    out = frame(rows, ["arm", "n", "harness_s", "harness_p90_s", "harness_max_s", "with_write_s", "queue_wait_s"])
     return sort_rows(out, record, ["arm"])
 
 

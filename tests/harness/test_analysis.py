@@ -7,6 +7,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import pandas as pd
 import pytest
 
@@ -503,7 +504,7 @@ def test_h2d_banks_nvml_and_floor() -> None:
 def test_overhead_and_memory() -> None:
     rec = make_run()
     o = an.overhead_table(rec).set_index("arm")
-    assert o.loc["A"]["median_s"] == pytest.approx(0.002) and o.loc["B"]["n"] == 4
+    assert o.loc["A"]["with_write_s"] == pytest.approx(0.002) and o.loc["B"]["n"] == 4
     assert an.overhead_table(make_run(engine=False)).empty
     m = an.memory_table(rec).set_index("arms")
     assert list(m.index) == ["A", "B"] and m.loc["A"]["services"] == 2
@@ -586,8 +587,23 @@ def test_overhead_splits_out_what_happens_outside_the_server_application() -> No
     (s,) = rec.samples
     s.engine["timings"]["first_event"] = s.engine["timings"]["first_token"] + 0.0004
     row = an.overhead_table(rec).iloc[0]
-    assert row["median_s"] == pytest.approx(0.002)  # harness TTFT - engine first_token (make_run: 2 ms)
-    assert row["after_write_s"] == pytest.approx(0.0016)  # harness TTFT - engine first_event
+    assert row["with_write_s"] == pytest.approx(0.002)  # harness TTFT - engine first_token (make_run: 2 ms)
+    assert row["harness_s"] == pytest.approx(0.0016)  # harness TTFT - engine first_event
+    assert row["harness_p90_s"] == pytest.approx(0.0016) and row["harness_max_s"] == pytest.approx(0.0016)
+
+
+def test_the_harness_overhead_p90_is_over_the_arms_samples() -> None:
+    """p90 and max of harness TTFT - (first_event - received), per arm, over its measured samples."""
+    rec = make_run(arms=("A",), rounds=5, lengths=(1024, 2048), warmup=0)
+    extra = []
+    for i, s in enumerate(rec.samples):
+        s.engine["timings"]["first_event"] = s.engine["timings"]["first_token"] + 0.0001 * i
+        extra.append(s.ttft_s - s.engine["timings"]["first_event"])
+    row = an.overhead_table(rec).iloc[0]
+    assert row["n"] == len(extra) == 10
+    assert row["harness_s"] == pytest.approx(float(np.median(extra)))
+    assert row["harness_p90_s"] == pytest.approx(float(np.percentile(extra, 90)))
+    assert row["harness_max_s"] == pytest.approx(max(extra))
 
 
 # --------------------------------------------------------------------------- parity verdicts (near ties)
