@@ -140,6 +140,7 @@ def test_keyed_engine_process_on_all_interfaces(tmp_path: Path) -> None:
     finally:
         out = "".join(lines) + _stop(proc)
     assert KEY not in out
+    assert "http: httptools, event loop: uvloop" in out  # the engine extra's fast paths, picked and said
     # Told explicitly, it serves open on all interfaces.
     env = {k: v for k, v in os.environ.items() if k != API_KEY_ENV}
     proc, url, lines = _start(["--host", "0.0.0.0", "--insecure-no-auth", "--log-level", "warning"], env)

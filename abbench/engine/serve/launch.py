@@ -247,7 +247,21 @@ def _serve(app: Any, sock: socket.socket, log_level: str, ready_message: str) ->
             if self.started:
                 print(ready_message, flush=True)
 
-    _Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5, lifespan="on")).run(sockets=[sock])
+    http, loop = http_stack()
+    log.info("http: %s, event loop: %s", http, loop)
+    _Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5, lifespan="on", http=http,
+                           loop=loop)).run(sockets=[sock])
+
+
+def http_stack() -> tuple[str, str]:
+    """uvicorn's HTTP/1.1 parser and event loop for the server: httptools and uvloop (the engine extra's, about
+    0.1 ms less of every request's time in the server before the application sees it) where importable, else
+    the pure-Python h11 and asyncio's own loop."""
+    import importlib.util
+
+    http = "httptools" if importlib.util.find_spec("httptools") else "h11"
+    loop = "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"
+    return http, loop
 
 
 # ------------------------------------------------------------------------------------------ the backends
