@@ -19,6 +19,7 @@ Contract
 
 from __future__ import annotations
 
+import functools
 import os
 import ssl
 from collections.abc import Iterable, Mapping
@@ -98,10 +99,21 @@ def fingerprint(used: Iterable[str | None], ca_bundle: Path | None) -> dict[str,
             "ca_bundle": str(ca_bundle) if ca_bundle is not None else None}
 
 
-def tls_verify(ca_bundle: Path | None) -> ssl.SSLContext | bool:
-    """The HTTP client's ``verify``: a context trusting ``ca_bundle`` only, or True (the default CAs)."""
+@functools.cache
+def default_tls_context() -> ssl.SSLContext:
+    """The public CAs as httpx trusts them by default (certifi's bundle), as one context per process: httpx builds
+    a new one for every client made with ``verify=True`` (~25 ms of loading certificates each), and the health
+    checks of a starting service make a client per poll. An SSLContext is safe to share between clients."""
+    import certifi
+
+    return ssl.create_default_context(cafile=certifi.where())
+
+
+def tls_verify(ca_bundle: Path | None) -> ssl.SSLContext:
+    """The HTTP client's ``verify``: a context trusting ``ca_bundle`` only, or the default CAs
+    (:func:`default_tls_context`)."""
     if ca_bundle is None:
-        return True
+        return default_tls_context()
     try:
         return ssl.create_default_context(cafile=str(ca_bundle))
     except (ssl.SSLError, OSError) as e:

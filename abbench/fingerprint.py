@@ -100,10 +100,15 @@ def _cpu_model() -> str | None:
 
 
 def _git(repo: Path, *args: str) -> str | None:
+    out = _git_bytes(repo, *args)
+    return None if out is None else out.decode("utf-8", "surrogateescape")
+
+
+def _git_bytes(repo: Path, *args: str) -> bytes | None:
+    """git's output as bytes: a diff of a large dirty tree is hashed as it comes (decoding it as text, with
+    universal newlines, took seconds)."""
     try:
-        r = subprocess.run(
-            ["git", "-C", str(repo), *args], capture_output=True, text=True, timeout=10, check=False
-        )
+        r = subprocess.run(["git", "-C", str(repo), *args], capture_output=True, timeout=10, check=False)
     except (OSError, subprocess.SubprocessError):
         return None
     return r.stdout if r.returncode == 0 else None
@@ -138,12 +143,12 @@ def _checkout_state(repo: Path) -> dict[str, Any] | None:
     state["branch"] = branch.strip() if branch else None
     if dirty:
         h = hashlib.sha256()
-        h.update((_git(repo, "diff", "HEAD", "--no-ext-diff", "--binary") or "").encode())
+        h.update(_git_bytes(repo, "diff", "HEAD", "--no-ext-diff", "--binary") or b"")
         root = Path(top.strip())
         for name in sorted((_git(repo, "ls-files", "--others", "--exclude-standard", "-z") or "").split("\0")):
             if not name:
                 continue
-            h.update(b"\0untracked\0" + name.encode())
+            h.update(b"\0untracked\0" + name.encode("utf-8", "surrogateescape"))
             p = root / name
             try:
                 size = p.stat().st_size

@@ -100,10 +100,12 @@ def expand_command(argv: list[str], *, port: int, profile_dir: Path | None) -> l
 def _http_health_check(url: str) -> HealthCheck:
     import httpx
 
+    from abbench.auth import default_tls_context
+
     def check(_base_url: str) -> bool:
         try:
             # trust_env=False: a proxy from the environment must not sit between us and a local server.
-            r = httpx.get(url, timeout=HEALTH_REQUEST_TIMEOUT_S, trust_env=False)
+            r = httpx.get(url, timeout=HEALTH_REQUEST_TIMEOUT_S, trust_env=False, verify=default_tls_context())
         except httpx.HTTPError:
             return False
         return r.status_code == 200

@@ -174,13 +174,27 @@ def _load_builtin(name: str, cache_dir: Path | None) -> PreTrainedTokenizerFast:
     return _from_cache(target, name)
 
 
+_LOADED: dict[tuple[str, str, int, int], Any] = {}
+"""Built-in tokenizers loaded by this process: (name, tokenizer.json, its size, its mtime) -> the tokenizer.
+Parsing the 151,643-token vocabulary and its merges takes ~0.35 s; a process that loads the same cache again (a
+report after a run, every run of a test process) takes the one it has. A changed file is a new key."""
+_SOURCE_FILE: dict[int, tuple[Any, Path]] = {}
+"""id(tokenizer) -> (the tokenizer, the tokenizer.json it was loaded from): where its vocabulary hash is kept."""
+
+
 def _from_cache(target: Path, name: str) -> PreTrainedTokenizerFast:
     from transformers import PreTrainedTokenizerFast
 
-    # Not from_pretrained: it parses tokenizer.json in Python as well, which doubles the load time.
-    return PreTrainedTokenizerFast(
-        tokenizer_file=str(target / _TOKENIZER_FILE), eos_token=_EOS, pad_token=_PAD, name_or_path=name
-    )
+    file = target / _TOKENIZER_FILE
+    st = file.stat()
+    key = (name, str(file.resolve()), st.st_size, st.st_mtime_ns)
+    tok = _LOADED.get(key)
+    if tok is None:
+        # Not from_pretrained: it parses tokenizer.json in Python as well, which doubles the load time.
+        tok = PreTrainedTokenizerFast(tokenizer_file=str(file), eos_token=_EOS, pad_token=_PAD, name_or_path=name)
+        _LOADED[key] = tok
+        _SOURCE_FILE[id(tok)] = (tok, file)
+    return tok
 
 
 def _cache_meta(name: str) -> dict[str, Any]:
@@ -334,20 +348,59 @@ def decode_ids(tok: Any, ids: list[int]) -> str:
     return tok.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
 
-def describe_tokenizer(tok: Any) -> dict[str, Any]:
-    """What the environment fingerprint records about ``tok`` (the vocabulary hash takes ~0.1-0.3 s)."""
+_VOCAB_FILE = "abbench-vocab.sha256"
+"""Beside a built-in cache's tokenizer.json: its size and mtime, then the hash :func:`describe_tokenizer` records
+(hashing the vocabulary takes ~0.3 s; a later process reads it while the file is unchanged)."""
+_VOCAB: dict[int, tuple[Any, int, str]] = {}
+"""id(backend tokenizer) -> (the backend, vocabulary size, vocabulary hash) in this process."""
+
+
+def vocab_sha256(tok: Any) -> tuple[int, str]:
+    """``tok``'s vocabulary size and the SHA-256 of its ``id\ttoken\n`` lines in id order (added tokens
+    included): computed once per tokenizer in a process, and kept beside a built-in cache's tokenizer.json."""
     backend = tok.backend_tokenizer
+    hit = _VOCAB.get(id(backend))
+    if hit is not None and hit[0] is backend:
+        return hit[1], hit[2]
+    src = _SOURCE_FILE.get(id(tok))
+    stamp = sidecar = None
+    if src is not None and src[0] is tok:
+        try:
+            st = src[1].stat()
+            stamp, sidecar = f"{st.st_size} {st.st_mtime_ns}", src[1].with_name(_VOCAB_FILE)
+            kept = sidecar.read_text(encoding="utf-8").split()
+            if len(kept) == 4 and f"{kept[0]} {kept[1]}" == stamp:
+                _VOCAB[id(backend)] = (backend, int(kept[2]), kept[3])
+                return int(kept[2]), kept[3]
+        except (OSError, ValueError):
+            pass
     vocab = backend.get_vocab(with_added_tokens=True)
     h = hashlib.sha256()
     for token, token_id in sorted(vocab.items(), key=lambda kv: kv[1]):
         h.update(f"{token_id}\t{token}\n".encode("utf-8", "surrogatepass"))
+    size, sha = len(vocab), h.hexdigest()
+    _VOCAB[id(backend)] = (backend, size, sha)
+    if sidecar is not None:
+        tmp = sidecar.with_name(f".{_VOCAB_FILE}.{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        try:
+            tmp.write_text(f"{stamp} {size} {sha}\n", encoding="utf-8")
+            os.replace(tmp, sidecar)
+        except OSError:  # a read-only cache: the hash is computed again next time
+            tmp.unlink(missing_ok=True)
+    return size, sha
+
+
+def describe_tokenizer(tok: Any) -> dict[str, Any]:
+    """What the environment fingerprint records about ``tok`` (:func:`vocab_sha256`)."""
+    backend = tok.backend_tokenizer
+    vocab_size, sha = vocab_sha256(tok)
     name = str(tok.name_or_path)
     info: dict[str, Any] = {
         "source": name,
         "builtin": name in BUILTIN_TOKENIZERS,
         "class": type(tok).__name__,
-        "vocab_size": len(vocab),
-        "vocab_sha256": h.hexdigest(),
+        "vocab_size": vocab_size,
+        "vocab_sha256": sha,
         "eos_token": tok.eos_token,
         "eos_token_id": tok.eos_token_id,
         "special_tokens_added": len(tok.encode("", add_special_tokens=True)),

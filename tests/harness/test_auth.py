@@ -184,6 +184,14 @@ def test_https_with_a_custom_ca_bundle_and_a_key(tls_files: dict[str, Path], tmp
         assert srv.stats()["authorized"] == 1 and srv.stats()["unauthorized"] == 1
 
 
+def test_the_default_cas_are_one_context_per_process() -> None:
+    """Without a CA bundle every client of the process shares one context with the public CAs and full checks
+    (httpx would load the certificates again for each client: a health check makes one per poll)."""
+    ctx = tls_verify(None)
+    assert isinstance(ctx, ssl.SSLContext) and tls_verify(None) is ctx
+    assert ctx.verify_mode == ssl.CERT_REQUIRED and ctx.check_hostname and ctx.cert_store_stats()["x509_ca"] > 0
+
+
 def test_ca_bundle_is_relative_to_the_profile(tls_files: dict[str, Path], tmp_path: Path) -> None:
     shutil.copy(tls_files["ca"], tmp_path / "my-ca.pem")
     (tmp_path / "remote.toml").write_text(

