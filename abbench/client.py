@@ -29,8 +29,11 @@ dropped before any response; a completion never is. ``complete()`` sends one req
 * ``protocol``      no ``usage``; ``usage.completion_tokens`` differs from the number of native ids; a body
                     or event of the wrong shape; no event carried text (TTFT undefined).
 
-Timing (DESIGN §2): the request body is serialised first; then ``started_at = time.time()`` and the
-``perf_counter`` clock starts immediately before the request is sent. ``ttft_s`` is taken when the network
+Timing (DESIGN §2): the request body is serialised first; then ``started_at = time.time()``, and the
+``perf_counter`` clock starts when the request starts to go out: at httpcore's ``send_request_headers`` (or
+its ``connect_tcp`` where the pool has no connection to reuse), stamped through httpcore's ``trace``
+extension, so the client's own work before that (httpx's transport, httpcore's pool) is not in the server's
+times; where no such event comes, immediately before the request is handed to the transport. ``ttft_s`` is taken when the network
 chunk that completes the first SSE event with non-empty text arrives (it is stamped before that chunk is
 parsed); ``total_s`` when the response body has ended; ``token_times_s`` (streamed only), on the same clock,
 when each output token arrived: the arrival of the chunk that completed the event carrying it (one entry
@@ -104,6 +107,8 @@ __all__ = [
 KEEPALIVE_EXPIRY_S = 2.0
 """Seconds an idle pooled connection is kept: below the 5 s keep-alive timeout of uvicorn and cpp-httplib."""
 _ERROR_BODY_LIMIT = 64 * 1024  # bytes of an error body read for its message
+_SEND_EVENTS = frozenset({"connection.connect_tcp.started", "http11.send_request_headers.started"})
+"""httpcore's trace events at which a request starts to go out (a connect where there is none to reuse)."""
 
 
 # ---------------------------------------------------------------------------------------------- the client
@@ -348,12 +353,20 @@ class EngineClient:
         )
         deadline = self._watchdog.arm(timeout)
         try:
+            sent: list[float] = []
+
+            def trace(name: str, _info: object) -> None:
+                if not sent and name in _SEND_EVENTS:
+                    sent.append(time.perf_counter())
+
+            http_request.extensions["trace"] = trace
             started_at = time.time()
             t0 = time.perf_counter()
             try:
                 response = self._send(http_request)
             except httpx.HTTPError as e:
                 raise _transport_error(e, what, timeout, deadline, "before the response headers") from None
+            t0 = sent[0] if sent else t0
             try:
                 self._watchdog.attach(deadline, response)
                 _check_status(response, what, deadline)

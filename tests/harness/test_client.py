@@ -213,6 +213,26 @@ def test_slow_first_token(client: EngineClient, server: fakeserver.FakeServer) -
     assert 0.2 <= c.ttft_s < c.total_s
 
 
+def test_the_clock_starts_when_the_request_goes_out(client: EngineClient, server: fakeserver.FakeServer,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """TTFT and total start at httpcore's send of the request headers (or its connect), not before the client's
+    own transport and pool work: 0.3 s spent there stay out of both; the time the server takes stays in."""
+    import httpcore
+
+    run(client, server)  # a pooled connection to reuse
+    slow_pool = httpcore.ConnectionPool.handle_request
+
+    def handle_request(self, request):  # type: ignore[no-untyped-def]
+        time.sleep(0.3)  # client-side work before anything is sent
+        return slow_pool(self, request)
+
+    monkeypatch.setattr(httpcore.ConnectionPool, "handle_request", handle_request)
+    t = time.perf_counter()
+    c = run(client, server, "slow-first-token", headers={"X-Fake-Delay": "0.2"})
+    wall = time.perf_counter() - t
+    assert wall >= 0.5 and 0.2 <= c.ttft_s < 0.45 and c.total_s < wall - 0.25, (wall, c.ttft_s, c.total_s)
+
+
 def test_retokenized_fallback_is_marked(client: EngineClient, server: fakeserver.FakeServer) -> None:
     c = run(client, server, "no-token-ids", retokenize=fakeserver.retokenize)
     assert c.ids_source == "retokenized" and c.output_ids == fakeserver.output_ids(PROMPT, 8)

