@@ -30,18 +30,18 @@ dropped before any response; a completion never is. ``complete()`` sends one req
                     or event of the wrong shape; no event carried text (TTFT undefined).
 
 Timing (DESIGN §2): the request body is serialised first; then ``started_at = time.time()``, and the
-``perf_counter`` clock starts when the request starts to go out: at httpcore's ``send_request_headers`` (or
-its ``connect_tcp`` where the pool has no connection to reuse), stamped through httpcore's ``trace``
-extension, so the client's own work before that (httpx's transport, httpcore's pool) is not in the server's
-times; where no such event comes, immediately before the request is handed to the transport. ``ttft_s`` is taken when the network
-chunk that completes the first SSE event with non-empty text arrives (it is stamped before that chunk is
-parsed); ``total_s`` when the response body has ended; ``token_times_s`` (streamed only), on the same clock,
-when each output token arrived: the arrival of the chunk that completed the event carrying it (one entry
-per native id; without ids, one per event that carried text). Inter-token latency and time per output token
-are derived from them (:mod:`abbench.analysis.latency`). SSE is parsed incrementally from the raw bytes
-(events split across chunks, ``\\r\\n``/``\\n``/``\\r`` line ends, comments, multi-line data). Until the first
-text event each event is decoded (a small ``json.loads``) to test for text; after it, events are only
-collected and decoded once the stream has ended, so the client does no heavy work per event.
+``perf_counter`` clock starts when the request starts to go out: at httpcore's ``send_request_headers`` (or its
+``connect_tcp`` where the pool has no connection to reuse), stamped through httpcore's ``trace`` extension, so the
+client's own work before that (httpx's transport, httpcore's pool) is not in the server's times; where no such
+event comes, immediately before the request is handed to the transport. ``ttft_s`` is taken when the network chunk
+that completes the first SSE event with non-empty text arrives (it is stamped before that chunk is parsed);
+``total_s`` when the response body has ended; ``token_times_s`` (streamed only), on the same clock, when each
+output token arrived: the arrival of the chunk that completed the event carrying it (one entry per native id;
+without ids, one per event that carried text). Inter-token latency and time per output token are derived from them
+(:mod:`abbench.analysis.latency`). SSE is parsed incrementally from the raw bytes (events split across chunks,
+``\\r\\n``/``\\n``/``\\r`` line ends, comments, multi-line data). Until the first text event each event is decoded
+(a small ``json.loads``) to test for text; after it, events are only collected and decoded once the stream has
+ended, so the client does no heavy work per event.
 
 The SSE parser is :mod:`abbench.sse`; merging a response's events and verifying them is
 :mod:`abbench.response` (:class:`Completion`). Wire formats are :class:`~abbench.adapters.Adapter` subclasses (:mod:`abbench.adapters`), looked up by
