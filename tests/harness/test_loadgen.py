@@ -36,7 +36,9 @@ def test_closed_loop_keeps_n_in_flight_and_records_every_stamp() -> None:
         assert 0 <= r.sent_s < r.first_token_s <= r.end_s  # type: ignore[operator]
         assert len(r.token_times_s) == 8 and r.token_times_s == sorted(r.token_times_s)
         assert abs(r.sent_s + r.token_times_s[0] - r.first_token_s) < 1e-5  # type: ignore[operator]
-        assert r.token_times_s[-1] - r.token_times_s[0] >= 7 * 0.002 * 0.9  # the server's spacing is seen
+        assert r.token_times_s[-1] >= 7 * 0.002 * 0.9  # the last token left the server after its seven pauses
+    # each token is stamped as it arrives, not once per response (a busy client may read two at once, never all)
+    assert sum(len(set(r.token_times_s)) for r in rec.requests) > 24
     from abbench.analysis.load import in_flight
 
     steps = in_flight(rec)
@@ -52,7 +54,7 @@ def test_open_loop_sends_on_schedule_while_the_server_is_slow() -> None:
     due = arrivals(40, n=20, seed=3)
     assert [r.scheduled_s for r in rec.requests] == [round(t, 6) for t in due]
     lags = [r.sent_s - r.scheduled_s for r in rec.requests]  # type: ignore[operator]
-    assert min(lags) >= 0 and max(lags) < 0.15, lags  # far below the 0.3 s a paced (omitting) sender would lag
+    assert min(lags) >= 0 and max(lags) < 0.25, lags  # below the 0.3 s a paced (omitting) sender would lag
     assert rec.requests[-1].sent_s < 0.3 + due[-1]  # the last was sent before the first answers could pace it
     from abbench.analysis.load import in_flight
 
