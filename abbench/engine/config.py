@@ -45,7 +45,8 @@ from abbench.engine.shapes import (
 )
 
 __all__ = [
-    "ATTENTION_BATCH_MAX_CONTEXT", "DECODE_ATTENTION", "DECODE_EXPERTS", "DECODE_MISSES", "DTYPES", "GDN_BLOCK",
+    "ATTENTION_BATCH_MAX_CONTEXT", "DECODE_ATTENTION", "DECODE_EXPERTS", "DECODE_MISSES", "DTYPES", "EXPERT_DTYPES",
+    "GDN_BLOCK",
     "HYBRID_MODEL_TYPES", "ITEMSIZE", "LAYER_TYPES", "MAX_ATTENTION_BATCH", "MAX_GROUPED_MM_GROUPS", "PREFILL_MODES", "PREFILL_PATHS", "PRESETS",
     "QWEN4_MODEL_TYPES", "EngineConfig", "HybridConfig", "ModelConfig", "Qwen4Config", "check_hybrid_chunk",
 ]
@@ -56,6 +57,9 @@ DECODE_ATTENTION = ("auto", "torch", "triton")  # decode's attention (EngineConf
 DECODE_MISSES = ("auto", "host", "device")  # who copies decode's slot-cache misses (EngineConfig.decode_misses)
 PREFILL_MODES = PREFILL_PATHS + ("auto",)  # what a request may ask for: auto picks a path (abbench.engine.runtime.policy)
 DTYPES = ("float32", "bfloat16", "float16")
+# how the host expert bank stores the routed experts (EngineConfig.expert_dtype): "model" in the compute dtype,
+# "fp8" in float8 e4m3 with per-row scales (abbench.engine.models.bank), dequantized on the device
+EXPERT_DTYPES = ("model", "fp8")
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 MAX_GROUPED_MM_GROUPS = 1023
 GDN_BLOCK = 64  # the gated delta rule's internal block length (fla's chunk size)
@@ -180,6 +184,9 @@ class EngineConfig:
     weights: str = "random:0"  # "random:SEED" or a local HF checkpoint directory (safetensors)
     device: str = "cpu"  # "cpu", "cuda" or "cuda:N"
     dtype: str | None = None  # float32 on cpu, bfloat16 on cuda
+    # the host expert bank's format: "model" (the compute dtype) or "fp8" (float8 e4m3, one float32 scale per
+    # output row, quantized at load; copies move about half the bytes and are dequantized on the device)
+    expert_dtype: str = "model"
     prefill_mode: str = "chunked"  # chunked | layer-major | demand | resident (the default of requests)
     chunk_tokens: int = 2048  # prefill chunk length, the same in every mode
     layer_major_window_tokens: int = 65536  # parked-activation budget of one layer-major window, in tokens
@@ -244,6 +251,12 @@ class EngineConfig:
             raise ValueError(f"prefill_mode must be one of {PREFILL_MODES}, got {self.prefill_mode!r}")
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.expert_dtype not in EXPERT_DTYPES:
+            raise ValueError(f"expert_dtype must be one of {EXPERT_DTYPES}, got {self.expert_dtype!r}")
+        if self.expert_dtype == "fp8" and self.decode_misses == "device":
+            raise ValueError("decode_misses 'device' reads the misses from the host bank in the slots' dtype; an "
+                             "FP8 bank's misses are copied and dequantized by the host (decode_misses 'host' or "
+                             "'auto')")
         dev = self.device
         if not (dev == "cpu" or dev == "cuda" or (dev.startswith("cuda:") and dev[5:].isdigit())):
             raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {dev!r}")

@@ -218,6 +218,7 @@ class BackendInfo:
     measured_h2d_gbps: float = float("nan")  # host-to-device bandwidth measured at start; NaN: no offload
     bank_bytes: int = 0  # one full pass over every layer's offloaded experts
     slots_per_layer: int | None = None  # the decode slot cache's size; None: no slot cache
+    expert_format: str | None = None  # how the host bank stores the experts ("bfloat16", "fp8-e4m3 (...)"); None: n/a
 
 
 class Backend(Protocol):

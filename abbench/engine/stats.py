@@ -88,6 +88,8 @@ class AbbenchStats(_Lenient):
     prefill_h2d_bytes: int | None = Field(None, description="Host-to-device bytes of the prefill.")
     decode_h2d_bytes: int | None = Field(None, description="Host-to-device bytes of the decode.")
     bank_bytes: int | None = Field(None, description="Bytes of one bank (every layer's experts).")
+    expert_format: str | None = Field(None, description="How the host bank stores the experts (the compute dtype, "
+                                      "or fp8-e4m3 with per-row scales: copies move its bytes, scales included).")
     expert_copies: int | None = Field(None, description="Expert copies to the device.")
     cached_prompt_tokens: int | None = Field(None, description="Prompt tokens served from the prefix cache.")
     n_chunks: int | None = Field(None, description="Prefill chunks (1: a one-chunk prompt).")

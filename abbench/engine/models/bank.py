@@ -12,6 +12,15 @@ that refuses a bank the host cannot hold.
 - ``check_host_memory(bank_bytes, available, dense_bytes)``: a clear error instead of an OOM kill when the bank
   and its headroom (``host_memory_headroom``: the dense weights plus a twentieth of the bank, at least 256 MiB)
   do not fit the host's available memory (``host_memory_available``: MemAvailable, lowered to the cgroup's room).
+- **FP8 banks** (``ExpertBank(..., fp8=True)``, the engine's ``--expert-dtype fp8``): the same two tensors a layer
+  in float8 e4m3 (``torch.float8_e4m3fn``) with one float32 scale per output row, the per-channel convention of
+  FP8 checkpoints on Hugging Face (``gate_up_scale[l]`` [E, 2I], ``down_scale[l]`` [E, H]): an expert crosses
+  PCIe as 3HI bytes plus 4(2I + H) bytes of scales, a little over half its bf16 size. Writers hand the bank a
+  whole layer in any precision (``put_layer``), which quantizes it there (:func:`quantize_rows`: scale = the
+  row's largest magnitude / 448, e4m3's largest normal, round to nearest); the device dequantizes what it copies
+  (:func:`dequantize_into`: ``(q as float32 x scale)`` rounded once to the compute dtype, elementwise, so every
+  path that reads an expert sees the same values on a device and the prefill modes stay bitwise equal among
+  themselves). Weights are quantized, activations are not: the arithmetic is the compute dtype's.
 """
 
 from __future__ import annotations
@@ -75,30 +84,99 @@ def check_host_memory(bank_bytes: int, available: int | None, dense_bytes: int =
                          "--no-host-memory-check if the host grows its memory on demand")
 
 
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # e4m3's largest finite value
+DEQUANT_PIECE = 2**24  # elements dequantized at a time: bounds the float32 temporary (64 MiB)
+
+
+def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w`` [..., R, C] in any float dtype as float8 e4m3 with one float32 scale per row (the last dimension's
+    largest magnitude / 448; 1 for an all-zero row): (q [..., R, C], scale [..., R]), on ``w``'s device."""
+    w32 = w.to(torch.float32)
+    scale = w32.abs().amax(dim=-1) / FP8_MAX
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = (w32 / scale.unsqueeze(-1)).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
+    return q, scale
+
+
+def dequantize_into(out: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``out[...] = q * scale`` per row, computed in float32 and rounded once to ``out``'s dtype; ``q`` [N, R, C]
+    and ``scale`` [N, R] on ``out``'s device, in pieces of about :data:`DEQUANT_PIECE` elements along the first
+    dimension (elementwise: the pieces do not change a value). Returns ``out``."""
+    n = q.shape[0]
+    step = max(1, DEQUANT_PIECE // max(1, q[0].numel()))
+    for a in range(0, n, step):
+        b = min(n, a + step)
+        out[a:b].copy_(q[a:b].to(torch.float32).mul_(scale[a:b].unsqueeze(-1)))
+    return out
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """:func:`dequantize_into` a new tensor of ``dtype`` on ``q``'s device."""
+    return dequantize_into(torch.empty(q.shape, dtype=dtype, device=q.device), q, scale)
+
+
 class ExpertBank:
-    """All layers' experts in host memory (page-locked when the compute device is CUDA)."""
+    """All layers' experts in host memory (page-locked when the compute device is CUDA), in the compute dtype or
+    (``fp8``) in float8 e4m3 with per-row float32 scales."""
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, pin: bool, check_memory: bool = True,
-                 dense_bytes: int = 0):
-        self.cfg, self.dtype, self.pinned = cfg, dtype, pin
+                 dense_bytes: int = 0, fp8: bool = False):
+        self.cfg, self.compute_dtype, self.pinned, self.fp8 = cfg, dtype, pin, fp8
+        self.dtype = FP8 if fp8 else dtype  # what the bank stores
         e, i, h = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
-        self.expert_bytes = 3 * h * i * dtype.itemsize
+        self.scale_bytes = (2 * i + h) * 4 if fp8 else 0  # one expert's scales
+        self.expert_bytes = 3 * h * i * self.dtype.itemsize + self.scale_bytes  # what one expert's copy moves
+        self.device_expert_bytes = 3 * h * i * dtype.itemsize  # one expert on the device (compute dtype)
         self.layer_bytes = e * self.expert_bytes
         self.bank_bytes = cfg.num_hidden_layers * self.layer_bytes
         if check_memory:
             check_host_memory(self.bank_bytes, host_memory_available(), dense_bytes)
         self._registered: list[int] = []
         weakref.finalize(self, _unregister, self._registered)
-        self.gate_up = [self._alloc((e, 2 * i, h)) for _ in range(cfg.num_hidden_layers)]  # [E, 2I, H] each
-        self.down = [self._alloc((e, h, i)) for _ in range(cfg.num_hidden_layers)]  # [E, H, I] each
+        n = cfg.num_hidden_layers
+        self.gate_up = [self._alloc((e, 2 * i, h), self.dtype) for _ in range(n)]  # [E, 2I, H] each
+        self.down = [self._alloc((e, h, i), self.dtype) for _ in range(n)]  # [E, H, I] each
+        self.gate_up_scale = [self._alloc((e, 2 * i), torch.float32) for _ in range(n)] if fp8 else []  # [E, 2I]
+        self.down_scale = [self._alloc((e, h), torch.float32) for _ in range(n)] if fp8 else []  # [E, H]
 
-    def _alloc(self, shape: tuple[int, ...]) -> torch.Tensor:
+    @property
+    def format(self) -> str:
+        """What the bank stores, as the engine reports it: ``fp8-e4m3 (per-row scales)`` or the dtype's name."""
+        return "fp8-e4m3 (per-row scales)" if self.fp8 else str(self.dtype).removeprefix("torch.")
+
+    def put_layer(self, layer: int, gate_up: torch.Tensor, down: torch.Tensor) -> None:
+        """Layer ``layer``'s experts, gate_up [E, 2I, H] and down [E, H, I] in any float dtype on any device,
+        into the bank: cast to the bank's dtype, or quantized (per row, on the tensors' device) for FP8."""
+        if not self.fp8:
+            self.gate_up[layer].copy_(gate_up)
+            self.down[layer].copy_(down)
+            return
+        for w, q_out, s_out in ((gate_up, self.gate_up[layer], self.gate_up_scale[layer]),
+                                (down, self.down[layer], self.down_scale[layer])):
+            for a in range(w.shape[0]):  # an expert at a time: the float32 temporaries stay small
+                q, scale = quantize_rows(w[a])
+                q_out[a].copy_(q)
+                s_out[a].copy_(scale)
+
+    def expert(self, layer: int, e: int, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert ``e`` of ``layer`` as (gate_up [2I, H], down [H, I]) in ``dtype`` (default: the compute dtype),
+        dequantized on the host for FP8: what the device computes with (tools and tests)."""
+        dtype = dtype or self.compute_dtype
+        if not self.fp8:
+            return self.gate_up[layer][e].to(dtype), self.down[layer][e].to(dtype)
+        return (dequantize(self.gate_up[layer][e:e + 1], self.gate_up_scale[layer][e:e + 1], dtype)[0],
+                dequantize(self.down[layer][e:e + 1], self.down_scale[layer][e:e + 1], dtype)[0])
+
+    def _alloc(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         if not self.pinned:
-            return torch.empty(shape, dtype=self.dtype)
-        nbytes = self.dtype.itemsize * shape[0] * shape[1] * shape[2]  # exact: no power-of-two rounding
+            return torch.empty(shape, dtype=dtype)
+        nbytes = dtype.itemsize
+        for d in shape:
+            nbytes *= d  # exact: no power-of-two rounding
         raw = torch.empty(nbytes + _PAGE, dtype=torch.uint8)  # exact size plus alignment slack
         off = (-raw.data_ptr()) % _PAGE
-        t = raw[off:off + nbytes].view(self.dtype).view(shape)
+        t = raw[off:off + nbytes].view(dtype).view(shape)
         err = int(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), nbytes, 0))
         if err != 0:
             raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed with CUDA error {err}")

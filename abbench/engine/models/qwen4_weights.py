@@ -86,8 +86,7 @@ def random_qwen4_weights(cfg: Qwen4Config, seed: int, bank: ExpertBank, device: 
             attn_mix=mixer(l, 0, True), mixer=mx, mlp_mix=mixer(l, _MLP_MIX, True),
             router=normal((e, h), l, _ROUTER), shared_gate_up=normal((2 * i_s, h), l, _SH_GATE_UP),
             shared_down=normal((h, i_s), l, _SH_DOWN), shared_gate=normal((1, h), l, _SH_GATE), ple=ple))
-        bank.gate_up[l].copy_(normal((e, 2 * i, h), l, _GATE_UP))  # one layer at a time through the device
-        bank.down[l].copy_(normal((e, h, i), l, _DOWN))
+        bank.put_layer(l, normal((e, 2 * i, h), l, _GATE_UP), normal((e, h, i), l, _DOWN))  # a layer at a time
     embed = normal((cfg.vocab_size, h), -1, _EMBED, std=1.0)
     lm_head = embed if cfg.tie_word_embeddings else normal((cfg.vocab_size, h), -1, _LM_HEAD)
     return Qwen4Weights(embed=embed, layers=layers, final_mix=mixer(-1, 0, False), lm_head=lm_head)

@@ -106,8 +106,7 @@ def random_weights(cfg: ModelConfig, seed: int, bank: ExpertBank, device: torch.
     for l in range(cfg.num_hidden_layers):
         lw, gate_up, down = random_layer(cfg, draw, l)
         layers.append(lw)
-        bank.gate_up[l].copy_(gate_up)  # one layer at a time through the device
-        bank.down[l].copy_(down)
+        bank.put_layer(l, gate_up, down)  # one layer at a time through the device
         del gate_up, down
     embed = random_embed(cfg, draw)
     lm_head = embed if cfg.tie_word_embeddings else random_lm_head(cfg, draw)
@@ -148,7 +147,7 @@ class Checkpoint:
 def load_checkpoint(path: str | Path, cfg: ModelConfig, bank: ExpertBank, device: torch.device,
                     dtype: torch.dtype) -> DenseWeights:
     ck = Checkpoint(Path(path))
-    h, d, e, i = cfg.hidden_size, cfg.head_dim, cfg.num_experts, cfg.moe_intermediate_size
+    h, d, e = cfg.hidden_size, cfg.head_dim, cfg.num_experts
     hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
 
     def dev(key: str, shape: tuple[int, ...]) -> torch.Tensor:
@@ -167,16 +166,7 @@ def load_checkpoint(path: str | Path, cfg: ModelConfig, bank: ExpertBank, device
             k_norm=dev(p + "self_attn.k_norm.weight", (d,)),
             post_norm=dev(p + "post_attention_layernorm.weight", (h,)),
             router=dev(p + "mlp.gate.weight", (e, h))))
-        fused = p + "mlp.experts.gate_up_proj"
-        if fused in ck:
-            bank.gate_up[l].copy_(ck.get(fused, (e, 2 * i, h)))
-            bank.down[l].copy_(ck.get(p + "mlp.experts.down_proj", (e, h, i)))
-        else:
-            for x in range(e):
-                q = f"{p}mlp.experts.{x}."
-                bank.gate_up[l][x, :i].copy_(ck.get(q + "gate_proj.weight", (i, h)))
-                bank.gate_up[l][x, i:].copy_(ck.get(q + "up_proj.weight", (i, h)))
-                bank.down[l][x].copy_(ck.get(q + "down_proj.weight", (h, i)))
+        load_experts(ck, p, l, cfg, bank)
     embed, lm_head = load_embed_and_head(ck, dev, "model.", cfg, path)
     return DenseWeights(embed=embed, layers=layers, norm=dev("model.norm.weight", (h,)), lm_head=lm_head)
 
@@ -225,8 +215,7 @@ def random_hybrid_weights(cfg: HybridConfig, seed: int, bank: ExpertBank, device
             input_norm=const(h, 0.0), mixer=mixer, post_norm=const(h, 0.0), router=normal((e, h), l, _ROUTER),
             shared_gate_up=normal((2 * i_s, h), l, _SH_GATE_UP), shared_down=normal((h, i_s), l, _SH_DOWN),
             shared_gate=normal((1, h), l, _SH_GATE)))
-        bank.gate_up[l].copy_(normal((e, 2 * i, h), l, _GATE_UP))  # one layer at a time through the device
-        bank.down[l].copy_(normal((e, h, i), l, _DOWN))
+        bank.put_layer(l, normal((e, 2 * i, h), l, _GATE_UP), normal((e, h, i), l, _DOWN))  # a layer at a time
     embed = normal((cfg.vocab_size, h), -1, _EMBED, std=1.0)
     lm_head = embed if cfg.tie_word_embeddings else normal((cfg.vocab_size, h), -1, _LM_HEAD)
     return HybridWeights(embed=embed, layers=layers, norm=const(h, 0.0), lm_head=lm_head)
@@ -237,14 +226,20 @@ def load_experts(ck: Checkpoint, p: str, l: int, cfg: ModelConfig, bank: ExpertB
     h, e, i = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
     fused = p + "mlp.experts.gate_up_proj"
     if fused in ck:
-        bank.gate_up[l].copy_(ck.get(fused, (e, 2 * i, h)))
-        bank.down[l].copy_(ck.get(p + "mlp.experts.down_proj", (e, h, i)))
+        bank.put_layer(l, ck.get(fused, (e, 2 * i, h)), ck.get(p + "mlp.experts.down_proj", (e, h, i)))
         return
+    if not bank.fp8:  # straight into the bank
+        gate_up, down = bank.gate_up[l], bank.down[l]
+    else:  # the layer in the checkpoint's precision first, then quantized as a whole
+        t = ck.get(f"{p}mlp.experts.0.down_proj.weight", (h, i))
+        gate_up, down = torch.empty((e, 2 * i, h), dtype=t.dtype), torch.empty((e, h, i), dtype=t.dtype)
     for x in range(e):
         q = f"{p}mlp.experts.{x}."
-        bank.gate_up[l][x, :i].copy_(ck.get(q + "gate_proj.weight", (i, h)))
-        bank.gate_up[l][x, i:].copy_(ck.get(q + "up_proj.weight", (i, h)))
-        bank.down[l][x].copy_(ck.get(q + "down_proj.weight", (h, i)))
+        gate_up[x, :i].copy_(ck.get(q + "gate_proj.weight", (i, h)))
+        gate_up[x, i:].copy_(ck.get(q + "up_proj.weight", (i, h)))
+        down[x].copy_(ck.get(q + "down_proj.weight", (h, i)))
+    if bank.fp8:
+        bank.put_layer(l, gate_up, down)
 
 
 def load_linear_mixer(cfg: HybridConfig, dev: Callable[[str, tuple[int, ...]], torch.Tensor],

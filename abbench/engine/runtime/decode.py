@@ -97,8 +97,9 @@ class Decoder:
         cfg, dev = model.cfg, model.device
         # who handles the slot cache's misses by default: None (resident experts), "host" or "device" (module
         # docstring); a request may ask for the other (``step(misses=...)``) where the experts are Triton's
+        # (an FP8 bank: the host's, whose copies dequantize; the device-side fetch reads the bank as the slots')
         self.table = (store.slots.attach_table(cfg.num_experts_per_tok)
-                      if store.slots is not None and experts == "triton" else None)
+                      if store.slots is not None and experts == "triton" and not store.bank.fp8 else None)
         self.misses = None
         if store.slots is not None:
             if misses not in DECODE_MISSES:
@@ -186,6 +187,9 @@ class Decoder:
         """``misses`` if this engine can handle misses that way; ValueError otherwise (``check_misses``)."""
         if misses not in ("host", "device"):
             raise ValueError(f"decode_misses must be 'host' or 'device', got {misses!r}")
+        if misses == "device" and self.store.bank.fp8:
+            raise ValueError("decode_misses 'device' reads the misses from the host bank in the slots' dtype; an "
+                             "FP8 bank's misses are copied and dequantized by the host's path (decode_misses 'host')")
         if misses == "device" and self.table is None:
             raise ValueError(f"decode_misses 'device' needs decode_experts 'triton' (its kernels read the slot ids "
                              f"on the device); this engine decodes with {self.kernels}")

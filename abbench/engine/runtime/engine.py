@@ -93,7 +93,7 @@ class Engine:
         with self._on_device():
             self.memory_plan = self._plan_memory()
             bank = ExpertBank(mc, self.dtype, pin=self.device.type == "cuda", check_memory=cfg.host_memory_check,
-                              dense_bytes=dense_params(mc) * self.dtype.itemsize)
+                              dense_bytes=dense_params(mc) * self.dtype.itemsize, fp8=cfg.expert_dtype == "fp8")
             self.model, self.kv = build_model(mc, cfg.weights, bank, cfg.max_context, self.device, self.dtype,
                                               router_skew=cfg.router_skew)
             # one cache per sequence the engine may run at once (the first is ``kv``, which tools drive directly)
@@ -127,6 +127,7 @@ class Engine:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
         self.bank_bytes = bank.bank_bytes
+        self.expert_format = bank.format
         self.counters: dict = {
             "requests_total": 0, "requests_cancelled": 0, "h2d_bytes_total": 0, "d2d_bytes_total": 0,
             "expert_copies_total": 0, "startup_h2d_bytes": self.store.startup_h2d_bytes,
@@ -331,7 +332,7 @@ class Engine:
                            startup_s=self.startup_s,
                            decode_mode=self.decoder.mode, decode_kernels=self.decoder.kernels,
                            measured_h2d_gbps=self.measured_h2d_gbps, bank_bytes=self.bank_bytes,
-                           slots_per_layer=self.slots_per_layer)
+                           slots_per_layer=self.slots_per_layer, expert_format=self.expert_format)
 
     def reset(self) -> None:
         """Flush the prefix cache of every sequence cache and the decode slot cache (only while idle)."""

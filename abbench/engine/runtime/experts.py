@@ -21,6 +21,11 @@ Contract:
   * resident mode: every layer's experts on the device from the start (on CPU the bank itself).
   * optional ``d2d_from_slot_cache``: experts already in the slot cache reach a layer buffer by a
     device-to-device copy instead of from the host.
+  * an FP8 bank (``ExpertBank.fp8``): every copy from the host moves the FP8 values and their scales (into a
+    staging area of one layer on CUDA; on CPU the bank is read in place) and is dequantized into the buffer or
+    slot on the same stream (``bank.dequantize_into``), so the device computes in its own dtype and every path
+    sees the same values. Decode's misses are then the host's (the device-side fetch reads the bank as the
+    slots' dtype).
 - Accounting: every expert copy adds to ``lifetime`` and ``request`` (``Traffic``): host->device bytes,
   device->device bytes, and the number of experts copied. ``bank_bytes`` is one full pass over all layers.
   ``measure_h2d_gbps`` times host->device copies of layer banks (not counted as traffic).
@@ -38,7 +43,7 @@ from dataclasses import dataclass
 import torch
 
 from abbench.engine.config import ModelConfig
-from abbench.engine.models.bank import ExpertBank
+from abbench.engine.models.bank import FP8, ExpertBank, dequantize_into
 from abbench.engine.ops import kernels as decode_kernels
 
 
@@ -227,22 +232,34 @@ class ExpertStore:
         self._stalls: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # (before, after) each streamed wait
         self.startup_h2d_bytes = 0
         e, i, h = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
-        self.buf_gate_up = [torch.zeros((e, 2 * i, h), device=device, dtype=bank.dtype) for _ in range(2)]
-        self.buf_down = [torch.zeros((e, h, i), device=device, dtype=bank.dtype) for _ in range(2)]
+        dt = bank.compute_dtype
+        self.buf_gate_up = [torch.zeros((e, 2 * i, h), device=device, dtype=dt) for _ in range(2)]
+        self.buf_down = [torch.zeros((e, h, i), device=device, dtype=dt) for _ in range(2)]
         if self.cuda:
             self.copy_stream = torch.cuda.Stream(device)
             self.ready = [torch.cuda.Event(), torch.cuda.Event()]
+        # FP8 on CUDA: where a copy lands before it is dequantized (gate_up, down, their scales; one layer)
+        self.stage: tuple[torch.Tensor, ...] | None = None
+        if bank.fp8 and self.cuda:
+            self.stage = (torch.empty((e, 2 * i, h), device=device, dtype=FP8),
+                          torch.empty((e, h, i), device=device, dtype=FP8),
+                          torch.empty((e, 2 * i), device=device, dtype=torch.float32),
+                          torch.empty((e, h), device=device, dtype=torch.float32))
         self.resident: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self.slots: SlotCache | None = None
         if resident:
-            if self.cuda:  # all experts on the device, copied once at start
-                self.resident = [(bank.gate_up[l].to(device), bank.down[l].to(device))
-                                 for l in range(cfg.num_hidden_layers)]
-                self.startup_h2d_bytes = bank.bank_bytes
+            if self.cuda or bank.fp8:  # all experts on the device in its dtype, copied (and dequantized) once
+                self.resident = []
+                for l in range(cfg.num_hidden_layers):
+                    gu = torch.empty((e, 2 * i, h), device=device, dtype=dt)
+                    dn = torch.empty((e, h, i), device=device, dtype=dt)
+                    self._h2d(gu, dn, l, 0, e, count=False)
+                    self.resident.append((gu, dn))
+                self.startup_h2d_bytes = bank.bank_bytes if self.cuda else 0
             else:  # the compute device is the host: the bank itself is resident
                 self.resident = list(zip(bank.gate_up, bank.down))
         else:
-            self.slots = SlotCache(cfg, slots_per_layer, device, bank.dtype)
+            self.slots = SlotCache(cfg, slots_per_layer, device, dt)
 
     # -- accounting -----------------------------------------------------------------------------------
     def _count(self, h2d: int = 0, d2d: int = 0, experts: int = 0) -> None:
@@ -265,15 +282,35 @@ class ExpertStore:
         return sum(a.elapsed_time(b) for a, b in self._stalls) / 1e3
 
     # -- copies ---------------------------------------------------------------------------------------
+    def _h2d(self, gate_up: torch.Tensor, down: torch.Tensor, layer: int, a: int, b: int,
+             count: bool = True) -> None:
+        """Experts [a, b) of ``layer`` from the host bank into ``gate_up`` / ``down`` ([b - a, ...] on the device,
+        the compute dtype), on the current stream, counted as b - a experts' bytes: a copy, or for FP8 a copy of
+        the values and scales (into the staging area on CUDA) and their dequantization."""
+        bank = self.bank
+        if not bank.fp8:
+            gate_up.copy_(bank.gate_up[layer][a:b], non_blocking=True)
+            down.copy_(bank.down[layer][a:b], non_blocking=True)
+        else:
+            src = (bank.gate_up[layer][a:b], bank.down[layer][a:b], bank.gate_up_scale[layer][a:b],
+                   bank.down_scale[layer][a:b])
+            if self.stage is not None:
+                staged = tuple(st[:b - a] for st in self.stage)
+                for st, x in zip(staged, src):
+                    st.copy_(x, non_blocking=True)
+                src = staged
+            dequantize_into(gate_up, src[0], src[2])
+            dequantize_into(down, src[1], src[3])
+        if count:
+            self._count(h2d=(b - a) * bank.expert_bytes, experts=b - a)
+
     def _copy_experts(self, buf: int, layer: int, experts: Sequence[int]) -> None:
         """Copy ``experts`` (sorted, distinct) of ``layer`` into buffer ``buf`` at their expert index, on the
         current stream: from the slot cache (device-to-device) when allowed, else from the host in runs."""
         bank, gu, dn = self.bank, self.buf_gate_up[buf], self.buf_down[buf]
         cached = self.slots.layer_slots(layer) if (self.d2d_from_slot_cache and self.slots) else {}
         if len(experts) == bank.cfg.num_experts and not cached:  # the whole layer: two large transfers
-            gu.copy_(bank.gate_up[layer], non_blocking=True)
-            dn.copy_(bank.down[layer], non_blocking=True)
-            self._count(h2d=bank.layer_bytes, experts=len(experts))
+            self._h2d(gu, dn, layer, 0, len(experts))
             return
         run: list[int] = []
         for e in list(experts) + [-1]:  # -1 flushes the last run
@@ -282,15 +319,13 @@ class ExpertStore:
                 continue
             if run:  # one copy per run of consecutive host experts
                 a, b = run[0], run[-1] + 1
-                gu[a:b].copy_(bank.gate_up[layer][a:b], non_blocking=True)
-                dn[a:b].copy_(bank.down[layer][a:b], non_blocking=True)
-                self._count(h2d=(b - a) * bank.expert_bytes, experts=b - a)
+                self._h2d(gu[a:b], dn[a:b], layer, a, b)
                 run = []
             if e >= 0 and e in cached:
                 s = cached[e]
                 gu[e].copy_(self.slots.gate_up[layer][s], non_blocking=True)
                 dn[e].copy_(self.slots.down[layer][s], non_blocking=True)
-                self._count(d2d=bank.expert_bytes, experts=1)
+                self._count(d2d=bank.device_expert_bytes, experts=1)
             elif e >= 0:
                 run = [e]
 
@@ -355,9 +390,11 @@ class ExpertStore:
         """Make ``ids`` (the routed expert ids of ``layer``, any order, repeats allowed) resident in the layer's
         slots, copying misses from the host bank on the current stream; returns the slot of each id, in order.
         Hits are touched first so a miss never evicts an expert this step needs."""
-        cache, bank = self.slots, self.bank
+        cache = self.slots
         assert cache is not None, "decode_experts needs a slot cache (not in resident mode)"
         cache.sync_host()
+        if self.stage is not None:  # the staging area: no streamed copy (a cancelled prefill's) may still write it
+            torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
         needed = sorted(set(ids))
         if len(needed) > cache.slots_per_layer:
             raise RuntimeError(f"{len(needed)} experts needed at once > {cache.slots_per_layer} slots per layer")
@@ -379,9 +416,7 @@ class ExpertStore:
             else:
                 s = lru.popitem(last=False)[1]
                 cache.loaded -= 1
-            cache.gate_up[layer][s].copy_(bank.gate_up[layer][e], non_blocking=True)
-            cache.down[layer][s].copy_(bank.down[layer][e], non_blocking=True)
-            self._count(h2d=bank.expert_bytes, experts=1)
+            self._h2d(cache.gate_up[layer][s:s + 1], cache.down[layer][s:s + 1], layer, e, e + 1)
             lru[e] = s
             cache.loaded += 1
             slot_of[e] = s
@@ -435,8 +470,7 @@ class ExpertStore:
         bank, n_layers = self.bank, self.bank.cfg.num_hidden_layers
 
         def copy(layer: int) -> None:
-            self.buf_gate_up[0].copy_(bank.gate_up[layer], non_blocking=True)
-            self.buf_down[0].copy_(bank.down[layer], non_blocking=True)
+            self._h2d(self.buf_gate_up[0], self.buf_down[0], layer, 0, bank.cfg.num_experts, count=False)
 
         sync = torch.cuda.synchronize if self.cuda else (lambda *a: None)
         copy(0)

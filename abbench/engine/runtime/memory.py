@@ -6,6 +6,9 @@ Contract:
   (twice with prefill CUDA graphs) and the parked layer-major activations, resident experts; Qwen4-Exp's PLE tables stay in host memory) and
   gives the rest to expert slots, the same number for every layer. A budget that cannot hold one token's experts in every layer is refused with
   every term named.
+- An FP8 bank (``EngineConfig.expert_dtype`` "fp8") keeps experts in the compute dtype on the device (buffers,
+  slots, resident experts) and adds a staging area of one layer's FP8 values and scales plus the dequantization's
+  float32 temporary (``staging_bytes``).
 - ``RUNTIME_RESERVE_BYTES``: what a budget sets aside beyond the engine's own tensors (CUDA context,
   cuBLAS/CUTLASS workspaces, Triton's and the graphs' pools, allocator slack), so that the process as the driver
   sees it fits the budget: a budget is in GiB, as cards are sized, and ``--gpu-memory-budget 16`` means "the
@@ -41,11 +44,12 @@ class MemoryPlan:
     slot_bytes: int  # one expert slot in every layer (num_hidden_layers x one expert)
     slots_per_layer: int  # 0 when resident
     seqs: int = 1  # sequences at once (EngineConfig.max_num_seqs), one cache each
+    staging_bytes: int = 0  # FP8 bank: one layer's FP8 values and scales, and the dequantization's temporary
 
     @property
     def fixed_bytes(self) -> int:
         return (self.dense_bytes + self.kv_bytes + self.prefill_buffer_bytes + self.resident_bytes
-                + self.workspace_bytes + self.reserve_bytes)
+                + self.workspace_bytes + self.reserve_bytes + self.staging_bytes)
 
     @property
     def total_bytes(self) -> int:
@@ -54,8 +58,9 @@ class MemoryPlan:
     def describe(self) -> str:
         gb = lambda b: f"{b / GIB:.2f} GiB"  # noqa: E731
         kv = f"KV {gb(self.kv_bytes)}" + (f" ({self.seqs} sequences)" if self.seqs > 1 else "")
+        staging = f"FP8 staging {gb(self.staging_bytes)} + " if self.staging_bytes else ""
         return (f"budget {gb(self.budget_bytes)}: dense {gb(self.dense_bytes)} + {kv} + prefill "
-                f"buffers {gb(self.prefill_buffer_bytes)} + resident experts {gb(self.resident_bytes)} + "
+                f"buffers {gb(self.prefill_buffer_bytes)} + resident experts {gb(self.resident_bytes)} + {staging}"
                 f"workspace {gb(self.workspace_bytes)} + runtime reserve {gb(self.reserve_bytes)} = "
                 f"{gb(self.fixed_bytes)} fixed; {self.slots_per_layer} expert slots per layer x "
                 f"{gb(self.slot_bytes)} = {gb(self.slots_per_layer * self.slot_bytes)}")
@@ -108,6 +113,15 @@ def kv_cache_bytes(mc: ModelConfig, max_context: int, item: int) -> int:
     return len(mc.attention_layers) * per_layer + 2 * states  # states and their prefix-cache snapshot
 
 
+def fp8_staging_bytes(mc: ModelConfig) -> int:
+    """Device bytes an FP8 bank adds: one layer's FP8 values (1 byte each) and float32 scales (one per output row),
+    where copies land before their dequantization, and the dequantization's float32 temporary (at most
+    ``bank.DEQUANT_PIECE`` elements, or one expert's matrix if larger)."""
+    e, i, h = mc.num_experts, mc.moe_intermediate_size, mc.hidden_size
+    piece = max(2**24, 2 * i * h)  # abbench.engine.models.bank.DEQUANT_PIECE (this module imports no torch)
+    return e * (3 * h * i + 4 * (2 * i + h)) + 4 * piece
+
+
 def plan_device_memory(config: EngineConfig, budget_bytes: int) -> MemoryPlan:
     """Size the decode slot cache of a resolved ``config`` from ``budget_bytes``; ``expert_slots_per_layer``,
     when set, is taken as given and checked against the budget. Raises ValueError naming every term when the
@@ -147,7 +161,8 @@ def plan_device_memory(config: EngineConfig, budget_bytes: int) -> MemoryPlan:
         kv_bytes=config.max_num_seqs * kv_cache_bytes(mc, config.max_context, item), seqs=config.max_num_seqs,
         prefill_buffer_bytes=2 * layer_bank, resident_bytes=mc.num_hidden_layers * layer_bank if resident else 0,
         workspace_bytes=chunk_ws + parked + 2 * mc.vocab_size * 4, reserve_bytes=RUNTIME_RESERVE_BYTES,
-        slot_bytes=mc.num_hidden_layers * expert, slots_per_layer=0)
+        slot_bytes=mc.num_hidden_layers * expert, slots_per_layer=0,
+        staging_bytes=fp8_staging_bytes(mc) if config.expert_dtype == "fp8" else 0)
     fixed = MemoryPlan(**plan).fixed_bytes
     if resident:
         p = MemoryPlan(**plan)

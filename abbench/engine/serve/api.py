@@ -273,7 +273,7 @@ def abbench_object(ctx: RequestContext, stats: RequestStats, finished: float, in
 
     return AbbenchStats(
         **{name: getattr(stats, name) for name in SAME_NAMED},
-        measured_h2d_gbps=finite(info.measured_h2d_gbps),
+        measured_h2d_gbps=finite(info.measured_h2d_gbps), expert_format=info.expert_format,
         timings=AbbenchTimings(received=0.0, prefill_start=rel(stats.prefill_start),
                                prefill_end=rel(stats.prefill_end), first_token=rel(stats.first_token),
                                finished=rel(finished), first_item=rel(ctx.first_item),

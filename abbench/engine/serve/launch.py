@@ -35,7 +35,7 @@ import sys
 from typing import Any
 
 from abbench.engine.config import (
-    DECODE_ATTENTION, DECODE_EXPERTS, DECODE_MISSES, DTYPES, PREFILL_MODES, PRESETS, EngineConfig,
+    DECODE_ATTENTION, DECODE_EXPERTS, DECODE_MISSES, DTYPES, EXPERT_DTYPES, PREFILL_MODES, PRESETS, EngineConfig,
 )
 
 __all__ = ["API_KEY_ENV", "BACKENDS", "api_key_or_refuse", "build_arg_parser", "is_loopback", "main"]
@@ -86,6 +86,11 @@ def _engine_options(e: argparse._ArgumentGroup) -> None:
                    "directory otherwise)")
     e.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     e.add_argument("--dtype", default=None, choices=DTYPES, help="default: float32 on cpu, bfloat16 on cuda")
+    e.add_argument("--expert-dtype", default=None, choices=EXPERT_DTYPES,
+                   help="how the host bank stores the routed experts: model (the compute dtype, the default) or "
+                   "fp8 (float8 e4m3 with one float32 scale per output row, quantized at load: copies move about "
+                   "half the bytes and are dequantized on the device, which computes in --dtype; decode's misses "
+                   "are then the host's)")
     e.add_argument("--prefill-mode", default="chunked", choices=PREFILL_MODES)
     e.add_argument("--chunk-tokens", type=int, default=2048)
     e.add_argument("--layer-major-window-tokens", type=int, default=None)
@@ -270,7 +275,7 @@ def http_stack() -> tuple[str, str]:
 def _engine_config(args: argparse.Namespace) -> EngineConfig:
     kwargs: dict[str, Any] = dict(model=args.model, weights=args.weights, device=args.device,
                                   prefill_mode=args.prefill_mode, chunk_tokens=args.chunk_tokens)
-    for field in ("dtype", "layer_major_window_tokens", "demand_max_tokens", "gpu_memory_budget_gib",
+    for field in ("dtype", "expert_dtype", "layer_major_window_tokens", "demand_max_tokens", "gpu_memory_budget_gib",
                   "expert_slots_per_layer", "host_memory_check", "decode_graphs", "warm_decode_graphs",
                   "prefill_graphs", "attention_batch", "attention_batch_max_context", "router_skew",
                   "auto_demand_max_tokens", "auto_calibration", "decode_experts", "decode_attention",
@@ -306,8 +311,8 @@ def _build_engine(args: argparse.Namespace) -> tuple[Any, str]:
 
     fault = armed()  # tests only: ABBENCH_ENGINE_FAULT (ValueError for an unknown one, before the slow build)
     engine = Engine(_engine_config(args))
-    log.info("engine built in %.2fs (bank %d bytes, measured H2D %.2f GB/s)", engine.startup_s,
-             engine.bank_bytes, engine.measured_h2d_gbps)
+    log.info("engine built in %.2fs (bank %d bytes, %s, measured H2D %.2f GB/s)", engine.startup_s,
+             engine.bank_bytes, engine.expert_format, engine.measured_h2d_gbps)
     if engine.memory_plan is not None:
         log.info("device memory plan: %s", engine.memory_plan.describe())
     log.info("decode: %s, kernels %s, misses %s", engine.decoder.mode, engine.decoder.kernels,

@@ -1,0 +1,197 @@
+"""FP8 expert banks (``--expert-dtype fp8``): the host bank holds float8 e4m3 values with one float32 scale per
+output row, copies move those bytes (scales included) and are dequantized on the device, which computes in its
+own dtype.
+
+What an engine developer validating the quantized path relies on: the quantization's error bound; exact byte
+accounting; every prefill mode and the decode slot cache's miss path bitwise equal among themselves within FP8;
+the FP8 engine bitwise equal to the same engine whose bank holds the dequantized values (so the device computes
+with exactly the rounded weights, nothing else changes); a checkpoint quantized at load as random weights are;
+the memory plan and the configuration's refusals. Small shapes on CPU; ABBENCH_ENGINE_TEST_DEVICE=cuda runs
+the same assertions on a GPU (bfloat16 there)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from abbench.engine import EngineConfig, ModelConfig  # noqa: E402
+from abbench.engine.models.bank import FP8, FP8_MAX, ExpertBank, dequantize, quantize_rows  # noqa: E402
+from abbench.engine.runtime.engine import Engine  # noqa: E402
+from abbench.engine.runtime.memory import fp8_staging_bytes, plan_device_memory  # noqa: E402
+
+MINI = ModelConfig(vocab_size=1024, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                   head_dim=16, moe_intermediate_size=32, num_experts=16, num_experts_per_tok=2,
+                   max_position_embeddings=4096, eos_token_id=None, name="mini")
+MODES = ("chunked", "layer-major", "demand", "resident")
+DEVICE = os.environ.get("ABBENCH_ENGINE_TEST_DEVICE", "cpu")
+KNOBS = dict(chunk_tokens=32, layer_major_window_tokens=64, demand_max_tokens=32, max_context=512,
+             bandwidth_probe_bytes=0, device=DEVICE)
+
+
+def _engine(model=MINI, **overrides) -> Engine:
+    return Engine(EngineConfig(**{"model": model, "weights": "random:1", **KNOBS, **overrides}))
+
+
+def _prompt(n: int, seed: int = 0) -> list[int]:
+    return torch.randint(0, MINI.vocab_size, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _run(engine: Engine, ids: list[int], mode: str, max_tokens: int = 6):
+    """(output ids, their top-5 logprobs, stats) of one request from an empty prefix cache."""
+    engine.reset()
+    events, stats = engine.run(ids, max_tokens=max_tokens, prefill_mode=mode, logprobs=5)
+    return [e.token_id for e in events], [e.top_logprobs for e in events], stats
+
+
+@pytest.fixture(scope="module")
+def fp8():
+    """Started resident (so it also runs every streamed mode per request) with an FP8 bank."""
+    return _engine(prefill_mode="resident", expert_dtype="fp8")
+
+
+@pytest.fixture(scope="module")
+def fp8_slots():
+    """FP8, streamed, the smallest legal slot cache: decode's misses are copied and dequantized constantly."""
+    return _engine(expert_dtype="fp8", expert_slots_per_layer=MINI.num_experts_per_tok)
+
+
+def test_quantize_rows_bounds_the_error_by_e4m3s_precision() -> None:
+    w = torch.randn(5, 48, 40, generator=torch.Generator().manual_seed(3)) * torch.logspace(-3, 2, 48)[None, :, None]
+    w[1, 7] = 0.0  # an all-zero row: scale 1, values exactly zero
+    q, scale = quantize_rows(w)
+    assert q.dtype == FP8 and q.shape == w.shape and scale.dtype == torch.float32 and scale.shape == w.shape[:2]
+    amax = w.abs().amax(-1)
+    assert torch.equal(scale[amax > 0], amax[amax > 0] / FP8_MAX) and scale[1, 7] == 1
+    back = dequantize(q, scale, torch.float32)
+    assert torch.equal(back[1, 7], torch.zeros(40))
+    # e4m3: 3 mantissa bits, so a normal value is within 2^-4 of itself; below 2^-6 (the smallest normal) the
+    # spacing is 2^-9 of the scale
+    bound = torch.maximum(w.abs() * 2**-4, scale[..., None] * 2**-10)
+    assert bool(((back - w).abs() <= bound * 1.0001).all())
+    # each row's largest value maps to 448 and back (to within float32's rounding of amax / 448 x 448)
+    assert torch.allclose(back.abs().amax(-1)[amax > 0], amax[amax > 0], rtol=2**-22, atol=0)
+    assert bool(((back - w).abs() > 0).any())  # and it is a quantization, not a copy
+
+
+def test_the_bank_stores_fp8_and_scales_at_their_exact_size() -> None:
+    bank = ExpertBank(MINI, torch.float32, pin=False, check_memory=False, fp8=True)
+    e, i, h, n = MINI.num_experts, MINI.moe_intermediate_size, MINI.hidden_size, MINI.num_hidden_layers
+    assert bank.expert_bytes == 3 * h * i + 4 * (2 * i + h)
+    assert bank.bank_bytes == n * e * bank.expert_bytes
+    stored = sum(t.numel() * t.element_size() for t in bank.gate_up + bank.down + bank.gate_up_scale + bank.down_scale)
+    assert stored == bank.bank_bytes and bank.gate_up[0].dtype == FP8 and bank.format.startswith("fp8-e4m3")
+    plain = ExpertBank(MINI, torch.bfloat16, pin=False, check_memory=False)
+    assert plain.expert_bytes == 3 * h * i * 2 and plain.format == "bfloat16"
+    assert bank.device_expert_bytes == 3 * h * i * 4  # on the device it is the compute dtype's again
+
+
+@pytest.mark.parametrize("n", [1, 33, 150])
+def test_every_prefill_mode_gives_the_same_ids_and_logprobs_within_fp8(fp8, n) -> None:
+    ids = _prompt(n, seed=n)
+    ref = _run(fp8, ids, "chunked")
+    for mode in MODES[1:]:
+        got = _run(fp8, ids, mode)
+        assert got[0] == ref[0] and got[1] == ref[1], mode
+
+
+def test_copies_move_the_fp8_bytes_scales_included(fp8) -> None:
+    bank = fp8.store.bank
+    n = 150  # five 32-token chunks, three 64-token layer-major windows
+    _, _, chunked = _run(fp8, _prompt(n, 9), "chunked", max_tokens=1)
+    assert chunked.n_chunks == 5 and chunked.prefill_h2d_bytes == 5 * bank.bank_bytes
+    _, _, lm = _run(fp8, _prompt(n, 9), "layer-major", max_tokens=1)
+    assert lm.n_windows == 3 and lm.prefill_h2d_bytes == 3 * bank.bank_bytes
+    plain = ExpertBank(MINI, bank.compute_dtype, pin=False, check_memory=False)
+    assert bank.bank_bytes - plain.bank_bytes * bank.dtype.itemsize / plain.dtype.itemsize == \
+        MINI.num_hidden_layers * MINI.num_experts * bank.scale_bytes  # the values' bytes in FP8, plus the scales
+
+
+def test_decode_misses_dequantize_into_the_slots_bitwise_as_resident_experts(fp8, fp8_slots) -> None:
+    ids = _prompt(70, seed=4)
+    want = _run(fp8, ids, "resident", max_tokens=12)
+    got = _run(fp8_slots, ids, "layer-major", max_tokens=12)
+    assert got[0] == want[0] and got[1] == want[1]
+    d = got[2]
+    assert d.slot_misses > 0 and d.decode_h2d_bytes == d.slot_misses * fp8_slots.store.bank.expert_bytes
+    assert fp8_slots.decoder.misses == "host"
+
+
+def test_the_fp8_engine_computes_with_exactly_the_dequantized_weights(fp8) -> None:
+    """The same model with a compute-dtype bank whose values were rounded through FP8 beforehand: bitwise the same
+    outputs, so dequantizing on the device changes nothing but the bytes that cross."""
+    ref = _engine(prefill_mode="resident")
+    bank = ref.store.bank
+    for layer in range(MINI.num_hidden_layers):
+        for t in (bank.gate_up[layer], bank.down[layer]):
+            t.copy_(dequantize(*quantize_rows(t), t.dtype))
+    if ref.store.resident is not None and ref.store.cuda:  # resident copies were taken at start: take them again
+        ref.store.resident = [(g.to(ref.device), d.to(ref.device)) for g, d in zip(bank.gate_up, bank.down)]
+    ids = _prompt(90, seed=5)
+    for mode in ("resident", "layer-major"):
+        assert _run(ref, ids, mode, max_tokens=8)[:2] == _run(fp8, ids, mode, max_tokens=8)[:2], mode
+    unrounded = _engine(prefill_mode="resident")
+    assert _run(unrounded, ids, "resident", max_tokens=8)[1] != _run(fp8, ids, "resident", max_tokens=8)[1]
+
+
+def test_a_hybrid_model_streams_fp8_experts_with_the_modes_equal() -> None:
+    from tests.engine.test_engine_hybrid import MINI as HYBRID
+
+    engine = _engine(HYBRID, prefill_mode="resident", expert_dtype="fp8", chunk_tokens=64,
+                     layer_major_window_tokens=128, demand_max_tokens=64, max_context=1024)
+    ids = _prompt(130, seed=6)  # three chunks, two layer-major windows
+    ref = _run(engine, ids, "chunked", max_tokens=3)
+    for mode in MODES[1:]:
+        assert _run(engine, ids, mode, max_tokens=3)[:2] == ref[:2], mode
+
+
+def test_a_checkpoint_is_quantized_at_load_as_its_values_are(tmp_path) -> None:
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.Qwen3MoeConfig(vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                      moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+                                      max_position_embeddings=512, decoder_sparse_step=1, norm_topk_prob=True)
+    torch.manual_seed(0)
+    transformers.Qwen3MoeForCausalLM(cfg).save_pretrained(tmp_path)  # experts per expert, as on the hub
+    knobs = dict(weights=str(tmp_path), model=None, max_context=256, bandwidth_probe_bytes=0, device="cpu")
+    plain = Engine(EngineConfig(**knobs)).store.bank
+    fp8 = Engine(EngineConfig(**knobs, expert_dtype="fp8")).store.bank
+    for layer in range(2):
+        for t, q, s in ((plain.gate_up[layer], fp8.gate_up[layer], fp8.gate_up_scale[layer]),
+                        (plain.down[layer], fp8.down[layer], fp8.down_scale[layer])):
+            want_q, want_s = quantize_rows(t)
+            assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(s, want_s)
+
+
+def test_the_memory_plan_counts_the_staging_area() -> None:
+    from abbench.engine import PRESETS
+
+    cfg = dict(model=PRESETS["qwen3-30b-a3b"], device="cuda", dtype="bfloat16", max_context=32768, max_num_seqs=1,
+               prefill_mode="layer-major")
+    plain = plan_device_memory(EngineConfig(**cfg).resolved(), 16 * 2**30)
+    fp8 = plan_device_memory(EngineConfig(**cfg, expert_dtype="fp8").resolved(), 16 * 2**30)
+    mc = PRESETS["qwen3-30b-a3b"]
+    e, i, h = mc.num_experts, mc.moe_intermediate_size, mc.hidden_size
+    assert fp8.staging_bytes == fp8_staging_bytes(mc) > e * 3 * h * i and plain.staging_bytes == 0
+    assert fp8.fixed_bytes == plain.fixed_bytes + fp8.staging_bytes
+    assert fp8.slots_per_layer < plain.slots_per_layer and "FP8 staging" in fp8.describe()
+    assert fp8.total_bytes <= 16 * 2**30
+
+
+def test_the_configuration_refuses_what_fp8_cannot_do() -> None:
+    with pytest.raises(ValueError, match="expert_dtype must be one of"):
+        EngineConfig(model=MINI, expert_dtype="fp4")
+    with pytest.raises(ValueError, match="FP8 bank's misses are copied and dequantized by the host"):
+        EngineConfig(model=MINI, expert_dtype="fp8", decode_misses="device")
+
+
+def test_the_server_flag_and_what_the_engine_reports() -> None:
+    from abbench.engine.serve import launch
+
+    args = launch.build_arg_parser().parse_args(["--expert-dtype", "fp8", "--device", "cpu"])
+    assert launch._engine_config(args).expert_dtype == "fp8"
+    with pytest.raises(SystemExit):
+        launch.build_arg_parser().parse_args(["--expert-dtype", "int4"])
+    assert _engine(expert_dtype="fp8").info.expert_format == "fp8-e4m3 (per-row scales)"
