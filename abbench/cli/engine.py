@@ -41,6 +41,9 @@ def memory_plan_cmd(
                                                 "device) instead of offloaded experts.")] = False,
     max_num_seqs: Annotated[int, typer.Option(help="The engine's --max-num-seqs: sequences at once, one KV "
                                                    "cache of --max-context positions each.")] = 1,
+    expert_dtype: Annotated[str, typer.Option(help="The engine's --expert-dtype: model (the host bank in --dtype) "
+                                                   "or fp8 (the bank in float8 e4m3; the device adds a staging "
+                                                   "area of one layer's FP8 experts).")] = "model",
 ) -> None:
     """What the vendored engine keeps on the GPU at each prefill chunk length, and the decode slot cache a
     budget leaves (the plan `--gpu-memory-budget` applies at start-up; no GPU needed). A longer chunk runs
@@ -53,6 +56,7 @@ def memory_plan_cmd(
       abbench memory-plan --model qwen3-30b-a3b-2507 --budget 24 --chunk-tokens 2048,8192
       abbench memory-plan --model qwen3.5-35b-a3b --chunk-tokens 2048,8192 --max-context 131072
       abbench memory-plan --model qwen3-30b-a3b --budget 24 --max-context 8192 --max-num-seqs 8
+      abbench memory-plan --model qwen3-30b-a3b --budget 16 --expert-dtype fp8
     """
     from abbench.engine.config import EngineConfig
     from abbench.engine.runtime.memory import GIB, plan_device_memory
@@ -66,7 +70,8 @@ def memory_plan_cmd(
         return
     table = Table(title=f"device-memory plan: {model}, {dtype}, max context {max_context:,}"
                   + (f", {max_num_seqs} sequences" if max_num_seqs > 1 else "")
-                  + (f", budget {budget:g} GiB" if budget is not None else "") + (", resident" if resident else ""))
+                  + (f", budget {budget:g} GiB" if budget is not None else "") + (", resident" if resident else "")
+                  + (f", {expert_dtype} expert bank" if expert_dtype != "model" else ""))
     for col in ("chunk tokens", "KV (GiB)", "workspace (GiB)", "fixed (GiB)", "slots/layer", "slot cache (GiB)", "total (GiB)",
                 "note"):
         table.add_column(col, justify="left" if col == "note" else "right")
@@ -76,7 +81,7 @@ def memory_plan_cmd(
         try:
             cfg = EngineConfig(model=model, device="cuda", dtype=dtype, chunk_tokens=chunk, max_context=max_context,
                                prefill_mode="resident" if resident else "chunked", max_num_seqs=max_num_seqs,
-                               **knobs).resolved()
+                               expert_dtype=expert_dtype, **knobs).resolved()
         except (ValueError, AbbenchError) as e:
             _fail(e if isinstance(e, AbbenchError) else ConfigError(str(e)))
             return

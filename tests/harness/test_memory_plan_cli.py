@@ -81,3 +81,16 @@ def test_max_num_seqs_plans_a_kv_cache_per_sequence_and_leaves_fewer_slots() -> 
     one, eight = (_rows(runner.invoke(app, args + ["--max-num-seqs", n]).output)[2048] for n in ("1", "8"))
     assert float(eight[1]) == pytest.approx(8 * float(one[1]), abs=0.01)  # KV (GiB): one cache per sequence
     assert int(eight[4]) < int(one[4])  # slots per layer pay for it, within the same budget
+
+
+def test_an_fp8_bank_plans_its_staging_area_as_the_engine_does() -> None:
+    args = ["memory-plan", "--model", "qwen3-30b-a3b", "--budget", "16", "--max-context", "32768", "--chunk-tokens",
+            "2048"]
+    res = CliRunner().invoke(app, args + ["--expert-dtype", "fp8"])
+    assert res.exit_code == 0 and "fp8 expert bank" in res.output, res.output
+    plain, fp8 = _rows(CliRunner().invoke(app, args).output)[2048], _rows(res.output)[2048]
+    cfg = EngineConfig(model="qwen3-30b-a3b", device="cuda", dtype="bfloat16", chunk_tokens=2048, max_context=32768,
+                       max_num_seqs=1, expert_dtype="fp8").resolved()
+    plan = plan_device_memory(cfg, 16 * 2**30)
+    assert int(fp8[4]) == plan.slots_per_layer < int(plain[4])  # the staging area costs slots: they hold bf16
+    assert float(fp8[3]) == pytest.approx(plan.fixed_bytes / 2**30, abs=0.005)
