@@ -89,6 +89,8 @@ METRICS: dict[str, Metric] = {m.name: m for m in (
            "<= the card's size means the process fits it"),
     Metric("peak_vram_ratio", "x", False, False,
            "paired peak device memory(arm) / peak(reference arm, or vs ARM), same prompt and round"),
+    Metric("h2d_ratio", "x", False, False,
+           "paired prefill host-to-device bytes(arm) / bytes(reference arm, or vs ARM), same prompt and round"),
     Metric("cached_tokens", "tokens", False, False,
            "prompt tokens served from the engine's prefix cache, as its response says"),
     Metric("metrics_cached_tokens", "tokens", False, False,
@@ -104,7 +106,7 @@ METRICS: dict[str, Metric] = {m.name: m for m in (
     Metric("delta_p_rms", "", True, False,
            "root mean square of p_arm(t) - p_reference(t), t the reference's most likely token"),
 )}
-PAIRED = ("ttft_ratio", "peak_vram_ratio", "decode_ratio", "throughput_ratio")
+PAIRED = ("ttft_ratio", "peak_vram_ratio", "decode_ratio", "throughput_ratio", "h2d_ratio")
 """Metrics that divide by another arm's sample of the same prompt and round (``vs ARM``, else the reference)."""
 LOAD_METRIC_SPECS: dict[str, Metric] = {m.name: m for m in (
     Metric("throughput_ratio", "x", True, True,

@@ -49,7 +49,8 @@ Metrics (:data:`METRICS`), each per (arm, kind, prompt length) cell over measure
   it passes ``<= VALUE``) and ``peak_vram_gib`` (``peak_vram_gb``, its older name, gives the same values: the engine's ``peak_device_bytes``
   when present, else NVML's peak for the service's processes; GiB = 2^30 bytes) and ``peak_vram_ratio``
   (that peak over the peak of the reference arm, or of ``vs ARM``, for the same prompt in the same round:
-  one value per pair), ``cached_tokens`` (the prompt tokens the engine says, in its response, it served from
+  one value per pair), ``h2d_ratio`` (prefill H2D bytes over the reference arm's, or ``vs ARM``'s, for the same
+  prompt in the same round: what an FP8 bank or a cheaper path moves, scales included), ``cached_tokens`` (the prompt tokens the engine says, in its response, it served from
   its prefix cache: ``engine.cached_prompt_tokens``, e.g. vLLM's ``usage.prompt_tokens_details.cached_tokens``)
   and ``metrics_cached_tokens`` (the same read from its Prometheus counters around the request, the adapter's
   ``cached_prompt_tokens`` counter: after - before). ``<=``: the largest sample <= VALUE; ``>=``: the
@@ -88,6 +89,7 @@ from abbench.analysis.frames import (
     reference_arm,
     sample_decode_tok_s,
     sample_peak_bytes,
+    sample_prefill_h2d_bytes,
 )
 from abbench.analysis.decode import decode_over_expected
 from abbench.analysis.latency import itl_values, min_n, tpot_values, ttft_values
@@ -138,7 +140,8 @@ def _pairs(p: pd.DataFrame) -> pd.DataFrame:
 
 
 PAIRED_VALUE: dict[str, Callable[[Sample], float | None]] = {
-    "ttft_ratio": lambda s: s.ttft_s, "peak_vram_ratio": sample_peak_bytes, "decode_ratio": sample_decode_tok_s}
+    "ttft_ratio": lambda s: s.ttft_s, "peak_vram_ratio": sample_peak_bytes, "decode_ratio": sample_decode_tok_s,
+    "h2d_ratio": sample_prefill_h2d_bytes}
 """The per-sample figure each paired metric divides."""
 
 
@@ -254,6 +257,7 @@ VALUES: dict[str, Callable[[RunRecord], pd.DataFrame]] = {
     "decode_x_floor": decode_over_expected, "h2d_banks": _h2d_banks,
     "banks_per_window": _banks_per_window,
     "peak_vram_gib": _peak_vram, "peak_vram_gb": _peak_vram, "peak_vram_ratio": _paired("peak_vram_ratio"),
+    "h2d_ratio": _paired("h2d_ratio"),
     "nvml_process_peak_gib": _column("proc_gpu_mem_peak", 2**30),
     "ttft_p90_s": ttft_values, "ttft_p99_s": ttft_values, "tpot_s": tpot_values, "tpot_p90_s": tpot_values,
     "tpot_p99_s": tpot_values, "itl_s": itl_values, "itl_p90_s": itl_values, "itl_p99_s": itl_values,

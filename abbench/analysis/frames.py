@@ -285,6 +285,13 @@ def sample_decode_tok_s(s: Sample) -> float | None:
     return (s.completion_tokens - 1) / decode_s if decode_s > 0 else None
 
 
+def sample_prefill_h2d_bytes(s: Sample) -> float | None:
+    """The engine's prefill host-to-device bytes of one sample (the whole request's when it gives no split)."""
+    st = AbbenchStats.read(s.engine)
+    b = st.prefill_h2d_bytes if st.prefill_h2d_bytes is not None else st.h2d_bytes
+    return float(b) if b is not None else None
+
+
 def sample_peak_bytes(s: Sample) -> float | None:
     """:func:`peak_bytes` of one sample."""
     peak = AbbenchStats.read(s.engine).peak_device_bytes

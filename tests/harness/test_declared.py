@@ -290,3 +290,23 @@ def test_the_drivers_view_of_the_process_is_a_declared_check() -> None:
     assert judge(record, parse_check("nvml_process_peak_gib[offloaded-device] <= 22"))[0].status == "fail"
     old, new = (judge(record, parse_check(f"{m}[offloaded-device] <= 24"))[0] for m in ("peak_vram_gb", "peak_vram_gib"))
     assert old.value == new.value and 21.0 < new.value < 21.1
+
+
+def test_h2d_ratio_divides_the_prefill_bytes_of_the_same_prompt_and_round() -> None:
+    """B (layer-major: one bank) against A (chunked: a bank per chunk) in make_run: 1 / A's chunks, per pair."""
+    from abbench.analysis.declared import VALUES
+
+    record = make_run(arms=("A", "B"))
+    want = {}
+    targets = {p.id: p.target_tokens for p in record.prompts}
+    for s in record.samples:
+        if s.arm == "A" and s.prompt_id.startswith("fresh"):
+            want[(targets[s.prompt_id], s.round)] = 1 / s.engine["n_chunks"]
+    got = VALUES["h2d_ratio"](record)
+    got = got[got["arm"] == "B"]
+    assert {(int(t), int(r)): v for t, r, v in zip(got["target_tokens"], got["round"], got["value"])} == want
+    worst = max(want.values())
+    assert min(want.values()) < worst  # the two lengths differ, so the bound below is the largest pair's
+    for bound, passes in ((worst, True), (worst * 0.99, False)):
+        check = parse_check(f"h2d_ratio[B] <= {bound}")
+        assert by_name(an.gate(record, checks=[check.name]))[check.name].passed is passes
