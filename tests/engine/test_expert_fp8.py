@@ -195,3 +195,114 @@ def test_the_server_flag_and_what_the_engine_reports() -> None:
     with pytest.raises(SystemExit):
         launch.build_arg_parser().parse_args(["--expert-dtype", "int4"])
     assert _engine(expert_dtype="fp8").info.expert_format == "fp8-e4m3 (per-row scales)"
+
+
+# -- FP8 checkpoints (quantization_config: block-wise float8 e4m3 with weight_scale_inv) ------------------------
+
+BLOCK = (32, 48)  # a partial last block along the columns (64 = 48 + 16, 32 < 48)
+
+
+def _quantize_blocks(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """As FP8 checkpoints are made: one scale per block (its largest magnitude / 448), the values divided by it."""
+    br, bc = block
+    rows, cols = w.shape
+    nr, nc = -(-rows // br), -(-cols // bc)
+    w32 = w.to(torch.float32)
+    scale = torch.empty(nr, nc)
+    q = torch.empty(rows, cols, dtype=FP8)
+    for a in range(nr):
+        for b in range(nc):
+            blk = w32[a * br:(a + 1) * br, b * bc:(b + 1) * bc]
+            s = max(float(blk.abs().max()) / FP8_MAX, 1e-12)
+            scale[a, b] = s
+            q[a * br:(a + 1) * br, b * bc:(b + 1) * bc] = (blk / s).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return q, scale
+
+
+@pytest.fixture(scope="module")
+def fp8_checkpoint(tmp_path_factory):
+    """A tiny Qwen3-MoE checkpoint written by transformers, then quantized as Qwen's -FP8 checkpoints are (every
+    linear layer but the router and lm_head), and the same weights dequantized, unquantized: (fp8 dir, plain dir,
+    {key: (q, scale)})."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.Qwen3MoeConfig(vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                      moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+                                      max_position_embeddings=512, decoder_sparse_step=1, norm_topk_prob=True)
+    torch.manual_seed(1)
+    src = tmp_path_factory.mktemp("src")
+    transformers.Qwen3MoeForCausalLM(cfg).save_pretrained(src)
+    tensors = {}
+    for f in sorted(src.glob("*.safetensors")):
+        tensors.update(load_file(f))
+    fp8_dir, plain_dir = tmp_path_factory.mktemp("fp8"), tmp_path_factory.mktemp("plain")
+    quantized, plain, stored = {}, {}, {}
+    for key, t in tensors.items():
+        if t.dim() == 2 and key.endswith("proj.weight"):
+            q, scale = _quantize_blocks(t, BLOCK)
+            quantized[key], quantized[key.removesuffix("weight") + "weight_scale_inv"] = q, scale
+            plain[key] = (q.to(torch.float32).reshape(-1)
+                          * scale.repeat_interleave(BLOCK[0], 0)[:t.shape[0]]
+                          .repeat_interleave(BLOCK[1], 1)[:, :t.shape[1]].reshape(-1)).reshape(t.shape)
+            stored[key] = (q, scale)
+        else:
+            quantized[key], plain[key] = t, t
+    save_file(quantized, str(fp8_dir / "model.safetensors"))
+    save_file(plain, str(plain_dir / "model.safetensors"))
+    raw = json.loads((src / "config.json").read_text())
+    (plain_dir / "config.json").write_text(json.dumps(raw))
+    raw["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                  "weight_block_size": list(BLOCK)}
+    (fp8_dir / "config.json").write_text(json.dumps(raw))
+    return fp8_dir, plain_dir, stored
+
+
+def _ckpt_engine(path, **kw) -> Engine:
+    return Engine(EngineConfig(weights=str(path), model=None, max_context=256, bandwidth_probe_bytes=0,
+                               device="cpu", chunk_tokens=32, layer_major_window_tokens=64, **kw))
+
+
+def test_an_fp8_checkpoint_keeps_its_values_and_block_scales_in_an_fp8_bank(fp8_checkpoint) -> None:
+    fp8_dir, _, stored = fp8_checkpoint
+    bank = _ckpt_engine(fp8_dir, expert_dtype="fp8").store.bank
+    assert bank.block == BLOCK and bank.format == "fp8-e4m3 (32x48-block scales)"
+    assert bank.gate_up_scale[0].shape == (8, 2, 2) and bank.down_scale[0].shape == (8, 2, 1)
+    assert bank.expert_bytes == 3 * 64 * 32 + 4 * (2 * 2 + 2 * 1)
+    for layer in range(2):
+        for x in range(8):
+            p = f"model.layers.{layer}.mlp.experts.{x}."
+            (gq, gs), (uq, us), (dq, ds) = (stored[p + n + "_proj.weight"] for n in ("gate", "up", "down"))
+            u8 = lambda t: t.view(torch.uint8)  # noqa: E731
+            assert torch.equal(u8(bank.gate_up[layer][x]), u8(torch.cat([gq, uq])))
+            assert torch.equal(u8(bank.down[layer][x]), u8(dq))
+            assert torch.equal(bank.gate_up_scale[layer][x], torch.cat([gs, us])) and torch.equal(
+                bank.down_scale[layer][x], ds)
+
+
+def test_an_fp8_checkpoint_serves_as_its_dequantized_weights_do(fp8_checkpoint) -> None:
+    """The FP8 checkpoint with its bank kept in FP8, or dequantized at load, and the same weights written
+    dequantized in float32: bitwise the same outputs in every mode (every weight, dense ones included, is read
+    through its block scales)."""
+    fp8_dir, plain_dir, _ = fp8_checkpoint
+    ids = torch.randint(0, 256, (70,), generator=torch.Generator().manual_seed(2)).tolist()
+    want = _run(_ckpt_engine(plain_dir, prefill_mode="resident"), ids, "resident", max_tokens=6)
+    for expert_dtype in ("fp8", "model"):
+        engine = _ckpt_engine(fp8_dir, prefill_mode="resident", expert_dtype=expert_dtype)
+        for mode in ("resident", "layer-major", "chunked"):
+            assert _run(engine, ids, mode, max_tokens=6)[:2] == want[:2], (expert_dtype, mode)
+
+
+def test_a_quantization_the_engine_cannot_read_is_refused(tmp_path) -> None:
+    import json
+
+    from abbench.engine.models.weights import fp8_block_size
+
+    (tmp_path / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "awq", "bits": 4}}))
+    with pytest.raises(ValueError, match="quant_method 'fp8'"):
+        fp8_block_size(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_moe"}))
+    assert fp8_block_size(tmp_path) is None

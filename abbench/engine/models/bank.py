@@ -25,6 +25,7 @@ that refuses a bank the host cannot hold.
 
 from __future__ import annotations
 
+import math
 import weakref
 
 import torch
@@ -99,33 +100,60 @@ def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
-def dequantize_into(out: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``out[...] = q * scale`` per row, computed in float32 and rounded once to ``out``'s dtype; ``q`` [N, R, C]
-    and ``scale`` [N, R] on ``out``'s device, in pieces of about :data:`DEQUANT_PIECE` elements along the first
-    dimension (elementwise: the pieces do not change a value). Returns ``out``."""
-    n = q.shape[0]
+def expand_scale(scale: torch.Tensor, rows: int, cols: int, block: tuple[int, int] | None) -> torch.Tensor:
+    """Scales [N, R] (one per row, ``block`` None) or [N, ceil(R / br), ceil(C / bc)] (one per ``block`` (br, bc),
+    the last blocks possibly partial) as a tensor that multiplies [N, R, C] elementwise: [N, R, 1] or [N, R, C]."""
+    if block is None:
+        return scale.unsqueeze(-1)
+    br, bc = block
+    return scale.repeat_interleave(br, dim=1)[:, :rows].repeat_interleave(bc, dim=2)[:, :, :cols]
+
+
+def dequantize_into(out: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
+                    block: tuple[int, int] | None = None) -> torch.Tensor:
+    """``out[...] = q * scale`` per row or per block (:func:`expand_scale`), computed in float32 and rounded once
+    to ``out``'s dtype; ``q`` [N, R, C] and ``scale`` on ``out``'s device, in pieces of about
+    :data:`DEQUANT_PIECE` elements along the first dimension (elementwise: the pieces do not change a value).
+    Returns ``out``."""
+    n, rows, cols = q.shape
     step = max(1, DEQUANT_PIECE // max(1, q[0].numel()))
     for a in range(0, n, step):
         b = min(n, a + step)
-        out[a:b].copy_(q[a:b].to(torch.float32).mul_(scale[a:b].unsqueeze(-1)))
+        out[a:b].copy_(q[a:b].to(torch.float32).mul_(expand_scale(scale[a:b], rows, cols, block)))
     return out
 
 
-def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
+               block: tuple[int, int] | None = None) -> torch.Tensor:
     """:func:`dequantize_into` a new tensor of ``dtype`` on ``q``'s device."""
-    return dequantize_into(torch.empty(q.shape, dtype=dtype, device=q.device), q, scale)
+    return dequantize_into(torch.empty(q.shape, dtype=dtype, device=q.device), q, scale, block)
+
+
+def _blocks(n: int, b: int) -> int:
+    return -(-n // b)
 
 
 class ExpertBank:
     """All layers' experts in host memory (page-locked when the compute device is CUDA), in the compute dtype or
-    (``fp8``) in float8 e4m3 with per-row float32 scales."""
+    (``fp8``) in float8 e4m3 with float32 scales: one per output row, or (``block`` (br, bc), an FP8 checkpoint's
+    ``weight_block_size`` kept as it is) one per br x bc block, ``gate_up_scale`` [E, 2I / br, H / bc] and
+    ``down_scale`` [E, ceil(H / br), ceil(I / bc)]."""
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, pin: bool, check_memory: bool = True,
-                 dense_bytes: int = 0, fp8: bool = False):
+                 dense_bytes: int = 0, fp8: bool = False, block: tuple[int, int] | None = None):
         self.cfg, self.compute_dtype, self.pinned, self.fp8 = cfg, dtype, pin, fp8
         self.dtype = FP8 if fp8 else dtype  # what the bank stores
         e, i, h = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
-        self.scale_bytes = (2 * i + h) * 4 if fp8 else 0  # one expert's scales
+        self.block = tuple(block) if (fp8 and block) else None
+        if self.block is not None:
+            br, bc = self.block
+            if i % br:
+                raise ValueError(f"FP8 block scales of {br} rows: moe_intermediate_size {i} is not a multiple, so the "
+                                 "gate and up projections' blocks would mix in the fused gate_up rows")
+            gu_scale, dn_scale = (e, _blocks(2 * i, br), _blocks(h, bc)), (e, _blocks(h, br), _blocks(i, bc))
+        else:
+            gu_scale, dn_scale = (e, 2 * i), (e, h)
+        self.scale_bytes = 4 * (math.prod(gu_scale[1:]) + math.prod(dn_scale[1:])) if fp8 else 0  # one expert's
         self.expert_bytes = 3 * h * i * self.dtype.itemsize + self.scale_bytes  # what one expert's copy moves
         self.device_expert_bytes = 3 * h * i * dtype.itemsize  # one expert on the device (compute dtype)
         self.layer_bytes = e * self.expert_bytes
@@ -137,17 +165,38 @@ class ExpertBank:
         n = cfg.num_hidden_layers
         self.gate_up = [self._alloc((e, 2 * i, h), self.dtype) for _ in range(n)]  # [E, 2I, H] each
         self.down = [self._alloc((e, h, i), self.dtype) for _ in range(n)]  # [E, H, I] each
-        self.gate_up_scale = [self._alloc((e, 2 * i), torch.float32) for _ in range(n)] if fp8 else []  # [E, 2I]
-        self.down_scale = [self._alloc((e, h), torch.float32) for _ in range(n)] if fp8 else []  # [E, H]
+        self.gate_up_scale = [self._alloc(gu_scale, torch.float32) for _ in range(n)] if fp8 else []
+        self.down_scale = [self._alloc(dn_scale, torch.float32) for _ in range(n)] if fp8 else []
 
     @property
     def format(self) -> str:
-        """What the bank stores, as the engine reports it: ``fp8-e4m3 (per-row scales)`` or the dtype's name."""
-        return "fp8-e4m3 (per-row scales)" if self.fp8 else str(self.dtype).removeprefix("torch.")
+        """What the bank stores, as the engine reports it: ``fp8-e4m3 (per-row scales)``, ``fp8-e4m3
+        (128x128-block scales)`` or the dtype's name."""
+        if not self.fp8:
+            return str(self.dtype).removeprefix("torch.")
+        return "fp8-e4m3 (per-row scales)" if self.block is None else \
+            f"fp8-e4m3 ({self.block[0]}x{self.block[1]}-block scales)"
+
+    def put_expert_fp8(self, layer: int, e: int, gate: tuple[torch.Tensor, torch.Tensor],
+                       up: tuple[torch.Tensor, torch.Tensor], down: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """Expert ``e`` of ``layer`` as an FP8 checkpoint holds it, each projection (float8 e4m3 [rows, cols],
+        float32 block scales [ceil(rows / br), ceil(cols / bc)]) with this bank's ``block``: stored as it is."""
+        assert self.block is not None, "put_expert_fp8 needs a bank with the checkpoint's block scales"
+        i, br = self.cfg.moe_intermediate_size, self.block[0]
+        (gq, gs), (uq, us), (dq, ds) = gate, up, down
+        self.gate_up[layer][e, :i].copy_(gq)
+        self.gate_up[layer][e, i:].copy_(uq)
+        self.gate_up_scale[layer][e, :i // br].copy_(gs)
+        self.gate_up_scale[layer][e, i // br:].copy_(us)
+        self.down[layer][e].copy_(dq)
+        self.down_scale[layer][e].copy_(ds)
 
     def put_layer(self, layer: int, gate_up: torch.Tensor, down: torch.Tensor) -> None:
         """Layer ``layer``'s experts, gate_up [E, 2I, H] and down [E, H, I] in any float dtype on any device,
         into the bank: cast to the bank's dtype, or quantized (per row, on the tensors' device) for FP8."""
+        if self.block is not None:
+            raise ValueError("an FP8 bank with block scales takes an FP8 checkpoint's experts as they are "
+                             "(put_expert_fp8); quantizing to blocks at load is not built")
         if not self.fp8:
             self.gate_up[layer].copy_(gate_up)
             self.down[layer].copy_(down)
@@ -165,8 +214,8 @@ class ExpertBank:
         dtype = dtype or self.compute_dtype
         if not self.fp8:
             return self.gate_up[layer][e].to(dtype), self.down[layer][e].to(dtype)
-        return (dequantize(self.gate_up[layer][e:e + 1], self.gate_up_scale[layer][e:e + 1], dtype)[0],
-                dequantize(self.down[layer][e:e + 1], self.down_scale[layer][e:e + 1], dtype)[0])
+        return (dequantize(self.gate_up[layer][e:e + 1], self.gate_up_scale[layer][e:e + 1], dtype, self.block)[0],
+                dequantize(self.down[layer][e:e + 1], self.down_scale[layer][e:e + 1], dtype, self.block)[0])
 
     def _alloc(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         if not self.pinned:

@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 from abbench.engine.config import ModelConfig
-from abbench.engine.models.bank import ExpertBank
+from abbench.engine.models.bank import FP8, ExpertBank, dequantize
 from abbench.engine.config import HybridConfig
 from abbench.engine.models.hybrid import AttnWeights, HybridLayerWeights, HybridWeights, LinearWeights
 from abbench.engine.models.qwen3_moe import DenseWeights, LayerWeights
@@ -114,8 +114,29 @@ def random_weights(cfg: ModelConfig, seed: int, bank: ExpertBank, device: torch.
                         lm_head=lm_head)
 
 
+def fp8_block_size(path: str | Path) -> tuple[int, int] | None:
+    """The ``weight_block_size`` of a block-wise FP8 checkpoint (``config.json``'s ``quantization_config``:
+    ``quant_method`` "fp8", float8 e4m3 weights with ``weight_scale_inv`` [ceil(rows / br), ceil(cols / bc)]
+    float32 scales beside them: the format of Qwen's -FP8 checkpoints); None for an unquantized checkpoint or a
+    path with no ``config.json``. ValueError for a quantization this engine cannot read."""
+    p = Path(path)
+    cfg = p / "config.json" if p.is_dir() else p
+    if not cfg.is_file():
+        return None
+    raw = json.loads(cfg.read_text())
+    q = raw.get("quantization_config") or (raw.get("text_config") or {}).get("quantization_config")
+    if not q:
+        return None
+    block = q.get("weight_block_size")
+    if q.get("quant_method") != "fp8" or q.get("fmt", "e4m3") != "e4m3" or not block or len(block) != 2:
+        raise ValueError(f"{cfg}: quantization_config {q} is not supported; the engine reads block-wise FP8 "
+                         "checkpoints (quant_method 'fp8', fmt 'e4m3', weight_block_size [br, bc])")
+    return int(block[0]), int(block[1])
+
+
 class Checkpoint:
-    """Key -> tensor access over the safetensors files of a directory."""
+    """Key -> tensor access over the safetensors files of a directory. A block-wise FP8 checkpoint's weights
+    (:func:`fp8_block_size`) come back dequantized to float32 from ``get``, or as they are from ``get_fp8``."""
 
     def __init__(self, path: Path):
         from safetensors import safe_open
@@ -124,6 +145,7 @@ class Checkpoint:
         if not files:
             raise ValueError(f"no *.safetensors files in {path}")
         self.path = path
+        self.fp8_block = fp8_block_size(path)
         self.handles = [safe_open(str(f), framework="pt", device="cpu") for f in files]
         self.where = {k: hd for hd in self.handles for k in hd.keys()}
         index = path / "model.safetensors.index.json"
@@ -135,13 +157,35 @@ class Checkpoint:
     def __contains__(self, key: str) -> bool:
         return key in self.where
 
-    def get(self, key: str, shape: tuple[int, ...]) -> torch.Tensor:
+    def _raw(self, key: str, shape: tuple[int, ...]) -> torch.Tensor:
         if key not in self.where:
             raise ValueError(f"{self.path}: tensor {key!r} is missing")
         t = self.where[key].get_tensor(key)
         if tuple(t.shape) != tuple(shape):
             raise ValueError(f"{self.path}: tensor {key!r} has shape {tuple(t.shape)}, the config says {shape}")
         return t
+
+    def get(self, key: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """The tensor ``key`` of ``shape``; an FP8 weight dequantized with its block scales (float32)."""
+        t = self._raw(key, shape)
+        if t.dtype != FP8:
+            return t
+        q, scale = self.get_fp8(key, shape)
+        return dequantize(q[None], scale[None], torch.float32, self.fp8_block)[0]
+
+    def get_fp8(self, key: str, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """An FP8 weight [rows, cols] as it is stored: (float8 e4m3 values, float32 block scales [ceil(rows / br),
+        ceil(cols / bc)], the ``weight_scale_inv`` beside it)."""
+        if self.fp8_block is None:
+            raise ValueError(f"{self.path}: {key!r} is asked for as FP8 but config.json has no FP8 "
+                             "quantization_config")
+        t = self._raw(key, shape)
+        if t.dtype != FP8:
+            raise ValueError(f"{self.path}: tensor {key!r} is {t.dtype}, not float8_e4m3fn")
+        br, bc = self.fp8_block
+        scale_key = key.removesuffix("weight") + "weight_scale_inv"
+        scale = self._raw(scale_key, (-(-shape[0] // br), -(-shape[1] // bc))).to(torch.float32)
+        return t, scale
 
 
 def load_checkpoint(path: str | Path, cfg: ModelConfig, bank: ExpertBank, device: torch.device,
@@ -227,6 +271,12 @@ def load_experts(ck: Checkpoint, p: str, l: int, cfg: ModelConfig, bank: ExpertB
     fused = p + "mlp.experts.gate_up_proj"
     if fused in ck:
         bank.put_layer(l, ck.get(fused, (e, 2 * i, h)), ck.get(p + "mlp.experts.down_proj", (e, h, i)))
+        return
+    if bank.block is not None:  # an FP8 checkpoint into an FP8 bank with its block scales: kept as they are
+        for x in range(e):
+            q = f"{p}mlp.experts.{x}."
+            bank.put_expert_fp8(l, x, ck.get_fp8(q + "gate_proj.weight", (i, h)),
+                                ck.get_fp8(q + "up_proj.weight", (i, h)), ck.get_fp8(q + "down_proj.weight", (h, i)))
         return
     if not bank.fp8:  # straight into the bank
         gate_up, down = bank.gate_up[l], bank.down[l]

@@ -53,6 +53,7 @@ from abbench.engine.contract import (
 from abbench.engine.ops.sampling import Sampler
 from abbench.engine.runtime.decode import Decoder
 from abbench.engine.models.bank import ExpertBank
+from abbench.engine.models.weights import fp8_block_size
 from abbench.engine.runtime.experts import ExpertStore
 from abbench.engine.models.factory import build_model, new_cache
 from abbench.engine.runtime.graphs import GraphCache
@@ -92,8 +93,10 @@ class Engine:
         self._lock = threading.Lock()
         with self._on_device():
             self.memory_plan = self._plan_memory()
+            fp8 = cfg.expert_dtype == "fp8"  # an FP8 checkpoint's experts then keep their block scales
+            block = fp8_block_size(cfg.weights) if fp8 and not cfg.weights.startswith("random:") else None
             bank = ExpertBank(mc, self.dtype, pin=self.device.type == "cuda", check_memory=cfg.host_memory_check,
-                              dense_bytes=dense_params(mc) * self.dtype.itemsize, fp8=cfg.expert_dtype == "fp8")
+                              dense_bytes=dense_params(mc) * self.dtype.itemsize, fp8=fp8, block=block)
             self.model, self.kv = build_model(mc, cfg.weights, bank, cfg.max_context, self.device, self.dtype,
                                               router_skew=cfg.router_skew)
             # one cache per sequence the engine may run at once (the first is ``kv``, which tools drive directly)

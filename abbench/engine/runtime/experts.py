@@ -243,8 +243,8 @@ class ExpertStore:
         if bank.fp8 and self.cuda:
             self.stage = (torch.empty((e, 2 * i, h), device=device, dtype=FP8),
                           torch.empty((e, h, i), device=device, dtype=FP8),
-                          torch.empty((e, 2 * i), device=device, dtype=torch.float32),
-                          torch.empty((e, h), device=device, dtype=torch.float32))
+                          torch.empty(bank.gate_up_scale[0].shape, device=device, dtype=torch.float32),
+                          torch.empty(bank.down_scale[0].shape, device=device, dtype=torch.float32))
         self.resident: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self.slots: SlotCache | None = None
         if resident:
@@ -299,8 +299,8 @@ class ExpertStore:
                 for st, x in zip(staged, src):
                     st.copy_(x, non_blocking=True)
                 src = staged
-            dequantize_into(gate_up, src[0], src[2])
-            dequantize_into(down, src[1], src[3])
+            dequantize_into(gate_up, src[0], src[2], bank.block)
+            dequantize_into(down, src[1], src[3], bank.block)
         if count:
             self._count(h2d=(b - a) * bank.expert_bytes, experts=b - a)
 
