@@ -30,7 +30,7 @@ from abbench.results import RunRecord
 
 FLOOR_KINDS = ("fresh", "cold")
 H2D_COLUMNS = ["arm", "kind", "target_tokens", "n", "h2d_bytes", "prefill_h2d_bytes", "decode_h2d_bytes",
-               "bank_bytes", "banks", "nvml_bytes", "engine_over_nvml", "n_windows", "measured_h2d_gbps",
+               "bank_bytes", "expert_format", "banks", "nvml_bytes", "engine_over_nvml", "n_windows", "measured_h2d_gbps",
                "floor_s", "ttft_s", "ttft_over_floor", "copy_wait_s", "alloc_retries"]
 
 
@@ -43,6 +43,7 @@ def h2d_table(record: RunRecord) -> pd.DataFrame:
     given only for prompts that start from an empty cache (kinds in :data:`FLOOR_KINDS`): a continuation
     served from the prefix cache may legitimately copy less. ``copy_wait_s``: the engine's GPU time spent
     waiting for streamed expert copies in prefill (the part of TTFT the copies did not hide);
+    ``expert_format``: how the engine's host bank stores the experts (e.g. an FP8 bank), where it says;
     ``alloc_retries``: the most CUDA caching-allocator retries of one request (cache freed, cudaMalloc again:
     memory pressure that costs time). Rows only where the engine or NVML gave
     numbers."""
@@ -65,6 +66,7 @@ def h2d_table(record: RunRecord) -> pd.DataFrame:
             {"arm": arm, "kind": kind, "target_tokens": int_or_none(tokens), "n": len(g), "h2d_bytes": med_h2d,
              "prefill_h2d_bytes": median_of(g["prefill_h2d_bytes"]),
              "decode_h2d_bytes": median_of(g["decode_h2d_bytes"]), "bank_bytes": med_bank,
+             "expert_format": next((str(f) for f in g["expert_format"] if isinstance(f, str)), None),
              "banks": median_of((prefill / bank.where(bank > 0)).dropna()),
              "nvml_bytes": median_of(nvml), "engine_over_nvml": median_of(ratio),
              "n_windows": median_of(g["n_windows"]), "measured_h2d_gbps": median_of(gbps), "floor_s": floor_s,

@@ -160,3 +160,24 @@ def test_the_committed_float32_bfloat16_run(tmp_path: Path) -> None:
     text = write_report(record, [], tmp_path / "r.md", tmp_path / "r").read_text()
     assert "## Numerics" in text and "random weights" in text and "(r/numerics.png)" in text
     assert (tmp_path / "r" / "numerics.png").is_file()
+
+
+FP8_RUN = REPO / "results" / "20261204l-cpu-tiny-fp8"
+
+
+@pytest.mark.skipif(not FP8_RUN.is_dir(), reason="the committed cpu-tiny-fp8 run")
+def test_the_committed_fp8_run_is_judged_by_numerics_and_bytes_and_names_each_bank() -> None:
+    """cpu-tiny-fp8: the FP8 arm's ids are not gated bitwise; its numerics and h2d_ratio checks are, and the
+    transfer table says which arm's bank is FP8 (the bytes: 3HI + 4(2I + H) against 6HI at the tiny shape)."""
+    from abbench.analysis.transfer import h2d_table
+
+    record, _ = load_run(FP8_RUN)
+    verdict = an.gate(record)
+    results = {c.name: c for c in verdict.checks}
+    assert verdict.passed and results["h2d_ratio[fp8] <= 0.521"].passed and results["kl_mean[fp8] <= 0.001"].passed
+    h, i = 128, 64
+    t = h2d_table(record)
+    assert set(t[t["arm"] == "fp8"]["expert_format"]) == {"fp8-e4m3 (per-row scales)"}
+    assert set(t[t["arm"] == "bf16"]["expert_format"]) == {"bfloat16"}
+    ratio = (t[t["arm"] == "fp8"]["bank_bytes"].iloc[0] / t[t["arm"] == "bf16"]["bank_bytes"].iloc[0])
+    assert ratio == pytest.approx((3 * h * i + 4 * (2 * i + h)) / (6 * h * i), rel=1e-12)

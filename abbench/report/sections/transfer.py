@@ -32,6 +32,8 @@ def h2d_section(ri: ReportInput) -> list[str]:
     has_nvml = a.h2d["nvml_bytes"].notna().any()
     has_wait = a.h2d["copy_wait_s"].notna().any()  # engines that time their copy stalls (the vendored one on CUDA)
     has_retries = bool((a.h2d["alloc_retries"].fillna(0) > 0).any())  # shown only when the allocator retried
+    # the bank's format, shown when an arm's is not the compute dtype (an FP8 bank moves about half the bytes)
+    has_format = a.h2d["expert_format"].astype(str).str.startswith("fp8").any()
     lines += [
         ("Medians per request. Banks = prefill H2D bytes / the engine's bank size (all layers' experts). "
         "Floor = windows x bank / measured H2D bandwidth: the copy-bound lower limit of a prompt's TTFT "
@@ -43,7 +45,9 @@ def h2d_section(ri: ReportInput) -> list[str]:
         table(a.h2d, [*CELL_COLS, Col("h2d_bytes", "Engine H2D", fmt_gb),
                       Col("prefill_h2d_bytes", "Prefill", fmt_gb, descriptive=True),
                       Col("decode_h2d_bytes", "Decode", fmt_gb, descriptive=True),
-                      Col("bank_bytes", "Bank", fmt_gb, descriptive=True), Col("banks", "Banks", fmt_num),
+                      Col("bank_bytes", "Bank", fmt_gb, descriptive=True)]
+              + ([Col("expert_format", "Bank format", descriptive=True, right=False)] if has_format else [])
+              + [Col("banks", "Banks", fmt_num),
                       Col("nvml_bytes", "NVML PCIe RX", fmt_gb), Col("engine_over_nvml", "Engine/NVML", fmt_ratio),
                       Col("n_windows", "Windows", fmt_num, descriptive=True),
                       Col("measured_h2d_gbps", "H2D GB/s", lambda v: fmt_num(v, 1), descriptive=True),
