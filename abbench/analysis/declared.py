@@ -196,10 +196,11 @@ def _x_floor(record: RunRecord) -> pd.DataFrame:
     df = measured_ok_frame(record)
     if floors.empty or df.empty:
         return pd.DataFrame(columns=VALUE_COLUMNS)
-    floor = {(k, int(t)): f for k, t, f in zip(floors["kind"], floors["target_tokens"], floors["floor_s"])
-             if pd.notna(t) and pd.notna(f) and f > 0}
+    floor = {(a, k, int(t)): f for a, k, t, f in zip(floors["arm"], floors["kind"], floors["target_tokens"],
+                                                    floors["floor_s"]) if pd.notna(t) and pd.notna(f) and f > 0}
     df = df[df["kind"].isin(FLOOR_KINDS)]
-    f = [floor.get((k, int(t))) if pd.notna(t) else None for k, t in zip(df["kind"], df["target_tokens"])]
+    f = [floor.get((a, k, int(t))) if pd.notna(t) else None
+         for a, k, t in zip(df["arm"], df["kind"], df["target_tokens"])]
     return _rows(df, df["ttft_s"] / pd.Series(f, index=df.index, dtype=float))
 
 

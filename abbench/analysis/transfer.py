@@ -90,10 +90,11 @@ def _resident_medians(g: pd.DataFrame, resident_arms: set[str]) -> dict[str, tup
 
 def floor_table(record: RunRecord) -> pd.DataFrame:
     """The physical floor of a fresh prompt's TTFT, per kind and length (prompts that start from an empty
-    cache): max(compute floor, copy floor), where the compute floor is the fastest median TTFT among the arms
+    cache): max(compute floor, copy floor) per arm, where the compute floor is the fastest median TTFT among the arms
     whose expected path is ``resident`` (nothing streamed; a profile may run resident arms at several chunk
     sizes, e.g. its own and one chunk as long as the prompt, and the fastest sets the floor:
-    ``compute_floor_arm`` names it) and the copy floor is one bank over the measured H2D bandwidth. Each
+    ``compute_floor_arm`` names it) and the copy floor is one bank over the measured H2D bandwidth (the arm's own
+    bank where the arms' banks differ in size, e.g. an FP8 bank beside a bf16 one). Each
     arm's median TTFT over that floor says how close it gets (1.0 = at the floor). Empty when the run has
     neither a resident arm nor engine bank/bandwidth numbers."""
     df = measured_ok_frame(record)
@@ -105,16 +106,23 @@ def floor_table(record: RunRecord) -> pd.DataFrame:
     for (kind, tokens), g in df.groupby(["kind", "target_tokens"], sort=False, dropna=False):
         gbps = g["measured_h2d_gbps"]
         copy = (g["bank_bytes"] / (gbps.where(gbps > 0) * 1e9)).dropna()
-        copy_s = median_of(copy)
+        # one copy floor per bank size: arms whose banks differ (an FP8 bank beside a bf16 one) each get their
+        # own; arms with the same bank share the median over all their samples
+        copy_by_bank = {bank: median_of(copy[g.loc[copy.index, "bank_bytes"] == bank])
+                        for bank in g.loc[copy.index, "bank_bytes"].unique()}
         res = _resident_medians(g, resident_arms)
         set_by = min(res, key=lambda a: res[a][0]) if res else None
         compute_s = res[set_by][0] if set_by else None
-        known = [v for v in (copy_s, compute_s) if v is not None]
-        if not known:
+        if not copy_by_bank and compute_s is None:
             continue
-        floor_s = max(known)
-        bound = "copy" if copy_s is not None and floor_s == copy_s else "compute"
         for arm, ga in g.groupby("arm", sort=False):
+            bank = median_of(ga["bank_bytes"])
+            copy_s = copy_by_bank.get(bank) if len(copy_by_bank) > 1 else median_of(copy)
+            known = [v for v in (copy_s, compute_s) if v is not None]
+            if not known:
+                continue
+            floor_s = max(known)
+            bound = "copy" if copy_s is not None and floor_s == copy_s else "compute"
             ttft = median_of(ga["ttft_s"])
             rows.append({"arm": arm, "kind": kind, "target_tokens": int_or_none(tokens), "n": len(ga),
                          "ttft_s": ttft, "compute_floor_s": compute_s, "compute_floor_arm": set_by,

@@ -574,6 +574,29 @@ def test_the_fastest_resident_arm_sets_the_compute_floor_per_length() -> None:
     assert floor.loc[("R", 16384)]["over_floor"] == pytest.approx(16.384 * 0.30 / 4.096)  # R is 1.2x the floor
 
 
+def test_an_arm_with_a_smaller_bank_gets_its_own_copy_floor() -> None:
+    """An FP8 bank beside a bf16 one: B's bank is half of A's (and R is resident), so at 1,024 tokens B's copy
+    floor is half of A's and B is judged against it; x_floor divides by each arm's own floor."""
+    from abbench.analysis.declared import VALUES
+
+    def ttft(arm: str, prompt: PromptRecord, rnd: int) -> float:
+        return {"A": 1.2, "B": 0.6, "R": 0.25}[arm]
+
+    rec = make_run(arms=("A", "B", "R"), lengths=(1024,), ttft=ttft, expect_path={"R": "resident"},
+                   paths={"R": "resident"})
+    for s in rec.samples:
+        if s.arm == "B" and s.engine:
+            s.engine["bank_bytes"] //= 2
+    floor = an.floor_table(rec).set_index(["arm", "target_tokens"])
+    copy = BANK / 55e9
+    assert floor.loc[("A", 1024)]["copy_floor_s"] == pytest.approx(copy)
+    assert floor.loc[("B", 1024)]["copy_floor_s"] == pytest.approx(copy / 2)
+    assert floor.loc[("B", 1024)]["over_floor"] == pytest.approx(0.6 / (copy / 2))
+    x = VALUES["x_floor"](rec)
+    assert set(x[x["arm"] == "B"]["value"].round(9)) == {round(0.6 / (copy / 2), 9)}
+    assert set(x[x["arm"] == "A"]["value"].round(9)) == {round(1.2 / copy, 9)}
+
+
 def test_floor_without_a_resident_arm_is_the_copy_floor_alone() -> None:
     rec = make_run()
     floor = an.floor_table(rec)
