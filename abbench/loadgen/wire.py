@@ -352,8 +352,14 @@ class Pool:
         self.host, self.port = u.hostname, u.port or self.default_port
         self.ssl: ssl.SSLContext | None = None
         if u.scheme == "https":
-            self.ssl = verify if isinstance(verify, ssl.SSLContext) else ssl.create_default_context()
-            if verify is False:
+            if isinstance(verify, ssl.SSLContext):
+                self.ssl = verify
+            elif verify:  # the public CAs, as the HTTP client trusts them (one shared context)
+                from abbench.auth import default_tls_context
+
+                self.ssl = default_tls_context()
+            else:  # no verification: a context of its own (the shared one is never changed)
+                self.ssl = ssl.create_default_context()
                 self.ssl.check_hostname = False
                 self.ssl.verify_mode = ssl.CERT_NONE
         self.prefix = u.path.rstrip("/")
