@@ -23,8 +23,12 @@ reference per round with ``parity_reference``.
   interval (:func:`abbench.analysis.timing.quantile_ci`); a percentile needs 1 / (1 - q) values
   (:func:`abbench.analysis.latency.min_n`), else it is not given. ITL gaps of one request are not independent,
   so an ITL interval is narrower than the truth; the report says so.
-* Per round: **request_s** = ok requests that ended in the window / its length; **output_tok_s** = output tokens
-  that arrived in the window / its length (a token's arrival is its stamp); **goodput** = measured ok requests
+* Per round, over the **throughput window** (:func:`throughput_window`): the measured window in a closed loop (the
+  drain after the last send has fewer in flight and is left out); in an open loop (``rate``) from its start to
+  the end of the last measured request, since the arrivals, not the responses, set the pace there (at
+  ``rate=inf`` every request is sent at once, and the window of sends is empty). **request_s** = ok requests that
+  ended in the window / its length; **output_tok_s** = output tokens that arrived in the window / its length (a
+  token's arrival is its stamp); **goodput** = measured ok requests
   that met every SLO of ``[load] slo`` and ended in the window / its length; **error_rate** = measured failed
   requests / measured requests. The cell's figure is the median over rounds, with a bootstrap interval over
   rounds from two rounds up.
@@ -140,10 +144,21 @@ def _slo_value(slo: Slo, m: dict[str, Any]) -> float | None:
             "itl_s": m["itl_max"] if m["itl_max"] is not None else 0.0}[slo.metric]
 
 
+def throughput_window(level: LoadLevel) -> tuple[float, float]:
+    """(start, end) on the level clock of the window its throughput is counted over (module docstring): the
+    measured window, extended in an open loop to the end of the last measured request that ended."""
+    lo, hi = level.window_start_s, level.window_end_s
+    if level.kind == "rate":
+        ends = [r.end_s for r in measured(level) if r.end_s is not None]
+        hi = max([hi, *ends])
+    return lo, hi
+
+
 def round_figures(level: LoadLevel, slos: list[Slo]) -> dict[str, float | None]:
     """One level's per-round figures: request_s, output_tok_s, goodput (None without SLOs), error_rate (module
-    docstring); all None when the window is empty."""
-    lo, hi, w = level.window_start_s, level.window_end_s, level.window_s
+    docstring), over :func:`throughput_window`; all None when that window is empty."""
+    lo, hi = throughput_window(level)
+    w = max(0.0, hi - lo)
     meas = measured(level)
     rate = (sum(not r.ok for r in meas) / len(meas)) if meas else None
     if w <= 0:
@@ -173,8 +188,8 @@ def in_flight(level: LoadLevel) -> list[tuple[float, int]]:
 
 
 def _in_flight_window(level: LoadLevel) -> tuple[float | None, int | None]:
-    """Time-weighted mean and maximum of the number in flight over the window."""
-    steps, lo, hi = in_flight(level), level.window_start_s, level.window_end_s
+    """Time-weighted mean and maximum of the number in flight over the throughput window."""
+    steps, (lo, hi) = in_flight(level), throughput_window(level)
     if not steps or hi <= lo:
         return None, None
     area, n, t_prev, peak = 0.0, 0, lo, 0

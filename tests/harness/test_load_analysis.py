@@ -74,6 +74,26 @@ def test_a_level_by_hand() -> None:
     assert al._in_flight_window(lv) == (pytest.approx(0.75), 2)
 
 
+def test_an_open_loop_counts_its_throughput_until_the_measured_requests_ended() -> None:
+    """The same requests at a rate: the window of sends still picks the measured ones (r1, r2, r3), but the
+    throughput runs to r3's end (6.0), since the arrivals set the pace; at rate=inf every send is at 0 and the
+    window of sends is empty, yet the level's throughput is what the server drained."""
+    lv = _level("a", HAND).model_copy(update={"kind": "rate", "value": 2.0})
+    assert al.throughput_window(lv) == (1.0, 6.0)
+    f = al.round_figures(lv, [])
+    # window 1..6 (5 s): ok ends r0 (1.5), r1 (2.5), r3 (6.0), r4 (5.8); tokens r0 2, r1 3, r3 3, r4 3
+    assert f["request_s"] == pytest.approx(4 / 5) and f["output_tok_s"] == pytest.approx(11 / 5)
+    burst = [_req(i, 0.0, [0.5 + i, 1.0 + i, 1.5 + i]) for i in range(4)]  # served one after another
+    inf = LoadLevel(arm="a", round=1, role="load", kind="rate", value=float("inf"), started_at=0.0,  # type: ignore[arg-type]
+                    window_start_s=0.0, window_end_s=0.0, elapsed_s=4.5, requests=burst)
+    assert inf.window_s == 0 and al.throughput_window(inf) == (0.0, 4.5)
+    assert al.round_figures(inf, []) == {"request_s": pytest.approx(4 / 4.5), "output_tok_s": pytest.approx(12 / 4.5),
+                                         "goodput": None, "error_rate": 0.0}
+    assert al._in_flight_window(inf)[1] == 4
+    closed = _level("a", HAND)  # a closed loop keeps the window of sends (the drain is left out)
+    assert al.throughput_window(closed) == (1.0, 5.0)
+
+
 def test_the_cell_table_and_its_intervals() -> None:
     rec = _record([_level("a", HAND), _level("a", HAND, rnd=2)], slo=["ttft_s <= 1"])
     t = al.cell_table(rec)

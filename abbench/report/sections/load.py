@@ -12,7 +12,7 @@ from typing import Any
 
 import pandas as pd
 
-from abbench.analysis.load import load_levels, load_slos
+from abbench.analysis.load import load_levels, load_slos, throughput_window
 from abbench.analysis.timing import median_ci, verdict
 from abbench.report.format import DASH, Col, bullets, fmt_int, fmt_num, fmt_ratio, fmt_s, fmt_text, table
 from abbench.report.sections.base import ReportInput, plot_link
@@ -61,7 +61,8 @@ def _how(record: RunRecord) -> list[str]:
     per = (f"{spec['duration_s']:g} s of sends" if spec.get("duration_s") else
            f"{spec.get('requests') or 32} requests")
     out.append(f"per level: {per}; measured: requests sent from {spec.get('warmup_s', 0):g} s after its start to "
-               f"{spec.get('cooldown_s', 0):g} s before its last send; throughput counts what arrived in that window")
+               f"{spec.get('cooldown_s', 0):g} s before its last send; throughput counts what arrived in that window"
+               + (" (at a rate, until the last measured request ended)" if rates else ""))
     slos = load_slos(record)
     out.append("goodput SLOs: " + (", ".join(f"`{s.expr}`" for s in slos) if slos else "none declared"))
     refs = load_levels(record, "reference")
@@ -170,7 +171,8 @@ def load_section(ri: ReportInput) -> list[str]:
     stopped = [f"{lv.arm} {lv.label} round {lv.round}: {lv.stopped}" for lv in record.load if lv.stopped]
     if stopped:
         lines += ["Stopped early:", "", bullets(stopped), ""]
-    empty = [f"{lv.arm} {lv.label} round {lv.round}" for lv in load_levels(record) if lv.window_s <= 0]
+    empty = [f"{lv.arm} {lv.label} round {lv.round}" for lv in load_levels(record)
+             if throughput_window(lv)[1] <= throughput_window(lv)[0]]
     if empty:
         lines += ["No measured window (warm-up and cool-down cover every send; no throughput, no goodput): "
                   + ", ".join(empty) + ".", ""]
