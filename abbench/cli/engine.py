@@ -33,7 +33,9 @@ def memory_plan_cmd(
                                                          "each chunk length needs.")] = None,
     chunk_tokens: Annotated[str, typer.Option(help="Comma-separated prefill chunk lengths to compare.")] =
         "2048,4096,8192,16384",
-    max_context: Annotated[int, typer.Option(help="The engine's --max-context (the KV cache's length).")] = 65536,
+    max_context: Annotated[Optional[int], typer.Option(help="The engine's --max-context (the KV cache's length; "
+                                                           "default: the model's own limit, as the engine's)."
+                                                      )] = None,
     window_tokens: Annotated[Optional[int], typer.Option(help="The engine's --layer-major-window-tokens "
                                                               "(default: the engine's).")] = None,
     dtype: Annotated[str, typer.Option(help="float32 or bfloat16 (the engine's --dtype on CUDA).")] = "bfloat16",
@@ -56,7 +58,7 @@ def memory_plan_cmd(
       abbench memory-plan --model qwen3-30b-a3b-2507 --budget 24 --chunk-tokens 2048,8192
       abbench memory-plan --model qwen3.5-35b-a3b --chunk-tokens 2048,8192 --max-context 131072
       abbench memory-plan --model qwen3-30b-a3b --budget 24 --max-context 8192 --max-num-seqs 8
-      abbench memory-plan --model qwen3-30b-a3b --budget 16 --expert-dtype fp8
+      abbench memory-plan --model qwen3-30b-a3b --budget 16 --max-context 32768 --expert-dtype fp8
     """
     from abbench.engine.config import EngineConfig
     from abbench.engine.runtime.memory import GIB, plan_device_memory
@@ -68,7 +70,12 @@ def memory_plan_cmd(
     if not chunks or any(c <= 0 for c in chunks):
         _fail(ConfigError(f"--chunk-tokens {chunk_tokens!r}: give positive token counts, e.g. 2048,8192"))
         return
-    table = Table(title=f"device-memory plan: {model}, {dtype}, max context {max_context:,}"
+    try:
+        context = max_context or EngineConfig(model=model).model_config().max_position_embeddings
+    except (ValueError, AbbenchError) as e:
+        _fail(e if isinstance(e, AbbenchError) else ConfigError(str(e)))
+        return
+    table = Table(title=f"device-memory plan: {model}, {dtype}, max context {context:,}"
                   + (f", {max_num_seqs} sequences" if max_num_seqs > 1 else "")
                   + (f", budget {budget:g} GiB" if budget is not None else "") + (", resident" if resident else "")
                   + (f", {expert_dtype} expert bank" if expert_dtype != "model" else ""))

@@ -94,3 +94,9 @@ def test_an_fp8_bank_plans_its_staging_area_as_the_engine_does() -> None:
     plan = plan_device_memory(cfg, 16 * 2**30)
     assert int(fp8[4]) == plan.slots_per_layer < int(plain[4])  # the staging area costs slots: they hold bf16
     assert float(fp8[3]) == pytest.approx(plan.fixed_bytes / 2**30, abs=0.005)
+
+
+def test_the_defaults_plan_the_model_at_its_own_context_as_the_engine_does() -> None:
+    res = CliRunner().invoke(app, ["memory-plan"])
+    assert res.exit_code == 0, res.output
+    assert "max context 40,960" in res.output  # tiny's max_position_embeddings, the engine's default
