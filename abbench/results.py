@@ -292,10 +292,27 @@ def resolve_run_dir(run: str | Path, results_root: Path | None = None) -> Path:
     raise ResultsError(f"no run at {run}: pass a run directory (holding {RUN_FILE}) or a run id under results/")
 
 
+def tracked_runs(results_root: Path) -> set[str]:
+    """Names of the run folders under ``results_root`` whose ``run.json`` git tracks (a project's committed runs);
+    empty without git or outside a checkout."""
+    import subprocess
+
+    try:
+        r = subprocess.run(["git", "-C", str(results_root), "ls-files", "-z", "--", f"*/{RUN_FILE}"],
+                           capture_output=True, timeout=10, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return set()
+    if r.returncode != 0:
+        return set()
+    return {Path(p).parent.name for p in r.stdout.decode("utf-8", "surrogateescape").split("\0") if p}
+
+
 def latest_run(results_root: Path) -> Path:
     """The most recent run directory under ``results_root``: of the folders that hold a ``run.json``, the one
     whose ``run.json`` was written last (a run rewrites it at every service boundary and at the end; a
-    resumed run counts from its resume). :class:`ResultsError` when there is none."""
+    resumed run counts from its resume). Runs that git tracks are the project's committed evidence, not the
+    user's latest: they are left out (a fresh clone's checkout gives them all one time). :class:`ResultsError`
+    when there is none."""
     found: list[tuple[float, str, Path]] = []
     try:
         children = list(results_root.iterdir()) if results_root.is_dir() else []
@@ -306,11 +323,17 @@ def latest_run(results_root: Path) -> Path:
             found.append(((d / RUN_FILE).stat().st_mtime, d.name, d))
         except OSError:
             continue
-    if not found:
-        where = results_root.resolve() if results_root.exists() else results_root
+    committed = tracked_runs(results_root) if found else set()
+    mine = [f for f in found if f[1] not in committed]
+    where = results_root.resolve() if results_root.exists() else results_root
+    if not mine and found:
+        raise ResultsError(f"no run given, and the {len(found)} runs under {where} are the project's committed ones "
+                           "(git tracks them): pass one (e.g. `abbench report results/<run>`), or run `abbench run` "
+                           "first")
+    if not mine:
         raise ResultsError(f"no run given and no run under {where} (no folder there holds a {RUN_FILE}): pass a "
                            "run directory, or run `abbench run` here first")
-    return max(found)[2]
+    return max(mine)[2]
 
 
 def load_run(run: str | Path, results_root: Path | None = None) -> tuple[RunRecord, list[str]]:

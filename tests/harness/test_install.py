@@ -149,6 +149,25 @@ def test_latest_run_is_the_most_recently_written(tmp_path: Path) -> None:
     assert latest_run(results) == newer
 
 
+def test_latest_run_leaves_out_the_runs_git_tracks(tmp_path: Path) -> None:
+    """A fresh clone's committed runs all carry the checkout's time: none of them is the user's latest run, so
+    ``abbench report`` with no argument must not rewrite a committed report."""
+    import subprocess
+
+    results = tmp_path / "results"
+    results.mkdir()
+    now = time.time()
+    committed = _copy_run(results / "zzz-committed", now)
+    git = ["git", "-C", str(tmp_path), "-c", "user.email=t@t", "-c", "user.name=t"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "add", "results"], check=True)
+    subprocess.run([*git, "commit", "-qm", "runs"], check=True)
+    with pytest.raises(ResultsError, match="committed ones"):
+        latest_run(results)
+    mine = _copy_run(results / "aaa-mine", now - 100)  # older by mtime, yet the only one of the user's
+    assert latest_run(results) == mine and committed.is_dir()
+
+
 def test_report_gate_diff_take_the_latest_run_and_say_which(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
     runner = CliRunner()
