@@ -191,7 +191,8 @@ def export(
     csv: Annotated[bool, typer.Option("--csv", help="One row per sample, comma-separated, with a header.")] = False,
     out_file: Annotated[Optional[Path], typer.Option("--out", help="The file to write. Default: stdout.")] = None,
     load: Annotated[bool, typer.Option("--load", help="One row per request of the run's load levels instead "
-                                                      "(stamps, latencies, errors, ids; docs/json.md).")] = False,
+                                                      "(stamps, latencies, errors, ids; docs/json.md); the "
+                                                      "default for a run of load levels only.")] = False,
 ) -> None:
     """Export a run's samples for pandas, a spreadsheet or a database: one row per sample (every sample, with
     `measured` and `ok` saying which count), its timings (ttft_s, total_s, decode_tok_s, tpot_s), token counts,
@@ -210,6 +211,10 @@ def export(
         if not csv:
             raise ConfigError("choose a format: --csv (the run's own records are run.json and requests.jsonl)")
         record, _ = load_run(_run_or_latest(run), RESULTS_ROOT)
+        if not load and record.load and not record.samples:  # a load run has requests, not samples
+            console.print(f"run {record.run_id} is a load run: one row per request of its load levels (as --load)",
+                          highlight=False)
+            load = True
         if load:
             from abbench.analysis.load import requests_table
 
