@@ -46,9 +46,10 @@ BACKENDS = ("engine", "transformers")
 API_KEY_ENV = "ABBENCH_ENGINE_API_KEY"
 TINY_SPEC = "tiny-qwen3-moe:"  # abbench.engine.serve.reference.TINY_SPEC (not imported: it loads torch)
 TINY_SPECS = (TINY_SPEC, "tiny-qwen3-moe-hd64:")  # the names of abbench.engine.serve.reference.TINY_SHAPES
-_PROG = {"engine": "python -m abbench.engine", "transformers": "abbench serve --backend transformers"}
+_PROG = {"engine": "abbench serve", "transformers": "abbench serve --backend transformers"}
 _DESCRIPTION = {
-    "engine": "Serve the vendored offloaded-MoE engine over an OpenAI-compatible API.",
+    "engine": "Serve the vendored offloaded-MoE engine over an OpenAI-compatible API (`python -m abbench.engine` "
+              "takes the same arguments: the profiles' engine commands use it).",
     "transformers": "Serve a model's transformers implementation (greedy reference) over the vendored engine's "
                     "OpenAI-compatible API.",
 }
