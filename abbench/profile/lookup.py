@@ -92,8 +92,12 @@ def resolve_profile_path(name_or_path: str | None, cwd: Path | None = None) -> P
             return candidate
     known = sorted({e.name for e in available_profiles(cwd)})
     looked = " and ".join(str(d) for _, d in profile_dirs(cwd))
+    import difflib
+
+    close = difflib.get_close_matches(name_or_path, known, n=3, cutoff=0.6)
+    hint = f"did you mean {' or '.join(repr(c) for c in close)}? " if close else ""
     raise ConfigError(
-        f"no profile named {name_or_path!r} (looked in {looked}): pass a path to a .toml file or one of: "
+        f"no profile named {name_or_path!r} (looked in {looked}): {hint}pass a path to a .toml file or one of: "
         f"{', '.join(known) or '(none)'}"
     )
 

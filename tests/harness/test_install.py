@@ -63,6 +63,8 @@ def test_lookup_order_path_then_local_profiles_then_bundled(tmp_path: Path) -> N
     assert entries[("cpu-tiny-shared", "bundled")].shadowed_by is None
     with pytest.raises(ConfigError, match="no profile named 'nope'.*cpu-tiny"):
         resolve_profile_path("nope", cwd=tmp_path)
+    with pytest.raises(ConfigError, match="did you mean 'cpu-tiny'"):  # a misspelling gets the nearest names
+        resolve_profile_path("cpu-tiyn", cwd=tmp_path)
 
 
 def test_cli_profiles_and_run_profile_from_another_directory(tmp_path: Path) -> None:
