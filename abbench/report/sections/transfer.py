@@ -22,6 +22,13 @@ from abbench.report.format import (
 from abbench.report.sections.base import CELL_COLS, ReportInput, plot_link
 
 
+def _fmt_gbps(v) -> str:
+    """One decimal, or two significant digits below 1 GB/s (an FP8 bank dequantized on a CPU: 0.02, not 0.0)."""
+    if is_na(v) or float(v) >= 1 or float(v) == 0:
+        return fmt_num(v, 1)
+    return f"{float(v):.2g}"
+
+
 def h2d_section(ri: ReportInput) -> list[str]:
     a, plots = ri.analysis, ri.plots
     lines = ["## Host-to-device transfers", ""]
@@ -50,7 +57,7 @@ def h2d_section(ri: ReportInput) -> list[str]:
               + [Col("banks", "Banks", fmt_num),
                       Col("nvml_bytes", "NVML PCIe RX", fmt_gb), Col("engine_over_nvml", "Engine/NVML", fmt_ratio),
                       Col("n_windows", "Windows", fmt_num, descriptive=True),
-                      Col("measured_h2d_gbps", "H2D GB/s", lambda v: fmt_num(v, 1), descriptive=True),
+                      Col("measured_h2d_gbps", "H2D GB/s", _fmt_gbps, descriptive=True),
                       Col("floor_s", "Floor", fmt_s), Col("ttft_s", "TTFT", fmt_s),
                       Col("ttft_over_floor", "TTFT/floor", fmt_ratio)]
               + ([Col("copy_wait_s", "Copy wait", fmt_s)] if has_wait else [])
