@@ -302,13 +302,19 @@ class Profile(_Model):
         "auto" with the profile's rule (its ``target_halfwidth`` and ``max_rounds``, else
         :data:`AUTO_DEFAULTS`). ``concurrency``/``rate`` (``--concurrency 1,4,16``, ``--rate 2,8,inf``: read by
         :func:`abbench.profile.load.parse_levels`) replace the ``[load]`` levels, and the other kind's when only
-        one is given; a profile without ``[load]`` gets one with its defaults."""
+        one is given (declared checks on a level no longer run are left out); a profile without ``[load]`` gets
+        one with its defaults."""
         data = self.model_dump()
         if concurrency is not None or rate is not None:
             load = dict(data.get("load") or {})
             load["concurrency"] = [int(c) for c in concurrency or []]
             load["rate"] = list(rate or [])
             data["load"] = load
+            # the profile's checks on levels these flags do not run are left out, as --arms leaves out arms'
+            labels = {level_label("c", float(c)) for c in load["concurrency"]} | {
+                level_label("rate", float(r)) for r in load["rate"]}
+            data["gate"]["checks"] = [e for e, c in zip(data["gate"]["checks"], parse_checks(data["gate"]["checks"]))
+                                      if c.level is None or c.level in labels]
         where = "--arms"
         if arms is not None:
             known = {a["name"]: a for a in data["arms"]}

@@ -151,3 +151,13 @@ def test_the_level_plan_runs_the_arms_abba_at_each_level_and_resumes_where_it_st
     assert resume_at(plan, [record(s) for s in plan[:5]]) == 5
     assert resume_at(plan, [record(s) for s in plan[:4]] + [record(plan[4], "interrupted")]) == 4
     assert resume_at(plan, [record(s) for s in plan]) == len(plan)
+
+
+def test_command_line_levels_leave_out_the_checks_on_levels_they_do_not_run() -> None:
+    """`abbench run -p cpu-tiny-load --concurrency 1,2` was refused because the profile checks c=4: the flags
+    replace the levels, so the checks on the levels they drop go too (as --arms drops other arms' checks)."""
+    checks = ["parity_under_load[b, c=4]", "throughput_ratio[b, rate=inf] >= 1.2", "ttft_ratio[b] <= 2"]
+    p = _profile({"concurrency": [1, 4], "rate": ["inf"]}, checks)
+    assert p.with_overrides(concurrency=[1.0, 2.0]).gate.checks == ["ttft_ratio[b] <= 2"]
+    assert p.with_overrides(concurrency=[4.0], rate=[math.inf]).gate.checks == checks
+    assert p.with_overrides(rate=[math.inf]).gate.checks == checks[1:]
