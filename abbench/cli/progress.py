@@ -22,7 +22,8 @@ def finish(record, run_dir: Path, seconds: float, *, report: bool, what: str,  #
     2, naming the resume command); otherwise end with the gate's verdict line (:func:`verdict_line`; on stderr
     when stdout holds a JSON document) and exit 1 when a measured sample failed."""
     ok = sum(1 for s in record.samples if s.ok)
-    held = f"{len(record.samples)} samples ({ok} ok)"
+    excluded = sum(1 for s in record.samples if s.excluded)  # warm-up (and JIT) samples the gate does not count
+    held = f"{len(record.samples)} samples ({ok} ok" + (f"; {excluded} warm-up, not measured)" if excluded else ")")
     if record.load:  # a load run: its levels and their requests (failed ones are judged by the gate's load-levels)
         reqs = [r for lv in record.load for r in lv.requests]
         held = (f"{len(record.load)} load levels, {len(reqs)} requests ({sum(r.ok for r in reqs)} ok)"
