@@ -13,6 +13,7 @@ deliberately.
 from __future__ import annotations
 
 import ast
+import functools
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -99,7 +100,11 @@ def _imports(module: str, path: Path) -> Iterator[str]:
                     yield owner
 
 
-GRAPH = {m: sorted(set(_imports(m, p))) for m, p in MODULES.items()}
+@functools.cache
+def graph() -> dict[str, list[str]]:
+    """Module -> the abbench modules it imports. Built when a test first asks, not at import: every xdist worker
+    imports this file to collect it (parsing the whole package took ~1.2 s of CPU in each), one runs it."""
+    return {m: sorted(set(_imports(m, p))) for m, p in MODULES.items()}
 
 
 def _floor(module: str) -> int | None:
@@ -149,10 +154,10 @@ def _circles(graph: dict[str, list[str]]) -> list[list[str]]:
 
 def test_the_graph_is_read_from_the_source() -> None:
     """The walk sees what it must: deferred imports, relative imports and ``from abbench import x``."""
-    assert "abbench.engine.serve.launch" in GRAPH["abbench.cli.engine"]  # inside the serve command's body
-    assert "abbench.engine.config" in GRAPH["abbench.engine"]  # `from abbench.engine.config import ...`
-    assert "abbench.engine.runtime.engine" in GRAPH["abbench.engine"]  # deferred, in __getattr__
-    assert "abbench.runner" in GRAPH["abbench.cli.experiment"]  # `from abbench import runner`
+    assert "abbench.engine.serve.launch" in graph()["abbench.cli.engine"]  # inside the serve command's body
+    assert "abbench.engine.config" in graph()["abbench.engine"]  # `from abbench.engine.config import ...`
+    assert "abbench.engine.runtime.engine" in graph()["abbench.engine"]  # deferred, in __getattr__
+    assert "abbench.runner" in graph()["abbench.cli.experiment"]  # `from abbench import runner`
     assert len(MODULES) > 80
 
 
@@ -162,7 +167,7 @@ def test_the_circle_finder_finds_circles() -> None:
 
 
 def test_no_import_circle_in_the_package() -> None:
-    circles = _circles(GRAPH)
+    circles = _circles(graph())
     assert not circles, "import circles: " + "; ".join(" <-> ".join(c) for c in circles)
 
 
@@ -173,7 +178,7 @@ def test_every_module_sits_on_a_floor() -> None:
 
 def test_no_import_runs_up_a_floor() -> None:
     upward = []
-    for m, targets in GRAPH.items():
+    for m, targets in graph().items():
         for t in targets:
             fm, ft = _floor(m), _floor(t)
             if fm is not None and ft is not None and ft > fm:
@@ -183,7 +188,7 @@ def test_no_import_runs_up_a_floor() -> None:
 
 @pytest.mark.parametrize("module", sorted(m for m in MODULES if m.startswith("abbench.engine")))
 def test_the_engine_imports_nothing_of_the_harness(module: str) -> None:
-    outside = [t for t in GRAPH[module] if not (t == "abbench.engine" or t.startswith("abbench.engine."))]
+    outside = [t for t in graph()[module] if not (t == "abbench.engine" or t.startswith("abbench.engine."))]
     assert not outside, f"{module} imports {outside}"
 
 
@@ -216,12 +221,12 @@ def test_the_serving_layer_and_the_reference_stand_on_the_contract() -> None:
     serve = [m for m in MODULES if m.startswith("abbench.engine.serve.") and m != "abbench.engine.serve.launch"]
     assert "abbench.engine.serve.reference" in serve and "abbench.engine.serve.server" in serve
     for m in serve:
-        assert not [t for t in GRAPH[m] if t.startswith("abbench.engine.runtime")], m
-    assert "abbench.engine.contract" in GRAPH["abbench.engine.serve.reference"]
-    assert "abbench.engine.runtime.engine" in GRAPH["abbench.engine.serve.launch"]
+        assert not [t for t in graph()[m] if t.startswith("abbench.engine.runtime")], m
+    assert "abbench.engine.contract" in graph()["abbench.engine.serve.reference"]
+    assert "abbench.engine.runtime.engine" in graph()["abbench.engine.serve.launch"]
     for m in MODULES:
         if m.startswith(("abbench.engine.runtime", "abbench.engine.models", "abbench.engine.ops")):
-            assert not [t for t in GRAPH[m] if t.startswith(("abbench.engine.serve", "abbench.engine.tools"))], m
+            assert not [t for t in graph()[m] if t.startswith(("abbench.engine.serve", "abbench.engine.tools"))], m
 
 
 def _calls(module: str) -> Iterator[ast.Call]:
@@ -250,8 +255,8 @@ def test_the_engine_contract_needs_no_torch(module: str) -> None:
 
 def test_neither_backend_imports_the_launcher_and_the_runner_no_diagnostics() -> None:
     for backend in ("abbench.engine.serve.server", "abbench.engine.serve.reference"):
-        assert "abbench.engine.serve.launch" not in GRAPH[backend]
-    assert {"abbench.engine.serve.server", "abbench.engine.serve.reference"} <= set(GRAPH["abbench.engine.serve.launch"])
+        assert "abbench.engine.serve.launch" not in graph()[backend]
+    assert {"abbench.engine.serve.server", "abbench.engine.serve.reference"} <= set(graph()["abbench.engine.serve.launch"])
     runner = [m for m in MODULES if m == "abbench.runner" or m.startswith("abbench.runner.")]
     for m in runner:
-        assert not [t for t in GRAPH[m] if t.startswith("abbench.diagnostics")], m
+        assert not [t for t in graph()[m] if t.startswith("abbench.diagnostics")], m

@@ -72,7 +72,7 @@ def test_the_check_takes_seconds_not_the_health_timeout(tmp_path: Path) -> None:
     t0 = time.perf_counter()
     with EngineClient() as client, pytest.raises(ServiceError, match="connection refused"):
         check_services(prof, client, Credentials(), ["b"], lambda m: None)
-    assert time.perf_counter() - t0 < services.REFUSED_GRACE_S + 3
+    assert time.perf_counter() - t0 < services.REFUSED_GRACE_S + 30  # far below the 120 s health timeout
 
 
 @pytest.mark.parametrize(("command", "said"), [

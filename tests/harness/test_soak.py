@@ -108,4 +108,7 @@ def test_soak_500_requests(tmp_path: Path) -> None:
     while threading.active_count() > threads_before and time.monotonic() < deadline:
         time.sleep(0.05)
     assert threading.active_count() <= threads_before
-    assert elapsed < 120
+    # 28 s alone on 2 idle cores, 52 s beside the rest of the suite, 74 s beside it with two busy loops: 120 s left a
+    # slower or busier CI machine too little room. 240 s stays under what a stall of 0.5 s per request (a poll or a
+    # timeout in the request path) costs over 502 requests, about 250 s on top of the work.
+    assert elapsed < 240
