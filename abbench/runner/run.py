@@ -310,9 +310,13 @@ class Run:
         spec = self._key_env[arm]
         return auth_failure(e, spec.api_key_env, spec.api_key_field, self.credentials)
 
-    def notify(self, kind: str, message: str, sample: Sample | None = None) -> None:
+    def notify(self, kind: str, message: str, sample: Sample | None = None, *, done: int | None = None,
+               total: int | None = None) -> None:
+        """A progress event; ``done`` / ``total`` default to the samples recorded and the steps planned (a load
+        run counts its cells instead)."""
         if self.observer is not None:
-            self.observer(ProgressEvent(kind, message, len(self.record.samples), len(self.plan), sample))
+            self.observer(ProgressEvent(kind, message, len(self.record.samples) if done is None else done,
+                                        len(self.plan) if total is None else total, sample))
 
     def record_load(self, level: LoadLevel) -> None:
         """Append a load level to the record and save run.json at once (a crash loses no finished level)."""

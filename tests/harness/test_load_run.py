@@ -153,9 +153,13 @@ def test_a_run_stopped_mid_level_resumes_at_that_level(load_run_dir: Path, tmp_p
     mark = fk.new_mark()
     record.profile["engine"]["env"] = {"ABBENCH_TEST_MARK": mark}
     save_run(run_dir, record)
-    out = runner.execute(profile_from_dict(record.profile), run_dir, resume=True)
+    events: list = []
+    out = runner.execute(profile_from_dict(record.profile), run_dir, resume=True, observer=events.append)
     fk.assert_no_leftovers(mark)
     assert out.status == "complete" and len(out.load) == 17
+    # progress counts the cells (a load run has no samples): from the resumed one (5 done of 16) to 16 of 16
+    shown = [(e.done, e.total) for e in events if e.kind == "service" and e.message.startswith("load:")]
+    assert shown[0] == (5, 16) and shown[-1] == (16, 16) and {t for _, t in shown} == {16}
     assert out.load[5].stopped is not None and len(out.load[5].requests) == 2  # the finished requests are kept
     again = out.load[6]
     assert (again.round, again.role, again.label, again.arm) == (1, "load", "c=3", "b") and again.stopped is None

@@ -17,8 +17,9 @@ from abbench.profile import Profile
 from abbench.prompts import BuiltPrompt
 from abbench.results import PromptRecord, RunRecord, Step
 
-Notify = Callable[[str, str], None]
-"""``notify(kind, message)``: a progress line for the run's observer (kind "service", "prompts" or "warning")."""
+Notify = Callable[..., None]
+"""``notify(kind, message, done=None, total=None)``: a progress line for the run's observer (kind "service",
+"prompts" or "warning"); ``done`` / ``total`` where the plan counts its own steps (a load run's cells)."""
 
 
 class OwnStep(Protocol):

@@ -125,10 +125,13 @@ class LoadLevels(PlanStrategy):
                         extra={**p.request.extra, **p.arm(lv.arm).request}, model=eng.model,
                         headers=ctx.headers(lv.arm), metrics_path=eng.metrics_path or "", arm=lv.arm,
                         service=step.service, position=lv.position, verify=ctx.verify)
-        ctx.notify("service", f"load: {step.describe()}")
+        cells = [c.level for c in self.cells()]
+        at = cells.index(lv) if lv in cells else 0
+        ctx.notify("service", f"load: {step.describe()}", done=at, total=len(cells))
         level = Level.from_spec(_load(p), lv.kind, lv.value, round=lv.round, role=lv.role)
         record = run_level(level, target, self._prompts,
                            retokenize=lambda text: ctx.tokenizer.encode(text, add_special_tokens=False))
         ctx.record_load(record)
+        ctx.notify("service", f"load: {step.describe()}: done", done=at + 1, total=len(cells))
         if record.stopped is not None:
             raise KeyboardInterrupt(record.stopped)
