@@ -208,15 +208,6 @@ class ExpertBank:
                 q_out[a].copy_(q)
                 s_out[a].copy_(scale)
 
-    def expert(self, layer: int, e: int, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Expert ``e`` of ``layer`` as (gate_up [2I, H], down [H, I]) in ``dtype`` (default: the compute dtype),
-        dequantized on the host for FP8: what the device computes with (tools and tests)."""
-        dtype = dtype or self.compute_dtype
-        if not self.fp8:
-            return self.gate_up[layer][e].to(dtype), self.down[layer][e].to(dtype)
-        return (dequantize(self.gate_up[layer][e:e + 1], self.gate_up_scale[layer][e:e + 1], dtype, self.block)[0],
-                dequantize(self.down[layer][e:e + 1], self.down_scale[layer][e:e + 1], dtype, self.block)[0])
-
     def _alloc(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         if not self.pinned:
             return torch.empty(shape, dtype=dtype)

@@ -24,7 +24,8 @@ Contract:
   * an FP8 bank (``ExpertBank.fp8``): every copy from the host moves the FP8 values and their scales (into a
     staging area of one layer on CUDA; on CPU the bank is read in place) and is dequantized into the buffer or
     slot on the same stream (``bank.dequantize_into``), so the device computes in its own dtype and every path
-    sees the same values. Decode's misses are then the host's (the device-side fetch reads the bank as the
+    sees the same values. The staging area is shared by the copy stream and the compute stream's copies, which
+    already wait for the copy stream (``load_experts`` here, ``Decoder.step`` before its slot writes). Decode's misses are then the host's (the device-side fetch reads the bank as the
     slots' dtype).
 - Accounting: every expert copy adds to ``lifetime`` and ``request`` (``Traffic``): host->device bytes,
   device->device bytes, and the number of experts copied. ``bank_bytes`` is one full pass over all layers.
@@ -393,8 +394,6 @@ class ExpertStore:
         cache = self.slots
         assert cache is not None, "decode_experts needs a slot cache (not in resident mode)"
         cache.sync_host()
-        if self.stage is not None:  # the staging area: no streamed copy (a cancelled prefill's) may still write it
-            torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
         needed = sorted(set(ids))
         if len(needed) > cache.slots_per_layer:
             raise RuntimeError(f"{len(needed)} experts needed at once > {cache.slots_per_layer} slots per layer")
