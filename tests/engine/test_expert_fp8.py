@@ -147,14 +147,20 @@ def test_a_hybrid_model_streams_fp8_experts_with_the_modes_equal() -> None:
         assert _run(engine, ids, mode, max_tokens=3)[:2] == ref[:2], mode
 
 
-def test_a_checkpoint_is_quantized_at_load_as_its_values_are(tmp_path) -> None:
+def _hf_checkpoint(path, seed: int):
+    """A tiny Qwen3-MoE checkpoint written by transformers into ``path`` (experts per expert, as on the hub)."""
     transformers = pytest.importorskip("transformers")
     cfg = transformers.Qwen3MoeConfig(vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                                       moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
                                       max_position_embeddings=512, decoder_sparse_step=1, norm_topk_prob=True)
-    torch.manual_seed(0)
-    transformers.Qwen3MoeForCausalLM(cfg).save_pretrained(tmp_path)  # experts per expert, as on the hub
+    torch.manual_seed(seed)
+    transformers.Qwen3MoeForCausalLM(cfg).save_pretrained(path)
+    return path
+
+
+def test_a_checkpoint_is_quantized_at_load_as_its_values_are(tmp_path) -> None:
+    _hf_checkpoint(tmp_path, seed=0)
     knobs = dict(weights=str(tmp_path), model=None, max_context=256, bandwidth_probe_bytes=0, device="cpu")
     plain = Engine(EngineConfig(**knobs)).store.bank
     fp8 = Engine(EngineConfig(**knobs, expert_dtype="fp8")).store.bank
@@ -228,14 +234,7 @@ def fp8_checkpoint(tmp_path_factory):
 
     from safetensors.torch import load_file, save_file
 
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.Qwen3MoeConfig(vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                      moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
-                                      max_position_embeddings=512, decoder_sparse_step=1, norm_topk_prob=True)
-    torch.manual_seed(1)
-    src = tmp_path_factory.mktemp("src")
-    transformers.Qwen3MoeForCausalLM(cfg).save_pretrained(src)
+    src = _hf_checkpoint(tmp_path_factory.mktemp("src"), seed=1)
     tensors = {}
     for f in sorted(src.glob("*.safetensors")):
         tensors.update(load_file(f))
