@@ -170,22 +170,24 @@ class Checkpoint:
         t = self._raw(key, shape)
         if t.dtype != FP8:
             return t
-        q, scale = self.get_fp8(key, shape)
-        return dequantize(q[None], scale[None], torch.float32, self.fp8_block)[0]
+        return dequantize(t[None], self._scale(key, shape)[None], torch.float32, self.fp8_block)[0]
 
     def get_fp8(self, key: str, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
         """An FP8 weight [rows, cols] as it is stored: (float8 e4m3 values, float32 block scales [ceil(rows / br),
         ceil(cols / bc)], the ``weight_scale_inv`` beside it)."""
-        if self.fp8_block is None:
-            raise ValueError(f"{self.path}: {key!r} is asked for as FP8 but config.json has no FP8 "
-                             "quantization_config")
         t = self._raw(key, shape)
         if t.dtype != FP8:
             raise ValueError(f"{self.path}: tensor {key!r} is {t.dtype}, not float8_e4m3fn")
+        return t, self._scale(key, shape)
+
+    def _scale(self, key: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """The block scales of the FP8 weight ``key`` (its ``weight_scale_inv``) as float32."""
+        if self.fp8_block is None:
+            raise ValueError(f"{self.path}: {key!r} is stored in FP8 but config.json has no FP8 "
+                             "quantization_config (weight_block_size) to read its scales by")
         br, bc = self.fp8_block
         scale_key = key.removesuffix("weight") + "weight_scale_inv"
-        scale = self._raw(scale_key, (-(-shape[0] // br), -(-shape[1] // bc))).to(torch.float32)
-        return t, scale
+        return self._raw(scale_key, (-(-shape[0] // br), -(-shape[1] // bc))).to(torch.float32)
 
 
 def load_checkpoint(path: str | Path, cfg: ModelConfig, bank: ExpertBank, device: torch.device,
