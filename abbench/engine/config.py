@@ -253,10 +253,6 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.expert_dtype not in EXPERT_DTYPES:
             raise ValueError(f"expert_dtype must be one of {EXPERT_DTYPES}, got {self.expert_dtype!r}")
-        if self.expert_dtype == "fp8" and self.decode_misses == "device":
-            raise ValueError("decode_misses 'device' reads the misses from the host bank in the slots' dtype; an "
-                             "FP8 bank's misses are copied and dequantized by the host (decode_misses 'host' or "
-                             "'auto')")
         dev = self.device
         if not (dev == "cpu" or dev == "cuda" or (dev.startswith("cuda:") and dev[5:].isdigit())):
             raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {dev!r}")

@@ -255,6 +255,47 @@ def test_experts_reading_their_misses_from_the_host_equal_fetching_first(dtype):
         dk.moe_one_token(h, w, slots, gu, dn, fetch=(src, host_gu[:, :, :8].contiguous(), host_dn))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_experts_reading_fp8_misses_equal_dequantizing_them_first(dtype):
+    """An FP8 bank's misses: moe_one_token's ``fetch`` with the bank's float8 values and row scales gives the bits
+    of dequantizing the missed experts into their slots first (``bank.dequantize_into``, the host's path), and
+    leaves those very values in the slots (the hit's and the unrouted slots untouched)."""
+    if not _triton_runs_here():
+        pytest.skip("Triton runs on CUDA, or on CPU under TRITON_INTERPRET=1")
+    if dtype == torch.bfloat16 and DEVICE.type != "cuda":
+        pytest.skip("the interpreter rounds float32 to bfloat16 toward zero; compiled Triton rounds to nearest even")
+    from abbench.engine.models.bank import dequantize_into, quantize_rows
+
+    gen = torch.Generator().manual_seed(3)
+    E, S, inter, H = 9, 5, 24, 40
+    (q_gu, s_gu), (q_dn, s_dn) = (quantize_rows(torch.randn(E, 2 * inter, H, generator=gen) / 8),
+                                  quantize_rows(torch.randn(E, H, inter, generator=gen) / 8))
+    if DEVICE.type == "cuda":  # the kernels read host memory mapped into the device's address space
+        q_gu, s_gu, q_dn, s_dn = (t.pin_memory() for t in (q_gu, s_gu, q_dn, s_dn))
+    gu = torch.randn(S, 2 * inter, H, generator=gen).to(dtype).to(DEVICE)  # stale slot contents
+    dn = torch.randn(S, H, inter, generator=gen).to(dtype).to(DEVICE)
+    dequantize_into(gu[3:4], q_gu[5:6].to(DEVICE), s_gu[5:6].to(DEVICE))  # the hit: expert 5 sits in slot 3
+    dequantize_into(dn[3:4], q_dn[5:6].to(DEVICE), s_dn[5:6].to(DEVICE))
+    src = torch.tensor([7, -1, 2], dtype=torch.int32, device=DEVICE)  # expert 7 into slot 4, the hit, 2 into 0
+    slots = torch.tensor([[4, 3, 0]], device=DEVICE)
+    h = torch.randn(1, H, generator=gen).to(dtype).to(DEVICE)
+    x = torch.randn(1, H, generator=gen).to(dtype).to(DEVICE)
+    w = torch.softmax(torch.randn(1, 3, generator=gen), -1).to(DEVICE)
+    ref_gu, ref_dn = gu.clone(), dn.clone()
+    for slot, e in ((4, 7), (0, 2)):
+        dequantize_into(ref_gu[slot:slot + 1], q_gu[e:e + 1].to(DEVICE), s_gu[e:e + 1].to(DEVICE))
+        dequantize_into(ref_dn[slot:slot + 1], q_dn[e:e + 1].to(DEVICE), s_dn[e:e + 1].to(DEVICE))
+    ref = dk.moe_one_token(h, w, slots, ref_gu, ref_dn, block_n=16, block_k=32, residual=x)
+    before_gu, before_dn = gu.clone(), dn.clone()
+    got = dk.moe_one_token(h, w, slots, gu, dn, block_n=16, block_k=32, residual=x,
+                           fetch=(src, q_gu, q_dn, s_gu, s_dn))
+    assert torch.equal(got, ref)
+    assert torch.equal(gu, ref_gu) and torch.equal(dn, ref_dn)
+    assert torch.equal(gu[[1, 2, 3]], before_gu[[1, 2, 3]]) and torch.equal(dn[[1, 2, 3]], before_dn[[1, 2, 3]])
+    with pytest.raises(ValueError, match="FP8 fetch needs"):
+        dk.moe_one_token(h, w, slots, gu, dn, fetch=(src, q_gu, q_dn, s_gu[:, :4].contiguous(), s_dn))
+
+
 def test_the_kernel_check_runs_and_every_candidate_agrees(tmp_path, capsys):
     out = tmp_path / "kernels.json"
     assert main(["--device", str(DEVICE), "--contexts", "64,128", "--replays", "3", "--out", str(out)]) == 0

@@ -109,14 +109,26 @@ def test_copies_move_the_fp8_bytes_scales_included(fp8) -> None:
         MINI.num_hidden_layers * MINI.num_experts * bank.scale_bytes  # the values' bytes in FP8, plus the scales
 
 
+def _run_misses(engine: Engine, ids: list[int], misses: str | None, max_tokens: int = 12):
+    engine.reset()
+    events, stats = engine.run(ids, max_tokens=max_tokens, prefill_mode="layer-major", logprobs=5,
+                               decode_misses=misses)
+    return [e.token_id for e in events], [e.top_logprobs for e in events], stats
+
+
 def test_decode_misses_dequantize_into_the_slots_bitwise_as_resident_experts(fp8, fp8_slots) -> None:
+    """Every way decode's misses can be handled (the host's copy and dequantization; on CUDA with Triton also the
+    experts' kernels reading the FP8 bank over PCIe and dequantizing as they go, the default there) leaves the
+    same values in the slots as the resident experts hold: the same bits."""
     ids = _prompt(70, seed=4)
     want = _run(fp8, ids, "resident", max_tokens=12)
-    got = _run(fp8_slots, ids, "layer-major", max_tokens=12)
-    assert got[0] == want[0] and got[1] == want[1]
-    d = got[2]
-    assert d.slot_misses > 0 and d.decode_h2d_bytes == d.slot_misses * fp8_slots.store.bank.expert_bytes
-    assert fp8_slots.decoder.misses == "host"
+    device_side = fp8_slots.decoder.table is not None  # CUDA with Triton's experts: the default is "device"
+    assert fp8_slots.decoder.misses == ("device" if device_side else "host")
+    for misses in ("host", "device") if device_side else ("host",):
+        got = _run_misses(fp8_slots, ids, misses)
+        assert got[0] == want[0] and got[1] == want[1], misses
+        d = got[2]
+        assert d.slot_misses > 0 and d.decode_h2d_bytes == d.slot_misses * fp8_slots.store.bank.expert_bytes, misses
 
 
 def test_the_fp8_engine_computes_with_exactly_the_dequantized_weights(fp8) -> None:
@@ -127,8 +139,11 @@ def test_the_fp8_engine_computes_with_exactly_the_dequantized_weights(fp8) -> No
     for layer in range(MINI.num_hidden_layers):
         for t in (bank.gate_up[layer], bank.down[layer]):
             t.copy_(dequantize(*quantize_rows(t), t.dtype))
-    if ref.store.resident is not None and ref.store.cuda:  # resident copies were taken at start: take them again
-        ref.store.resident = [(g.to(ref.device), d.to(ref.device)) for g, d in zip(bank.gate_up, bank.down)]
+    if ref.store.cuda:  # the resident copies were taken at start: overwrite them in place (the CUDA graphs
+        # captured at start read these very tensors; new tensors would leave the graphs on the unrounded weights)
+        for (g, d), gb, db in zip(ref.store.resident, bank.gate_up, bank.down):
+            g.copy_(gb)
+            d.copy_(db)
     ids = _prompt(90, seed=5)
     for mode in ("resident", "layer-major"):
         assert _run(ref, ids, mode, max_tokens=8)[:2] == _run(fp8, ids, mode, max_tokens=8)[:2], mode
@@ -189,8 +204,6 @@ def test_the_memory_plan_counts_the_staging_area() -> None:
 def test_the_configuration_refuses_what_fp8_cannot_do() -> None:
     with pytest.raises(ValueError, match="expert_dtype must be one of"):
         EngineConfig(model=MINI, expert_dtype="fp4")
-    with pytest.raises(ValueError, match="FP8 bank's misses are copied and dequantized by the host"):
-        EngineConfig(model=MINI, expert_dtype="fp8", decode_misses="device")
 
 
 def test_the_server_flag_and_what_the_engine_reports() -> None:
@@ -293,6 +306,39 @@ def test_an_fp8_checkpoint_serves_as_its_dequantized_weights_do(fp8_checkpoint) 
         engine = _ckpt_engine(fp8_dir, prefill_mode="resident", expert_dtype=expert_dtype)
         for mode in ("resident", "layer-major", "chunked"):
             assert _run(engine, ids, mode, max_tokens=6)[:2] == want[:2], (expert_dtype, mode)
+
+
+def test_device_side_misses_are_refused_for_block_scales(fp8_checkpoint) -> None:
+    """The experts' kernels dequantize misses with per-row scales; a bank that keeps an FP8 checkpoint's block
+    scales has its misses copied by the host, and asking for the device's way says so."""
+    with pytest.raises(ValueError, match="block scales has its misses copied and dequantized by the host"):
+        _ckpt_engine(fp8_checkpoint[0], expert_dtype="fp8", expert_slots_per_layer=4, decode_misses="device")
+
+
+@pytest.mark.skipif(DEVICE == "cpu", reason="the dequantization kernel is Triton's (CUDA)")
+@pytest.mark.parametrize("block", [None, (128, 128), BLOCK])
+def test_the_fused_dequantization_kernel_gives_the_torch_compositions_bits(block) -> None:
+    from abbench.engine.models.bank import dequantize_into
+    from abbench.engine.ops import kernels
+
+    if not kernels.have_triton():
+        pytest.skip("no Triton")
+    g = torch.Generator().manual_seed(7)
+    for shape in ((5, 96, 200), (3, 384, 64), (1, 1536, 2048)):
+        w = (torch.randn(shape, generator=g) * torch.logspace(-4, 1, shape[1])[None, :, None]).to(DEVICE)
+        if block is None:
+            q, scale = quantize_rows(w)
+        else:
+            br, bc = block
+            nr, nc = -(-shape[1] // br), -(-shape[2] // bc)
+            scale = torch.rand(shape[0], nr, nc, generator=g).add_(0.01).to(DEVICE)
+            q = (torch.randn(shape, generator=g) * 100).clamp_(-FP8_MAX, FP8_MAX).to(FP8).to(DEVICE)
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            want = dequantize_into(torch.empty(shape, dtype=dtype, device=DEVICE), q, scale, block)
+            got = kernels.dequantize_fp8(torch.full(shape, float("nan"), dtype=dtype, device=DEVICE), q, scale, block)
+            assert torch.equal(got.view(torch.uint8) if dtype != torch.float32 else got.view(torch.int32),
+                               want.view(torch.uint8) if dtype != torch.float32 else want.view(torch.int32)), \
+                (shape, dtype)
 
 
 def test_a_quantization_the_engine_cannot_read_is_refused(tmp_path) -> None:

@@ -26,7 +26,10 @@ accumulation; none is bitwise equal to it (other summation orders), and each is 
   kernel; with ``lookup`` the same program looks the experts up in the decode slot cache's device-side table
   (``slot_assign``: the host LRU's policy), for offloaded decode with the misses on the device.
 - ``moe_one_token``'s ``fetch``: a slot-cache miss read from the registered host bank (zero-copy over PCIe) by
-  the experts' kernels, which compute with it and store it into its slot.
+  the experts' kernels, which compute with it and store it into its slot; from an FP8 bank it is read as float8
+  with its row scales and dequantized in the kernel (the same bits as the host's copy and dequantization).
+- ``dequantize_fp8(out, q, scale, block)``: an FP8 bank's streamed experts into the compute dtype, one kernel,
+  the same bits as ``bank.dequantize_into`` (``ExpertStore`` uses it on CUDA for every FP8 copy).
 
 The reference kernels no request runs (the lookup and the miss copy as kernels of their own, SDPA's decode
 attention) are :mod:`abbench.engine.tools.reference_kernels`.
@@ -51,8 +54,9 @@ def have_triton() -> bool:
 
 if triton is not None:
     @triton.jit
-    def _gate_up_act(h_ptr, w_ptr, ids_ptr, out_ptr, src_ptr, host_ptr, H: tl.constexpr, I: tl.constexpr,
-                     stride_we, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FETCH: tl.constexpr):
+    def _gate_up_act(h_ptr, w_ptr, ids_ptr, out_ptr, src_ptr, host_ptr, scale_ptr, H: tl.constexpr,
+                     I: tl.constexpr, stride_we, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     FETCH: tl.constexpr, FP8: tl.constexpr):
         j = tl.program_id(0)  # routed slot 0..k-1
         nb = tl.program_id(1)
         e = tl.load(ids_ptr + j).to(tl.int64)
@@ -60,10 +64,17 @@ if triton is not None:
         rmask = rows < I
         base = w_ptr + e * stride_we
         read = base
+        miss = -1
         if FETCH:  # a miss (src >= 0): read the expert from the host bank and leave a copy in its slot
             miss = tl.load(src_ptr + j).to(tl.int64)
-            if miss >= 0:
-                read = host_ptr + miss * stride_we
+            if not FP8:
+                if miss >= 0:
+                    read = host_ptr + miss * stride_we
+        if FP8:  # the miss's row scales (float32, one per output row of gate and of up)
+            sm = rmask & (miss >= 0)
+            at = tl.maximum(miss, 0) * 2 * I + rows
+            sg = tl.load(scale_ptr + at, mask=sm, other=1.0)
+            su = tl.load(scale_ptr + at + I, mask=sm, other=1.0)
         acc_g = tl.zeros([BLOCK_N], dtype=tl.float32)
         acc_u = tl.zeros([BLOCK_N], dtype=tl.float32)
         for k0 in range(0, H, BLOCK_K):
@@ -73,20 +84,34 @@ if triton is not None:
             m = rmask[:, None] & cmask[None, :]
             g_off = rows[:, None] * stride_wn + cols[None, :]
             u_off = (rows[:, None] + I) * stride_wn + cols[None, :]
-            wg = tl.load(read + g_off, mask=m, other=0.0)
-            wu = tl.load(read + u_off, mask=m, other=0.0)
-            if FETCH:
-                tl.store(base + g_off, wg, mask=m & (miss >= 0))
-                tl.store(base + u_off, wu, mask=m & (miss >= 0))
+            if FP8:
+                if miss >= 0:  # float8 from the host bank, dequantized as bank.dequantize_into does (q * scale
+                    # in float32, rounded once to the slots' dtype), stored into the slot, computed with
+                    hq = host_ptr + miss * stride_we
+                    wg = (tl.load(hq + g_off, mask=m, other=0.0).to(tl.float32) * sg[:, None]).to(
+                        w_ptr.dtype.element_ty)
+                    wu = (tl.load(hq + u_off, mask=m, other=0.0).to(tl.float32) * su[:, None]).to(
+                        w_ptr.dtype.element_ty)
+                    tl.store(base + g_off, wg, mask=m)
+                    tl.store(base + u_off, wu, mask=m)
+                else:
+                    wg = tl.load(base + g_off, mask=m, other=0.0)
+                    wu = tl.load(base + u_off, mask=m, other=0.0)
+            else:
+                wg = tl.load(read + g_off, mask=m, other=0.0)
+                wu = tl.load(read + u_off, mask=m, other=0.0)
+                if FETCH:
+                    tl.store(base + g_off, wg, mask=m & (miss >= 0))
+                    tl.store(base + u_off, wu, mask=m & (miss >= 0))
             acc_g += tl.sum(wg.to(tl.float32) * x[None, :], axis=1)
             acc_u += tl.sum(wu.to(tl.float32) * x[None, :], axis=1)
         act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
         tl.store(out_ptr + j * I + rows, act, mask=rmask)
 
     @triton.jit
-    def _down_sum(a_ptr, w_ptr, ids_ptr, tw_ptr, res_ptr, out_ptr, src_ptr, host_ptr, H: tl.constexpr,
+    def _down_sum(a_ptr, w_ptr, ids_ptr, tw_ptr, res_ptr, out_ptr, src_ptr, host_ptr, scale_ptr, H: tl.constexpr,
                   I: tl.constexpr, K_ROUTED: tl.constexpr, stride_we, stride_wn, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, HAS_RES: tl.constexpr, FETCH: tl.constexpr):
+                  BLOCK_K: tl.constexpr, HAS_RES: tl.constexpr, FETCH: tl.constexpr, FP8: tl.constexpr):
         nb = tl.program_id(0)
         rows = nb * BLOCK_N + tl.arange(0, BLOCK_N)
         rmask = rows < H
@@ -96,10 +121,14 @@ if triton is not None:
             wj = tl.load(tw_ptr + j).to(tl.float32)
             base = w_ptr + e * stride_we
             read = base
+            miss = -1
             if FETCH:  # a miss: its rows from the host bank, and a copy of them into its slot
                 miss = tl.load(src_ptr + j).to(tl.int64)
-                if miss >= 0:
-                    read = host_ptr + miss * stride_we
+                if not FP8:
+                    if miss >= 0:
+                        read = host_ptr + miss * stride_we
+            if FP8:  # the miss's row scales
+                sd = tl.load(scale_ptr + tl.maximum(miss, 0) * H + rows, mask=rmask & (miss >= 0), other=1.0)
             acc = tl.zeros([BLOCK_N], dtype=tl.float32)
             for k0 in range(0, I, BLOCK_K):
                 cols = k0 + tl.arange(0, BLOCK_K)
@@ -107,9 +136,17 @@ if triton is not None:
                 a = tl.load(a_ptr + j * I + cols, mask=cmask, other=0.0)
                 m = rmask[:, None] & cmask[None, :]
                 off = rows[:, None] * stride_wn + cols[None, :]
-                w = tl.load(read + off, mask=m, other=0.0)
-                if FETCH:
-                    tl.store(base + off, w, mask=m & (miss >= 0))
+                if FP8:
+                    if miss >= 0:  # dequantized as in _gate_up_act
+                        w = (tl.load(host_ptr + miss * stride_we + off, mask=m, other=0.0).to(tl.float32)
+                             * sd[:, None]).to(w_ptr.dtype.element_ty)
+                        tl.store(base + off, w, mask=m)
+                    else:
+                        w = tl.load(base + off, mask=m, other=0.0)
+                else:
+                    w = tl.load(read + off, mask=m, other=0.0)
+                    if FETCH:
+                        tl.store(base + off, w, mask=m & (miss >= 0))
                 acc += tl.sum(w.to(tl.float32) * a[None, :], axis=1)
             total += wj * acc
         y = total.to(out_ptr.dtype.element_ty)  # the experts' sum in the model dtype, as the grouped path's
@@ -117,6 +154,22 @@ if triton is not None:
             r = tl.load(res_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
             y = (r + y.to(tl.float32)).to(out_ptr.dtype.element_ty)
         tl.store(out_ptr + rows, y, mask=rmask)
+
+
+if triton is not None:
+    @triton.jit
+    def _dequant_fp8(q_ptr, s_ptr, out_ptr, NR, R: tl.constexpr, C: tl.constexpr, SR: tl.constexpr,
+                     SC: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, BLOCK_R: tl.constexpr,
+                     BLOCK_C: tl.constexpr):
+        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # rows of q viewed as [N * R, C]
+        cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        m = (rows < NR)[:, None] & (cols < C)[None, :]
+        n, r = rows // R, rows % R
+        s_at = (n * SR + r // BR).to(tl.int64)[:, None] * SC + (cols // BC)[None, :]  # the scale of each value
+        at = rows.to(tl.int64)[:, None] * C + cols[None, :]
+        scale = tl.load(s_ptr + s_at, mask=m, other=1.0)
+        q = tl.load(q_ptr + at, mask=m, other=0.0).to(tl.float32)
+        tl.store(out_ptr + at, (q * scale).to(out_ptr.dtype.element_ty), mask=m)
 
 
 if triton is not None:
@@ -438,6 +491,34 @@ def check_slot_table(k: int, s: int) -> int:
     return s
 
 
+def dequantize_fp8(out: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
+                   block: tuple[int, int] | None = None) -> torch.Tensor:
+    """``bank.dequantize_into(out, q, scale, block)`` as one kernel: float8 e4m3 q [N, R, C] times its float32
+    scales (one per row: [N, R]; or one per ``block`` (br, bc): [N, ceil(R / br), ceil(C / bc)]), computed in
+    float32 and rounded once to ``out``'s dtype, so the same bits. Reads each value once and writes it once,
+    where the torch composition makes float32 temporaries (about 5x the memory traffic): the dequantization of
+    a streamed FP8 layer then costs a small part of its copy. All on one CUDA device, contiguous. Returns out."""
+    if triton is None:
+        raise RuntimeError("dequantize_fp8 needs Triton")
+    n, rows, cols = q.shape
+    if out.shape != q.shape or not (out.is_contiguous() and q.is_contiguous() and scale.is_contiguous()):
+        raise ValueError("dequantize_fp8: out and q of one shape, all contiguous")
+    if block is None:
+        if scale.shape != (n, rows):
+            raise ValueError(f"dequantize_fp8: row scales must be [{n}, {rows}], got {list(scale.shape)}")
+        sr, sc, br, bc = rows, 1, 1, cols
+    else:
+        br, bc = block
+        sr, sc = -(-rows // br), -(-cols // bc)
+        if scale.shape != (n, sr, sc):
+            raise ValueError(f"dequantize_fp8: block scales must be [{n}, {sr}, {sc}], got {list(scale.shape)}")
+    if out.numel():
+        block_r, block_c = 8, 512
+        grid = (triton.cdiv(n * rows, block_r), triton.cdiv(cols, block_c))
+        _dequant_fp8[grid](q, scale, out, n * rows, rows, cols, sr, sc, br, bc, BLOCK_R=block_r, BLOCK_C=block_c)
+    return out
+
+
 class HostMapped:
     """A page-locked host tensor as a kernel argument: Triton's launcher takes any object with ``data_ptr()``
     and ``dtype`` and asks the driver for the pointer's device address, which for memory registered with
@@ -453,7 +534,7 @@ class HostMapped:
 def moe_one_token(h: torch.Tensor, top_w: torch.Tensor, top_ids: torch.Tensor, gate_up: torch.Tensor,
                   down: torch.Tensor, block_n: int = 4, block_k: int = 1024,
                   residual: torch.Tensor | None = None,
-                  fetch: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                  fetch: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
     """Routed SwiGLU experts of one token (module docstring): h [1, H], top_w [1, k], top_ids [1, k] indexing
     gate_up [G, 2I, H] and down [G, H, I] -> [1, H] in h's dtype; with ``residual`` [1, H], residual + that
     (the same bits as ``residual + moe_one_token(...)``, one kernel fewer).
@@ -463,7 +544,12 @@ def moe_one_token(h: torch.Tensor, top_w: torch.Tensor, top_ids: torch.Tensor, g
     expert's weights from the host bank (page-locked and registered when the slots are on CUDA: zero-copy reads
     over PCIe) instead of its slot, compute with them, and store them into the slot as they go: the copy
     ``fetch_misses`` makes, bit for bit, with the same arithmetic on the same values (the same result as
-    fetching first), but overlapped with the hit experts' work and with no kernel of its own."""
+    fetching first), but overlapped with the hit experts' work and with no kernel of its own.
+
+    An FP8 bank: ``fetch`` = (src, host_gate_up, host_down, gate_up_scale [E, 2I], down_scale [E, H]), the bank's
+    float8 e4m3 values and per-row float32 scales. A miss is read as FP8 (half the bytes over PCIe), dequantized
+    in the kernel exactly as ``bank.dequantize_into`` does (q * scale in float32, rounded once to the slots'
+    dtype), stored into its slot and computed with: the slot then holds what the host's copy would have left."""
     if triton is None:
         raise RuntimeError("moe_one_token needs Triton")
     if h.shape[0] != 1 or not (gate_up.stride(-1) == 1 and down.stride(-1) == 1):
@@ -471,23 +557,40 @@ def moe_one_token(h: torch.Tensor, top_w: torch.Tensor, top_ids: torch.Tensor, g
     G, two_i, H = gate_up.shape
     inter, k = two_i // 2, top_ids.shape[1]
     ids = top_ids.reshape(-1).contiguous()  # [k]
-    src, host_gu, host_dn = (ids, gate_up, down) if fetch is None else fetch
+    src, host_gu, host_dn = (ids, gate_up, down) if fetch is None else fetch[:3]
+    gu_scale, dn_scale = (None, None) if fetch is None or len(fetch) == 3 else fetch[3:]
+    fp8 = gu_scale is not None
     if fetch is not None:
         if not all(t.is_contiguous() for t in (host_gu, host_dn, gate_up, down)) or src.shape != (k,):
             raise ValueError("moe_one_token: a fetch needs src [k] and contiguous expert blocks")
-        if host_gu.shape[1:] != gate_up.shape[1:] or host_dn.shape[1:] != down.shape[1:] \
-                or host_gu.dtype != gate_up.dtype or host_dn.dtype != down.dtype:
-            raise ValueError("moe_one_token: the host bank's experts must be shaped and typed as the slots'")
+        if host_gu.shape[1:] != gate_up.shape[1:] or host_dn.shape[1:] != down.shape[1:]:
+            raise ValueError("moe_one_token: the host bank's experts must be shaped and typed as the slots' (or "
+                             "FP8 with row scales)")
+        if fp8:
+            if host_gu.dtype != torch.float8_e4m3fn or host_dn.dtype != torch.float8_e4m3fn \
+                    or gu_scale.shape != host_gu.shape[:2] or dn_scale.shape != host_dn.shape[:2] \
+                    or gu_scale.dtype != torch.float32 or dn_scale.dtype != torch.float32 \
+                    or not (gu_scale.is_contiguous() and dn_scale.is_contiguous()):
+                raise ValueError("moe_one_token: an FP8 fetch needs float8 e4m3 experts and contiguous float32 "
+                                 "row scales [E, rows]")
+        elif host_gu.dtype != gate_up.dtype or host_dn.dtype != down.dtype:
+            raise ValueError("moe_one_token: the host bank's experts must be shaped and typed as the slots' (or "
+                             "FP8 with row scales)")
         if gate_up.is_cuda and not host_gu.is_cuda:
             host_gu, host_dn = HostMapped(host_gu), HostMapped(host_dn)
+            if fp8:
+                gu_scale, dn_scale = HostMapped(gu_scale), HostMapped(dn_scale)
+    gu_scale = gate_up if gu_scale is None else gu_scale  # unread without FP8
+    dn_scale = down if dn_scale is None else dn_scale
     act = torch.empty(k, inter, dtype=torch.float32, device=h.device)  # [k, I]
-    _gate_up_act[(k, triton.cdiv(inter, block_n))](h.reshape(-1), gate_up, ids, act, src, host_gu, H, inter,
-                                                    gate_up.stride(0), gate_up.stride(1),
-                                                    BLOCK_N=block_n, BLOCK_K=block_k, FETCH=fetch is not None)
+    _gate_up_act[(k, triton.cdiv(inter, block_n))](h.reshape(-1), gate_up, ids, act, src, host_gu, gu_scale, H,
+                                                    inter, gate_up.stride(0), gate_up.stride(1),
+                                                    BLOCK_N=block_n, BLOCK_K=block_k, FETCH=fetch is not None,
+                                                    FP8=fp8)
     out = torch.empty(1, H, dtype=h.dtype, device=h.device)  # [1, H]
     tw = top_w.reshape(-1).contiguous()  # [k], read as float32 in the kernel
     res = out if residual is None else residual.reshape(1, H).contiguous()
-    _down_sum[(triton.cdiv(H, block_n),)](act, down, ids, tw, res, out, src, host_dn, H, inter, k,
+    _down_sum[(triton.cdiv(H, block_n),)](act, down, ids, tw, res, out, src, host_dn, dn_scale, H, inter, k,
                                          down.stride(0), down.stride(1), BLOCK_N=block_n, BLOCK_K=block_k,
-                                         HAS_RES=residual is not None, FETCH=fetch is not None)
+                                         HAS_RES=residual is not None, FETCH=fetch is not None, FP8=fp8)
     return out  # [1, H]

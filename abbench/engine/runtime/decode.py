@@ -20,7 +20,8 @@ Contract:
   * **whole step with the misses on the device** (``misses="device"``, Triton's experts): per layer, after the
     router's kernel also looks the routed experts up in the slot cache's device-side table (the host's LRU
     policy: ``decode_kernels.route_topk``'s ``lookup``), and the experts' kernels read the misses from the
-    registered host bank over PCIe, computing with them while they store them into their slots
+    registered host bank over PCIe (an FP8 bank's as FP8 with their row scales, dequantized in the kernels to the
+    bits the host's copy would leave), computing with them while they store them into their slots
     (``decode_kernels.moe_one_token``'s ``fetch``), so the step is one graph that never waits for the host
     and the copies overlap the hit experts' work. The same policy as the host's, so
     the two ways pick the same slots and decode bitwise alike; ``step(misses=...)`` chooses per step, each
@@ -97,9 +98,9 @@ class Decoder:
         cfg, dev = model.cfg, model.device
         # who handles the slot cache's misses by default: None (resident experts), "host" or "device" (module
         # docstring); a request may ask for the other (``step(misses=...)``) where the experts are Triton's
-        # (an FP8 bank: the host's, whose copies dequantize; the device-side fetch reads the bank as the slots')
+        # (an FP8 bank with block scales: the host's; the device-side fetch dequantizes per-row scales only)
         self.table = (store.slots.attach_table(cfg.num_experts_per_tok)
-                      if store.slots is not None and experts == "triton" and not store.bank.fp8 else None)
+                      if store.slots is not None and experts == "triton" and store.bank.block is None else None)
         self.misses = None
         if store.slots is not None:
             if misses not in DECODE_MISSES:
@@ -187,9 +188,10 @@ class Decoder:
         """``misses`` if this engine can handle misses that way; ValueError otherwise (``check_misses``)."""
         if misses not in ("host", "device"):
             raise ValueError(f"decode_misses must be 'host' or 'device', got {misses!r}")
-        if misses == "device" and self.store.bank.fp8:
-            raise ValueError("decode_misses 'device' reads the misses from the host bank in the slots' dtype; an "
-                             "FP8 bank's misses are copied and dequantized by the host's path (decode_misses 'host')")
+        if misses == "device" and self.store.bank.block is not None:
+            raise ValueError("decode_misses 'device' dequantizes an FP8 bank's misses with per-row scales; a bank "
+                             "with an FP8 checkpoint's block scales has its misses copied and dequantized by the "
+                             "host's path (decode_misses 'host')")
         if misses == "device" and self.table is None:
             raise ValueError(f"decode_misses 'device' needs decode_experts 'triton' (its kernels read the slot ids "
                              f"on the device); this engine decodes with {self.kernels}")

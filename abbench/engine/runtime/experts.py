@@ -25,8 +25,10 @@ Contract:
     staging area of one layer on CUDA; on CPU the bank is read in place) and is dequantized into the buffer or
     slot on the same stream (``bank.dequantize_into``), so the device computes in its own dtype and every path
     sees the same values. The staging area is shared by the copy stream and the compute stream's copies, which
-    already wait for the copy stream (``load_experts`` here, ``Decoder.step`` before its slot writes). Decode's misses are then the host's (the device-side fetch reads the bank as the
-    slots' dtype).
+    already wait for the copy stream (``load_experts`` here, ``Decoder.step`` before its slot writes). On CUDA
+    the dequantization is one Triton kernel (``decode_kernels.dequantize_fp8``, the same bits). Decode's
+    device-side fetch reads a per-row-scaled FP8 bank's misses as FP8 and dequantizes them in its kernels
+    (``decode_fetch``); a block-scaled bank's misses are the host's.
 - Accounting: every expert copy adds to ``lifetime`` and ``request`` (``Traffic``): host->device bytes,
   device->device bytes, and the number of experts copied. ``bank_bytes`` is one full pass over all layers.
   ``measure_h2d_gbps`` times host->device copies of layer banks (not counted as traffic).
@@ -241,6 +243,9 @@ class ExpertStore:
             self.ready = [torch.cuda.Event(), torch.cuda.Event()]
         # FP8 on CUDA: where a copy lands before it is dequantized (gate_up, down, their scales; one layer)
         self.stage: tuple[torch.Tensor, ...] | None = None
+        # one Triton kernel per dequantization on CUDA (the same bits as the torch composition, a fifth of its
+        # memory traffic: a streamed layer's dequantization overlaps the compute, and shares the copy stream)
+        self.fused_dequant = bank.fp8 and self.cuda and decode_kernels.have_triton()
         if bank.fp8 and self.cuda:
             self.stage = (torch.empty((e, 2 * i, h), device=device, dtype=FP8),
                           torch.empty((e, h, i), device=device, dtype=FP8),
@@ -300,8 +305,9 @@ class ExpertStore:
                 for st, x in zip(staged, src):
                     st.copy_(x, non_blocking=True)
                 src = staged
-            dequantize_into(gate_up, src[0], src[2], bank.block)
-            dequantize_into(down, src[1], src[3], bank.block)
+            dequant = decode_kernels.dequantize_fp8 if self.fused_dequant else dequantize_into
+            dequant(gate_up, src[0], src[2], bank.block)
+            dequant(down, src[1], src[3], bank.block)
         if count:
             self._count(h2d=(b - a) * bank.expert_bytes, experts=b - a)
 
@@ -428,15 +434,18 @@ class ExpertStore:
             st.hits += hits
             st.misses += misses
 
-    def decode_fetch(self, layer: int) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    def decode_fetch(self, layer: int) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
         """``decode_experts`` on the device, for a step that never waits for the host (the slot cache's
         ``DeviceSlotTable``), after the router's kernel looked ``layer``'s routed experts up in the table
         (``DeviceSlotTable.layer``): each routed expert's slot [1, k] and the misses to fetch, (src [k], the
         layer's host bank gate_up, down), for ``decode_kernels.moe_one_token``'s ``fetch``, whose kernels read
         the misses from the registered host memory and leave them in their slots. Captures in a CUDA graph;
         the hits and misses are counted on the device until ``collect_decode_counts``."""
-        table = self.slots.table
-        return table.slots[layer].view(1, -1), (table.src[layer], self.bank.gate_up[layer], self.bank.down[layer])
+        table, bank = self.slots.table, self.bank
+        fetch = (table.src[layer], bank.gate_up[layer], bank.down[layer])
+        if bank.fp8:  # read as FP8 with the row scales, dequantized in the kernels (moe_one_token)
+            fetch += (bank.gate_up_scale[layer], bank.down_scale[layer])
+        return table.slots[layer].view(1, -1), fetch
 
     def collect_decode_counts(self) -> None:
         """Fold the device table's hits and misses since the last call into the accounting (each miss copied
