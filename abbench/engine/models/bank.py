@@ -94,7 +94,10 @@ def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``w`` [..., R, C] in any float dtype as float8 e4m3 with one float32 scale per row (the last dimension's
     largest magnitude / 448; 1 for an all-zero row): (q [..., R, C], scale [..., R]), on ``w``'s device."""
     w32 = w.to(torch.float32)
-    scale = w32.abs().amax(dim=-1) / FP8_MAX
+    amax = w32.abs().amax(dim=-1)
+    # a tensor divisor, not the number: CUDA divides by a number as a multiplication by its reciprocal (another
+    # rounding than the CPU's division), so the same weights would quantize differently on the two devices
+    scale = amax / torch.full_like(amax, FP8_MAX)
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     q = (w32 / scale.unsqueeze(-1)).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
     return q, scale
