@@ -335,10 +335,22 @@ def test_the_fused_dequantization_kernel_gives_the_torch_compositions_bits(block
             q = (torch.randn(shape, generator=g) * 100).clamp_(-FP8_MAX, FP8_MAX).to(FP8).to(DEVICE)
         for dtype in (torch.bfloat16, torch.float16, torch.float32):
             want = dequantize_into(torch.empty(shape, dtype=dtype, device=DEVICE), q, scale, block)
-            got = kernels.dequantize_fp8(torch.full(shape, float("nan"), dtype=dtype, device=DEVICE), q, scale, block)
-            assert torch.equal(got.view(torch.uint8) if dtype != torch.float32 else got.view(torch.int32),
-                               want.view(torch.uint8) if dtype != torch.float32 else want.view(torch.int32)), \
-                (shape, dtype)
+            for programs in (None, 1, 7):  # the full grid, or few programs looping over the rows
+                got = kernels.dequantize_fp8(torch.full(shape, float("nan"), dtype=dtype, device=DEVICE), q, scale,
+                                             block, programs=programs)
+                assert torch.equal(got.view(torch.uint8) if dtype != torch.float32 else got.view(torch.int32),
+                                   want.view(torch.uint8) if dtype != torch.float32 else want.view(torch.int32)), \
+                    (shape, dtype, programs)
+
+
+def test_the_fp8_gpucheck_runs_on_cpu(capsys) -> None:
+    """``tools.gpucheck_fp8`` (the copies, the dequantizations alone and beside the grouped GEMM) end to end at the
+    tiny preset on CPU: every dequantization it times agrees with the reference, and it says so."""
+    from abbench.engine.tools.gpucheck_fp8 import main
+
+    assert main(["--device", "cpu", "--repeats", "1", "--tokens", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "torch composition" in out and "H2D fp8 layer + row scales" in out and "DISAGREES" not in out
 
 
 def test_a_quantization_the_engine_cannot_read_is_refused(tmp_path) -> None:

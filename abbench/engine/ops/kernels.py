@@ -158,18 +158,22 @@ if triton is not None:
 
 if triton is not None:
     @triton.jit
-    def _dequant_fp8(q_ptr, s_ptr, out_ptr, NR, R: tl.constexpr, C: tl.constexpr, SR: tl.constexpr,
-                     SC: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, BLOCK_R: tl.constexpr,
+    def _dequant_fp8(q_ptr, s_ptr, out_ptr, NR, PROGRAMS, ITERS: tl.constexpr, R: tl.constexpr, C: tl.constexpr,
+                     SR: tl.constexpr, SC: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, BLOCK_R: tl.constexpr,
                      BLOCK_C: tl.constexpr):
-        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # rows of q viewed as [N * R, C]
-        cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-        m = (rows < NR)[:, None] & (cols < C)[None, :]
-        n, r = rows // R, rows % R
-        s_at = (n * SR + r // BR).to(tl.int64)[:, None] * SC + (cols // BC)[None, :]  # the scale of each value
-        at = rows.to(tl.int64)[:, None] * C + cols[None, :]
-        scale = tl.load(s_ptr + s_at, mask=m, other=1.0)
-        q = tl.load(q_ptr + at, mask=m, other=0.0).to(tl.float32)
-        tl.store(out_ptr + at, (q * scale).to(out_ptr.dtype.element_ty), mask=m)
+        # q viewed as [N * R, C] in blocks of BLOCK_R rows; program p takes blocks p, p + PROGRAMS, ... (ITERS of
+        # them; one past the last block is masked off by its rows)
+        for it in range(0, ITERS):
+            rows = (tl.program_id(0) + it * PROGRAMS) * BLOCK_R + tl.arange(0, BLOCK_R)
+            n, r = rows // R, rows % R
+            srow = (n * SR + r // BR).to(tl.int64) * SC  # where each row's scales start
+            for c0 in range(0, C, BLOCK_C):
+                cols = c0 + tl.arange(0, BLOCK_C)
+                m = (rows < NR)[:, None] & (cols < C)[None, :]
+                at = rows.to(tl.int64)[:, None] * C + cols[None, :]
+                scale = tl.load(s_ptr + srow[:, None] + (cols // BC)[None, :], mask=m, other=1.0)
+                q = tl.load(q_ptr + at, mask=m, other=0.0).to(tl.float32)
+                tl.store(out_ptr + at, (q * scale).to(out_ptr.dtype.element_ty), mask=m)
 
 
 if triton is not None:
@@ -491,13 +495,23 @@ def check_slot_table(k: int, s: int) -> int:
     return s
 
 
+DEQUANT_PROGRAMS: int | None = None  # dequantize_fp8's default grid: None, a program per 8 rows (see there)
+
+
 def dequantize_fp8(out: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
-                   block: tuple[int, int] | None = None) -> torch.Tensor:
+                   block: tuple[int, int] | None = None, programs: int | None = None) -> torch.Tensor:
     """``bank.dequantize_into(out, q, scale, block)`` as one kernel: float8 e4m3 q [N, R, C] times its float32
     scales (one per row: [N, R]; or one per ``block`` (br, bc): [N, ceil(R / br), ceil(C / bc)]), computed in
     float32 and rounded once to ``out``'s dtype, so the same bits. Reads each value once and writes it once,
     where the torch composition makes float32 temporaries (about 5x the memory traffic): the dequantization of
-    a streamed FP8 layer then costs a small part of its copy. All on one CUDA device, contiguous. Returns out."""
+    a streamed FP8 layer then costs a small part of its copy. All on one CUDA device, contiguous. Returns out.
+
+    ``programs`` (default ``DEQUANT_PROGRAMS``): at most that many programs, each looping over its share of the
+    rows, so a dequantization on the copy stream leaves the other SMs to the compute beside it (it has a whole
+    layer's copy time to finish); None: one program per 8 rows, done soonest. The grid does not change a value.
+    With a limit, each distinct number of row blocks per program compiles once (a copy of a run of experts of a
+    new length can compile again).
+    ``tools.gpucheck_fp8`` times the choices."""
     if triton is None:
         raise RuntimeError("dequantize_fp8 needs Triton")
     n, rows, cols = q.shape
@@ -512,10 +526,14 @@ def dequantize_fp8(out: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
         sr, sc = -(-rows // br), -(-cols // bc)
         if scale.shape != (n, sr, sc):
             raise ValueError(f"dequantize_fp8: block scales must be [{n}, {sr}, {sc}], got {list(scale.shape)}")
+    programs = DEQUANT_PROGRAMS if programs is None else programs
     if out.numel():
         block_r, block_c = 8, 512
-        grid = (triton.cdiv(n * rows, block_r), triton.cdiv(cols, block_c))
-        _dequant_fp8[grid](q, scale, out, n * rows, rows, cols, sr, sc, br, bc, BLOCK_R=block_r, BLOCK_C=block_c)
+        blocks = triton.cdiv(n * rows, block_r)
+        grid = (blocks if programs is None else max(1, min(programs, blocks)),)
+        # ITERS is a constant of the compiled kernel: 1 on the full grid, whatever the copy's size
+        _dequant_fp8[grid](q, scale, out, n * rows, grid[0], triton.cdiv(blocks, grid[0]), rows, cols, sr, sc, br,
+                           bc, BLOCK_R=block_r, BLOCK_C=block_c)
     return out
 
 
