@@ -356,6 +356,37 @@ def test_an_exception_in_one_sequences_lookup_fails_that_sequence_only(engines, 
     assert [r.error for r in results] == [read] * 3 and all(r.logits is None for r in results)
 
 
+def test_a_cancel_flag_that_raises_fails_its_sequence_only(engines):
+    """The server's injected OOM comes from a request's cancel flag (``serve.faults``): raised at the scheduler's
+    look before the batched step, it fails that sequence, and the other two decode as alone."""
+    engine = engines("tiny", "offloaded")
+    prompts = _prompts(engine, seed=9)
+    solo = [_alone(engine, p) for p in prompts]
+    oom = torch.OutOfMemoryError("injected")
+
+    class Raising:
+        armed = False
+
+        def is_set(self) -> bool:
+            if self.armed:
+                raise oom
+            return False
+
+    flag = Raising()
+    outs = [[] for _ in prompts]
+    engine.reset()
+    sched = engine.scheduler
+    for i, p in enumerate(prompts):
+        sched.submit(_request(engine, p), flag if i == 2 else None, outs[i].append)
+    sched.step()  # prefill
+    flag.armed = True
+    while sched.busy:
+        sched.step()
+    assert outs[2][-1] is oom and _tokens(outs[2]) == solo[2][:1]
+    for i in (0, 1):
+        assert isinstance(outs[i][-1], Finished) and _tokens(outs[i]) == solo[i]
+
+
 class _Graphs:
     """A stand-in for one cache's ``GraphCache`` on any device: runs every piece eagerly and records its key."""
 

@@ -370,7 +370,7 @@ class Scheduler:
         for seq in seqs:
             try:
                 check_cancel(seq.cancel)
-            except Cancelled as exc:
+            except BaseException as exc:  # noqa: BLE001 - Cancelled, or whatever its flag raised: this one fails
                 self._fail(seq, exc)
                 continue
             live.append(seq)
