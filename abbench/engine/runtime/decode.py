@@ -376,8 +376,9 @@ class Decoder:
         ``attribute``: snapshot the device table's counts either side of each device-handled item so that
         ``settle`` can charge them (a solo ``step`` leaves them to ``collect_decode_counts``)."""
         caches = [it.cache for it in items]
-        if len(set(caches)) != len(caches):
-            raise ValueError(f"a batched decode step takes one token per sequence cache, got caches {caches}")
+        if len(set(caches)) != len(caches) or not all(0 <= c < len(self.caches) for c in caches):
+            raise ValueError(f"a batched decode step takes one token per sequence cache (0 to "
+                             f"{len(self.caches) - 1}), got caches {caches}")
         results = [DecodeResult() for _ in items]
         on_device: list[bool] = []
         for it, r in zip(items, results):
@@ -511,16 +512,16 @@ class Decoder:
         """Make ``ids`` resident in ``layer``'s slots (copying the misses) and write their slot ids for cache
         ``c``'s MoE half; the copies and lookups are charged to ``r`` (its lookup missed)."""
         store, b = self.store, self.bufs[c]
-        t0, hits0, misses0 = store.lifetime.snapshot(), store.slot_lifetime.hits, store.slot_lifetime.misses
+        life, seen = store.lifetime, store.slot_lifetime  # (the store replaces neither during a step)
+        h2d, d2d, copies, hits, misses = life.h2d_bytes, life.d2d_bytes, life.expert_copies, seen.hits, seen.misses
         try:
             slots = store.decode_experts(layer, ids)
         finally:
-            moved = store.lifetime.minus(t0)
-            r.traffic.h2d_bytes += moved.h2d_bytes
-            r.traffic.d2d_bytes += moved.d2d_bytes
-            r.traffic.expert_copies += moved.expert_copies
-            r.lookups.hits += store.slot_lifetime.hits - hits0
-            r.lookups.misses += store.slot_lifetime.misses - misses0
+            r.traffic.h2d_bytes += life.h2d_bytes - h2d
+            r.traffic.d2d_bytes += life.d2d_bytes - d2d
+            r.traffic.expert_copies += life.expert_copies - copies
+            r.lookups.hits += seen.hits - hits
+            r.lookups.misses += seen.misses - misses
         b.host_ids[layer, 0] = torch.tensor(slots)
         b.slot_ids[layer].copy_(b.host_ids[layer], non_blocking=True)
 
