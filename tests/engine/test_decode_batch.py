@@ -41,9 +41,9 @@ def _config(model: str, experts: str, **kw) -> EngineConfig:
     "resident" (whole steps)."""
     mc = dataclasses.replace(PRESETS[model], vocab_size=VOCAB, eos_token_id=VOCAB - 1, name=f"{model}-v{VOCAB}")
     if experts == "resident":
-        return EngineConfig(model=mc, prefill_mode="resident", **KNOBS, **kw)
-    return EngineConfig(model=mc, prefill_mode="chunked", decode_misses="host",
-                        expert_slots_per_layer=mc.num_experts_per_tok + 1, **KNOBS, **kw)
+        return EngineConfig(model=mc, prefill_mode="resident", **{**KNOBS, **kw})
+    return EngineConfig(model=mc, prefill_mode="chunked", expert_slots_per_layer=mc.num_experts_per_tok + 1,
+                        **{**KNOBS, "decode_misses": "host", **kw})
 
 
 @pytest.fixture(scope="module")
