@@ -37,8 +37,9 @@ Contract:
     caches' pieces run in between; one shared pool would let a graph captured later place those outputs in
     memory another cache's graph uses as scratch. So at most C x (2 + buckets x (2 x layers + 2)) graphs for C
     caches (``kv_buckets``; the whole step per way of handling misses), and C pools of a step's temporaries
-    (the largest at the longest ``kv_len``: tens of MB with the torch attention at 128K positions, in the
-    memory plan's runtime reserve). ``warm`` captures every cache's, so every graph a batch replays.
+    (the largest at the longest ``kv_len``: tens of MB with the torch attention at 128K positions, by estimate,
+    not measured; they come out of the memory plan's runtime reserve). ``warm`` captures every cache's graphs,
+    so every graph a batch replays.
 - **A batched step** (``step_batch(items) -> [DecodeResult]``, ``DecodeItem(token_id, pos, cache, cancel,
   misses)``: B sequences, one per cache) gives each sequence bitwise the logits of its solo step: each runs the
   same pieces, with the same shapes, over its own cache and buffers, and its experts are the same weights
