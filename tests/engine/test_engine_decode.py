@@ -278,7 +278,7 @@ def test_decode_never_calls_sdpa(preset, monkeypatch):
                               bandwidth_probe_bytes=0, max_context=512, device=KNOBS["device"]))
     prompt = torch.randint(0, 400, (70,), generator=torch.Generator().manual_seed(1)).tolist()
     calls, steps = [], []
-    real_sdpa, real_step = F.scaled_dot_product_attention, decode_mod.Decoder.step
+    real_sdpa, real_step = F.scaled_dot_product_attention, decode_mod.Decoder.step_batch
 
     def spy(*args, **kwargs):
         calls.append(args[1].shape)
@@ -292,7 +292,7 @@ def test_decode_never_calls_sdpa(preset, monkeypatch):
         finally:
             monkeypatch.setattr(F, "scaled_dot_product_attention", real_sdpa)
 
-    monkeypatch.setattr(decode_mod.Decoder, "step", step)
+    monkeypatch.setattr(decode_mod.Decoder, "step_batch", step)  # the scheduler's steps, solo ones too
     events, _ = eng.run(prompt, 4, ignore_eos=True)
     assert len(events) == 4 and len(steps) == 3  # the first token comes from prefill
     assert calls == []

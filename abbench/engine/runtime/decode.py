@@ -1,9 +1,11 @@
-"""Decode: one token at a time through the decode slot cache (or resident experts); the token is chosen by
-:mod:`abbench.engine.ops.sampling`.
+"""Decode: one token per sequence at a time through the decode slot cache (or resident experts), one sequence
+or a batch of them in one step; the tokens are chosen by :mod:`abbench.engine.ops.sampling`.
 
 Contract:
-- ``Decoder(model, store, kv, graphs)``; ``decoder.step(token_id, pos, cancel) -> logits [V] float32`` runs
-  the token at position ``pos`` through every layer, writing its KV. The step has static shapes: the token
+- ``Decoder(model, store, caches, graphs)``; ``decoder.step(token_id, pos, cancel, misses, cache) -> logits [V]
+  float32`` runs the token at position ``pos`` of the sequence cache ``cache`` through every layer, writing its
+  KV (and a hybrid's states). ``step_batch(items)`` does the same for several sequences at once (below). The
+  step has static shapes: the token
   and the position sit in device buffers, attention runs over a KV length ``kv_len`` (the smallest power of
   two >= pos + 1, at least 1,024, at most the cache) with later positions masked (``Model.decode_attn_block``),
   and the experts run through the same grouped-GEMM code as prefill (``Model.moe_block``) over one layer's
@@ -27,9 +29,50 @@ Contract:
     the two ways pick the same slots and decode bitwise alike; ``step(misses=...)`` chooses per step, each
     side catching up with the other's changes first (``SlotCache.sync_device`` / ``sync_host``). The
     default is the engine's (``EngineConfig.decode_misses``: "auto" = device with Triton's experts);
-  * on CUDA, when ``graphs`` is true, each of these pieces is captured once per ``kv_len`` as a CUDA graph
-    and replayed (the whole step as one graph; per layer one graph for the attention half and one for the
-    MoE half), which removes the per-kernel launch cost that dominates eager decode (~80 kernels a layer).
+  * on CUDA, when ``graphs`` is true, each of these pieces is captured once per (sequence cache, ``kv_len``) as a
+    CUDA graph and replayed (the whole step as one graph; per layer one graph for the attention half and one
+    for the MoE half; the embedding and the head), which removes the per-kernel launch cost that dominates
+    eager decode (~80 kernels a layer). Every sequence cache has its own static buffers (token, position, the
+    activations between pieces, slot ids, logits) and its own graphs, in a memory pool of its own: the
+    attention half's outputs live in its graph's pool until the MoE half reads them, and in a batch other
+    caches' pieces run in between; one shared pool would let a graph captured later place those outputs in
+    memory another cache's graph uses as scratch. So at most C x (2 + buckets x (2 x layers + 2)) graphs for C
+    caches (``kv_buckets``; the whole step per way of handling misses), and C pools of a step's temporaries
+    (the largest at the longest ``kv_len``: tens of MB with the torch attention at 128K positions, by estimate,
+    not measured; they come out of the memory plan's runtime reserve). ``warm`` captures every cache's graphs,
+    so every graph a batch replays.
+- **A batched step** (``step_batch(items) -> [DecodeResult]``, ``DecodeItem(token_id, pos, cache, cancel,
+  misses)``: B sequences, one per cache) gives each sequence bitwise the logits of its solo step: each runs the
+  same pieces, with the same shapes, over its own cache and buffers, and its experts are the same weights
+  wherever they sit. The items' order is the order of their slot lookups in every layer (each layer's LRU is
+  touched only by that layer's lookups, so it evolves as if the steps ran one after another in that order).
+  * items whose host handles their misses run **layer-outer**: per layer, every item's attention half, then one
+    host read of all their routed experts (one sync per layer for the batch, not one per sequence; ``syncs``
+    counts the reads), then per item in order its lookup (``ExpertStore.decode_experts``: an expert an
+    earlier item just loaded is a hit, so the union of the batch's experts is copied once) and at once its MoE
+    half, before the next item's lookup can evict a slot it reads. On CUDA the miss copies go on the compute
+    stream, behind the MoE halves already queued, so a later item's copy into a slot runs after every earlier
+    read of it; then each item's head into its own logits;
+  * items whose step runs whole (nothing can miss, or the device handles the misses) replay their whole-step
+    graphs back to back with no host sync in between;
+  * the items are taken in list order in runs of either kind (an item the device serves between host-served
+    ones splits the layer-outer run, so the lookup order stays the list's);
+  * the logits stay in each cache's buffer; the caller samples after the batch.
+  * **Cancellation** is checked before each item's step and, in the layer-outer run, before each of its layers
+    from the second on: a cancelled item leaves the remaining layers (its result holds ``Cancelled``; its cache
+    is as a cancelled solo step leaves it), the others go on. A whole step is not interrupted.
+  * **Failures**: an exception raised by one item's own work (its attention half, its lookup and copies, its
+    MoE half, its head, its whole step) ends that item's step only, as it ended that step alone. An exception
+    from the batch's shared routing read (where an asynchronous CUDA error of any item surfaces) is no one
+    item's: every item still in the run gets it.
+  * **Accounting**: each miss copy is charged to the item whose lookup missed (``DecodeResult.traffic`` /
+    ``lookups``: the store's counters before and after that item's ``decode_experts``); an item that hits what
+    an earlier item loaded is charged the hit only. Device-handled items: the device table's hit and miss
+    counts are copied on the device before and after each one's step (no sync), and ``settle(results)``,
+    called after sampling, reads them once, charges each item and folds the counts into the store.
+  * What is not batched: the compute. Each item's step is still a GEMV-shaped one-token step (its own
+    attention, dense projections and expert GEMMs); what a batch shares is the routing read and the copies of
+    the union of its experts, and the host's launches run back to back.
 - Decode kernels (``EngineConfig.decode_experts`` / ``decode_attention``; default "auto": "triton" on CUDA for
   a model whose decode they serve (``Model.triton_decode``: Qwen3-MoE and the Qwen3.5/3.6 hybrid) at a head
   dimension they take, with Triton installed; otherwise "grouped" / "torch"). ``self.kernels`` names what runs.
@@ -46,13 +89,14 @@ Contract:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
 from abbench.engine.ops import kernels as decode_kernels
 from abbench.engine.config import DECODE_ATTENTION, DECODE_EXPERTS, DECODE_MISSES
-from abbench.engine.runtime.experts import ExpertStore
+from abbench.engine.runtime.experts import ExpertStore, SlotStats, Traffic
 from abbench.engine.runtime.graphs import GraphCache
 from abbench.engine.models.qwen3_moe import KVCache, Model
 from abbench.engine.ops.dense import attention_backends
@@ -80,13 +124,62 @@ def kv_len_for(pos: int, max_context: int) -> int:
     return min(n, max_context)
 
 
+@dataclass
+class DecodeItem:
+    """One sequence's token in a batched decode step (``Decoder.step_batch``)."""
+
+    token_id: int
+    pos: int
+    cache: int = 0  # its sequence cache: an index into ``Decoder.caches``
+    cancel: CancelLike = None
+    misses: str | None = None  # who handles its slot cache's misses (``Decoder.check_misses``); None: the default
+
+
+@dataclass(eq=False)
+class DecodeResult:
+    """One item's part of a batched step: its logits [V] float32 (its cache's buffer, valid until that cache's next
+    step) or the exception that ended its step (then no logits), how it ran ("whole" / "per_layer"; "" when it
+    never started), and what it is charged with: the expert copies and slot lookups its own lookups made (those
+    the device made are added by ``Decoder.settle``)."""
+
+    logits: torch.Tensor | None = None
+    error: BaseException | None = None
+    way: str = ""
+    traffic: Traffic = field(default_factory=Traffic)
+    lookups: SlotStats = field(default_factory=SlotStats)
+    counts_row: int | None = None  # device-side lookups: rows 2r (before its step) and 2r + 1 (after) of counts_at
+
+
+class _Buffers:
+    """One sequence cache's static buffers: a step's token and position, the activations between its pieces, the
+    slot ids of its experts (on their way up, and on the device) and its logits. Each cache has its own, so the
+    steps of several sequences can be in flight together (the per-layer path of a batch runs every sequence's
+    attention half before any MoE half; a batch's logits are sampled after the batch) and every graph reads and
+    writes addresses no other cache's step touches."""
+
+    def __init__(self, model: Model, n_layers: int, k: int):
+        cfg, dev = model.cfg, model.device
+        self.token = torch.zeros(1, dtype=torch.long, device=dev)  # [1]
+        self.pos = torch.zeros(1, dtype=torch.long, device=dev)  # [1]
+        self.x = [torch.zeros(1, cfg.stream_width, dtype=model.dtype, device=dev)
+                  for _ in range(n_layers + 1)]  # [1, W] input of each layer, and the last output (W = H,
+        # or hc*H for Qwen4-Exp's hyper-connection streams)
+        self.slot_ids = torch.zeros(n_layers, 1, k, dtype=torch.long, device=dev)  # [L, 1, k]
+        # [L, 1, k] slot ids on their way up (pinned on CUDA): written by the host, read by a copy queued on the
+        # stream. Per cache, because in a batch the next sequence's ids are written before this one's copy ran;
+        # the same cache's next write to a layer's row comes after a host sync (the next layer's routing read,
+        # or the sampling after the step), so the copy that read it has run
+        self.host_ids = torch.zeros(n_layers, 1, k, dtype=torch.long, pin_memory=dev.type == "cuda")
+        self.logits = torch.zeros(cfg.vocab_size, dtype=torch.float32, device=dev)  # [V]
+
+
 class Decoder:
     """Static buffers and the step functions of decode; see the module docstring."""
 
     def __init__(self, model: Model, store: ExpertStore, kv: KVCache | list[KVCache], graphs: bool,
                  experts: str = "grouped", attention: str = "torch", misses: str = "host"):
-        # the sequences' caches (one per sequence the engine may run at once); a step runs over one of them,
-        # ``self.kv`` (its graphs are its own: every key names the cache)
+        # the sequences' caches (one per sequence the engine may run at once), each with its own buffers and
+        # graphs; ``self.cache`` / ``self.kv``: the one stepped last (``logits`` is its buffer)
         self.caches = list(kv) if isinstance(kv, (list, tuple)) else [kv]
         self.model, self.store, self.kv, self.cache = model, store, self.caches[0], 0
         experts = self._auto(experts, "grouped", True)
@@ -108,24 +201,21 @@ class Decoder:
             self.misses = self._valid_misses(("device" if self.table is not None else "host") if misses == "auto"
                                              else misses)  # judged as a request's choice is
         self.n_layers, self.k = cfg.num_hidden_layers, cfg.num_experts_per_tok
-        self.token = torch.zeros(1, dtype=torch.long, device=dev)  # [1]
-        self.pos = torch.zeros(1, dtype=torch.long, device=dev)  # [1]
-        self.x = [torch.zeros(1, cfg.stream_width, dtype=model.dtype, device=dev)
-                  for _ in range(self.n_layers + 1)]  # [1, W] input of each layer, and the last output (W = H,
-        # or hc*H for Qwen4-Exp's hyper-connection streams)
-        # the attention half's outputs (x, h, top_w, top_ids) per (layer, kv_len): a graph's outputs live in
-        # the memory it was captured with, and the MoE half's graph for that kv_len reads exactly those
-        self.mid: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
-        self.slot_ids = torch.zeros(self.n_layers, 1, self.k, dtype=torch.long, device=dev)  # [L, 1, k]
-        self.logits = torch.zeros(cfg.vocab_size, dtype=torch.float32, device=dev)  # [V]
+        self.bufs = [_Buffers(model, self.n_layers, self.k) for _ in self.caches]  # one set per sequence cache
+        # the attention half's outputs (x, h, top_w, top_ids) per (cache, layer, kv_len): a graph's outputs live
+        # in the memory it was captured with, and the MoE half's graph for that kv_len reads exactly those
+        self.mid: dict[tuple[int, int, int], tuple[torch.Tensor, ...]] = {}
         # a graph cannot hold a host read-back: with the looped expert kernel (no grouped GEMM for this
         # device/dtype), or a grouped GEMM that reads its offsets back (float32 on CUDA in torch 2.11), every
-        # step runs eagerly
-        self.graphs = (GraphCache(dev) if graphs and dev.type == "cuda" and model.grouped
-                       and probe_graph_capture(dev, model.dtype) else None)
-        self.host_ids = torch.zeros(self.n_layers, 1, self.k, dtype=torch.long,
-                                    pin_memory=dev.type == "cuda")  # [L, 1, k] slot ids on their way up
+        # step runs eagerly. One GraphCache, so one memory pool, per sequence cache (module docstring)
+        self.graphs = ([GraphCache(dev) for _ in self.caches]
+                       if graphs and dev.type == "cuda" and model.grouped and probe_graph_capture(dev, model.dtype)
+                       else None)
+        # the device table's hit/miss counts either side of each device-handled item of a batch (``settle``)
+        self.counts_at = (torch.zeros(2 * len(self.caches), 2, dtype=torch.long, device=dev)
+                          if self.table is not None else None)  # [2C, 2]
         self.steps = {"whole": 0, "per_layer": 0}
+        self.syncs = 0  # host reads of device results: the routing of a per-layer layer, the counts' snapshots
 
     def _auto(self, choice: str, fallback: str, shape_ok: bool) -> str:
         """"auto": "triton" on CUDA for a model whose decode the Triton kernels serve, at a shape they take
@@ -202,44 +292,52 @@ class Decoder:
         slots = self.store.slots
         return self.store.resident is not None or on_device or (slots is not None and slots.complete)
 
+    @property
+    def logits(self) -> torch.Tensor:
+        """The logits buffer [V] float32 of the cache stepped last (``self.cache``)."""
+        return self.bufs[self.cache].logits
+
     # -- pieces (each static-shape and sync-free) ---------------------------------------------------------
-    def _whole(self, kv_len: int, on_device: bool) -> None:
-        m, table = self.model, (self.table if on_device else None)
+    def _whole(self, c: int, kv_len: int, on_device: bool) -> None:
+        m, b, kv, table = self.model, self.bufs[c], self.caches[c], (self.table if on_device else None)
         if table is not None:
             table.tick.add_(1)
-        x = m.embed(self.token)  # [1, W]
+        x = m.embed(b.token)  # [1, W]
         for layer in range(self.n_layers):
             gate_up, down = self.store.decode_weights(layer)  # resident or identity slots: expert e in row e
             if table is None:
-                x, h, top_w, top_ids = m.decode_attn_block(layer, x, self.kv, self.pos, kv_len)  # [1, H] x2, [1, k] x2
+                x, h, top_w, top_ids = m.decode_attn_block(layer, x, kv, b.pos, kv_len)  # [1, H] x2, [1, k] x2
                 x = self.moe(x, h, top_w, top_ids, gate_up, down)  # [1, H]
             else:  # the router's kernel looks its experts up in the slot table; the experts' kernels read the
                 # misses from the host bank and leave them in their slots
-                x, h, top_w, _ = m.decode_attn_block(layer, x, self.kv, self.pos, kv_len, lookup=table.layer(layer))
+                x, h, top_w, _ = m.decode_attn_block(layer, x, kv, b.pos, kv_len, lookup=table.layer(layer))
                 slot_ids, fetch = self.store.decode_fetch(layer)  # [1, k] slot ids, the misses
                 x = self.moe(x, h, top_w, slot_ids, gate_up, down, fetch=fetch)  # [1, H]
-        self.logits.copy_(m.logits(x))
+        b.logits.copy_(m.logits(x))
 
-    def _embed(self) -> None:
-        self.x[0].copy_(self.model.embed(self.token))
+    def _embed(self, c: int) -> None:
+        b = self.bufs[c]
+        b.x[0].copy_(self.model.embed(b.token))
 
-    def _attn(self, layer: int, kv_len: int) -> None:
-        self.mid[self.cache, layer, kv_len] = self.model.decode_attn_block(layer, self.x[layer], self.kv, self.pos,
-                                                                           kv_len)
+    def _attn(self, c: int, layer: int, kv_len: int) -> None:
+        b = self.bufs[c]
+        self.mid[c, layer, kv_len] = self.model.decode_attn_block(layer, b.x[layer], self.caches[c], b.pos, kv_len)
 
-    def _moe(self, layer: int, kv_len: int) -> None:
-        x, h, top_w, _ = self.mid[self.cache, layer, kv_len]
+    def _moe(self, c: int, layer: int, kv_len: int) -> None:
+        b = self.bufs[c]
+        x, h, top_w, _ = self.mid[c, layer, kv_len]
         gate_up, down = self.store.decode_weights(layer)  # [S, 2I, H], [S, H, I]
-        self.x[layer + 1].copy_(self.moe(x, h, top_w, self.slot_ids[layer], gate_up, down))
+        b.x[layer + 1].copy_(self.moe(x, h, top_w, b.slot_ids[layer], gate_up, down))
 
-    def _head(self) -> None:
-        self.logits.copy_(self.model.logits(self.x[self.n_layers]))
+    def _head(self, c: int) -> None:
+        b = self.bufs[c]
+        b.logits.copy_(self.model.logits(b.x[self.n_layers]))
 
-    def _run(self, key: tuple, fn: Callable[[], None]) -> None:
+    def _run(self, c: int, key: tuple, fn: Callable[[], None]) -> None:
         if self.graphs is None:
             fn()
         else:
-            self.graphs.run(key, fn)
+            self.graphs[c].run(key, fn)
 
     # -- warm-up ---------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -247,8 +345,11 @@ class Decoder:
         """Two throwaway steps at the last position of every KV-length bucket (``kv_buckets``): the first runs
         each piece eagerly, the second captures its graph. They write KV, states, token history and slots at
         those positions: the caller resets the engine afterwards. With a device-side slot table, both ways of
-        handling misses (a request may ask for either). Every sequence cache's graphs. Returns the buckets."""
-        buckets = kv_buckets(self.kv.max_context)
+        handling misses (a request may ask for either). Every sequence cache's graphs: a batched step replays the
+        same per-cache pieces a solo step of that cache does, so this captures every graph ``step_batch`` uses
+        (a complete slot cache's whole step, host-handled, is captured when it first happens). Returns the
+        buckets."""
+        buckets = kv_buckets(self.caches[0].max_context)
         ways = [self.misses] + ([w for w in ("host", "device") if w != self.misses] if self.table is not None else [])
         for cache in range(len(self.caches)):
             for kv_len in buckets:
@@ -262,35 +363,186 @@ class Decoder:
     def step(self, token_id: int, pos: int, cancel: CancelLike = None, misses: str | None = None,
              cache: int = 0) -> torch.Tensor:
         """Decode ``token_id`` at ``pos`` in the sequence cache ``cache``; returns the logits [V] float32 (a view of
-        a static buffer, valid until the next step). ``misses``: who handles the slot cache's misses in this step
-        (``check_misses``)."""
-        self.cache, self.kv = cache, self.caches[cache]
-        store, kv_len = self.store, kv_len_for(pos, self.kv.max_context)
-        on_device = self.check_misses(misses) == "device"
-        self.token.fill_(token_id)
-        self.pos.fill_(pos)
-        self.model.prepare_decode(self.kv, token_id, pos)  # host-side work of a step (Qwen4-Exp: PLE rows staged)
+        the cache's static buffer, valid until its next step). ``misses``: who handles the slot cache's misses in
+        this step (``check_misses``). A batch of one (``step_batch``) whose exception is raised; the device
+        table's counts are left for ``ExpertStore.collect_decode_counts``."""
+        r = self.step_batch([DecodeItem(token_id, pos, cache, cancel, misses)], attribute=False)[0]
+        if r.error is not None:
+            raise r.error
+        return r.logits
+
+    @torch.no_grad()
+    def step_batch(self, items: Sequence[DecodeItem], attribute: bool = True) -> list[DecodeResult]:
+        """One decode step of every item (each a different sequence cache), in list order: the order of their
+        slot lookups. Returns one ``DecodeResult`` per item; an item's exception (its cancel flag included) ends
+        its own step only, an exception no one item raised ends every item still running (module docstring).
+        ``attribute``: snapshot the device table's counts either side of each device-handled item so that
+        ``settle`` can charge them (a solo ``step`` leaves them to ``collect_decode_counts``)."""
+        caches = [it.cache for it in items]
+        if len(set(caches)) != len(caches) or not all(0 <= c < len(self.caches) for c in caches):
+            raise ValueError(f"a batched decode step takes one token per sequence cache (0 to "
+                             f"{len(self.caches) - 1}), got caches {caches}")
+        results = [DecodeResult() for _ in items]
+        on_device: list[bool] = []
+        for it, r in zip(items, results):
+            try:
+                on_device.append(self.check_misses(it.misses) == "device")
+            except ValueError as exc:
+                r.error = exc
+                on_device.append(False)
+        store = self.store
         if store.cuda and store.resident is None:  # slot writes below go after any prefill copy still queued
             torch.cuda.current_stream(store.device).wait_stream(store.copy_stream)
+        todo = [i for i, r in enumerate(results) if r.error is None]
         with attention_backends():
-            check_cancel(cancel)
-            if self._no_misses(on_device):
-                self.steps["whole"] += 1
+            while todo:
+                i = todo[0]
+                if self._no_misses(on_device[i]):
+                    self._whole_item(i, items[i], results[i], on_device[i], attribute)
+                    todo = todo[1:]
+                    continue
+                # the slot cache can miss and this item's host handles it, so it is not complete: every next item
+                # whose host handles its misses joins the layer-outer run (one that the device handles runs whole
+                # after it, in list order)
+                n = 1
+                while n < len(todo) and not on_device[todo[n]]:
+                    n += 1
+                self._per_layer(todo[:n], items, results)
+                todo = todo[n:]
+        if items:
+            self.cache = items[-1].cache
+            self.kv = self.caches[self.cache]
+        return results
+
+    def _prepare(self, it: DecodeItem) -> None:
+        b = self.bufs[it.cache]
+        b.token.fill_(it.token_id)
+        b.pos.fill_(it.pos)
+        self.model.prepare_decode(self.caches[it.cache], it.token_id, it.pos)  # host-side work of a step (Qwen4-
+        # Exp: PLE rows staged in the cache's own buffers)
+
+    def _whole_item(self, i: int, it: DecodeItem, r: DecodeResult, on_device: bool, attribute: bool) -> None:
+        """Item ``i``'s whole step: one graph (or its eager pieces), no host sync; the next item's is queued right
+        behind it."""
+        c, table = it.cache, self.table
+        kv_len = kv_len_for(it.pos, self.caches[c].max_context)
+        try:
+            check_cancel(it.cancel)
+            self._prepare(it)
+            r.way = "whole"
+            self.steps["whole"] += 1
+            if on_device:
+                self.store.slots.sync_device()  # the host's lookups or flush since the last device-side step
+                if attribute:
+                    self.counts_at[2 * i].copy_(table.counts)
+            try:
+                self._run(c, ("whole", c, kv_len, on_device), lambda: self._whole(c, kv_len, on_device))
+            finally:
                 if on_device:
-                    store.slots.sync_device()  # the host's lookups or flush since the last device-side step
-                self._run(("whole", cache, kv_len, on_device), lambda: self._whole(kv_len, on_device))
-                if on_device:
-                    self.table.ahead = self.table.uncounted = True
-                return self.logits
-            self.steps["per_layer"] += 1
-            self._run(("embed",), self._embed)
-            for layer in range(self.n_layers):
-                if layer:
-                    check_cancel(cancel)
-                self._run(("attn", cache, layer, kv_len), lambda: self._attn(layer, kv_len))
-                routed = self.mid[cache, layer, kv_len][3][0].tolist()  # host sync: which experts this token needs
-                self.host_ids[layer, 0] = torch.tensor(store.decode_experts(layer, routed))
-                self.slot_ids[layer].copy_(self.host_ids[layer], non_blocking=True)
-                self._run(("moe", cache, layer, kv_len), lambda: self._moe(layer, kv_len))
-            self._run(("head",), self._head)
-            return self.logits
+                    table.ahead = table.uncounted = True
+            if on_device and attribute:
+                self.counts_at[2 * i + 1].copy_(table.counts)
+                r.counts_row = i
+            r.logits = self.bufs[c].logits
+        except Exception as exc:  # noqa: BLE001 - this item's step ends; the others go on
+            r.error = exc
+
+    def _per_layer(self, run: list[int], items: Sequence[DecodeItem], results: list[DecodeResult]) -> None:
+        """The items ``run`` (their hosts handle their misses), layer-outer: per layer every item's attention half,
+        one host read of all their routed experts, then per item in order its lookup (and miss copies) and its
+        MoE half; then each item's head."""
+        live = []
+        for i in run:
+            it, r = items[i], results[i]
+            try:
+                check_cancel(it.cancel)
+                self._prepare(it)
+                r.way = "per_layer"
+                self.steps["per_layer"] += 1
+                self._run(it.cache, ("embed", it.cache), lambda c=it.cache: self._embed(c))
+                live.append(i)
+            except Exception as exc:  # noqa: BLE001 - this item's step ends; the others go on
+                r.error = exc
+        kv_len = {i: kv_len_for(items[i].pos, self.caches[items[i].cache].max_context) for i in run}
+        for layer in range(self.n_layers):
+            attended = []
+            for i in live:
+                c, n = items[i].cache, kv_len[i]
+                try:
+                    if layer:  # a cancel seen now takes this item out of the remaining layers only
+                        check_cancel(items[i].cancel)
+                    self._run(c, ("attn", c, layer, n), lambda: self._attn(c, layer, n))
+                    attended.append(i)
+                except Exception as exc:  # noqa: BLE001
+                    results[i].error = exc
+            live = attended
+            if not live:
+                return
+            try:
+                routed = self._routing([self.mid[items[i].cache, layer, kv_len[i]][3] for i in live])
+            except Exception as exc:  # noqa: BLE001 - no one item's (an asynchronous CUDA error surfaces at a sync)
+                for i in live:
+                    results[i].error = exc
+                return
+            done = []
+            for i, ids in zip(live, routed, strict=True):
+                c, n = items[i].cache, kv_len[i]
+                try:
+                    # the lookup may evict a slot that an earlier item of this batch reads in this layer: that
+                    # item's MoE half was queued before this lookup's copies, on the same stream (the miss copies
+                    # go on the current stream: ``ExpertStore.decode_experts``), so it has read the slot first.
+                    # An expert an earlier item just loaded is a hit: the batch's union is copied once
+                    self._lookup(layer, c, ids, results[i])
+                    self._run(c, ("moe", c, layer, n), lambda: self._moe(c, layer, n))
+                    done.append(i)
+                except Exception as exc:  # noqa: BLE001
+                    results[i].error = exc
+            live = done
+        for i in live:
+            c = items[i].cache
+            try:
+                self._run(c, ("head", c), lambda: self._head(c))
+                results[i].logits = self.bufs[c].logits
+            except Exception as exc:  # noqa: BLE001
+                results[i].error = exc
+
+    def _routing(self, top_ids: list[torch.Tensor]) -> list[list[int]]:
+        """The routed expert ids [1, k] of each item, read to the host at once: the layer's one host sync."""
+        self.syncs += 1
+        return torch.cat(top_ids).tolist()  # [B, k]
+
+    def _lookup(self, layer: int, c: int, ids: list[int], r: DecodeResult) -> None:
+        """Make ``ids`` resident in ``layer``'s slots (copying the misses) and write their slot ids for cache
+        ``c``'s MoE half; the copies and lookups are charged to ``r`` (its lookup missed)."""
+        store, b = self.store, self.bufs[c]
+        life, seen = store.lifetime, store.slot_lifetime  # (the store replaces neither during a step)
+        h2d, d2d, copies, hits, misses = life.h2d_bytes, life.d2d_bytes, life.expert_copies, seen.hits, seen.misses
+        try:
+            slots = store.decode_experts(layer, ids)
+        finally:
+            r.traffic.h2d_bytes += life.h2d_bytes - h2d
+            r.traffic.d2d_bytes += life.d2d_bytes - d2d
+            r.traffic.expert_copies += life.expert_copies - copies
+            r.lookups.hits += seen.hits - hits
+            r.lookups.misses += seen.misses - misses
+        b.host_ids[layer, 0] = torch.tensor(slots)
+        b.slot_ids[layer].copy_(b.host_ids[layer], non_blocking=True)
+
+    def settle(self, results: Sequence[DecodeResult]) -> None:
+        """After a batch (once its logits were read): charge each device-handled item with the lookups the device
+        made in its step (one read of the counts' snapshots either side of it; each miss one expert copied, as
+        ``ExpertStore.collect_decode_counts`` counts it), then fold the device table's counts into the store's
+        accounting. Counts of device-side steps run without snapshots (a solo ``step``) are folded but charged to
+        no item; an item whose step raised is charged nothing (its counts are folded all the same)."""
+        mine = [r for r in results if r.counts_row is not None]
+        if mine:
+            snaps = self.counts_at.tolist()  # [2C, 2]
+            self.syncs += 1
+            for r in mine:
+                (h0, m0), (h1, m1) = snaps[2 * r.counts_row], snaps[2 * r.counts_row + 1]
+                r.lookups.hits += h1 - h0
+                r.lookups.misses += m1 - m0
+                r.traffic.h2d_bytes += (m1 - m0) * self.store.bank.expert_bytes
+                r.traffic.expert_copies += m1 - m0
+                r.counts_row = None
+        self.store.collect_decode_counts()

@@ -394,10 +394,6 @@ class Engine:
             return None
         return int(torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0))
 
-    def _decode(self, token: int, pos: int, cancel: CancelLike, misses: str | None, cache: int = 0) -> torch.Tensor:
-        with self._on_device():
-            return self.decoder.step(token, pos, cancel, misses, cache)
-
     def _sample(self, sampler: Sampler, logits: torch.Tensor) -> TokenEvent:
         with self._on_device():
             return TokenEvent(*sampler(logits))

@@ -11,31 +11,47 @@ Contract (what :class:`~abbench.engine.runtime.engine.Engine` and the server's q
   attention batch join one batch up to ``max_prefill_batch_tokens`` uncached tokens (the first always runs),
   prefilled together (``prefill.prefill_batch``: each window's bank is streamed once for the whole batch);
   any other request is a batch of one; each emits its first token; (2) **decode**: every sequence that had
-  its first token before this iteration decodes one token (``Decoder.step`` over its own cache, the slot cache
-  shared), in arrival order on even iterations and in reverse on odd ones: the sequences' experts meet in each
-  layer's LRU slot block, and a scan in a fixed order over more experts than the block holds misses on nearly
-  every lookup, where alternating the direction reuses what the last sequences left (a simulation with
-  per-sequence routing that mostly stays: 0.72 of lookups missed in a fixed order, 0.42 alternating). A
-  sequence leaves when it finishes, fails or is cancelled; the next iteration may admit another.
+  its first token before this iteration decodes one token, all of them in one batched step
+  (``Decoder.step_batch``: each over its own cache, the slot cache shared; per layer one host read of the
+  routing for all of them where the host handles the misses), then each one's token is sampled from its own
+  logits and emitted. The batch's list order is the order of the slot lookups in each layer: arrival order on
+  even iterations and the reverse on odd ones: the sequences' experts meet in each layer's LRU slot block, and
+  a scan in a fixed order over more experts than the block holds misses on nearly every lookup, where
+  alternating the direction reuses what the last sequences left (a simulation with per-sequence routing that
+  mostly stays: 0.72 of lookups missed in a fixed order, 0.42 alternating). A sequence leaves when it
+  finishes, fails or is cancelled; the next iteration may admit another.
 - **Policy between prefill and decode:** prefill first. A decoding sequence waits at most one prefill batch per
   token, and a batch holds at most ``max_prefill_batch_tokens`` uncached prompt tokens (a first prompt longer
   than that runs alone), so that bound is what a long prompt costs the others' inter-token latency.
 - **Outputs do not depend on the batch, by construction:** a batch-prefilled prompt makes exactly the layer
   calls it makes alone (``prefill.layer_major_parts``) and each sequence's decode step is the step it takes
-  alone, over its own cache; the experts read from the slot cache are the same weights wherever they sit. So
-  a prompt's greedy ids are bitwise the same alone and in any batch, on every device (tested). What batching
-  shares is the weight reads: the bank streams of a prefill batch, and the slot cache's experts between the
-  sequences' decode steps. Decode runs one GEMV-shaped step per sequence: its compute is not batched.
+  alone, over its own cache and buffers, inside the batched step as well; the experts read from the slot
+  cache are the same weights wherever they sit. So a prompt's greedy ids and logprobs are bitwise the same
+  alone and in any batch, on every device (tested on CPU; the CUDA run is listed in docs/batching.md). What
+  batching shares is the weight reads: the bank streams of a prefill batch, and the slot cache's experts
+  within and between the decode steps (an expert one sequence loaded is a hit for the next), and a decode
+  step's host syncs. Decode still computes one GEMV-shaped step per sequence: its compute is not batched.
 - **Prefix cache per sequence cache:** each cache keeps the tokens whose KV it holds (prompt and output of its
   last sequence); a request takes the free cache that shares the longest prefix with its prompt (at most
   len(prompt) - 1 tokens; hybrids: exactly the last prompt's snapshot), the first such cache on a tie, so
   requests one at a time always run in the first cache, with the prefix cache of an engine with one cache.
   ``reset()`` (idle only) empties them all.
 - **Cancellation** of one sequence never disturbs the others: a queued one leaves the queue (``withdraw``, or
-  at its prefill's first layer step); a decoding one
-  stops at its next layer step; a prefill batch stops when all its members are cancelled, and a member
-  cancelled while the others go on gets ``Cancelled`` when the batch's prefill ends.
-- **Accounting per sequence:** its own decode steps' bytes, slot-cache hits and misses and step counts; its
+  at its prefill's first layer step); a decoding one is looked at before the batched step (then it leaves
+  before it) and, inside it, before each of its layers from the second on where the host handles the misses
+  (it leaves the remaining layers; a whole step is not interrupted): it gets ``Cancelled``, the others' step
+  goes on; a prefill batch stops when all its members are cancelled, and a member cancelled while the others
+  go on gets ``Cancelled`` when the batch's prefill ends.
+- **Failures** in decode: an exception raised by one sequence's own work in the batched step (its attention
+  half, slot lookup and copies, MoE half, head or whole step) or by its sampling fails that sequence only. One
+  that no sequence raised (the batch's shared routing read, where an asynchronous CUDA error of any of them
+  surfaces; the device counts' read; a bug in the step itself) cannot be attributed: every sequence of the
+  batch fails with it.
+- **Accounting per sequence:** its own decode steps' bytes, slot-cache hits and misses and step counts (each
+  expert copy of a batched step is charged to the sequence whose lookup missed: the store's counters around
+  its own lookup, or the device table's counts either side of its own whole step; a sequence that hits what
+  another loaded is charged the hit; a batch that fails unattributed charges what it moved to each of its
+  sequences, as a prefill batch does; the engine's totals count everything once); its
   prefill batch's bytes, windows, copy waits and graph replays (shared: the stats say how many prompts
   ``prefill_batch`` held); ``peak_device_bytes`` is the device's peak over the sequence's life (other sequences
   included), ``queue_s`` how long it waited for admission.
@@ -59,6 +75,7 @@ from abbench.engine.contract import (
 )
 from abbench.engine.ops.sampling import Sampler
 from abbench.engine.ops.trace import LayerTrace
+from abbench.engine.runtime.decode import DecodeItem
 from abbench.engine.runtime.experts import SlotStats, Traffic
 from abbench.engine.runtime.prefill import Part, PrefillStats, prefill_batch
 
@@ -223,8 +240,8 @@ class Scheduler:
         if self.iterations % 2:  # every other iteration in reverse order: the slot cache's LRU (module docstring)
             decoding.reverse()
         self.iterations += 1
-        for seq in decoding:
-            self._decode(seq)
+        if decoding:
+            self._decode(decoding)
 
     def _admit(self) -> list[Sequence]:
         cfg, batch, tokens = self.engine.config, [], 0
@@ -250,8 +267,6 @@ class Scheduler:
                 tokens += n
                 if not _batchable(seq.request):
                     break
-        if batch:
-            self._collect()  # device-side slot counts of the steps so far belong to the sequences that ran them
         return batch
 
     def _account(self, seqs: list[Sequence], fn: Callable[[], Any]) -> Any:
@@ -268,16 +283,7 @@ class Scheduler:
             counters["d2d_bytes_total"] += moved.d2d_bytes
             counters["expert_copies_total"] += moved.expert_copies
             for seq in seqs:
-                seq.traffic = Traffic(seq.traffic.h2d_bytes + moved.h2d_bytes, seq.traffic.d2d_bytes + moved.d2d_bytes,
-                                      seq.traffic.expert_copies + moved.expert_copies)
-                seq.lookups = SlotStats(seq.lookups.hits + hits, seq.lookups.misses + misses)
-
-    def _collect(self) -> None:
-        """Fold the device table's counts into the one running sequence that ran the steps since the last fold."""
-        engine = self.engine
-        if len(self.running) == 1:
-            with engine._on_device():
-                self._account(self.running, engine.store.collect_decode_counts)
+                self._charge(seq, moved, SlotStats(hits, misses))
 
     # -- prefill ------------------------------------------------------------------------------------------------
     def _prefill(self, batch: list[Sequence]) -> None:
@@ -356,31 +362,67 @@ class Scheduler:
         self._maybe_finish(seq)
 
     # -- decode -------------------------------------------------------------------------------------------------
-    def _decode(self, seq: Sequence) -> None:
-        engine, req = self.engine, seq.request
+    def _decode(self, seqs: list[Sequence]) -> None:
+        """One batched decode step of ``seqs`` (in this order: the order of their slot lookups), then each one's
+        token sampled and emitted. What fails or is cancelled leaves alone (module docstring)."""
+        engine, store, counters = self.engine, self.engine.store, self.engine.counters
+        live = []
+        for seq in seqs:
+            try:
+                check_cancel(seq.cancel)
+            except BaseException as exc:  # noqa: BLE001 - Cancelled, or whatever its flag raised: this one fails
+                self._fail(seq, exc)
+                continue
+            live.append(seq)
+        if not live:
+            return
+        items = [DecodeItem(s.event.token_id, s.pos, s.slot.index, s.cancel, s.request.decode_misses) for s in live]
+        t0, s0 = store.lifetime.snapshot(), SlotStats(store.slot_lifetime.hits, store.slot_lifetime.misses)
         try:
-            check_cancel(seq.cancel)
-            steps0 = dict(engine.decoder.steps)
-
-            def step() -> torch.Tensor:
-                logits = engine._decode(seq.event.token_id, seq.pos, seq.cancel, req.decode_misses, seq.slot.index)
-                if len(self.running) > 1:  # fold the device-side counts into this sequence now
-                    with engine._on_device():
-                        engine.store.collect_decode_counts()
-                return logits
-
-            logits = self._account([seq], step)
-            for k in seq.steps:
-                seq.steps[k] += engine.decoder.steps[k] - steps0[k]
+            try:
+                with engine._on_device():
+                    results = engine.decoder.step_batch(items)
+                events: list[TokenEvent | None] = []
+                for seq, r in zip(live, results, strict=True):  # the batch's logits, each in its cache's buffer
+                    event = None
+                    if r.error is None:
+                        try:
+                            event = engine._sample(seq.sampler, r.logits)
+                        except Exception as exc:  # noqa: BLE001 - this sequence's sampling
+                            r.error = exc
+                    events.append(event)
+                with engine._on_device():
+                    engine.decoder.settle(results)  # the device-side lookups' counts, per sequence
+            finally:
+                moved = store.lifetime.minus(t0)  # the engine's totals: everything the batch moved
+                counters["h2d_bytes_total"] += moved.h2d_bytes
+                counters["d2d_bytes_total"] += moved.d2d_bytes
+                counters["expert_copies_total"] += moved.expert_copies
+        except BaseException as exc:  # noqa: BLE001 - not one sequence's: every sequence of the batch fails
+            hits, misses = store.slot_lifetime.hits - s0.hits, store.slot_lifetime.misses - s0.misses
+            for seq in live:  # what the batch moved is charged to each of them, as a prefill batch's is
+                self._charge(seq, moved, SlotStats(hits, misses))
+                self._fail(seq, exc)
+            return
+        for seq, r, event in zip(live, results, events, strict=True):
+            self._charge(seq, r.traffic, r.lookups)  # its own lookups' copies, hits and misses
+            if r.way:
+                seq.steps[r.way] += 1
+            if r.error is not None:
+                self._fail(seq, r.error)
+                continue
             seq.slot.tokens.append(seq.event.token_id)
             seq.pos += 1
-            seq.event = engine._sample(seq.sampler, logits)
+            seq.event = event
             seq.n_out += 1
-        except BaseException as exc:  # noqa: BLE001 - this sequence fails; the others go on
-            self._fail(seq, exc)
-            return
-        seq.emit(seq.event)
-        self._maybe_finish(seq)
+            seq.emit(seq.event)
+            self._maybe_finish(seq)
+
+    @staticmethod
+    def _charge(seq: Sequence, traffic: Traffic, lookups: SlotStats) -> None:
+        seq.traffic = Traffic(seq.traffic.h2d_bytes + traffic.h2d_bytes, seq.traffic.d2d_bytes + traffic.d2d_bytes,
+                              seq.traffic.expert_copies + traffic.expert_copies)
+        seq.lookups = SlotStats(seq.lookups.hits + lookups.hits, seq.lookups.misses + lookups.misses)
 
     def _maybe_finish(self, seq: Sequence) -> None:
         req = seq.request
