@@ -25,7 +25,7 @@ Contract:
     staging area of one layer on CUDA; on CPU the bank is read in place) and is dequantized into the buffer or
     slot on the same stream (``bank.dequantize_into``), so the device computes in its own dtype and every path
     sees the same values. The staging area is shared by the copy stream and the compute stream's copies, which
-    already wait for the copy stream (``load_experts`` here, ``Decoder.step`` before its slot writes). On CUDA
+    already wait for the copy stream (``load_experts`` here, ``Decoder.step_batch`` before its slot writes). On CUDA
     the dequantization is one Triton kernel (``decode_kernels.dequantize_fp8``, the same bits). Decode's
     device-side fetch reads a per-row-scaled FP8 bank's misses as FP8 and dequantizes them in its kernels
     (``decode_fetch``); a block-scaled bank's misses are the host's.
