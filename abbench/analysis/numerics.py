@@ -155,6 +155,8 @@ def _delta_p_rms(g: pd.DataFrame) -> float:
 
 STATISTICS: dict[str, Callable[[pd.DataFrame], float]] = {
     "kl_mean": _kl_mean, "kl_p99": _kl_p99, "same_top": _same_top, "delta_p_rms": _delta_p_rms}
+STATISTIC_COLUMN = {"kl_mean": "kl", "kl_p99": "kl", "same_top": "same_top", "delta_p_rms": "delta_p"}
+"""The one column each statistic reads (a resample carries that column alone)."""
 
 
 @dataclass(frozen=True)
@@ -181,12 +183,16 @@ def estimate(g: pd.DataFrame, metric: str, *, seed: int = BOOTSTRAP_SEED,
                         f"{n_pos} positions: a p99 needs at least {P99_MIN_POSITIONS}")
     if len(pairs) < 2 or not n_pos:
         return Estimate(value, None, None, len(pairs), n_pos, f"{len(pairs)} pair(s): no interval")
-    groups = [g[g["pair"] == p] for p in pairs]
+    # A resample is the picked pairs' rows in pick order, taken from the statistic's column at once: the same
+    # values in the same order as concatenating the pairs' frames, a fifth of the time (a numerics report's four
+    # estimates took ~1.7 s that way).
+    column = g[[STATISTIC_COLUMN[metric]]]
+    rows = [np.flatnonzero((g["pair"] == p).to_numpy(dtype=bool, na_value=False)) for p in pairs]
     rng = np.random.default_rng(seed)
     draws = []
     for _ in range(n_resamples // 4):  # 1,000 resamples: pooled statistics are costlier than a median's
-        pick = rng.integers(0, len(groups), len(groups))
-        v = stat(pd.concat([groups[i] for i in pick], ignore_index=True))
+        pick = rng.integers(0, len(rows), len(rows))
+        v = stat(column.take(np.concatenate([rows[i] for i in pick])))
         if not math.isnan(v):
             draws.append(v)
     if not draws:
