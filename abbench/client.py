@@ -81,6 +81,7 @@ from abbench.adapters import (
     engine_counters,
     get_adapter,
 )
+from abbench.auth import default_tls_context
 from abbench.errors import RequestError
 from abbench.profile import RequestSpec
 from abbench.response import Completion, IdsSource, RawResponse, ShortIds, finish
@@ -231,6 +232,8 @@ class EngineClient:
         # fails with "Server disconnected without sending a response".
         limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections,
                               keepalive_expiry=KEEPALIVE_EXPIRY_S)
+        if verify is True:  # the public CAs: the process's one context, not certifi's bundle loaded again (~25 ms)
+            verify = default_tls_context()
         self._transport = httpx.HTTPTransport(trust_env=False, verify=verify, limits=limits)
         self._http = httpx.Client(transport=self._transport, trust_env=False, follow_redirects=False,
                                   timeout=httpx.Timeout(control_timeout_s, connect=connect_timeout_s),

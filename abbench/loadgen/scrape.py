@@ -17,6 +17,7 @@ from collections.abc import Mapping
 
 import httpx
 
+from abbench.auth import default_tls_context
 from abbench.loadrecords import LoadScrape
 from abbench.nvml import gpu_sample
 from abbench.prometheus import parse_prometheus
@@ -56,7 +57,8 @@ class Scraper:
         return r.text
 
     def _run(self) -> None:
-        http = httpx.Client(trust_env=False, timeout=max(2.0, self.interval), verify=self.verify) if self.url else None
+        verify = default_tls_context() if self.verify is True else self.verify  # the public CAs: one context
+        http = httpx.Client(trust_env=False, timeout=max(2.0, self.interval), verify=verify) if self.url else None
         try:
             while not self._stop.is_set():
                 text = self._get(http) if http is not None and self.error is None else None

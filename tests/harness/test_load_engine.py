@@ -31,15 +31,16 @@ def engine() -> Iterator[str]:
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 180
-        while True:
-            assert proc.poll() is None, "the engine exited"
-            try:
-                if httpx.get(url + "/health", timeout=1, trust_env=False).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "the engine did not become healthy"
-            time.sleep(0.3)
+        with httpx.Client(timeout=1, trust_env=False) as poll:  # one client for every poll, not one each
+            while True:
+                assert proc.poll() is None, "the engine exited"
+                try:
+                    if poll.get(url + "/health").status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                assert time.monotonic() < deadline, "the engine did not become healthy"
+                time.sleep(0.3)
         yield url
     finally:
         proc.terminate()
