@@ -54,106 +54,160 @@ def have_triton() -> bool:
 
 if triton is not None:
     @triton.jit
-    def _gate_up_act(h_ptr, w_ptr, ids_ptr, out_ptr, src_ptr, host_ptr, scale_ptr, H: tl.constexpr,
-                     I: tl.constexpr, stride_we, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     FETCH: tl.constexpr, FP8: tl.constexpr):
-        j = tl.program_id(0)  # routed slot 0..k-1
+    def _group_experts(ids_ptr, given_src_ptr, slots_ptr, src_ptr, members_ptr, tok_counts_ptr, slot_of_ptr,
+                       expert_of_ptr, stamp_ptr, tick_ptr, counts_ptr, P, K: tl.constexpr, PP: tl.constexpr,
+                       M: tl.constexpr, LOOKUP: tl.constexpr, HAS_SRC: tl.constexpr, TOK_COUNTS: tl.constexpr,
+                       S: tl.constexpr, SP: tl.constexpr, IDENTITY: tl.constexpr, STEP: tl.constexpr,
+                       NEVER: tl.constexpr):
+        p = tl.arange(0, PP)  # the routed (token, expert) pairs, token-major: pair p is token p // K's
+        pm = p < P
+        ids = tl.load(ids_ptr + p, mask=pm, other=0).to(tl.int32)
+        same = (ids[:, None] == ids[None, :]) & pm[:, None] & pm[None, :]  # [PP, PP] routed to one expert
+        before = same & (p[None, :] < p[:, None])  # (q, q'): an earlier pair q' of q's expert
+        rank = tl.sum(before.to(tl.int32), axis=1)  # [PP] each pair's place among its expert's pairs
+        lead = tl.min(tl.where(same, p[None, :], PP), axis=1)  # [PP] its expert's first pair
+        first = pm & (rank == 0)
+        for m in tl.static_range(M):  # members[q, m]: the m-th pair of q's expert if q leads it, else -1
+            mem = tl.max(tl.where((lead[None, :] == p[:, None]) & (rank[None, :] == m) & pm[None, :],
+                                  p[None, :], -1), axis=1)
+            tl.store(members_ptr + p * M + m, mem, mask=pm)
+        if LOOKUP:  # the batch's experts (each once, its first pair's lane) looked up in the slot table
+            hit, miss = slot_assign(tl.where(first, ids, 0), first, slot_of_ptr, expert_of_ptr, stamp_ptr, tick_ptr,
+                                    counts_ptr, slots_ptr, src_ptr, PP, PP, S, SP, IDENTITY, STEP, NEVER)
+            if TOK_COUNTS:  # each lookup charged to the token of the expert's first pair
+                b = tl.arange(0, M)
+                on = (p // K)[None, :] == b[:, None]  # [M, PP]
+                nh = tl.sum((on & hit[None, :]).to(tl.int64), axis=1)
+                nm = tl.sum((on & miss[None, :]).to(tl.int64), axis=1)
+                tl.store(tok_counts_ptr + 2 * b, tl.load(tok_counts_ptr + 2 * b) + nh)
+                tl.store(tok_counts_ptr + 2 * b + 1, tl.load(tok_counts_ptr + 2 * b + 1) + nm)
+        else:  # ids index the weights already (resident experts, or slots the host looked up)
+            tl.store(slots_ptr + p, ids.to(tl.int64), mask=first)
+            if HAS_SRC:
+                tl.store(src_ptr + p, tl.load(given_src_ptr + p, mask=first, other=-1), mask=first)
+            else:
+                tl.store(src_ptr + p, tl.full([PP], -1, tl.int32), mask=first)
+
+    @triton.jit
+    def _gate_up_group(h_ptr, w_ptr, slots_ptr, src_ptr, members_ptr, out_ptr, host_ptr, scale_ptr,
+                       H: tl.constexpr, I: tl.constexpr, K: tl.constexpr, M: tl.constexpr, stride_we, stride_wn,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FETCH: tl.constexpr, FP8: tl.constexpr):
+        p = tl.program_id(0)  # a routed pair; the first pair of each expert does its expert's work
         nb = tl.program_id(1)
-        e = tl.load(ids_ptr + j).to(tl.int64)
-        rows = nb * BLOCK_N + tl.arange(0, BLOCK_N)
-        rmask = rows < I
-        base = w_ptr + e * stride_we
-        read = base
-        miss = -1
-        if FETCH:  # a miss (src >= 0): read the expert from the host bank and leave a copy in its slot
-            miss = tl.load(src_ptr + j).to(tl.int64)
-            if not FP8:
-                if miss >= 0:
-                    read = host_ptr + miss * stride_we
-        if FP8:  # the miss's row scales (float32, one per output row of gate and of up)
-            sm = rmask & (miss >= 0)
-            at = tl.maximum(miss, 0) * 2 * I + rows
-            sg = tl.load(scale_ptr + at, mask=sm, other=1.0)
-            su = tl.load(scale_ptr + at + I, mask=sm, other=1.0)
-        acc_g = tl.zeros([BLOCK_N], dtype=tl.float32)
-        acc_u = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, H, BLOCK_K):
-            cols = k0 + tl.arange(0, BLOCK_K)
-            cmask = cols < H
-            x = tl.load(h_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
-            m = rmask[:, None] & cmask[None, :]
-            g_off = rows[:, None] * stride_wn + cols[None, :]
-            u_off = (rows[:, None] + I) * stride_wn + cols[None, :]
-            if FP8:
-                if miss >= 0:  # float8 from the host bank, dequantized as bank.dequantize_into does (q * scale
-                    # in float32, rounded once to the slots' dtype), stored into the slot, computed with
-                    hq = host_ptr + miss * stride_we
-                    wg = (tl.load(hq + g_off, mask=m, other=0.0).to(tl.float32) * sg[:, None]).to(
-                        w_ptr.dtype.element_ty)
-                    wu = (tl.load(hq + u_off, mask=m, other=0.0).to(tl.float32) * su[:, None]).to(
-                        w_ptr.dtype.element_ty)
-                    tl.store(base + g_off, wg, mask=m)
-                    tl.store(base + u_off, wu, mask=m)
+        mi = tl.arange(0, M)
+        mem = tl.load(members_ptr + p * M + mi)  # [M] the expert's pairs (p first), -1 past them
+        if tl.load(members_ptr + p * M) == p:
+            e = tl.load(slots_ptr + p).to(tl.int64)
+            code = tl.load(src_ptr + p).to(tl.int64)  # -1: its slot; >= 0: a miss of that expert (read from
+            # the host bank and left in the slot); <= -2: expert -code - 2 from the host bank (read only)
+            hx = tl.where(code >= 0, code, -code - 2)
+            rows = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+            rmask = rows < I
+            base = w_ptr + e * stride_we
+            hq = host_ptr + tl.maximum(hx, 0) * stride_we
+            if FP8:  # the host expert's row scales (float32, one per output row of gate and of up)
+                sm = rmask & (code != -1)
+                at = tl.maximum(hx, 0) * 2 * I + rows
+                sg = tl.load(scale_ptr + at, mask=sm, other=1.0)
+                su = tl.load(scale_ptr + at + I, mask=sm, other=1.0)
+            acc_g = tl.zeros([M, BLOCK_N], dtype=tl.float32)  # row j: pair mem[j]
+            acc_u = tl.zeros([M, BLOCK_N], dtype=tl.float32)
+            for k0 in range(0, H, BLOCK_K):
+                cols = k0 + tl.arange(0, BLOCK_K)
+                cmask = cols < H
+                m = rmask[:, None] & cmask[None, :]
+                g_off = rows[:, None] * stride_wn + cols[None, :]
+                u_off = (rows[:, None] + I) * stride_wn + cols[None, :]
+                # the tile is read once for every pair of the expert
+                if FETCH:
+                    if code != -1:  # from the host bank (as FP8: dequantized as bank.dequantize_into does,
+                        # q * scale in float32 rounded once to the slots' dtype); a miss also into its slot
+                        if FP8:
+                            wg = (tl.load(hq + g_off, mask=m, other=0.0).to(tl.float32) * sg[:, None]).to(
+                                w_ptr.dtype.element_ty)
+                            wu = (tl.load(hq + u_off, mask=m, other=0.0).to(tl.float32) * su[:, None]).to(
+                                w_ptr.dtype.element_ty)
+                        else:
+                            wg = tl.load(hq + g_off, mask=m, other=0.0)
+                            wu = tl.load(hq + u_off, mask=m, other=0.0)
+                        tl.store(base + g_off, wg, mask=m & (code >= 0))
+                        tl.store(base + u_off, wu, mask=m & (code >= 0))
+                    else:
+                        wg = tl.load(base + g_off, mask=m, other=0.0)
+                        wu = tl.load(base + u_off, mask=m, other=0.0)
                 else:
                     wg = tl.load(base + g_off, mask=m, other=0.0)
                     wu = tl.load(base + u_off, mask=m, other=0.0)
-            else:
-                wg = tl.load(read + g_off, mask=m, other=0.0)
-                wu = tl.load(read + u_off, mask=m, other=0.0)
-                if FETCH:
-                    tl.store(base + g_off, wg, mask=m & (miss >= 0))
-                    tl.store(base + u_off, wu, mask=m & (miss >= 0))
-            acc_g += tl.sum(wg.to(tl.float32) * x[None, :], axis=1)
-            acc_u += tl.sum(wu.to(tl.float32) * x[None, :], axis=1)
-        act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
-        tl.store(out_ptr + j * I + rows, act, mask=rmask)
+                wgf = wg.to(tl.float32)
+                wuf = wu.to(tl.float32)
+                for j in tl.static_range(M):  # each pair's sums in the same order whatever the batch
+                    q = tl.load(members_ptr + p * M + j)
+                    if q >= 0:
+                        x = tl.load(h_ptr + (q // K) * H + cols, mask=cmask, other=0.0).to(tl.float32)
+                        acc_g = tl.where(mi[:, None] == j, acc_g + tl.sum(wgf * x[None, :], axis=1)[None, :], acc_g)
+                        acc_u = tl.where(mi[:, None] == j, acc_u + tl.sum(wuf * x[None, :], axis=1)[None, :], acc_u)
+            act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+            tl.store(out_ptr + mem[:, None] * I + rows[None, :], act, mask=(mem >= 0)[:, None] & rmask[None, :])
 
     @triton.jit
-    def _down_sum(a_ptr, w_ptr, ids_ptr, tw_ptr, res_ptr, out_ptr, src_ptr, host_ptr, scale_ptr, H: tl.constexpr,
-                  I: tl.constexpr, K_ROUTED: tl.constexpr, stride_we, stride_wn, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, HAS_RES: tl.constexpr, FETCH: tl.constexpr, FP8: tl.constexpr):
-        nb = tl.program_id(0)
-        rows = nb * BLOCK_N + tl.arange(0, BLOCK_N)
-        rmask = rows < H
-        total = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for j in range(0, K_ROUTED):  # the routed experts in slot order: a fixed summation order
-            e = tl.load(ids_ptr + j).to(tl.int64)
-            wj = tl.load(tw_ptr + j).to(tl.float32)
+    def _down_group(a_ptr, w_ptr, slots_ptr, src_ptr, members_ptr, y_ptr, host_ptr, scale_ptr, H: tl.constexpr,
+                    I: tl.constexpr, M: tl.constexpr, stride_we, stride_wn, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, FETCH: tl.constexpr, FP8: tl.constexpr):
+        p = tl.program_id(0)  # as _gate_up_group: the expert's first pair does the work, for all its pairs
+        nb = tl.program_id(1)
+        mi = tl.arange(0, M)
+        mem = tl.load(members_ptr + p * M + mi)
+        if tl.load(members_ptr + p * M) == p:
+            e = tl.load(slots_ptr + p).to(tl.int64)
+            code = tl.load(src_ptr + p).to(tl.int64)
+            hx = tl.where(code >= 0, code, -code - 2)
+            rows = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+            rmask = rows < H
             base = w_ptr + e * stride_we
-            read = base
-            miss = -1
-            if FETCH:  # a miss: its rows from the host bank, and a copy of them into its slot
-                miss = tl.load(src_ptr + j).to(tl.int64)
-                if not FP8:
-                    if miss >= 0:
-                        read = host_ptr + miss * stride_we
-            if FP8:  # the miss's row scales
-                sd = tl.load(scale_ptr + tl.maximum(miss, 0) * H + rows, mask=rmask & (miss >= 0), other=1.0)
-            acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+            hq = host_ptr + tl.maximum(hx, 0) * stride_we
+            if FP8:
+                sd = tl.load(scale_ptr + tl.maximum(hx, 0) * H + rows, mask=rmask & (code != -1), other=1.0)
+            acc = tl.zeros([M, BLOCK_N], dtype=tl.float32)
             for k0 in range(0, I, BLOCK_K):
                 cols = k0 + tl.arange(0, BLOCK_K)
                 cmask = cols < I
-                a = tl.load(a_ptr + j * I + cols, mask=cmask, other=0.0)
                 m = rmask[:, None] & cmask[None, :]
                 off = rows[:, None] * stride_wn + cols[None, :]
-                if FP8:
-                    if miss >= 0:  # dequantized as in _gate_up_act
-                        w = (tl.load(host_ptr + miss * stride_we + off, mask=m, other=0.0).to(tl.float32)
-                             * sd[:, None]).to(w_ptr.dtype.element_ty)
-                        tl.store(base + off, w, mask=m)
+                if FETCH:
+                    if code != -1:
+                        if FP8:
+                            w = (tl.load(hq + off, mask=m, other=0.0).to(tl.float32) * sd[:, None]).to(
+                                w_ptr.dtype.element_ty)
+                        else:
+                            w = tl.load(hq + off, mask=m, other=0.0)
+                        tl.store(base + off, w, mask=m & (code >= 0))
                     else:
                         w = tl.load(base + off, mask=m, other=0.0)
                 else:
-                    w = tl.load(read + off, mask=m, other=0.0)
-                    if FETCH:
-                        tl.store(base + off, w, mask=m & (miss >= 0))
-                acc += tl.sum(w.to(tl.float32) * a[None, :], axis=1)
-            total += wj * acc
+                    w = tl.load(base + off, mask=m, other=0.0)
+                wf = w.to(tl.float32)
+                for j in tl.static_range(M):
+                    q = tl.load(members_ptr + p * M + j)
+                    if q >= 0:
+                        a = tl.load(a_ptr + q * I + cols, mask=cmask, other=0.0)
+                        acc = tl.where(mi[:, None] == j, acc + tl.sum(wf * a[None, :], axis=1)[None, :], acc)
+            tl.store(y_ptr + mem[:, None] * H + rows[None, :], acc, mask=(mem >= 0)[:, None] & rmask[None, :])
+
+    @triton.jit
+    def _combine(y_ptr, tw_ptr, res_ptr, out_ptr, H: tl.constexpr, K: tl.constexpr, BLOCK: tl.constexpr,
+                 HAS_RES: tl.constexpr):
+        b = tl.program_id(0)
+        rows = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        rmask = rows < H
+        total = tl.zeros([BLOCK], dtype=tl.float32)
+        for j in range(0, K):  # the routed experts in routing order: a fixed summation order
+            wj = tl.load(tw_ptr + b * K + j).to(tl.float32)
+            total += wj * tl.load(y_ptr + (b * K + j) * H + rows, mask=rmask, other=0.0)
         y = total.to(out_ptr.dtype.element_ty)  # the experts' sum in the model dtype, as the grouped path's
         if HAS_RES:  # the residual x + y, rounded as torch's x + y
-            r = tl.load(res_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
+            r = tl.load(res_ptr + b * H + rows, mask=rmask, other=0.0).to(tl.float32)
             y = (r + y.to(tl.float32)).to(out_ptr.dtype.element_ty)
-        tl.store(out_ptr + rows, y, mask=rmask)
+        tl.store(out_ptr + b * H + rows, y, mask=rmask)
 
 
 if triton is not None:
@@ -319,7 +373,9 @@ if triton is not None:
     def slot_assign(ids, jm, slot_of_ptr, expert_of_ptr, stamp_ptr, tick_ptr, counts_ptr, slots_ptr, src_ptr,
                 K: tl.constexpr, KP: tl.constexpr, S: tl.constexpr, SP: tl.constexpr, IDENTITY: tl.constexpr,
                 STEP: tl.constexpr, NEVER: tl.constexpr):
-        """assign_slots on routed ids [KP] int32 (lanes past k masked off by jm)."""
+        """assign_slots on distinct routed ids [KP] int32 (lanes masked off by jm); returns the (hit, miss) lane
+        masks. A miss that finds every slot holding one of this lookup's experts (more experts than slots: a
+        batch's) is left uncached: slot 0, src -2 - e (the experts' kernels read it from the host bank)."""
         j = tl.arange(0, KP)
         cur = tl.load(slot_of_ptr + ids, mask=jm, other=-1)  # [KP] each routed expert's slot, -1 if absent
         hit = jm & (cur >= 0)
@@ -347,23 +403,28 @@ if triton is not None:
                 e = tl.sum(tl.where(sel, ids, 0), axis=0)
                 if IDENTITY:
                     victim = e
+                    room = some
                 else:
                     oldest = tl.min(stamp, axis=0)
                     victim = tl.min(tl.where(stamp == oldest, s, SP), axis=0)
-                put = (s == victim) & some
+                    # every slot already holds an expert of this lookup (more experts than slots: a batch's):
+                    # this one is read from the host bank and not cached
+                    room = some & (oldest < base)
+                put = (s == victim) & room
                 was = tl.sum(tl.where(put, owner, 0), axis=0)
                 stamp = tl.where(put, base + n_hit + r, stamp)
                 owner = tl.where(put, e, owner)
-                given = tl.where(sel, victim, given)
-                evicted = tl.where(sel, was, evicted)
+                given = tl.where(sel & room, victim, given)
+                evicted = tl.where(sel & room, was, evicted)
         tl.store(stamp_ptr + s, stamp, mask=sm)
         tl.store(expert_of_ptr + s, owner, mask=sm)
         tl.store(slot_of_ptr + evicted, -1, mask=miss & (evicted >= 0))
-        tl.store(slot_of_ptr + ids, given, mask=miss)
-        tl.store(slots_ptr + j, tl.where(hit, cur, given).to(tl.int64), mask=jm)
-        tl.store(src_ptr + j, tl.where(miss, ids, -1), mask=jm)
+        tl.store(slot_of_ptr + ids, given, mask=miss)  # (-1 for an expert left uncached: absent, as before)
+        tl.store(slots_ptr + j, tl.where(hit, cur, tl.maximum(given, 0)).to(tl.int64), mask=jm)
+        tl.store(src_ptr + j, tl.where(miss, tl.where(given >= 0, ids, -2 - ids), -1), mask=jm)
         tl.store(counts_ptr, tl.load(counts_ptr) + n_hit)
         tl.store(counts_ptr + 1, tl.load(counts_ptr + 1) + n_miss)
+        return hit, miss
 
 
 
@@ -553,62 +614,113 @@ def moe_one_token(h: torch.Tensor, top_w: torch.Tensor, top_ids: torch.Tensor, g
                   down: torch.Tensor, block_n: int = 4, block_k: int = 1024,
                   residual: torch.Tensor | None = None,
                   fetch: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
-    """Routed SwiGLU experts of one token (module docstring): h [1, H], top_w [1, k], top_ids [1, k] indexing
-    gate_up [G, 2I, H] and down [G, H, I] -> [1, H] in h's dtype; with ``residual`` [1, H], residual + that
-    (the same bits as ``residual + moe_one_token(...)``, one kernel fewer).
+    """``moe_tokens`` for one token h [1, H] whose routed ids [1, k] index the weights (resident experts, or the
+    slots a lookup gave), with ``fetch`` = (src [k] int32, *host): the lookup's misses (src[j] the expert to read
+    from the host bank and leave in slot top_ids[j], -1 for a hit) and the host bank (``moe_tokens``' ``host``).
+    Returns [1, H] (residual + experts with ``residual``)."""
+    if h.shape[0] != 1:
+        raise ValueError("moe_one_token: one token")
+    src, host = (None, None) if fetch is None else (fetch[0], fetch[1:])
+    return moe_tokens(h, top_w, top_ids, gate_up, down, block_n=block_n, block_k=block_k, residual=residual,
+                      host=host, src=src)
 
-    ``fetch`` = (src [k] int32, host_gate_up [E, 2I, H], host_down [E, H, I]): the step's slot-cache misses
-    (``assign_slots``' src: the expert to copy into slot top_ids[j], -1 for a hit). The kernels read a missed
-    expert's weights from the host bank (page-locked and registered when the slots are on CUDA: zero-copy reads
-    over PCIe) instead of its slot, compute with them, and store them into the slot as they go: the copy
-    ``fetch_misses`` makes, bit for bit, with the same arithmetic on the same values (the same result as
-    fetching first), but overlapped with the hit experts' work and with no kernel of its own.
 
-    An FP8 bank: ``fetch`` = (src, host_gate_up, host_down, gate_up_scale [E, 2I], down_scale [E, H]), the bank's
-    float8 e4m3 values and per-row float32 scales. A miss is read as FP8 (half the bytes over PCIe), dequantized
-    in the kernel exactly as ``bank.dequantize_into`` does (q * scale in float32, rounded once to the slots'
-    dtype), stored into its slot and computed with: the slot then holds what the host's copy would have left."""
+def moe_tokens(h: torch.Tensor, top_w: torch.Tensor, top_ids: torch.Tensor, gate_up: torch.Tensor,
+               down: torch.Tensor, block_n: int = 4, block_k: int = 1024, residual: torch.Tensor | None = None,
+               lookup: SlotLookup | None = None, host: tuple[torch.Tensor, ...] | None = None,
+               src: torch.Tensor | None = None, max_tokens: int | None = None,
+               token_counts: torch.Tensor | None = None) -> torch.Tensor:
+    """The routed SwiGLU experts of B decode tokens (module docstring), each token's result bitwise the same
+    whatever the batch: h [B, H], top_w [B, k], top_ids [B, k] -> [B, H] in h's dtype (with ``residual`` [B, H]:
+    residual + experts, rounded as torch's sum). Four kernels:
+
+    1. one program groups the B x k routed (token, expert) pairs by expert (the first pair of each expert leads
+       it) and, with ``lookup`` (a slot table's layer, ``experts.DeviceSlotTable.layer``), looks the batch's
+       experts up once each (``slot_assign``: the host LRU's policy over the union; an expert that finds every
+       slot taken by this batch's others is read from the host bank and not cached);
+    2. per (expert, block of rows) the gate and up rows, read once (from the slot, or a miss from the host bank
+       over PCIe and stored into its slot as it is read, an FP8 bank's dequantized on the way), each of its pairs
+       summed over H in a fixed order, silu(gate) x up in float32;
+    3. the down projection the same way, per pair;
+    4. per token the k experts weighted by the router in routing order (no atomics), the residual added.
+    A pair's sums never depend on which or how many other pairs share its expert, and ``max_tokens`` fixes every
+    compile-time size, so a token gives the same bits alone and in any batch of up to ``max_tokens`` (default B;
+    a decoder passes its number of sequence caches).
+
+    Without ``lookup``, top_ids index gate_up [G, 2I, H] / down [G, H, I] directly (resident experts, identity
+    slots, or slots looked up by the host); ``src`` [B*k] int32 (with ``host``) marks the misses to read from the
+    host bank and leave in their slots (the host's lookup's), -1 for a hit. With ``lookup``, top_ids are expert
+    ids and gate_up / down the layer's slot block. ``host`` = (host_gate_up [E, 2I, H], host_down [E, H, I]) in
+    the slots' dtype, or an FP8 bank's (float8 e4m3 values, then gate_up_scale [E, 2I], down_scale [E, H]
+    float32 row scales), page-locked (registered when the slots are on CUDA: read zero-copy). ``token_counts``
+    [max_tokens, 2] int64: each token's hits and misses are added there (each expert charged to the token of
+    its first pair)."""
     if triton is None:
-        raise RuntimeError("moe_one_token needs Triton")
-    if h.shape[0] != 1 or not (gate_up.stride(-1) == 1 and down.stride(-1) == 1):
-        raise ValueError("moe_one_token: one token, row-major expert weights")
-    G, two_i, H = gate_up.shape
+        raise RuntimeError("moe_tokens needs Triton")
+    if not (gate_up.stride(-1) == 1 and down.stride(-1) == 1):
+        raise ValueError("moe_tokens: row-major expert weights")
+    n_tok, H = h.shape
+    G, two_i, _ = gate_up.shape
     inter, k = two_i // 2, top_ids.shape[1]
-    ids = top_ids.reshape(-1).contiguous()  # [k]
-    src, host_gu, host_dn = (ids, gate_up, down) if fetch is None else fetch[:3]
-    gu_scale, dn_scale = (None, None) if fetch is None or len(fetch) == 3 else fetch[3:]
-    fp8 = gu_scale is not None
-    if fetch is not None:
-        if not all(t.is_contiguous() for t in (host_gu, host_dn, gate_up, down)) or src.shape != (k,):
-            raise ValueError("moe_one_token: a fetch needs src [k] and contiguous expert blocks")
+    max_tokens = n_tok if max_tokens is None else max_tokens
+    if top_ids.shape[0] != n_tok or top_w.shape != top_ids.shape or not 1 <= n_tok <= max_tokens:
+        raise ValueError(f"moe_tokens: h [B, H], top_w and top_ids [B, k] with 1 <= B <= max_tokens "
+                         f"({max_tokens}); got {list(h.shape)}, {list(top_w.shape)}, {list(top_ids.shape)}")
+    if src is not None and (lookup is not None or host is None or src.numel() != n_tok * k):
+        raise ValueError("moe_tokens: src (a host lookup's misses) needs host, no lookup, and B*k entries")
+    if lookup is not None and host is None:
+        raise ValueError("moe_tokens: a lookup needs the host bank its misses are read from")
+    fp8 = host is not None and len(host) == 4
+    host_gu, host_dn = (gate_up, down) if host is None else host[:2]
+    gu_scale, dn_scale = (gate_up, down) if not fp8 else host[2:]  # (unread without FP8)
+    if host is not None:
+        if not all(t.is_contiguous() for t in (host_gu, host_dn, gate_up, down)):
+            raise ValueError("moe_tokens: a fetch needs src [k] and contiguous expert blocks")
         if host_gu.shape[1:] != gate_up.shape[1:] or host_dn.shape[1:] != down.shape[1:]:
-            raise ValueError("moe_one_token: the host bank's experts must be shaped and typed as the slots' (or "
+            raise ValueError("moe_tokens: the host bank's experts must be shaped and typed as the slots' (or "
                              "FP8 with row scales)")
         if fp8:
             if host_gu.dtype != torch.float8_e4m3fn or host_dn.dtype != torch.float8_e4m3fn \
                     or gu_scale.shape != host_gu.shape[:2] or dn_scale.shape != host_dn.shape[:2] \
                     or gu_scale.dtype != torch.float32 or dn_scale.dtype != torch.float32 \
                     or not (gu_scale.is_contiguous() and dn_scale.is_contiguous()):
-                raise ValueError("moe_one_token: an FP8 fetch needs float8 e4m3 experts and contiguous float32 "
+                raise ValueError("moe_tokens: an FP8 fetch needs float8 e4m3 experts and contiguous float32 "
                                  "row scales [E, rows]")
         elif host_gu.dtype != gate_up.dtype or host_dn.dtype != down.dtype:
-            raise ValueError("moe_one_token: the host bank's experts must be shaped and typed as the slots' (or "
+            raise ValueError("moe_tokens: the host bank's experts must be shaped and typed as the slots' (or "
                              "FP8 with row scales)")
         if gate_up.is_cuda and not host_gu.is_cuda:
             host_gu, host_dn = HostMapped(host_gu), HostMapped(host_dn)
             if fp8:
                 gu_scale, dn_scale = HostMapped(gu_scale), HostMapped(dn_scale)
-    gu_scale = gate_up if gu_scale is None else gu_scale  # unread without FP8
-    dn_scale = down if dn_scale is None else dn_scale
-    act = torch.empty(k, inter, dtype=torch.float32, device=h.device)  # [k, I]
-    _gate_up_act[(k, triton.cdiv(inter, block_n))](h.reshape(-1), gate_up, ids, act, src, host_gu, gu_scale, H,
-                                                    inter, gate_up.stride(0), gate_up.stride(1),
-                                                    BLOCK_N=block_n, BLOCK_K=block_k, FETCH=fetch is not None,
-                                                    FP8=fp8)
-    out = torch.empty(1, H, dtype=h.dtype, device=h.device)  # [1, H]
-    tw = top_w.reshape(-1).contiguous()  # [k], read as float32 in the kernel
-    res = out if residual is None else residual.reshape(1, H).contiguous()
-    _down_sum[(triton.cdiv(H, block_n),)](act, down, ids, tw, res, out, src, host_dn, dn_scale, H, inter, k,
-                                         down.stride(0), down.stride(1), BLOCK_N=block_n, BLOCK_K=block_k,
-                                         HAS_RES=residual is not None, FETCH=fetch is not None, FP8=fp8)
-    return out  # [1, H]
+    n_pairs, mp = n_tok * k, next_pow2(max_tokens)
+    dev = h.device
+    ids = top_ids.reshape(-1).contiguous()  # [P] token-major
+    slots = torch.empty(n_pairs, dtype=torch.long, device=dev)
+    src_out = torch.empty(n_pairs, dtype=torch.int32, device=dev)
+    members = torch.empty(n_pairs, mp, dtype=torch.int32, device=dev)  # [P, M]
+    t = lookup
+    n_slots = 1 if t is None else check_slot_table(k, t.stamp.shape[0])
+    table = (ids,) * 5 if t is None else (t.slot_of, t.expert_of, t.stamp, t.tick, t.counts)
+    if token_counts is not None and (t is None or token_counts.shape != (mp, 2)):
+        raise ValueError(f"moe_tokens: token_counts [{mp}, 2] goes with a lookup")
+    _group_experts[(1,)](ids, ids if src is None else src.reshape(-1).contiguous(), slots, src_out, members,
+                         ids if token_counts is None else token_counts, *table, n_pairs, K=k,
+                         PP=next_pow2(mp * k), M=mp, LOOKUP=t is not None, HAS_SRC=src is not None,
+                         TOK_COUNTS=token_counts is not None, S=n_slots, SP=next_pow2(n_slots),
+                         IDENTITY=t is not None and t.identity, STEP=STAMP_STEP, NEVER=STAMP_NEVER, num_warps=4)
+    act = torch.empty(n_pairs, inter, dtype=torch.float32, device=dev)  # [P, I]
+    _gate_up_group[(n_pairs, triton.cdiv(inter, block_n))](h.contiguous(), gate_up, slots, src_out, members, act,
+                                                           host_gu, gu_scale, H, inter, k, mp, gate_up.stride(0),
+                                                           gate_up.stride(1), BLOCK_N=block_n, BLOCK_K=block_k,
+                                                           FETCH=host is not None, FP8=fp8)
+    ys = torch.empty(n_pairs, H, dtype=torch.float32, device=dev)  # [P, H] each pair's expert output
+    _down_group[(n_pairs, triton.cdiv(H, block_n))](act, down, slots, src_out, members, ys, host_dn, dn_scale, H,
+                                                    inter, mp, down.stride(0), down.stride(1), BLOCK_N=block_n,
+                                                    BLOCK_K=block_k, FETCH=host is not None, FP8=fp8)
+    out = torch.empty(n_tok, H, dtype=h.dtype, device=dev)
+    tw = top_w.contiguous()  # [B, k], read as float32 in the kernel
+    res = out if residual is None else residual.reshape(n_tok, H).contiguous()
+    block = min(1024, next_pow2(H))
+    _combine[(n_tok, triton.cdiv(H, block))](ys, tw, res, out, H, k, BLOCK=block, HAS_RES=residual is not None)
+    return out  # [B, H]
