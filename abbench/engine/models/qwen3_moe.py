@@ -68,13 +68,30 @@ class DenseWeights:
 
 
 class KVCache(ModelCache):
-    """Preallocated keys and values, per layer [n_kv, max_context, head_dim] (head-major, as SDPA reads)."""
+    """Preallocated keys and values, per layer [n_kv, max_context, head_dim] (head-major, as SDPA reads). The
+    caches of an engine's sequences are rows of one pool per layer (``pooled``): ``pool_k[l]`` [C, n_kv,
+    max_context, head_dim], this cache's layer ``pool_k[l][index]``, so a batched decode kernel reaches every
+    sequence's cache from one tensor."""
 
-    def __init__(self, cfg: ModelConfig, max_context: int, device: torch.device, dtype: torch.dtype):
-        shape = (cfg.num_key_value_heads, max_context, cfg.head_dim)
+    def __init__(self, cfg: ModelConfig, max_context: int, device: torch.device, dtype: torch.dtype,
+                 pool: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None, index: int = 0):
+        shape = (1, cfg.num_key_value_heads, max_context, cfg.head_dim)
         self.max_context = max_context
-        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_hidden_layers)]
-        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_hidden_layers)]
+        self.pool_k, self.pool_v = pool if pool is not None else (
+            [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_hidden_layers)],
+            [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_hidden_layers)])
+        self.index = index
+        self.k = [t[index] for t in self.pool_k]  # [n_kv, max_context, head_dim] per layer
+        self.v = [t[index] for t in self.pool_v]
+
+    @classmethod
+    def pooled(cls, cfg: ModelConfig, n: int, max_context: int, device: torch.device,
+               dtype: torch.dtype) -> list[KVCache]:
+        """``n`` caches, the rows of one pool per layer."""
+        shape = (n, cfg.num_key_value_heads, max_context, cfg.head_dim)
+        pool = ([torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_hidden_layers)],
+                [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_hidden_layers)])
+        return [cls(cfg, max_context, device, dtype, pool, i) for i in range(n)]
 
     @property
     def nbytes(self) -> int:

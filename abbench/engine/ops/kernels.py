@@ -341,6 +341,10 @@ if triton is not None:
                     KP: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, LOOKUP: tl.constexpr,
                     S: tl.constexpr, SP: tl.constexpr, IDENTITY: tl.constexpr, STEP: tl.constexpr,
                     NEVER: tl.constexpr):
+        row = tl.program_id(0)  # a token (a lookup: the one token)
+        logits_ptr += row * E
+        w_ptr += row * K
+        ids_ptr += row * K
         e = tl.arange(0, EP)
         em = e < E
         lg = tl.load(logits_ptr + e, mask=em, other=float("-inf")).to(tl.float32)
@@ -522,23 +526,23 @@ class SlotLookup(NamedTuple):
 def route_topk(logits: torch.Tensor, top_k: int, norm_topk_prob: bool, dtype: torch.dtype,
                bias: torch.Tensor | None = None,
                lookup: SlotLookup | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``model.route`` after its router matmul, for one token, as one kernel: logits [1, E] (+ ``bias`` [E]
+    """``model.route`` after its router matmul, a program (one warp) per token: logits [B, E] (+ ``bias`` [E]
     float32) -> softmax in float32 -> the top k in descending order (ties to the lowest expert id) ->
-    renormalised when ``norm_topk_prob`` -> (weights [1, k] in ``dtype``, expert ids [1, k] int64). With
-    ``lookup``, the same program then looks the k experts up in that slot table (``assign_slots``: the same
-    policy and results, one kernel fewer a layer). One warp."""
+    renormalised when ``norm_topk_prob`` -> (weights [B, k] in ``dtype``, expert ids [B, k] int64). With
+    ``lookup`` (one token), the same program then looks the k experts up in that slot table (``assign_slots``:
+    the same policy and results)."""
     if triton is None:
         raise RuntimeError("route_topk needs Triton")
-    if logits.shape[0] != 1:
-        raise ValueError("route_topk: one token")
-    e = logits.shape[-1]
-    w = torch.empty(1, top_k, dtype=dtype, device=logits.device)
-    ids = torch.empty(1, top_k, dtype=torch.long, device=logits.device)
+    n_tok, e = logits.shape
+    if lookup is not None and n_tok != 1:
+        raise ValueError("route_topk: a lookup takes one token")
+    w = torch.empty(n_tok, top_k, dtype=dtype, device=logits.device)
+    ids = torch.empty(n_tok, top_k, dtype=torch.long, device=logits.device)
     lg = logits.contiguous()
     t = lookup
     n_slots = 1 if t is None else check_slot_table(top_k, t.stamp.shape[0])
     args = (ids,) * 7 if t is None else (t.slot_of, t.expert_of, t.stamp, t.tick, t.counts, t.slots, t.src)
-    _route_topk[(1,)](lg, lg if bias is None else bias, w, ids, *args, E=e, EP=next_pow2(e), K=top_k,
+    _route_topk[(n_tok,)](lg, lg if bias is None else bias, w, ids, *args, E=e, EP=next_pow2(e), K=top_k,
                       KP=next_pow2(top_k), HAS_BIAS=bias is not None, NORM=norm_topk_prob, LOOKUP=t is not None,
                       S=n_slots, SP=next_pow2(n_slots), IDENTITY=t is not None and t.identity, STEP=STAMP_STEP,
                       NEVER=STAMP_NEVER, num_warps=1)

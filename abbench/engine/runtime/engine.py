@@ -55,7 +55,7 @@ from abbench.engine.runtime.decode import Decoder
 from abbench.engine.models.bank import ExpertBank
 from abbench.engine.models.weights import fp8_block_size
 from abbench.engine.runtime.experts import ExpertStore
-from abbench.engine.models.factory import build_model, new_cache
+from abbench.engine.models.factory import build_model
 from abbench.engine.runtime.graphs import GraphCache
 from abbench.engine.models.hybrid import attention_batching_exact
 from abbench.engine.ops.dense import attention_backends
@@ -97,11 +97,10 @@ class Engine:
             block = fp8_block_size(cfg.weights) if fp8 and not cfg.weights.startswith("random:") else None
             bank = ExpertBank(mc, self.dtype, pin=self.device.type == "cuda", check_memory=cfg.host_memory_check,
                               dense_bytes=dense_params(mc) * self.dtype.itemsize, fp8=fp8, block=block)
-            self.model, self.kv = build_model(mc, cfg.weights, bank, cfg.max_context, self.device, self.dtype,
-                                              router_skew=cfg.router_skew)
             # one cache per sequence the engine may run at once (the first is ``kv``, which tools drive directly)
-            self.caches = [self.kv] + [new_cache(mc, cfg.max_context, self.device, self.dtype)
-                                       for _ in range(cfg.max_num_seqs - 1)]
+            self.model, self.caches = build_model(mc, cfg.weights, bank, cfg.max_context, self.device, self.dtype,
+                                                  router_skew=cfg.router_skew, caches=cfg.max_num_seqs)
+            self.kv = self.caches[0]
             self.slots_per_layer = self.memory_plan.slots_per_layer if self.memory_plan else (
                 cfg.expert_slots_per_layer or mc.num_experts)
             resident = cfg.prefill_mode == "resident"
