@@ -420,33 +420,45 @@ def test_the_warm_up_covers_every_graph_a_batched_step_replays(engines, monkeypa
     assert [len(w) for w in warmed] == [per_cache] * C
 
 
-@pytest.mark.skipif(not (DEVICE.startswith("cuda") and decode_kernels.have_triton()),
-                    reason="device-handled misses need Triton's decode kernels on CUDA")
-def test_device_handled_misses_in_a_batch_are_bitwise_solo_and_charged_per_sequence():
-    """Whole steps with the misses on the device, replayed back to back: each sequence's logits are its solo
-    ones; the device's hit and miss counts, snapshotted either side of each step, charge each sequence with
-    exactly its own (their sum is what the store folds in). A batch mixing host- and device-handled sequences
-    (the host's run layer-outer, the device's whole, in list order) is bitwise solo too."""
-    engine = Engine(_config("tiny", "offloaded", decode_experts="triton", decode_misses="device"))
+_TRITON = decode_kernels.have_triton() and (DEVICE.startswith("cuda") or os.environ.get("TRITON_INTERPRET") == "1")
+
+
+@pytest.mark.skipif(not _TRITON, reason="Triton's decode kernels run on CUDA, or on CPU under TRITON_INTERPRET=1")
+@pytest.mark.parametrize("experts", ["offloaded", "resident"])
+def test_a_batch_through_the_triton_kernels_is_bitwise_solo_and_charged_per_sequence(experts):
+    """Triton's experts and attention, misses on the device: B sequences' tokens go through every layer at once
+    (one batched step: ``decode_attn_rows``, ``moe_tokens``), each sequence's logits bitwise its solo steps'
+    (decoded alone through the same kernels), whichever cache it sits in. Offloaded (top_k + 1 slots a layer:
+    the batch's experts overflow the slots, so some are read from the host uncached), the device's lookups are
+    charged to the sequences (each expert to the first routed to it: their sum is what the store folds in) and
+    a batch mixing host- and device-handled sequences runs the host's layer-outer and the device's whole, in
+    list order, bitwise solo too."""
+    kw = dict(decode_experts="triton", decode_attention="triton")
+    engine = Engine(_config("tiny", experts, **kw, **({"decode_misses": "device"} if experts == "offloaded" else {})))
+    assert engine.decoder.batched
     prompts = _prompts(engine, seed=8)
     steps = TOKENS - 1
     solo = [_solo_logits(engine, p, steps) for p in prompts]
     store, decoder = engine.store, engine.decoder
-    for ways in (["device"] * 3, ["device", "host", "device"]):
+    order = [2, 0, 1]  # prompt i decodes in cache order[i]
+    for ways in ([None] * 3, ["device", "host", "device"]) if experts == "offloaded" else ([None] * 3,):
         engine.reset()
-        toks = [_first_token(engine, p, c) for c, p in enumerate(prompts)]
+        toks = [_first_token(engine, p, order[i]) for i, p in enumerate(prompts)]
         with engine._on_device():
             for step in range(steps):
                 store.collect_decode_counts()
                 hits0, misses0 = store.slot_lifetime.hits, store.slot_lifetime.misses
-                results = decoder.step_batch([DecodeItem(t, len(p) + step, c, misses=w)
-                                              for c, (t, p, w) in enumerate(zip(toks, prompts, ways))])
-                assert [r.way for r in results] == ["whole" if w == "device" else "per_layer" for w in ways]
-                for c, r in enumerate(results):
-                    assert r.error is None and torch.equal(r.logits, solo[c][step]), (ways, c, step)
+                batched0 = decoder.steps["batched"]
+                results = decoder.step_batch([DecodeItem(t, len(p) + step, order[i], misses=w)
+                                              for i, (t, p, w) in enumerate(zip(toks, prompts, ways))])
+                assert decoder.steps["batched"] - batched0 == (1 if ways[1] is None else 0)
+                assert [r.way for r in results] == ["per_layer" if w == "host" else "whole" for w in ways]
+                for i, r in enumerate(results):
+                    assert r.error is None and torch.equal(r.logits, solo[i][step]), (ways, i, step)
                 toks = [int(torch.argmax(r.logits)) for r in results]
                 decoder.settle(results)
                 assert sum(r.lookups.misses for r in results) == store.slot_lifetime.misses - misses0
                 assert sum(r.lookups.hits for r in results) == store.slot_lifetime.hits - hits0
-                assert all(r.lookups.hits + r.lookups.misses == engine.model_config.num_hidden_layers
-                           * engine.model_config.num_experts_per_tok for r in results)
+                assert sum(r.traffic.expert_copies for r in results) == store.slot_lifetime.misses - misses0
+                if experts == "resident":
+                    assert all(r.lookups.hits == r.lookups.misses == 0 for r in results)

@@ -230,7 +230,7 @@ def test_decode_warmup_leaves_no_trace(preset):
     caches = range(warmed.config.max_num_seqs)  # every sequence cache's graphs
     assert positions == [(c, p) for c in caches for p in (1023, 2047, 2099) for _ in range(2 * ways)]
     assert warmed.decode_warmup["kv_buckets"] == [1024, 2048, 2100]
-    assert warmed.decoder.steps == {"whole": 0, "per_layer": 0} and warmed.store.lifetime.h2d_bytes == 0
+    assert warmed.decoder.steps == {"whole": 0, "per_layer": 0, "batched": 0} and warmed.store.lifetime.h2d_bytes == 0
     assert not any(warmed.store.slots.lru)  # the throwaway steps' experts are gone from the slot cache
     prompt = torch.randint(0, 400, (70,), generator=torch.Generator().manual_seed(2)).tolist()
     for mode in ("chunked", "layer-major"):

@@ -62,6 +62,12 @@ class MoEModel:
         """The router's logit bias [E] float32 of ``layer``; None for unskewed routing."""
         return None if self.router_bias is None else self.router_bias[layer]
 
+    batched_decode = False  # ``decode_attn_rows``: several sequences' decode tokens through a layer at once
+
+    def decode_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The float32 logits [B, V] of decode tokens x [B, H] (``logits`` of each)."""
+        return torch.stack([self.logits(x[i:i + 1]) for i in range(x.shape[0])])
+
     def prepare_decode(self, cache: Any, token_id: int, pos: int) -> None:
         """Host-side work before the decode step of ``token_id`` at ``pos`` (outside any CUDA graph)."""
 

@@ -37,7 +37,10 @@ import torch.nn.functional as F
 
 from abbench.engine.config import ModelConfig
 from abbench.engine.ops.dense import decode_attend, lower_right_causal, rms_norm, rope_tables, rotate_half
-from abbench.engine.ops.kernels import qk_norm_rope_store, rms_norm as fused_rms_norm
+from abbench.engine.ops.batch_attention import (
+    attention_rows, linear_rows, qk_norm_rope_store_rows, split_plan, split_plans,
+)
+from abbench.engine.ops.kernels import rms_norm as fused_rms_norm, route_topk
 from abbench.engine.models.base import ModelCache, MoEModel
 from abbench.engine.ops.moe import decode_route, expert_kernel, route
 
@@ -110,6 +113,9 @@ class Model(MoEModel):
         self.scale = cfg.head_dim**-0.5
         self.cos, self.sin = rope_tables(cfg.head_dim, cfg.rope_theta, max_context, device, dtype)  # [S, D] x2
         self.grouped, self.moe_kernel, self._mm = expert_kernel(device, dtype)
+        self.max_split = split_plan(max_context)[1]  # the longest split range any decode bucket uses
+        self._plans: dict[int, torch.Tensor] = {}
+        self._no_index = torch.zeros(1, dtype=torch.long, device=device)  # a one-cache view's index
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, self.w.embed)  # [T, H]
@@ -153,10 +159,9 @@ class Model(MoEModel):
         transformers' repeat_kv), scores softmaxed in float32."""
         cfg, lw = self.cfg, self.w.layers[layer]
         hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        if self.decode_attention_kernel == "triton":  # q/k norms, rope and the cache write in one kernel
-            q = qk_norm_rope_store(F.linear(x, lw.q_proj), F.linear(x, lw.k_proj), F.linear(x, lw.v_proj),
-                                   lw.q_norm, lw.k_norm, self.cos, self.sin, pos, kv.k[layer], kv.v[layer],
-                                   cfg.rms_norm_eps)  # [Hq, 1, D]
+        if self.decode_attention_kernel == "triton":  # a batch of one (``decode_attn_rows``' kernels)
+            return self._attention_rows(layer, x, kv.k[layer][None], kv.v[layer][None], pos, self._no_index,
+                                        self.decode_plan(kv_len))
         else:
             q = F.linear(x, lw.q_proj).view(1, hq, d)  # [1, Hq, D]
             k = F.linear(x, lw.k_proj).view(1, hkv, d)  # [1, Hkv, D]
@@ -172,12 +177,61 @@ class Model(MoEModel):
         out = decode_attend(self.decode_attention_kernel, q, keys, values, pos, self.scale).reshape(1, hq * d)
         return F.linear(out, lw.o_proj)  # [1, H]
 
+    def _attention_rows(self, layer: int, x: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                        pos: torch.Tensor, index: torch.Tensor, plan: torch.Tensor) -> torch.Tensor:
+        """Decode attention of B tokens x [B, H] (normed) over the layer's pooled caches [C, Hkv, S, D] (token b
+        in cache index[b] at pos[b], with its split plan) -> [B, H]: every projection a GEMV per token
+        (``linear_rows``), the q/k norms, RoPE and cache write one kernel, split-KV attention per token; each
+        token's bits as alone (:mod:`abbench.engine.ops.batch_attention`)."""
+        cfg, lw = self.cfg, self.w.layers[layer]
+        b, hq, d = x.shape[0], cfg.num_attention_heads, cfg.head_dim
+        q = qk_norm_rope_store_rows(linear_rows(x, lw.q_proj), linear_rows(x, lw.k_proj), linear_rows(x, lw.v_proj),
+                                    lw.q_norm, lw.k_norm, self.cos, self.sin, pos, index, keys, values,
+                                    cfg.rms_norm_eps)  # [B, Hq, D]
+        out = attention_rows(q, keys, values, pos, index, plan, self.scale, self.max_split)  # [B, Hq, D]
+        return linear_rows(out.reshape(b, hq * d), lw.o_proj)  # [B, H]
+
+    def decode_plan(self, kv_len: int) -> torch.Tensor:
+        """The split plan [1, 2] int32 on the device of a step over ``kv_len`` keys (``split_plan``), kept per
+        length (so a captured step reads a fixed tensor)."""
+        plan = self._plans.get(kv_len)
+        if plan is None:
+            plan = self._plans[kv_len] = split_plans([kv_len], device=self.device)
+        return plan
+
+    batched_decode = True  # ``decode_attn_rows``: B sequences' tokens through a layer's attention half at once
+
+    def decode_attn_rows(self, layer: int, x: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                         pos: torch.Tensor, index: torch.Tensor, plan: torch.Tensor):
+        """``decode_attn_block`` (Triton's kernels) for B tokens of B sequences: x [B, H], the layer's pooled
+        caches ``KVCache.pool_k[layer]`` / ``pool_v[layer]`` [C, Hkv, S, D], pos and index [B] int64 (each token's
+        position and cache), plan [B, 2] int32 (each token's ``split_plan`` of its bucket) -> (x, h [B, H],
+        router weights, expert ids [B, k]). Each token gets the bits ``decode_attn_block`` gives it alone."""
+        cfg, lw = self.cfg, self.w.layers[layer]
+        eps = cfg.rms_norm_eps
+        a = self._attention_rows(layer, fused_rms_norm(x, lw.input_norm, eps), keys, values, pos, index, plan)
+        x, h = fused_rms_norm(a, lw.post_norm, eps, residual=x)  # [B, H] x2
+        top_w, top_ids = route_topk(linear_rows(h, lw.router), cfg.num_experts_per_tok, cfg.norm_topk_prob,
+                                    h.dtype, self.bias_of(layer))  # [B, k] x2
+        return x, h, top_w, top_ids
+
+    def decode_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """``logits`` of decode tokens x [B, H] -> float32 [B, V]: with Triton's decode kernels the final norm and
+        lm_head per token (``rms_norm`` rows, ``linear_rows``: a token's bits as alone), else torch's."""
+        if self.decode_attention_kernel != "triton":
+            return super().decode_logits(x)
+        return linear_rows(fused_rms_norm(x, self.w.norm, self.cfg.rms_norm_eps), self.w.lm_head).float()
+
     def decode_attn_block(self, layer: int, x: torch.Tensor, kv: KVCache, pos: torch.Tensor, kv_len: int,
                           lookup=None):
         """``attn_block`` for one decode token (see ``decode_attention``): x [1, H] -> (x [1, H], h [1, H],
-        router weights [1, k], router expert ids [1, k]); ``lookup``: ``decode_route``'s."""
+        router weights [1, k], router expert ids [1, k]); ``lookup``: ``decode_route``'s. With Triton's attention
+        and router, a batch of one of ``decode_attn_rows`` (so a token decoded alone and in a batch agree)."""
         cfg, lw = self.cfg, self.w.layers[layer]
         eps = cfg.rms_norm_eps
+        if self.decode_attention_kernel == "triton" and self.decode_router_kernel == "triton" and lookup is None:
+            return self.decode_attn_rows(layer, x, kv.k[layer][None], kv.v[layer][None], pos, self._no_index,
+                                         self.decode_plan(kv_len))
         if self.decode_attention_kernel == "triton":  # each norm one kernel, the residual add in the second
             a = self.decode_attention(layer, fused_rms_norm(x, lw.input_norm, eps), kv, pos, kv_len)  # [1, H]
             x, h = fused_rms_norm(a, lw.post_norm, eps, residual=x)  # [1, H] x2

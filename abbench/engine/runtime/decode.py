@@ -100,6 +100,7 @@ from abbench.engine.runtime.experts import ExpertStore, SlotStats, Traffic
 from abbench.engine.runtime.graphs import GraphCache
 from abbench.engine.models.qwen3_moe import KVCache, Model
 from abbench.engine.ops.dense import attention_backends
+from abbench.engine.ops.batch_attention import split_plan
 from abbench.engine.ops.moe import probe_graph_capture
 from abbench.engine.contract import CancelLike, check_cancel
 
@@ -173,6 +174,23 @@ class _Buffers:
         self.logits = torch.zeros(cfg.vocab_size, dtype=torch.float32, device=dev)  # [V]
 
 
+class _BatchBuffers:
+    """A batched step's static buffers (``Decoder._batch_run``), row i for the batch's i-th item: token, position,
+    cache index and split plan (filled from pinned staging rows with one copy each), the batch's logits and
+    each token's hits and misses in the slot table."""
+
+    def __init__(self, model: Model, n: int):
+        dev, pin = model.device, model.device.type == "cuda"
+        self.token = torch.zeros(n, dtype=torch.long, device=dev)  # [C]
+        self.pos = torch.zeros(n, dtype=torch.long, device=dev)
+        self.index = torch.zeros(n, dtype=torch.long, device=dev)
+        self.plan = torch.zeros(n, 2, dtype=torch.int32, device=dev)  # [C, 2] (nsplits, split)
+        self.stage = torch.zeros(3, n, dtype=torch.long, pin_memory=pin)  # token, pos, index on their way up
+        self.stage_plan = torch.zeros(n, 2, dtype=torch.int32, pin_memory=pin)
+        self.logits = torch.zeros(n, model.cfg.vocab_size, dtype=torch.float32, device=dev)  # [C, V]
+        self.token_counts = torch.zeros(decode_kernels.next_pow2(n), 2, dtype=torch.long, device=dev)
+
+
 class Decoder:
     """Static buffers and the step functions of decode; see the module docstring."""
 
@@ -182,6 +200,7 @@ class Decoder:
         # graphs; ``self.cache`` / ``self.kv``: the one stepped last (``logits`` is its buffer)
         self.caches = list(kv) if isinstance(kv, (list, tuple)) else [kv]
         self.model, self.store, self.kv, self.cache = model, store, self.caches[0], 0
+        self.max_tokens = len(self.caches)  # the most tokens a step takes: every kernel is compiled for that many
         experts = self._auto(experts, "grouped", True)
         attention = self._auto(attention, "torch", decode_kernels.attention_applies(model.cfg.head_dim))
         self.moe = self._moe_function(experts)
@@ -214,7 +233,15 @@ class Decoder:
         # the device table's hit/miss counts either side of each device-handled item of a batch (``settle``)
         self.counts_at = (torch.zeros(2 * len(self.caches), 2, dtype=torch.long, device=dev)
                           if self.table is not None else None)  # [2C, 2]
-        self.steps = {"whole": 0, "per_layer": 0}
+        # B sequences' tokens through each layer at once (``_batch_run``): Qwen3-MoE with Triton's experts and
+        # attention, its caches rows of one pool
+        self.batched = (experts == "triton" and attention == "triton" and model.batched_decode
+                        and len(self.caches) > 1 and all(getattr(c, "pool_k", None) is self.caches[0].pool_k
+                                                         for c in self.caches))
+        self.batch = _BatchBuffers(model, len(self.caches)) if self.batched else None
+        self.batch_graphs = (GraphCache(dev) if self.batched and self.graphs is not None else None)
+        self._batch_counts: list[tuple[torch.Tensor, list[tuple[DecodeResult, int]]]] = []
+        self.steps = {"whole": 0, "per_layer": 0, "batched": 0}  # (batched: runs of several items, each "whole")
         self.syncs = 0  # host reads of device results: the routing of a per-layer layer, the counts' snapshots
 
     def _auto(self, choice: str, fallback: str, shape_ok: bool) -> str:
@@ -241,8 +268,10 @@ class Decoder:
             raise ValueError("decode_experts 'triton' needs Triton (a CUDA build of torch ships it)")
 
         def moe(x: torch.Tensor, h: torch.Tensor, top_w: torch.Tensor, top_ids: torch.Tensor,
-                gate_up: torch.Tensor, down: torch.Tensor, fetch: tuple | None = None) -> torch.Tensor:
-            return decode_kernels.moe_one_token(h, top_w, top_ids, gate_up, down, residual=x, fetch=fetch)  # [1, H]
+                gate_up: torch.Tensor, down: torch.Tensor, lookup=None, host: tuple | None = None,
+                token_counts: torch.Tensor | None = None) -> torch.Tensor:
+            return decode_kernels.moe_tokens(h, top_w, top_ids, gate_up, down, residual=x, lookup=lookup, host=host,
+                                             max_tokens=self.max_tokens, token_counts=token_counts)  # [B, H]
 
         return moe
 
@@ -305,15 +334,14 @@ class Decoder:
         x = m.embed(b.token)  # [1, W]
         for layer in range(self.n_layers):
             gate_up, down = self.store.decode_weights(layer)  # resident or identity slots: expert e in row e
+            x, h, top_w, top_ids = m.decode_attn_block(layer, x, kv, b.pos, kv_len)  # [1, H] x2, [1, k] x2
             if table is None:
-                x, h, top_w, top_ids = m.decode_attn_block(layer, x, kv, b.pos, kv_len)  # [1, H] x2, [1, k] x2
                 x = self.moe(x, h, top_w, top_ids, gate_up, down)  # [1, H]
-            else:  # the router's kernel looks its experts up in the slot table; the experts' kernels read the
-                # misses from the host bank and leave them in their slots
-                x, h, top_w, _ = m.decode_attn_block(layer, x, kv, b.pos, kv_len, lookup=table.layer(layer))
-                slot_ids, fetch = self.store.decode_fetch(layer)  # [1, k] slot ids, the misses
-                x = self.moe(x, h, top_w, slot_ids, gate_up, down, fetch=fetch)  # [1, H]
-        b.logits.copy_(m.logits(x))
+            else:  # the experts' kernels look the routed experts up in the slot table, read the misses from the
+                # host bank and leave them in their slots
+                x = self.moe(x, h, top_w, top_ids, gate_up, down, lookup=table.layer(layer),
+                             host=self.store.decode_host(layer))  # [1, H]
+        b.logits.copy_(m.decode_logits(x)[0])
 
     def _embed(self, c: int) -> None:
         b = self.bufs[c]
@@ -331,7 +359,7 @@ class Decoder:
 
     def _head(self, c: int) -> None:
         b = self.bufs[c]
-        b.logits.copy_(self.model.logits(b.x[self.n_layers]))
+        b.logits.copy_(self.model.decode_logits(b.x[self.n_layers])[0])
 
     def _run(self, c: int, key: tuple, fn: Callable[[], None]) -> None:
         if self.graphs is None:
@@ -356,6 +384,14 @@ class Decoder:
                 for misses in ways:
                     for _ in range(2):
                         self.step(token_id, kv_len - 1, misses=misses, cache=cache)
+        if self.batched:  # the batched step's graph of every batch size (any positions: one graph serves all)
+            for misses in ways:
+                if misses == "host" and not self._no_misses(False):
+                    continue  # (host-handled misses run layer-outer, per item: the graphs above)
+                for n in range(2, len(self.caches) + 1):
+                    for _ in range(2):
+                        self.step_batch([DecodeItem(token_id, buckets[0] - 1, c, misses=misses) for c in range(n)],
+                                        attribute=False)
         return buckets
 
     # -- a step ----------------------------------------------------------------------------------------
@@ -398,8 +434,15 @@ class Decoder:
             while todo:
                 i = todo[0]
                 if self._no_misses(on_device[i]):
-                    self._whole_item(i, items[i], results[i], on_device[i], attribute)
-                    todo = todo[1:]
+                    n = 1  # the items after it that run whole the same way join it in one batched step
+                    while (self.batched and n < len(todo) and on_device[todo[n]] == on_device[i]
+                           and self._no_misses(on_device[todo[n]])):
+                        n += 1
+                    if n > 1:
+                        self._batch_run(todo[:n], items, results, on_device[i], attribute)
+                    else:
+                        self._whole_item(i, items[i], results[i], on_device[i], attribute)
+                    todo = todo[n:]
                     continue
                 # the slot cache can miss and this item's host handles it, so it is not complete: every next item
                 # whose host handles its misses joins the layer-outer run (one that the device handles runs whole
@@ -446,6 +489,80 @@ class Decoder:
             r.logits = self.bufs[c].logits
         except Exception as exc:  # noqa: BLE001 - this item's step ends; the others go on
             r.error = exc
+
+    def _batch_fn(self, n: int, on_device: bool) -> None:
+        """The batched step's piece: the first ``n`` rows of the batch buffers through every layer at once."""
+        m, bb = self.model, self.batch
+        table = self.table if on_device else None
+        if table is not None:
+            table.tick.add_(1)
+            bb.token_counts.zero_()
+        pool_k, pool_v = self.caches[0].pool_k, self.caches[0].pool_v
+        pos, index, plan = bb.pos[:n], bb.index[:n], bb.plan[:n]
+        x = m.embed(bb.token[:n])  # [B, H]
+        for layer in range(self.n_layers):
+            gate_up, down = self.store.decode_weights(layer)
+            x, h, top_w, top_ids = m.decode_attn_rows(layer, x, pool_k[layer], pool_v[layer], pos, index, plan)
+            if table is None:
+                x = self.moe(x, h, top_w, top_ids, gate_up, down)  # [B, H]
+            else:
+                x = self.moe(x, h, top_w, top_ids, gate_up, down, lookup=table.layer(layer),
+                             host=self.store.decode_host(layer), token_counts=bb.token_counts)
+        bb.logits[:n].copy_(m.decode_logits(x))
+
+    def _batch_run(self, run: list[int], items: Sequence[DecodeItem], results: list[DecodeResult],
+                   on_device: bool, attribute: bool) -> None:
+        """The items ``run`` (each runs whole, the same way) as one batched step: every layer's attention half,
+        routing and experts over all their tokens at once, each token's bits as its solo step's (the same
+        kernels, compiled for ``max_tokens``), each expert read once for the batch, the slot table looked up once
+        per layer for the batch's experts (``moe_tokens``). One graph per (batch size, way), whatever the
+        positions. An exception is the batch's: every item of the run gets it."""
+        bb, table = self.batch, self.table
+        live = []
+        for i in run:
+            try:
+                check_cancel(items[i].cancel)
+                self._prepare(items[i])  # (the solo buffers too, for a model's host-side work)
+                live.append(i)
+            except Exception as exc:  # noqa: BLE001 - this item's step ends; the others go on
+                results[i].error = exc
+        if len(live) < 2:
+            for i in live:
+                self._whole_item(i, items[i], results[i], on_device, attribute)
+            return
+        n = len(live)
+        for row, i in enumerate(live):
+            it = items[i]
+            bb.stage[0, row], bb.stage[1, row], bb.stage[2, row] = it.token_id, it.pos, it.cache
+            bb.stage_plan[row] = torch.tensor(split_plan(kv_len_for(it.pos, self.caches[it.cache].max_context)),
+                                              dtype=torch.int32)
+        try:
+            bb.token[:n].copy_(bb.stage[0, :n], non_blocking=True)
+            bb.pos[:n].copy_(bb.stage[1, :n], non_blocking=True)
+            bb.index[:n].copy_(bb.stage[2, :n], non_blocking=True)
+            bb.plan[:n].copy_(bb.stage_plan[:n], non_blocking=True)
+            if on_device:
+                self.store.slots.sync_device()
+            self.steps["batched"] += 1
+            self.steps["whole"] += n
+            try:
+                if self.batch_graphs is None:
+                    self._batch_fn(n, on_device)
+                else:
+                    self.batch_graphs.run(("batch", n, on_device), lambda: self._batch_fn(n, on_device))
+            finally:
+                if on_device:
+                    table.ahead = table.uncounted = True
+            counts = bb.token_counts[:n].clone() if on_device and attribute else None
+        except Exception as exc:  # noqa: BLE001 - no one item's
+            for i in live:
+                results[i].error = exc
+            return
+        if counts is not None:
+            self._batch_counts.append((counts, [(results[i], row) for row, i in enumerate(live)]))
+        for row, i in enumerate(live):
+            results[i].way = "whole"
+            results[i].logits = bb.logits[row]
 
     def _per_layer(self, run: list[int], items: Sequence[DecodeItem], results: list[DecodeResult]) -> None:
         """The items ``run`` (their hosts handle their misses), layer-outer: per layer every item's attention half,
@@ -534,6 +651,16 @@ class Decoder:
         ``ExpertStore.collect_decode_counts`` counts it), then fold the device table's counts into the store's
         accounting. Counts of device-side steps run without snapshots (a solo ``step``) are folded but charged to
         no item; an item whose step raised is charged nothing (its counts are folded all the same)."""
+        for counts, rows in self._batch_counts:  # batched steps: each token's own hits and misses
+            per_token = counts.tolist()
+            self.syncs += 1
+            for r, row in rows:
+                hits, misses = per_token[row]
+                r.lookups.hits += hits
+                r.lookups.misses += misses
+                r.traffic.h2d_bytes += misses * self.store.bank.expert_bytes
+                r.traffic.expert_copies += misses
+        self._batch_counts.clear()
         mine = [r for r in results if r.counts_row is not None]
         if mine:
             snaps = self.counts_at.tolist()  # [2C, 2]

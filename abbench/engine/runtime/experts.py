@@ -14,7 +14,7 @@ Contract:
     resident experts), so no grouped call ever sees more than num_experts groups. Hits and misses are
     counted per request and for the engine's lifetime (``SlotStats``).
   * or the slot cache's bookkeeping on the device (``DeviceSlotTable``, ``SlotCache.attach_table``): decode's
-    Triton path looks up and fills the slots itself (``route_topk``'s lookup / ``moe_one_token``'s fetch, the
+    Triton path looks up and fills the slots itself (``moe_tokens``' lookup and host reads, the
     misses read from the registered host bank over PCIe by the kernel), so a step never waits for the host.
     The host's view (``lru``, ``free``, ``loaded``) is pulled from the table when the host next needs it, and
     the table's hit/miss counts are folded into the accounting by ``collect_decode_counts``.
@@ -28,7 +28,7 @@ Contract:
     already wait for the copy stream (``load_experts`` here, ``Decoder.step_batch`` before its slot writes). On CUDA
     the dequantization is one Triton kernel (``decode_kernels.dequantize_fp8``, the same bits). Decode's
     device-side fetch reads a per-row-scaled FP8 bank's misses as FP8 and dequantizes them in its kernels
-    (``decode_fetch``); a block-scaled bank's misses are the host's.
+    (``decode_host``); a block-scaled bank's misses are the host's.
 - Accounting: every expert copy adds to ``lifetime`` and ``request`` (``Traffic``): host->device bytes,
   device->device bytes, and the number of experts copied. ``bank_bytes`` is one full pass over all layers.
   ``measure_h2d_gbps`` times host->device copies of layer banks (not counted as traffic).
@@ -434,18 +434,18 @@ class ExpertStore:
             st.hits += hits
             st.misses += misses
 
-    def decode_fetch(self, layer: int) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    def decode_host(self, layer: int) -> tuple[torch.Tensor, ...]:
         """``decode_experts`` on the device, for a step that never waits for the host (the slot cache's
-        ``DeviceSlotTable``), after the router's kernel looked ``layer``'s routed experts up in the table
-        (``DeviceSlotTable.layer``): each routed expert's slot [1, k] and the misses to fetch, (src [k], the
-        layer's host bank gate_up, down), for ``decode_kernels.moe_one_token``'s ``fetch``, whose kernels read
-        the misses from the registered host memory and leave them in their slots. Captures in a CUDA graph;
-        the hits and misses are counted on the device until ``collect_decode_counts``."""
-        table, bank = self.slots.table, self.bank
-        fetch = (table.src[layer], bank.gate_up[layer], bank.down[layer])
-        if bank.fp8:  # read as FP8 with the row scales, dequantized in the kernels (moe_one_token)
-            fetch += (bank.gate_up_scale[layer], bank.down_scale[layer])
-        return table.slots[layer].view(1, -1), fetch
+        ``DeviceSlotTable``): ``layer``'s host bank as ``decode_kernels.moe_tokens``' ``host`` (gate_up, down; an
+        FP8 bank's float8 values and row scales), whose kernels look the routed experts up in the table
+        (``DeviceSlotTable.layer``), read the misses from the registered host memory and leave them in their
+        slots. Captures in a CUDA graph; the hits and misses are counted on the device until
+        ``collect_decode_counts``."""
+        bank = self.bank
+        host = (bank.gate_up[layer], bank.down[layer])
+        if bank.fp8:  # read as FP8 with the row scales, dequantized in the kernels
+            host += (bank.gate_up_scale[layer], bank.down_scale[layer])
+        return host
 
     def collect_decode_counts(self) -> None:
         """Fold the device table's hits and misses since the last call into the accounting (each miss copied
