@@ -34,6 +34,11 @@ class ModelCache:
     """What every family's cache offers the runtime beyond its tensors (module docstring)."""
 
     max_context: int
+    # a batched decode's view: every sequence's cache of a layer as one tensor ``pool_k[l]`` / ``pool_v[l]``
+    # [C, ...] with this cache at row ``index`` (Qwen3-MoE's ``KVCache.pooled``); None where caches stand alone
+    pool_k: list[torch.Tensor] | None = None
+    pool_v: list[torch.Tensor] | None = None
+    index = 0
 
     def write_tokens(self, start: int, ids: torch.Tensor) -> None:
         """Record the token ids of positions [start, start + len(ids)); only models that read them keep them."""

@@ -6,12 +6,15 @@ On the H200 (results/20261201n-h200-decode-kernels) they took a resident Qwen3-3
 width. Each follows its torch counterpart's roundings in the model dtype where that is cheap, with float32
 accumulation; none is bitwise equal to it (other summation orders), and each is deterministic (no atomics).
 
-- ``moe_one_token(h, top_w, top_ids, gate_up, down)``: the routed SwiGLU experts of one token, [1, H] ->
-  [1, H], as two Triton kernels that read only the k routed experts' rows (a GEMV per expert, the expert ids
-  read on the device, so it captures in a CUDA graph): the first computes gate and up rows of an expert
-  together and writes silu(gate) x up (float32 accumulation), the second the down projection, summing the
-  k experts weighted by the router in a fixed order (deterministic: no atomics). Needs Triton (CUDA; on CPU
-  only under ``TRITON_INTERPRET=1``). Not bitwise equal to the grouped GEMM (another summation order).
+- ``moe_tokens(h, top_w, top_ids, gate_up, down)``: the routed SwiGLU experts of B decode tokens, [B, H] ->
+  [B, H], as four Triton kernels that read only the routed experts' rows (ids read on the device, so they
+  capture in a CUDA graph): one program groups the (token, expert) pairs by expert (and, with a slot table,
+  looks the batch's experts up once each); per expert and block of rows the gate and up rows, read once for
+  all its tokens, give each token silu(gate) x up (float32 accumulation); the down projection likewise; a last
+  kernel sums each token's k experts weighted by the router in a fixed order (deterministic: no atomics) and
+  adds the residual. A token's sums never depend on the other tokens, so its bits are the same alone and in
+  any batch (``max_tokens`` fixes the compiled sizes). ``moe_one_token`` is its one-token case. Needs Triton
+  (CUDA; on CPU only under ``TRITON_INTERPRET=1``). Not bitwise equal to the grouped GEMM (another order).
 - ``attention_split_kv(q, keys, values, pos, scale)``: one token's grouped-query attention as a flash-decoding
   kernel (Triton): the static bucket of keys is cut into ``NSPLITS`` ranges, one program per (KV head, range)
   runs an online softmax over the range's keys up to ``pos`` (read on the device: ranges past it do no work,
@@ -25,12 +28,14 @@ accumulation; none is bitwise equal to it (other summation orders), and each is 
 - ``route_topk(logits, k, norm, dtype, bias, lookup)``: the router's softmax, top-k and renormalisation, one
   kernel; with ``lookup`` the same program looks the experts up in the decode slot cache's device-side table
   (``slot_assign``: the host LRU's policy), for offloaded decode with the misses on the device.
-- ``moe_one_token``'s ``fetch``: a slot-cache miss read from the registered host bank (zero-copy over PCIe) by
-  the experts' kernels, which compute with it and store it into its slot; from an FP8 bank it is read as float8
-  with its row scales and dequantized in the kernel (the same bits as the host's copy and dequantization).
+- ``moe_tokens``' ``lookup`` / ``host``: slot-cache misses read from the registered host bank (zero-copy over
+  PCIe) by the experts' kernels, which compute with them and store them into their slots; from an FP8 bank
+  they are read as float8 with their row scales and dequantized in the kernel (the same bits as the host's copy
+  and dequantization).
 - ``dequantize_fp8(out, q, scale, block)``: an FP8 bank's streamed experts into the compute dtype, one kernel,
   the same bits as ``bank.dequantize_into`` (``ExpertStore`` uses it on CUDA for every FP8 copy).
 
+The batched decode step's attention half (Qwen3-MoE) is :mod:`abbench.engine.ops.batch_attention`.
 The reference kernels no request runs (the lookup and the miss copy as kernels of their own, SDPA's decode
 attention) are :mod:`abbench.engine.tools.reference_kernels`.
 """

@@ -19,12 +19,12 @@ Contract:
     attention half runs, the router's choice is read back (one host sync per layer), the host looks up the
     slot cache, copies the misses from the host bank into the layer's slots (counted), writes the slot ids
     to a device buffer, and the MoE half runs;
-  * **whole step with the misses on the device** (``misses="device"``, Triton's experts): per layer, after the
-    router's kernel also looks the routed experts up in the slot cache's device-side table (the host's LRU
-    policy: ``decode_kernels.route_topk``'s ``lookup``), and the experts' kernels read the misses from the
-    registered host bank over PCIe (an FP8 bank's as FP8 with their row scales, dequantized in the kernels to the
-    bits the host's copy would leave), computing with them while they store them into their slots
-    (``decode_kernels.moe_one_token``'s ``fetch``), so the step is one graph that never waits for the host
+  * **whole step with the misses on the device** (``misses="device"``, Triton's experts): per layer, the
+    experts' first kernel looks the routed experts up in the slot cache's device-side table (the host's LRU
+    policy), and the experts' kernels read the misses from the registered host bank over PCIe (an FP8 bank's as
+    FP8 with their row scales, dequantized in the kernels to the bits the host's copy would leave), computing
+    with them while they store them into their slots (``decode_kernels.moe_tokens``' ``lookup`` and ``host``),
+    so the step is one graph that never waits for the host
     and the copies overlap the hit experts' work. The same policy as the host's, so
     the two ways pick the same slots and decode bitwise alike; ``step(misses=...)`` chooses per step, each
     side catching up with the other's changes first (``SlotCache.sync_device`` / ``sync_host``). The
@@ -70,15 +70,28 @@ Contract:
     an earlier item loaded is charged the hit only. Device-handled items: the device table's hit and miss
     counts are copied on the device before and after each one's step (no sync), and ``settle(results)``,
     called after sampling, reads them once, charges each item and folds the counts into the store.
-  * What is not batched: the compute. Each item's step is still a GEMV-shaped one-token step (its own
-    attention, dense projections and expert GEMMs); what a batch shares is the routing read and the copies of
-    the union of its experts, and the host's launches run back to back.
+  * **Batched compute** (``self.batched``: Qwen3-MoE with Triton's experts and attention, its caches rows of
+    one pool, ``KVCache.pooled``): consecutive items that run whole the same way (resident, a complete slot
+    cache, or misses on the device) run as **one batched step** (``_batch_run``): every layer's attention half
+    over all their tokens at once (``Model.decode_attn_rows``: each projection a GEMV per token, the q/k norms,
+    RoPE and cache writes one kernel, split-KV attention per token over its own cache with its own split plan,
+    read on the device), then the routed experts of all their tokens (``decode_kernels.moe_tokens``: each
+    expert's weights read once for every token routed to it, the batch's experts looked up in the slot table
+    once each, a miss read over PCIe once and left in its slot; an expert the slots cannot take this step, when
+    the batch routes to more experts than a layer has slots, read from the host uncached), then the logits
+    (``Model.decode_logits``). One graph per (batch size, way), whatever the positions. Every kernel computes a
+    token's values from that token's inputs alone, in an order fixed by compile-time sizes that do not depend
+    on the batch (``max_tokens`` = the number of caches), and a solo step runs the same kernels as a batch of
+    one, so a sequence's bits are the same alone and in any batch. The device's lookups of a batched step are
+    charged per token (each expert to the first token routed to it; ``settle``). Items whose host handles their
+    misses still run layer-outer, a one-token step each (they share the routing read and the union's copies).
+    The Qwen3.5/3.6 hybrid and Qwen4-Exp decode a token per sequence (their mixers' states are per cache).
 - Decode kernels (``EngineConfig.decode_experts`` / ``decode_attention``; default "auto": "triton" on CUDA for
   a model whose decode they serve (``Model.triton_decode``: Qwen3-MoE and the Qwen3.5/3.6 hybrid) at a head
   dimension they take, with Triton installed; otherwise "grouped" / "torch"). ``self.kernels`` names what runs.
   * ``experts="triton"``: the router's softmax/top-k as one kernel (``decode_kernels.route_topk``) and the
-    routed experts as a GEMV over the k routed experts with the residual added (``decode_kernels.moe_one_token``)
-    instead of ``Model.moe_block``'s grouped GEMM over every expert;
+    routed experts as GEMVs over the routed experts only, grouped by expert, with the residual added
+    (``decode_kernels.moe_tokens``) instead of ``Model.moe_block``'s grouped GEMM over every expert;
   * ``attention="triton"``: split-KV flash decoding up to the device-held position
     (``decode_kernels.attention_split_kv``) instead of ``decode_gqa``; for Qwen3-MoE also the norms, q/k norms,
     RoPE and cache write fused (``Model.decode_attn_block``), for the hybrid its norms around the mixer.
@@ -236,8 +249,8 @@ class Decoder:
         # B sequences' tokens through each layer at once (``_batch_run``): Qwen3-MoE with Triton's experts and
         # attention, its caches rows of one pool
         self.batched = (experts == "triton" and attention == "triton" and model.batched_decode
-                        and len(self.caches) > 1 and all(getattr(c, "pool_k", None) is self.caches[0].pool_k
-                                                         for c in self.caches))
+                        and len(self.caches) > 1 and self.caches[0].pool_k is not None
+                        and all(c.pool_k is self.caches[0].pool_k and c.index == i for i, c in enumerate(self.caches)))
         self.batch = _BatchBuffers(model, len(self.caches)) if self.batched else None
         self.batch_graphs = (GraphCache(dev) if self.batched and self.graphs is not None else None)
         self._batch_counts: list[tuple[torch.Tensor, list[tuple[DecodeResult, int]]]] = []
@@ -255,7 +268,7 @@ class Decoder:
 
     def _moe_function(self, experts: str) -> Callable[..., torch.Tensor]:
         """The MoE half of a decode step: ``Model.moe_block`` or, for "triton", the same residual around
-        ``decode_kernels.moe_one_token``. ValueError for an unknown name, a model whose MoE block is its own,
+        ``decode_kernels.moe_tokens``. ValueError for an unknown name, a model whose MoE block is its own,
         or no Triton."""
         if experts not in DECODE_EXPERTS:
             raise ValueError(f"decode_experts must be one of {DECODE_EXPERTS}, got {experts!r}")
