@@ -102,14 +102,16 @@ def _union_lookup(lru: OrderedDict, free: list[int], ids: list[int], slots: int)
     return where, hit
 
 
-@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("bank", ["model", "fp8", "fp8-slots"])
 @pytest.mark.parametrize("slots", [6, 9, E])
-def test_a_batch_looks_its_experts_up_once_and_reads_its_misses_from_the_host(slots: int, fp8: bool):
+def test_a_batch_looks_its_experts_up_once_and_reads_its_misses_from_the_host(slots: int, bank: str):
     """Through the device-side slot table, step after step: each token's bits are the resident experts' (so
     alone's), the table ends as the host's LRU over each step's union, every cached slot holds exactly its
     expert's weights (a miss stored by the one program that read it), hits and misses counted per step and
     charged to the token of each expert's first pair; with 6 slots the 9-expert batches overflow and their last
-    misses are read from the host without being cached."""
+    misses are read from the host without being cached. A bank in the compute dtype, an FP8 bank dequantized
+    into the slots, and an FP8 bank whose slots keep its float8 values and row scales (dequantized as read)."""
+    fp8 = bank != "model"
     from abbench.engine.models.bank import dequantize_into, quantize_rows
 
     gate_up, down = _weights(2)
@@ -127,8 +129,14 @@ def test_a_batch_looks_its_experts_up_once_and_reads_its_misses_from_the_host(sl
     table = DeviceSlotTable(1, E, slots, K, DEVICE)
     lru, free = OrderedDict(), list(range(slots - 1, -1, -1))
     table.push([lru], [free])
-    gu = torch.zeros(slots, 2 * INTER, H, device=DEVICE)
-    dn = torch.zeros(slots, H, INTER, device=DEVICE)
+    if bank == "fp8-slots":
+        gu = torch.zeros(slots, 2 * INTER, H, device=DEVICE).to(torch.float8_e4m3fn)
+        dn = torch.zeros(slots, H, INTER, device=DEVICE).to(torch.float8_e4m3fn)
+        scales = (torch.zeros(slots, 2 * INTER, device=DEVICE), torch.zeros(slots, H, device=DEVICE))
+    else:
+        gu = torch.zeros(slots, 2 * INTER, H, device=DEVICE)
+        dn = torch.zeros(slots, H, INTER, device=DEVICE)
+        scales = None
     counts = torch.zeros(dk.next_pow2(MAX_TOKENS), 2, dtype=torch.long, device=DEVICE)
     steps = [ROUTES, [[4, 1, 7]], [[0, 3, 6], [6, 3, 8], [10, 2, 0]], ROUTES[::-1], [[5, 8, 11], [9, 10, 6]]]
     hits = misses = 0
@@ -137,7 +145,7 @@ def test_a_batch_looks_its_experts_up_once_and_reads_its_misses_from_the_host(sl
         table.tick.add_(1)
         counts.zero_()
         got = dk.moe_tokens(h, w, ids, gu, dn, residual=x, lookup=table.layer(0), host=host,
-                            max_tokens=MAX_TOKENS, token_counts=counts, **BLOCKS)
+                            max_tokens=MAX_TOKENS, token_counts=counts, slot_scales=scales, **BLOCKS)
         want = dk.moe_tokens(h, w, ids, *resident, residual=x, max_tokens=MAX_TOKENS, **BLOCKS)
         assert torch.equal(got, want), n
         where, hit = _union_lookup(lru, free, sum(routes, []), slots)
@@ -145,7 +153,12 @@ def test_a_batch_looks_its_experts_up_once_and_reads_its_misses_from_the_host(sl
         pulled, _ = table.pull()
         assert list(pulled[0].items()) == list(lru.items()), n
         for e, s in lru.items():  # every cached expert's slot holds its weights
-            assert torch.equal(gu[s].cpu(), gate_up[e]) and torch.equal(dn[s].cpu(), down[e]), (n, e)
+            if scales is None:
+                assert torch.equal(gu[s].cpu(), gate_up[e]) and torch.equal(dn[s].cpu(), down[e]), (n, e)
+            else:  # the bank's float8 bytes and row scales
+                assert torch.equal(gu[s].cpu().view(torch.uint8), q_gu[e].view(torch.uint8)), (n, e)
+                assert torch.equal(dn[s].cpu().view(torch.uint8), q_dn[e].view(torch.uint8)), (n, e)
+                assert torch.equal(scales[0][s].cpu(), s_gu[e]) and torch.equal(scales[1][s].cpu(), s_dn[e])
         charged = [[0, 0] for _ in range(counts.shape[0])]
         for e in where:  # each expert charged to the first token routed to it
             b = next(b for b, r in enumerate(routes) if e in r)

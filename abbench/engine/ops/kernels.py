@@ -94,9 +94,10 @@ if triton is not None:
                 tl.store(src_ptr + p, tl.full([PP], -1, tl.int32), mask=first)
 
     @triton.jit
-    def _gate_up_group(h_ptr, w_ptr, slots_ptr, src_ptr, members_ptr, out_ptr, host_ptr, scale_ptr,
+    def _gate_up_group(h_ptr, w_ptr, slots_ptr, src_ptr, members_ptr, out_ptr, host_ptr, scale_ptr, wscale_ptr,
                        H: tl.constexpr, I: tl.constexpr, K: tl.constexpr, M: tl.constexpr, stride_we, stride_wn,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FETCH: tl.constexpr, FP8: tl.constexpr):
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FETCH: tl.constexpr, FP8: tl.constexpr,
+                       SLOT_FP8: tl.constexpr):
         p = tl.program_id(0)  # a routed pair; the first pair of each expert does its expert's work
         nb = tl.program_id(1)
         mi = tl.arange(0, M)
@@ -115,6 +116,16 @@ if triton is not None:
                 at = tl.maximum(hx, 0) * 2 * I + rows
                 sg = tl.load(scale_ptr + at, mask=sm, other=1.0)
                 su = tl.load(scale_ptr + at + I, mask=sm, other=1.0)
+            if SLOT_FP8:  # FP8 slots: the slot's row scales (a miss leaves the bank's there)
+                wat = e * 2 * I + rows
+                ssg = tl.load(wscale_ptr + wat, mask=rmask & (code == -1), other=1.0)
+                ssu = tl.load(wscale_ptr + wat + I, mask=rmask & (code == -1), other=1.0)
+                if FETCH:  # (a fetch into FP8 slots reads an FP8 bank: FP8 holds)
+                    tl.store(wscale_ptr + wat, sg, mask=rmask & (code >= 0))
+                    tl.store(wscale_ptr + wat + I, su, mask=rmask & (code >= 0))
+                    ssg = tl.where(code == -1, ssg, sg)
+                    ssu = tl.where(code == -1, ssu, su)
+            dt = h_ptr.dtype.element_ty  # the compute dtype
             acc_g = tl.zeros([M, BLOCK_N], dtype=tl.float32)  # row j: pair mem[j]
             acc_u = tl.zeros([M, BLOCK_N], dtype=tl.float32)
             for k0 in range(0, H, BLOCK_K):
@@ -124,14 +135,25 @@ if triton is not None:
                 g_off = rows[:, None] * stride_wn + cols[None, :]
                 u_off = (rows[:, None] + I) * stride_wn + cols[None, :]
                 # the tile is read once for every pair of the expert
-                if FETCH:
+                if SLOT_FP8:  # float8 from the slot or the host bank, dequantized as bank.dequantize_into
+                    # does (q * scale in float32 rounded once to the compute dtype); a miss's float8 into its slot
+                    if FETCH:
+                        src_w = tl.where(code == -1, base, hq)
+                    else:
+                        src_w = base
+                    qg = tl.load(src_w + g_off, mask=m, other=0.0)
+                    qu = tl.load(src_w + u_off, mask=m, other=0.0)
+                    if FETCH:
+                        tl.store(base + g_off, qg, mask=m & (code >= 0))
+                        tl.store(base + u_off, qu, mask=m & (code >= 0))
+                    wg = (qg.to(tl.float32) * ssg[:, None]).to(dt)
+                    wu = (qu.to(tl.float32) * ssu[:, None]).to(dt)
+                elif FETCH:
                     if code != -1:  # from the host bank (as FP8: dequantized as bank.dequantize_into does,
                         # q * scale in float32 rounded once to the slots' dtype); a miss also into its slot
                         if FP8:
-                            wg = (tl.load(hq + g_off, mask=m, other=0.0).to(tl.float32) * sg[:, None]).to(
-                                w_ptr.dtype.element_ty)
-                            wu = (tl.load(hq + u_off, mask=m, other=0.0).to(tl.float32) * su[:, None]).to(
-                                w_ptr.dtype.element_ty)
+                            wg = (tl.load(hq + g_off, mask=m, other=0.0).to(tl.float32) * sg[:, None]).to(dt)
+                            wu = (tl.load(hq + u_off, mask=m, other=0.0).to(tl.float32) * su[:, None]).to(dt)
                         else:
                             wg = tl.load(hq + g_off, mask=m, other=0.0)
                             wu = tl.load(hq + u_off, mask=m, other=0.0)
@@ -155,9 +177,9 @@ if triton is not None:
             tl.store(out_ptr + mem[:, None] * I + rows[None, :], act, mask=(mem >= 0)[:, None] & rmask[None, :])
 
     @triton.jit
-    def _down_group(a_ptr, w_ptr, slots_ptr, src_ptr, members_ptr, y_ptr, host_ptr, scale_ptr, H: tl.constexpr,
-                    I: tl.constexpr, M: tl.constexpr, stride_we, stride_wn, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, FETCH: tl.constexpr, FP8: tl.constexpr):
+    def _down_group(a_ptr, w_ptr, slots_ptr, src_ptr, members_ptr, y_ptr, host_ptr, scale_ptr, wscale_ptr, h_ptr,
+                    H: tl.constexpr, I: tl.constexpr, M: tl.constexpr, stride_we, stride_wn, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, FETCH: tl.constexpr, FP8: tl.constexpr, SLOT_FP8: tl.constexpr):
         p = tl.program_id(0)  # as _gate_up_group: the expert's first pair does the work, for all its pairs
         nb = tl.program_id(1)
         mi = tl.arange(0, M)
@@ -172,17 +194,31 @@ if triton is not None:
             hq = host_ptr + tl.maximum(hx, 0) * stride_we
             if FP8:
                 sd = tl.load(scale_ptr + tl.maximum(hx, 0) * H + rows, mask=rmask & (code != -1), other=1.0)
+            if SLOT_FP8:
+                ssd = tl.load(wscale_ptr + e * H + rows, mask=rmask & (code == -1), other=1.0)
+                if FETCH:
+                    tl.store(wscale_ptr + e * H + rows, sd, mask=rmask & (code >= 0))
+                    ssd = tl.where(code == -1, ssd, sd)
+            dt = h_ptr.dtype.element_ty  # the compute dtype
             acc = tl.zeros([M, BLOCK_N], dtype=tl.float32)
             for k0 in range(0, I, BLOCK_K):
                 cols = k0 + tl.arange(0, BLOCK_K)
                 cmask = cols < I
                 m = rmask[:, None] & cmask[None, :]
                 off = rows[:, None] * stride_wn + cols[None, :]
-                if FETCH:
+                if SLOT_FP8:  # as in _gate_up_group
+                    if FETCH:
+                        src_w = tl.where(code == -1, base, hq)
+                    else:
+                        src_w = base
+                    q = tl.load(src_w + off, mask=m, other=0.0)
+                    if FETCH:
+                        tl.store(base + off, q, mask=m & (code >= 0))
+                    w = (q.to(tl.float32) * ssd[:, None]).to(dt)
+                elif FETCH:
                     if code != -1:
                         if FP8:
-                            w = (tl.load(hq + off, mask=m, other=0.0).to(tl.float32) * sd[:, None]).to(
-                                w_ptr.dtype.element_ty)
+                            w = (tl.load(hq + off, mask=m, other=0.0).to(tl.float32) * sd[:, None]).to(dt)
                         else:
                             w = tl.load(hq + off, mask=m, other=0.0)
                         tl.store(base + off, w, mask=m & (code >= 0))
@@ -638,7 +674,8 @@ def moe_tokens(h: torch.Tensor, top_w: torch.Tensor, top_ids: torch.Tensor, gate
                down: torch.Tensor, block_n: int = 4, block_k: int = 1024, residual: torch.Tensor | None = None,
                lookup: SlotLookup | None = None, host: tuple[torch.Tensor, ...] | None = None,
                src: torch.Tensor | None = None, max_tokens: int | None = None,
-               token_counts: torch.Tensor | None = None) -> torch.Tensor:
+               token_counts: torch.Tensor | None = None,
+               slot_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """The routed SwiGLU experts of B decode tokens (module docstring), each token's result bitwise the same
     whatever the batch: h [B, H], top_w [B, k], top_ids [B, k] -> [B, H] in h's dtype (with ``residual`` [B, H]:
     residual + experts, rounded as torch's sum). Four kernels:
@@ -663,7 +700,12 @@ def moe_tokens(h: torch.Tensor, top_w: torch.Tensor, top_ids: torch.Tensor, gate
     the slots' dtype, or an FP8 bank's (float8 e4m3 values, then gate_up_scale [E, 2I], down_scale [E, H]
     float32 row scales), page-locked (registered when the slots are on CUDA: read zero-copy). ``token_counts``
     [max_tokens, 2] int64: each token's hits and misses are added there (each expert charged to the token of
-    its first pair)."""
+    its first pair).
+
+    ``slot_scales`` = (gate_up_scale [G, 2I], down_scale [G, H] float32): FP8 slots. gate_up / down then hold
+    float8 e4m3 values, each row with its scale, and the kernels dequantize what they read (q * scale in
+    float32, rounded once to h's dtype: the bits of a slot that held the dequantized weights); a miss from an
+    FP8 bank (``host``, which must then be one) is left in its slot as the bank's float8 values and scales."""
     if triton is None:
         raise RuntimeError("moe_tokens needs Triton")
     if not (gate_up.stride(-1) == 1 and down.stride(-1) == 1):
@@ -702,6 +744,17 @@ def moe_tokens(h: torch.Tensor, top_w: torch.Tensor, top_ids: torch.Tensor, gate
             host_gu, host_dn = HostMapped(host_gu), HostMapped(host_dn)
             if fp8:
                 gu_scale, dn_scale = HostMapped(gu_scale), HostMapped(dn_scale)
+    slot_fp8 = slot_scales is not None
+    if slot_fp8:
+        sgu, sdn = slot_scales
+        if gate_up.dtype != torch.float8_e4m3fn or down.dtype != torch.float8_e4m3fn \
+                or sgu.shape != gate_up.shape[:2] or sdn.shape != down.shape[:2] \
+                or sgu.dtype != torch.float32 or sdn.dtype != torch.float32 \
+                or not (sgu.is_contiguous() and sdn.is_contiguous()) or (host is not None and not fp8):
+            raise ValueError("moe_tokens: FP8 slots are float8 e4m3 weights with contiguous float32 row scales "
+                             "[G, rows], and their misses come from an FP8 bank")
+    else:
+        sgu, sdn = gate_up, down  # (unread)
     n_pairs, mp = n_tok * k, next_pow2(max_tokens)
     dev = h.device
     ids = top_ids.reshape(-1).contiguous()  # [P] token-major
@@ -720,13 +773,15 @@ def moe_tokens(h: torch.Tensor, top_w: torch.Tensor, top_ids: torch.Tensor, gate
                          IDENTITY=t is not None and t.identity, STEP=STAMP_STEP, NEVER=STAMP_NEVER, num_warps=4)
     act = torch.empty(n_pairs, inter, dtype=torch.float32, device=dev)  # [P, I]
     _gate_up_group[(n_pairs, triton.cdiv(inter, block_n))](h.contiguous(), gate_up, slots, src_out, members, act,
-                                                           host_gu, gu_scale, H, inter, k, mp, gate_up.stride(0),
-                                                           gate_up.stride(1), BLOCK_N=block_n, BLOCK_K=block_k,
-                                                           FETCH=host is not None, FP8=fp8)
+                                                           host_gu, gu_scale, sgu, H, inter, k, mp,
+                                                           gate_up.stride(0), gate_up.stride(1), BLOCK_N=block_n,
+                                                           BLOCK_K=block_k, FETCH=host is not None, FP8=fp8,
+                                                           SLOT_FP8=slot_fp8)
     ys = torch.empty(n_pairs, H, dtype=torch.float32, device=dev)  # [P, H] each pair's expert output
-    _down_group[(n_pairs, triton.cdiv(H, block_n))](act, down, slots, src_out, members, ys, host_dn, dn_scale, H,
-                                                    inter, mp, down.stride(0), down.stride(1), BLOCK_N=block_n,
-                                                    BLOCK_K=block_k, FETCH=host is not None, FP8=fp8)
+    _down_group[(n_pairs, triton.cdiv(H, block_n))](act, down, slots, src_out, members, ys, host_dn, dn_scale, sdn,
+                                                    h, H, inter, mp, down.stride(0), down.stride(1), BLOCK_N=block_n,
+                                                    BLOCK_K=block_k, FETCH=host is not None, FP8=fp8,
+                                                    SLOT_FP8=slot_fp8)
     out = torch.empty(n_tok, H, dtype=h.dtype, device=dev)
     tw = top_w.contiguous()  # [B, k], read as float32 in the kernel
     res = out if residual is None else residual.reshape(n_tok, H).contiguous()
