@@ -46,6 +46,9 @@ def memory_plan_cmd(
     expert_dtype: Annotated[str, typer.Option(help="The engine's --expert-dtype: model (the host bank in --dtype) "
                                                    "or fp8 (the bank in float8 e4m3; the device adds a staging "
                                                    "area of one layer's FP8 experts).")] = "model",
+    slot_dtype: Annotated[str, typer.Option(help="The engine's --slot-dtype: auto (an fp8 bank's slots hold its "
+                                                 "float8 values and row scales, as on CUDA with Triton's decode "
+                                                 "experts), model or fp8.")] = "auto",
 ) -> None:
     """What the vendored engine keeps on the GPU at each prefill chunk length, and the decode slot cache a
     budget leaves (the plan `--gpu-memory-budget` applies at start-up; no GPU needed). A longer chunk runs
@@ -78,7 +81,8 @@ def memory_plan_cmd(
     table = Table(title=f"device-memory plan: {model}, {dtype}, max context {context:,}"
                   + (f", {max_num_seqs} sequences" if max_num_seqs > 1 else "")
                   + (f", budget {budget:g} GiB" if budget is not None else "") + (", resident" if resident else "")
-                  + (f", {expert_dtype} expert bank" if expert_dtype != "model" else ""))
+                  + (f", {expert_dtype} expert bank" if expert_dtype != "model" else "")
+                  + (f", {slot_dtype} slots" if slot_dtype != "auto" else ""))
     for col in ("chunk tokens", "KV (GiB)", "workspace (GiB)", "fixed (GiB)", "slots/layer", "slot cache (GiB)", "total (GiB)",
                 "note"):
         table.add_column(col, justify="left" if col == "note" else "right")
@@ -88,7 +92,7 @@ def memory_plan_cmd(
         try:
             cfg = EngineConfig(model=model, device="cuda", dtype=dtype, chunk_tokens=chunk, max_context=max_context,
                                prefill_mode="resident" if resident else "chunked", max_num_seqs=max_num_seqs,
-                               expert_dtype=expert_dtype, **knobs).resolved()
+                               expert_dtype=expert_dtype, slot_dtype=slot_dtype, **knobs).resolved()
         except (ValueError, AbbenchError) as e:
             _fail(e if isinstance(e, AbbenchError) else ConfigError(str(e)))
             return

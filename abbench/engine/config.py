@@ -45,7 +45,7 @@ from abbench.engine.shapes import (
 )
 
 __all__ = [
-    "ATTENTION_BATCH_MAX_CONTEXT", "DECODE_ATTENTION", "DECODE_EXPERTS", "DECODE_MISSES", "DTYPES", "EXPERT_DTYPES",
+    "ATTENTION_BATCH_MAX_CONTEXT", "DECODE_ATTENTION", "DECODE_EXPERTS", "DECODE_MISSES", "DTYPES", "EXPERT_DTYPES", "SLOT_DTYPES",
     "GDN_BLOCK",
     "HYBRID_MODEL_TYPES", "ITEMSIZE", "LAYER_TYPES", "MAX_ATTENTION_BATCH", "MAX_GROUPED_MM_GROUPS", "PREFILL_MODES", "PREFILL_PATHS", "PRESETS",
     "QWEN4_MODEL_TYPES", "EngineConfig", "HybridConfig", "ModelConfig", "Qwen4Config", "check_hybrid_chunk",
@@ -60,6 +60,10 @@ DTYPES = ("float32", "bfloat16", "float16")
 # how the host expert bank stores the routed experts (EngineConfig.expert_dtype): "model" in the compute dtype,
 # "fp8" in float8 e4m3 with per-row scales (abbench.engine.models.bank), dequantized on the device
 EXPERT_DTYPES = ("model", "fp8")
+# what decode's expert slots hold (EngineConfig.slot_dtype): "model" the compute dtype, "fp8" an FP8 bank's float8
+# values and row scales (half the bytes: about twice the slots), dequantized by decode's Triton kernels as read;
+# "auto": fp8 where the bank is FP8 with row scales and decode's experts are Triton's (abbench.engine.runtime.memory)
+SLOT_DTYPES = ("auto", "model", "fp8")
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 MAX_GROUPED_MM_GROUPS = 1023
 GDN_BLOCK = 64  # the gated delta rule's internal block length (fla's chunk size)
@@ -187,6 +191,10 @@ class EngineConfig:
     # the host expert bank's format: "model" (the compute dtype) or "fp8" (float8 e4m3, one float32 scale per
     # output row, quantized at load; copies move about half the bytes and are dequantized on the device)
     expert_dtype: str = "model"
+    # decode's expert slots: "model" (the compute dtype), "fp8" (an FP8 bank's float8 values and row scales, read
+    # and dequantized by decode's Triton experts: twice the slots in a budget), "auto": fp8 on CUDA where the bank
+    # is FP8 with per-row scales and decode's experts are Triton's (runtime.memory.fp8_slots), else model
+    slot_dtype: str = "auto"
     prefill_mode: str = "chunked"  # chunked | layer-major | demand | resident (the default of requests)
     chunk_tokens: int = 2048  # prefill chunk length, the same in every mode
     layer_major_window_tokens: int = 65536  # parked-activation budget of one layer-major window, in tokens
@@ -253,6 +261,10 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.expert_dtype not in EXPERT_DTYPES:
             raise ValueError(f"expert_dtype must be one of {EXPERT_DTYPES}, got {self.expert_dtype!r}")
+        if self.slot_dtype not in SLOT_DTYPES:
+            raise ValueError(f"slot_dtype must be one of {SLOT_DTYPES}, got {self.slot_dtype!r}")
+        if self.slot_dtype == "fp8" and self.expert_dtype != "fp8":
+            raise ValueError("slot_dtype 'fp8' keeps an FP8 bank's values in the slots: it needs expert_dtype 'fp8'")
         dev = self.device
         if not (dev == "cpu" or dev == "cuda" or (dev.startswith("cuda:") and dev[5:].isdigit())):
             raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {dev!r}")

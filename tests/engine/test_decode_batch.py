@@ -424,7 +424,7 @@ _TRITON = decode_kernels.have_triton() and (DEVICE.startswith("cuda") or os.envi
 
 
 @pytest.mark.skipif(not _TRITON, reason="Triton's decode kernels run on CUDA, or on CPU under TRITON_INTERPRET=1")
-@pytest.mark.parametrize("experts", ["offloaded", "resident"])
+@pytest.mark.parametrize("experts", ["offloaded", "resident", "fp8-slots"])
 def test_a_batch_through_the_triton_kernels_is_bitwise_solo_and_charged_per_sequence(experts):
     """Triton's experts and attention, misses on the device: B sequences' tokens go through every layer at once
     (one batched step: ``decode_attn_rows``, ``moe_tokens``), each sequence's logits bitwise its solo steps'
@@ -432,16 +432,23 @@ def test_a_batch_through_the_triton_kernels_is_bitwise_solo_and_charged_per_sequ
     the batch's experts overflow the slots, so some are read from the host uncached), the device's lookups are
     charged to the sequences (each expert to the first routed to it: their sum is what the store folds in) and
     a batch mixing host- and device-handled sequences runs the host's layer-outer and the device's whole, in
-    list order, bitwise solo too."""
+    list order, bitwise solo too. "fp8-slots": an FP8 bank whose slots keep its float8 values and row scales, each
+    sequence bitwise the solo steps of the same engine with its slots in the compute dtype (dequantized copies)."""
     kw = dict(decode_experts="triton", decode_attention="triton")
-    engine = Engine(_config("tiny", experts, **kw, **({"decode_misses": "device"} if experts == "offloaded" else {})))
-    assert engine.decoder.batched
+    if experts == "fp8-slots":
+        kw.update(expert_dtype="fp8", slot_dtype="fp8")
+    offloaded = experts != "resident"
+    engine = Engine(_config("tiny", "offloaded" if offloaded else "resident", **kw,
+                            **({"decode_misses": "device"} if offloaded else {})))
+    assert engine.decoder.batched and engine.store.slots is None or engine.store.slots.fp8 == (experts == "fp8-slots")
     prompts = _prompts(engine, seed=8)
     steps = TOKENS - 1
-    solo = [_solo_logits(engine, p, steps) for p in prompts]
+    reference = engine if experts != "fp8-slots" else Engine(
+        _config("tiny", "offloaded", **{**kw, "slot_dtype": "model"}, decode_misses="device"))
+    solo = [_solo_logits(reference, p, steps) for p in prompts]
     store, decoder = engine.store, engine.decoder
     order = [2, 0, 1]  # prompt i decodes in cache order[i]
-    for ways in ([None] * 3, ["device", "host", "device"]) if experts == "offloaded" else ([None] * 3,):
+    for ways in ([None] * 3, ["device", "host", "device"]) if offloaded else ([None] * 3,):
         engine.reset()
         toks = [_first_token(engine, p, order[i]) for i, p in enumerate(prompts)]
         with engine._on_device():

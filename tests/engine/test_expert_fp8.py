@@ -11,6 +11,7 @@ the same assertions on a GPU (bfloat16 there)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -192,13 +193,71 @@ def test_the_memory_plan_counts_the_staging_area() -> None:
     cfg = dict(model=PRESETS["qwen3-30b-a3b"], device="cuda", dtype="bfloat16", max_context=32768, max_num_seqs=1,
                prefill_mode="layer-major")
     plain = plan_device_memory(EngineConfig(**cfg).resolved(), 16 * 2**30)
-    fp8 = plan_device_memory(EngineConfig(**cfg, expert_dtype="fp8").resolved(), 16 * 2**30)
+    fp8 = plan_device_memory(EngineConfig(**cfg, expert_dtype="fp8", slot_dtype="model").resolved(), 16 * 2**30)
     mc = PRESETS["qwen3-30b-a3b"]
     e, i, h = mc.num_experts, mc.moe_intermediate_size, mc.hidden_size
     assert fp8.staging_bytes == fp8_staging_bytes(mc) > e * 3 * h * i and plain.staging_bytes == 0
     assert fp8.fixed_bytes == plain.fixed_bytes + fp8.staging_bytes
     assert fp8.slots_per_layer < plain.slots_per_layer and "FP8 staging" in fp8.describe()
     assert fp8.total_bytes <= 16 * 2**30
+    # on CUDA an FP8 bank's slots hold its float8 values and row scales by default: about half a slot's bytes
+    slots8 = plan_device_memory(EngineConfig(**cfg, expert_dtype="fp8").resolved(), 16 * 2**30)
+    assert slots8.slot_dtype == "fp8" and "(FP8)" in slots8.describe() and slots8.fixed_bytes == fp8.fixed_bytes
+    assert slots8.slot_bytes == mc.num_hidden_layers * (3 * h * i + 4 * (2 * i + h))
+    assert slots8.slots_per_layer >= 2 * fp8.slots_per_layer - 1 and slots8.total_bytes <= 16 * 2**30
+    cpu = EngineConfig(**{**cfg, "device": "cpu"}, expert_dtype="fp8").resolved()  # CPU: torch's experts
+    assert plan_device_memory(cpu, 16 * 2**30).slot_dtype == "bfloat16"
+
+
+def test_fp8_slots_are_refused_where_nothing_reads_them() -> None:
+    from abbench.engine.runtime.memory import fp8_slots
+
+    with pytest.raises(ValueError, match="needs expert_dtype 'fp8'"):
+        EngineConfig(model=MINI, slot_dtype="fp8")
+    with pytest.raises(ValueError, match="slot_dtype must be one of"):
+        EngineConfig(model=MINI, slot_dtype="fp4")
+    cfg = EngineConfig(model=MINI, expert_dtype="fp8", slot_dtype="fp8", decode_experts="grouped").resolved()
+    with pytest.raises(ValueError, match="decoded by Triton's experts"):
+        fp8_slots(cfg)
+    cfg = dataclasses.replace(cfg, decode_experts="triton")
+    assert fp8_slots(cfg, triton=True)
+    with pytest.raises(ValueError, match="block"):
+        fp8_slots(cfg, block=(128, 128), triton=True)
+    assert not fp8_slots(dataclasses.replace(cfg, slot_dtype="auto"), block=(128, 128), triton=True)
+
+
+def test_fp8_slots_take_the_banks_bytes_and_scales_as_they_are() -> None:
+    """FP8 slots (``slot_dtype`` "fp8"; decode's Triton experts read them): the host's lookup copies a miss's
+    float8 values and row scales into its slot as they are, counted as the bank's bytes; a prefill copy from such
+    a slot (``d2d_from_slot_cache``) is dequantized as a copy from the bank is."""
+    from abbench.engine.models.bank import ExpertBank, dequantize_into
+    from abbench.engine.runtime.experts import ExpertStore
+
+    bank = ExpertBank(MINI, torch.float32, pin=False, fp8=True)
+    gen = torch.Generator().manual_seed(5)
+    e, i, h = MINI.num_experts, MINI.moe_intermediate_size, MINI.hidden_size
+    for layer in range(MINI.num_hidden_layers):
+        bank.put_layer(layer, torch.randn(e, 2 * i, h, generator=gen), torch.randn(e, h, i, generator=gen))
+    store = ExpertStore(bank, torch.device("cpu"), 3, resident=False, d2d_from_slot_cache=True, fp8_slots=True)
+    slots = store.slots
+    assert slots.fp8 and slots.gate_up[1].dtype == torch.float8_e4m3fn
+    assert store.decode_slot_scales(1) == (slots.gate_up_scale[1], slots.down_scale[1])
+    got = store.decode_experts(1, [7, 2])
+    for expert, s in zip([7, 2], got):
+        assert torch.equal(slots.gate_up[1][s].view(torch.uint8), bank.gate_up[1][expert].view(torch.uint8))
+        assert torch.equal(slots.down[1][s].view(torch.uint8), bank.down[1][expert].view(torch.uint8))
+        assert torch.equal(slots.gate_up_scale[1][s], bank.gate_up_scale[1][expert])
+        assert torch.equal(slots.down_scale[1][s], bank.down_scale[1][expert])
+    assert store.lifetime.h2d_bytes == 2 * bank.expert_bytes and store.lifetime.expert_copies == 2
+    gate_up, down = store.load_experts(1, [2, 7, 9])  # 2 and 7 from the slots, 9 from the bank
+    assert store.lifetime.d2d_bytes == 2 * bank.expert_bytes and store.lifetime.h2d_bytes == 3 * bank.expert_bytes
+    for expert in (2, 7, 9):
+        want_gu, want_dn = torch.empty(1, 2 * i, h), torch.empty(1, h, i)
+        dequantize_into(want_gu, bank.gate_up[1][expert:expert + 1], bank.gate_up_scale[1][expert:expert + 1])
+        dequantize_into(want_dn, bank.down[1][expert:expert + 1], bank.down_scale[1][expert:expert + 1])
+        assert torch.equal(gate_up[expert:expert + 1], want_gu) and torch.equal(down[expert:expert + 1], want_dn)
+    with pytest.raises(ValueError, match="not one"):
+        ExpertStore(ExpertBank(MINI, torch.float32, pin=False), torch.device("cpu"), 3, False, False, fp8_slots=True)
 
 
 def test_the_configuration_refuses_what_fp8_cannot_do() -> None:

@@ -215,6 +215,9 @@ class Decoder:
         self.model, self.store, self.kv, self.cache = model, store, self.caches[0], 0
         self.max_tokens = len(self.caches)  # the most tokens a step takes: every kernel is compiled for that many
         experts = self._auto(experts, "grouped", True)
+        if store.slots is not None and store.slots.fp8 and experts != "triton":
+            raise ValueError(f"FP8 slots are read by decode's Triton experts (decode_experts 'triton'); this engine "
+                             f"decodes with {experts!r} (slot_dtype 'model' keeps the slots in the compute dtype)")
         attention = self._auto(attention, "torch", decode_kernels.attention_applies(model.cfg.head_dim))
         self.moe = self._moe_function(experts)
         model.decode_attention_kernel = self._attention_kernel(attention)
@@ -282,9 +285,10 @@ class Decoder:
 
         def moe(x: torch.Tensor, h: torch.Tensor, top_w: torch.Tensor, top_ids: torch.Tensor,
                 gate_up: torch.Tensor, down: torch.Tensor, lookup=None, host: tuple | None = None,
-                token_counts: torch.Tensor | None = None) -> torch.Tensor:
+                token_counts: torch.Tensor | None = None, slot_scales: tuple | None = None) -> torch.Tensor:
             return decode_kernels.moe_tokens(h, top_w, top_ids, gate_up, down, residual=x, lookup=lookup, host=host,
-                                             max_tokens=self.max_tokens, token_counts=token_counts)  # [B, H]
+                                             max_tokens=self.max_tokens, token_counts=token_counts,
+                                             slot_scales=slot_scales)  # [B, H]
 
         return moe
 
@@ -348,12 +352,14 @@ class Decoder:
         for layer in range(self.n_layers):
             gate_up, down = self.store.decode_weights(layer)  # resident or identity slots: expert e in row e
             x, h, top_w, top_ids = m.decode_attn_block(layer, x, kv, b.pos, kv_len)  # [1, H] x2, [1, k] x2
+            scales = self.store.decode_slot_scales(layer)
             if table is None:
-                x = self.moe(x, h, top_w, top_ids, gate_up, down)  # [1, H]
+                x = self.moe(x, h, top_w, top_ids, gate_up, down,
+                             **({} if scales is None else {"slot_scales": scales}))  # [1, H]
             else:  # the experts' kernels look the routed experts up in the slot table, read the misses from the
                 # host bank and leave them in their slots
                 x = self.moe(x, h, top_w, top_ids, gate_up, down, lookup=table.layer(layer),
-                             host=self.store.decode_host(layer))  # [1, H]
+                             host=self.store.decode_host(layer), slot_scales=scales)  # [1, H]
         b.logits.copy_(m.decode_logits(x)[0])
 
     def _embed(self, c: int) -> None:
@@ -368,7 +374,9 @@ class Decoder:
         b = self.bufs[c]
         x, h, top_w, _ = self.mid[c, layer, kv_len]
         gate_up, down = self.store.decode_weights(layer)  # [S, 2I, H], [S, H, I]
-        b.x[layer + 1].copy_(self.moe(x, h, top_w, b.slot_ids[layer], gate_up, down))
+        scales = self.store.decode_slot_scales(layer)
+        b.x[layer + 1].copy_(self.moe(x, h, top_w, b.slot_ids[layer], gate_up, down,
+                                      **({} if scales is None else {"slot_scales": scales})))
 
     def _head(self, c: int) -> None:
         b = self.bufs[c]
@@ -516,11 +524,12 @@ class Decoder:
         for layer in range(self.n_layers):
             gate_up, down = self.store.decode_weights(layer)
             x, h, top_w, top_ids = m.decode_attn_rows(layer, x, pool_k[layer], pool_v[layer], pos, index, plan)
+            scales = self.store.decode_slot_scales(layer)
             if table is None:
-                x = self.moe(x, h, top_w, top_ids, gate_up, down)  # [B, H]
+                x = self.moe(x, h, top_w, top_ids, gate_up, down, slot_scales=scales)  # [B, H]
             else:
                 x = self.moe(x, h, top_w, top_ids, gate_up, down, lookup=table.layer(layer),
-                             host=self.store.decode_host(layer), token_counts=bb.token_counts)
+                             host=self.store.decode_host(layer), token_counts=bb.token_counts, slot_scales=scales)
         bb.logits[:n].copy_(m.decode_logits(x))
 
     def _batch_run(self, run: list[int], items: Sequence[DecodeItem], results: list[DecodeResult],

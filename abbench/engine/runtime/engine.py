@@ -46,10 +46,11 @@ import torch
 from abbench.engine.config import (
     MAX_ATTENTION_BATCH, PREFILL_MODES, PREFILL_PATHS, EngineConfig, ModelConfig, check_hybrid_chunk,
 )
-from abbench.engine.runtime.memory import GIB, MemoryPlan, dense_params, plan_device_memory
+from abbench.engine.runtime.memory import GIB, MemoryPlan, dense_params, fp8_slots, plan_device_memory
 from abbench.engine.contract import (
     BackendInfo, CancelLike, Finished, GenerateRequest, RequestStats, TokenEvent, check_request, drain,
 )
+from abbench.engine.ops import kernels as decode_kernels
 from abbench.engine.ops.sampling import Sampler
 from abbench.engine.runtime.decode import Decoder
 from abbench.engine.models.bank import ExpertBank
@@ -92,9 +93,11 @@ class Engine:
         mc = self.model_config
         self._lock = threading.Lock()
         with self._on_device():
-            self.memory_plan = self._plan_memory()
             fp8 = cfg.expert_dtype == "fp8"  # an FP8 checkpoint's experts then keep their block scales
             block = fp8_block_size(cfg.weights) if fp8 and not cfg.weights.startswith("random:") else None
+            # decode's slots hold the FP8 bank's own values and row scales where Triton's experts read them
+            self.fp8_slots = fp8_slots(cfg, block, triton=decode_kernels.have_triton())
+            self.memory_plan = self._plan_memory()
             bank = ExpertBank(mc, self.dtype, pin=self.device.type == "cuda", check_memory=cfg.host_memory_check,
                               dense_bytes=dense_params(mc) * self.dtype.itemsize, fp8=fp8, block=block)
             # one cache per sequence the engine may run at once (the first is ``kv``, which tools drive directly)
@@ -104,7 +107,8 @@ class Engine:
             self.slots_per_layer = self.memory_plan.slots_per_layer if self.memory_plan else (
                 cfg.expert_slots_per_layer or mc.num_experts)
             resident = cfg.prefill_mode == "resident"
-            self.store = ExpertStore(bank, self.device, self.slots_per_layer, resident, cfg.d2d_from_slot_cache)
+            self.store = ExpertStore(bank, self.device, self.slots_per_layer, resident, cfg.d2d_from_slot_cache,
+                                     fp8_slots=self.fp8_slots)
             self.scheduler = Scheduler(self, self.caches)
             self.decoder = Decoder(self.model, self.store, self.caches, graphs=cfg.decode_graphs,
                                    experts=cfg.decode_experts, attention=cfg.decode_attention,
@@ -259,7 +263,7 @@ class Engine:
             budget_bytes = int(free)
         else:
             budget_bytes = int(budget * GIB)
-        return plan_device_memory(cfg, budget_bytes)
+        return plan_device_memory(cfg, budget_bytes, slots_fp8=self.fp8_slots)
 
     def _on_device(self):
         return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()

@@ -28,7 +28,10 @@ Contract:
     already wait for the copy stream (``load_experts`` here, ``Decoder.step_batch`` before its slot writes). On CUDA
     the dequantization is one Triton kernel (``decode_kernels.dequantize_fp8``, the same bits). Decode's
     device-side fetch reads a per-row-scaled FP8 bank's misses as FP8 and dequantizes them in its kernels
-    (``decode_host``); a block-scaled bank's misses are the host's.
+    (``decode_host``); a block-scaled bank's misses are the host's. With ``fp8_slots`` (``EngineConfig.slot_dtype``)
+    the decode slots keep the bank's float8 values and row scales as they are (half the bytes of a slot in the
+    compute dtype), and decode's Triton experts dequantize what they read (``decode_slot_scales``); a prefill
+    copy from such a slot (``d2d_from_slot_cache``) is dequantized on the way.
 - Accounting: every expert copy adds to ``lifetime`` and ``request`` (``Traffic``): host->device bytes,
   device->device bytes, and the number of experts copied. ``bank_bytes`` is one full pass over all layers.
   ``measure_h2d_gbps`` times host->device copies of layer banks (not counted as traffic).
@@ -75,17 +78,24 @@ class SlotCache:
     routes exactly as over resident experts, and once every expert of every layer has been loaded
     (``complete``) no step needs the host any more."""
 
-    def __init__(self, cfg: ModelConfig, slots_per_layer: int, device: torch.device, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, slots_per_layer: int, device: torch.device, dtype: torch.dtype,
+                 fp8: bool = False):
         e_i, h, n_layers = cfg.moe_intermediate_size, cfg.hidden_size, cfg.num_hidden_layers
         if not cfg.num_experts_per_tok <= slots_per_layer <= cfg.num_experts:
             raise ValueError(f"slots_per_layer must be in [{cfg.num_experts_per_tok}, {cfg.num_experts}], "
                              f"got {slots_per_layer}")
         self.slots_per_layer, self.num_experts = slots_per_layer, cfg.num_experts
         self.identity = slots_per_layer == cfg.num_experts
+        self.fp8 = fp8  # the slots hold an FP8 bank's float8 values, with its row scales beside them
+        dtype = FP8 if fp8 else dtype
         self.gate_up = [torch.zeros((slots_per_layer, 2 * e_i, h), device=device, dtype=dtype)
                         for _ in range(n_layers)]  # [S, 2I, H] each
         self.down = [torch.zeros((slots_per_layer, h, e_i), device=device, dtype=dtype)
                      for _ in range(n_layers)]  # [S, H, I] each
+        self.gate_up_scale = [torch.zeros((slots_per_layer, 2 * e_i), device=device) for _ in range(n_layers)
+                              ] if fp8 else None  # [S, 2I] float32 each
+        self.down_scale = [torch.zeros((slots_per_layer, h), device=device) for _ in range(n_layers)
+                           ] if fp8 else None  # [S, H]
         self.n_layers = n_layers
         self.flush()
 
@@ -226,7 +236,7 @@ class ExpertStore:
     """Device side of the expert offload; see the module docstring."""
 
     def __init__(self, bank: ExpertBank, device: torch.device, slots_per_layer: int, resident: bool,
-                 d2d_from_slot_cache: bool):
+                 d2d_from_slot_cache: bool, fp8_slots: bool = False):
         cfg = bank.cfg
         self.bank, self.device, self.d2d_from_slot_cache = bank, device, d2d_from_slot_cache
         self.cuda = device.type == "cuda"
@@ -265,7 +275,9 @@ class ExpertStore:
             else:  # the compute device is the host: the bank itself is resident
                 self.resident = list(zip(bank.gate_up, bank.down))
         else:
-            self.slots = SlotCache(cfg, slots_per_layer, device, dt)
+            if fp8_slots and not (bank.fp8 and bank.block is None):
+                raise ValueError("FP8 slots hold an FP8 bank's values and per-row scales: the bank is not one")
+            self.slots = SlotCache(cfg, slots_per_layer, device, dt, fp8=fp8_slots)
 
     # -- accounting -----------------------------------------------------------------------------------
     def _count(self, h2d: int = 0, d2d: int = 0, experts: int = 0) -> None:
@@ -329,10 +341,16 @@ class ExpertStore:
                 self._h2d(gu[a:b], dn[a:b], layer, a, b)
                 run = []
             if e >= 0 and e in cached:
-                s = cached[e]
-                gu[e].copy_(self.slots.gate_up[layer][s], non_blocking=True)
-                dn[e].copy_(self.slots.down[layer][s], non_blocking=True)
-                self._count(d2d=bank.device_expert_bytes, experts=1)
+                s, c = cached[e], self.slots
+                if c.fp8:  # dequantized on the way, as a copy from the FP8 bank is
+                    dequant = decode_kernels.dequantize_fp8 if self.fused_dequant else dequantize_into
+                    dequant(gu[e:e + 1], c.gate_up[layer][s:s + 1], c.gate_up_scale[layer][s:s + 1], None)
+                    dequant(dn[e:e + 1], c.down[layer][s:s + 1], c.down_scale[layer][s:s + 1], None)
+                    self._count(d2d=bank.expert_bytes, experts=1)
+                else:
+                    gu[e].copy_(c.gate_up[layer][s], non_blocking=True)
+                    dn[e].copy_(c.down[layer][s], non_blocking=True)
+                    self._count(d2d=bank.device_expert_bytes, experts=1)
             elif e >= 0:
                 run = [e]
 
@@ -421,13 +439,33 @@ class ExpertStore:
             else:
                 s = lru.popitem(last=False)[1]
                 cache.loaded -= 1
-            self._h2d(cache.gate_up[layer][s:s + 1], cache.down[layer][s:s + 1], layer, e, e + 1)
+            self._to_slot(layer, s, e)
             lru[e] = s
             cache.loaded += 1
             slot_of[e] = s
         self._count_lookups(hits, len(needed) - hits)
         cache.changed()
         return [slot_of[e] for e in ids]
+
+    def _to_slot(self, layer: int, slot: int, e: int) -> None:
+        """Expert ``e`` of ``layer`` from the host bank into ``slot`` on the current stream, counted: FP8 slots
+        take the bank's float8 values and row scales as they are, other slots the compute dtype (``_h2d``)."""
+        c = self.slots
+        if not c.fp8:
+            self._h2d(c.gate_up[layer][slot:slot + 1], c.down[layer][slot:slot + 1], layer, e, e + 1)
+            return
+        bank = self.bank
+        c.gate_up[layer][slot].copy_(bank.gate_up[layer][e], non_blocking=True)
+        c.down[layer][slot].copy_(bank.down[layer][e], non_blocking=True)
+        c.gate_up_scale[layer][slot].copy_(bank.gate_up_scale[layer][e], non_blocking=True)
+        c.down_scale[layer][slot].copy_(bank.down_scale[layer][e], non_blocking=True)
+        self._count(h2d=bank.expert_bytes, experts=1)
+
+    def decode_slot_scales(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """FP8 slots' row scales of ``layer`` (gate_up [S, 2I], down [S, H] float32: ``decode_kernels.moe_tokens``'
+        ``slot_scales``); None where the slots hold the compute dtype (or the experts are resident)."""
+        c = self.slots
+        return (c.gate_up_scale[layer], c.down_scale[layer]) if c is not None and c.fp8 else None
 
     def _count_lookups(self, hits: int, misses: int) -> None:
         for st in (self.slot_lifetime, self.slot_request):

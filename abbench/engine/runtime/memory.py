@@ -7,8 +7,10 @@ Contract:
   gives the rest to expert slots, the same number for every layer. A budget that cannot hold one token's experts in every layer is refused with
   every term named.
 - An FP8 bank (``EngineConfig.expert_dtype`` "fp8") keeps experts in the compute dtype on the device (buffers,
-  slots, resident experts) and adds a staging area of one layer's FP8 values and scales plus the dequantization's
-  float32 temporary (``staging_bytes``).
+  resident experts) and adds a staging area of one layer's FP8 values and scales plus the dequantization's
+  float32 temporary (``staging_bytes``). Its decode slots hold its float8 values and row scales where decode's
+  Triton experts read them (``fp8_slots``: ``EngineConfig.slot_dtype``), about half a slot's bytes, so about
+  twice the slots fit a budget; otherwise the compute dtype.
 - ``RUNTIME_RESERVE_BYTES``: what a budget sets aside beyond the engine's own tensors (CUDA context,
   cuBLAS/CUTLASS workspaces, Triton's and the graphs' pools, allocator slack), so that the process as the driver
   sees it fits the budget: a budget is in GiB, as cards are sized, and ``--gpu-memory-budget 16`` means "the
@@ -22,6 +24,7 @@ Like :mod:`abbench.engine.config`, it imports no torch.
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 
 from abbench.engine.config import ITEMSIZE, EngineConfig, HybridConfig, ModelConfig, Qwen4Config
@@ -45,6 +48,7 @@ class MemoryPlan:
     slots_per_layer: int  # 0 when resident
     seqs: int = 1  # sequences at once (EngineConfig.max_num_seqs), one cache each
     staging_bytes: int = 0  # FP8 bank: one layer's FP8 values and scales, and the dequantization's temporary
+    slot_dtype: str = ""  # what a slot holds: the compute dtype, or "fp8" (an FP8 bank's values and row scales)
 
     @property
     def fixed_bytes(self) -> int:
@@ -62,7 +66,8 @@ class MemoryPlan:
         return (f"budget {gb(self.budget_bytes)}: dense {gb(self.dense_bytes)} + {kv} + prefill "
                 f"buffers {gb(self.prefill_buffer_bytes)} + resident experts {gb(self.resident_bytes)} + {staging}"
                 f"workspace {gb(self.workspace_bytes)} + runtime reserve {gb(self.reserve_bytes)} = "
-                f"{gb(self.fixed_bytes)} fixed; {self.slots_per_layer} expert slots per layer x "
+                f"{gb(self.fixed_bytes)} fixed; {self.slots_per_layer} expert slots per layer"
+                f"{' (FP8)' if self.slot_dtype == 'fp8' else ''} x "
                 f"{gb(self.slot_bytes)} = {gb(self.slots_per_layer * self.slot_bytes)}")
 
 
@@ -113,6 +118,11 @@ def kv_cache_bytes(mc: ModelConfig, max_context: int, item: int) -> int:
     return len(mc.attention_layers) * per_layer + 2 * states  # states and their prefix-cache snapshot
 
 
+def fp8_expert_bytes(mc: ModelConfig) -> int:
+    """One expert of an FP8 bank: its float8 values and float32 row scales (gate and up: 2I rows, down: H)."""
+    return mc.expert_params + 4 * (2 * mc.moe_intermediate_size + mc.hidden_size)
+
+
 def fp8_staging_bytes(mc: ModelConfig) -> int:
     """Device bytes an FP8 bank adds: one layer's FP8 values (1 byte each) and float32 scales (one per output row),
     where copies land before their dequantization, and the dequantization's float32 temporary (at most
@@ -122,14 +132,37 @@ def fp8_staging_bytes(mc: ModelConfig) -> int:
     return e * (3 * h * i + 4 * (2 * i + h)) + 4 * piece
 
 
-def plan_device_memory(config: EngineConfig, budget_bytes: int) -> MemoryPlan:
+def fp8_slots(config: EngineConfig, block: tuple[int, int] | None = None, triton: bool | None = None) -> bool:
+    """Whether decode's slots hold an FP8 bank's float8 values and row scales (``EngineConfig.slot_dtype``):
+    "fp8" asks for it (ValueError where it cannot be: a bank with an FP8 checkpoint's ``block`` scales, decode's
+    experts not Triton's, no Triton); "auto" takes it on CUDA for an FP8 bank with per-row scales whose decode
+    runs Triton's experts (``decode_experts`` "triton", or "auto" for a family they serve: not Qwen4-Exp), with
+    Triton installed (``triton``; None: on CUDA, yes, else look for it). Resident experts have no slots."""
+    mc = config.model
+    if config.slot_dtype == "model" or config.prefill_mode == "resident" or config.expert_dtype != "fp8":
+        return False
+    if triton is None:  # (a CUDA build of torch ships Triton)
+        triton = config.device.startswith("cuda") or importlib.util.find_spec("triton") is not None
+    family = not (isinstance(mc, ModelConfig) and mc.is_qwen4)
+    usable = (block is None and config.decode_experts != "grouped" and triton and family
+              and (config.decode_experts == "triton" or config.device.startswith("cuda")))
+    if config.slot_dtype == "fp8" and not usable:
+        raise ValueError("slot_dtype 'fp8' needs an FP8 bank with per-row scales (not an FP8 checkpoint's block "
+                         "scales) decoded by Triton's experts (decode_experts 'triton', Triton installed; not "
+                         "Qwen4-Exp)")
+    return usable
+
+
+def plan_device_memory(config: EngineConfig, budget_bytes: int, slots_fp8: bool | None = None) -> MemoryPlan:
     """Size the decode slot cache of a resolved ``config`` from ``budget_bytes``; ``expert_slots_per_layer``,
-    when set, is taken as given and checked against the budget. Raises ValueError naming every term when the
-    budget cannot hold the fixed part plus one token's experts in every layer (or, resident, every expert)."""
+    when set, is taken as given and checked against the budget. ``slots_fp8``: the slots hold FP8 values and row
+    scales (None: ``fp8_slots(config)``). Raises ValueError naming every term when the budget cannot hold the
+    fixed part plus one token's experts in every layer (or, resident, every expert)."""
     mc = config.model
     assert isinstance(mc, ModelConfig) and config.dtype and config.max_context, "plan needs a resolved config"
     item = ITEMSIZE[config.dtype]
     resident = config.prefill_mode == "resident"
+    slots_fp8 = fp8_slots(config) if slots_fp8 is None else slots_fp8
     expert = mc.expert_params * item
     layer_bank = mc.num_experts * expert
     chunk = min(config.chunk_tokens, config.max_context)
@@ -161,7 +194,8 @@ def plan_device_memory(config: EngineConfig, budget_bytes: int) -> MemoryPlan:
         kv_bytes=config.max_num_seqs * kv_cache_bytes(mc, config.max_context, item), seqs=config.max_num_seqs,
         prefill_buffer_bytes=2 * layer_bank, resident_bytes=mc.num_hidden_layers * layer_bank if resident else 0,
         workspace_bytes=chunk_ws + parked + 2 * mc.vocab_size * 4, reserve_bytes=RUNTIME_RESERVE_BYTES,
-        slot_bytes=mc.num_hidden_layers * expert, slots_per_layer=0,
+        slot_bytes=mc.num_hidden_layers * (fp8_expert_bytes(mc) if slots_fp8 else expert), slots_per_layer=0,
+        slot_dtype="fp8" if slots_fp8 else config.dtype,
         staging_bytes=fp8_staging_bytes(mc) if config.expert_dtype == "fp8" else 0)
     fixed = MemoryPlan(**plan).fixed_bytes
     if resident:

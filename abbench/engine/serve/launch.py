@@ -35,7 +35,7 @@ import sys
 from typing import Any
 
 from abbench.engine.config import (
-    DECODE_ATTENTION, DECODE_EXPERTS, DECODE_MISSES, DTYPES, EXPERT_DTYPES, PREFILL_MODES, PRESETS, EngineConfig,
+    DECODE_ATTENTION, DECODE_EXPERTS, DECODE_MISSES, DTYPES, EXPERT_DTYPES, PREFILL_MODES, SLOT_DTYPES, PRESETS, EngineConfig,
 )
 
 __all__ = ["API_KEY_ENV", "BACKENDS", "api_key_or_refuse", "build_arg_parser", "is_loopback", "main"]
@@ -90,8 +90,12 @@ def _engine_options(e: argparse._ArgumentGroup) -> None:
     e.add_argument("--expert-dtype", default=None, choices=EXPERT_DTYPES,
                    help="how the host bank stores the routed experts: model (the compute dtype, the default) or "
                    "fp8 (float8 e4m3 with one float32 scale per output row, quantized at load: copies move about "
-                   "half the bytes and are dequantized on the device, which computes in --dtype; decode's misses "
-                   "are then the host's)")
+                   "half the bytes and are dequantized on the device, which computes in --dtype)")
+    e.add_argument("--slot-dtype", default=None, choices=SLOT_DTYPES,
+                   help="what decode's expert slots hold: model (--dtype) or fp8 (an fp8 bank's float8 values and "
+                   "row scales, dequantized by decode's Triton experts as they read them: about twice the slots in "
+                   "a budget); default auto: fp8 on CUDA for an fp8 bank with per-row scales decoded by Triton's "
+                   "experts, else model")
     e.add_argument("--prefill-mode", default="chunked", choices=PREFILL_MODES)
     e.add_argument("--chunk-tokens", type=int, default=2048)
     e.add_argument("--layer-major-window-tokens", type=int, default=None)
@@ -276,7 +280,7 @@ def http_stack() -> tuple[str, str]:
 def _engine_config(args: argparse.Namespace) -> EngineConfig:
     kwargs: dict[str, Any] = dict(model=args.model, weights=args.weights, device=args.device,
                                   prefill_mode=args.prefill_mode, chunk_tokens=args.chunk_tokens)
-    for field in ("dtype", "expert_dtype", "layer_major_window_tokens", "demand_max_tokens", "gpu_memory_budget_gib",
+    for field in ("dtype", "expert_dtype", "slot_dtype", "layer_major_window_tokens", "demand_max_tokens", "gpu_memory_budget_gib",
                   "expert_slots_per_layer", "host_memory_check", "decode_graphs", "warm_decode_graphs",
                   "prefill_graphs", "attention_batch", "attention_batch_max_context", "router_skew",
                   "auto_demand_max_tokens", "auto_calibration", "decode_experts", "decode_attention",
