@@ -544,7 +544,8 @@ class Decoder:
         for i in run:
             try:
                 check_cancel(items[i].cancel)
-                self._prepare(items[i])  # (the solo buffers too, for a model's host-side work)
+                it = items[i]
+                self.model.prepare_decode(self.caches[it.cache], it.token_id, it.pos)
                 live.append(i)
             except Exception as exc:  # noqa: BLE001 - this item's step ends; the others go on
                 results[i].error = exc
