@@ -111,6 +111,9 @@ PAIRED = ("ttft_ratio", "peak_vram_ratio", "decode_ratio", "throughput_ratio", "
 LOAD_METRIC_SPECS: dict[str, Metric] = {m.name: m for m in (
     Metric("throughput_ratio", "x", True, True,
            "load: output tokens/s(arm) / output tokens/s(reference arm, or vs ARM), paired by level and round"),
+    Metric("throughput_scaling", "x", True, False,
+           "load: output tokens/s of the arm at a level / its own at the run's first level (its lightest load, "
+           "e.g. c=1), paired by round: what the load buys"),
     Metric("output_tok_s", "tok/s", True, False, "load: output tokens/s over a level's measured window, per round"),
     Metric("request_s", "req/s", True, False, "load: completed requests/s over a level's measured window, per round"),
     Metric("goodput", "req/s", True, False,

@@ -416,7 +416,7 @@ def fmt_value(v: float | None) -> str:
 def describe_cell(c: DeclaredCheck, cell: Cell) -> str:
     """'fresh 32768: 0.146 (95% CI 0.143-0.148, n=2 pairs) pass'."""
     what = ("pairs" if c.metric in PAIRED or c.metric in ("crossover", *NUMERICS) else
-            "rounds" if c.metric in ("output_tok_s", "request_s", "goodput", "error_rate") else
+            "rounds" if c.metric in ("output_tok_s", "request_s", "goodput", "error_rate", "throughput_scaling") else
             "level" if c.metric == "parity_under_load" else "samples")
     if cell.low is None:
         span = f"n={cell.n} {what}"

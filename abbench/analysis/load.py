@@ -34,6 +34,9 @@ reference per round with ``parity_reference``.
   rounds from two rounds up.
 * **throughput_ratio**: output_tok_s(arm) / output_tok_s(reference arm, or ``vs ARM``) at the same level and
   round (the pair ABBA makes), median over rounds with its interval.
+* **throughput_scaling**: output_tok_s(arm, level) / output_tok_s(arm, the run's first level) in the same round
+  (what the load buys an arm: at c=8 over c=1, the aggregate over one sequence's), median over rounds with its
+  interval; the first level has none.
 * **In flight** over time: the step function of sends and ends (:func:`in_flight`); its mean over the window
   and its maximum.
 * **Parity between arms** (:func:`alone_parity`): each arm's run alone of a prompt against the parity reference
@@ -284,6 +287,26 @@ def throughput_ratios(record: RunRecord, against: str | None = None) -> pd.DataF
     return pd.DataFrame(rows, columns=["arm", "level", "round", "value"])
 
 
+def throughput_scalings(record: RunRecord) -> pd.DataFrame:
+    """Per (arm, level, round) past the run's first level: output_tok_s(arm, level) / output_tok_s(arm, first
+    level) in the same round (the first level: its lightest load, the fewest in flight, else the lowest rate;
+    c=1 where it is one). Columns: arm, level, round, value."""
+    slos = load_slos(record)
+    levels = list(load_levels(record))
+    if not levels:
+        return pd.DataFrame(columns=["arm", "level", "round", "value"])
+    # the lightest load: the fewest in flight, else the lowest rate (inf last)
+    first = min(levels, key=lambda lv: (lv.kind != "concurrency", float(lv.value))).label
+    figures = {(lv.arm, lv.label, lv.round): round_figures(lv, slos)["output_tok_s"] for lv in levels}
+    rows = []
+    for (arm, label, rnd), v in figures.items():
+        base = figures.get((arm, first, rnd))
+        if label == first or v is None or not base:
+            continue
+        rows.append({"arm": arm, "level": label, "round": rnd, "value": v / base})
+    return pd.DataFrame(rows, columns=["arm", "level", "round", "value"])
+
+
 def _tolerance(record: RunRecord, arm: str) -> tuple[float, bool]:
     own = arm_tolerances(record).get(arm)
     gate = gate_spec(record).accept_near_ties
@@ -389,6 +412,8 @@ def values(record: RunRecord, metric: str, vs: str | None = None) -> pd.DataFram
     rows: list[dict[str, Any]] = []
     if metric == "throughput_ratio":
         return throughput_ratios(record, vs)
+    if metric == "throughput_scaling":
+        return throughput_scalings(record)
     if metric == "parity_under_load":
         p = parity_under_load(record)
         rows = [{"arm": a, "level": lv, "round": 0, "value": kept / n} for a, lv, n, kept

@@ -113,6 +113,26 @@ def _tokens(n: int) -> list[float]:
     return [0.1 + 3.8 * i / max(1, n - 1) for i in range(n)]  # all n arrive inside the window 1..5
 
 
+def test_throughput_scaling_divides_each_level_by_the_arms_lightest_in_the_same_round() -> None:
+    """What the load buys an arm: output tok/s at a level over its own at the lightest level (the fewest in flight,
+    whatever the order the levels ran in), paired by round; the lightest level itself has none."""
+    def at(arm: str, c: int, n: int, rnd: int) -> LoadLevel:
+        return _level(arm, [_req(0, 1.0, _tokens(n), ids=list(range(n)))], rnd=rnd).model_copy(update={"value": float(c)})
+
+    levels = [at("a", 8, 12, 1), at("a", 1, 4, 1), at("b", 1, 4, 1), at("b", 8, 4, 1),
+              at("a", 1, 4, 2), at("a", 8, 16, 2), at("b", 8, 6, 2), at("b", 1, 4, 2)]
+    rec = _record(levels)
+    s = al.throughput_scalings(rec)
+    assert sorted(zip(s["arm"], s["level"], s["round"], s["value"])) == [
+        ("a", "c=8", 1, pytest.approx(3.0)), ("a", "c=8", 2, pytest.approx(4.0)),
+        ("b", "c=8", 1, pytest.approx(1.0)), ("b", "c=8", 2, pytest.approx(1.5))]
+    cells = judge(rec, parse_check("throughput_scaling[a, c=8] >= 3"))
+    assert [(c.kind, c.status) for c in cells] == [("c=8", "pass")] and cells[0].value == pytest.approx(3.5)
+    assert "n=2 rounds" in describe_cell(parse_check("throughput_scaling[a, c=8] >= 3"), cells[0])
+    assert judge(rec, parse_check("throughput_scaling[b, c=8] >= 2"))[0].status == "fail"
+    assert [c.kind for c in judge(rec, parse_check("throughput_scaling[a] >= 1"))] == ["c=8"]  # c=1 has none
+
+
 def test_throughput_ratio_is_paired_by_level_and_round() -> None:
     levels = [_level("a", [_req(0, 1.0, _tokens(4), ids=list(range(4)))], rnd=1),
               _level("b", [_req(0, 1.0, _tokens(8), ids=list(range(8)))], rnd=1),
