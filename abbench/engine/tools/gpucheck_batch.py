@@ -118,7 +118,9 @@ def decode_check(engine, prompts: list[list[int]], tokens: int) -> dict:
     alone_tps = (tokens - 1) / (alone["last"] - alone["first"])
     solo = [alone] + [run_alone(engine, p, tokens) for p in prompts[1:]]
     engine.reset()
+    steps0 = dict(engine.decoder.steps)
     rows, _ = run_together(engine, prompts, tokens)
+    steps = {k: v - steps0.get(k, 0) for k, v in engine.decoder.steps.items()}  # how the decode steps ran
     start, end = max(r["first"] for r in rows), max(r["last"] for r in rows)
     # the decode phase: from the last first token (every sequence decoding) to the last token
     decoded = sum(sum(1 for _ in r["ids"]) - 1 for r in rows)
@@ -127,6 +129,7 @@ def decode_check(engine, prompts: list[list[int]], tokens: int) -> dict:
             "ratio": together_tps / alone_tps, "sequences": len(prompts), "decode_start_spread_s": start - min(
                 r["first"] for r in rows),
             "ids_equal_solo": all(r["ids"] == s["ids"] for r, s in zip(rows, solo, strict=True)),
+            "decoder_steps_together": steps, "decode_kernels": engine.decoder.kernels,
             "slot_misses_alone": alone["stats"].slot_misses,
             "slot_misses_together": [r["stats"].slot_misses for r in rows]}
 
