@@ -1,0 +1,82 @@
+"""Every variant of decode's Triton kernels compiles for the H200 (sm_90) where Triton is installed, GPU or not:
+what Triton's interpreter on CPU cannot check (types, branches on compile-time flags, pointer selects, a jitted
+function's tuple return). Qwen3-30B-A3B's shapes, bfloat16, 8 sequence caches. Skipped without Triton (the CPU
+build of torch ships none); run it on a CPU with Triton installed before a GPU session."""
+
+from __future__ import annotations
+
+import pytest
+
+triton = pytest.importorskip("triton")
+
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from abbench.engine.ops import batch_attention as ba  # noqa: E402
+from abbench.engine.ops import kernels as dk  # noqa: E402
+
+CASES: list[tuple[str, object, dict, dict]] = []
+
+
+def comp(fn, sig: dict, consts: dict, label: str) -> None:
+    CASES.append((label, fn, sig, consts))
+
+
+H, I, K, M, E, S = 2048, 768, 8, 8, 128, 38
+PP = 64
+for fetch, fp8, slot_fp8 in [(False, False, False), (True, False, False), (True, True, False), (True, True, True),
+                             (False, False, True)]:
+    w = "*fp8e4nv" if slot_fp8 else "*bf16"
+    host = "*fp8e4nv" if fp8 else "*bf16"
+    comp(dk._gate_up_group, dict(h_ptr="*bf16", w_ptr=w, slots_ptr="*i64", src_ptr="*i32", members_ptr="*i32",
+                                 out_ptr="*fp32", host_ptr=host, scale_ptr="*fp32", wscale_ptr="*fp32",
+                                 stride_we="i64", stride_wn="i64"),
+         dict(H=H, I=I, K=K, M=M, BLOCK_N=4, BLOCK_K=1024, FETCH=fetch, FP8=fp8, SLOT_FP8=slot_fp8),
+         f"_gate_up_group fetch={fetch} fp8={fp8} slot_fp8={slot_fp8}")
+    comp(dk._down_group, dict(a_ptr="*fp32", w_ptr=w, slots_ptr="*i64", src_ptr="*i32", members_ptr="*i32",
+                              y_ptr="*fp32", host_ptr=host, scale_ptr="*fp32", wscale_ptr="*fp32", h_ptr="*bf16",
+                              stride_we="i64", stride_wn="i64"),
+         dict(H=H, I=I, M=M, BLOCK_N=4, BLOCK_K=1024, FETCH=fetch, FP8=fp8, SLOT_FP8=slot_fp8),
+         f"_down_group fetch={fetch} fp8={fp8} slot_fp8={slot_fp8}")
+for lookup, identity in [(False, False), (True, False), (True, True)]:
+    comp(dk._group_experts, dict(ids_ptr="*i64", given_src_ptr="*i32", slots_ptr="*i64", src_ptr="*i32",
+                                 members_ptr="*i32", tok_counts_ptr="*i64", slot_of_ptr="*i32",
+                                 expert_of_ptr="*i32", stamp_ptr="*i64", tick_ptr="*i64", counts_ptr="*i64",
+                                 P="i32"),
+         dict(K=K, PP=PP, M=M, LOOKUP=lookup, HAS_SRC=False, TOK_COUNTS=lookup, S=E if identity else S,
+              SP=E if identity else 64, IDENTITY=identity, STEP=dk.STAMP_STEP, NEVER=dk.STAMP_NEVER),
+         f"_group_experts lookup={lookup} identity={identity}")
+comp(dk._group_experts, dict(ids_ptr="*i64", given_src_ptr="*i32", slots_ptr="*i64", src_ptr="*i32",
+                             members_ptr="*i32", tok_counts_ptr="*i64", slot_of_ptr="*i64", expert_of_ptr="*i64",
+                             stamp_ptr="*i64", tick_ptr="*i64", counts_ptr="*i64", P="i32"),
+     dict(K=K, PP=8, M=1, LOOKUP=False, HAS_SRC=True, TOK_COUNTS=False, S=1, SP=1, IDENTITY=False,
+          STEP=dk.STAMP_STEP, NEVER=dk.STAMP_NEVER), "_group_experts host src, one token")
+comp(dk._combine, dict(y_ptr="*fp32", tw_ptr="*bf16", res_ptr="*bf16", out_ptr="*bf16"),
+     dict(H=H, K=K, BLOCK=1024, HAS_RES=True), "_combine")
+for lookup in (False, True):
+    comp(dk._route_topk, dict(logits_ptr="*bf16", bias_ptr="*fp32", w_ptr="*bf16", ids_ptr="*i64",
+                              slot_of_ptr="*i32", expert_of_ptr="*i32", stamp_ptr="*i64", tick_ptr="*i64",
+                              counts_ptr="*i64", slots_ptr="*i64", src_ptr="*i32"),
+         dict(E=E, EP=128, K=K, KP=8, HAS_BIAS=True, NORM=True, LOOKUP=lookup, S=S, SP=64, IDENTITY=False,
+              STEP=dk.STAMP_STEP, NEVER=dk.STAMP_NEVER), f"_route_topk lookup={lookup}")
+comp(ba._linear_rows, dict(x_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", N="i32", stride_xb="i64",
+                           stride_wn="i64", stride_ob="i64"), dict(K=H, BLOCK_N=4, BLOCK_K=1024), "_linear_rows")
+comp(ba._qk_norm_rope_store_rows, dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", qn_ptr="*bf16", kn_ptr="*bf16",
+                                       cos_ptr="*bf16", sin_ptr="*bf16", pos_ptr="*i64", cidx_ptr="*i64",
+                                       kc_ptr="*bf16", vc_ptr="*bf16", qout_ptr="*bf16", stride_kc="i64",
+                                       stride_kh="i64", stride_kl="i64", eps="fp32"),
+     dict(HQ=32, HKV=4, D=128), "_qk_norm_rope_store_rows")
+comp(ba._attn_rows_split, dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", pos_ptr="*i64", cidx_ptr="*i64",
+                               plan_ptr="*i32", m_ptr="*fp32", l_ptr="*fp32", acc_ptr="*fp32", stride_kc="i64",
+                               stride_kh="i64", stride_kl="i64", scale="fp32"),
+     dict(HKV=4, G=8, GP=16, D=128, MAX_SPLIT=2048, BLOCK_L=64, MAX_SPLITS=64), "_attn_rows_split")
+comp(ba._attn_rows_combine, dict(m_ptr="*fp32", l_ptr="*fp32", acc_ptr="*fp32", pos_ptr="*i64", plan_ptr="*i32",
+                                 out_ptr="*bf16"), dict(HQ=32, HKV=4, G=8, D=128, MAX_SPLITS=64),
+     "_attn_rows_combine")
+
+
+@pytest.mark.parametrize("label,fn,sig,consts", CASES, ids=[c[0] for c in CASES])
+def test_the_kernel_compiles_for_sm90(label, fn, sig, consts):
+    signature = {k: ("constexpr" if k in consts else sig[k]) for k in fn.arg_names}
+    kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=consts), target=GPUTarget("cuda", 90, 32))
+    assert kernel.asm["cubin"]
