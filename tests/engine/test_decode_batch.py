@@ -424,8 +424,9 @@ _TRITON = decode_kernels.have_triton() and (DEVICE.startswith("cuda") or os.envi
 
 
 @pytest.mark.skipif(not _TRITON, reason="Triton's decode kernels run on CUDA, or on CPU under TRITON_INTERPRET=1")
-@pytest.mark.parametrize("experts", ["offloaded", "resident", "fp8-slots"])
-def test_a_batch_through_the_triton_kernels_is_bitwise_solo_and_charged_per_sequence(experts):
+@pytest.mark.parametrize("model,experts", [("tiny", "offloaded"), ("tiny", "resident"), ("tiny", "fp8-slots"),
+                                           ("qwen3.5-tiny", "offloaded"), ("qwen3.5-tiny", "resident")])
+def test_a_batch_through_the_triton_kernels_is_bitwise_solo_and_charged_per_sequence(model, experts):
     """Triton's experts and attention, misses on the device: B sequences' tokens go through every layer at once
     (one batched step: ``decode_attn_rows``, ``moe_tokens``), each sequence's logits bitwise its solo steps'
     (decoded alone through the same kernels), whichever cache it sits in. Offloaded (top_k + 1 slots a layer:
@@ -433,18 +434,21 @@ def test_a_batch_through_the_triton_kernels_is_bitwise_solo_and_charged_per_sequ
     charged to the sequences (each expert to the first routed to it: their sum is what the store folds in) and
     a batch mixing host- and device-handled sequences runs the host's layer-outer and the device's whole, in
     list order, bitwise solo too. "fp8-slots": an FP8 bank whose slots keep its float8 values and row scales, each
-    sequence bitwise the solo steps of the same engine with its slots in the compute dtype (dequantized copies)."""
+    sequence bitwise the solo steps of the same engine with its slots in the compute dtype (dequantized copies).
+    The hybrid (qwen3.5-tiny) runs layer-outer: each sequence's attention half as alone, the experts of all
+    their tokens at once."""
     kw = dict(decode_experts="triton", decode_attention="triton")
     if experts == "fp8-slots":
         kw.update(expert_dtype="fp8", slot_dtype="fp8")
     offloaded = experts != "resident"
-    engine = Engine(_config("tiny", "offloaded" if offloaded else "resident", **kw,
+    engine = Engine(_config(model, "offloaded" if offloaded else "resident", **kw,
                             **({"decode_misses": "device"} if offloaded else {})))
-    assert engine.decoder.batched and engine.store.slots is None or engine.store.slots.fp8 == (experts == "fp8-slots")
+    assert engine.decoder.batched == (model == "tiny") and engine.decoder.rows_batched == (model != "tiny")
+    assert engine.store.slots is None or engine.store.slots.fp8 == (experts == "fp8-slots")
     prompts = _prompts(engine, seed=8)
     steps = TOKENS - 1
     reference = engine if experts != "fp8-slots" else Engine(
-        _config("tiny", "offloaded", **{**kw, "slot_dtype": "model"}, decode_misses="device"))
+        _config(model, "offloaded", **{**kw, "slot_dtype": "model"}, decode_misses="device"))
     solo = [_solo_logits(reference, p, steps) for p in prompts]
     store, decoder = engine.store, engine.decoder
     order = [2, 0, 1]  # prompt i decodes in cache order[i]

@@ -85,7 +85,14 @@ Contract:
     one, so a sequence's bits are the same alone and in any batch. The device's lookups of a batched step are
     charged per token (each expert to the first token routed to it; ``settle``). Items whose host handles their
     misses still run layer-outer, a one-token step each (they share the routing read and the union's copies).
-    The Qwen3.5/3.6 hybrid and Qwen4-Exp decode a token per sequence (their mixers' states are per cache).
+  * **Batched experts, layer-outer** (``self.rows_batched``: Triton's experts without the batched attention half,
+    i.e. the Qwen3.5/3.6 hybrid, whose DeltaNet states and attention are per cache): such a run goes layer by
+    layer with no host sync (``_rows_run``): each item's attention half exactly as in its solo step (its
+    cache's graph of that piece, per (cache, layer, kv_len)), its outputs into its cache's rows, then one piece
+    for the layer's experts of all the items' tokens at once (``moe_tokens`` over the rows the batch's cache
+    indices pick, read on the device: one graph per (layer, batch size, way)), then each item's head. So each
+    item's bits are its solo step's, each expert is read once for the batch, and the launches are L x (B + 1)
+    graphs a step instead of B. Qwen4-Exp decodes a token per sequence (its experts are torch's).
 - Decode kernels (``EngineConfig.decode_experts`` / ``decode_attention``; default "auto": "triton" on CUDA for
   a model whose decode they serve (``Model.triton_decode``: Qwen3-MoE and the Qwen3.5/3.6 hybrid) at a head
   dimension they take, with Triton installed; otherwise "grouped" / "torch"). ``self.kernels`` names what runs.
@@ -204,6 +211,24 @@ class _BatchBuffers:
         self.token_counts = torch.zeros(decode_kernels.next_pow2(n), 2, dtype=torch.long, device=dev)
 
 
+class _RowBuffers:
+    """The layer-outer batched step's rows (``Decoder._rows_run``): every cache's layer inputs x[l] [C, W], and the
+    attention half's outputs of the layer being stepped (x after the mixer [C, W], h [C, H], router weights and
+    expert ids [C, k]), row c for cache c; the batch's cache indices on the device (staged), each token's hits
+    and misses."""
+
+    def __init__(self, model: Model, n: int, n_layers: int, k: int):
+        cfg, dev = model.cfg, model.device
+        self.x = [torch.zeros(n, cfg.stream_width, dtype=model.dtype, device=dev) for _ in range(n_layers + 1)]
+        self.mid = torch.zeros(n, cfg.stream_width, dtype=model.dtype, device=dev)
+        self.h = torch.zeros(n, cfg.hidden_size, dtype=model.dtype, device=dev)
+        self.top_w = torch.zeros(n, k, dtype=model.dtype, device=dev)
+        self.top_ids = torch.zeros(n, k, dtype=torch.long, device=dev)
+        self.index = torch.zeros(n, dtype=torch.long, device=dev)
+        self.stage = torch.zeros(n, dtype=torch.long, pin_memory=dev.type == "cuda")
+        self.token_counts = torch.zeros(decode_kernels.next_pow2(n), 2, dtype=torch.long, device=dev)
+
+
 class Decoder:
     """Static buffers and the step functions of decode; see the module docstring."""
 
@@ -255,7 +280,13 @@ class Decoder:
                         and len(self.caches) > 1 and self.caches[0].pool_k is not None
                         and all(c.pool_k is self.caches[0].pool_k and c.index == i for i, c in enumerate(self.caches)))
         self.batch = _BatchBuffers(model, len(self.caches)) if self.batched else None
-        self.batch_graphs = (GraphCache(dev) if self.batched and self.graphs is not None else None)
+        # other models with Triton's experts (the Qwen3.5/3.6 hybrid): layer-outer, each sequence's attention
+        # half as alone, then the experts of all their tokens at once (``_rows_run``)
+        self.rows_batched = experts == "triton" and not self.batched and len(self.caches) > 1
+        self.rows = (_RowBuffers(model, len(self.caches), cfg.num_hidden_layers, cfg.num_experts_per_tok)
+                     if self.rows_batched else None)
+        self.batch_graphs = (GraphCache(dev) if (self.batched or self.rows_batched) and self.graphs is not None
+                             else None)
         self._batch_counts: list[tuple[torch.Tensor, list[tuple[DecodeResult, int]]]] = []
         self.steps = {"whole": 0, "per_layer": 0, "batched": 0}  # (batched: runs of several items, each "whole")
         self.syncs = 0  # host reads of device results: the routing of a per-layer layer, the counts' snapshots
@@ -405,14 +436,16 @@ class Decoder:
                 for misses in ways:
                     for _ in range(2):
                         self.step(token_id, kv_len - 1, misses=misses, cache=cache)
-        if self.batched:  # the batched step's graph of every batch size (any positions: one graph serves all)
+        if self.batched or self.rows_batched:  # every batched step's graphs: each batch size (and for the
+            # layer-outer one, each cache's attention half at each bucket)
             for misses in ways:
                 if misses == "host" and not self._no_misses(False):
                     continue  # (host-handled misses run layer-outer, per item: the graphs above)
                 for n in range(2, len(self.caches) + 1):
-                    for _ in range(2):
-                        self.step_batch([DecodeItem(token_id, buckets[0] - 1, c, misses=misses) for c in range(n)],
-                                        attribute=False)
+                    for kv_len in buckets if self.rows_batched and n == len(self.caches) else buckets[:1]:
+                        for _ in range(2):
+                            self.step_batch([DecodeItem(token_id, kv_len - 1, c, misses=misses) for c in range(n)],
+                                            attribute=False)
         return buckets
 
     # -- a step ----------------------------------------------------------------------------------------
@@ -456,11 +489,13 @@ class Decoder:
                 i = todo[0]
                 if self._no_misses(on_device[i]):
                     n = 1  # the items after it that run whole the same way join it in one batched step
-                    while (self.batched and n < len(todo) and on_device[todo[n]] == on_device[i]
+                    while ((self.batched or self.rows_batched) and n < len(todo) and on_device[todo[n]] == on_device[i]
                            and self._no_misses(on_device[todo[n]])):
                         n += 1
-                    if n > 1:
+                    if n > 1 and self.batched:
                         self._batch_run(todo[:n], items, results, on_device[i], attribute)
+                    elif n > 1:
+                        self._rows_run(todo[:n], items, results, on_device[i], attribute)
                     else:
                         self._whole_item(i, items[i], results[i], on_device[i], attribute)
                     todo = todo[n:]
@@ -586,6 +621,96 @@ class Decoder:
         for row, i in enumerate(live):
             results[i].way = "whole"
             results[i].logits = bb.logits[row]
+
+    def _rows_attn(self, c: int, layer: int, kv_len: int) -> None:
+        """Cache ``c``'s attention half of ``layer`` (``decode_attn_block``, as its solo step runs it), from its row
+        of the layer's inputs into its rows of the attention half's outputs."""
+        rows, b = self.rows, self.bufs[c]
+        x, h, top_w, top_ids = self.model.decode_attn_block(layer, rows.x[layer][c:c + 1], self.caches[c], b.pos,
+                                                            kv_len)
+        rows.mid[c:c + 1].copy_(x)
+        rows.h[c:c + 1].copy_(h)
+        rows.top_w[c:c + 1].copy_(top_w)
+        rows.top_ids[c:c + 1].copy_(top_ids)
+
+    def _rows_moe(self, layer: int, n: int, on_device: bool) -> None:
+        """The experts of ``layer`` for the batch's ``n`` caches (``rows.index``) at once, into their rows of the
+        next layer's inputs."""
+        rows, table = self.rows, (self.table if on_device else None)
+        idx = rows.index[:n]
+        gate_up, down = self.store.decode_weights(layer)
+        scales = self.store.decode_slot_scales(layer)
+        x, h = rows.mid.index_select(0, idx), rows.h.index_select(0, idx)
+        top_w, top_ids = rows.top_w.index_select(0, idx), rows.top_ids.index_select(0, idx)
+        if table is None:
+            out = self.moe(x, h, top_w, top_ids, gate_up, down, slot_scales=scales)  # [B, H]
+        else:
+            if layer == 0:  # (a step's one tick of the table, as a whole step's)
+                table.tick.add_(1)
+                rows.token_counts.zero_()
+            out = self.moe(x, h, top_w, top_ids, gate_up, down, lookup=table.layer(layer),
+                           host=self.store.decode_host(layer), token_counts=rows.token_counts, slot_scales=scales)
+        rows.x[layer + 1].index_copy_(0, idx, out)
+
+    def _rows_run(self, run: list[int], items: Sequence[DecodeItem], results: list[DecodeResult],
+                  on_device: bool, attribute: bool) -> None:
+        """The items ``run`` (each runs whole, the same way), layer-outer with no host sync: per layer each item's
+        attention half as in its solo step (its cache's graph of that piece), then the experts of all their
+        tokens at once (``moe_tokens``: each expert read once for the batch, the slot table looked up once per
+        layer for the batch's experts; one graph per (layer, batch size, way)), then each item's head. Each
+        item's bits are its solo step's. An exception is the batch's: every item of the run gets it."""
+        rows, table = self.rows, self.table
+        live = []
+        for i in run:
+            try:
+                check_cancel(items[i].cancel)
+                self._prepare(items[i])
+                live.append(i)
+            except Exception as exc:  # noqa: BLE001 - this item's step ends; the others go on
+                results[i].error = exc
+        if len(live) < 2:
+            for i in live:
+                self._whole_item(i, items[i], results[i], on_device, attribute)
+            return
+        n = len(live)
+        caches = [items[i].cache for i in live]
+        kv = [kv_len_for(items[i].pos, self.caches[c].max_context) for i, c in zip(live, caches)]
+        for row, c in enumerate(caches):
+            rows.stage[row] = c
+        try:
+            rows.index[:n].copy_(rows.stage[:n], non_blocking=True)
+            if on_device:
+                self.store.slots.sync_device()
+            self.steps["batched"] += 1
+            self.steps["whole"] += n
+            try:
+                for c in caches:
+                    self._run(c, ("embed_rows", c), lambda c=c: rows.x[0][c:c + 1].copy_(
+                        self.model.embed(self.bufs[c].token)))
+                for layer in range(self.n_layers):
+                    for c, k in zip(caches, kv):
+                        self._run(c, ("attn_rows", c, layer, k), lambda c=c, k=k: self._rows_attn(c, layer, k))
+                    piece = lambda: self._rows_moe(layer, n, on_device)  # noqa: E731
+                    if self.batch_graphs is None:
+                        piece()
+                    else:
+                        self.batch_graphs.run(("moe_rows", layer, n, on_device), piece)
+                for c in caches:
+                    self._run(c, ("head_rows", c), lambda c=c: self.bufs[c].logits.copy_(
+                        self.model.decode_logits(rows.x[self.n_layers][c:c + 1])[0]))
+            finally:
+                if on_device:
+                    table.ahead = table.uncounted = True
+            counts = rows.token_counts[:n].clone() if on_device and attribute else None
+        except Exception as exc:  # noqa: BLE001 - no one item's
+            for i in live:
+                results[i].error = exc
+            return
+        if counts is not None:
+            self._batch_counts.append((counts, [(results[i], row) for row, i in enumerate(live)]))
+        for i in live:
+            results[i].way = "whole"
+            results[i].logits = self.bufs[items[i].cache].logits
 
     def _per_layer(self, run: list[int], items: Sequence[DecodeItem], results: list[DecodeResult]) -> None:
         """The items ``run`` (their hosts handle their misses), layer-outer: per layer every item's attention half,
