@@ -276,8 +276,7 @@ def throughput_ratios(record: RunRecord, against: str | None = None) -> pd.DataF
     """Per (arm, level, round): output_tok_s(arm) / output_tok_s(``against``, default the reference arm) at the
     same level and round. Columns: arm, level, round, value."""
     ref = against or reference_arm(record)
-    slos = load_slos(record)
-    figures = {(lv.arm, lv.label, lv.round): round_figures(lv, slos)["output_tok_s"] for lv in load_levels(record)}
+    figures = _output_tok_s(record, load_levels(record))
     rows = []
     for (arm, label, rnd), v in figures.items():
         base = figures.get((ref, label, rnd))
@@ -287,17 +286,22 @@ def throughput_ratios(record: RunRecord, against: str | None = None) -> pd.DataF
     return pd.DataFrame(rows, columns=["arm", "level", "round", "value"])
 
 
+def _output_tok_s(record: RunRecord, levels: list[LoadLevel]) -> dict[tuple[str, str, int], float | None]:
+    """(arm, level label, round) -> that level's output tokens/s over its throughput window."""
+    slos = load_slos(record)
+    return {(lv.arm, lv.label, lv.round): round_figures(lv, slos)["output_tok_s"] for lv in levels}
+
+
 def throughput_scalings(record: RunRecord) -> pd.DataFrame:
     """Per (arm, level, round) past the run's first level: output_tok_s(arm, level) / output_tok_s(arm, first
     level) in the same round (the first level: its lightest load, the fewest in flight, else the lowest rate;
     c=1 where it is one). Columns: arm, level, round, value."""
-    slos = load_slos(record)
-    levels = list(load_levels(record))
+    levels = load_levels(record)
     if not levels:
         return pd.DataFrame(columns=["arm", "level", "round", "value"])
     # the lightest load: the fewest in flight, else the lowest rate (inf last)
     first = min(levels, key=lambda lv: (lv.kind != "concurrency", float(lv.value))).label
-    figures = {(lv.arm, lv.label, lv.round): round_figures(lv, slos)["output_tok_s"] for lv in levels}
+    figures = _output_tok_s(record, levels)
     rows = []
     for (arm, label, rnd), v in figures.items():
         base = figures.get((arm, first, rnd))

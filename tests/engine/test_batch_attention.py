@@ -57,9 +57,9 @@ def test_split_plans_cover_the_bucket_in_whole_blocks_and_the_largest_bucket_has
 
 @pytest.mark.skipif(not ba.have_triton(), reason="attention_split_kv needs Triton (its launches are recorded here)")
 @pytest.mark.parametrize("block_l,max_splits", [(64, 64), (16, 8), (32, 16)])
-def test_split_plan_is_what_attention_split_kv_launches(block_l, max_splits, monkeypatch):
-    """The grid and SPLIT attention_split_kv launches its kernels with, for lengths the blocks do and do not
-    divide (its launches recorded instead of run: no kernel runs here)."""
+def test_attention_split_kv_is_a_row_of_attention_rows_at_its_buckets_plan(block_l, max_splits, monkeypatch):
+    """The one-token kernel is attention_rows for one token with the bucket's split_plan, for lengths the blocks
+    do and do not divide (its launches recorded instead of run: no kernel runs here)."""
     launches = []
 
     class Recorder:
@@ -67,17 +67,19 @@ def test_split_plan_is_what_attention_split_kv_launches(block_l, max_splits, mon
             self.name = name
 
         def __getitem__(self, grid):
-            return lambda *args, **kw: launches.append((self.name, grid, kw))
+            return lambda *args, **kw: launches.append((self.name, grid, args, kw))
 
-    monkeypatch.setattr(dk, "_attn_split", Recorder("split"))
-    monkeypatch.setattr(dk, "_attn_combine", Recorder("combine"))
+    monkeypatch.setattr(ba, "_attn_rows_split", Recorder("split"))
+    monkeypatch.setattr(ba, "_attn_rows_combine", Recorder("combine"))
     for length in (1, 15, 16, 17, 64, 100, 300, 1024, 1500, 4096, 5000, 32768, 131072):
         launches.clear()
         keys = torch.zeros(1, length, 16)
         dk.attention_split_kv(torch.zeros(1, 1, 16), keys, keys, torch.zeros(1, dtype=torch.long), 0.25,
                               block_l=block_l, max_splits=max_splits)
-        (_, grid, kw), _ = launches
-        assert (grid[1], kw["SPLIT"]) == (kw["NSPLITS"], kw["SPLIT"]) == ba.split_plan(length, block_l, max_splits)
+        (_, grid, args, kw), (_, cgrid, cargs, _) = launches
+        plan = ba.split_plan(length, block_l, max_splits)
+        assert grid == (1, plan[0], 1) and kw["MAX_SPLIT"] == plan[1] and kw["BLOCK_L"] == block_l
+        assert args[5].tolist() == [list(plan)]  # the plan the kernels read on the device
 
 
 # -- linear_rows ---------------------------------------------------------------------------------------------------

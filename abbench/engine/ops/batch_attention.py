@@ -13,17 +13,16 @@ B = 1). Deterministic (no atomics). Needs Triton (CUDA; on CPU only under ``TRIT
   output rows a program, float32 accumulation over K in BLOCK_K blocks in K order (``_gate_up_act``'s sum),
   rounded once to x's dtype. A program per (token, row block), the token on program axis 0, so that the B
   programs of a row block run side by side and the weight tile the first reads is in L2 for the others.
-- ``qk_norm_rope_store_rows(q, k, v, ...)``: ``kernels.qk_norm_rope_store`` per token (its kernel's arithmetic,
-  verbatim: per token the same bits), each token at its own position writing into its own cache of the pooled
-  cache [C, Hkv, S, D] (a layer's caches in one tensor: cache c's layer is ``pool[c]``).
+- ``qk_norm_rope_store_rows(q, k, v, ...)``: per token the q/k norms, RoPE and K/V cache write of one decode
+  token (``kernels.qk_norm_rope_store`` is its one-token case), each token at its own position writing into its
+  own cache of the pooled cache [C, Hkv, S, D] (a layer's caches in one tensor: cache c's layer is ``pool[c]``).
 - ``attention_rows(q, keys, values, pos, cache_idx, plan, ...)``: flash-decoding per token over its own cache up
   to its own position. Token b cuts its keys into the ranges of its own split plan (``split_plan`` of its KV
-  bucket ``kv_len_for(pos, max_context)``: what ``kernels.attention_split_kv`` uses at that bucket), one program
-  per (KV head, range, token) runs ``_attn_split``'s online softmax over the range (``tl.dot`` with IEEE float32
-  products, float32 statistics, blocks past pos read nothing); a second kernel combines a head's ranges by
-  summing them sequentially in range order (float32, the division correctly rounded), so the result depends on
-  neither the grid's ``max_splits`` nor the other tokens. Not bitwise equal to ``attention_split_kv`` (whose
-  combine is a ``tl.sum`` over its ranges: another order); the decode_gqa contract, as it is.
+  bucket ``kv_len_for(pos, max_context)``), one program per (KV head, range, token) runs an online softmax
+  over the range (``tl.dot`` with IEEE float32 products, float32 statistics, blocks past pos read nothing); a
+  second kernel combines a head's ranges by summing them sequentially in range order (float32, the division
+  correctly rounded), so the result depends on neither the grid's ``max_splits`` nor the other tokens.
+  ``kernels.attention_split_kv`` is its one-token case; the decode_gqa contract, as it is.
 
 A token's split plan depends on its bucket only, so its bits depend on (q, cache contents up to pos, bucket);
 the caller's ``max_split`` (the largest split any bucket uses: ``split_plan(max_context)[1]``, since the split
@@ -55,8 +54,7 @@ def have_triton() -> bool:
 
 
 def split_plan(kv_len: int, block_l: int = 64, max_splits: int = 64) -> tuple[int, int]:
-    """(nsplits, split) of a decode step over a KV bucket of ``kv_len`` positions, as ``attention_split_kv``
-    derives them from its length: nsplits = min(max_splits, next_pow2(ceil(L / block_l))) ranges of split
+    """(nsplits, split) of a decode step over a KV bucket of ``kv_len`` positions: nsplits = min(max_splits, next_pow2(ceil(L / block_l))) ranges of split
     positions each, split = ceil(L / nsplits) rounded up to whole blocks (nsplits * split >= L)."""
     if kv_len < 1 or block_l < 1 or max_splits < 1:
         raise ValueError("split_plan: a positive length, block and split count")
@@ -99,7 +97,7 @@ if triton is not None:
         pid = tl.program_id(0)  # query heads, then KV heads
         b = tl.program_id(1)  # token
         d = tl.arange(0, D)
-        # from here on kernels._qk_norm_rope_store's arithmetic, verbatim (its bits), at this token's rows
+        # the roundings of Model.decode_attention's torch ops, at this token's rows
         partner = (d + D // 2) % D  # rotate_half's source index, negated in the first half
         sign = tl.where(d < D // 2, -1.0, 1.0)
         dt = qout_ptr.dtype.element_ty
@@ -149,7 +147,7 @@ if triton is not None:
             gmask = g < G
             q = tl.load(q_ptr + ((b * HKV + hk) * G + g)[:, None] * D + d[None, :], mask=gmask[:, None],
                         other=0.0)  # [GP, D] the KV head's query heads
-            # _attn_split's online softmax over [start, start + split), positions after pos unread
+            # the online softmax over [start, start + split), positions after pos unread
             m = tl.full([GP], float("-inf"), dtype=tl.float32)
             lsum = tl.zeros([GP], dtype=tl.float32)
             acc = tl.zeros([GP, D], dtype=tl.float32)
@@ -237,11 +235,11 @@ def qk_norm_rope_store_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q
                             k_norm: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor,
                             cache_idx: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor,
                             eps: float) -> torch.Tensor:
-    """``kernels.qk_norm_rope_store`` for B tokens in one kernel (grid (Hq + Hkv, B)): q [B, Hq*D], k and v
+    """The q/k norms, RoPE and cache writes of B decode tokens in one kernel (grid (Hq + Hkv, B)): q [B, Hq*D], k and v
     [B, Hkv*D] (the projections), the norms' weights [D], the rope tables [S, D], pos and cache_idx int64 [B] on
     the device, the layer's pooled caches [C, Hkv, S, D] x2 -> q [B, Hq, D]; token b's K and V are written at
-    (cache_idx[b], :, pos[b]). Per token the bits of ``qk_norm_rope_store`` on ``pool[cache_idx[b]]``. The
-    tokens' (cache, position) pairs must differ (one token a sequence a step)."""
+    (cache_idx[b], :, pos[b]). Per token the bits of the call for it alone. The tokens' (cache, position) pairs
+    must differ (one token a sequence a step)."""
     _need_triton("qk_norm_rope_store_rows")
     _, hkv, _, d = cache_k.shape
     B = q.shape[0]
@@ -291,8 +289,7 @@ def attention_rows(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, po
     (pos, cache_idx int64 [B] on the device) in the ranges of its plan[b] = (nsplits, split) (int32 [B, 2] on
     the device, ``split_plan`` of its bucket with this ``block_l`` and at most this ``max_splits``; split <=
     ``max_split``, a multiple of block_l: ``split_plan(max_context, block_l, max_splits)[1]``) -> [B, Hq, D] in
-    q's dtype. Token b's bits are those of the call for it alone (B = 1) whatever the other tokens; not those of
-    ``attention_split_kv`` (another combine order). A plan past ``max_split`` or ``max_splits`` would lose keys:
+    q's dtype. Token b's bits are those of the call for it alone (B = 1) whatever the other tokens. A plan past ``max_split`` or ``max_splits`` would lose keys:
     it is the caller's (``split_plans`` builds them). Scratch: float32 [B, Hkv, max_splits, G, D] and two
     [B, Hkv, max_splits, G] a call (B = 8, Hkv = 4, 64 ranges, G = 8, D = 128: 8 MiB)."""
     _need_triton("attention_rows")

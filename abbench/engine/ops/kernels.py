@@ -273,58 +273,6 @@ if triton is not None:
 
 if triton is not None:
     @triton.jit
-    def _attn_split(q_ptr, k_ptr, v_ptr, pos_ptr, m_ptr, l_ptr, acc_ptr, stride_kh, stride_kl, scale,
-                    G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, SPLIT: tl.constexpr,
-                    BLOCK_L: tl.constexpr, NSPLITS: tl.constexpr):
-        hk = tl.program_id(0)
-        sp = tl.program_id(1)
-        n = tl.load(pos_ptr).to(tl.int32) + 1  # keys [0, n) are visible
-        g = tl.arange(0, GP)
-        d = tl.arange(0, D)
-        gmask = g < G
-        q = tl.load(q_ptr + (hk * G + g)[:, None] * D + d[None, :], mask=gmask[:, None], other=0.0)  # [GP, D]
-        m = tl.full([GP], float("-inf"), dtype=tl.float32)
-        lsum = tl.zeros([GP], dtype=tl.float32)
-        acc = tl.zeros([GP, D], dtype=tl.float32)
-        start = sp * SPLIT
-        for l0 in range(0, SPLIT, BLOCK_L):
-            if start + l0 < n:  # blocks past pos do no work and read nothing
-                offs = start + l0 + tl.arange(0, BLOCK_L)
-                valid = offs < n
-                kv_off = hk * stride_kh + offs[:, None] * stride_kl + d[None, :]
-                k = tl.load(k_ptr + kv_off, mask=valid[:, None], other=0.0)  # [BLOCK_L, D]
-                s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [GP, BLOCK_L] float32; no TF32
-                s = tl.where(valid[None, :], s, float("-inf"))
-                m_new = tl.maximum(m, tl.max(s, axis=1))
-                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-                p = tl.exp(s - m_safe[:, None])
-                alpha = tl.exp(m - m_safe)
-                v = tl.load(v_ptr + kv_off, mask=valid[:, None], other=0.0)  # [BLOCK_L, D]
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-                lsum = lsum * alpha + tl.sum(p, axis=1)
-                m = m_new
-        base = hk * NSPLITS + sp
-        tl.store(m_ptr + base * GP + g, m)
-        tl.store(l_ptr + base * GP + g, lsum)
-        tl.store(acc_ptr + (base * GP + g)[:, None] * D + d[None, :], acc)
-
-    @triton.jit
-    def _attn_combine(m_ptr, l_ptr, acc_ptr, out_ptr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
-                      NSPLITS: tl.constexpr):
-        hk = tl.program_id(0)
-        g = tl.program_id(1)  # one query head of the KV head's group
-        sp = tl.arange(0, NSPLITS)
-        d = tl.arange(0, D)
-        row = (hk * NSPLITS + sp) * GP + g  # [NSPLITS] this head's statistics in every range
-        m = tl.load(m_ptr + row)
-        lsum = tl.load(l_ptr + row)
-        big = tl.max(m, axis=0)
-        w = tl.where(m == float("-inf"), 0.0, tl.exp(m - big))  # [NSPLITS]; ranges past pos weigh nothing
-        a = tl.load(acc_ptr + row[:, None] * D + d[None, :])  # [NSPLITS, D]
-        out = tl.sum(w[:, None] * a, axis=0) / tl.sum(w * lsum, axis=0)  # [D]
-        tl.store(out_ptr + (hk * G + g) * D + d, out.to(out_ptr.dtype.element_ty))
-
-    @triton.jit
     def _rms_norm(x_ptr, a_ptr, w_ptr, sum_ptr, out_ptr, eps, N: tl.constexpr, BLOCK: tl.constexpr,
                   ADD: tl.constexpr, PLUS_ONE: tl.constexpr):
         row = tl.program_id(0)
@@ -343,38 +291,6 @@ if triton is not None:
         else:  # x / rms in the model dtype, times w (model.rms_norm's roundings)
             y = (w * (xf * r).to(dt).to(tl.float32)).to(dt)
         tl.store(out_ptr + row * N + c, y, mask=cm)
-
-    @triton.jit
-    def _qk_norm_rope_store(q_ptr, k_ptr, v_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, pos_ptr, kc_ptr, vc_ptr,
-                            qout_ptr, stride_kh, stride_kl, eps, HQ: tl.constexpr, D: tl.constexpr):
-        pid = tl.program_id(0)  # query heads, then KV heads
-        d = tl.arange(0, D)
-        partner = (d + D // 2) % D  # rotate_half's source index, negated in the first half
-        sign = tl.where(d < D // 2, -1.0, 1.0)
-        dt = qout_ptr.dtype.element_ty
-        pos = tl.load(pos_ptr).to(tl.int64)
-        cos = tl.load(cos_ptr + pos * D + d).to(tl.float32)
-        sin = tl.load(sin_ptr + pos * D + d).to(tl.float32)
-        if pid < HQ:
-            src = q_ptr + pid * D
-            wp = qn_ptr
-        else:
-            src = k_ptr + (pid - HQ) * D
-            wp = kn_ptr
-        x = tl.load(src + d).to(tl.float32)
-        xp = tl.load(src + partner).to(tl.float32)
-        r = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
-        n = (tl.load(wp + d).to(tl.float32) * (x * r).to(dt).to(tl.float32)).to(dt).to(tl.float32)
-        n_p = (tl.load(wp + partner).to(tl.float32) * (xp * r).to(dt).to(tl.float32)).to(dt).to(tl.float32)
-        # q * cos + rotate_half(q) * sin, each product and the sum rounded as torch's
-        y = ((n * cos).to(dt).to(tl.float32) + (sign * n_p * sin).to(dt).to(tl.float32)).to(dt)
-        if pid < HQ:
-            tl.store(qout_ptr + pid * D + d, y)
-        else:
-            hk = pid - HQ
-            at = hk * stride_kh + pos * stride_kl + d
-            tl.store(kc_ptr + at, y)
-            tl.store(vc_ptr + at, tl.load(v_ptr + hk * D + d))
 
     @triton.jit
     def _route_topk(logits_ptr, bias_ptr, w_ptr, ids_ptr, slot_of_ptr, expert_of_ptr, stamp_ptr, tick_ptr,
@@ -487,29 +403,33 @@ def attention_split_kv(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
                        block_l: int = 64, max_splits: int = 64) -> torch.Tensor:
     """``model.decode_gqa``'s contract as a flash-decoding kernel (module docstring): q [Hq, 1, D] over keys,
     values [Hkv, L, D] (L: the static bucket; each [Hkv, L, D] view with a contiguous last dimension), the
-    positions after ``pos`` (int64 [1] on the device) masked -> [Hq, 1, D] in q's dtype."""
+    positions after ``pos`` (int64 [1] on the device) masked -> [Hq, 1, D] in q's dtype. The one-token case of
+    ``batch_attention.attention_rows`` (the bucket's ``split_plan``), so the same bits as a batch's row."""
     if triton is None:
         raise RuntimeError("attention_split_kv needs Triton")
+    from abbench.engine.ops import batch_attention as ba  # (it imports this module)
+
     hq, _, d = q.shape
-    hkv, length, _ = keys.shape
     if keys.stride(-1) != 1 or values.stride() != keys.stride() or d & (d - 1) or d < 16:
         raise ValueError("attention_split_kv: K and V with one layout, a contiguous last dimension, and a "
                          "power-of-two head dimension of at least 16")
-    g = hq // hkv
-    gp = max(16, next_pow2(g))  # tl.dot takes at least 16 rows
-    nsplits = min(max_splits, next_pow2(-(-length // block_l)))
-    split = -(-length // nsplits)
-    split = -(-split // block_l) * block_l  # whole blocks
-    f32 = dict(dtype=torch.float32, device=q.device)
-    m = torch.empty(hkv, nsplits, gp, **f32)
-    lsum = torch.empty(hkv, nsplits, gp, **f32)
-    acc = torch.empty(hkv, nsplits, gp, d, **f32)
-    qc = q.reshape(hq, d).contiguous()
-    _attn_split[(hkv, nsplits)](qc, keys, values, pos, m, lsum, acc, keys.stride(0), keys.stride(1), scale,
-                                G=g, GP=gp, D=d, SPLIT=split, BLOCK_L=block_l, NSPLITS=nsplits)
-    out = torch.empty(hq, d, dtype=q.dtype, device=q.device)
-    _attn_combine[(hkv, g)](m, lsum, acc, out, G=g, GP=gp, D=d, NSPLITS=nsplits)
+    nsplits, split = ba.split_plan(keys.shape[1], block_l, max_splits)
+    plan = _device_constant(q.device, (nsplits, split), torch.int32).view(1, 2)
+    out = ba.attention_rows(q.reshape(1, hq, d), keys[None], values[None], pos, _device_constant(q.device, (0,)),
+                            plan, scale, split, block_l=block_l, max_splits=nsplits)
     return out.view(hq, 1, d)
+
+
+_CONSTANTS: dict[tuple, torch.Tensor] = {}
+
+
+def _device_constant(device: torch.device, values: tuple[int, ...], dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """A small constant tensor on ``device``, made once (a CUDA graph captured later reads it where it is)."""
+    key = (str(device), values, dtype)
+    t = _CONSTANTS.get(key)
+    if t is None:
+        t = _CONSTANTS[key] = torch.tensor(values, dtype=dtype, device=device)
+    return t
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
@@ -534,19 +454,16 @@ def qk_norm_rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm
     """One decode token's per-head RMSNorm of q and k, rotary embedding at ``pos`` (int64 [1] on the device)
     and K/V cache write, as one kernel: q [1, Hq*D], k and v [1, Hkv*D] (the projections), the norms' weights
     [D], the rope tables [S, D], the layer's cache [Hkv, S, D] x2 (written at pos) -> q [Hq, 1, D]. The roundings
-    of ``Model.decode_attention``'s torch ops, the norm's sum in another order."""
+    of ``Model.decode_attention``'s torch ops, the norm's sum in another order. The one-token case of
+    ``batch_attention.qk_norm_rope_store_rows``."""
     if triton is None:
         raise RuntimeError("qk_norm_rope_store needs Triton")
+    from abbench.engine.ops import batch_attention as ba  # (it imports this module)
+
     hkv, _, d = cache_k.shape
-    hq = q.shape[-1] // d
-    if (d & (d - 1) or cos.stride() != (d, 1) or sin.stride() != (d, 1) or cache_k.stride(-1) != 1
-            or cache_v.stride() != cache_k.stride()):
-        raise ValueError("qk_norm_rope_store: a power-of-two head dimension, [S, D] rope tables, K and V caches "
-                         "with one layout and a contiguous last dimension")
-    q_out = torch.empty(hq, 1, d, dtype=q.dtype, device=q.device)
-    _qk_norm_rope_store[(hq + hkv,)](q.contiguous(), k.contiguous(), v.contiguous(), q_norm, k_norm, cos, sin, pos,
-                                     cache_k, cache_v, q_out, cache_k.stride(0), cache_k.stride(1), eps, HQ=hq, D=d)
-    return q_out
+    out = ba.qk_norm_rope_store_rows(q.reshape(1, -1), k.reshape(1, -1), v.reshape(1, -1), q_norm, k_norm, cos, sin,
+                                     pos, _device_constant(q.device, (0,)), cache_k[None], cache_v[None], eps)
+    return out.view(-1, 1, d)
 
 
 class SlotLookup(NamedTuple):

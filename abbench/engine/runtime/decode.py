@@ -72,7 +72,7 @@ Contract:
     called after sampling, reads them once, charges each item and folds the counts into the store.
   * **Batched compute** (``self.batched``: Qwen3-MoE with Triton's experts and attention, its caches rows of
     one pool, ``KVCache.pooled``): consecutive items that run whole the same way (resident, a complete slot
-    cache, or misses on the device) run as **one batched step** (``_batch_run``): every layer's attention half
+    cache, or misses on the device) run as **one batched step** (``_together``): every layer's attention half
     over all their tokens at once (``Model.decode_attn_rows``: each projection a GEMV per token, the q/k norms,
     RoPE and cache writes one kernel, split-KV attention per token over its own cache with its own split plan,
     read on the device), then the routed experts of all their tokens (``decode_kernels.moe_tokens``: each
@@ -87,7 +87,7 @@ Contract:
     misses still run layer-outer, a one-token step each (they share the routing read and the union's copies).
   * **Batched experts, layer-outer** (``self.rows_batched``: Triton's experts without the batched attention half,
     i.e. the Qwen3.5/3.6 hybrid, whose DeltaNet states and attention are per cache): such a run goes layer by
-    layer with no host sync (``_rows_run``): each item's attention half exactly as in its solo step (its
+    layer with no host sync (``_rows_step``): each item's attention half exactly as in its solo step (its
     cache's graph of that piece, per (cache, layer, kv_len)), its outputs into its cache's rows, then one piece
     for the layer's experts of all the items' tokens at once (``moe_tokens`` over the rows the batch's cache
     indices pick, read on the device: one graph per (layer, batch size, way)), then each item's head. So each
@@ -195,7 +195,7 @@ class _Buffers:
 
 
 class _BatchBuffers:
-    """A batched step's static buffers (``Decoder._batch_run``), row i for the batch's i-th item: token, position,
+    """A batched step's static buffers (``Decoder._batch_step``), row i for the batch's i-th item: token, position,
     cache index and split plan (filled from pinned staging rows with one copy each), the batch's logits and
     each token's hits and misses in the slot table."""
 
@@ -212,7 +212,7 @@ class _BatchBuffers:
 
 
 class _RowBuffers:
-    """The layer-outer batched step's rows (``Decoder._rows_run``): every cache's layer inputs x[l] [C, W], and the
+    """The layer-outer batched step's rows (``Decoder._rows_step``): every cache's layer inputs x[l] [C, W], and the
     attention half's outputs of the layer being stepped (x after the mixer [C, W], h [C, H], router weights and
     expert ids [C, k]), row c for cache c; the batch's cache indices on the device (staged), each token's hits
     and misses."""
@@ -274,14 +274,14 @@ class Decoder:
         # the device table's hit/miss counts either side of each device-handled item of a batch (``settle``)
         self.counts_at = (torch.zeros(2 * len(self.caches), 2, dtype=torch.long, device=dev)
                           if self.table is not None else None)  # [2C, 2]
-        # B sequences' tokens through each layer at once (``_batch_run``): Qwen3-MoE with Triton's experts and
+        # B sequences' tokens through each layer at once (``_together``): Qwen3-MoE with Triton's experts and
         # attention, its caches rows of one pool
         self.batched = (experts == "triton" and attention == "triton" and model.batched_decode
                         and len(self.caches) > 1 and self.caches[0].pool_k is not None
                         and all(c.pool_k is self.caches[0].pool_k and c.index == i for i, c in enumerate(self.caches)))
         self.batch = _BatchBuffers(model, len(self.caches)) if self.batched else None
         # other models with Triton's experts (the Qwen3.5/3.6 hybrid): layer-outer, each sequence's attention
-        # half as alone, then the experts of all their tokens at once (``_rows_run``)
+        # half as alone, then the experts of all their tokens at once (``_rows_step``)
         self.rows_batched = experts == "triton" and not self.batched and len(self.caches) > 1
         self.rows = (_RowBuffers(model, len(self.caches), cfg.num_hidden_layers, cfg.num_experts_per_tok)
                      if self.rows_batched else None)
@@ -492,10 +492,8 @@ class Decoder:
                     while ((self.batched or self.rows_batched) and n < len(todo) and on_device[todo[n]] == on_device[i]
                            and self._no_misses(on_device[todo[n]])):
                         n += 1
-                    if n > 1 and self.batched:
-                        self._batch_run(todo[:n], items, results, on_device[i], attribute)
-                    elif n > 1:
-                        self._rows_run(todo[:n], items, results, on_device[i], attribute)
+                    if n > 1:
+                        self._together(todo[:n], items, results, on_device[i], attribute)
                     else:
                         self._whole_item(i, items[i], results[i], on_device[i], attribute)
                     todo = todo[n:]
@@ -567,20 +565,19 @@ class Decoder:
                              host=self.store.decode_host(layer), token_counts=bb.token_counts, slot_scales=scales)
         bb.logits[:n].copy_(m.decode_logits(x))
 
-    def _batch_run(self, run: list[int], items: Sequence[DecodeItem], results: list[DecodeResult],
-                   on_device: bool, attribute: bool) -> None:
-        """The items ``run`` (each runs whole, the same way) as one batched step: every layer's attention half,
-        routing and experts over all their tokens at once, each token's bits as its solo step's (the same
-        kernels, compiled for ``max_tokens``), each expert read once for the batch, the slot table looked up once
-        per layer for the batch's experts (``moe_tokens``). One graph per (batch size, way), whatever the
-        positions. An exception is the batch's: every item of the run gets it."""
-        bb, table = self.batch, self.table
+    def _together(self, run: list[int], items: Sequence[DecodeItem], results: list[DecodeResult], on_device: bool,
+                  attribute: bool) -> None:
+        """The items ``run`` (each runs whole, the same way) as one batched step, each item's bits its solo step's:
+        ``_batch_step`` (Qwen3-MoE: every layer over all their tokens at once, one graph per (batch size, way),
+        whatever the positions) or ``_rows_step`` (layer-outer: each item's attention half as alone, then the
+        layer's experts of all their tokens at once). Either way each expert is read once for the batch and the
+        slot table is looked up once per layer for the batch's experts (``moe_tokens``). An exception in the step
+        is the batch's: every item of the run gets it."""
         live = []
         for i in run:
             try:
                 check_cancel(items[i].cancel)
-                it = items[i]
-                self.model.prepare_decode(self.caches[it.cache], it.token_id, it.pos)
+                self._prepare(items[i])
                 live.append(i)
             except Exception as exc:  # noqa: BLE001 - this item's step ends; the others go on
                 results[i].error = exc
@@ -588,30 +585,19 @@ class Decoder:
             for i in live:
                 self._whole_item(i, items[i], results[i], on_device, attribute)
             return
-        n = len(live)
-        for row, i in enumerate(live):
-            it = items[i]
-            bb.stage[0, row], bb.stage[1, row], bb.stage[2, row] = it.token_id, it.pos, it.cache
-            bb.stage_plan[row] = torch.tensor(split_plan(kv_len_for(it.pos, self.caches[it.cache].max_context)),
-                                              dtype=torch.int32)
+        n, table = len(live), self.table
+        bufs = self.batch if self.batched else self.rows
         try:
-            bb.token[:n].copy_(bb.stage[0, :n], non_blocking=True)
-            bb.pos[:n].copy_(bb.stage[1, :n], non_blocking=True)
-            bb.index[:n].copy_(bb.stage[2, :n], non_blocking=True)
-            bb.plan[:n].copy_(bb.stage_plan[:n], non_blocking=True)
             if on_device:
                 self.store.slots.sync_device()
             self.steps["batched"] += 1
             self.steps["whole"] += n
             try:
-                if self.batch_graphs is None:
-                    self._batch_fn(n, on_device)
-                else:
-                    self.batch_graphs.run(("batch", n, on_device), lambda: self._batch_fn(n, on_device))
+                (self._batch_step if self.batched else self._rows_step)([items[i] for i in live], on_device)
             finally:
                 if on_device:
                     table.ahead = table.uncounted = True
-            counts = bb.token_counts[:n].clone() if on_device and attribute else None
+            counts = bufs.token_counts[:n].clone() if on_device and attribute else None
         except Exception as exc:  # noqa: BLE001 - no one item's
             for i in live:
                 results[i].error = exc
@@ -620,7 +606,23 @@ class Decoder:
             self._batch_counts.append((counts, [(results[i], row) for row, i in enumerate(live)]))
         for row, i in enumerate(live):
             results[i].way = "whole"
-            results[i].logits = bb.logits[row]
+            results[i].logits = self.batch.logits[row] if self.batched else self.bufs[items[i].cache].logits
+
+    def _batch_step(self, batch: list[DecodeItem], on_device: bool) -> None:
+        """Stage the batch's tokens, positions, caches and split plans (one copy each), then replay its graph."""
+        bb, n = self.batch, len(batch)
+        for row, it in enumerate(batch):
+            bb.stage[0, row], bb.stage[1, row], bb.stage[2, row] = it.token_id, it.pos, it.cache
+            bb.stage_plan[row] = torch.tensor(split_plan(kv_len_for(it.pos, self.caches[it.cache].max_context)),
+                                              dtype=torch.int32)
+        bb.token[:n].copy_(bb.stage[0, :n], non_blocking=True)
+        bb.pos[:n].copy_(bb.stage[1, :n], non_blocking=True)
+        bb.index[:n].copy_(bb.stage[2, :n], non_blocking=True)
+        bb.plan[:n].copy_(bb.stage_plan[:n], non_blocking=True)
+        if self.batch_graphs is None:
+            self._batch_fn(n, on_device)
+        else:
+            self.batch_graphs.run(("batch", n, on_device), lambda: self._batch_fn(n, on_device))
 
     def _rows_attn(self, c: int, layer: int, kv_len: int) -> None:
         """Cache ``c``'s attention half of ``layer`` (``decode_attn_block``, as its solo step runs it), from its row
@@ -652,65 +654,29 @@ class Decoder:
                            host=self.store.decode_host(layer), token_counts=rows.token_counts, slot_scales=scales)
         rows.x[layer + 1].index_copy_(0, idx, out)
 
-    def _rows_run(self, run: list[int], items: Sequence[DecodeItem], results: list[DecodeResult],
-                  on_device: bool, attribute: bool) -> None:
-        """The items ``run`` (each runs whole, the same way), layer-outer with no host sync: per layer each item's
-        attention half as in its solo step (its cache's graph of that piece), then the experts of all their
-        tokens at once (``moe_tokens``: each expert read once for the batch, the slot table looked up once per
-        layer for the batch's experts; one graph per (layer, batch size, way)), then each item's head. Each
-        item's bits are its solo step's. An exception is the batch's: every item of the run gets it."""
-        rows, table = self.rows, self.table
-        live = []
-        for i in run:
-            try:
-                check_cancel(items[i].cancel)
-                self._prepare(items[i])
-                live.append(i)
-            except Exception as exc:  # noqa: BLE001 - this item's step ends; the others go on
-                results[i].error = exc
-        if len(live) < 2:
-            for i in live:
-                self._whole_item(i, items[i], results[i], on_device, attribute)
-            return
-        n = len(live)
-        caches = [items[i].cache for i in live]
-        kv = [kv_len_for(items[i].pos, self.caches[c].max_context) for i, c in zip(live, caches)]
+    def _rows_step(self, batch: list[DecodeItem], on_device: bool) -> None:
+        """Layer-outer with no host sync: per layer each item's attention half (its cache's graph of that piece),
+        then the experts of all their tokens at once (one graph per (layer, batch size, way)); then each item's
+        head."""
+        rows, n = self.rows, len(batch)
+        caches = [it.cache for it in batch]
+        kv = [kv_len_for(it.pos, self.caches[it.cache].max_context) for it in batch]
         for row, c in enumerate(caches):
             rows.stage[row] = c
-        try:
-            rows.index[:n].copy_(rows.stage[:n], non_blocking=True)
-            if on_device:
-                self.store.slots.sync_device()
-            self.steps["batched"] += 1
-            self.steps["whole"] += n
-            try:
-                for c in caches:
-                    self._run(c, ("embed_rows", c), lambda c=c: rows.x[0][c:c + 1].copy_(
-                        self.model.embed(self.bufs[c].token)))
-                for layer in range(self.n_layers):
-                    for c, k in zip(caches, kv):
-                        self._run(c, ("attn_rows", c, layer, k), lambda c=c, k=k: self._rows_attn(c, layer, k))
-                    piece = lambda: self._rows_moe(layer, n, on_device)  # noqa: E731
-                    if self.batch_graphs is None:
-                        piece()
-                    else:
-                        self.batch_graphs.run(("moe_rows", layer, n, on_device), piece)
-                for c in caches:
-                    self._run(c, ("head_rows", c), lambda c=c: self.bufs[c].logits.copy_(
-                        self.model.decode_logits(rows.x[self.n_layers][c:c + 1])[0]))
-            finally:
-                if on_device:
-                    table.ahead = table.uncounted = True
-            counts = rows.token_counts[:n].clone() if on_device and attribute else None
-        except Exception as exc:  # noqa: BLE001 - no one item's
-            for i in live:
-                results[i].error = exc
-            return
-        if counts is not None:
-            self._batch_counts.append((counts, [(results[i], row) for row, i in enumerate(live)]))
-        for i in live:
-            results[i].way = "whole"
-            results[i].logits = self.bufs[items[i].cache].logits
+        rows.index[:n].copy_(rows.stage[:n], non_blocking=True)
+        for c in caches:
+            self._run(c, ("embed_rows", c), lambda c=c: rows.x[0][c:c + 1].copy_(self.model.embed(self.bufs[c].token)))
+        for layer in range(self.n_layers):
+            for c, k in zip(caches, kv):
+                self._run(c, ("attn_rows", c, layer, k), lambda c=c, k=k: self._rows_attn(c, layer, k))
+            piece = lambda: self._rows_moe(layer, n, on_device)  # noqa: E731
+            if self.batch_graphs is None:
+                piece()
+            else:
+                self.batch_graphs.run(("moe_rows", layer, n, on_device), piece)
+        for c in caches:
+            self._run(c, ("head_rows", c), lambda c=c: self.bufs[c].logits.copy_(
+                self.model.decode_logits(rows.x[self.n_layers][c:c + 1])[0]))
 
     def _per_layer(self, run: list[int], items: Sequence[DecodeItem], results: list[DecodeResult]) -> None:
         """The items ``run`` (their hosts handle their misses), layer-outer: per layer every item's attention half,
