@@ -38,7 +38,6 @@ from typing import Sequence
 
 import torch
 
-from abbench.engine.ops.kernels import next_pow2
 
 try:  # optional: CUDA builds of torch ship Triton; the CPU build does not
     import triton
@@ -51,6 +50,10 @@ MAX_GRID_Y = 65535  # CUDA's limit on a grid's second and third dimensions
 
 def have_triton() -> bool:
     return triton is not None
+
+
+def next_pow2(x: int) -> int:
+    return 1 << max(0, (int(x) - 1).bit_length())
 
 
 def split_plan(kv_len: int, block_l: int = 64, max_splits: int = 64) -> tuple[int, int]:

@@ -46,6 +46,8 @@ from typing import NamedTuple
 
 import torch
 
+from abbench.engine.ops.batch_attention import attention_rows, next_pow2, qk_norm_rope_store_rows, split_plan
+
 try:  # optional: CUDA builds of torch ship Triton; the CPU build does not
     import triton
     import triton.language as tl
@@ -395,10 +397,6 @@ def attention_applies(head_dim: int) -> bool:
     return head_dim >= 16 and head_dim & (head_dim - 1) == 0
 
 
-def next_pow2(x: int) -> int:
-    return 1 << max(0, (int(x) - 1).bit_length())
-
-
 def attention_split_kv(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos: torch.Tensor, scale: float,
                        block_l: int = 64, max_splits: int = 64) -> torch.Tensor:
     """``model.decode_gqa``'s contract as a flash-decoding kernel (module docstring): q [Hq, 1, D] over keys,
@@ -407,15 +405,13 @@ def attention_split_kv(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
     ``batch_attention.attention_rows`` (the bucket's ``split_plan``), so the same bits as a batch's row."""
     if triton is None:
         raise RuntimeError("attention_split_kv needs Triton")
-    from abbench.engine.ops import batch_attention as ba  # (it imports this module)
-
     hq, _, d = q.shape
     if keys.stride(-1) != 1 or values.stride() != keys.stride() or d & (d - 1) or d < 16:
         raise ValueError("attention_split_kv: K and V with one layout, a contiguous last dimension, and a "
                          "power-of-two head dimension of at least 16")
-    nsplits, split = ba.split_plan(keys.shape[1], block_l, max_splits)
+    nsplits, split = split_plan(keys.shape[1], block_l, max_splits)
     plan = _device_constant(q.device, (nsplits, split), torch.int32).view(1, 2)
-    out = ba.attention_rows(q.reshape(1, hq, d), keys[None], values[None], pos, _device_constant(q.device, (0,)),
+    out = attention_rows(q.reshape(1, hq, d), keys[None], values[None], pos, _device_constant(q.device, (0,)),
                             plan, scale, split, block_l=block_l, max_splits=nsplits)
     return out.view(hq, 1, d)
 
@@ -458,10 +454,8 @@ def qk_norm_rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm
     ``batch_attention.qk_norm_rope_store_rows``."""
     if triton is None:
         raise RuntimeError("qk_norm_rope_store needs Triton")
-    from abbench.engine.ops import batch_attention as ba  # (it imports this module)
-
     hkv, _, d = cache_k.shape
-    out = ba.qk_norm_rope_store_rows(q.reshape(1, -1), k.reshape(1, -1), v.reshape(1, -1), q_norm, k_norm, cos, sin,
+    out = qk_norm_rope_store_rows(q.reshape(1, -1), k.reshape(1, -1), v.reshape(1, -1), q_norm, k_norm, cos, sin,
                                      pos, _device_constant(q.device, (0,)), cache_k[None], cache_v[None], eps)
     return out.view(-1, 1, d)
 
