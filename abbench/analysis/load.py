@@ -276,20 +276,26 @@ def throughput_ratios(record: RunRecord, against: str | None = None) -> pd.DataF
     """Per (arm, level, round): output_tok_s(arm) / output_tok_s(``against``, default the reference arm) at the
     same level and round. Columns: arm, level, round, value."""
     ref = against or reference_arm(record)
-    figures = _output_tok_s(record, load_levels(record))
-    rows = []
-    for (arm, label, rnd), v in figures.items():
-        base = figures.get((ref, label, rnd))
-        if arm == ref or v is None or not base:
-            continue
-        rows.append({"arm": arm, "level": label, "round": rnd, "value": v / base})
-    return pd.DataFrame(rows, columns=["arm", "level", "round", "value"])
+    return _over(_output_tok_s(record, load_levels(record)), lambda arm, label, rnd: (ref, label, rnd))
 
 
 def _output_tok_s(record: RunRecord, levels: list[LoadLevel]) -> dict[tuple[str, str, int], float | None]:
     """(arm, level label, round) -> that level's output tokens/s over its throughput window."""
     slos = load_slos(record)
     return {(lv.arm, lv.label, lv.round): round_figures(lv, slos)["output_tok_s"] for lv in levels}
+
+
+def _over(figures: dict[tuple[str, str, int], float | None], base_of) -> pd.DataFrame:
+    """Each figure over its base's (``base_of(arm, label, round)``, a key of ``figures``), where both are known and
+    the cell is not its own base. Columns: arm, level, round, value."""
+    rows = []
+    for key, v in figures.items():
+        base_key = base_of(*key)
+        base = figures.get(base_key)
+        if key == base_key or v is None or not base:
+            continue
+        rows.append({"arm": key[0], "level": key[1], "round": key[2], "value": v / base})
+    return pd.DataFrame(rows, columns=["arm", "level", "round", "value"])
 
 
 def throughput_scalings(record: RunRecord) -> pd.DataFrame:
@@ -301,14 +307,7 @@ def throughput_scalings(record: RunRecord) -> pd.DataFrame:
         return pd.DataFrame(columns=["arm", "level", "round", "value"])
     # the lightest load: the fewest in flight, else the lowest rate (inf last)
     first = min(levels, key=lambda lv: (lv.kind != "concurrency", float(lv.value))).label
-    figures = _output_tok_s(record, levels)
-    rows = []
-    for (arm, label, rnd), v in figures.items():
-        base = figures.get((arm, first, rnd))
-        if label == first or v is None or not base:
-            continue
-        rows.append({"arm": arm, "level": label, "round": rnd, "value": v / base})
-    return pd.DataFrame(rows, columns=["arm", "level", "round", "value"])
+    return _over(_output_tok_s(record, levels), lambda arm, label, rnd: (arm, first, rnd))
 
 
 def _tolerance(record: RunRecord, arm: str) -> tuple[float, bool]:
