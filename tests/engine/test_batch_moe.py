@@ -47,9 +47,9 @@ def _reference(h, w, ids, gate_up, down):
     out = torch.zeros(h.shape[0], H, dtype=torch.float64)
     for b in range(h.shape[0]):
         for j, e in enumerate(ids[b].tolist()):
-            gu = gate_up[e].double() @ h[b].cpu().double()
+            gu = gate_up[e].cpu().double() @ h[b].cpu().double()
             a = torch.nn.functional.silu(gu[:INTER]) * gu[INTER:]
-            out[b] += float(w[b, j]) * (down[e].double() @ a)
+            out[b] += float(w[b, j]) * (down[e].cpu().double() @ a)
     return out
 
 

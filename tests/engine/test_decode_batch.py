@@ -295,9 +295,10 @@ def test_a_cancel_seen_mid_step_takes_only_that_sequence_out_of_the_remaining_la
     engine.reset()
     toks = [_first_token(engine, p, c) for c, p in enumerate(prompts)]
     decoder = engine.decoder
-    attn: list[tuple[int, int]] = []
-    real_attn = decoder._attn
-    monkeypatch.setattr(decoder, "_attn", lambda c, layer, n: (attn.append((c, layer)), real_attn(c, layer, n))[1])
+    attn: list[tuple[int, int]] = []  # (cache, layer) of every attention half run (eagerly or a graph's replay)
+    real_run = decoder._run
+    monkeypatch.setattr(decoder, "_run", lambda c, key, fn: (attn.extend([(c, key[2])] if key[0] == "attn" else []),
+                                                             real_run(c, key, fn))[1])
     cancel = _CancelAt(3)  # the step's look, layer 1's, layer 2's
     cancel.armed = True
     results = decoder.step_batch([DecodeItem(toks[0], len(prompts[0]), 0), DecodeItem(toks[1], len(prompts[1]), 1,
@@ -400,24 +401,37 @@ class _Graphs:
 
 @pytest.mark.parametrize("experts", ["offloaded", "resident"])
 def test_the_warm_up_covers_every_graph_a_batched_step_replays(engines, monkeypatch, experts):
-    """Each sequence cache has its own graphs, keyed by the cache: the warm-up's steps see every key that three
-    sequences decoding together use afterwards, and no more than C x (2 + buckets x 2 x layers) keys (the
-    per-layer path: embedding, head, per bucket every layer's two halves) or C x buckets (whole steps)."""
+    """Each sequence cache has its own graphs, keyed by the cache, and the batched steps theirs: the warm-up's
+    steps see every key that three sequences decoding together use afterwards, and per cache no more than
+    2 + buckets x 2 x layers keys (the host-handled per-layer path: embedding, head, per bucket every layer's two
+    halves) plus a whole step per bucket and way that runs whole (resident; misses on the device where a device
+    slot table exists), and one batched step's key per batch size and way (2 to C sequences; where the decoder
+    batches: CUDA with Triton's kernels)."""
     engine = engines("tiny", experts)
+    decoder = engine.decoder
     graphs = [_Graphs() for _ in engine.caches]
-    monkeypatch.setattr(engine.decoder, "graphs", graphs)
+    monkeypatch.setattr(decoder, "graphs", graphs)
+    batch = _Graphs()
+    monkeypatch.setattr(decoder, "batch_graphs", batch)
     engine._warm_decode()
     warmed = [set(g.keys) for g in graphs]
-    for g in graphs:
+    warmed_batch = set(batch.keys)
+    for g in (*graphs, batch):
         g.keys.clear()
     _together(engine, _prompts(engine, seed=7))
     C, L = len(engine.caches), engine.model_config.num_hidden_layers
     buckets = len(kv_buckets(engine.config.max_context))
+    assert sum(len(g.keys) for g in (*graphs, batch)) > 0
     for c, g in enumerate(graphs):
-        assert g.keys and set(g.keys) <= warmed[c]
+        assert set(g.keys) <= warmed[c]
         assert all(key[1] == c for key in warmed[c])  # every key names its cache
-    per_cache = 2 + buckets * 2 * L if experts == "offloaded" else buckets
+    assert set(batch.keys) <= warmed_batch
+    if experts == "offloaded":
+        per_cache = 2 + buckets * 2 * L + (buckets if decoder.table is not None else 0)
+    else:
+        per_cache = buckets
     assert [len(w) for w in warmed] == [per_cache] * C
+    assert len(warmed_batch) == ((C - 1) if decoder.batched else 0)
 
 
 _TRITON = decode_kernels.have_triton() and (DEVICE.startswith("cuda") or os.environ.get("TRITON_INTERPRET") == "1")
