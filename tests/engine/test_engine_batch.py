@@ -10,9 +10,11 @@ that span prompts. Set ABBENCH_ENGINE_TEST_DEVICE=cuda to run them on a GPU.
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -156,8 +158,24 @@ def test_gpucheck_batch_passes_on_cpu(tmp_path):
     rc = gpucheck_batch.main(["--model", "tiny", "--device", DEVICE, "--prompts", "3", "--tokens", "200",
                               "--chunk-tokens", "64", "--window-tokens", "256", "--decode-seqs", "3",
                               "--decode-prompt", "100", "--decode-tokens", "6", "--repeats", "1",
-                              "--max-over-floor", "1000", "--out", str(out)])
-    assert rc == 0 and out.exists()
+                              "--max-over-floor", "1000", "--expert-dtype", "fp8", "--out", str(out)])
+    report = json.loads(out.read_text())
+    assert rc == 0 and report["pass"] and report["expert_format"].startswith("fp8")
+    assert report["decode"]["ids_equal_solo"] and report["decode"]["step_s_together"] > 0
+
+
+def test_a_decode_step_is_put_against_its_copy_floor():
+    """gpucheck_batch's copy floor: a step's H2D bytes (alone: the sequence's; together: every sequence's share of
+    the batched steps) over the measured bandwidth, and the measured step over it; none without a bandwidth."""
+    def row(h2d: int) -> dict:
+        return {"stats": SimpleNamespace(decode_h2d_bytes=h2d)}
+
+    got = gpucheck_batch._copy_floor(row(10 * 10**9), [row(40 * 10**9), row(60 * 10**9)], steps=10, alone_tps=100.0,
+                                     together_tps=10.0, gbps=50.0)
+    assert got["copy_floor_s_alone"] == pytest.approx(0.02) and got["copy_floor_s_together"] == pytest.approx(0.2)
+    assert got["step_s_together"] == pytest.approx(0.2) and got["together_over_copy_floor"] == pytest.approx(1.0)
+    assert got["alone_over_copy_floor"] == pytest.approx(0.5)
+    assert "copy_floor_s_alone" not in gpucheck_batch._copy_floor(row(1), [row(1)], 1, 1.0, 1.0, float("nan"))
 
 
 def test_the_server_batches_concurrent_requests_with_the_ids_they_get_alone():

@@ -12,14 +12,16 @@ prompts prefilled layer-major together, and decode with several sequences.
    logprobs against its solo run (bitwise).
 2. Decode: one sequence of a ``--decode-prompt``-token prompt decodes ``--decode-tokens`` tokens alone, then
    ``--decode-seqs`` such sequences (distinct prompts) together: output tokens per second of the decode phase
-   (first token to last) alone and together, and every sequence's ids against its solo run.
+   (first token to last) alone and together, and every sequence's ids against its solo run. With a slot cache,
+   each way's step is put against its copy floor (its slot misses' H2D bytes a step over the measured bandwidth).
 3. A resident engine (every expert on the device) prefills the same prompts one by one: the batch's floor is
    the larger of the copies (windows x bank bytes / the measured bandwidth) and the sum of the prompts'
    resident prefill times. The batch's time over that floor is the verdict (``--max-over-floor``, default 1.10).
 
 Exit 1 when an id or logprob differs from its solo run, or the batch is over ``--max-over-floor`` x its floor.
 ``--prompts 0`` measures decode alone (no prefill batch, no resident engine); ``--router-skew`` concentrates the
-random router's choices as trained routers do (the engine's option).
+random router's choices as trained routers do (the engine's option); ``--expert-dtype fp8`` and ``--slot-dtype``
+are the engines' options (FP8 slots hold twice as many experts in a budget).
 On CPU it runs the tiny preset in seconds (the tests run it there).
 """
 
@@ -34,7 +36,7 @@ import time
 
 import torch
 
-from abbench.engine.config import EngineConfig
+from abbench.engine.config import EXPERT_DTYPES, SLOT_DTYPES, EngineConfig
 from abbench.engine.contract import GenerateRequest
 
 
@@ -112,7 +114,9 @@ def prefill_check(engine, prompts: list[list[int]], check_tokens: int, repeats: 
             "ids_equal_solo": bool(equal)}
 
 
-def decode_check(engine, prompts: list[list[int]], tokens: int) -> dict:
+def decode_check(engine, prompts: list[list[int]], tokens: int, gbps: float) -> dict:
+    """Decode alone and together (module docstring). With a slot cache, each way's step is also put against its
+    copy floor: the step's host-to-device bytes (the slot misses' reads) over ``gbps``, the measured bandwidth."""
     engine.reset()
     alone = run_alone(engine, prompts[0], tokens)
     alone_tps = (tokens - 1) / (alone["last"] - alone["first"])
@@ -131,7 +135,23 @@ def decode_check(engine, prompts: list[list[int]], tokens: int) -> dict:
             "ids_equal_solo": all(r["ids"] == s["ids"] for r, s in zip(rows, solo, strict=True)),
             "decoder_steps_together": steps, "decode_kernels": engine.decoder.kernels,
             "slot_misses_alone": alone["stats"].slot_misses,
-            "slot_misses_together": [r["stats"].slot_misses for r in rows]}
+            "slot_misses_together": [r["stats"].slot_misses for r in rows],
+            **_copy_floor(alone, rows, tokens - 1, alone_tps, together_tps, gbps)}
+
+
+def _copy_floor(alone: dict, rows: list[dict], steps: int, alone_tps: float, together_tps: float,
+                gbps: float) -> dict:
+    """A decode step's time against its copy floor, alone and together: its H2D bytes (the decode's, over the
+    ``steps`` steps; together, every sequence's share of the batched steps) over the measured bandwidth."""
+    alone_b = alone["stats"].decode_h2d_bytes / steps
+    together_b = sum(r["stats"].decode_h2d_bytes for r in rows) / steps
+    out = {"decode_h2d_bytes_per_step_alone": alone_b, "decode_h2d_bytes_per_step_together": together_b,
+           "step_s_alone": 1 / alone_tps, "step_s_together": len(rows) / together_tps}
+    if gbps == gbps and gbps > 0 and alone_b and together_b:  # (NaN: no bandwidth probe; no misses: no floor)
+        out.update(copy_floor_s_alone=alone_b / (gbps * 1e9), copy_floor_s_together=together_b / (gbps * 1e9))
+        out.update(alone_over_copy_floor=out["step_s_alone"] / out["copy_floor_s_alone"],
+                   together_over_copy_floor=out["step_s_together"] / out["copy_floor_s_together"])
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -149,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--budget", type=float, default=None, help="the offloaded engine's --gpu-memory-budget (GiB)")
     ap.add_argument("--router-skew", type=float, default=0.0, help="the engines' --router-skew (random weights)")
+    ap.add_argument("--expert-dtype", default="model", choices=EXPERT_DTYPES, help="the engines' --expert-dtype (fp8: float8 expert banks)")
+    ap.add_argument("--slot-dtype", default="auto", choices=SLOT_DTYPES, help="the offloaded engine's --slot-dtype (fp8: twice the slots)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--max-over-floor", type=float, default=1.10)
     ap.add_argument("--out", default=None)
@@ -158,15 +180,16 @@ def main(argv: list[str] | None = None) -> int:
     seqs = max(args.prompts, args.decode_seqs, 1)
     ctx = max(args.tokens, args.decode_prompt) + max(args.check_tokens, args.decode_tokens)
     knobs = dict(model=args.model, device=args.device, chunk_tokens=args.chunk_tokens, max_context=ctx,
-                 router_skew=args.router_skew,
+                 router_skew=args.router_skew, expert_dtype=args.expert_dtype,
                  bandwidth_probe_bytes=256 * 2**20 if args.device.startswith("cuda") else 0)
     if args.window_tokens:
         knobs["layer_major_window_tokens"] = args.window_tokens
     t0 = time.perf_counter()
     engine = Engine(EngineConfig(**knobs, prefill_mode="layer-major", max_num_seqs=seqs,
-                                 gpu_memory_budget_gib=args.budget))
+                                 gpu_memory_budget_gib=args.budget, slot_dtype=args.slot_dtype))
     mc = engine.model_config
-    report: dict = {"model": mc.name, "device": str(engine.device), "prompts": args.prompts, "tokens": args.tokens,
+    report: dict = {"model": mc.name, "device": str(engine.device), "expert_format": engine.expert_format,
+                    "slot_dtype": args.slot_dtype, "prompts": args.prompts, "tokens": args.tokens,
                     "chunk_tokens": args.chunk_tokens, "max_num_seqs": seqs, "budget_gib": args.budget,
                     "slots_per_layer": engine.slots_per_layer, "bank_bytes": engine.bank_bytes,
                     "measured_h2d_gbps": engine.measured_h2d_gbps, "startup_s": round(time.perf_counter() - t0, 1)}
@@ -178,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         print("prefill:", {k: v for k, v in report["prefill"].items()}, flush=True)
     if args.decode_seqs:
         report["decode"] = decode_check(engine, _prompts(mc.vocab_size, args.decode_seqs, args.decode_prompt, 2),
-                                        args.decode_tokens)
+                                        args.decode_tokens, engine.measured_h2d_gbps)
         print("decode:", report["decode"], flush=True)
     gbps = engine.measured_h2d_gbps
     if engine.device.type == "cuda":  # torch's peak over the whole check: every cache, graph pool and batch
