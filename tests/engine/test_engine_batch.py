@@ -162,6 +162,11 @@ def test_gpucheck_batch_passes_on_cpu(tmp_path):
     report = json.loads(out.read_text())
     assert rc == 0 and report["pass"] and report["expert_format"].startswith("fp8")
     assert report["decode"]["ids_equal_solo"] and report["decode"]["step_s_together"] > 0
+    assert report["max_context"] == 200 + 8  # the prefill batch's prompts and checked tokens
+    rc = gpucheck_batch.main(["--model", "tiny", "--device", DEVICE, "--prompts", "0", "--decode-seqs", "2",
+                              "--decode-prompt", "100", "--decode-tokens", "6", "--out", str(out)])
+    report = json.loads(out.read_text())
+    assert rc == 0 and report["max_context"] == 106  # decode only: its caches sized for it, not for --tokens
 
 
 def test_a_decode_step_is_put_against_its_copy_floor():

@@ -169,8 +169,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--budget", type=float, default=None, help="the offloaded engine's --gpu-memory-budget (GiB)")
     ap.add_argument("--router-skew", type=float, default=0.0, help="the engines' --router-skew (random weights)")
-    ap.add_argument("--expert-dtype", default="model", choices=EXPERT_DTYPES, help="the engines' --expert-dtype (fp8: float8 expert banks)")
-    ap.add_argument("--slot-dtype", default="auto", choices=SLOT_DTYPES, help="the offloaded engine's --slot-dtype (fp8: twice the slots)")
+    ap.add_argument("--expert-dtype", default="model", choices=EXPERT_DTYPES,
+                    help="the engines' --expert-dtype (fp8: float8 expert banks)")
+    ap.add_argument("--slot-dtype", default="auto", choices=SLOT_DTYPES,
+                    help="the offloaded engine's --slot-dtype (fp8: twice the slots)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--max-over-floor", type=float, default=1.10)
     ap.add_argument("--out", default=None)
@@ -178,7 +180,10 @@ def main(argv: list[str] | None = None) -> int:
     from abbench.engine.runtime.engine import Engine
 
     seqs = max(args.prompts, args.decode_seqs, 1)
-    ctx = max(args.tokens, args.decode_prompt) + max(args.check_tokens, args.decode_tokens)
+    # the sequences' KV is sized for what this check runs: --tokens only with a prefill batch (8 caches of 32K
+    # positions would take the slot cache's room from a 4K decode check)
+    ctx = max(args.tokens if args.prompts else 0, args.decode_prompt if args.decode_seqs else 0) + max(
+        args.check_tokens if args.prompts else 0, args.decode_tokens if args.decode_seqs else 0)
     knobs = dict(model=args.model, device=args.device, chunk_tokens=args.chunk_tokens, max_context=ctx,
                  router_skew=args.router_skew, expert_dtype=args.expert_dtype,
                  bandwidth_probe_bytes=256 * 2**20 if args.device.startswith("cuda") else 0)
@@ -190,7 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     mc = engine.model_config
     report: dict = {"model": mc.name, "device": str(engine.device), "expert_format": engine.expert_format,
                     "slot_dtype": args.slot_dtype, "prompts": args.prompts, "tokens": args.tokens,
-                    "chunk_tokens": args.chunk_tokens, "max_num_seqs": seqs, "budget_gib": args.budget,
+                    "chunk_tokens": args.chunk_tokens, "max_num_seqs": seqs, "max_context": ctx,
+                    "budget_gib": args.budget,
                     "slots_per_layer": engine.slots_per_layer, "bank_bytes": engine.bank_bytes,
                     "measured_h2d_gbps": engine.measured_h2d_gbps, "startup_s": round(time.perf_counter() - t0, 1)}
     print(f"offloaded engine: {mc.name}, {seqs} sequences, {engine.slots_per_layer} slots/layer, "
