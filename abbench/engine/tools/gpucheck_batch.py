@@ -114,9 +114,9 @@ def prefill_check(engine, prompts: list[list[int]], check_tokens: int, repeats: 
             "ids_equal_solo": bool(equal)}
 
 
-def decode_check(engine, prompts: list[list[int]], tokens: int, gbps: float) -> dict:
+def decode_check(engine, prompts: list[list[int]], tokens: int) -> dict:
     """Decode alone and together (module docstring). With a slot cache, each way's step is also put against its
-    copy floor: the step's host-to-device bytes (the slot misses' reads) over ``gbps``, the measured bandwidth."""
+    copy floor: the step's host-to-device bytes (the slot misses' reads) over the engine's measured bandwidth."""
     engine.reset()
     alone = run_alone(engine, prompts[0], tokens)
     alone_tps = (tokens - 1) / (alone["last"] - alone["first"])
@@ -136,7 +136,7 @@ def decode_check(engine, prompts: list[list[int]], tokens: int, gbps: float) -> 
             "decoder_steps_together": steps, "decode_kernels": engine.decoder.kernels,
             "slot_misses_alone": alone["stats"].slot_misses,
             "slot_misses_together": [r["stats"].slot_misses for r in rows],
-            **_copy_floor(alone, rows, tokens - 1, alone_tps, together_tps, gbps)}
+            **_copy_floor(alone, rows, tokens - 1, alone_tps, together_tps, engine.measured_h2d_gbps)}
 
 
 def _copy_floor(alone: dict, rows: list[dict], steps: int, alone_tps: float, together_tps: float,
@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         print("prefill:", {k: v for k, v in report["prefill"].items()}, flush=True)
     if args.decode_seqs:
         report["decode"] = decode_check(engine, _prompts(mc.vocab_size, args.decode_seqs, args.decode_prompt, 2),
-                                        args.decode_tokens, engine.measured_h2d_gbps)
+                                        args.decode_tokens)
         print("decode:", report["decode"], flush=True)
     gbps = engine.measured_h2d_gbps
     if engine.device.type == "cuda":  # torch's peak over the whole check: every cache, graph pool and batch
