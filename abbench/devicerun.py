@@ -27,7 +27,9 @@ The chain, in order (each step's output in its own log, each step's exit status 
    (``gpucheck-qwen3-30b-a3b-half``); ``{json}`` in ARGS becomes ``gpucheck/NAME.json``, and for the default
    module, whose command line takes ``--out``, ``--out {json}`` is added when ARGS name no ``--out``;
 6. each ``--step "NAME: COMMAND"`` (what a result needs beyond these: a GGUF export, a peer's build), its
-   output in ``gpucheck/NAME.log``; a leading ``python3`` is the chain's interpreter;
+   output in ``gpucheck/NAME.log``; a leading ``python3`` is the chain's interpreter. An ``--early-step`` is
+   the same, started right after step 3 and running beside the tests and gpuchecks (a peer's build on the
+   CPUs while the GPU tests run); the first step, run or after-gpucheck that follows them waits for it;
 7. each ``--run PROFILE``: ``python3 -m abbench run -p PROFILE --out WORK/runs/PROFILE --no-report -q`` plus
    ``--run-args``, its output in ``gpucheck/run-PROFILE.log``;
 8. each ``--after-gpucheck`` like 5, after the runs.
@@ -74,6 +76,7 @@ import signal
 import subprocess
 import sys
 import tarfile
+import threading
 import time
 from pathlib import Path
 
@@ -129,10 +132,32 @@ def _gpucheck_step(spec: str, default_module: str, gdir: Path, taken: set[str], 
             "log": str(gdir / f"{name}.log"), "timeout": timeout, "stops": phase == "gpucheck"}
 
 
+def _named_step(spec: str, flag: str, gdir: Path, timeout: float) -> dict:
+    """A ``--step`` or ``--early-step`` "NAME: COMMAND" as a step of the chain."""
+    name, sep, line = spec.partition(":")
+    words = shlex.split(line)
+    if not sep or not name.strip() or not words or not name.strip().replace("-", "").isalnum():
+        raise DeviceRunError(f"{flag} {spec!r}: give NAME: COMMAND, e.g. \"gguf: python3 -m abbench export-gguf "
+                             "--model tiny --out /tmp/ab/tiny.gguf\" (NAME: letters, digits, '-')")
+    if words[0] in ("python", "python3"):
+        words[0] = "{python}"
+    return {"name": name.strip(), "phase": "step", "argv": words, "timeout": timeout,
+            "log": str(gdir / f"{name.strip()}.log"), "stops": True}
+
+
+def _joins(step: dict) -> bool:
+    """Whether the chain waits for its early steps before ``step``: the steps, runs and after-gpuchecks."""
+    return step["phase"] in ("step", "run", "after") and not step.get("early")
+
+
 def build_plan(args: argparse.Namespace, repo: Path) -> dict:
     """Every step of the chain, with its command, log and limit (module docstring), as JSON-able data."""
-    if not (args.tests or args.gpucheck or args.step or args.run or args.after_gpucheck):
-        raise DeviceRunError("nothing to do: give --tests, --gpucheck, --step, --run or --after-gpucheck")
+    if not (args.tests or args.gpucheck or args.step or args.early_step or args.run or args.after_gpucheck):
+        raise DeviceRunError("nothing to do: give --tests, --gpucheck, --step, --early-step, --run or "
+                             "--after-gpucheck")
+    names = [spec.partition(":")[0].strip() for spec in (*args.step, *args.early_step)]
+    if len(set(names)) != len(names):
+        raise DeviceRunError("a step's NAME is given twice: one log gpucheck/NAME.log each")
     if len(args.run) > MAX_RUNS:
         raise DeviceRunError(f"{len(args.run)} runs: at most {MAX_RUNS} a chain ($OUT brings back 8 files)")
     if len(set(args.run)) != len(args.run):
@@ -160,6 +185,8 @@ def build_plan(args: argparse.Namespace, repo: Path) -> dict:
                       "timeout": 120, "stops": False, "notes": True})
     steps.append({"name": "nvidia-smi", "phase": "setup", "argv": ["nvidia-smi"],
                   "log": str(gdir / "nvidia-smi.txt"), "timeout": 60, "stops": False, "notes": True})
+    for spec in args.early_step:  # started here, waited for before the first step, run or after-gpucheck
+        steps.append({**_named_step(spec, "--early-step", gdir, args.step_timeout), "early": True})
     if args.tests:
         tests = [w for t in args.tests for w in shlex.split(t)]
         steps.append({"name": "tests", "phase": "tests", "argv": ["{python}", *PYTEST, *tests],
@@ -169,15 +196,7 @@ def build_plan(args: argparse.Namespace, repo: Path) -> dict:
     for spec in args.gpucheck:
         steps.append(_gpucheck_step(spec, args.gpucheck_module, gdir, taken, args.gpucheck_timeout, "gpucheck"))
     for spec in args.step:
-        name, sep, line = spec.partition(":")
-        words = shlex.split(line)
-        if not sep or not name.strip() or not words or not name.strip().replace("-", "").isalnum():
-            raise DeviceRunError(f"--step {spec!r}: give NAME: COMMAND, e.g. \"gguf: python3 -m abbench export-gguf "
-                                 "--model tiny --out /tmp/ab/tiny.gguf\" (NAME: letters, digits, '-')")
-        if words[0] in ("python", "python3"):
-            words[0] = "{python}"
-        steps.append({"name": name.strip(), "phase": "step", "argv": words, "timeout": args.step_timeout,
-                      "log": str(gdir / f"{name.strip()}.log"), "stops": True})
+        steps.append(_named_step(spec, "--step", gdir, args.step_timeout))
     extra = shlex.split(args.run_args) if args.run_args else []
     for profile in args.run:
         steps.append({"name": f"run-{profile}", "phase": "run", "profile": profile,
@@ -214,13 +233,20 @@ def render(plan: dict) -> str:
     lines += [f"export {k}={shlex.quote(v)}" for k, v in plan["env"].items()]
     if not plan["wheels"]:
         lines.append("# no wheels found: nothing installed")
+    early = False
     for s in plan["steps"]:
+        if early and _joins(s):
+            lines.append("wait   # the early steps")
+            early = False
         env = " ".join(f"{k}={shlex.quote(v)}" for k, v in s.get("env", {}).items())
         argv = shlex.join(_argv(s, plan["python"]))
         redirect = ">>" if s.get("append") else ">"
-        stop = " || exit 1" if s["stops"] else ""
+        stop = " &" if s.get("early") else " || exit 1" if s["stops"] else ""
+        early |= bool(s.get("early"))
         lines.append(f"{env + ' ' if env else ''}timeout {s['timeout']:g} {argv} {redirect} "
                      f"{shlex.quote(s['log'])} 2>&1{stop}   # {s['name']}")
+    if early:
+        lines.append("wait   # the early steps")
     return "\n".join(lines)
 
 
@@ -275,13 +301,10 @@ def run_chain(work: Path) -> int:
     _write_status(work, status)
     _log(work, f"start at {status['commit']}: {plan['command']}")
     stopped = None
-    for step, st in zip(plan["steps"], status["steps"]):
-        if stopped is not None and step["phase"] != "after":
-            st["state"] = "skipped"
-            continue
-        st["state"], t0 = "running", time.monotonic()
-        _write_status(work, status)
-        rc = _run_step(step, plan)
+    early: list[tuple[dict, dict, threading.Thread, dict, float]] = []  # started, not yet waited for
+
+    def finish(step: dict, st: dict, rc: int, t0: float) -> None:
+        nonlocal stopped
         state = "passed" if rc == 0 else "noted" if step.get("notes") else "failed"  # a missing tool: noted
         st.update(state=state, rc=rc, seconds=round(time.monotonic() - t0, 1))
         _log(work, f"{step['name']} rc={rc} ({st['seconds']:g} s)")
@@ -289,6 +312,30 @@ def run_chain(work: Path) -> int:
             stopped = step["name"]
             _log(work, f"CHAIN STOPPED after {stopped}: the runs are skipped")
         _write_status(work, status)
+
+    def join() -> None:
+        for step, st, thread, box, t0 in early:
+            thread.join()  # (its own limit kills it: _run_step)
+            finish(step, st, box["rc"], t0)
+        early.clear()
+
+    for step, st in zip(plan["steps"], status["steps"]):
+        if _joins(step):
+            join()
+        if stopped is not None and step["phase"] != "after":
+            st["state"] = "skipped"
+            continue
+        st["state"], t0 = "running", time.monotonic()
+        _write_status(work, status)
+        if step.get("early"):
+            box: dict = {}
+            thread = threading.Thread(target=lambda s=step, b=box: b.update(rc=_run_step(s, plan)), daemon=True)
+            thread.start()
+            early.append((step, st, thread, box, t0))
+            _log(work, f"{step['name']} started beside the next steps")
+            continue
+        finish(step, st, _run_step(step, plan), t0)
+    join()
     status["done"] = True
     status["ok"] = all(s["state"] in ("passed", "noted") for s in status["steps"])
     _write_status(work, status)
@@ -432,6 +479,9 @@ def parser() -> argparse.ArgumentParser:
                    help=f"the module a --gpucheck without -m runs (default {DEFAULT_GPUCHECK_MODULE})")
     s.add_argument("--step", action="append", default=[], help='"NAME: COMMAND": another command before the '
                    'runs (repeatable), e.g. "gguf: python3 -m abbench export-gguf ..."; its log gpucheck/NAME.log')
+    s.add_argument("--early-step", action="append", default=[], help='"NAME: COMMAND": a --step started with the '
+                   'chain, beside its tests and gpuchecks (repeatable), e.g. a peer\'s build; the first --step, '
+                   '--run or --after-gpucheck waits for it')
     s.add_argument("--run", action="append", default=[], help="a profile to run (repeatable, in order)")
     s.add_argument("--run-args", default="", help='more arguments for every `abbench run`, e.g. "--rounds 1"')
     s.add_argument("--commit", default=None, help="ABBENCH_GIT_COMMIT (default .dev/commit.txt, else git)")

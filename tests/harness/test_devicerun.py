@@ -103,6 +103,7 @@ def test_dry_run_prints_the_chain_in_order() -> None:
     ([f"--run=p{i}" for i in range(7)], "at most 6"),
     (["--gpucheck=-m"], "-m needs a module"),
     (["--step", "python3 -m abbench export-gguf"], "give NAME: COMMAND"),
+    (["--early-step", "b: python3 -c pass", "--step", "b: python3 -c pass"], "NAME is given twice"),
 ])
 def test_bad_arguments_are_refused_with_what_to_do(argv: list[str], message: str) -> None:
     r = devicerun("start", *argv, "--commit", "abc", "--dry-run")
@@ -168,6 +169,34 @@ def test_a_failing_step_is_reported_and_stops_the_chain_before_the_runs(tmp_path
     with tarfile.open(out / "cpu-tiny.tgz") as tar:  # what there is still comes back, in the same layout
         names = tar.getnames()
     assert "cpu-tiny/gpucheck/no_such_check-tiny.log" in names and "cpu-tiny/run.json" not in names
+
+
+def test_an_early_step_runs_beside_the_checks_and_the_steps_wait_for_it(tmp_path: Path) -> None:
+    """An --early-step starts with the chain and runs while the gpuchecks do: here it waits for a file that the
+    gpucheck after it writes (run one after the other, it would give up after 60 s and fail); the --step after
+    them starts only once it has ended. A failing early step stops the chain before the runs."""
+    work, out, go = tmp_path / "work", tmp_path / "out", tmp_path / "go.zip"
+    waits = ("bg: python3 -c 'import pathlib, sys, time; p = pathlib.Path(sys.argv[1]); end = time.time() + 60; "
+             "any(p.exists() or time.sleep(0.05) or time.time() > end for _ in iter(int, 1)); "
+             f"sys.exit(0 if p.exists() else 1)' {go}")
+    argv = ["start", "--work", str(work), "--out", str(out), "--early-step", waits, "--gpucheck",
+            f"-m zipfile -c {go} {MODULE}", "--step", "after: python3 -c pass", "--commit", "abc", "--wait", "120"]
+    dry = devicerun(*argv, "--dry-run")
+    lines = [line.rpartition("   # ")[2] for line in dry.stdout.splitlines() if "   # " in line]
+    assert lines[-4:] == ["bg", "zipfile", "the early steps", "after"], dry.stdout
+    path = no_nvidia_smi_path(tmp_path)
+    r = devicerun(*argv, path=path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    chain = (out / "chain.log").read_text()
+    assert "bg started beside the next steps" in chain
+    assert chain.index("zipfile rc=0") < chain.index("bg rc=0") < chain.index("after rc=0")
+    states = {s["name"]: s["state"] for s in json.loads((out / "status.json").read_text())["steps"]}
+    assert (states["bg"], states["zipfile"], states["after"]) == ("passed", "passed", "passed")
+    failing = devicerun("start", "--work", str(tmp_path / "w2"), "--out", str(tmp_path / "o2"), "--early-step",
+                        "bad: python3 -c 'raise SystemExit(3)'", "--run", "cpu-tiny", "--commit", "abc", "--wait",
+                        "120", path=path)
+    assert failing.returncode == 1 and "CHAIN STOPPED after bad" in failing.stdout
+    assert not (tmp_path / "w2" / "runs").exists()
 
 
 def test_a_step_past_its_limit_is_killed_and_reported(tmp_path: Path) -> None:
