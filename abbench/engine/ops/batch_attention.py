@@ -57,8 +57,9 @@ def next_pow2(x: int) -> int:
 
 
 def split_plan(kv_len: int, block_l: int = 64, max_splits: int = 64) -> tuple[int, int]:
-    """(nsplits, split) of a decode step over a KV bucket of ``kv_len`` positions: nsplits = min(max_splits, next_pow2(ceil(L / block_l))) ranges of split
-    positions each, split = ceil(L / nsplits) rounded up to whole blocks (nsplits * split >= L)."""
+    """(nsplits, split) of a decode step over a KV bucket of ``kv_len`` positions: nsplits = min(max_splits,
+    next_pow2(ceil(L / block_l))) ranges of split positions each, split = ceil(L / nsplits) rounded up to whole
+    blocks (nsplits * split >= L)."""
     if kv_len < 1 or block_l < 1 or max_splits < 1:
         raise ValueError("split_plan: a positive length, block and split count")
     nsplits = min(max_splits, next_pow2(-(-kv_len // block_l)))
@@ -238,11 +239,11 @@ def qk_norm_rope_store_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q
                             k_norm: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor,
                             cache_idx: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor,
                             eps: float) -> torch.Tensor:
-    """The q/k norms, RoPE and cache writes of B decode tokens in one kernel (grid (Hq + Hkv, B)): q [B, Hq*D], k and v
-    [B, Hkv*D] (the projections), the norms' weights [D], the rope tables [S, D], pos and cache_idx int64 [B] on
-    the device, the layer's pooled caches [C, Hkv, S, D] x2 -> q [B, Hq, D]; token b's K and V are written at
-    (cache_idx[b], :, pos[b]). Per token the bits of the call for it alone. The tokens' (cache, position) pairs
-    must differ (one token a sequence a step)."""
+    """The q/k norms, RoPE and cache writes of B decode tokens in one kernel (grid (Hq + Hkv, B)): q [B, Hq*D],
+    k and v [B, Hkv*D] (the projections), the norms' weights [D], the rope tables [S, D], pos and cache_idx int64
+    [B] on the device, the layer's pooled caches [C, Hkv, S, D] x2 -> q [B, Hq, D]; token b's K and V are written
+    at (cache_idx[b], :, pos[b]). Per token the bits of the call for it alone. The tokens' (cache, position)
+    pairs must differ (one token a sequence a step)."""
     _need_triton("qk_norm_rope_store_rows")
     _, hkv, _, d = cache_k.shape
     B = q.shape[0]
@@ -292,9 +293,10 @@ def attention_rows(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, po
     (pos, cache_idx int64 [B] on the device) in the ranges of its plan[b] = (nsplits, split) (int32 [B, 2] on
     the device, ``split_plan`` of its bucket with this ``block_l`` and at most this ``max_splits``; split <=
     ``max_split``, a multiple of block_l: ``split_plan(max_context, block_l, max_splits)[1]``) -> [B, Hq, D] in
-    q's dtype. Token b's bits are those of the call for it alone (B = 1) whatever the other tokens. A plan past ``max_split`` or ``max_splits`` would lose keys:
-    it is the caller's (``split_plans`` builds them). Scratch: float32 [B, Hkv, max_splits, G, D] and two
-    [B, Hkv, max_splits, G] a call (B = 8, Hkv = 4, 64 ranges, G = 8, D = 128: 8 MiB)."""
+    q's dtype. Token b's bits are those of the call for it alone (B = 1) whatever the other tokens. A plan past
+    ``max_split`` or ``max_splits`` would lose keys: it is the caller's (``split_plans`` builds them). Scratch:
+    float32 [B, Hkv, max_splits, G, D] and two [B, Hkv, max_splits, G] a call (B = 8, Hkv = 4, 64 ranges, G = 8,
+    D = 128: 8 MiB)."""
     _need_triton("attention_rows")
     B, hq, d = q.shape
     _, hkv, _, _ = keys.shape
