@@ -23,9 +23,15 @@ REPO = Path(__file__).resolve().parents[2]
 MODULE = REPO / "abbench" / "devicerun.py"
 FAST_TEST = "tests/engine/test_decode_kernels.py -k test_sdpa_attention_equals_the_engines_over_the_bucket"
 TINY_CHECK = "--preset tiny --device cpu --layers 2 --prompt-tokens 64 --decode-tokens 2"
+NO_WHEELS = ("--wheels", "tests/no-such-wheel-folder")
 
 
 def devicerun(*argv: str, path: str | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+    """``python -m abbench.devicerun ARGV`` in the repository. A chain started without ``--wheels`` installs
+    none (``NO_WHEELS``): wheels a developer left in the repository's ``.whl`` for a GPU machine would not
+    install here."""
+    if argv and argv[0] == "start" and "--wheels" not in argv and "--dry-run" not in argv:
+        argv = (*argv, *NO_WHEELS)
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     if path is not None:
         env["PATH"] = path
@@ -114,7 +120,8 @@ def test_the_chain_on_cpu_comes_back_as_a_result_directory(tmp_path: Path) -> No
     work, out = tmp_path / "work", tmp_path / "out"
     path = no_nvidia_smi_path(tmp_path)
     argv = ["start", "--work", str(work), "--test-device", "cpu", "--tests", FAST_TEST, "--gpucheck", TINY_CHECK,
-            "--run", "cpu-tiny", "--run-args", "--arms chunked --rounds 1 --lengths 384", "--commit", "0123abc"]
+            "--run", "cpu-tiny", "--run-args", "--arms chunked --rounds 1 --lengths 384", "--commit", "0123abc",
+            *NO_WHEELS]
     first = devicerun(*argv, "--out", str(out), "--wait", "0", path=path)
     assert first.returncode == 3 and "RUNNING" in first.stdout, first.stdout + first.stderr  # it outlives the call
     again = devicerun(*argv, "--out", str(out), path=path)
