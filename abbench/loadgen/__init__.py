@@ -22,6 +22,7 @@ from abbench.loadgen.plan import (
     arrivals,
     build_load_items,
     build_load_prompts,
+    build_warmup_prompts,
     draw_lengths,
     level_plan,
     load_prompt,
@@ -31,5 +32,5 @@ from abbench.loadgen.plan import (
 )
 
 __all__ = ["POSITION_BASE", "PREOPEN", "Level", "LevelStep", "LoadPrompt", "Target", "arrivals",
-           "build_load_items", "build_load_prompts", "draw_lengths", "load_prompt", "level_plan", "prompt_plan", "request_prompt", "resume_at",
-           "run_level"]
+           "build_load_items", "build_load_prompts", "build_warmup_prompts", "draw_lengths", "load_prompt",
+           "level_plan", "prompt_plan", "request_prompt", "resume_at", "run_level"]

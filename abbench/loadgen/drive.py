@@ -84,6 +84,16 @@ class Level:
                    round=round, role=role, scrape_interval_s=load.scrape_interval_s)
 
 
+    @classmethod
+    def warmup_of(cls, load: LoadSpec, kind: str, value: float, *, round: int = 1) -> Level:
+        """The warm-up sent before a level (``load.warmup_requests``, never recorded): closed loop at the level's
+        concurrency, or for a rate level every warm-up request in flight at once."""
+        n = load.warmup_requests
+        c = min(value, n) if kind == "concurrency" else n
+        return cls("concurrency", float(c), requests=n, seed=load.seed, round=round,
+                   scrape_interval_s=load.scrape_interval_s)
+
+
 @dataclass(frozen=True)
 class Target:
     """Where and how requests go: one running service, one arm's wire format and request fields."""

@@ -38,11 +38,13 @@ from abbench.prompts import BuiltPrompt, PromptItem, build_prompt_items
 from abbench.results import PromptRecord
 from abbench.schedule import arm_order
 
-__all__ = ["POSITION_BASE", "LevelStep", "LoadPrompt", "arrivals", "build_load_items", "build_load_prompts",
-           "draw_lengths", "level_plan", "load_prompt", "prompt_plan", "request_prompt", "resume_at"]
+__all__ = ["POSITION_BASE", "WARMUP_POSITION_BASE", "LevelStep", "LoadPrompt", "arrivals", "build_load_items",
+           "build_load_prompts", "build_warmup_prompts", "draw_lengths", "level_plan", "load_prompt", "prompt_plan", "request_prompt", "resume_at"]
 
 POSITION_BASE = 1_000_000
 """Corpus position of load prompt 0: far past any position the run's own prompt sets use."""
+WARMUP_POSITION_BASE = 2_000_000
+"""Corpus position of warm-up prompt 0 (:func:`build_warmup_prompts`): past any load prompt's."""
 
 
 @dataclass(frozen=True)
@@ -87,6 +89,23 @@ def build_load_items(tok: Any, prompts: PromptsSpec, load: LoadSpec, max_tokens:
     spec = prompts.model_copy(update={"seed": load.seed})
     built = build_prompt_items(tok, spec, items, base_dir=base_dir)
     return [(b, out) for b, (_, _, out) in zip(built, plan)]
+
+
+def build_warmup_prompts(tok: Any, prompts: PromptsSpec, load: LoadSpec, max_tokens: int, *,
+                         base_dir: Path | None = None) -> list[LoadPrompt]:
+    """``load.warmup_requests`` warm-up prompts: lengths drawn from the load's distributions by draws of their
+    own, each a document at :data:`WARMUP_POSITION_BASE` + i, so none is a measured prompt or shares one's
+    prefix (a warm-up must not leave a measured prompt's KV in a cache)."""
+    n = load.warmup_requests
+    if n == 0:
+        return []
+    lengths = draw_lengths(load.prompt_tokens, n, np.random.default_rng([load.seed, 4]))
+    outputs = (draw_lengths(load.output_tokens, n, np.random.default_rng([load.seed, 5]))
+               if load.output_tokens is not None else [max_tokens] * n)
+    items = [(WARMUP_POSITION_BASE + i, PromptItem(f"warmup-{i}", "fresh", (p,), (f"warmup-{i}",)))
+             for i, p in enumerate(lengths)]
+    built = build_prompt_items(tok, prompts.model_copy(update={"seed": load.seed}), items, base_dir=base_dir)
+    return [load_prompt(b, out) for b, out in zip(built, outputs, strict=True)]
 
 
 def load_prompt(built: BuiltPrompt, max_tokens: int) -> LoadPrompt:

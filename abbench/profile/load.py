@@ -90,6 +90,12 @@ class LoadSpec(_Model):
                                                    "measured (excluded).")
     cooldown_s: float = Field(0.0, ge=0, description="Seconds before a level's last send whose requests, and after "
                                                      "which finishes, are not measured (excluded).")
+    warmup_requests: int = Field(
+        0, ge=0, description="Requests sent before each level (not before the parity reference), closed loop at "
+        "the level's concurrency (a rate level: all at once), on warm-up prompts of the load's lengths that are "
+        "none of the measured ones; never recorded; the engine's cache is reset after them. A launched service "
+        "starts fresh at every change of arm, so each level otherwise meets a cold engine: its first prefill "
+        "compiles kernels and captures graphs inside the measured window.")
     prompt_tokens: LengthDist = Field(
         default_factory=lambda: LengthDist(fixed=256), description="Prompt length distribution (exact lengths).")
     output_tokens: LengthDist | None = Field(

@@ -284,3 +284,58 @@ def test_load_prompts_past_the_servers_context_stop_the_run_before_any_request(t
     assert "the server's context is 64 tokens" in err and "prompt load-0 has 40 tokens" in err
     assert "asks for 30 more (70)" in err
     assert not (tmp_path / "run" / "run.json").exists()
+
+
+def _warm_run(tmp: Path, warmup_requests: int) -> tuple[dict[str, int], RunRecord]:
+    """A load run against an in-process fake server (two arms, c=2 and rate=inf): the server's counters, the
+    record."""
+    from abbench.engine.serve.tokenizer import load_tokenizer as engine_tokenizer
+
+    from tests.support.fakeserver import FakeConfig, FakeServer
+
+    tmp.mkdir()
+    with FakeServer(FakeConfig(), tokenizer=engine_tokenizer("qwen3")) as srv:
+        prof = {"name": "warm", "tokenizer": {"source": "qwen3"},
+                "request": {"max_tokens": 4, "logprobs": 2, "timeout_s": 10},
+                "engine": {"base_url": srv.base_url, "reset_path": "/reset"},
+                "arms": [{"name": "a"}, {"name": "b"}], "run": {"rounds": 1},
+                "load": {"concurrency": [2], "rate": ["inf"], "requests": 4, "prompts": 2,
+                         "prompt_tokens": {"fixed": 20}, "output_tokens": {"fixed": 3},
+                         "warmup_requests": warmup_requests}}
+        toml = fk.write_profile(tmp / "p.toml", prof)
+        res = cli.abbench("run", "-p", str(toml), "--out", str(tmp / "run"), "-q", "--no-report", cwd=tmp)
+        assert res.returncode == 0, res.stderr
+        stats = srv.stats()
+    record, _ = load_run(tmp / "run")
+    return stats, record
+
+
+def test_warm_up_requests_run_before_each_level_unrecorded_then_the_cache_is_reset(tmp_path: Path) -> None:
+    """``warmup_requests``: that many requests before each level (not before the parity reference), none of
+    them in the record, and a reset after them; the measured requests are the same as without."""
+    cold_stats, cold = _warm_run(tmp_path / "cold", 0)
+    warm_stats, warm = _warm_run(tmp_path / "warm", 3)
+    levels = 2 * 2  # 2 arms x (c=2, rate=inf); the parity reference cells get none
+    shape = [(lv.arm, lv.role, lv.kind, lv.value, len(lv.requests)) for lv in warm.load]
+    assert shape == [(lv.arm, lv.role, lv.kind, lv.value, len(lv.requests)) for lv in cold.load]
+    assert warm_stats["completions"] - cold_stats["completions"] == 3 * levels
+    assert warm_stats["resets"] - cold_stats["resets"] == levels
+    assert {r.prompt_id for lv in warm.load for r in lv.requests} == {"load-0", "load-1"}
+
+
+def test_warm_up_prompts_are_none_of_the_measured_ones() -> None:
+    from abbench.loadgen import build_load_prompts, build_warmup_prompts
+    from abbench.profile import LoadSpec, PromptsSpec
+    from abbench.tokenizers import load_tokenizer
+
+    tok = load_tokenizer("qwen3")
+    load = LoadSpec(concurrency=[4], requests=8, prompts=4, prompt_tokens={"values": [40, 64]},
+                    output_tokens={"fixed": 5}, warmup_requests=6)
+    measured = build_load_prompts(tok, PromptsSpec(), load, 16)
+    warm = build_warmup_prompts(tok, PromptsSpec(), load, 16)
+    assert len(warm) == 6 and {p.target_tokens for p in warm} <= {40, 64}
+    assert {p.max_tokens for p in warm} == {5}
+    assert all(len(tok.encode(p.prompt, add_special_tokens=False)) == p.target_tokens for p in warm)
+    firsts = {p.prompt[:40] for p in measured}
+    assert not any(p.prompt[:40] in firsts for p in warm)  # not even a shared opening
+    assert build_warmup_prompts(tok, PromptsSpec(), load.model_copy(update={"warmup_requests": 0}), 16) == []

@@ -63,6 +63,9 @@ def _how(record: RunRecord) -> list[str]:
     out.append(f"per level: {per}; measured: requests sent from {spec.get('warmup_s', 0):g} s after its start to "
                f"{spec.get('cooldown_s', 0):g} s before its last send; throughput counts what arrived in that window"
                + (" (at a rate, until the last measured request ended)" if rates else ""))
+    if spec.get("warmup_requests"):
+        out.append(f"warm-up: {spec['warmup_requests']} requests before each level on prompts of their own (closed "
+                   "loop at its concurrency; a rate level's all at once), not recorded, then the cache reset")
     slos = load_slos(record)
     out.append("goodput SLOs: " + (", ".join(f"`{s.expr}`" for s in slos) if slos else "none declared"))
     refs = load_levels(record, "reference")

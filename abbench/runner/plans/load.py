@@ -16,6 +16,11 @@ Contract
   share one service, to avoid it).
 * Before each cell the engine's cache is reset (where the profile has a reset path and
   ``run.reset_between_samples``), so no cell meets prompts another cell left in the prefix cache.
+* ``[load] warmup_requests`` > 0: before each level (not the parity reference) that many warm-up requests run
+  on the cell's service (:meth:`abbench.loadgen.Level.warmup_of`, prompts of
+  :func:`abbench.loadgen.build_warmup_prompts`), unrecorded, then the cache is reset again: a launched service is
+  fresh at every change of arm, and a cold engine's first requests (kernel compilation, graph capture) would
+  otherwise fall inside the measured window.
 * Resume: the cells from :func:`abbench.loadgen.resume_at` on run again; a cell an interrupt stopped keeps its
   record (every request it finished) beside the cell that replaces it, which the analysis reads instead.
 """
@@ -30,6 +35,7 @@ from abbench.loadgen import (
     LoadPrompt,
     Target,
     build_load_items,
+    build_warmup_prompts,
     level_plan,
     load_prompt,
     resume_at,
@@ -87,6 +93,7 @@ class LoadLevels(PlanStrategy):
     def __init__(self, profile: Profile) -> None:
         super().__init__(profile)
         self._prompts: list[LoadPrompt] | None = None
+        self._warmup: list[LoadPrompt] = []
 
     @classmethod
     def applies(cls, profile: Profile) -> bool:
@@ -96,6 +103,8 @@ class LoadLevels(PlanStrategy):
         p = self.profile
         items = build_load_items(tokenizer, p.prompts, _load(p), p.request.max_tokens, base_dir=p.profile_dir)
         self._prompts = [load_prompt(b, out) for b, out in items]
+        self._warmup = build_warmup_prompts(tokenizer, p.prompts, _load(p), p.request.max_tokens,
+                                            base_dir=p.profile_dir)
         return [b for b, _ in items]
 
     def plan(self, prompts: list[PromptRecord], state: dict[str, Any] | None,
@@ -127,10 +136,24 @@ class LoadLevels(PlanStrategy):
                         service=step.service, position=lv.position, verify=ctx.verify)
         cells = [c.level for c in self.cells()]
         at = cells.index(lv) if lv in cells else 0
+        retokenize = lambda text: ctx.tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+        if self._warmup and lv.role != "reference":
+            ctx.notify("service", f"load: {step.describe()}: {len(self._warmup)} warm-up request(s)", done=at,
+                       total=len(cells))
+            warm = run_level(Level.warmup_of(_load(p), lv.kind, lv.value, round=lv.round), target, self._warmup,
+                             retokenize=retokenize)
+            if warm.stopped is not None:
+                raise KeyboardInterrupt(warm.stopped)
+            failed = [r for r in warm.requests if not r.ok]
+            if failed:
+                ctx.notify("warning", f"load: {step.describe()}: {len(failed)}/{len(warm.requests)} warm-up "
+                           f"request(s) failed (the first: {failed[0].error_kind}: {failed[0].error}); the "
+                           "level runs anyway", done=at, total=len(cells))
+            if p.run.reset_between_samples:
+                ctx.reset(lv.arm, base_url)
         ctx.notify("service", f"load: {step.describe()}", done=at, total=len(cells))
         level = Level.from_spec(_load(p), lv.kind, lv.value, round=lv.round, role=lv.role)
-        record = run_level(level, target, self._prompts,
-                           retokenize=lambda text: ctx.tokenizer.encode(text, add_special_tokens=False))
+        record = run_level(level, target, self._prompts, retokenize=retokenize)
         ctx.record_load(record)
         ctx.notify("service", f"load: {step.describe()}: done", done=at + 1, total=len(cells))
         if record.stopped is not None:
