@@ -212,6 +212,10 @@ class EngineConfig:
     # CUDA with decode graphs: at start, run and capture every decode KV-length bucket's graphs (two throwaway
     # steps per bucket, then a reset), so no request pays a bucket's first eager step and capture
     warm_decode_graphs: bool = True
+    # at start, one throwaway prefill of two full chunks and a short one in the engine's prefill mode (its layer
+    # steps' graphs captured, its kernels compiled and set up), then a reset, so the first request is not slower;
+    # None: on CUDA only (on a CPU there is nothing to compile or capture)
+    warm_prefill: bool | None = None
     d2d_from_slot_cache: bool = False  # prefill takes experts already in the slot cache device-to-device
     # decode's routed experts: "grouped" (torch._grouped_mm, as prefill) or "triton" (the router's softmax/top-k
     # and a GEMV over the k routed experts, abbench.engine.ops.kernels; Qwen3-MoE and the hybrid, needs

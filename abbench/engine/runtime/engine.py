@@ -125,6 +125,9 @@ class Engine:
             self.calibration: Calibration | None = None
             # demand prefills not yet compared with the model: (chunks, experts copied)
             self._calibration_pending: deque[tuple[list[tuple[int, int]], int]] = deque(maxlen=64)
+            self.prefill_warmup: dict | None = None
+            if cfg.warm_prefill or (cfg.warm_prefill is None and self.device.type == "cuda"):
+                self._warm_prefill()
             if cfg.prefill_mode == "auto":  # the cost model's inputs, and routing counts from now on
                 self.policy = self._measure_costs()
                 self.steps.track_routing()
@@ -156,6 +159,25 @@ class Engine:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.decode_warmup = {"kv_buckets": buckets, "seconds": round(time.perf_counter() - t0, 3)}
+
+    def _warm_prefill(self) -> None:
+        """One throwaway prefill now, so that no request pays the prefill path's first use: its layer steps' CUDA
+        graphs (a key's first sighting runs eagerly, the second captures), the lazy set-up of its kernels and
+        copies, Triton's compilation. On the H200 the first request of a fresh engine took 5.0-6.5 s for a 4K
+        prompt the next ones prefilled in 0.53 s (``results/20261205b-h200-batch-decode-load``, every service's
+        log). The prompt: two full chunks and a short one (at most the context less one), token 0, in the
+        engine's prefill mode (auto: layer-major, before the auto policy measures and tracks anything), no
+        decode. Then the prefix cache and the slots are reset and the traffic forgotten, as after the decode
+        warm-up."""
+        cfg = self.config
+        t0 = time.perf_counter()
+        n = min(2 * cfg.chunk_tokens + 1, self.caches[0].max_context - 1)
+        mode = "layer-major" if cfg.prefill_mode == "auto" else cfg.prefill_mode
+        with torch.no_grad(), attention_backends():
+            self._prefill([0] * n, 0, mode, None, cfg.chunk_tokens, cfg.attention_batch)
+        self.reset()
+        self.store.forget_traffic()
+        self.prefill_warmup = {"tokens": n, "mode": mode, "seconds": round(time.perf_counter() - t0, 3)}
 
     def _layer_steps(self) -> LayerSteps:
         """The prefill layer steps: CUDA graphs of full chunks' fixed-shape half-steps where the model has them
