@@ -172,6 +172,8 @@ class Engine:
         cfg = self.config
         t0 = time.perf_counter()
         n = min(2 * cfg.chunk_tokens + 1, self.caches[0].max_context - 1)
+        if n < 1:
+            return
         mode = "layer-major" if cfg.prefill_mode == "auto" else cfg.prefill_mode
         with torch.no_grad(), attention_backends():
             self._prefill([0] * n, 0, mode, None, cfg.chunk_tokens, cfg.attention_batch)
