@@ -212,6 +212,9 @@ class EngineConfig:
     # CUDA with decode graphs: at start, run and capture every decode KV-length bucket's graphs (two throwaway
     # steps per bucket, then a reset), so no request pays a bucket's first eager step and capture
     warm_decode_graphs: bool = True
+    # the decode warm-up also captures the other way of handling misses than the engine's (a server whose requests
+    # may choose it: --allow-request-overrides sets this); otherwise that way's graphs are captured on first use
+    warm_every_misses_way: bool = False
     # at start, one throwaway prefill of two full chunks and a short one in the engine's prefill mode (its layer
     # steps' graphs captured, its kernels compiled and set up), then a reset, so the first request is not slower;
     # None: on CUDA only (on a CPU there is nothing to compile or capture)

@@ -229,6 +229,14 @@ def test_decode_warmup_leaves_no_trace(preset):
     caches = range(warmed.config.max_num_seqs)  # every sequence cache's graphs, the engine's way of misses only
     assert positions == [(c, p) for c in caches for p in (1023, 2047, 2099) for _ in range(2)]
     assert warmed.decode_warmup["kv_buckets"] == [1024, 2048, 2100]
+    if warmed.decoder.table is not None:  # CUDA: a server whose requests may choose warms both ways
+        both, ways = Engine(dataclasses.replace(cfg, warm_every_misses_way=True)), []
+        both_step = both.decoder.step
+        both.decoder.step = lambda token, pos, cancel=None, misses=None, cache=0: (
+            ways.append(misses), both_step(token, pos, cancel, misses, cache))[1]
+        both._warm_decode()
+        del both.decoder.step
+        assert set(ways) == {"host", "device"} and set(ways[:2]) == {warmed.decoder.misses}
     assert warmed.decoder.steps == {"whole": 0, "per_layer": 0, "batched": 0} and warmed.store.lifetime.h2d_bytes == 0
     assert not any(warmed.store.slots.lru)  # the throwaway steps' experts are gone from the slot cache
     prompt = torch.randint(0, 400, (70,), generator=torch.Generator().manual_seed(2)).tolist()
@@ -295,3 +303,16 @@ def test_decode_never_calls_sdpa(preset, monkeypatch):
     events, _ = eng.run(prompt, 4, ignore_eos=True)
     assert len(events) == 4 and len(steps) == 3  # the first token comes from prefill
     assert calls == []
+
+
+def test_the_server_warms_both_ways_of_misses_only_where_requests_may_choose_one():
+    """``--allow-request-overrides`` (a request may ask ``decode_misses``) makes the decode warm-up capture both
+    ways' graphs; without it only the engine's own way is warmed (the other is unreachable). ``--no-warm-prefill``
+    turns the start-up prefill off."""
+    from abbench.engine.serve import launch
+
+    parse = launch.build_arg_parser().parse_args
+    assert launch._engine_config(parse(["--device", "cpu"])).warm_every_misses_way is False
+    assert launch._engine_config(parse(["--device", "cpu", "--allow-request-overrides"])).warm_every_misses_way
+    assert launch._engine_config(parse(["--device", "cpu"])).warm_prefill is None  # the default: on CUDA only
+    assert launch._engine_config(parse(["--device", "cpu", "--no-warm-prefill"])).warm_prefill is False

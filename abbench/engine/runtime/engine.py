@@ -152,7 +152,7 @@ class Engine:
         prefix cache and the hybrids' states are cleared, the slots flushed, the decoder's step counts kept."""
         t0 = time.perf_counter()
         steps = dict(self.decoder.steps)
-        buckets = self.decoder.warm()
+        buckets = self.decoder.warm(every_way=self.config.warm_every_misses_way)
         self.decoder.steps = steps
         self.reset()
         self.store.forget_traffic()

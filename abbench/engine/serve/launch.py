@@ -283,6 +283,8 @@ def http_stack() -> tuple[str, str]:
 def _engine_config(args: argparse.Namespace) -> EngineConfig:
     kwargs: dict[str, Any] = dict(model=args.model, weights=args.weights, device=args.device,
                                   prefill_mode=args.prefill_mode, chunk_tokens=args.chunk_tokens)
+    if getattr(args, "allow_request_overrides", False):  # a request may choose who handles the misses: warm both
+        kwargs["warm_every_misses_way"] = True
     for field in ("dtype", "expert_dtype", "slot_dtype", "layer_major_window_tokens", "demand_max_tokens", "gpu_memory_budget_gib",
                   "expert_slots_per_layer", "host_memory_check", "decode_graphs", "warm_decode_graphs",
                   "warm_prefill", "prefill_graphs", "attention_batch", "attention_batch_max_context", "router_skew",
