@@ -290,24 +290,24 @@ def test_tiny_preset_end_to_end_in_every_mode():
     assert engine.measured_h2d_gbps != engine.measured_h2d_gbps  # probe disabled: NaN
 
 
-@pytest.mark.parametrize("preset", ["tiny", "qwen3.5-tiny"])
-def test_the_start_up_prefill_warm_up_leaves_no_trace(preset):
+@pytest.mark.parametrize("preset,mode", [("tiny", "chunked"), ("qwen3.5-tiny", "layer-major")])
+def test_the_start_up_prefill_warm_up_leaves_no_trace(preset, mode):
     """``warm_prefill`` (on by default on CUDA, forced here): one throwaway prefill of two full chunks and a short
-    one at start, in the engine's prefill mode, then nothing of it is left. An engine that ran it answers
+    one at start, in the engine's prefill mode (Qwen3-MoE chunked, the hybrid layer-major), then nothing of it
+    is left. An engine that ran it answers
     bitwise like one that did not (ids, logprobs, prefill bytes, slot hits and misses), with no prefix-cache hit
     for a prompt that starts like the warm-up's (token 0 repeated) and its traffic at zero."""
     cfg = dict(model=preset, weights="random:0", chunk_tokens=64, layer_major_window_tokens=128,
                bandwidth_probe_bytes=0, max_context=400, warm_decode_graphs=False, device=KNOBS["device"],
                expert_slots_per_layer=PRESETS[preset].num_experts_per_tok + 2)
-    for mode in ("layer-major", "chunked"):
-        fresh = Engine(EngineConfig(**cfg, prefill_mode=mode, warm_prefill=False))
-        warmed = Engine(EngineConfig(**cfg, prefill_mode=mode, warm_prefill=True))
-        assert fresh.prefill_warmup is None
-        assert {k: warmed.prefill_warmup[k] for k in ("tokens", "mode")} == {"tokens": 129, "mode": mode}
-        assert warmed.store.lifetime.h2d_bytes == 0 and not any(warmed.store.slots.lru)
-        prompt = [0] * 40 + _prompt(60, seed=5)
-        a_events, a = fresh.run(prompt, 6, ignore_eos=True, logprobs=3)
-        b_events, b = warmed.run(prompt, 6, ignore_eos=True, logprobs=3)
-        assert [(e.token_id, e.top_logprobs) for e in a_events] == [(e.token_id, e.top_logprobs) for e in b_events]
-        assert b.cached_prompt_tokens == 0
-        assert (a.prefill_h2d_bytes, a.slot_hits, a.slot_misses) == (b.prefill_h2d_bytes, b.slot_hits, b.slot_misses)
+    fresh = Engine(EngineConfig(**cfg, prefill_mode=mode, warm_prefill=False))
+    warmed = Engine(EngineConfig(**cfg, prefill_mode=mode, warm_prefill=True))
+    assert fresh.prefill_warmup is None
+    assert {k: warmed.prefill_warmup[k] for k in ("tokens", "mode")} == {"tokens": 129, "mode": mode}
+    assert warmed.store.lifetime.h2d_bytes == 0 and not any(warmed.store.slots.lru)
+    prompt = [0] * 40 + _prompt(60, seed=5)
+    a_events, a = fresh.run(prompt, 6, ignore_eos=True, logprobs=3)
+    b_events, b = warmed.run(prompt, 6, ignore_eos=True, logprobs=3)
+    assert [(e.token_id, e.top_logprobs) for e in a_events] == [(e.token_id, e.top_logprobs) for e in b_events]
+    assert b.cached_prompt_tokens == 0
+    assert (a.prefill_h2d_bytes, a.slot_hits, a.slot_misses) == (b.prefill_h2d_bytes, b.slot_hits, b.slot_misses)
