@@ -412,6 +412,27 @@ def test_the_fp8_gpucheck_runs_on_cpu(capsys) -> None:
     assert "torch composition" in out and "H2D fp8 layer + row scales" in out and "DISAGREES" not in out
 
 
+def test_the_fp8_gpucheck_profiles_a_whole_prefill_on_three_engines(tmp_path) -> None:
+    """``gpucheck_fp8 --prefill-tokens N``: one N-token prefill on resident, model-dtype-bank and FP8-bank
+    engines, each the path asked for, the FP8 bank moving the bytes of its values and scales (a quarter of the
+    float32 bank's, plus scales, at the tiny preset on CPU); the device's breakdown is None on CPU."""
+    import json
+
+    from abbench.engine import PRESETS
+    from abbench.engine.tools.gpucheck_fp8 import main
+
+    assert main(["--device", "cpu", "--tokens", "64", "--prefill-tokens", "150", "--out",
+                 str(tmp_path / "p.json")]) == 0
+    rows = json.loads((tmp_path / "p.json").read_text())["rows"]
+    assert [(r["engine"], r["path"]) for r in rows] == [
+        ("resident", "resident"), ("layer-major, model-dtype bank", "layer-major"),
+        ("layer-major, fp8 bank", "layer-major")]
+    mc = PRESETS["tiny"]
+    f32, fp8 = (ExpertBank(mc, torch.float32, pin=False, fp8=q).bank_bytes for q in (False, True))
+    assert [r["prefill_h2d_bytes"] for r in rows] == [0, f32, fp8]  # one window: each bank streamed once
+    assert all(r["prefill_s"] > 0 and r["compute_busy_s"] is None for r in rows)
+
+
 def test_a_quantization_the_engine_cannot_read_is_refused(tmp_path) -> None:
     import json
 

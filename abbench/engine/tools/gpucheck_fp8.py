@@ -16,6 +16,15 @@ For one layer of the preset's routed experts (random bf16 weights, quantized per
 Prints a table; writes JSON with ``--out``; exits 1 when a dequantization disagrees. ``programs`` 0 is the
 full grid (``DEQUANT_PROGRAMS`` None). On CPU it runs the torch composition at the tiny preset, for the tests:
 its times mean nothing.
+
+``--prefill-tokens N`` instead profiles one whole prefill of N tokens, the model's first ``--layers`` layers
+(8 on CUDA), on three engines: every expert resident (the floor), layer-major streaming a bank in the compute
+dtype (bf16 on CUDA), and layer-major streaming an FP8 bank. After one untimed prefill (graphs captured), one
+more under the profiler's device activity gives, per engine: the prefill's wall time, the time the GPU spent in
+compute kernels (the union of their intervals, on every stream: dequantization and copies excluded), in copies
+and in dequantization kernels, the compute stream's measured wait for copies (``copy_wait_s``, CUDA events),
+and the largest kernels. Where the FP8 bank's prefill exceeds resident's (#46: 3-4 ms a layer at 16K and 32K),
+this says whether the GPU computed longer (slower kernels beside the copies) or sat idle (waiting).
 """
 
 from __future__ import annotations
@@ -152,6 +161,91 @@ def run(model: str, device: torch.device, dtype: torch.dtype, tokens: int, progr
     return ok, rows
 
 
+def _union_s(spans_us: list[tuple[float, float]]) -> float:
+    """Seconds covered by the union of [start, end) intervals in microseconds."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(spans_us):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total / 1e6
+
+
+def profile_prefill(engine, prompt: list[int], top: int = 8) -> dict:
+    """One prefill of ``prompt`` (after an untimed one) on ``engine``: its wall time, and on CUDA, from the
+    profiler's device activity, the seconds of compute kernels (union over streams), copies (union), FP8
+    dequantization kernels (sum), the compute stream's wait for copies (``copy_wait_s``) and the ``top`` kernels
+    by total time. The keys are there on CPU too, None where the profiler has no device."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = engine.device.type == "cuda"
+    engine.reset()
+    engine.run(prompt, 1, ignore_eos=True)  # untimed: lazy set-up, graphs captured
+    engine.reset()
+    out: dict = {"compute_busy_s": None, "copy_busy_s": None, "dequant_s": None, "top_kernels": None}
+    if not cuda:
+        _, stats = engine.run(prompt, 1, ignore_eos=True)
+    else:
+        torch.cuda.synchronize(engine.device)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            _, stats = engine.run(prompt, 1, ignore_eos=True)
+            torch.cuda.synchronize(engine.device)
+        kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+        copies = [e for e in kernels if e.name.startswith("Memcpy")]
+        dequant = [e for e in kernels if "dequant" in e.name]
+        compute = [e for e in kernels if e not in copies and e not in dequant and not e.name.startswith("Memset")]
+        spans = lambda es: [(e.time_range.start, e.time_range.end) for e in es]  # noqa: E731
+        by_name: dict[str, float] = {}
+        for e in kernels:
+            by_name[e.name[:80]] = by_name.get(e.name[:80], 0.0) + (e.time_range.end - e.time_range.start) / 1e6
+        out.update(compute_busy_s=_union_s(spans(compute)), copy_busy_s=_union_s(spans(copies)),
+                   dequant_s=sum(e.time_range.end - e.time_range.start for e in dequant) / 1e6,
+                   top_kernels=sorted(by_name.items(), key=lambda kv: -kv[1])[:top])
+    out.update(prefill_s=stats.prefill_end - stats.prefill_start, copy_wait_s=stats.copy_wait_s,
+               prefill_h2d_bytes=stats.prefill_h2d_bytes, path=stats.prefill_path)
+    return out
+
+
+def prefill_profiles(model: str, layers: int | None, tokens: int, chunk: int, device: torch.device,
+                     dtype: torch.dtype) -> list[dict]:
+    """``profile_prefill`` on the three engines of the module docstring (each built, profiled and dropped in
+    turn; the whole prompt one layer-major window: each bank streamed once), each row named by its ``engine``."""
+    import dataclasses
+
+    from abbench.engine import Engine, EngineConfig
+
+    mc = PRESETS[model]
+    if layers:
+        mc = dataclasses.replace(mc, num_hidden_layers=layers, name=f"{mc.name}-{layers}l")
+    prompt = torch.randint(10, mc.vocab_size - 10, (tokens,), generator=torch.Generator().manual_seed(0)).tolist()
+    base = dict(model=mc, weights="random:0", device=str(device), dtype=str(dtype).removeprefix("torch."),
+                chunk_tokens=chunk, max_context=tokens + 8, layer_major_window_tokens=-(-tokens // chunk) * chunk,
+                bandwidth_probe_bytes=0, warm_decode_graphs=False)
+    rows = []
+    for name, extra in (("resident", dict(prefill_mode="resident")),
+                        ("layer-major, model-dtype bank", dict(prefill_mode="layer-major")),
+                        ("layer-major, fp8 bank", dict(prefill_mode="layer-major", expert_dtype="fp8"))):
+        engine = Engine(EngineConfig(**base, **extra))
+        with torch.no_grad():
+            rows.append({"engine": name, **profile_prefill(engine, prompt)})
+        del engine
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+def _print_profiles(rows: list[dict]) -> None:
+    ms = lambda v: "-" if v is None else f"{v * 1e3:.1f}"  # noqa: E731
+    print(f"{'engine':<30} {'prefill ms':>10} {'compute':>9} {'copies':>9} {'dequant':>9} {'copy wait':>9}")
+    for r in rows:
+        print(f"{r['engine']:<30} {ms(r['prefill_s']):>10} {ms(r['compute_busy_s']):>9} {ms(r['copy_busy_s']):>9} "
+              f"{ms(r['dequant_s']):>9} {ms(r['copy_wait_s']):>9}")
+    for r in rows:
+        for name, sec in r["top_kernels"] or []:
+            print(f"  {r['engine']:<28} {sec * 1e3:9.1f} ms  {name}")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m abbench.engine.tools.gpucheck_fp8", description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -161,12 +255,26 @@ def main(argv: list[str] | None = None) -> int:
                    help="dequantize_fp8 grids to time, comma-separated; 0 = the full grid")
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--out", type=Path, default=None, help="write the rows as JSON")
+    p.add_argument("--prefill-tokens", type=int, default=0, metavar="N",
+                   help="instead: profile one N-token prefill on resident, bf16-bank and FP8-bank engines")
+    p.add_argument("--layers", type=int, default=None, help="--prefill-tokens: the first N layers (8 on cuda)")
     args = p.parse_args(argv)
     device = torch.device(args.device)
     cuda = device.type == "cuda"
     model = args.model or ("qwen3-30b-a3b" if cuda else "tiny")
     tokens = args.tokens or (2048 if cuda else 64)
     dtype = torch.bfloat16 if cuda else torch.float32
+    if args.prefill_tokens:
+        layers = args.layers if args.layers is not None else (8 if cuda else None)
+        rows = prefill_profiles(model, layers, args.prefill_tokens, tokens, device, dtype)
+        print(f"{model} ({layers or 'all'} layers), {device}, {dtype}, {args.prefill_tokens}-token prefill in "
+              f"{tokens}-token chunks")
+        _print_profiles(rows)
+        if args.out:
+            args.out.write_text(json.dumps({"model": model, "layers": layers, "device": str(device),
+                                            "prefill_tokens": args.prefill_tokens, "chunk_tokens": tokens,
+                                            "rows": rows}, indent=1))
+        return 0
     with torch.no_grad():
         ok, rows = run(model, device, dtype, tokens, [int(v) for v in args.programs.split(",")], args.repeats)
     print(f"{model}, {device}, {dtype}, triton: {dk.have_triton()}")
