@@ -83,7 +83,6 @@ class Level:
                    cooldown_s=load.cooldown_s, arrival=load.arrival, burstiness=load.burstiness, seed=load.seed,
                    round=round, role=role, scrape_interval_s=load.scrape_interval_s)
 
-
     @classmethod
     def warmup_of(cls, load: LoadSpec, kind: str, value: float, *, round: int = 1) -> Level:
         """The warm-up sent before a level (``load.warmup_requests``, never recorded): closed loop at the level's

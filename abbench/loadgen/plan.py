@@ -39,7 +39,8 @@ from abbench.results import PromptRecord
 from abbench.schedule import arm_order
 
 __all__ = ["POSITION_BASE", "WARMUP_POSITION_BASE", "LevelStep", "LoadPrompt", "arrivals", "build_load_items",
-           "build_load_prompts", "build_warmup_prompts", "draw_lengths", "level_plan", "load_prompt", "prompt_plan", "request_prompt", "resume_at"]
+           "build_load_prompts", "build_warmup_prompts", "draw_lengths", "level_plan", "load_prompt", "prompt_plan",
+           "request_prompt", "resume_at"]
 
 POSITION_BASE = 1_000_000
 """Corpus position of load prompt 0: far past any position the run's own prompt sets use."""

@@ -427,13 +427,12 @@ class Decoder:
         those positions: the caller resets the engine afterwards. The engine's own way of handling misses, and
         with ``every_way`` (a server whose requests may choose: ``--allow-request-overrides``) the other too,
         where a device-side slot table gives one; otherwise a request that asks for the other captures that
-        way's graphs when it first runs them. The host-handled way is per layer, two graphs a
-        layer, bucket and cache: 1,536 for qwen3-30b-a3b-half with 8 caches and 4 buckets, where the device's way
-        captures 32 whole steps; the warm-up of both ways took 48.9 s on the H200 (its split not measured).
-        Every sequence cache's graphs: a batched step replays the
-        same per-cache pieces a solo step of that cache does, so this captures every graph ``step_batch`` uses
-        (a complete slot cache's whole step, host-handled, is captured when it first happens). Returns the
-        buckets."""
+        way's graphs when it first runs them. The host-handled way is per layer, two graphs a layer, bucket and
+        cache: 1,536 for qwen3-30b-a3b-half with 8 caches and 4 buckets, where the device's way captures 32 whole
+        steps; the warm-up of both ways took 48.9 s on the H200 (its split not measured). Every sequence cache's
+        graphs: a batched step replays the same per-cache pieces a solo step of that cache does, so this
+        captures every graph ``step_batch`` uses (a complete slot cache's whole step, host-handled, is captured
+        when it first happens). Returns the buckets."""
         buckets = kv_buckets(self.caches[0].max_context)
         ways = [self.misses] + ([w for w in ("host", "device") if w != self.misses]
                                 if every_way and self.table is not None else [])

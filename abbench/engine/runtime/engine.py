@@ -164,7 +164,7 @@ class Engine:
         """One throwaway prefill now, so that no request pays the prefill path's first use: its layer steps' CUDA
         graphs (a key's first sighting runs eagerly, the second captures), the lazy set-up of its kernels and
         copies, Triton's compilation. On the H200 the first request of a fresh engine took 5.0-6.5 s for a 4K
-        prompt the next ones prefilled in 0.53 s (``results/20261205b-h200-batch-decode-load``, every service's
+        prompt, where the next ones prefilled in 0.53 s (``results/20261205b-h200-batch-decode-load``, every service's
         log). The prompt: two full chunks and a short one (at most the context less one), token 0, in the
         engine's prefill mode (auto: layer-major, before the auto policy measures and tracks anything), no
         decode. Then the prefix cache and the slots are reset and the traffic forgotten, as after the decode

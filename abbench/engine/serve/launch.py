@@ -330,7 +330,7 @@ def _build_engine(args: argparse.Namespace) -> tuple[Any, str]:
     if engine.decode_warmup is not None:
         log.info("decode graphs captured for KV lengths %s in %.2fs",
                  ", ".join(map(str, engine.decode_warmup["kv_buckets"])), engine.decode_warmup["seconds"])
-    if getattr(engine, "prefill_warmup", None) is not None:
+    if engine.prefill_warmup is not None:
         w = engine.prefill_warmup
         log.info("prefill warmed with one %d-token %s prompt in %.2fs", w["tokens"], w["mode"], w["seconds"])
     described = f"model {args.model}, prefill {args.prefill_mode}, device {args.device}"

@@ -42,6 +42,7 @@ from abbench.engine.config import PRESETS
 from abbench.engine.models.bank import dequantize_into, quantize_rows
 from abbench.engine.ops import kernels as dk
 from abbench.engine.ops.moe import grouped_mm, looped_mm, moe_experts, probe_grouped_mm
+from abbench.engine.tools.gpucheck_hybrid import union_seconds
 
 
 def _ms(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
@@ -161,16 +162,6 @@ def run(model: str, device: torch.device, dtype: torch.dtype, tokens: int, progr
     return ok, rows
 
 
-def _union_s(spans_us: list[tuple[float, float]]) -> float:
-    """Seconds covered by the union of [start, end) intervals in microseconds."""
-    total, end = 0.0, float("-inf")
-    for a, b in sorted(spans_us):
-        if b > end:
-            total += b - max(a, end)
-            end = b
-    return total / 1e6
-
-
 def profile_prefill(engine, prompt: list[int], top: int = 8) -> dict:
     """One prefill of ``prompt`` (after an untimed one) on ``engine``: its wall time, and on CUDA, from the
     profiler's device activity, the seconds of compute kernels (union over streams), copies (union), FP8
@@ -191,16 +182,17 @@ def profile_prefill(engine, prompt: list[int], top: int = 8) -> dict:
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             _, stats = engine.run(prompt, 1, ignore_eos=True)
             torch.cuda.synchronize(engine.device)
-        kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
-        copies = [e for e in kernels if e.name.startswith("Memcpy")]
-        dequant = [e for e in kernels if "dequant" in e.name]
-        compute = [e for e in kernels if e not in copies and e not in dequant and not e.name.startswith("Memset")]
-        spans = lambda es: [(e.time_range.start, e.time_range.end) for e in es]  # noqa: E731
+        spans: dict[str, list[tuple[float, float]]] = {"copy": [], "dequant": [], "compute": [], "set": []}
         by_name: dict[str, float] = {}
-        for e in kernels:
+        for e in prof.events():
+            if e.device_type != DeviceType.CUDA:
+                continue
+            kind = ("copy" if e.name.startswith("Memcpy") else "set" if e.name.startswith("Memset")
+                    else "dequant" if "dequant" in e.name else "compute")
+            spans[kind].append((e.time_range.start, e.time_range.end))
             by_name[e.name[:80]] = by_name.get(e.name[:80], 0.0) + (e.time_range.end - e.time_range.start) / 1e6
-        out.update(compute_busy_s=_union_s(spans(compute)), copy_busy_s=_union_s(spans(copies)),
-                   dequant_s=sum(e.time_range.end - e.time_range.start for e in dequant) / 1e6,
+        out.update(compute_busy_s=union_seconds(spans["compute"]), copy_busy_s=union_seconds(spans["copy"]),
+                   dequant_s=sum(b - a for a, b in spans["dequant"]) / 1e6,
                    top_kernels=sorted(by_name.items(), key=lambda kv: -kv[1])[:top])
     out.update(prefill_s=stats.prefill_end - stats.prefill_start, copy_wait_s=stats.copy_wait_s,
                prefill_h2d_bytes=stats.prefill_h2d_bytes, path=stats.prefill_path)
