@@ -205,7 +205,8 @@ def prefill_profiles(model: str, layers: int | None, tokens: int, chunk: int, de
     turn; the whole prompt one layer-major window: each bank streamed once), each row named by its ``engine``."""
     import dataclasses
 
-    from abbench.engine import Engine, EngineConfig
+    from abbench.engine.config import EngineConfig
+    from abbench.engine.runtime.engine import Engine
 
     mc = PRESETS[model]
     if layers:
