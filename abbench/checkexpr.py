@@ -114,7 +114,13 @@ LOAD_METRIC_SPECS: dict[str, Metric] = {m.name: m for m in (
     Metric("throughput_scaling", "x", True, False,
            "load: output tokens/s of the arm at a level / its own at the run's first level (its lightest load, "
            "e.g. c=1), paired by round: what the load buys"),
+    Metric("decode_scaling", "x", True, False,
+           "load: decode_output_tok_s of the arm at a level / its own at the run's first level, paired by round: "
+           "what the load buys the decode step alone"),
     Metric("output_tok_s", "tok/s", True, False, "load: output tokens/s over a level's measured window, per round"),
+    Metric("decode_output_tok_s", "tok/s", True, False,
+           "load: output tokens/s while every request in flight was decoding (no prompt waiting for its first "
+           "token), per round"),
     Metric("request_s", "req/s", True, False, "load: completed requests/s over a level's measured window, per round"),
     Metric("goodput", "req/s", True, False,
            "load: requests/s over the measured window that met every SLO of [load] slo, per round"),

@@ -2,9 +2,9 @@
 and latency percentiles, cand/base - 1, with a 95% percentile-bootstrap interval and the same verdicts as the
 sequential cells (:mod:`abbench.compare`).
 
-Values (:func:`abbench.analysis.load.values`): ``output_tok_s`` and ``goodput`` one per round (the statistic is
-their median), ``ttft_p50_s``, ``ttft_p99_s`` and ``itl_p99_s`` one per measured request (ITL: per gap; the
-statistic is that percentile). Each run is resampled on its own (seed 0, :data:`RESAMPLES` resamples). A cell
+Values (:func:`abbench.analysis.load.values`): ``output_tok_s``, ``decode_output_tok_s`` and ``goodput`` one per
+round (the statistic is their median), ``ttft_p50_s``, ``ttft_p99_s`` and ``itl_p99_s`` one per measured request
+(ITL: per gap; the statistic is that percentile). Each run is resampled on its own (seed 0, :data:`RESAMPLES` resamples). A cell
 with fewer than :data:`MIN_ROUNDS` rounds a side (throughput, goodput) or fewer values than its percentile
 needs (:func:`abbench.analysis.latency.min_n`, and at least 5) is "too few to judge", never a regression.
 A regression is a change worse than the threshold (throughput and goodput lower, latency higher) with its whole
@@ -47,6 +47,7 @@ class LoadMetric:
 
 LOAD_METRICS = (
     LoadMetric("output_tok_s", "Output tok/s", "output_tok_s", 0.5, False, True),
+    LoadMetric("decode_output_tok_s", "Decode tok/s", "decode_output_tok_s", 0.5, False, True),
     LoadMetric("goodput", "Goodput req/s", "goodput", 0.5, False, True),
     LoadMetric("ttft_p50_s", "TTFT p50", "ttft_s", 0.5, True, False),
     LoadMetric("ttft_p99_s", "TTFT p99", "ttft_s", 0.99, True, False),

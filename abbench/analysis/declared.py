@@ -58,7 +58,8 @@ Metrics (:data:`METRICS`), each per (arm, kind, prompt length) cell over measure
 
 Load checks (a run with ``[load]``): a load metric, or a latency metric with a level selector (``c=16``,
 ``rate=8``), is judged per level of its arm on the values :func:`abbench.analysis.load.values` gives:
-``throughput_ratio``, ``output_tok_s``, ``request_s`` and ``goodput`` one value per round (their interval is
+``throughput_ratio``, ``throughput_scaling``, ``decode_scaling``, ``output_tok_s``, ``decode_output_tok_s``,
+``request_s`` and ``goodput`` one value per round (their interval is
 over rounds), the latency percentiles one per request (ITL: per gap), ``error_rate`` per round and
 ``parity_under_load`` one per level (the fraction of prompts kept; bare it means ``>= 1``).
 
@@ -416,7 +417,8 @@ def fmt_value(v: float | None) -> str:
 def describe_cell(c: DeclaredCheck, cell: Cell) -> str:
     """'fresh 32768: 0.146 (95% CI 0.143-0.148, n=2 pairs) pass'."""
     what = ("pairs" if c.metric in PAIRED or c.metric in ("crossover", *NUMERICS) else
-            "rounds" if c.metric in ("output_tok_s", "request_s", "goodput", "error_rate", "throughput_scaling") else
+            "rounds" if c.metric in ("output_tok_s", "decode_output_tok_s", "request_s", "goodput", "error_rate",
+                                     "throughput_scaling", "decode_scaling") else
             "level" if c.metric == "parity_under_load" else "samples")
     if cell.low is None:
         span = f"n={cell.n} {what}"

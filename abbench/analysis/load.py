@@ -32,11 +32,19 @@ reference per round with ``parity_reference``.
   that met every SLO of ``[load] slo`` and ended in the window / its length; **error_rate** = measured failed
   requests / measured requests. The cell's figure is the median over rounds, with a bootstrap interval over
   rounds from two rounds up.
+* **Decode throughput** per round, **decode_output_tok_s**: output tokens made while every request in flight was
+  decoding, over that time (:func:`decode_spans`). The spans are the throughput window's times when some
+  request had its first token and none was waiting for one (sent, no first token yet: queued or prefilling);
+  a token counts when it and the same request's token before it both arrived within one span, so no
+  prefill's time is credited to decode. ``output_tok_s`` counts every token over the whole window and so
+  mixes in prefill: with 4K prompts and 64 output tokens it is mostly prefill. None when no span holds a
+  counted token.
 * **throughput_ratio**: output_tok_s(arm) / output_tok_s(reference arm, or ``vs ARM``) at the same level and
   round (the pair ABBA makes), median over rounds with its interval.
 * **throughput_scaling**: output_tok_s(arm, level) / output_tok_s(arm, the run's first level) in the same round
   (what the load buys an arm: at c=8 over c=1, the aggregate over one sequence's), median over rounds with its
-  interval; the first level has none.
+  interval; the first level has none. **decode_scaling**: the same of decode_output_tok_s (what the load buys the
+  decode step alone: at c=8 over c=1, 8 sequences' tokens/s over one's).
 * **In flight** over time: the step function of sends and ends (:func:`in_flight`); its mean over the window
   and its maximum.
 * **Parity between arms** (:func:`alone_parity`): each arm's run alone of a prompt against the parity reference
@@ -66,7 +74,7 @@ from abbench.checkexpr import Slo, parse_slo
 from abbench.loadrecords import LoadLevel, LoadRequest
 from abbench.results import RunRecord
 
-__all__ = ["CELL_COLUMNS", "PARITY_COLUMNS", "REQUEST_COLUMNS", "alone_parity", "cell_table", "in_flight", "is_load_run",
+__all__ = ["CELL_COLUMNS", "PARITY_COLUMNS", "REQUEST_COLUMNS", "alone_parity", "cell_table", "decode_figure", "decode_spans", "in_flight", "is_load_run",
            "level_rounds", "load_levels", "planned_cells",
            "load_slos", "measured", "parity_under_load", "request_metrics", "requests_table", "round_figures", "throughput_ratios",
            "values"]
@@ -76,7 +84,7 @@ RESAMPLES = 1000
 LATENCIES = ("ttft", "tpot", "itl", "e2e")
 CELL_COLUMNS = (["arm", "level", "kind", "value", "rounds", "sent", "measured", "ok", "failed", "errors"]
                 + [f"{m}_p{p}_s{x}" for m in LATENCIES for p in PERCENTILES for x in ("", "_low", "_high")]
-                + [f"{f}{x}" for f in ("request_s", "output_tok_s", "goodput", "error_rate")
+                + [f"{f}{x}" for f in ("request_s", "output_tok_s", "decode_output_tok_s", "goodput", "error_rate")
                    for x in ("", "_low", "_high")]
                 + ["in_flight_mean", "in_flight_max", "lag_p99_s", "ttft_sched_p99_s", "slo_met"])
 REQUEST_COLUMNS = ["arm", "round", "position", "role", "level", "index", "prompt_id", "target_tokens", "max_tokens",
@@ -157,15 +165,81 @@ def throughput_window(level: LoadLevel) -> tuple[float, float]:
     return lo, hi
 
 
+def _union(spans: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Sorted disjoint union of closed intervals (empty ones dropped)."""
+    out: list[list[float]] = []
+    for a, b in sorted(s for s in spans if s[1] > s[0]):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
+def _minus(spans: list[tuple[float, float]], holes: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """``spans`` less ``holes`` (both sorted and disjoint, as :func:`_union` gives them)."""
+    out, j = [], 0
+    for a, b in spans:
+        while j < len(holes) and holes[j][1] <= a:
+            j += 1
+        k, start = j, a
+        while k < len(holes) and holes[k][0] < b:
+            if holes[k][0] > start:
+                out.append((start, holes[k][0]))
+            start = max(start, holes[k][1])
+            k += 1
+        if start < b:
+            out.append((start, b))
+    return out
+
+
+def decode_spans(level: LoadLevel) -> list[tuple[float, float]]:
+    """The times (level clock, sorted, disjoint) within :func:`throughput_window` when some request was decoding
+    (past its first token, before its end) and none was waiting for its first token (sent, no first token yet,
+    not ended): what the decode step alone produced in. A request that failed before its first token waited
+    until its end."""
+    lo, hi = throughput_window(level)
+    decoding = _union((max(lo, r.first_token_s), min(hi, r.end_s)) for r in level.requests
+                      if r.first_token_s is not None and r.end_s is not None)
+    waiting = _union((r.sent_s, r.first_token_s if r.first_token_s is not None else
+                      (r.end_s if r.end_s is not None else level.elapsed_s)) for r in level.requests)
+    return _minus(decoding, waiting)
+
+
+def _decode_tokens(level: LoadLevel, spans: list[tuple[float, float]]) -> int:
+    """Output tokens whose arrival and the same request's previous arrival fall within one span."""
+    if not spans:
+        return 0
+    starts = np.asarray([a for a, _ in spans])
+    ends = np.asarray([b for _, b in spans])
+    n = 0
+    for r in level.requests:
+        if not r.token_times_s or len(r.token_times_s) < 2:
+            continue
+        t = r.sent_s + np.asarray(r.token_times_s, dtype=float)
+        i = np.searchsorted(starts, t, side="right") - 1  # the span starting at or before each arrival
+        inside = (i >= 0) & (t <= ends[np.clip(i, 0, None)] + 1e-9)
+        n += int(np.sum(inside[1:] & inside[:-1] & (i[1:] == i[:-1])))
+    return n
+
+
+def decode_figure(level: LoadLevel) -> float | None:
+    """decode_output_tok_s of one level (module docstring): tokens made within :func:`decode_spans` over their time."""
+    spans = decode_spans(level)
+    tokens = _decode_tokens(level, spans)
+    total = sum(b - a for a, b in spans)
+    return tokens / total if tokens and total > 0 else None
+
+
 def round_figures(level: LoadLevel, slos: list[Slo]) -> dict[str, float | None]:
-    """One level's per-round figures: request_s, output_tok_s, goodput (None without SLOs), error_rate (module
-    docstring), over :func:`throughput_window`; all None when that window is empty."""
+    """One level's per-round figures: request_s, output_tok_s, decode_output_tok_s, goodput (None without SLOs),
+    error_rate (module docstring), over :func:`throughput_window`; all None when that window is empty."""
     lo, hi = throughput_window(level)
     w = max(0.0, hi - lo)
     meas = measured(level)
     rate = (sum(not r.ok for r in meas) / len(meas)) if meas else None
     if w <= 0:
-        return {"request_s": None, "output_tok_s": None, "goodput": None, "error_rate": rate}
+        return {"request_s": None, "output_tok_s": None, "decode_output_tok_s": None, "goodput": None, "error_rate": rate}
     done = [r for r in level.requests if r.ok and r.end_s is not None and lo <= r.end_s <= hi]
     tokens = 0
     for r in level.requests:
@@ -175,7 +249,8 @@ def round_figures(level: LoadLevel, slos: list[Slo]) -> dict[str, float | None]:
     if slos:
         good = sum(1 for r in meas if r.ok and r.end_s is not None and r.end_s <= hi
                    and all(s.met(_slo_value(s, request_metrics(r))) for s in slos)) / w
-    return {"request_s": len(done) / w, "output_tok_s": tokens / w, "goodput": good, "error_rate": rate}
+    return {"request_s": len(done) / w, "output_tok_s": tokens / w, "decode_output_tok_s": decode_figure(level),
+            "goodput": good, "error_rate": rate}
 
 
 def in_flight(level: LoadLevel) -> list[tuple[float, int]]:
@@ -257,7 +332,7 @@ def cell_table(record: RunRecord) -> pd.DataFrame:
             for p in PERCENTILES:
                 row[f"{name}_p{p}_s"], row[f"{name}_p{p}_s_low"], row[f"{name}_p{p}_s_high"] = _ci(vals, p / 100)
         per_round = [round_figures(lv, slos) for lv in levels]
-        for f in ("request_s", "output_tok_s", "goodput", "error_rate"):
+        for f in ("request_s", "output_tok_s", "decode_output_tok_s", "goodput", "error_rate"):
             row[f], row[f"{f}_low"], row[f"{f}_high"] = _ci([x[f] for x in per_round if x[f] is not None], 0.5)
         flight = [_in_flight_window(lv) for lv in levels]
         means = [m for m, _ in flight if m is not None]
@@ -279,10 +354,12 @@ def throughput_ratios(record: RunRecord, against: str | None = None) -> pd.DataF
     return _over(_output_tok_s(record, load_levels(record)), lambda arm, label, rnd: (ref, label, rnd))
 
 
-def _output_tok_s(record: RunRecord, levels: list[LoadLevel]) -> dict[tuple[str, str, int], float | None]:
-    """(arm, level label, round) -> that level's output tokens/s over its throughput window."""
+def _output_tok_s(record: RunRecord, levels: list[LoadLevel],
+                  figure: str = "output_tok_s") -> dict[tuple[str, str, int], float | None]:
+    """(arm, level label, round) -> that level's ``figure`` of :func:`round_figures` (output tokens/s over its
+    throughput window, or decode_output_tok_s)."""
     slos = load_slos(record)
-    return {(lv.arm, lv.label, lv.round): round_figures(lv, slos)["output_tok_s"] for lv in levels}
+    return {(lv.arm, lv.label, lv.round): round_figures(lv, slos)[figure] for lv in levels}
 
 
 def _over(figures: dict[tuple[str, str, int], float | None], base_of) -> pd.DataFrame:
@@ -298,16 +375,17 @@ def _over(figures: dict[tuple[str, str, int], float | None], base_of) -> pd.Data
     return pd.DataFrame(rows, columns=["arm", "level", "round", "value"])
 
 
-def throughput_scalings(record: RunRecord) -> pd.DataFrame:
+def throughput_scalings(record: RunRecord, figure: str = "output_tok_s") -> pd.DataFrame:
     """Per (arm, level, round) past the run's first level: output_tok_s(arm, level) / output_tok_s(arm, first
     level) in the same round (the first level: its lightest load, the fewest in flight, else the lowest rate;
-    c=1 where it is one). Columns: arm, level, round, value."""
+    c=1 where it is one); ``figure="decode_output_tok_s"``: decode_scaling, the same of the decode throughput.
+    Columns: arm, level, round, value."""
     levels = load_levels(record)
     if not levels:
         return pd.DataFrame(columns=["arm", "level", "round", "value"])
     # the lightest load: the fewest in flight, else the lowest rate (inf last)
     first = min(levels, key=lambda lv: (lv.kind != "concurrency", float(lv.value))).label
-    return _over(_output_tok_s(record, levels), lambda arm, label, rnd: (arm, first, rnd))
+    return _over(_output_tok_s(record, levels, figure), lambda arm, label, rnd: (arm, first, rnd))
 
 
 def _tolerance(record: RunRecord, arm: str) -> tuple[float, bool]:
@@ -417,6 +495,8 @@ def values(record: RunRecord, metric: str, vs: str | None = None) -> pd.DataFram
         return throughput_ratios(record, vs)
     if metric == "throughput_scaling":
         return throughput_scalings(record)
+    if metric == "decode_scaling":
+        return throughput_scalings(record, "decode_output_tok_s")
     if metric == "parity_under_load":
         p = parity_under_load(record)
         rows = [{"arm": a, "level": lv, "round": 0, "value": kept / n} for a, lv, n, kept
@@ -425,7 +505,7 @@ def values(record: RunRecord, metric: str, vs: str | None = None) -> pd.DataFram
     slos = load_slos(record)
     for (arm, label), levels in level_rounds(record).items():
         for lv in levels:
-            if metric in ("request_s", "output_tok_s", "goodput", "error_rate"):
+            if metric in ("request_s", "output_tok_s", "decode_output_tok_s", "goodput", "error_rate"):
                 v = round_figures(lv, slos)[metric]
                 if v is not None:
                     rows.append({"arm": arm, "level": label, "round": lv.round, "value": v})

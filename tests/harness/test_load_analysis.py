@@ -63,8 +63,8 @@ def test_a_level_by_hand() -> None:
     assert list(m["itl"]) == pytest.approx([0.8, 1.0]) and m["lag"] is None
     f = al.round_figures(lv, [])
     # window 1..5 (4 s): ok ends in it r0 (1.5), r1 (2.5); tokens in it: r0 2, r1 3, r3 2 (4.2, 5.0)
-    assert f == {"request_s": pytest.approx(0.5), "output_tok_s": pytest.approx(7 / 4), "goodput": None,
-                 "error_rate": pytest.approx(1 / 3)}
+    assert f == {"request_s": pytest.approx(0.5), "output_tok_s": pytest.approx(7 / 4),
+                 "decode_output_tok_s": f["decode_output_tok_s"], "goodput": None, "error_rate": pytest.approx(1 / 3)}
     from abbench.checkexpr import parse_slo
 
     # goodput: measured ok requests that ended in the window and met the SLO: r1 only (r3 ends at 6.0)
@@ -88,8 +88,9 @@ def test_an_open_loop_counts_its_throughput_until_the_measured_requests_ended() 
                     window_start_s=0.0, window_end_s=0.0, elapsed_s=4.5, requests=burst)
     assert inf.window_s == 0 and al.throughput_window(inf) == (0.0, 4.5)
     assert al.round_figures(inf, []) == {"request_s": pytest.approx(4 / 4.5), "output_tok_s": pytest.approx(12 / 4.5),
-                                         "goodput": None, "error_rate": 0.0}
+                                         "decode_output_tok_s": pytest.approx(2.0), "goodput": None, "error_rate": 0.0}
     assert al._in_flight_window(inf)[1] == 4
+    assert al.decode_spans(inf) == [(3.5, 4.5)]  # the others waited until r3's first token: r3's 2 tokens in 1 s
     closed = _level("a", HAND)  # a closed loop keeps the window of sends (the drain is left out)
     assert al.throughput_window(closed) == (1.0, 5.0)
 
@@ -131,6 +132,53 @@ def test_throughput_scaling_divides_each_level_by_the_arms_lightest_in_the_same_
     assert "n=2 rounds" in describe_cell(parse_check("throughput_scaling[a, c=8] >= 3"), cells[0])
     assert judge(rec, parse_check("throughput_scaling[b, c=8] >= 2"))[0].status == "fail"
     assert [c.kind for c in judge(rec, parse_check("throughput_scaling[a] >= 1"))] == ["c=8"]  # c=1 has none
+
+
+def test_decode_throughput_leaves_out_the_time_a_prompt_waits_for_its_first_token() -> None:
+    """r0 decodes from 1.0; r1, sent at 1.8, waits (queued, prefilling) until its first token at 2.6, and r0's
+    tokens stall meanwhile. Decode spans: 1.0-1.8 and 2.6-3.6 (1.8 s). Counted: a token whose previous one of
+    the same request arrived in the same span: r0's 1.4 and 1.8, r0's 3.0 and 3.4, r1's 3.0 and 3.4 (six);
+    r0's 2.6 follows its 1.8 across r1's prefill and is not counted. output_tok_s counts all 9 over 5 s."""
+    r0 = _req(0, 0.0, [1.0, 1.4, 1.8, 2.6, 3.0, 3.4], ids=list(range(6)))
+    r1 = _req(1, 1.8, [0.8, 1.2, 1.6], ids=list(range(3)))  # first token at 2.6, then 3.0 and 3.4
+    r2 = _req(2, 4.5, None, ok=False, error_kind="http", status=429)  # refused at once: no wait to speak of
+    lv = _level("a", [r0, r1, r2], lo=0.0, hi=5.0)
+    assert al.decode_spans(lv) == [(pytest.approx(1.0), pytest.approx(1.8)), (pytest.approx(2.6), pytest.approx(3.4))]
+    f = al.round_figures(lv, [])
+    assert f["decode_output_tok_s"] == pytest.approx(6 / (0.8 + 0.8)) and f["output_tok_s"] == pytest.approx(9 / 5)
+    # a request still waiting when the window closes holds the rest of it: r0 alone decodes 1.0-1.8 only
+    lone = _level("a", [r0, _req(1, 1.8, [9.0], ids=[0])], lo=0.0, hi=5.0)
+    assert al.decode_spans(lone) == [(pytest.approx(1.0), pytest.approx(1.8))]
+    assert al.round_figures(lone, [])["decode_output_tok_s"] == pytest.approx(2 / 0.8)
+    # one token per request: nothing decoded, no figure
+    assert al.round_figures(_level("a", [_req(0, 1.0, [0.5], ids=[0])]), [])["decode_output_tok_s"] is None
+
+
+def test_decode_scaling_pairs_each_level_with_the_lightest_by_round_and_drives_a_check() -> None:
+    """8 sequences that decode together (a step every 0.1 s, 8 tokens a step) against one alone (a step every
+    0.05 s): 80 against 20 tok/s, 4x, though the prefill before the 8 makes their output_tok_s scale less."""
+    def alone(rnd: int) -> LoadLevel:
+        return _level("a", [_req(0, 0.0, [0.5 + 0.05 * i for i in range(41)], ids=list(range(41)))], rnd=rnd,
+                      lo=0.0, hi=2.6).model_copy(update={"value": 1.0})
+
+    def eight(rnd: int, step: float) -> LoadLevel:
+        rs = [_req(i, 0.0, [1.6 + step * k for k in range(11)], ids=list(range(11))) for i in range(8)]
+        return _level("a", rs, rnd=rnd, lo=0.0, hi=1.6 + 10 * step).model_copy(update={"value": 8.0})
+
+    rec = _record([alone(1), eight(1, 0.1), alone(2), eight(2, 0.125)])
+    s = al.throughput_scalings(rec, "decode_output_tok_s")
+    assert sorted(zip(s["level"], s["round"], s["value"])) == [("c=8", 1, pytest.approx(4.0)),
+                                                              ("c=8", 2, pytest.approx(3.2))]
+    assert al.values(rec, "decode_scaling")["value"].tolist() == s["value"].tolist()
+    out = al.throughput_scalings(rec)  # output tokens/s: the 1.6 s prefill counts, so it scales less
+    assert max(out["value"]) < 2.5
+    cells = judge(rec, parse_check("decode_scaling[a, c=8] >= 3"))
+    assert [(c.kind, c.status) for c in cells] == [("c=8", "pass")] and cells[0].value == pytest.approx(3.6)
+    assert "n=2 rounds" in describe_cell(parse_check("decode_scaling[a, c=8] >= 3"), cells[0])
+    assert judge(rec, parse_check("decode_scaling[a, c=8] >= 4.5"))[0].status == "fail"
+    assert judge(rec, parse_check("decode_output_tok_s[a, c=1] >= 20"))[0].status == "pass"
+    t = al.cell_table(rec)
+    assert t.set_index("level").loc["c=8", "decode_output_tok_s"] == pytest.approx(72.0)  # median of 80 and 64
 
 
 def test_throughput_ratio_is_paired_by_level_and_round() -> None:

@@ -159,7 +159,8 @@ def test_compare_judges_the_load_cells(run_dir: Path, tmp_path: Path) -> None:
     same = compare(live, live)
     assert same.exit_code == 0 and not same.load.empty
     assert set(same.load["verdict"]) <= {"not significant", "too few to judge"}
-    assert set(same.load["metric"]) == {"output_tok_s", "goodput", "ttft_p50_s", "ttft_p99_s", "itl_p99_s"}
+    assert set(same.load["metric"]) == {"output_tok_s", "decode_output_tok_s", "goodput", "ttft_p50_s", "ttft_p99_s",
+                                        "itl_p99_s"}
     base = _synthetic()
     c = compare(base, _slower(base, 3.0))
     rows = c.load.set_index(["arm", "level", "metric"])

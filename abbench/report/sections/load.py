@@ -86,7 +86,8 @@ def _cells(cells: pd.DataFrame) -> list[str]:
             "errors": d["errors"] or ("none" if not d["failed"] else DASH),
             "ttft50": _ci_s(d, "ttft_p50_s"), "ttft99": _ci_s(d, "ttft_p99_s"), "tpot50": _ci_s(d, "tpot_p50_s"),
             "itl99": _ci_s(d, "itl_p99_s"), "e2e50": _ci_s(d, "e2e_p50_s"),
-            "req": _ci_rate(d, "request_s"), "tok": _ci_rate(d, "output_tok_s"), "good": _ci_rate(d, "goodput"),
+            "req": _ci_rate(d, "request_s"), "tok": _ci_rate(d, "output_tok_s"),
+            "dec": _ci_rate(d, "decode_output_tok_s"), "good": _ci_rate(d, "goodput"),
             "flight": DASH if d["in_flight_mean"] is None or d["in_flight_mean"] != d["in_flight_mean"] else
             f"{d['in_flight_mean']:.1f} / {fmt_int(d['in_flight_max'])}",
             "lag": fmt_s(d["lag_p99_s"]),
@@ -95,7 +96,8 @@ def _cells(cells: pd.DataFrame) -> list[str]:
             Col("rounds", "Rounds", fmt_int, descriptive=True), Col("measured", "Measured", fmt_int),
             Col("ok", "OK", fmt_int), Col("errors", "Errors", fmt_text, right=False),
             Col("ttft50", "TTFT p50"), Col("ttft99", "TTFT p99"), Col("tpot50", "TPOT p50"), Col("itl99", "ITL p99"),
-            Col("e2e50", "E2E p50"), Col("req", "Req/s"), Col("tok", "Output tok/s"), Col("good", "Goodput req/s"),
+            Col("e2e50", "E2E p50"), Col("req", "Req/s"), Col("tok", "Output tok/s"), Col("dec", "Decode tok/s"),
+            Col("good", "Goodput req/s"),
             Col("flight", "In flight mean / max"), Col("lag", "Send lag p99")]
     return [table(pd.DataFrame(rows), cols)]
 
@@ -184,7 +186,8 @@ def load_section(ri: ReportInput) -> list[str]:
     else:
         lines += ["Per cell (arm, level), measured requests of every round; percentiles with their 95% interval "
                   "in brackets; a p99 needs 100 requests in the cell, a p90 ten. TTFT from each request's send; "
-                  "send lag = sent - due (open loop).", "", *_cells(a.load)]
+                  "send lag = sent - due (open loop). Decode tok/s: output tokens made while no request waited for its "
+                  "first token, over that time (prefill left out; `decode_output_tok_s`).", "", *_cells(a.load)]
         lines += ["", "### Throughput against the reference arm", "",
                   "Output tokens/s of the arm over the reference's at the same level and round (ABBA pairs): "
                   "median over rounds and its 95% bootstrap interval.", "", *_ratios(a.load_ratios, a.reference,
