@@ -234,6 +234,11 @@ class EngineConfig:
     # over PCIe: the whole step is one graph; needs decode_experts "triton"); "auto": device with Triton's
     # experts, else host
     decode_misses: str = "auto"
+    # offloaded decode with the misses on the device, Qwen3-MoE: between each layer's attention and its experts,
+    # guess the next layer's experts from the residual stream (its router applied early) and bring the ones
+    # its slots lack in on a side stream, beside the compute, so its lookup finds them (decode.Decoder); the
+    # bits do not change, the copies include the wrong guesses. Off by default: not yet measured on a GPU
+    decode_prefetch: bool = False
     # CUDA, hybrid (Qwen3.5/3.6) models: replay the fixed-shape prefill layer steps of full chunks as CUDA
     # graphs (abbench.engine.runtime.steps); every mode makes the same calls either way
     prefill_graphs: bool = True

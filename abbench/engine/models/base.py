@@ -68,6 +68,12 @@ class MoEModel:
         return None if self.router_bias is None else self.router_bias[layer]
 
     batched_decode = False  # ``decode_attn_rows``: several sequences' decode tokens through a layer at once
+    guesses_experts = False  # ``predict_experts``: a guess of a layer's experts one layer ahead (decode prefetch)
+
+    def predict_experts(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        """A guess of the experts [B, k] ``layer`` will route decode tokens x [B, H] to, from the residual stream
+        before it; only where ``guesses_experts``."""
+        raise NotImplementedError(f"{type(self).__name__} makes no guess of a layer's experts")
 
     def decode_logits(self, x: torch.Tensor) -> torch.Tensor:
         """The float32 logits [B, V] of decode tokens x [B, H] (``logits`` of each)."""

@@ -255,6 +255,34 @@ if triton is not None:
 
 if triton is not None:
     @triton.jit
+    def _fetch_rows(host_ptr, w_ptr, slots_ptr, src_ptr, members_ptr, scale_ptr, wscale_ptr, R: tl.constexpr,
+                    C: tl.constexpr, M: tl.constexpr, stride_we, stride_wn, BLOCK_R: tl.constexpr,
+                    BLOCK_C: tl.constexpr, FP8: tl.constexpr, SLOT_FP8: tl.constexpr, DEQUANT: tl.constexpr):
+        p = tl.program_id(0)  # a predicted pair; the first pair of each expert copies it, if it was given a slot
+        if tl.load(members_ptr + p * M) == p:
+            code = tl.load(src_ptr + p).to(tl.int64)  # >= 0: a miss of that expert given a slot; else nothing
+            if code >= 0:
+                e = tl.load(slots_ptr + p).to(tl.int64)
+                rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+                rmask = rows < R
+                base = w_ptr + e * stride_we
+                hq = host_ptr + code * stride_we
+                if FP8:  # the bank's row scales: into FP8 slots as they are, or to dequantize with
+                    sc = tl.load(scale_ptr + code * R + rows, mask=rmask, other=1.0)
+                    if SLOT_FP8:
+                        tl.store(wscale_ptr + e * R + rows, sc, mask=rmask)
+                for c0 in range(0, C, BLOCK_C):
+                    cols = c0 + tl.arange(0, BLOCK_C)
+                    m = rmask[:, None] & (cols < C)[None, :]
+                    off = rows[:, None] * stride_wn + cols[None, :]
+                    w = tl.load(hq + off, mask=m, other=0.0)
+                    if DEQUANT:  # as the experts' kernels' fetch: q * scale in float32, rounded once
+                        w = (w.to(tl.float32) * sc[:, None]).to(w_ptr.dtype.element_ty)
+                    tl.store(base + off, w, mask=m)
+
+
+if triton is not None:
+    @triton.jit
     def _dequant_fp8(q_ptr, s_ptr, out_ptr, NR, PROGRAMS, ITERS: tl.constexpr, R: tl.constexpr, C: tl.constexpr,
                      SR: tl.constexpr, SC: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, BLOCK_R: tl.constexpr,
                      BLOCK_C: tl.constexpr):
@@ -699,3 +727,70 @@ def moe_tokens(h: torch.Tensor, top_w: torch.Tensor, top_ids: torch.Tensor, gate
     block = min(1024, next_pow2(H))
     _combine[(n_tok, triton.cdiv(H, block))](ys, tw, res, out, H, k, BLOCK=block, HAS_RES=residual is not None)
     return out  # [B, H]
+
+
+class PrefetchBuffers(NamedTuple):
+    """A prefetch's outputs, kept by its caller so a captured step reads fixed addresses (``prefetch_experts``):
+    slots [P] int64, src [P] int32, members [P, M] int32 for P = max_tokens x k pairs, M = next_pow2(max_tokens)."""
+
+    slots: torch.Tensor
+    src: torch.Tensor
+    members: torch.Tensor
+
+    @classmethod
+    def empty(cls, max_tokens: int, k: int, device: torch.device) -> PrefetchBuffers:
+        mp = next_pow2(max_tokens)
+        p = mp * k
+        return cls(torch.zeros(p, dtype=torch.long, device=device), torch.full((p,), -1, dtype=torch.int32,
+                                                                                device=device),
+                   torch.full((p, mp), -1, dtype=torch.int32, device=device))
+
+
+def prefetch_experts(top_ids: torch.Tensor, lookup: SlotLookup, host: tuple[torch.Tensor, ...], gate_up: torch.Tensor,
+                     down: torch.Tensor, out: PrefetchBuffers, max_tokens: int,
+                     token_counts: torch.Tensor | None = None,
+                     slot_scales: tuple[torch.Tensor, torch.Tensor] | None = None, block_r: int = 8,
+                     block_c: int = 512) -> None:
+    """Bring experts a layer is predicted to route to into its slots ahead of its lookup: top_ids [B, k]
+    (the layer's router applied early, ``Model.predict_experts``) looked up once each in the layer's slot table
+    (``lookup``: ``DeviceSlotTable.prefetch_layer``, whose tick is the step's less one, so what this places is
+    the newest of what the step's own lookup may evict, never protected from it; and whose counts are the
+    prefetch's: already there, copied), and each one not there that got a slot copied from the host bank
+    (``host``, as ``moe_tokens``' fetch: an FP8 bank's values and row scales into FP8 slots, or dequantized
+    into compute-dtype slots with the same bits) into it. Outputs nothing else: the layer's lookup later in the
+    step finds them as hits, and the values are the bank's wherever they sit, so the step's bits do not change.
+    With ``token_counts`` [next_pow2(max_tokens), 2] each token's prefetched experts are added (already there,
+    copied; each expert charged to its first pair's token)."""
+    if triton is None:
+        raise RuntimeError("prefetch_experts needs Triton")
+    n_tok, k = top_ids.shape
+    if not 1 <= n_tok <= max_tokens:
+        raise ValueError(f"prefetch_experts: top_ids [B, k] with 1 <= B <= max_tokens ({max_tokens})")
+    fp8 = len(host) == 4
+    host_gu, host_dn = host[:2]
+    gu_scale, dn_scale = host[2:] if fp8 else (host_gu, host_dn)  # (unread without FP8)
+    if gate_up.is_cuda and not host_gu.is_cuda:
+        host_gu, host_dn = HostMapped(host_gu), HostMapped(host_dn)
+        if fp8:
+            gu_scale, dn_scale = HostMapped(gu_scale), HostMapped(dn_scale)
+    slot_fp8 = slot_scales is not None
+    sgu, sdn = slot_scales if slot_fp8 else (gate_up, down)  # (unread without FP8 slots)
+    mp, n_pairs = next_pow2(max_tokens), n_tok * k
+    if out.members.shape != (mp * k, mp) or token_counts is not None and token_counts.shape != (mp, 2):
+        raise ValueError("prefetch_experts: buffers for max_tokens x k pairs (PrefetchBuffers.empty), token_counts "
+                         f"[{mp}, 2]")
+    ids = top_ids.reshape(-1).contiguous()
+    n_slots = check_slot_table(k, lookup.stamp.shape[0])
+    _group_experts[(1,)](ids, ids, out.slots, out.src, out.members, ids if token_counts is None else token_counts,
+                         lookup.slot_of, lookup.expert_of, lookup.stamp, lookup.tick, lookup.counts, n_pairs, K=k,
+                         PP=next_pow2(mp * k), M=mp, LOOKUP=True, HAS_SRC=False,
+                         TOK_COUNTS=token_counts is not None, S=n_slots, SP=next_pow2(n_slots),
+                         IDENTITY=lookup.identity, STEP=STAMP_STEP, NEVER=STAMP_NEVER, num_warps=4)
+    dequant = fp8 and not slot_fp8
+    _, two_i, hidden = gate_up.shape
+    for src_w, w, scale, wscale, rows, cols in ((host_gu, gate_up, gu_scale, sgu, two_i, hidden),
+                                                 (host_dn, down, dn_scale, sdn, hidden, two_i // 2)):
+        _fetch_rows[(n_pairs, triton.cdiv(rows, block_r))](src_w, w, out.slots, out.src, out.members, scale, wscale,
+                                                           rows, cols, mp, w.stride(0), w.stride(1), BLOCK_R=block_r,
+                                                           BLOCK_C=block_c, FP8=fp8, SLOT_FP8=slot_fp8,
+                                                           DEQUANT=dequant)

@@ -233,7 +233,7 @@ class Decoder:
     """Static buffers and the step functions of decode; see the module docstring."""
 
     def __init__(self, model: Model, store: ExpertStore, kv: KVCache | list[KVCache], graphs: bool,
-                 experts: str = "grouped", attention: str = "torch", misses: str = "host"):
+                 experts: str = "grouped", attention: str = "torch", misses: str = "host", prefetch: bool = False):
         # the sequences' caches (one per sequence the engine may run at once), each with its own buffers and
         # graphs; ``self.cache`` / ``self.kv``: the one stepped last (``logits`` is its buffer)
         self.caches = list(kv) if isinstance(kv, (list, tuple)) else [kv]
@@ -272,8 +272,8 @@ class Decoder:
                        if graphs and dev.type == "cuda" and model.grouped and probe_graph_capture(dev, model.dtype)
                        else None)
         # the device table's hit/miss counts either side of each device-handled item of a batch (``settle``)
-        self.counts_at = (torch.zeros(2 * len(self.caches), 2, dtype=torch.long, device=dev)
-                          if self.table is not None else None)  # [2C, 2]
+        self.counts_at = (torch.zeros(2 * len(self.caches), 4, dtype=torch.long, device=dev)
+                          if self.table is not None else None)  # [2C, 4]: hits, misses, prefetch's two counts
         # B sequences' tokens through each layer at once (``_together``): Qwen3-MoE with Triton's experts and
         # attention, its caches rows of one pool
         self.batched = (experts == "triton" and attention == "triton" and model.batched_decode
@@ -287,6 +287,23 @@ class Decoder:
                      if self.rows_batched else None)
         self.batch_graphs = (GraphCache(dev) if (self.batched or self.rows_batched) and self.graphs is not None
                              else None)
+        # the prefetch (module docstring): each layer's experts guessed from the residual stream one layer ahead
+        # and brought into its slots on a side stream while the compute goes on
+        self.prefetch = bool(prefetch)
+        if self.prefetch:
+            if self.table is None or self.misses != "device":
+                raise ValueError("decode_prefetch brings experts into the slots the device looks up: it needs "
+                                 "offloaded experts with the misses on the device (decode_misses 'device' or auto, "
+                                 "Triton's experts)")
+            if not model.guesses_experts:
+                raise ValueError(f"decode_prefetch: {cfg.name}'s decode has no guess of the next layer's experts "
+                                 "(Qwen3-MoE has)")
+            self.pf_ids = torch.zeros(self.n_layers, len(self.caches) * self.k, dtype=torch.long, device=dev)
+            self.pf_bufs = [decode_kernels.PrefetchBuffers.empty(len(self.caches), self.k, dev)
+                            for _ in range(self.n_layers)]
+            self.pf_stream = torch.cuda.Stream(dev) if dev.type == "cuda" else None
+            if self.batch is not None:
+                self.batch.pf_token_counts = torch.zeros_like(self.batch.token_counts)
         self._batch_counts: list[tuple[torch.Tensor, list[tuple[DecodeResult, int]]]] = []
         self.steps = {"whole": 0, "per_layer": 0, "batched": 0}  # (batched: runs of several items, each "whole")
         self.syncs = 0  # host reads of device results: the routing of a per-layer layer, the counts' snapshots
@@ -377,12 +394,15 @@ class Decoder:
     # -- pieces (each static-shape and sync-free) ---------------------------------------------------------
     def _whole(self, c: int, kv_len: int, on_device: bool) -> None:
         m, b, kv, table = self.model, self.bufs[c], self.caches[c], (self.table if on_device else None)
+        prefetch = table is not None and self.prefetch
         if table is not None:
-            table.tick.add_(1)
+            table.next_tick(prefetch)
         x = m.embed(b.token)  # [1, W]
         for layer in range(self.n_layers):
             gate_up, down = self.store.decode_weights(layer)  # resident or identity slots: expert e in row e
             x, h, top_w, top_ids = m.decode_attn_block(layer, x, kv, b.pos, kv_len)  # [1, H] x2, [1, k] x2
+            if prefetch:
+                self._prefetch(layer, x, 1, None)
             scales = self.store.decode_slot_scales(layer)
             if table is None:
                 x = self.moe(x, h, top_w, top_ids, gate_up, down,
@@ -392,6 +412,35 @@ class Decoder:
                 x = self.moe(x, h, top_w, top_ids, gate_up, down, lookup=table.layer(layer),
                              host=self.store.decode_host(layer), slot_scales=scales)  # [1, H]
         b.logits.copy_(m.decode_logits(x)[0])
+
+    def _prefetch(self, layer: int, x: torch.Tensor, n: int, token_counts: torch.Tensor | None) -> None:
+        """In a device-handled step, between ``layer``'s attention half and its experts: wait for the prefetch of
+        ``layer``'s experts (queued at the layer before), then guess the next layer's from x [n, H] (the residual
+        stream after ``layer``'s attention, ``Model.predict_experts``) and queue their prefetch on the side stream
+        (``decode_kernels.prefetch_experts``), to run beside ``layer``'s experts and the next attention half. The
+        side stream reads only buffers kept here, the table, the bank and the slots (nothing allocated on it), and
+        every prefetch is waited for before its layer's experts run, so a captured step joins every fork."""
+        side, main = self.pf_stream, torch.cuda.current_stream(self.model.device) if self.pf_stream else None
+        if side is not None and layer > 0:
+            main.wait_stream(side)  # this layer's prefetch, queued at the layer before
+        nxt = layer + 1
+        if nxt >= self.n_layers:
+            return
+        ids = self.pf_ids[nxt, : n * self.k].view(n, self.k)
+        ids.copy_(self.model.predict_experts(nxt, x))
+
+        def run() -> None:
+            gate_up, down = self.store.decode_weights(nxt)
+            decode_kernels.prefetch_experts(ids, self.table.prefetch_layer(nxt), self.store.decode_host(nxt), gate_up,
+                                            down, self.pf_bufs[nxt], self.max_tokens, token_counts=token_counts,
+                                            slot_scales=self.store.decode_slot_scales(nxt))
+
+        if side is None:
+            run()
+            return
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            run()
 
     def _embed(self, c: int) -> None:
         b = self.bufs[c]
@@ -536,14 +585,16 @@ class Decoder:
             if on_device:
                 self.store.slots.sync_device()  # the host's lookups or flush since the last device-side step
                 if attribute:
-                    self.counts_at[2 * i].copy_(table.counts)
+                    self.counts_at[2 * i, :2].copy_(table.counts)
+                    self.counts_at[2 * i, 2:].copy_(table.pf_counts)
             try:
                 self._run(c, ("whole", c, kv_len, on_device), lambda: self._whole(c, kv_len, on_device))
             finally:
                 if on_device:
                     table.ahead = table.uncounted = True
             if on_device and attribute:
-                self.counts_at[2 * i + 1].copy_(table.counts)
+                self.counts_at[2 * i + 1, :2].copy_(table.counts)
+                self.counts_at[2 * i + 1, 2:].copy_(table.pf_counts)
                 r.counts_row = i
             r.logits = self.bufs[c].logits
         except Exception as exc:  # noqa: BLE001 - this item's step ends; the others go on
@@ -553,15 +604,20 @@ class Decoder:
         """The batched step's piece: the first ``n`` rows of the batch buffers through every layer at once."""
         m, bb = self.model, self.batch
         table = self.table if on_device else None
+        prefetch = table is not None and self.prefetch
         if table is not None:
-            table.tick.add_(1)
+            table.next_tick(prefetch)
             bb.token_counts.zero_()
+            if prefetch:
+                bb.pf_token_counts.zero_()
         pool_k, pool_v = self.caches[0].pool_k, self.caches[0].pool_v
         pos, index, plan = bb.pos[:n], bb.index[:n], bb.plan[:n]
         x = m.embed(bb.token[:n])  # [B, H]
         for layer in range(self.n_layers):
             gate_up, down = self.store.decode_weights(layer)
             x, h, top_w, top_ids = m.decode_attn_rows(layer, x, pool_k[layer], pool_v[layer], pos, index, plan)
+            if prefetch:
+                self._prefetch(layer, x, n, bb.pf_token_counts)
             scales = self.store.decode_slot_scales(layer)
             if table is None:
                 x = self.moe(x, h, top_w, top_ids, gate_up, down, slot_scales=scales)  # [B, H]
@@ -602,7 +658,10 @@ class Decoder:
             finally:
                 if on_device:
                     table.ahead = table.uncounted = True
-            counts = bufs.token_counts[:n].clone() if on_device and attribute else None
+            counts = None
+            if on_device and attribute:
+                counts = (torch.cat([bufs.token_counts[:n], bufs.pf_token_counts[:n]], dim=1)
+                          if self.prefetch and self.batched else bufs.token_counts[:n].clone())
         except Exception as exc:  # noqa: BLE001 - no one item's
             for i in live:
                 results[i].error = exc
@@ -770,25 +829,28 @@ class Decoder:
         ``ExpertStore.collect_decode_counts`` counts it), then fold the device table's counts into the store's
         accounting. Counts of device-side steps run without snapshots (a solo ``step``) are folded but charged to
         no item; an item whose step raised is charged nothing (its counts are folded all the same)."""
-        for counts, rows in self._batch_counts:  # batched steps: each token's own hits and misses
+        for counts, rows in self._batch_counts:  # batched steps: each token's own hits and misses (and the
+            # experts the prefetch copied in for it: traffic, not lookups)
             per_token = counts.tolist()
             self.syncs += 1
             for r, row in rows:
-                hits, misses = per_token[row]
+                hits, misses, *pf = per_token[row]
+                copies = misses + (pf[1] if pf else 0)
                 r.lookups.hits += hits
                 r.lookups.misses += misses
-                r.traffic.h2d_bytes += misses * self.store.bank.expert_bytes
-                r.traffic.expert_copies += misses
+                r.traffic.h2d_bytes += copies * self.store.bank.expert_bytes
+                r.traffic.expert_copies += copies
         self._batch_counts.clear()
         mine = [r for r in results if r.counts_row is not None]
         if mine:
-            snaps = self.counts_at.tolist()  # [2C, 2]
+            snaps = self.counts_at.tolist()  # [2C, 4]
             self.syncs += 1
             for r in mine:
-                (h0, m0), (h1, m1) = snaps[2 * r.counts_row], snaps[2 * r.counts_row + 1]
+                (h0, m0, _, p0), (h1, m1, _, p1) = snaps[2 * r.counts_row], snaps[2 * r.counts_row + 1]
+                copies = m1 - m0 + p1 - p0
                 r.lookups.hits += h1 - h0
                 r.lookups.misses += m1 - m0
-                r.traffic.h2d_bytes += (m1 - m0) * self.store.bank.expert_bytes
-                r.traffic.expert_copies += m1 - m0
+                r.traffic.h2d_bytes += copies * self.store.bank.expert_bytes
+                r.traffic.expert_copies += copies
                 r.counts_row = None
         self.store.collect_decode_counts()

@@ -112,7 +112,7 @@ class Engine:
             self.scheduler = Scheduler(self, self.caches)
             self.decoder = Decoder(self.model, self.store, self.caches, graphs=cfg.decode_graphs,
                                    experts=cfg.decode_experts, attention=cfg.decode_attention,
-                                   misses=cfg.decode_misses)
+                                   misses=cfg.decode_misses, prefetch=cfg.decode_prefetch)
             self.steps = self._layer_steps()
             self._batch_exact: dict[tuple[int, int], bool] = {}
             if cfg.attention_batch > 1:  # probe the configured chunk length now, not in the first request

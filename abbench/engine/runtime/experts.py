@@ -162,7 +162,14 @@ class DeviceSlotTable:
     rank within the step; a free slot s holds s - S so free slots go first, lowest first); ``tick`` [1] the
     step (the graph adds 1); ``counts`` [2] hits and misses since the last ``take_counts``; ``slots`` [L, k]
     and ``src`` [L, k] each layer's lookup result for the experts kernel and the fetch. The same policy as the
-    host's ``OrderedDict`` LRU, so either side can take over from the other (``push`` / ``pull``)."""
+    host's ``OrderedDict`` LRU, so either side can take over from the other (``push`` / ``pull``).
+
+    Prefetch (``Decoder``'s ``prefetch``, ``decode_kernels.prefetch_experts``): ``pf_tick`` [1] the step's tick
+    less one (``prefetch_layer``'s lookups stamp what they place as if the step before had used it: the newest
+    of what the step's own lookup may evict, never protected from it; a prefetch evicts only what the step
+    before did not use either) and ``pf_counts`` [2] the prefetched experts already there and those copied in,
+    since the last ``take_prefetched``. The host's LRU knows nothing of it: with prefetch the two ways' slots
+    differ (``pull`` still gives the host the device's view)."""
 
     def __init__(self, n_layers: int, num_experts: int, slots_per_layer: int, top_k: int, device: torch.device):
         L, E, S = n_layers, num_experts, slots_per_layer
@@ -172,6 +179,8 @@ class DeviceSlotTable:
         self.stamp = torch.zeros((L, S), dtype=torch.int64, device=device)
         self.tick = torch.zeros(1, dtype=torch.int64, device=device)
         self.counts = torch.zeros(2, dtype=torch.int64, device=device)
+        self.pf_tick = torch.zeros(1, dtype=torch.int64, device=device)
+        self.pf_counts = torch.zeros(2, dtype=torch.int64, device=device)
         self.slots = torch.zeros((L, top_k), dtype=torch.long, device=device)
         self.src = torch.full((L, top_k), -1, dtype=torch.int32, device=device)
         self.ahead = False  # device steps ran since the host's view was last pulled
@@ -207,6 +216,15 @@ class DeviceSlotTable:
         self.ahead = False
         return lru, free
 
+    def take_prefetched(self) -> int:
+        """Experts the prefetch copied in since the last call (one device read, none when no step ran since the
+        counts were last taken; call it before ``take_counts``), and zero its counts."""
+        if not self.uncounted:
+            return 0
+        copied = int(self.pf_counts[1].item())
+        self.pf_counts.zero_()
+        return copied
+
     def take_counts(self) -> tuple[int, int]:
         """(hits, misses) since the last call (one device read, none when no lookup ran), and zero them."""
         if not self.uncounted:
@@ -222,6 +240,20 @@ class DeviceSlotTable:
         self.uncounted = True
         return decode_kernels.SlotLookup(self.slot_of[layer], self.expert_of[layer], self.stamp[layer], self.tick,
                                          self.counts, self.slots[layer], self.src[layer], self.identity)
+
+    def prefetch_layer(self, layer: int) -> decode_kernels.SlotLookup:
+        """``layer``'s table for ``decode_kernels.prefetch_experts``: the step's tick less one (``pf_tick``, which
+        ``next_tick`` keeps) and the prefetch's own counts (class docstring)."""
+        self.uncounted = True
+        return decode_kernels.SlotLookup(self.slot_of[layer], self.expert_of[layer], self.stamp[layer], self.pf_tick,
+                                         self.pf_counts, self.slots[layer], self.src[layer], self.identity)
+
+    def next_tick(self, prefetch: bool = False) -> None:
+        """A device-side step begins (queued, or captured in its graph): tick + 1, and with ``prefetch`` the
+        prefetch's tick, one behind."""
+        self.tick.add_(1)
+        if prefetch:
+            torch.sub(self.tick, 1, out=self.pf_tick)
 
 
 @dataclass
@@ -242,6 +274,7 @@ class ExpertStore:
         self.cuda = device.type == "cuda"
         self.lifetime, self.request = Traffic(), Traffic()
         self.slot_lifetime, self.slot_request = SlotStats(), SlotStats()
+        self.prefetched = 0  # experts the decode prefetch copied in (``collect_decode_counts``), lifetime
         self._stalls: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # (before, after) each streamed wait
         self.startup_h2d_bytes = 0
         e, i, h = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
@@ -487,13 +520,16 @@ class ExpertStore:
 
     def collect_decode_counts(self) -> None:
         """Fold the device table's hits and misses since the last call into the accounting (each miss copied
-        one expert host->device); nothing without a table."""
+        one expert host->device), and the experts the prefetch copied in (traffic and ``prefetched``; not
+        lookups); nothing without a table."""
         table = self.slots.table if self.slots is not None else None
         if table is None:
             return
+        prefetched = table.take_prefetched()
         hits, misses = table.take_counts()
-        self._count(h2d=misses * self.bank.expert_bytes, experts=misses)
+        self._count(h2d=(misses + prefetched) * self.bank.expert_bytes, experts=misses + prefetched)
         self._count_lookups(hits, misses)
+        self.prefetched += prefetched
 
     def flush_slots(self) -> None:
         if self.slots is not None:
@@ -504,7 +540,9 @@ class ExpertStore:
         self.lifetime, self.request = Traffic(), Traffic()
         self.slot_lifetime, self.slot_request = SlotStats(), SlotStats()
         if self.slots is not None and self.slots.table is not None:
-            self.slots.table.take_counts()  # and the device-side lookups' counts not yet collected
+            self.slots.table.take_prefetched()  # and the device-side lookups' counts not yet collected
+            self.slots.table.take_counts()
+        self.prefetched = 0
 
     # -- bandwidth ------------------------------------------------------------------------------------
     def measure_h2d_gbps(self, probe_bytes: int, trials: int = 3) -> float:

@@ -139,6 +139,11 @@ def _engine_options(e: argparse._ArgumentGroup) -> None:
                    "(kernels of the step look up the slots and read the misses from the pinned host bank over "
                    "PCIe: one graph a step; needs --decode-experts triton); default auto: device with Triton's "
                    "experts, else host")
+    e.add_argument("--decode-prefetch", action="store_true", default=None,
+                   help="offloaded decode with the misses on the device (Qwen3-MoE): guess each next layer's "
+                   "experts from the residual stream (its router applied one layer early) and copy the ones its "
+                   "slots lack on a side stream while the current layer computes; the output bits do not change, "
+                   "the copies count the wrong guesses too (default off: not yet measured on a GPU)")
     e.add_argument("--router-skew", type=float, default=None, metavar="ALPHA",
                    help="random weights: concentrate the routing as trained routers do, a per-layer Zipf-like "
                    "preference of exponent ALPHA over the experts (default 0: the random router's near-uniform "
@@ -289,7 +294,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
                   "expert_slots_per_layer", "host_memory_check", "decode_graphs", "warm_decode_graphs",
                   "warm_prefill", "prefill_graphs", "attention_batch", "attention_batch_max_context", "router_skew",
                   "auto_demand_max_tokens", "auto_calibration", "decode_experts", "decode_attention",
-                  "decode_misses", "d2d_from_slot_cache",
+                  "decode_misses", "decode_prefetch", "d2d_from_slot_cache",
                   "max_context", "max_num_seqs", "max_prefill_batch_tokens", "deterministic"):
         if getattr(args, field) is not None:  # leave the engine's defaults alone
             kwargs[field] = getattr(args, field)

@@ -21,7 +21,8 @@ prompts prefilled layer-major together, and decode with several sequences.
 Exit 1 when an id or logprob differs from its solo run, or the batch is over ``--max-over-floor`` x its floor.
 ``--prompts 0`` measures decode alone (no prefill batch, no resident engine); ``--router-skew`` concentrates the
 random router's choices as trained routers do (the engine's option); ``--expert-dtype fp8`` and ``--slot-dtype``
-are the engines' options (FP8 slots hold twice as many experts in a budget).
+are the engines' options (FP8 slots hold twice as many experts in a budget); ``--decode-prefetch`` the offloaded
+engine's (the report counts the experts it copied, alone and together).
 On CPU it runs the tiny preset in seconds (the tests run it there).
 """
 
@@ -118,12 +119,15 @@ def decode_check(engine, prompts: list[list[int]], tokens: int) -> dict:
     """Decode alone and together (module docstring). With a slot cache, each way's step is also put against its
     copy floor: the step's host-to-device bytes (the slot misses' reads) over the engine's measured bandwidth."""
     engine.reset()
+    pf0 = engine.store.prefetched
     alone = run_alone(engine, prompts[0], tokens)
+    pf_alone = engine.store.prefetched - pf0
     alone_tps = (tokens - 1) / (alone["last"] - alone["first"])
     solo = [alone] + [run_alone(engine, p, tokens) for p in prompts[1:]]
     engine.reset()
-    steps0 = dict(engine.decoder.steps)
+    steps0, pf0 = dict(engine.decoder.steps), engine.store.prefetched
     rows, _ = run_together(engine, prompts, tokens)
+    pf_together = engine.store.prefetched - pf0
     steps = {k: v - steps0.get(k, 0) for k, v in engine.decoder.steps.items()}  # how the decode steps ran
     start, end = max(r["first"] for r in rows), max(r["last"] for r in rows)
     # the decode phase: from the last first token (every sequence decoding) to the last token
@@ -134,6 +138,8 @@ def decode_check(engine, prompts: list[list[int]], tokens: int) -> dict:
                 r["first"] for r in rows),
             "ids_equal_solo": all(r["ids"] == s["ids"] for r, s in zip(rows, solo, strict=True)),
             "decoder_steps_together": steps, "decode_kernels": engine.decoder.kernels,
+            "decode_prefetch": engine.decoder.prefetch, "prefetched_alone": pf_alone,
+            "prefetched_together": pf_together,
             "slot_misses_alone": alone["stats"].slot_misses,
             "slot_misses_together": [r["stats"].slot_misses for r in rows],
             **_copy_floor(alone, rows, tokens - 1, alone_tps, together_tps, engine.measured_h2d_gbps)}
@@ -173,6 +179,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="the engines' --expert-dtype (fp8: float8 expert banks)")
     ap.add_argument("--slot-dtype", default="auto", choices=SLOT_DTYPES,
                     help="the offloaded engine's --slot-dtype (fp8: twice the slots)")
+    ap.add_argument("--decode-prefetch", action="store_true",
+                    help="the offloaded engine's --decode-prefetch (each next layer's experts guessed and copied "
+                    "ahead; the copies, wrong guesses included, count in the copy floor)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--max-over-floor", type=float, default=1.10)
     ap.add_argument("--out", default=None)
@@ -191,7 +200,8 @@ def main(argv: list[str] | None = None) -> int:
         knobs["layer_major_window_tokens"] = args.window_tokens
     t0 = time.perf_counter()
     engine = Engine(EngineConfig(**knobs, prefill_mode="layer-major", max_num_seqs=seqs,
-                                 gpu_memory_budget_gib=args.budget, slot_dtype=args.slot_dtype))
+                                 gpu_memory_budget_gib=args.budget, slot_dtype=args.slot_dtype,
+                                 decode_prefetch=args.decode_prefetch))
     mc = engine.model_config
     report: dict = {"model": mc.name, "device": str(engine.device), "expert_format": engine.expert_format,
                     "slot_dtype": args.slot_dtype, "prompts": args.prompts, "tokens": args.tokens,
