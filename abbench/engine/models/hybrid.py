@@ -356,6 +356,17 @@ class HybridModel(MoEModel):
             results.append(self._post_mixer(layer, x + a))
         return results
 
+    guesses_experts = True
+
+    def predict_experts(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        """A guess of the experts [B, k] int64 ``layer`` will route decode tokens x [B, H] to, from the residual
+        stream before it (the previous layer's, after its mixer and shared expert): ``layer``'s zero-centred norm
+        and router applied as if ``layer``'s mixer and shared expert added nothing (Triton's kernels). Only the
+        decode prefetch reads it; no output depends on it."""
+        lw = self.w.layers[layer]
+        h = fused_rms_norm(x, lw.post_norm, self.cfg.rms_norm_eps, plus_one=True)
+        return decode_route("triton", h, lw.router, self.cfg.num_experts_per_tok, True, self.bias_of(layer), None)[1]
+
     def decode_attn_block(self, layer: int, x: torch.Tensor, cache: HybridCache, pos_t: torch.Tensor,
                           kv_len: int, lookup=None):
         """``attn_block`` for one token x [1, H] at the position held by ``pos_t`` (LongTensor [1] on the

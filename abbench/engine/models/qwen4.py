@@ -271,6 +271,7 @@ class Qwen4Model(HybridModel):
     except for the cache passed in."""
 
     triton_decode = False  # its MoE block adds a shared expert and streams; its decode attends through an indexer
+    guesses_experts = False  # (its decode's experts are torch's: no device-side slot lookup to prefetch into)
 
     def __init__(self, cfg: Qwen4Config, weights: Qwen4Weights, max_context: int, device: torch.device,
                  dtype: torch.dtype):
