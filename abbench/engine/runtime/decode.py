@@ -93,6 +93,17 @@ Contract:
     indices pick, read on the device: one graph per (layer, batch size, way)), then each item's head. So each
     item's bits are its solo step's, each expert is read once for the batch, and the launches are L x (B + 1)
     graphs a step instead of B. Qwen4-Exp decodes a token per sequence (its experts are torch's).
+- **Prefetch** (``prefetch``, ``EngineConfig.decode_prefetch``; misses on the device, a model that
+  ``guesses_experts``): in a device-handled whole step (one sequence's, or a batched step of Qwen3-MoE), between
+  each layer's attention half and its experts, the next layer's experts are guessed from the residual stream
+  (``Model.predict_experts``) and, on a side stream forked inside the step's graph, looked up in that layer's
+  slot table and the ones it lacks copied in from the host bank (``decode_kernels.prefetch_experts``; the
+  table's ``prefetch_layer``: stamped one step old, so the step's own lookup may evict a wrong guess, and
+  counted apart), beside this layer's experts and the next attention half; the main stream waits for it before
+  the next layer's experts. The next lookup finds the right guesses as hits; a slot holds the bank's bits
+  whoever copied them, so every output is bitwise the same with or without it. The copies are charged as
+  traffic (``settle``; each expert to the first token guessed to it in a batch), not as lookups. The
+  layer-outer batches (the hybrid's) and the host's way run without it.
 - Decode kernels (``EngineConfig.decode_experts`` / ``decode_attention``; default "auto": "triton" on CUDA for
   a model whose decode they serve (``Model.triton_decode``: Qwen3-MoE and the Qwen3.5/3.6 hybrid) at a head
   dimension they take, with Triton installed; otherwise "grouped" / "torch"). ``self.kernels`` names what runs.
@@ -297,7 +308,7 @@ class Decoder:
                                  "Triton's experts)")
             if not model.guesses_experts:
                 raise ValueError(f"decode_prefetch: {cfg.name}'s decode has no guess of the next layer's experts "
-                                 "(Qwen3-MoE has)")
+                                 "(Qwen3-MoE and the Qwen3.5/3.6 hybrid have)")
             self.pf_ids = torch.zeros(self.n_layers, len(self.caches) * self.k, dtype=torch.long, device=dev)
             self.pf_bufs = [decode_kernels.PrefetchBuffers.empty(len(self.caches), self.k, dev)
                             for _ in range(self.n_layers)]
