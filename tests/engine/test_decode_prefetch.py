@@ -212,18 +212,27 @@ def test_an_engine_with_the_prefetch_decodes_bitwise_as_without_it(model):
 
 
 def test_the_guess_check_runs_on_cpu_and_guesses_better_than_chance(tmp_path):
-    """``predict_check`` on the tiny preset's first layers: every share in [0, 1], one row per layer (the first
-    without a guess), and the guess from one layer ahead names far more of a token's experts than chance."""
+    """``predict_check`` on the tiny presets' first layers, through the engine's own prefill and the models' own
+    ``predict_experts``: every share in [0, 1], one row per layer (the first without a guess), and the guess from
+    one layer ahead names far more of a token's experts than chance, for Qwen3-MoE and the hybrid; Qwen4-Exp's
+    first layers are refused with the reason."""
     import json
 
     from abbench.engine.tools.predict_check import main
 
     out = tmp_path / "guess.json"
-    assert main(["--model", "tiny", "--layers", "3", "--tokens", "48", "--batch", "4", "--out", str(out)]) == 0
+    assert main(["--model", "tiny", "--layers", "3", "--tokens", "48", "--batch", "4", "--dtype", "float32",
+                 "--out", str(out)]) == 0
     rep = json.loads(out.read_text())
     assert [r["layer"] for r in rep["per_layer"]] == [0, 1, 2] and "guessed" not in rep["per_layer"][0]
     assert all(0 <= r[key] <= 1 for r in rep["per_layer"] for key in ("previous_token", "guessed",
                                                                          "batch_union_guessed") if key in r)
     assert rep["chance"] == 4 / 16 and rep["guessed_mean"] > 2 * rep["chance"]
-    with pytest.raises(SystemExit, match="not a Qwen3-MoE"):
-        main(["--model", "qwen3.5-tiny", "--layers", "2", "--tokens", "16"])
+    hybrid = tmp_path / "hybrid.json"
+    assert main(["--model", "qwen3.5-tiny", "--layers", "4", "--tokens", "64", "--batch", "4", "--dtype", "float32",
+                 "--out", str(hybrid)]) == 0
+    rep = json.loads(hybrid.read_text())
+    assert [r["kind"] for r in rep["per_layer"]][-1] == "full_attention"
+    assert rep["guessed_mean"] > 2 * rep["chance"]
+    with pytest.raises(SystemExit, match="predict_check: qwen4-exp-tiny"):
+        main(["--model", "qwen4-exp-tiny", "--layers", "2", "--tokens", "16"])

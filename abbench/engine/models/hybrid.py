@@ -361,11 +361,13 @@ class HybridModel(MoEModel):
     def predict_experts(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         """A guess of the experts [B, k] int64 ``layer`` will route decode tokens x [B, H] to, from the residual
         stream before it (the previous layer's, after its mixer and shared expert): ``layer``'s zero-centred norm
-        and router applied as if ``layer``'s mixer and shared expert added nothing (Triton's kernels). Only the
-        decode prefetch reads it; no output depends on it."""
-        lw = self.w.layers[layer]
-        h = fused_rms_norm(x, lw.post_norm, self.cfg.rms_norm_eps, plus_one=True)
-        return decode_route("triton", h, lw.router, self.cfg.num_experts_per_tok, True, self.bias_of(layer), None)[1]
+        and router applied as if ``layer``'s mixer and shared expert added nothing (the decode router's kernels).
+        Only the decode prefetch and ``tools.predict_check`` read it; no output depends on it."""
+        lw, eps = self.w.layers[layer], self.cfg.rms_norm_eps
+        h = (fused_rms_norm(x, lw.post_norm, eps, plus_one=True) if self.decode_router_kernel == "triton" else
+             zc_rms_norm(x, lw.post_norm, eps))
+        return decode_route(self.decode_router_kernel, h, lw.router, self.cfg.num_experts_per_tok, True,
+                            self.bias_of(layer))[1]
 
     def decode_attn_block(self, layer: int, x: torch.Tensor, cache: HybridCache, pos_t: torch.Tensor,
                           kv_len: int, lookup=None):

@@ -220,12 +220,14 @@ class Model(MoEModel):
     def predict_experts(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         """A guess of the experts [B, k] int64 ``layer`` will route decode tokens x [B, H] to, from the residual
         stream before it (the previous layer's, after its attention): ``layer``'s norm and router applied as if
-        the rest of the previous layer and ``layer``'s attention added nothing (Triton's kernels). Only the
-        decode prefetch reads it (``Decoder``'s ``prefetch``); no output depends on it."""
-        lw = self.w.layers[layer]
-        h = fused_rms_norm(x, lw.post_norm, self.cfg.rms_norm_eps)
-        return route_topk(linear_rows(h, lw.router), self.cfg.num_experts_per_tok, self.cfg.norm_topk_prob,
-                          h.dtype, self.bias_of(layer))[1]
+        the rest of the previous layer and ``layer``'s attention added nothing (the decode router's kernels).
+        Only the decode prefetch (``Decoder``'s ``prefetch``) and ``tools.predict_check`` read it; no output
+        depends on it."""
+        lw, eps = self.w.layers[layer], self.cfg.rms_norm_eps
+        h = fused_rms_norm(x, lw.post_norm, eps) if self.decode_router_kernel == "triton" else rms_norm(
+            x, lw.post_norm, eps)
+        return decode_route(self.decode_router_kernel, h, lw.router, self.cfg.num_experts_per_tok,
+                            self.cfg.norm_topk_prob, self.bias_of(layer))[1]
 
     def decode_logits(self, x: torch.Tensor) -> torch.Tensor:
         """``logits`` of decode tokens x [B, H] -> float32 [B, V]: with Triton's decode kernels the final norm and
