@@ -609,6 +609,36 @@ def moe_one_token(h: torch.Tensor, top_w: torch.Tensor, top_ids: torch.Tensor, g
                       host=host, src=src)
 
 
+def _host_bank(host: tuple[torch.Tensor, ...], gate_up: torch.Tensor, down: torch.Tensor,
+               who: str) -> tuple:
+    """A fetch's host bank (``moe_tokens``' ``host``) checked against the slots it fills, and mapped for the
+    kernels when the slots are on CUDA: (gate_up, down, gate_up_scale, down_scale); the scales are the values
+    themselves (unread) without FP8. ValueError naming ``who`` for a bank the kernels cannot read."""
+    fp8 = len(host) == 4
+    host_gu, host_dn = host[:2]
+    gu_scale, dn_scale = host[2:] if fp8 else (host_gu, host_dn)
+    if not all(t.is_contiguous() for t in (host_gu, host_dn, gate_up, down)):
+        raise ValueError(f"{who}: a fetch needs src [k] and contiguous expert blocks")
+    if host_gu.shape[1:] != gate_up.shape[1:] or host_dn.shape[1:] != down.shape[1:]:
+        raise ValueError(f"{who}: the host bank's experts must be shaped and typed as the slots' (or FP8 with row "
+                         "scales)")
+    if fp8:
+        if host_gu.dtype != torch.float8_e4m3fn or host_dn.dtype != torch.float8_e4m3fn \
+                or gu_scale.shape != host_gu.shape[:2] or dn_scale.shape != host_dn.shape[:2] \
+                or gu_scale.dtype != torch.float32 or dn_scale.dtype != torch.float32 \
+                or not (gu_scale.is_contiguous() and dn_scale.is_contiguous()):
+            raise ValueError(f"{who}: an FP8 fetch needs float8 e4m3 experts and contiguous float32 row scales "
+                             "[E, rows]")
+    elif host_gu.dtype != gate_up.dtype or host_dn.dtype != down.dtype:
+        raise ValueError(f"{who}: the host bank's experts must be shaped and typed as the slots' (or FP8 with row "
+                         "scales)")
+    if gate_up.is_cuda and not host_gu.is_cuda:
+        host_gu, host_dn = HostMapped(host_gu), HostMapped(host_dn)
+        if fp8:
+            gu_scale, dn_scale = HostMapped(gu_scale), HostMapped(dn_scale)
+    return host_gu, host_dn, gu_scale, dn_scale
+
+
 def moe_tokens(h: torch.Tensor, top_w: torch.Tensor, top_ids: torch.Tensor, gate_up: torch.Tensor,
                down: torch.Tensor, block_n: int = 4, block_k: int = 1024, residual: torch.Tensor | None = None,
                lookup: SlotLookup | None = None, host: tuple[torch.Tensor, ...] | None = None,
@@ -661,28 +691,8 @@ def moe_tokens(h: torch.Tensor, top_w: torch.Tensor, top_ids: torch.Tensor, gate
     if lookup is not None and host is None:
         raise ValueError("moe_tokens: a lookup needs the host bank its misses are read from")
     fp8 = host is not None and len(host) == 4
-    host_gu, host_dn = (gate_up, down) if host is None else host[:2]
-    gu_scale, dn_scale = (gate_up, down) if not fp8 else host[2:]  # (unread without FP8)
-    if host is not None:
-        if not all(t.is_contiguous() for t in (host_gu, host_dn, gate_up, down)):
-            raise ValueError("moe_tokens: a fetch needs src [k] and contiguous expert blocks")
-        if host_gu.shape[1:] != gate_up.shape[1:] or host_dn.shape[1:] != down.shape[1:]:
-            raise ValueError("moe_tokens: the host bank's experts must be shaped and typed as the slots' (or "
-                             "FP8 with row scales)")
-        if fp8:
-            if host_gu.dtype != torch.float8_e4m3fn or host_dn.dtype != torch.float8_e4m3fn \
-                    or gu_scale.shape != host_gu.shape[:2] or dn_scale.shape != host_dn.shape[:2] \
-                    or gu_scale.dtype != torch.float32 or dn_scale.dtype != torch.float32 \
-                    or not (gu_scale.is_contiguous() and dn_scale.is_contiguous()):
-                raise ValueError("moe_tokens: an FP8 fetch needs float8 e4m3 experts and contiguous float32 "
-                                 "row scales [E, rows]")
-        elif host_gu.dtype != gate_up.dtype or host_dn.dtype != down.dtype:
-            raise ValueError("moe_tokens: the host bank's experts must be shaped and typed as the slots' (or "
-                             "FP8 with row scales)")
-        if gate_up.is_cuda and not host_gu.is_cuda:
-            host_gu, host_dn = HostMapped(host_gu), HostMapped(host_dn)
-            if fp8:
-                gu_scale, dn_scale = HostMapped(gu_scale), HostMapped(dn_scale)
+    host_gu, host_dn, gu_scale, dn_scale = ((gate_up, down, gate_up, down) if host is None
+                                            else _host_bank(host, gate_up, down, "moe_tokens"))
     slot_fp8 = slot_scales is not None
     if slot_fp8:
         sgu, sdn = slot_scales
@@ -767,12 +777,7 @@ def prefetch_experts(top_ids: torch.Tensor, lookup: SlotLookup, host: tuple[torc
     if not 1 <= n_tok <= max_tokens:
         raise ValueError(f"prefetch_experts: top_ids [B, k] with 1 <= B <= max_tokens ({max_tokens})")
     fp8 = len(host) == 4
-    host_gu, host_dn = host[:2]
-    gu_scale, dn_scale = host[2:] if fp8 else (host_gu, host_dn)  # (unread without FP8)
-    if gate_up.is_cuda and not host_gu.is_cuda:
-        host_gu, host_dn = HostMapped(host_gu), HostMapped(host_dn)
-        if fp8:
-            gu_scale, dn_scale = HostMapped(gu_scale), HostMapped(dn_scale)
+    host_gu, host_dn, gu_scale, dn_scale = _host_bank(host, gate_up, down, "prefetch_experts")
     slot_fp8 = slot_scales is not None
     sgu, sdn = slot_scales if slot_fp8 else (gate_up, down)  # (unread without FP8 slots)
     mp, n_pairs = next_pow2(max_tokens), n_tok * k
