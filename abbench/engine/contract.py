@@ -173,6 +173,7 @@ class RequestStats:
     finish_reason: str  # "length" | "stop"
     slot_hits: int = 0  # decode: routed (layer, expert) pairs found in the slot cache
     slot_misses: int = 0  # decode: routed pairs copied in from the host bank
+    decode_prefetched: int = 0  # decode: experts the prefetch copied in ahead of their lookup (in the H2D bytes)
     decode_misses: str | None = None  # decode: who handled the misses ("host", "device"; None: resident)
     decode_steps_whole: int = 0  # decode steps that ran as one piece (no expert could miss)
     decode_steps_per_layer: int = 0  # decode steps that read the router back layer by layer

@@ -76,6 +76,8 @@ class AbbenchDecode(_Lenient):
 
     slot_hits: int | None = Field(None, description="Routed experts found in the decode slot cache.")
     slot_misses: int | None = Field(None, description="Routed experts copied into the slot cache.")
+    prefetched: int | None = Field(None, description="Experts the decode prefetch copied into the slot cache ahead "
+                                   "of their lookup (in decode_h2d_bytes and expert_copies; not hits or misses).")
     steps_whole: int | None = Field(None, description="Decode steps run whole (every layer's experts resident).")
     steps_per_layer: int | None = Field(None, description="Decode steps run layer by layer.")
     mode: str | None = Field(None, description="The decoder's mode.")

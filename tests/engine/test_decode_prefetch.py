@@ -209,6 +209,7 @@ def test_an_engine_with_the_prefetch_decodes_bitwise_as_without_it(model):
         decode_copies = sum(s.decode_h2d_bytes for s in stats) // with_pf.store.bank.expert_bytes
         assert decode_copies == misses + prefetched
         assert sum(s.slot_misses for s in stats) == misses
+        assert sum(s.decode_prefetched for s in stats) == prefetched
 
 
 def test_the_guess_check_runs_on_cpu_and_guesses_better_than_chance(tmp_path):

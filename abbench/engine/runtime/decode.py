@@ -180,6 +180,7 @@ class DecodeResult:
     traffic: Traffic = field(default_factory=Traffic)
     lookups: SlotStats = field(default_factory=SlotStats)
     counts_row: int | None = None  # device-side lookups: rows 2r (before its step) and 2r + 1 (after) of counts_at
+    prefetched: int = 0  # experts the prefetch copied in for it (also in ``traffic``; ``settle``)
 
 
 class _Buffers:
@@ -846,7 +847,9 @@ class Decoder:
             self.syncs += 1
             for r, row in rows:
                 hits, misses, *pf = per_token[row]
-                copies = misses + (pf[1] if pf else 0)
+                fetched = pf[1] if pf else 0
+                r.prefetched += fetched
+                copies = misses + fetched
                 r.lookups.hits += hits
                 r.lookups.misses += misses
                 r.traffic.h2d_bytes += copies * self.store.bank.expert_bytes
@@ -858,6 +861,7 @@ class Decoder:
             self.syncs += 1
             for r in mine:
                 (h0, m0, _, p0), (h1, m1, _, p1) = snaps[2 * r.counts_row], snaps[2 * r.counts_row + 1]
+                r.prefetched += p1 - p0
                 copies = m1 - m0 + p1 - p0
                 r.lookups.hits += h1 - h0
                 r.lookups.misses += m1 - m0

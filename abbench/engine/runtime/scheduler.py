@@ -153,6 +153,7 @@ class Sequence:
     done: bool = False
     traffic: Traffic = field(default_factory=Traffic)
     lookups: SlotStats = field(default_factory=SlotStats)
+    prefetched: int = 0  # experts the decode prefetch copied in for it
     steps: dict[str, int] = field(default_factory=lambda: {"whole": 0, "per_layer": 0})
     pstats: PrefillStats | None = None
     times: dict[str, float] = field(default_factory=dict)
@@ -406,6 +407,7 @@ class Scheduler:
             return
         for seq, r, event in zip(live, results, events, strict=True):
             self._charge(seq, r.traffic, r.lookups)  # its own lookups' copies, hits and misses
+            seq.prefetched += r.prefetched
             if r.way:
                 seq.steps[r.way] += 1
             if r.error is not None:
@@ -447,7 +449,7 @@ class Scheduler:
             completion_tokens=seq.n_out, n_chunks=p.n_chunks, n_windows=p.n_windows,
             prefill_start=seq.times["prefill_start"], prefill_end=seq.times["prefill_end"],
             first_token=seq.times["first_token"], finish_reason=finish, slot_hits=seq.lookups.hits,
-            slot_misses=seq.lookups.misses, decode_steps_whole=seq.steps["whole"],
+            slot_misses=seq.lookups.misses, decode_prefetched=seq.prefetched, decode_steps_whole=seq.steps["whole"],
             decode_steps_per_layer=seq.steps["per_layer"], decode_misses=req.decode_misses,
             peak_device_bytes=engine.peak_bytes(), start_device_bytes=seq.start_bytes, chunk_tokens=req.chunk_tokens,
             alloc_retries=None if retries is None else retries - seq.retries0, copy_wait_s=seq.copy_wait_s,

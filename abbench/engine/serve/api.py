@@ -280,6 +280,7 @@ def abbench_object(ctx: RequestContext, stats: RequestStats, finished: float, in
                                first_event=rel(ctx.first_event)),
         queue_wait_s=round(ctx.queue_wait_s, 6),
         decode=AbbenchDecode(slot_hits=stats.slot_hits, slot_misses=stats.slot_misses,
+                             prefetched=stats.decode_prefetched,
                              steps_whole=stats.decode_steps_whole, steps_per_layer=stats.decode_steps_per_layer,
                              mode=info.decode_mode, kernels=info.decode_kernels, misses=stats.decode_misses,
                              slots_per_layer=info.slots_per_layer),
