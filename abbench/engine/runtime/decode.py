@@ -301,7 +301,7 @@ class Decoder:
                              else None)
         # the prefetch (module docstring): each layer's experts guessed from the residual stream one layer ahead
         # and brought into its slots on a side stream while the compute goes on
-        self.prefetch = bool(prefetch)
+        self.prefetch = self._prefetch_built = bool(prefetch)
         if self.prefetch:
             if self.table is None or self.misses != "device":
                 raise ValueError("decode_prefetch brings experts into the slots the device looks up: it needs "
@@ -319,6 +319,14 @@ class Decoder:
         self._batch_counts: list[tuple[torch.Tensor, list[tuple[DecodeResult, int]]]] = []
         self.steps = {"whole": 0, "per_layer": 0, "batched": 0}  # (batched: runs of several items, each "whole")
         self.syncs = 0  # host reads of device results: the routing of a per-layer layer, the counts' snapshots
+
+    def set_prefetch(self, on: bool) -> None:
+        """Turn the prefetch on or off between steps, in a decoder built with it (its buffers and side stream);
+        each setting's steps are graphs of their own, captured when first run. For a measure of both on one
+        engine (``tools.gpucheck_batch --decode-prefetch both``)."""
+        if on and not self._prefetch_built:
+            raise ValueError("set_prefetch: this decoder was built without the prefetch (decode_prefetch)")
+        self.prefetch = bool(on)
 
     def _auto(self, choice: str, fallback: str, shape_ok: bool) -> str:
         """"auto": "triton" on CUDA for a model whose decode the Triton kernels serve, at a shape they take
@@ -600,7 +608,8 @@ class Decoder:
                     self.counts_at[2 * i, :2].copy_(table.counts)
                     self.counts_at[2 * i, 2:].copy_(table.pf_counts)
             try:
-                self._run(c, ("whole", c, kv_len, on_device), lambda: self._whole(c, kv_len, on_device))
+                self._run(c, ("whole", c, kv_len, on_device, self.prefetch),
+                          lambda: self._whole(c, kv_len, on_device))
             finally:
                 if on_device:
                     table.ahead = table.uncounted = True
@@ -698,7 +707,7 @@ class Decoder:
         if self.batch_graphs is None:
             self._batch_fn(n, on_device)
         else:
-            self.batch_graphs.run(("batch", n, on_device), lambda: self._batch_fn(n, on_device))
+            self.batch_graphs.run(("batch", n, on_device, self.prefetch), lambda: self._batch_fn(n, on_device))
 
     def _rows_attn(self, c: int, layer: int, kv_len: int) -> None:
         """Cache ``c``'s attention half of ``layer`` (``decode_attn_block``, as its solo step runs it), from its row

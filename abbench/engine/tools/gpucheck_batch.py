@@ -22,7 +22,8 @@ Exit 1 when an id or logprob differs from its solo run, or the batch is over ``-
 ``--prompts 0`` measures decode alone (no prefill batch, no resident engine); ``--router-skew`` concentrates the
 random router's choices as trained routers do (the engine's option); ``--expert-dtype fp8`` and ``--slot-dtype``
 are the engines' options (FP8 slots hold twice as many experts in a budget); ``--decode-prefetch`` the offloaded
-engine's (the report counts the experts it copied, alone and together).
+engine's (the report counts the experts it copied, alone and together); ``--decode-prefetch both`` runs the
+decode check without it and then with it on the one engine and reports the speedups.
 On CPU it runs the tiny preset in seconds (the tests run it there).
 """
 
@@ -179,9 +180,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="the engines' --expert-dtype (fp8: float8 expert banks)")
     ap.add_argument("--slot-dtype", default="auto", choices=SLOT_DTYPES,
                     help="the offloaded engine's --slot-dtype (fp8: twice the slots)")
-    ap.add_argument("--decode-prefetch", action="store_true",
+    ap.add_argument("--decode-prefetch", nargs="?", const="on", default="off", choices=("off", "on", "both"),
                     help="the offloaded engine's --decode-prefetch (each next layer's experts guessed and copied "
-                    "ahead; the copies, wrong guesses included, count in the copy floor)")
+                    "ahead; the copies, wrong guesses included, count in the copy floor); 'both': the decode "
+                    "check without it, then with it, on the one engine (default off; bare: on)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--max-over-floor", type=float, default=1.10)
     ap.add_argument("--out", default=None)
@@ -201,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     engine = Engine(EngineConfig(**knobs, prefill_mode="layer-major", max_num_seqs=seqs,
                                  gpu_memory_budget_gib=args.budget, slot_dtype=args.slot_dtype,
-                                 decode_prefetch=args.decode_prefetch))
+                                 decode_prefetch=args.decode_prefetch != "off"))
     mc = engine.model_config
     report: dict = {"model": mc.name, "device": str(engine.device), "expert_format": engine.expert_format,
                     "slot_dtype": args.slot_dtype, "prompts": args.prompts, "tokens": args.tokens,
@@ -216,9 +218,22 @@ def main(argv: list[str] | None = None) -> int:
         report["prefill"] = prefill_check(engine, prompts, args.check_tokens, args.repeats)
         print("prefill:", {k: v for k, v in report["prefill"].items()}, flush=True)
     if args.decode_seqs:
-        report["decode"] = decode_check(engine, _prompts(mc.vocab_size, args.decode_seqs, args.decode_prompt, 2),
-                                        args.decode_tokens)
+        decode_prompts = _prompts(mc.vocab_size, args.decode_seqs, args.decode_prompt, 2)
+        if args.decode_prefetch == "both":  # without, then with, on the one engine (each way's own graphs)
+            engine.decoder.set_prefetch(False)
+            report["decode_without_prefetch"] = decode_check(engine, decode_prompts, args.decode_tokens)
+            print("decode without the prefetch:", report["decode_without_prefetch"], flush=True)
+            engine.decoder.set_prefetch(True)
+        report["decode"] = decode_check(engine, decode_prompts, args.decode_tokens)
         print("decode:", report["decode"], flush=True)
+        if "decode_without_prefetch" in report:
+            base, pf = report["decode_without_prefetch"], report["decode"]
+            same = pf["ids_equal_solo"] and base["ids_equal_solo"]
+            report["prefetch"] = {"alone_speedup": pf["alone_tokens_per_s"] / base["alone_tokens_per_s"],
+                                  "together_speedup": pf["together_tokens_per_s"] / base["together_tokens_per_s"],
+                                  "ids_equal": same}
+            report["decode"]["ids_equal_solo"] = same
+            print("prefetch:", report["prefetch"], flush=True)
     gbps = engine.measured_h2d_gbps
     if engine.device.type == "cuda":  # torch's peak over the whole check: every cache, graph pool and batch
         report["peak_device_gib"] = round(torch.cuda.max_memory_allocated(engine.device) / 2**30, 3)
