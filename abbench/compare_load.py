@@ -4,9 +4,10 @@ sequential cells (:mod:`abbench.compare`).
 
 Values (:func:`abbench.analysis.load.values`): ``output_tok_s``, ``decode_output_tok_s`` and ``goodput`` one per
 round (the statistic is their median), ``ttft_p50_s``, ``ttft_p99_s`` and ``itl_p99_s`` one per measured request
-(ITL: per gap; the statistic is that percentile). Each run is resampled on its own (seed 0, :data:`RESAMPLES` resamples). A cell
-with fewer than :data:`MIN_ROUNDS` rounds a side (throughput, goodput) or fewer values than its percentile
-needs (:func:`abbench.analysis.latency.min_n`, and at least 5) is "too few to judge", never a regression.
+(ITL: per gap; the statistic is that percentile). Each run is resampled on its own (seed 0, :data:`RESAMPLES`
+resamples). A cell with fewer than :data:`MIN_ROUNDS` rounds a side (throughput, goodput) or fewer values than
+its percentile needs (:func:`abbench.analysis.latency.min_n`, and at least 5) is "too few to judge", never a
+regression.
 A regression is a change worse than the threshold (throughput and goodput lower, latency higher) with its whole
 interval beyond it.
 """

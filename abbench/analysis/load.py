@@ -74,10 +74,10 @@ from abbench.checkexpr import Slo, parse_slo
 from abbench.loadrecords import LoadLevel, LoadRequest
 from abbench.results import RunRecord
 
-__all__ = ["CELL_COLUMNS", "PARITY_COLUMNS", "REQUEST_COLUMNS", "alone_parity", "cell_table", "decode_figure", "decode_spans", "in_flight", "is_load_run",
-           "level_rounds", "load_levels", "planned_cells",
-           "load_slos", "measured", "parity_under_load", "request_metrics", "requests_table", "round_figures", "throughput_ratios",
-           "values"]
+__all__ = ["CELL_COLUMNS", "PARITY_COLUMNS", "REQUEST_COLUMNS", "alone_parity", "cell_table", "decode_figure",
+           "decode_spans", "in_flight", "is_load_run", "level_rounds", "load_levels", "planned_cells", "load_slos",
+           "measured", "parity_under_load", "request_metrics", "requests_table", "round_figures",
+           "throughput_ratios", "values"]
 
 PERCENTILES = (50, 90, 99)
 RESAMPLES = 1000
@@ -239,7 +239,8 @@ def round_figures(level: LoadLevel, slos: list[Slo]) -> dict[str, float | None]:
     meas = measured(level)
     rate = (sum(not r.ok for r in meas) / len(meas)) if meas else None
     if w <= 0:
-        return {"request_s": None, "output_tok_s": None, "decode_output_tok_s": None, "goodput": None, "error_rate": rate}
+        return {"request_s": None, "output_tok_s": None, "decode_output_tok_s": None, "goodput": None,
+                "error_rate": rate}
     done = [r for r in level.requests if r.ok and r.end_s is not None and lo <= r.end_s <= hi]
     tokens = 0
     for r in level.requests:

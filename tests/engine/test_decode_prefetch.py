@@ -55,8 +55,8 @@ def test_the_prefetch_is_refused_where_no_device_lookup_runs(kw, why):
         Engine(_config(decode_prefetch=True, **{**extra, **kw}))
     engine = Engine(_config(**{**extra, **kw}))  # built without it: it cannot be turned on later
     with pytest.raises(ValueError, match="built without the prefetch"):
-        engine.decoder.set_prefetch(True)
-    engine.decoder.set_prefetch(False)
+        engine.set_decode_prefetch(True)
+    engine.set_decode_prefetch(False)
 
 
 def _bank(e: int, inter: int, h: int, fp8: bool, seed: int = 0):
@@ -178,7 +178,7 @@ def test_an_engine_with_the_prefetch_decodes_bitwise_as_without_it(model):
     the prefetch; the prefetch copied experts in (some), the requests' decode traffic counts them (copies =
     lookup misses + the prefetch's), and the lookups still count only the routed experts. Then one sequence
     alone (whole steps): the same. The hybrid: one sequence alone (its batches run layer-outer, without the
-    prefetch). Turned off between steps (``Decoder.set_prefetch``), the same engine copies nothing ahead and
+    prefetch). Turned off between requests (``Engine.set_decode_prefetch``), the same engine copies nothing ahead and
     decodes the same ids."""
     from abbench.engine.contract import Finished, GenerateRequest
 
@@ -215,12 +215,12 @@ def test_an_engine_with_the_prefetch_decodes_bitwise_as_without_it(model):
         assert decode_copies == misses + prefetched
         assert sum(s.slot_misses for s in stats) == misses
         assert sum(s.decode_prefetched for s in stats) == prefetched
-    with_pf.decoder.set_prefetch(False)  # turned off between steps (gpucheck_batch --decode-prefetch both)
+    with_pf.set_decode_prefetch(False)  # turned off between requests (gpucheck_batch --decode-prefetch both)
     p0 = with_pf.store.prefetched
     got, stats = run(with_pf, prompts[:1])
     assert got == run(without, prompts[:1])[0] and with_pf.store.prefetched == p0
     assert all(s.decode_prefetched == 0 for s in stats)
-    with_pf.decoder.set_prefetch(True)
+    with_pf.set_decode_prefetch(True)
 
 
 def test_the_guess_check_runs_on_cpu_and_guesses_better_than_chance(tmp_path):

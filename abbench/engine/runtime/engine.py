@@ -146,6 +146,14 @@ class Engine:
         }
         self.startup_s = time.perf_counter() - t0
 
+    def set_decode_prefetch(self, on: bool) -> None:
+        """Turn the decode prefetch on or off (an engine built with it: ``decode_prefetch``; ValueError otherwise),
+        and where the engine warmed its decode graphs at start, capture the new setting's now, so that no
+        measured step pays for them (``tools.gpucheck_batch --decode-prefetch both``)."""
+        self.decoder.set_prefetch(on)
+        if self.decode_warmup is not None:
+            self._warm_decode()
+
     def _warm_decode(self) -> None:
         """Capture every decode KV-length bucket's graphs now (``Decoder.warm``), then put back what the
         throwaway steps wrote (KV and states are garbage there, the slot cache holds their experts): the

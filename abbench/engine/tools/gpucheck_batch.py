@@ -220,10 +220,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.decode_seqs:
         decode_prompts = _prompts(mc.vocab_size, args.decode_seqs, args.decode_prompt, 2)
         if args.decode_prefetch == "both":  # without, then with, on the one engine (each way's own graphs)
-            engine.decoder.set_prefetch(False)
+            engine.set_decode_prefetch(False)
             report["decode_without_prefetch"] = decode_check(engine, decode_prompts, args.decode_tokens)
             print("decode without the prefetch:", report["decode_without_prefetch"], flush=True)
-            engine.decoder.set_prefetch(True)
+            engine.set_decode_prefetch(True)
         report["decode"] = decode_check(engine, decode_prompts, args.decode_tokens)
         print("decode:", report["decode"], flush=True)
         if "decode_without_prefetch" in report:

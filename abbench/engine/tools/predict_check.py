@@ -111,7 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="qwen3-30b-a3b")
     ap.add_argument("--layers", type=int, default=8, help="the first N layers (default 8)")
     ap.add_argument("--tokens", type=int, default=256,
-                    help="prompt tokens, random ids, prefilled as one chunk (a hybrid's: a multiple of 64; default 256)")
+                    help="prompt tokens, random ids, prefilled as one chunk (a hybrid's: a multiple of 64; "
+                    "default 256)")
     ap.add_argument("--batch", type=int, default=8, help="tokens of a batched step for the union figure (default 8)")
     ap.add_argument("--router-skew", type=float, default=0.0, help="the engine's --router-skew (default 0)")
     ap.add_argument("--device", default="cpu")
