@@ -733,7 +733,7 @@ class Decoder:
             out = self.moe(x, h, top_w, top_ids, gate_up, down, slot_scales=scales)  # [B, H]
         else:
             if layer == 0:  # (a step's one tick of the table, as a whole step's)
-                table.tick.add_(1)
+                table.next_tick()
                 rows.token_counts.zero_()
             out = self.moe(x, h, top_w, top_ids, gate_up, down, lookup=table.layer(layer),
                            host=self.store.decode_host(layer), token_counts=rows.token_counts, slot_scales=scales)
