@@ -164,9 +164,34 @@ def test_gpucheck_batch_passes_on_cpu(tmp_path):
     assert report["decode"]["ids_equal_solo"] and report["decode"]["step_s_together"] > 0
     assert report["max_context"] == 200 + 8  # the prefill batch's prompts and checked tokens
     rc = gpucheck_batch.main(["--model", "tiny", "--device", DEVICE, "--prompts", "0", "--decode-seqs", "2",
-                              "--decode-prompt", "100", "--decode-tokens", "6", "--out", str(out)])
+                              "--decode-prompt", "100", "--decode-tokens", "6", "--profile", "--out", str(out)])
     report = json.loads(out.read_text())
     assert rc == 0 and report["max_context"] == 106  # decode only: its caches sized for it, not for --tokens
+    prof = report["profile"]  # CUDA: the decode's kernels a step; elsewhere no device activity to read
+    if DEVICE.startswith("cuda"):
+        for way in ("alone", "together"):
+            assert prof[way]["steps"] == 5 and prof[way]["busy_ms"] > 0 and prof[way]["top_kernels_ms_per_step"]
+            assert prof[way]["busy_ms"] <= prof[way]["span_ms"] + 1e-9 and prof[way]["concurrency"] >= 1.0
+    else:
+        assert prof is None
+
+
+def test_a_kernel_timeline_says_what_ran_at_once_and_beside_the_prefetch():
+    """gpucheck_batch.kernel_timeline over 2 steps (us): a main kernel 0-100, a copy kernel 50-150 (half of it
+    beside the main one), another main kernel 200-260 and a copy kernel 300-340 alone. Busy = the union (150 +
+    60 + 40 = 250 us), the kernels' sum 300 us, idle 340 - 250 = 90 us, the copies 140 us of which 50 us had
+    another kernel beside them; a step is half of each."""
+    kern = [("gemv", 0.0, 100.0), ("_fetch_rows", 50.0, 150.0), ("attn", 200.0, 260.0), ("_fetch_rows", 300.0, 340.0)]
+    got = gpucheck_batch.kernel_timeline(kern, steps=2)
+    assert got["span_ms"] == pytest.approx(0.17) and got["busy_ms"] == pytest.approx(0.125)
+    assert got["kernel_sum_ms"] == pytest.approx(0.15) and got["concurrency"] == pytest.approx(1.2)
+    assert got["idle_ms"] == pytest.approx(0.045)
+    assert got["mark_ms"] == pytest.approx(0.07) and got["mark_overlapped_ms"] == pytest.approx(0.025)
+    # a copy kernel spanning two others and a gap: only the parts with a kernel beside it count
+    got = gpucheck_batch.kernel_timeline([("_fetch_rows", 0.0, 100.0), ("a", 10.0, 20.0), ("b", 15.0, 30.0),
+                                          ("c", 90.0, 120.0)], steps=1)
+    assert got["mark_overlapped_ms"] == pytest.approx(0.030) and got["mark_ms"] == pytest.approx(0.1)
+    assert gpucheck_batch.kernel_timeline([], steps=3) == {"steps": 3, "kernels": 0}
 
 
 def test_a_decode_step_is_put_against_its_copy_floor():

@@ -23,7 +23,9 @@ Exit 1 when an id or logprob differs from its solo run, or the batch is over ``-
 random router's choices as trained routers do (the engine's option); ``--expert-dtype fp8`` and ``--slot-dtype``
 are the engines' options (FP8 slots hold twice as many experts in a budget); ``--decode-prefetch`` the offloaded
 engine's (the report counts the experts it copied, alone and together); ``--decode-prefetch both`` runs the
-decode check without it and then with it on the one engine and reports the speedups.
+decode check without it and then with it on the one engine and reports the speedups; ``--profile`` profiles one
+more decode after each check (alone and together, CUDA only): per step the GPU's busy and idle time, how many
+kernels ran at once, and the prefetch's copy kernels and how much of their time other kernels ran beside them.
 On CPU it runs the tiny preset in seconds (the tests run it there).
 """
 
@@ -35,6 +37,7 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -52,9 +55,11 @@ def _prompts(vocab: int, n: int, tokens: int, seed: int) -> list[list[int]]:
     return [torch.randint(1, vocab, (tokens,), generator=gen).tolist() for _ in range(n)]
 
 
-def run_together(engine, prompts: list[list[int]], max_tokens: int) -> tuple[list[dict], float]:
+def run_together(engine, prompts: list[list[int]], max_tokens: int,
+                 after_first: Callable[[], object] | None = None) -> tuple[list[dict], float]:
     """Submit every prompt before the engine steps, then step until all are done: per prompt its ids, logprobs,
-    stats and first-token / last-token times (perf_counter); and the time the stepping started."""
+    stats and first-token / last-token times (perf_counter); and the time the stepping started. ``after_first``
+    is called once, between steps, as soon as every prompt has its first token (the decode's start)."""
     outs: list[list] = [[] for _ in prompts]
     times: list[list[float]] = [[] for _ in prompts]
 
@@ -71,6 +76,9 @@ def run_together(engine, prompts: list[list[int]], max_tokens: int) -> tuple[lis
     t0 = time.perf_counter()
     while engine.scheduler.busy:
         engine.scheduler.step()
+        if after_first is not None and all(outs):
+            after_first()
+            after_first = None
     rows = []
     for out, ts in zip(outs, times, strict=True):
         if isinstance(out[-1], BaseException):
@@ -161,6 +169,93 @@ def _copy_floor(alone: dict, rows: list[dict], steps: int, alone_tps: float, tog
     return out
 
 
+def _merge(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[tuple[float, float]] = []
+    for a, b in sorted(spans):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def kernel_timeline(kernels: list[tuple[str, float, float]], steps: int, mark: str = "_fetch_rows") -> dict:
+    """What the GPU did over ``steps`` decode steps, from its kernels' (name, start us, end us): per step, in ms,
+    the span from the first kernel's start to the last one's end, the time any kernel ran (``busy``: the union),
+    the kernels' summed time (over ``busy``: how many ran at once on average), the time no kernel ran inside the
+    span (``idle``), and the kernels whose name holds ``mark`` (the prefetch's copies): their time and the part of
+    it another kernel ran beside (``mark_overlapped``: 0 means the prefetch ran alone, in series with the
+    step)."""
+    if not kernels or steps < 1:
+        return {"steps": steps, "kernels": len(kernels)}
+    merged = _merge([(a, b) for _, a, b in kernels])
+    busy = sum(b - a for a, b in merged)
+    total = sum(b - a for _, a, b in kernels)
+    span = max(b for _, _, b in kernels) - min(a for _, a, _ in kernels)
+    marked = _merge([(a, b) for n, a, b in kernels if mark in n])
+    others = _merge([(a, b) for n, a, b in kernels if mark not in n])
+    overlap, j = 0.0, 0
+    for a, b in marked:  # both lists sorted and disjoint within themselves
+        while j < len(others) and others[j][1] <= a:
+            j += 1
+        k = j
+        while k < len(others) and others[k][0] < b:
+            overlap += min(b, others[k][1]) - max(a, others[k][0])
+            k += 1
+    per = 1e3 * steps  # us over the run -> ms a step
+    return {"steps": steps, "kernels": len(kernels), "span_ms": span / per, "busy_ms": busy / per,
+            "kernel_sum_ms": total / per, "concurrency": total / busy if busy else 0.0,
+            "idle_ms": (span - busy) / per, "mark": mark,
+            "mark_ms": sum(b - a for a, b in marked) / per, "mark_overlapped_ms": overlap / per}
+
+
+def profile_decode(engine, prompts: list[list[int]], tokens: int, top: int = 12) -> dict | None:
+    """One alone decode of ``prompts[0]`` and one of all ``prompts`` together (``tokens`` tokens each, after the
+    timed checks: graphs captured), the profiler's device activity on from the moment every sequence has its
+    first token: ``kernel_timeline`` of the decode steps, the wall time a step took, and the ``top`` kernels by
+    time a step. None off CUDA (no device activity to read)."""
+    if engine.device.type != "cuda":
+        return None
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    out = {}
+    for way, batch in (("alone", prompts[:1]), ("together", prompts)):
+        engine.reset()
+        prof = profile(activities=[ProfilerActivity.CUDA])
+
+        def start() -> None:
+            _sync(engine.device)
+            prof.start()
+
+        rows, _ = run_together(engine, batch, tokens, after_first=start)
+        _sync(engine.device)
+        prof.stop()
+        steps = tokens - 1
+        wall = (max(r["last"] for r in rows) - max(r["first"] for r in rows)) / steps
+        kern = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+                if e.device_type == DeviceType.CUDA and not e.name.startswith(("Memcpy", "Memset"))]
+        by_name: dict[str, float] = {}
+        for n, a, b in kern:
+            by_name[n[:80]] = by_name.get(n[:80], 0.0) + (b - a) / 1e3 / steps
+        out[way] = {"wall_step_ms": wall * 1e3, **kernel_timeline(kern, steps),
+                    "top_kernels_ms_per_step": sorted(by_name.items(), key=lambda kv: -kv[1])[:top]}
+    return out
+
+
+def _print_profile(label: str, prof: dict | None) -> None:
+    if prof is None:
+        print(f"profile{' ' + label if label else ''}: no device activity off CUDA", flush=True)
+        return
+    for way, p in prof.items():
+        keys = ("wall_step_ms", "span_ms", "busy_ms", "kernel_sum_ms", "concurrency", "idle_ms", "mark_ms",
+                "mark_overlapped_ms")
+        print(f"profile{' ' + label if label else ''}, {way}:", {k: round(p[k], 3) for k in keys if k in p},
+              flush=True)
+        for name, ms in p["top_kernels_ms_per_step"]:
+            print(f"    {ms:8.3f} ms  {name}", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m abbench.engine.tools.gpucheck_batch", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -184,6 +279,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="the offloaded engine's --decode-prefetch (each next layer's experts guessed and copied "
                     "ahead; the copies, wrong guesses included, count in the copy floor); 'both': the decode "
                     "check without it, then with it, on the one engine (default off; bare: on)")
+    ap.add_argument("--profile", action="store_true",
+                    help="after each decode check, profile one more decode alone and together (CUDA: the GPU's "
+                    "kernels a step, how many ran at once, the prefetch's copies and what ran beside them)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--max-over-floor", type=float, default=1.10)
     ap.add_argument("--out", default=None)
@@ -223,9 +321,15 @@ def main(argv: list[str] | None = None) -> int:
             engine.set_decode_prefetch(False)
             report["decode_without_prefetch"] = decode_check(engine, decode_prompts, args.decode_tokens)
             print("decode without the prefetch:", report["decode_without_prefetch"], flush=True)
+            if args.profile:
+                report["profile_without_prefetch"] = profile_decode(engine, decode_prompts, args.decode_tokens)
+                _print_profile("without the prefetch", report["profile_without_prefetch"])
             engine.set_decode_prefetch(True)
         report["decode"] = decode_check(engine, decode_prompts, args.decode_tokens)
         print("decode:", report["decode"], flush=True)
+        if args.profile:
+            report["profile"] = profile_decode(engine, decode_prompts, args.decode_tokens)
+            _print_profile("with the prefetch" if engine.decoder.prefetch else "", report["profile"])
         if "decode_without_prefetch" in report:
             base, pf = report["decode_without_prefetch"], report["decode"]
             same = pf["ids_equal_solo"] and base["ids_equal_solo"]
@@ -263,7 +367,8 @@ def main(argv: list[str] | None = None) -> int:
     floor = max(copies_s, sum(res_s))
     pf.update(resident_prefill_s=res_s, resident_sum_s=sum(res_s), copies_s=copies_s, floor_s=floor,
               batch_over_floor=pf["batch_s_median"] / floor,
-              solo_sum_s=sum(pf["solo_prefill_s"]), batch_over_solo_sum=pf["batch_s_median"] / sum(pf["solo_prefill_s"]))
+              solo_sum_s=sum(pf["solo_prefill_s"]),
+              batch_over_solo_sum=pf["batch_s_median"] / sum(pf["solo_prefill_s"]))
     ok = pf["ids_equal_solo"] and pf["batch_over_floor"] <= args.max_over_floor
     if "decode" in report:
         ok &= report["decode"]["ids_equal_solo"]
