@@ -431,6 +431,14 @@ def test_the_fp8_gpucheck_profiles_a_whole_prefill_on_three_engines(tmp_path) ->
     f32, fp8 = (ExpertBank(mc, torch.float32, pin=False, fp8=q).bank_bytes for q in (False, True))
     assert [r["prefill_h2d_bytes"] for r in rows] == [0, f32, fp8]  # one window: each bank streamed once
     assert all(r["prefill_s"] > 0 and r["compute_busy_s"] is None for r in rows)
+    assert [r["windows"] for r in rows] == [0, 1, 1]
+    # as a service has it: the streaming engines under a budget with longer caches, the same one window each
+    assert main(["--device", "cpu", "--tokens", "64", "--prefill-tokens", "150", "--budget", "3", "--max-context",
+                 "400", "--out", str(tmp_path / "b.json")]) == 0
+    got = json.loads((tmp_path / "b.json").read_text())
+    assert (got["budget_gib"], got["max_context"]) == (3.0, 400)
+    assert [(r["path"], r["windows"], r["prefill_h2d_bytes"]) for r in got["rows"]] == [
+        ("resident", 0, 0), ("layer-major", 1, f32), ("layer-major", 1, fp8)]
 
 
 def test_a_quantization_the_engine_cannot_read_is_refused(tmp_path) -> None:

@@ -24,7 +24,10 @@ more under the profiler's device activity gives, per engine: the prefill's wall 
 compute kernels (the union of their intervals, on every stream: dequantization and copies excluded), in copies
 and in dequantization kernels, the compute stream's measured wait for copies (``copy_wait_s``, CUDA events),
 and the largest kernels. Where the FP8 bank's prefill exceeds resident's (#46: 3-4 ms a layer at 16K and 32K),
-this says whether the GPU computed longer (slower kernels beside the copies) or sat idle (waiting).
+this says whether the GPU computed longer (slower kernels beside the copies) or sat idle (waiting). At 16K and 8
+layers the FP8 bank's prefill was no slower than resident's (results/20261205e-h200-decode-prefetch) while a
+16 GiB service's was 3 ms a layer slower: ``--budget`` and ``--max-context`` give the streaming engines a
+service's budget and caches, to see whether those make the difference.
 """
 
 from __future__ import annotations
@@ -195,14 +198,16 @@ def profile_prefill(engine, prompt: list[int], top: int = 8) -> dict:
                    dequant_s=sum(b - a for a, b in spans["dequant"]) / 1e6,
                    top_kernels=sorted(by_name.items(), key=lambda kv: -kv[1])[:top])
     out.update(prefill_s=stats.prefill_end - stats.prefill_start, copy_wait_s=stats.copy_wait_s,
-               prefill_h2d_bytes=stats.prefill_h2d_bytes, path=stats.prefill_path)
+               prefill_h2d_bytes=stats.prefill_h2d_bytes, path=stats.prefill_path, windows=stats.n_windows)
     return out
 
 
 def prefill_profiles(model: str, layers: int | None, tokens: int, chunk: int, device: torch.device,
-                     dtype: torch.dtype) -> list[dict]:
+                     dtype: torch.dtype, budget_gib: float | None = None, max_context: int | None = None) -> list[dict]:
     """``profile_prefill`` on the three engines of the module docstring (each built, profiled and dropped in
-    turn; the whole prompt one layer-major window: each bank streamed once), each row named by its ``engine``."""
+    turn; the whole prompt one layer-major window: each bank streamed once), each row named by its ``engine``.
+    ``budget_gib`` and ``max_context``: the two streaming engines' ``--gpu-memory-budget`` and caches as a
+    service has them (default: no budget, caches of the prompt's length)."""
     import dataclasses
 
     from abbench.engine.config import EngineConfig
@@ -215,11 +220,13 @@ def prefill_profiles(model: str, layers: int | None, tokens: int, chunk: int, de
     base = dict(model=mc, weights="random:0", device=str(device), dtype=str(dtype).removeprefix("torch."),
                 chunk_tokens=chunk, max_context=tokens + 8, layer_major_window_tokens=-(-tokens // chunk) * chunk,
                 bandwidth_probe_bytes=0, warm_decode_graphs=False)
+    streaming = dict(prefill_mode="layer-major", gpu_memory_budget_gib=budget_gib,
+                     **({} if max_context is None else {"max_context": max_context}))
     rows = []
     for name, extra in (("resident", dict(prefill_mode="resident")),
-                        ("layer-major, model-dtype bank", dict(prefill_mode="layer-major")),
-                        ("layer-major, fp8 bank", dict(prefill_mode="layer-major", expert_dtype="fp8"))):
-        engine = Engine(EngineConfig(**base, **extra))
+                        ("layer-major, model-dtype bank", streaming),
+                        ("layer-major, fp8 bank", dict(streaming, expert_dtype="fp8"))):
+        engine = Engine(EngineConfig(**{**base, **extra}))
         with torch.no_grad():
             rows.append({"engine": name, **profile_prefill(engine, prompt)})
         del engine
@@ -251,6 +258,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefill-tokens", type=int, default=0, metavar="N",
                    help="instead: profile one N-token prefill on resident, bf16-bank and FP8-bank engines")
     p.add_argument("--layers", type=int, default=None, help="--prefill-tokens: the first N layers (8 on cuda)")
+    p.add_argument("--budget", type=float, default=None,
+                   help="--prefill-tokens: the streaming engines' --gpu-memory-budget (GiB), as a service's")
+    p.add_argument("--max-context", type=int, default=None,
+                   help="--prefill-tokens: the streaming engines' --max-context (default: the prompt's length)")
     args = p.parse_args(argv)
     device = torch.device(args.device)
     cuda = device.type == "cuda"
@@ -259,13 +270,15 @@ def main(argv: list[str] | None = None) -> int:
     dtype = torch.bfloat16 if cuda else torch.float32
     if args.prefill_tokens:
         layers = args.layers if args.layers is not None else (8 if cuda else None)
-        rows = prefill_profiles(model, layers, args.prefill_tokens, tokens, device, dtype)
+        rows = prefill_profiles(model, layers, args.prefill_tokens, tokens, device, dtype, args.budget,
+                                args.max_context)
         print(f"{model} ({layers or 'all'} layers), {device}, {dtype}, {args.prefill_tokens}-token prefill in "
               f"{tokens}-token chunks")
         _print_profiles(rows)
         if args.out:
             args.out.write_text(json.dumps({"model": model, "layers": layers, "device": str(device),
                                             "prefill_tokens": args.prefill_tokens, "chunk_tokens": tokens,
+                                            "budget_gib": args.budget, "max_context": args.max_context,
                                             "rows": rows}, indent=1))
         return 0
     with torch.no_grad():
