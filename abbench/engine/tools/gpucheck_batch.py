@@ -43,6 +43,7 @@ import torch
 
 from abbench.engine.config import EXPERT_DTYPES, SLOT_DTYPES, EngineConfig
 from abbench.engine.contract import GenerateRequest
+from abbench.engine.tools.gpucheck_hybrid import merge_spans
 
 
 def _sync(device: torch.device) -> None:
@@ -169,16 +170,6 @@ def _copy_floor(alone: dict, rows: list[dict], steps: int, alone_tps: float, tog
     return out
 
 
-def _merge(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    out: list[tuple[float, float]] = []
-    for a, b in sorted(spans):
-        if out and a <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], b))
-        else:
-            out.append((a, b))
-    return out
-
-
 def kernel_timeline(kernels: list[tuple[str, float, float]], steps: int, mark: str = "_fetch_rows") -> dict:
     """What the GPU did over ``steps`` decode steps, from its kernels' (name, start us, end us): per step, in ms,
     the span from the first kernel's start to the last one's end, the time any kernel ran (``busy``: the union),
@@ -188,12 +179,12 @@ def kernel_timeline(kernels: list[tuple[str, float, float]], steps: int, mark: s
     step)."""
     if not kernels or steps < 1:
         return {"steps": steps, "kernels": len(kernels)}
-    merged = _merge([(a, b) for _, a, b in kernels])
+    merged = merge_spans([(a, b) for _, a, b in kernels])
     busy = sum(b - a for a, b in merged)
     total = sum(b - a for _, a, b in kernels)
     span = max(b for _, _, b in kernels) - min(a for _, a, _ in kernels)
-    marked = _merge([(a, b) for n, a, b in kernels if mark in n])
-    others = _merge([(a, b) for n, a, b in kernels if mark not in n])
+    marked = merge_spans([(a, b) for n, a, b in kernels if mark in n])
+    others = merge_spans([(a, b) for n, a, b in kernels if mark not in n])
     overlap, j = 0.0, 0
     for a, b in marked:  # both lists sorted and disjoint within themselves
         while j < len(others) and others[j][1] <= a:

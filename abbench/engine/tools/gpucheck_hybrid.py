@@ -57,15 +57,20 @@ def _timed(fn, device: torch.device, repeats: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def merge_spans(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """[start, end) intervals merged where they overlap or touch: sorted and disjoint."""
+    out: list[tuple[float, float]] = []
+    for a, b in sorted(spans):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
 def union_seconds(spans_us: list[tuple[float, float]]) -> float:
     """The length of the union of [start, end) intervals given in microseconds, in seconds."""
-    total, end = 0.0, float("-inf")
-    for a, b in sorted(spans_us):
-        if b <= end:
-            continue
-        total += b - max(a, end)
-        end = b
-    return total / 1e6
+    return sum(b - a for a, b in merge_spans(spans_us)) / 1e6
 
 
 def gpu_compute_seconds(fn, device: torch.device) -> tuple[float, float]:
