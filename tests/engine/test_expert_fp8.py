@@ -430,7 +430,7 @@ def test_the_fp8_gpucheck_profiles_a_whole_prefill_on_three_engines(tmp_path) ->
     mc = PRESETS["tiny"]
     f32, fp8 = (ExpertBank(mc, torch.float32, pin=False, fp8=q).bank_bytes for q in (False, True))
     assert [r["prefill_h2d_bytes"] for r in rows] == [0, f32, fp8]  # one window: each bank streamed once
-    assert all(r["prefill_s"] > 0 and r["compute_busy_s"] is None for r in rows)
+    assert all(r["prefill_s"] > 0 and r["first_prefill_s"] > 0 and r["compute_busy_s"] is None for r in rows)
     assert [r["windows"] for r in rows] == [0, 1, 1]
     # as a service has it: the streaming engines under a budget with longer caches, the same one window each
     assert main(["--device", "cpu", "--tokens", "64", "--prefill-tokens", "150", "--budget", "3", "--max-context",

@@ -166,8 +166,9 @@ def run(model: str, device: torch.device, dtype: torch.dtype, tokens: int, progr
 
 
 def profile_prefill(engine, prompt: list[int], top: int = 8) -> dict:
-    """One prefill of ``prompt`` (after an untimed one) on ``engine``: its wall time, and on CUDA, from the
-    profiler's device activity, the seconds of compute kernels (union over streams), copies (union), FP8
+    """One prefill of ``prompt`` (after an unprofiled one, whose prefill time is ``first_prefill_s``: the
+    engine's first sighting of the length, lazy set-up included) on ``engine``: its wall time, and on CUDA, from
+    the profiler's device activity, the seconds of compute kernels (union over streams), copies (union), FP8
     dequantization kernels (sum), the compute stream's wait for copies (``copy_wait_s``) and the ``top`` kernels
     by total time. The keys are there on CPU too, None where the profiler has no device."""
     from torch.autograd import DeviceType
@@ -175,9 +176,10 @@ def profile_prefill(engine, prompt: list[int], top: int = 8) -> dict:
 
     cuda = engine.device.type == "cuda"
     engine.reset()
-    engine.run(prompt, 1, ignore_eos=True)  # untimed: lazy set-up, graphs captured
+    _, first = engine.run(prompt, 1, ignore_eos=True)  # unprofiled: lazy set-up, graphs captured
     engine.reset()
-    out: dict = {"compute_busy_s": None, "copy_busy_s": None, "dequant_s": None, "top_kernels": None}
+    out: dict = {"compute_busy_s": None, "copy_busy_s": None, "dequant_s": None, "top_kernels": None,
+                 "first_prefill_s": first.prefill_end - first.prefill_start}
     if not cuda:
         _, stats = engine.run(prompt, 1, ignore_eos=True)
     else:
@@ -237,10 +239,11 @@ def prefill_profiles(model: str, layers: int | None, tokens: int, chunk: int, de
 
 def _print_profiles(rows: list[dict]) -> None:
     ms = lambda v: "-" if v is None else f"{v * 1e3:.1f}"  # noqa: E731
-    print(f"{'engine':<30} {'prefill ms':>10} {'compute':>9} {'copies':>9} {'dequant':>9} {'copy wait':>9}")
+    print(f"{'engine':<30} {'prefill ms':>10} {'compute':>9} {'copies':>9} {'dequant':>9} {'copy wait':>9} "
+          f"{'first ms':>9}")
     for r in rows:
         print(f"{r['engine']:<30} {ms(r['prefill_s']):>10} {ms(r['compute_busy_s']):>9} {ms(r['copy_busy_s']):>9} "
-              f"{ms(r['dequant_s']):>9} {ms(r['copy_wait_s']):>9}")
+              f"{ms(r['dequant_s']):>9} {ms(r['copy_wait_s']):>9} {ms(r['first_prefill_s']):>9}")
     for r in rows:
         for name, sec in r["top_kernels"] or []:
             print(f"  {r['engine']:<28} {sec * 1e3:9.1f} ms  {name}")
