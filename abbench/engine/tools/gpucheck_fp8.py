@@ -33,6 +33,7 @@ service's budget and caches, to see whether those make the difference.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import time
@@ -232,6 +233,7 @@ def prefill_profiles(model: str, layers: int | None, tokens: int, chunk: int, de
         with torch.no_grad():
             rows.append({"engine": name, **profile_prefill(engine, prompt)})
         del engine
+        gc.collect()  # the engine's cycles hold its device memory (on an 80 GB card the next engine's OOM)
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return rows
