@@ -659,8 +659,11 @@ def moe_tokens(h: torch.Tensor, top_w: torch.Tensor, top_ids: torch.Tensor, gate
     3. the down projection the same way, per pair;
     4. per token the k experts weighted by the router in routing order (no atomics), the residual added.
     A pair's sums never depend on which or how many other pairs share its expert, and ``max_tokens`` fixes every
-    compile-time size, so a token gives the same bits alone and in any batch of up to ``max_tokens`` (default B;
-    a decoder passes its number of sequence caches).
+    compile-time size of the arithmetic, so a token gives the same bits alone and in any batch of up to
+    ``max_tokens`` (default B; a decoder passes its number of sequence caches). Kernel 1 computes no value: it is
+    sized to the B x k pairs there are (its one program's work grows as their square; sized to ``max_tokens`` x k,
+    one token's grouping took 27 us a layer with 8 caches, 10% of an offloaded step alone on an H100:
+    ``results/20261205g-h100-batch-decode-profile``), one compiled variant per power of two of B x k.
 
     Without ``lookup``, top_ids index gate_up [G, 2I, H] / down [G, H, I] directly (resident experts, identity
     slots, or slots looked up by the host); ``src`` [B*k] int32 (with ``host``) marks the misses to read from the
@@ -717,7 +720,7 @@ def moe_tokens(h: torch.Tensor, top_w: torch.Tensor, top_ids: torch.Tensor, gate
         raise ValueError(f"moe_tokens: token_counts [{mp}, 2] goes with a lookup")
     _group_experts[(1,)](ids, ids if src is None else src.reshape(-1).contiguous(), slots, src_out, members,
                          ids if token_counts is None else token_counts, *table, n_pairs, K=k,
-                         PP=next_pow2(mp * k), M=mp, LOOKUP=t is not None, HAS_SRC=src is not None,
+                         PP=next_pow2(n_pairs), M=mp, LOOKUP=t is not None, HAS_SRC=src is not None,
                          TOK_COUNTS=token_counts is not None, S=n_slots, SP=next_pow2(n_slots),
                          IDENTITY=t is not None and t.identity, STEP=STAMP_STEP, NEVER=STAMP_NEVER, num_warps=4)
     act = torch.empty(n_pairs, inter, dtype=torch.float32, device=dev)  # [P, I]
@@ -788,7 +791,7 @@ def prefetch_experts(top_ids: torch.Tensor, lookup: SlotLookup, host: tuple[torc
     n_slots = check_slot_table(k, lookup.stamp.shape[0])
     _group_experts[(1,)](ids, ids, out.slots, out.src, out.members, ids if token_counts is None else token_counts,
                          lookup.slot_of, lookup.expert_of, lookup.stamp, lookup.tick, lookup.counts, n_pairs, K=k,
-                         PP=next_pow2(mp * k), M=mp, LOOKUP=True, HAS_SRC=False,
+                         PP=next_pow2(n_pairs), M=mp, LOOKUP=True, HAS_SRC=False,
                          TOK_COUNTS=token_counts is not None, S=n_slots, SP=next_pow2(n_slots),
                          IDENTITY=lookup.identity, STEP=STAMP_STEP, NEVER=STAMP_NEVER, num_warps=4)
     dequant = fp8 and not slot_fp8
