@@ -38,14 +38,15 @@ for fetch, fp8, slot_fp8 in [(False, False, False), (True, False, False), (True,
                               stride_we="i64", stride_wn="i64"),
          dict(H=H, I=I, M=M, BLOCK_N=4, BLOCK_K=1024, FETCH=fetch, FP8=fp8, SLOT_FP8=slot_fp8),
          f"_down_group fetch={fetch} fp8={fp8} slot_fp8={slot_fp8}")
-for lookup, identity in [(False, False), (True, False), (True, True)]:
+for lookup, identity, pp in [(False, False, PP), (True, False, PP), (True, True, PP), (True, False, K)]:
+    # (PP = K: one token's step, the grouping sized to its k pairs while M stays the 8 caches')
     comp(dk._group_experts, dict(ids_ptr="*i64", given_src_ptr="*i32", slots_ptr="*i64", src_ptr="*i32",
                                  members_ptr="*i32", tok_counts_ptr="*i64", slot_of_ptr="*i32",
                                  expert_of_ptr="*i32", stamp_ptr="*i64", tick_ptr="*i64", counts_ptr="*i64",
                                  P="i32"),
-         dict(K=K, PP=PP, M=M, LOOKUP=lookup, HAS_SRC=False, TOK_COUNTS=lookup, S=E if identity else S,
+         dict(K=K, PP=pp, M=M, LOOKUP=lookup, HAS_SRC=False, TOK_COUNTS=lookup, S=E if identity else S,
               SP=E if identity else 64, IDENTITY=identity, STEP=dk.STAMP_STEP, NEVER=dk.STAMP_NEVER),
-         f"_group_experts lookup={lookup} identity={identity}")
+         f"_group_experts lookup={lookup} identity={identity} pairs={pp}")
 comp(dk._group_experts, dict(ids_ptr="*i64", given_src_ptr="*i32", slots_ptr="*i64", src_ptr="*i32",
                              members_ptr="*i32", tok_counts_ptr="*i64", slot_of_ptr="*i64", expert_of_ptr="*i64",
                              stamp_ptr="*i64", tick_ptr="*i64", counts_ptr="*i64", P="i32"),
