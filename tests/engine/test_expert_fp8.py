@@ -451,3 +451,30 @@ def test_a_quantization_the_engine_cannot_read_is_refused(tmp_path) -> None:
         fp8_block_size(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_moe"}))
     assert fp8_block_size(tmp_path) is None
+
+
+def test_stream_gaps_splits_the_compute_streams_idle_time_between_a_late_host_and_a_queued_wait() -> None:
+    """``gpucheck_fp8.stream_gaps`` on a hand-made trace: stream 7 (the most kernel time) runs k0 [0, 10),
+    k1 [15, 25) and k2 [40, 50) us; k1's launch returned at 12 (2 of its 5 us gap the host's), k2's at 20 (queued:
+    all 15 us of its gap on the device). Stream 9's copy and a 150 us synchronisation are not the compute
+    stream's; the synchronisation is a slow host call."""
+    from abbench.engine.tools.gpucheck_fp8 import stream_gaps
+
+    def dev(name, ts, dur, stream, corr, cat="kernel"):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur,
+                "args": {"stream": stream, "correlation": corr}}
+
+    def call(name, ts, dur, corr):
+        return {"ph": "X", "cat": "cuda_runtime", "name": name, "ts": ts, "dur": dur, "args": {"correlation": corr}}
+
+    events = [dev("k0", 0, 10, 7, 1), dev("k1", 15, 10, 7, 2), dev("k2", 40, 10, 7, 3),
+              dev("Memcpy HtoD", 0, 30, 9, 4, cat="gpu_memcpy"),
+              call("cudaLaunchKernel", -5, 2, 1), call("cudaLaunchKernel", 9, 3, 2), call("cudaLaunchKernel", 18, 2, 3),
+              call("cudaMemcpyAsync", -3, 1, 4), call("cudaStreamSynchronize", 50, 150, 5), {"ph": "i", "name": "x"}]
+    got = stream_gaps(events)
+    assert got["stream"] == 7 and got["gaps"] == 2
+    assert abs(got["span_s"] - 50e-6) < 1e-12 and abs(got["busy_s"] - 30e-6) < 1e-12
+    assert abs(got["host_late_s"] - 2e-6) < 1e-12 and abs(got["queued_s"] - 18e-6) < 1e-12
+    assert [(round(g * 1e6), round(late * 1e6), name) for g, late, name, _ in got["top_gaps"]] == [(15, 0, "k2"),
+                                                                                                  (5, 2, "k1")]
+    assert got["slow_calls"] == {"cudaStreamSynchronize": (1, 150e-6)}

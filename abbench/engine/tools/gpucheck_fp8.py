@@ -27,15 +27,20 @@ and the largest kernels. Where the FP8 bank's prefill exceeds resident's (#46: 3
 this says whether the GPU computed longer (slower kernels beside the copies) or sat idle (waiting). At 16K and 8
 layers the FP8 bank's prefill was no slower than resident's (results/20261205e-h200-decode-prefetch) while a
 16 GiB service's was 3 ms a layer slower: ``--budget`` and ``--max-context`` give the streaming engines a
-service's budget and caches, to see whether those make the difference.
+service's budget and caches, to see whether those make the difference. With them (48 layers, 16 GiB) the
+excess appeared in one process on an H100 (results/20261205h). Each row's ``compute_stream`` (``stream_gaps``)
+then says where the compute stream sat idle: with the host late to launch, or queued behind something on the
+device; ``--trace-dir`` keeps the Chrome traces.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import gzip
 import json
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -166,7 +171,51 @@ def run(model: str, device: torch.device, dtype: torch.dtype, tokens: int, progr
     return ok, rows
 
 
-def profile_prefill(engine, prompt: list[int], top: int = 8) -> dict:
+def stream_gaps(events: list[dict], top: int = 8) -> dict:
+    """Where the compute stream sat idle, from a profiler's Chrome trace events (``traceEvents``: device
+    activity ``kernel`` / ``gpu_memcpy`` / ``gpu_memset`` with ``args.stream`` and ``args.correlation``, host
+    ``cuda_runtime`` / ``cuda_driver`` calls with the same correlation: Triton launches through the driver). The
+    compute stream is the one with the most kernel time. Each gap between two of its consecutive operations is
+    split in two: ``host_late_s``, the part before the host's call that launched the next operation returned (the
+    host was late: launches, Python, a blocking call), and ``queued_s``, the rest (the next operation was queued
+    and waited on the device: an event from another stream, the copy stream's work). Also the host's runtime calls
+    of 100 us or more, by name (``slow_calls``: count, seconds), and the ``top`` gaps. Times in seconds."""
+    dev = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    launches = {e["args"]["correlation"]: e for e in events
+                if e.get("ph") == "X" and e.get("cat") in ("cuda_runtime", "cuda_driver")
+                and "correlation" in e.get("args", {})}
+    by_stream: dict[object, list[dict]] = {}
+    for e in dev:
+        by_stream.setdefault(e["args"].get("stream"), []).append(e)
+    out: dict = {"stream": None, "span_s": 0.0, "busy_s": 0.0, "host_late_s": 0.0, "queued_s": 0.0, "gaps": 0,
+                 "top_gaps": [], "slow_calls": {}}
+    for e in launches.values():
+        if e["dur"] >= 100:
+            n, sec = out["slow_calls"].get(e["name"], (0, 0.0))
+            out["slow_calls"][e["name"]] = (n + 1, sec + e["dur"] / 1e6)
+    if not by_stream:
+        return out
+    stream = max(by_stream, key=lambda s: sum(e["dur"] for e in by_stream[s] if e["cat"] == "kernel"))
+    ops = sorted(by_stream[stream], key=lambda e: e["ts"])
+    out.update(stream=stream, span_s=(max(e["ts"] + e["dur"] for e in ops) - ops[0]["ts"]) / 1e6,
+               busy_s=union_seconds([(e["ts"], e["ts"] + e["dur"]) for e in ops]))
+    gaps = []
+    end = ops[0]["ts"] + ops[0]["dur"]
+    for e in ops[1:]:
+        gap = e["ts"] - end
+        if gap > 0:
+            call = launches.get(e["args"].get("correlation"))
+            late = 0.0 if call is None else min(gap, max(0.0, call["ts"] + call["dur"] - end))
+            out["host_late_s"] += late / 1e6
+            out["queued_s"] += (gap - late) / 1e6
+            out["gaps"] += 1
+            gaps.append((gap / 1e6, late / 1e6, e["name"][:60], None if call is None else call["name"]))
+        end = max(end, e["ts"] + e["dur"])
+    out["top_gaps"] = sorted(gaps, reverse=True)[:top]
+    return out
+
+
+def profile_prefill(engine, prompt: list[int], top: int = 8, trace: Path | None = None) -> dict:
     """One prefill of ``prompt`` (after an unprofiled one, whose prefill time is ``first_prefill_s``: the
     engine's first sighting of the length, lazy set-up included) on ``engine``: its wall time, and on CUDA, from
     the profiler's device activity, the seconds of compute kernels (union over streams), copies (union), FP8
@@ -180,7 +229,7 @@ def profile_prefill(engine, prompt: list[int], top: int = 8) -> dict:
     _, first = engine.run(prompt, 1, ignore_eos=True)  # unprofiled: lazy set-up, graphs captured
     engine.reset()
     out: dict = {"compute_busy_s": None, "copy_busy_s": None, "dequant_s": None, "top_kernels": None,
-                 "first_prefill_s": first.prefill_end - first.prefill_start}
+                 "compute_stream": None, "first_prefill_s": first.prefill_end - first.prefill_start}
     if not cuda:
         _, stats = engine.run(prompt, 1, ignore_eos=True)
     else:
@@ -190,6 +239,14 @@ def profile_prefill(engine, prompt: list[int], top: int = 8) -> dict:
             torch.cuda.synchronize(engine.device)
         spans: dict[str, list[tuple[float, float]]] = {"copy": [], "dequant": [], "compute": [], "set": []}
         by_name: dict[str, float] = {}
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / "trace.json"
+            prof.export_chrome_trace(str(path))
+            text = path.read_text()
+        if trace is not None:
+            trace.parent.mkdir(parents=True, exist_ok=True)
+            trace.write_bytes(gzip.compress(text.encode()))
+        out["compute_stream"] = stream_gaps(json.loads(text)["traceEvents"])
         for e in prof.events():
             if e.device_type != DeviceType.CUDA:
                 continue
@@ -206,11 +263,13 @@ def profile_prefill(engine, prompt: list[int], top: int = 8) -> dict:
 
 
 def prefill_profiles(model: str, layers: int | None, tokens: int, chunk: int, device: torch.device,
-                     dtype: torch.dtype, budget_gib: float | None = None, max_context: int | None = None) -> list[dict]:
+                     dtype: torch.dtype, budget_gib: float | None = None, max_context: int | None = None,
+                     trace_dir: Path | None = None) -> list[dict]:
     """``profile_prefill`` on the three engines of the module docstring (each built, profiled and dropped in
     turn; the whole prompt one layer-major window: each bank streamed once), each row named by its ``engine``.
     ``budget_gib`` and ``max_context``: the two streaming engines' ``--gpu-memory-budget`` and caches as a
-    service has them (default: no budget, caches of the prompt's length)."""
+    service has them (default: no budget, caches of the prompt's length). ``trace_dir``: each profiled prefill's
+    Chrome trace there, gzipped (``resident.json.gz``, ``model-dtype.json.gz``, ``fp8.json.gz``)."""
     import dataclasses
 
     from abbench.engine.config import EngineConfig
@@ -226,12 +285,13 @@ def prefill_profiles(model: str, layers: int | None, tokens: int, chunk: int, de
     streaming = dict(prefill_mode="layer-major", gpu_memory_budget_gib=budget_gib,
                      **({} if max_context is None else {"max_context": max_context}))
     rows = []
-    for name, extra in (("resident", dict(prefill_mode="resident")),
-                        ("layer-major, model-dtype bank", streaming),
-                        ("layer-major, fp8 bank", dict(streaming, expert_dtype="fp8"))):
+    for name, short, extra in (("resident", "resident", dict(prefill_mode="resident")),
+                               ("layer-major, model-dtype bank", "model-dtype", streaming),
+                               ("layer-major, fp8 bank", "fp8", dict(streaming, expert_dtype="fp8"))):
         engine = Engine(EngineConfig(**{**base, **extra}))
         with torch.no_grad():
-            rows.append({"engine": name, **profile_prefill(engine, prompt)})
+            trace = None if trace_dir is None else trace_dir / f"{short}.json.gz"
+            rows.append({"engine": name, **profile_prefill(engine, prompt, trace=trace)})
         del engine
         gc.collect()  # the engine's cycles hold its device memory (on an 80 GB card the next engine's OOM)
         if device.type == "cuda":
@@ -249,6 +309,17 @@ def _print_profiles(rows: list[dict]) -> None:
     for r in rows:
         for name, sec in r["top_kernels"] or []:
             print(f"  {r['engine']:<28} {sec * 1e3:9.1f} ms  {name}")
+    for r in rows:
+        g = r["compute_stream"]
+        if g is None:
+            continue
+        print(f"{r['engine']}: compute stream span {g['span_s'] * 1e3:.1f} ms, busy {g['busy_s'] * 1e3:.1f}, "
+              f"{g['gaps']} gaps: {g['host_late_s'] * 1e3:.1f} ms with the host late, {g['queued_s'] * 1e3:.1f} ms "
+              "queued")
+        for gap, late, name, call in g["top_gaps"]:
+            print(f"    gap {gap * 1e3:7.3f} ms (host late {late * 1e3:7.3f}) before {name} ({call})")
+        for name, (n, sec) in sorted(g["slow_calls"].items(), key=lambda kv: -kv[1][1])[:6]:
+            print(f"    host call >= 0.1 ms: {name} x{n}, {sec * 1e3:.1f} ms")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -265,6 +336,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=None, help="--prefill-tokens: the first N layers (8 on cuda)")
     p.add_argument("--budget", type=float, default=None,
                    help="--prefill-tokens: the streaming engines' --gpu-memory-budget (GiB), as a service's")
+    p.add_argument("--trace-dir", type=Path, default=None,
+                   help="--prefill-tokens: keep each profiled prefill's Chrome trace there (gzipped)")
     p.add_argument("--max-context", type=int, default=None,
                    help="--prefill-tokens: the streaming engines' --max-context (default: the prompt's length)")
     args = p.parse_args(argv)
@@ -276,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.prefill_tokens:
         layers = args.layers if args.layers is not None else (8 if cuda else None)
         rows = prefill_profiles(model, layers, args.prefill_tokens, tokens, device, dtype, args.budget,
-                                args.max_context)
+                                args.max_context, args.trace_dir)
         print(f"{model} ({layers or 'all'} layers), {device}, {dtype}, {args.prefill_tokens}-token prefill in "
               f"{tokens}-token chunks")
         _print_profiles(rows)
