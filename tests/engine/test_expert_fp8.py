@@ -439,6 +439,13 @@ def test_the_fp8_gpucheck_profiles_a_whole_prefill_on_three_engines(tmp_path) ->
     assert (got["budget_gib"], got["max_context"]) == (3.0, 400)
     assert [(r["path"], r["windows"], r["prefill_h2d_bytes"]) for r in got["rows"]] == [
         ("resident", 0, 0), ("layer-major", 1, f32), ("layer-major", 1, fp8)]
+    # the engines asked for, in the order asked (a process's later engines run after the earlier ones)
+    assert main(["--device", "cpu", "--tokens", "64", "--prefill-tokens", "150", "--engines", "fp8,resident",
+                 "--out", str(tmp_path / "o.json")]) == 0
+    got = json.loads((tmp_path / "o.json").read_text())["rows"]
+    assert [(r["engine"], r["prefill_h2d_bytes"]) for r in got] == [("layer-major, fp8 bank", fp8), ("resident", 0)]
+    with pytest.raises(SystemExit):
+        main(["--device", "cpu", "--prefill-tokens", "150", "--engines", "fp8,bf16"])
 
 
 def test_a_quantization_the_engine_cannot_read_is_refused(tmp_path) -> None:
@@ -478,3 +485,6 @@ def test_stream_gaps_splits_the_compute_streams_idle_time_between_a_late_host_an
     assert [(round(g * 1e6), round(late * 1e6), name) for g, late, name, _ in got["top_gaps"]] == [(15, 0, "k2"),
                                                                                                   (5, 2, "k1")]
     assert got["slow_calls"] == {"cudaStreamSynchronize": (1, 150e-6)}
+    # the host: 2 + 3 + 2 + 1 + 150 us in calls over [-5, 200), the rest between them; launches' median 2 us
+    assert abs(got["host_calls_s"] - 158e-6) < 1e-12 and abs(got["host_between_s"] - 47e-6) < 1e-12
+    assert got["launch_median_us"] == 2

@@ -116,6 +116,9 @@ class Model(MoEModel):
         self.max_split = split_plan(max_context)[1]  # the longest split range any decode bucket uses
         self._plans: dict[int, torch.Tensor] = {}
         self._no_index = torch.zeros(1, dtype=torch.long, device=device)  # a one-cache view's index
+        # prefill CUDA graphs (steps.LayerSteps): every MoE half (about a third of a chunk's ~97 launches); the
+        # attention half's shapes grow with the position and run eagerly
+        self.prefill_graph_moe = True
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, self.w.embed)  # [T, H]

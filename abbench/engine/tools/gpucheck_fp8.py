@@ -179,7 +179,9 @@ def stream_gaps(events: list[dict], top: int = 8) -> dict:
     split in two: ``host_late_s``, the part before the host's call that launched the next operation returned (the
     host was late: launches, Python, a blocking call), and ``queued_s``, the rest (the next operation was queued
     and waited on the device: an event from another stream, the copy stream's work). Also the host's runtime calls
-    of 100 us or more, by name (``slow_calls``: count, seconds), and the ``top`` gaps. Times in seconds."""
+    of 100 us or more, by name (``slow_calls``: count, seconds), the ``top`` gaps, and the host thread's own
+    pace: ``host_calls_s`` (time inside runtime and driver calls), ``host_between_s`` (between them: Python, torch's
+    dispatch) and ``launch_median_us`` (the median ``cudaLaunchKernel``). Times in seconds."""
     dev = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
     launches = {e["args"]["correlation"]: e for e in events
                 if e.get("ph") == "X" and e.get("cat") in ("cuda_runtime", "cuda_driver")
@@ -189,6 +191,14 @@ def stream_gaps(events: list[dict], top: int = 8) -> dict:
         by_stream.setdefault(e["args"].get("stream"), []).append(e)
     out: dict = {"stream": None, "span_s": 0.0, "busy_s": 0.0, "host_late_s": 0.0, "queued_s": 0.0, "gaps": 0,
                  "top_gaps": [], "slow_calls": {}}
+    calls = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") in ("cuda_runtime", "cuda_driver")),
+                   key=lambda e: e["ts"])
+    inside = sum(e["dur"] for e in calls)
+    out.update(host_calls_s=inside / 1e6, host_between_s=0.0, launch_median_us=None)
+    if calls:
+        out["host_between_s"] = (calls[-1]["ts"] + calls[-1]["dur"] - calls[0]["ts"] - inside) / 1e6
+        durs = [e["dur"] for e in calls if e["name"] == "cudaLaunchKernel"]
+        out["launch_median_us"] = statistics.median(durs) if durs else None
     for e in launches.values():
         if e["dur"] >= 100:
             n, sec = out["slow_calls"].get(e["name"], (0, 0.0))
@@ -262,14 +272,19 @@ def profile_prefill(engine, prompt: list[int], top: int = 8, trace: Path | None 
     return out
 
 
+ENGINES = ("resident", "model-dtype", "fp8")  # prefill_profiles' engines, by their short names
+
+
 def prefill_profiles(model: str, layers: int | None, tokens: int, chunk: int, device: torch.device,
                      dtype: torch.dtype, budget_gib: float | None = None, max_context: int | None = None,
-                     trace_dir: Path | None = None) -> list[dict]:
+                     trace_dir: Path | None = None, engines: tuple[str, ...] = ENGINES) -> list[dict]:
     """``profile_prefill`` on the three engines of the module docstring (each built, profiled and dropped in
     turn; the whole prompt one layer-major window: each bank streamed once), each row named by its ``engine``.
     ``budget_gib`` and ``max_context``: the two streaming engines' ``--gpu-memory-budget`` and caches as a
     service has them (default: no budget, caches of the prompt's length). ``trace_dir``: each profiled prefill's
-    Chrome trace there, gzipped (``resident.json.gz``, ``model-dtype.json.gz``, ``fp8.json.gz``)."""
+    Chrome trace there, gzipped (``resident.json.gz``, ``model-dtype.json.gz``, ``fp8.json.gz``). ``engines``:
+    which of them (``ENGINES``' short names), in that order: one process's later engines run after the earlier
+    ones' set-up and profiles, so the order is a variable of its own."""
     import dataclasses
 
     from abbench.engine.config import EngineConfig
@@ -285,9 +300,11 @@ def prefill_profiles(model: str, layers: int | None, tokens: int, chunk: int, de
     streaming = dict(prefill_mode="layer-major", gpu_memory_budget_gib=budget_gib,
                      **({} if max_context is None else {"max_context": max_context}))
     rows = []
-    for name, short, extra in (("resident", "resident", dict(prefill_mode="resident")),
-                               ("layer-major, model-dtype bank", "model-dtype", streaming),
-                               ("layer-major, fp8 bank", "fp8", dict(streaming, expert_dtype="fp8"))):
+    kinds = {"resident": ("resident", dict(prefill_mode="resident")),
+             "model-dtype": ("layer-major, model-dtype bank", streaming),
+             "fp8": ("layer-major, fp8 bank", dict(streaming, expert_dtype="fp8"))}
+    for short in engines:
+        name, extra = kinds[short]
         engine = Engine(EngineConfig(**{**base, **extra}))
         with torch.no_grad():
             trace = None if trace_dir is None else trace_dir / f"{short}.json.gz"
@@ -315,7 +332,8 @@ def _print_profiles(rows: list[dict]) -> None:
             continue
         print(f"{r['engine']}: compute stream span {g['span_s'] * 1e3:.1f} ms, busy {g['busy_s'] * 1e3:.1f}, "
               f"{g['gaps']} gaps: {g['host_late_s'] * 1e3:.1f} ms with the host late, {g['queued_s'] * 1e3:.1f} ms "
-              "queued")
+              f"queued; host {g['host_calls_s'] * 1e3:.1f} ms in CUDA calls, {g['host_between_s'] * 1e3:.1f} ms "
+              f"between them, median launch {g['launch_median_us'] or 0:.1f} us")
         for gap, late, name, call in g["top_gaps"]:
             print(f"    gap {gap * 1e3:7.3f} ms (host late {late * 1e3:7.3f}) before {name} ({call})")
         for name, (n, sec) in sorted(g["slow_calls"].items(), key=lambda kv: -kv[1][1])[:6]:
@@ -336,6 +354,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=None, help="--prefill-tokens: the first N layers (8 on cuda)")
     p.add_argument("--budget", type=float, default=None,
                    help="--prefill-tokens: the streaming engines' --gpu-memory-budget (GiB), as a service's")
+    p.add_argument("--engines", default=",".join(ENGINES),
+                   help=f"--prefill-tokens: which engines, in this order (of {', '.join(ENGINES)})")
     p.add_argument("--trace-dir", type=Path, default=None,
                    help="--prefill-tokens: keep each profiled prefill's Chrome trace there (gzipped)")
     p.add_argument("--max-context", type=int, default=None,
@@ -346,10 +366,13 @@ def main(argv: list[str] | None = None) -> int:
     model = args.model or ("qwen3-30b-a3b" if cuda else "tiny")
     tokens = args.tokens or (2048 if cuda else 64)
     dtype = torch.bfloat16 if cuda else torch.float32
+    engines = tuple(args.engines.split(","))
+    if not set(engines) <= set(ENGINES) or not engines:
+        p.error(f"--engines: a comma-separated list of {', '.join(ENGINES)}, got {args.engines!r}")
     if args.prefill_tokens:
         layers = args.layers if args.layers is not None else (8 if cuda else None)
         rows = prefill_profiles(model, layers, args.prefill_tokens, tokens, device, dtype, args.budget,
-                                args.max_context, args.trace_dir)
+                                args.max_context, args.trace_dir, engines)
         print(f"{model} ({layers or 'all'} layers), {device}, {dtype}, {args.prefill_tokens}-token prefill in "
               f"{tokens}-token chunks")
         _print_profiles(rows)
