@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import gc
 import json
 import sys
 import time
@@ -35,6 +34,7 @@ import torch
 from abbench.engine.config import DECODE_ATTENTION, DECODE_EXPERTS, MAX_GROUPED_MM_GROUPS, PRESETS, EngineConfig
 from abbench.engine.ops.moe import TooManyGroups, grouped_mm
 from abbench.engine.runtime.engine import Engine
+from abbench.engine.tools import release
 
 
 def _groups_check(device: str) -> dict:
@@ -278,9 +278,7 @@ def main(argv: list[str] | None = None) -> int:
         if slots == model.num_experts:  # every slot filled: whole-step graphs from there on
             report["timing_offloaded_all_cached"] = _time_steps(eng, prompt, 24, fill_all=True)
         del eng
-        gc.collect()  # an engine's reference cycles hold its device memory until collected
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        release(torch.cuda.is_available())
     report["timing_resident_graphs"] = _time_steps(resident, prompt, 24)
     if args.profile_decode and args.device != "cpu":
         report["profile_resident_graphs"] = profile_decode(resident, prompt, 8)

@@ -32,7 +32,6 @@ On CPU it runs the tiny preset in seconds (the tests run it there).
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import statistics
 import sys
@@ -43,6 +42,7 @@ import torch
 
 from abbench.engine.config import EXPERT_DTYPES, SLOT_DTYPES, EngineConfig
 from abbench.engine.contract import GenerateRequest
+from abbench.engine.tools import release
 from abbench.engine.tools.gpucheck_hybrid import merge_spans
 
 
@@ -341,9 +341,7 @@ def main(argv: list[str] | None = None) -> int:
                 json.dump(report, f, indent=1, default=str)
         return 0 if ok else 1
     del engine
-    gc.collect()
-    if args.device.startswith("cuda"):
-        torch.cuda.empty_cache()
+    release(args.device.startswith("cuda"))
     resident = Engine(EngineConfig(**knobs, prefill_mode="resident", max_num_seqs=1))
     res_s = []
     for p in prompts:

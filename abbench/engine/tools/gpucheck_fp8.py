@@ -36,7 +36,6 @@ device; ``--trace-dir`` keeps the Chrome traces.
 from __future__ import annotations
 
 import argparse
-import gc
 import gzip
 import json
 import statistics
@@ -51,6 +50,7 @@ from abbench.engine.config import PRESETS
 from abbench.engine.models.bank import dequantize_into, quantize_rows
 from abbench.engine.ops import kernels as dk
 from abbench.engine.ops.moe import grouped_mm, looped_mm, moe_experts, probe_grouped_mm
+from abbench.engine.tools import release
 from abbench.engine.tools.gpucheck_hybrid import union_seconds
 
 
@@ -310,9 +310,7 @@ def prefill_profiles(model: str, layers: int | None, tokens: int, chunk: int, de
             trace = None if trace_dir is None else trace_dir / f"{short}.json.gz"
             rows.append({"engine": name, **profile_prefill(engine, prompt, trace=trace)})
         del engine
-        gc.collect()  # the engine's cycles hold its device memory (on an 80 GB card the next engine's OOM)
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        release(device.type == "cuda")
     return rows
 
 

@@ -18,7 +18,6 @@ tiny preset in seconds (the tests run it there).
 from __future__ import annotations
 
 import argparse
-import gc
 import math
 import sys
 import time
@@ -27,6 +26,7 @@ import torch
 
 from abbench.engine.config import EngineConfig
 from abbench.engine.ops.dense import attention_backends
+from abbench.engine.tools import release
 
 MODES = ("demand", "chunked", "layer-major", "auto")
 
@@ -133,9 +133,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{worst <= args.auto_tolerance} (worst {worst:.3f})")
         ok_all &= ok and worst <= args.auto_tolerance
         del engine
-        gc.collect()  # the pinned host bank goes with the engine before the next one is built
-        if cuda:
-            torch.cuda.empty_cache()
+        release(cuda)
     print("PASS" if ok_all else "FAIL")
     return 0 if ok_all else 1
 
