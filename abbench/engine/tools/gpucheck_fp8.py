@@ -28,7 +28,7 @@ this says whether the GPU computed longer (slower kernels beside the copies) or 
 layers the FP8 bank's prefill was no slower than resident's (results/20261205e-h200-decode-prefetch) while a
 16 GiB service's was 3 ms a layer slower: ``--budget`` and ``--max-context`` give the streaming engines a
 service's budget and caches, to see whether those make the difference. With them (48 layers, 16 GiB) the
-excess appeared in one process on an H100 (results/20261205h). Each row's ``compute_stream`` (``stream_gaps``)
+excess appeared in one process on an H100 (results/20261205i). Each row's ``compute_stream`` (``stream_gaps``)
 then says where the compute stream sat idle: with the host late to launch, or queued behind something on the
 device; ``--trace-dir`` keeps the Chrome traces.
 """
@@ -183,16 +183,14 @@ def stream_gaps(events: list[dict], top: int = 8) -> dict:
     pace: ``host_calls_s`` (time inside runtime and driver calls), ``host_between_s`` (between them: Python, torch's
     dispatch) and ``launch_median_us`` (the median ``cudaLaunchKernel``). Times in seconds."""
     dev = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
-    launches = {e["args"]["correlation"]: e for e in events
-                if e.get("ph") == "X" and e.get("cat") in ("cuda_runtime", "cuda_driver")
-                and "correlation" in e.get("args", {})}
+    calls = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") in ("cuda_runtime", "cuda_driver")),
+                   key=lambda e: e["ts"])
+    launches = {e["args"]["correlation"]: e for e in calls if "correlation" in e.get("args", {})}
     by_stream: dict[object, list[dict]] = {}
     for e in dev:
         by_stream.setdefault(e["args"].get("stream"), []).append(e)
     out: dict = {"stream": None, "span_s": 0.0, "busy_s": 0.0, "host_late_s": 0.0, "queued_s": 0.0, "gaps": 0,
                  "top_gaps": [], "slow_calls": {}}
-    calls = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") in ("cuda_runtime", "cuda_driver")),
-                   key=lambda e: e["ts"])
     inside = sum(e["dur"] for e in calls)
     out.update(host_calls_s=inside / 1e6, host_between_s=0.0, launch_median_us=None)
     if calls:
