@@ -282,7 +282,8 @@ def prefill_profiles(model: str, layers: int | None, tokens: int, chunk: int, de
     service has them (default: no budget, caches of the prompt's length). ``trace_dir``: each profiled prefill's
     Chrome trace there, gzipped (``resident.json.gz``, ``model-dtype.json.gz``, ``fp8.json.gz``). ``engines``:
     which of them (``ENGINES``' short names), in that order: one process's later engines run after the earlier
-    ones' set-up and profiles, so the order is a variable of its own."""
+    ones' set-up and profiles, so the order is a variable of its own; a name with ``:eager`` runs that engine
+    without prefill graphs (``--no-prefill-graphs``), to measure them in the same process."""
     import dataclasses
 
     from abbench.engine.config import EngineConfig
@@ -302,11 +303,13 @@ def prefill_profiles(model: str, layers: int | None, tokens: int, chunk: int, de
              "model-dtype": ("layer-major, model-dtype bank", streaming),
              "fp8": ("layer-major, fp8 bank", dict(streaming, expert_dtype="fp8"))}
     for short in engines:
-        name, extra = kinds[short]
-        engine = Engine(EngineConfig(**{**base, **extra}))
+        kind, eager = short.removesuffix(":eager"), short.endswith(":eager")
+        name, extra = kinds[kind]
+        engine = Engine(EngineConfig(**{**base, **extra, **({"prefill_graphs": False} if eager else {})}))
         with torch.no_grad():
-            trace = None if trace_dir is None else trace_dir / f"{short}.json.gz"
-            rows.append({"engine": name, **profile_prefill(engine, prompt, trace=trace)})
+            trace = None if trace_dir is None else trace_dir / f"{short.replace(':', '-')}.json.gz"
+            rows.append({"engine": name + (", no prefill graphs" if eager else ""), "prefill_graphs":
+                         engine.prefill_graphs_mode, **profile_prefill(engine, prompt, trace=trace)})
         del engine
         release(device.type == "cuda")
     return rows
@@ -351,7 +354,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget", type=float, default=None,
                    help="--prefill-tokens: the streaming engines' --gpu-memory-budget (GiB), as a service's")
     p.add_argument("--engines", default=",".join(ENGINES),
-                   help=f"--prefill-tokens: which engines, in this order (of {', '.join(ENGINES)})")
+                   help=f"--prefill-tokens: which engines, in this order (of {', '.join(ENGINES)}; NAME:eager "
+                        "without prefill graphs)")
     p.add_argument("--trace-dir", type=Path, default=None,
                    help="--prefill-tokens: keep each profiled prefill's Chrome trace there (gzipped)")
     p.add_argument("--max-context", type=int, default=None,
@@ -363,8 +367,9 @@ def main(argv: list[str] | None = None) -> int:
     tokens = args.tokens or (2048 if cuda else 64)
     dtype = torch.bfloat16 if cuda else torch.float32
     engines = tuple(args.engines.split(","))
-    if not set(engines) <= set(ENGINES) or not engines:
-        p.error(f"--engines: a comma-separated list of {', '.join(ENGINES)}, got {args.engines!r}")
+    if not {e.removesuffix(":eager") for e in engines} <= set(ENGINES) or not engines:
+        p.error(f"--engines: a comma-separated list of {', '.join(ENGINES)} (each maybe NAME:eager), "
+                f"got {args.engines!r}")
     if args.prefill_tokens:
         layers = args.layers if args.layers is not None else (8 if cuda else None)
         rows = prefill_profiles(model, layers, args.prefill_tokens, tokens, device, dtype, args.budget,
