@@ -65,6 +65,12 @@ class ModelConfig:
         return False
 
     @property
+    def prefill_graph_moe(self) -> bool:
+        """Whether prefill replays every full chunk's MoE half from CUDA graphs (``runtime.steps``): Qwen3-MoE and
+        the hybrids, not Qwen4-Exp (its steps read per-chunk uploads). The model and the memory plan both read it."""
+        return not self.is_qwen4
+
+    @property
     def stream_width(self) -> int:
         """Width of the activations carried between layers (hc_count x hidden for Qwen4-Exp's residual streams)."""
         return self.hidden_size

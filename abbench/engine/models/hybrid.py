@@ -207,7 +207,7 @@ class HybridModel(MoEModel):
         self.gdn_backend = gdn.backend(device)
         # prefill CUDA graphs (steps.LayerSteps): the first halves of the DeltaNet layers and every MoE half
         self.prefill_graph_layers = frozenset(cfg.linear_layers)
-        self.prefill_graph_moe = True
+        self.prefill_graph_moe = cfg.prefill_graph_moe
 
     def new_cache(self, max_context: int | None = None) -> HybridCache:
         return HybridCache(self.cfg, max_context or self.max_context, self.device, self.dtype)

@@ -118,7 +118,7 @@ class Model(MoEModel):
         self._no_index = torch.zeros(1, dtype=torch.long, device=device)  # a one-cache view's index
         # prefill CUDA graphs (steps.LayerSteps): every MoE half (about a third of a chunk's ~97 launches); the
         # attention half's shapes grow with the position and run eagerly
-        self.prefill_graph_moe = True
+        self.prefill_graph_moe = cfg.prefill_graph_moe
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, self.w.embed)  # [T, H]

@@ -277,7 +277,7 @@ class Qwen4Model(HybridModel):
                  dtype: torch.dtype):
         super().__init__(cfg, weights, max_context, device, dtype)
         # its first halves read per-chunk PLE uploads and its streams are wider: every step runs eagerly
-        self.prefill_graph_layers, self.prefill_graph_moe = frozenset(), False
+        self.prefill_graph_layers = frozenset()  # and cfg.prefill_graph_moe is False
 
     attention_batching = False  # indexed attention has no joint call
 

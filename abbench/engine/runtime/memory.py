@@ -180,7 +180,7 @@ def plan_device_memory(config: EngineConfig, budget_bytes: int, slots_fp8: bool 
         chunk_ws += (chunk * s * (3 + 2 * item)
                      + 2 * (mc.num_attention_heads // mc.num_key_value_heads) * s * mc.head_dim * item
                      + chunk * mc.indexer_n_heads * (s // mc.indexer_compress_ratio) * 4)
-    if config.prefill_graphs and config.device.startswith("cuda") and not mc.is_qwen4:
+    if config.prefill_graphs and config.device.startswith("cuda") and mc.prefill_graph_moe:
         # prefill CUDA graphs (abbench.engine.runtime.steps): their private pool holds one chunk's temporaries beside
         # the eager ones, plus the static input, output and mid-layer buffers
         chunk_ws += chunk_ws + chunk * (3 * w + h + 2 * k) * item
