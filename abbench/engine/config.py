@@ -239,7 +239,7 @@ class EngineConfig:
     # its slots lack in on a side stream, beside the compute, so its lookup finds them (decode.Decoder); the
     # bits do not change, the copies include the wrong guesses. Off by default: not yet measured on a GPU
     decode_prefetch: bool = False
-    # CUDA, Qwen3-MoE and hybrid (Qwen3.5/3.6) models: replay the fixed-shape prefill layer steps of full chunks
+    # CUDA, hybrid (Qwen3.5/3.6) models: replay the fixed-shape prefill layer steps of full chunks
     # as CUDA graphs (abbench.engine.runtime.steps); every mode makes the same calls either way
     prefill_graphs: bool = True
     # Layer-major: chunks per attention call in full-attention layers (1: one call per chunk), where the joint

@@ -66,9 +66,11 @@ class ModelConfig:
 
     @property
     def prefill_graph_moe(self) -> bool:
-        """Whether prefill replays every full chunk's MoE half from CUDA graphs (``runtime.steps``): Qwen3-MoE and
-        the hybrids, not Qwen4-Exp (its steps read per-chunk uploads). The model and the memory plan both read it."""
-        return not self.is_qwen4
+        """Whether prefill replays every full chunk's MoE half from CUDA graphs (``runtime.steps``): the Qwen3.5/3.6
+        hybrids. Not Qwen4-Exp (its steps read per-chunk uploads). Not Qwen3-MoE: on the H200 its graphed MoE halves
+        left a 16 GiB service's prefill where it was and cost a decode slot a layer (results/20261205k). The model
+        and the memory plan both read it."""
+        return self.is_hybrid and not self.is_qwen4
 
     @property
     def stream_width(self) -> int:

@@ -116,8 +116,7 @@ class Model(MoEModel):
         self.max_split = split_plan(max_context)[1]  # the longest split range any decode bucket uses
         self._plans: dict[int, torch.Tensor] = {}
         self._no_index = torch.zeros(1, dtype=torch.long, device=device)  # a one-cache view's index
-        # prefill CUDA graphs (steps.LayerSteps): every MoE half (about a third of a chunk's ~97 launches); the
-        # attention half's shapes grow with the position and run eagerly
+        # prefill CUDA graphs (steps.LayerSteps): none (ModelConfig.prefill_graph_moe says why)
         self.prefill_graph_moe = cfg.prefill_graph_moe
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,7 @@ Contract:
   tokens runs the half-steps whose shapes and addresses are fixed from static buffers: the first half of
   every layer in ``model.prefill_graph_layers`` (the hybrid's Gated DeltaNet layers: norms, projections, conv,
   delta rule, shared expert and router; the state buffers are the cache's own) and, where
-  ``model.prefill_graph_moe`` (the hybrid, Qwen3-MoE), the MoE half of every layer (keyed by the expert tensors it
+  ``model.prefill_graph_moe`` (the hybrid), the MoE half of every layer (keyed by the expert tensors it
   reads: the two streamed layer buffers, or each layer's resident experts).
   The input is copied into a static buffer, the halves meet in static buffers, the output is copied back. The
   rest (attention layers' first halves, whose shapes grow with the position; a prompt's last, shorter chunk;
