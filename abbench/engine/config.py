@@ -242,6 +242,10 @@ class EngineConfig:
     # CUDA, hybrid (Qwen3.5/3.6) models: replay the fixed-shape prefill layer steps of full chunks
     # as CUDA graphs (abbench.engine.runtime.steps); every mode makes the same calls either way
     prefill_graphs: bool = True
+    # Prefill modes that stream whole banks (layer-major, chunked): when a completion request arrives at an idle
+    # engine, start copying the first layer's bank at once (ExpertStore.prime), so the copy overlaps the request's
+    # parsing and tokenization instead of the prefill's first layer
+    prime_first_layer: bool = True
     # Layer-major: chunks per attention call in full-attention layers (1: one call per chunk), where the joint
     # call is bit-identical on the device and the group ends at or below attention_batch_max_context tokens
     attention_batch: int = 1

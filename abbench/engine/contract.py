@@ -18,6 +18,9 @@ engine's batches several (:mod:`abbench.engine.runtime.scheduler`), a :class:`Se
 ``generate``-only backend one request at a time.
 ``reset`` flushes its caches. ``info`` (:class:`BackendInfo`) is what the server reports about it
 (``/v1/models``, the per-request ``abbench`` object, ``/metrics``), ``counters`` its lifetime counts.
+``prime_prefill`` (a request has arrived at the idle backend: start what its prefill needs first; the engine
+thread calls it) and ``drop_prime`` (that request failed first) are optional: the server skips a backend
+without them.
 """
 
 from __future__ import annotations
@@ -182,6 +185,7 @@ class RequestStats:
     chunk_tokens: int | None = None  # the prefill chunk length this request ran with
     alloc_retries: int | None = None  # CUDA caching-allocator retries (free cache + cudaMalloc again) during it
     copy_wait_s: float | None = None  # prefill: GPU time compute waited for streamed expert copies (CUDA)
+    first_layer_primed: bool | None = None  # prefill: its first layer's copy had started as the request arrived
     prefill_graph_replays: int | None = None  # prefill layer half-steps replayed from CUDA graphs
     attention_batch: int | None = None  # layer-major: chunks per attention call asked for
     attention_batched: int | None = None  # attention groups that ran as one call

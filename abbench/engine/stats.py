@@ -116,6 +116,9 @@ class AbbenchStats(_Lenient):
                                       "freed its cache and called cudaMalloc again: a sign of memory pressure).")
     copy_wait_s: float | None = Field(None, description="Prefill: GPU time the compute stream waited for "
                                       "streamed expert copies (CUDA timing events; None off CUDA).")
+    first_layer_primed: bool | None = Field(None, description="Prefill: the first layer's bank copy had started "
+                                            "when the request arrived, at an idle engine (--no-prime-first-layer "
+                                            "turns it off), and this prefill took it instead of copying again.")
     prefill_graph_replays: int | None = Field(None, description="Prefill layer half-steps replayed from CUDA "
                                               "graphs (0: every step ran eagerly).")
     attention_batch: int | None = Field(None, description="Layer-major: chunks per attention call asked for.")

@@ -92,6 +92,33 @@ def test_qwen3_moe_prefill_runs_eagerly_on_every_device(resident):
     assert resident.prefill_graphs_mode == "eager" and resident.steps.graphs is None
 
 
+def test_a_primed_first_layer_is_taken_once_and_changes_no_bit(streamed, resident):
+    """``ExpertStore.prime`` (a request arriving at an idle engine): the first layer's copy starts ahead, and a
+    streamed prefill whose first layer it is takes it instead of copying again. Same logits and KV, the same
+    bytes in its stats, counted once. Demand loading writes the first buffer itself: it drops the prime, whose
+    copy counts then, to the request that dropped it. A second prime before the first is used, or one with
+    resident experts, does nothing."""
+    store, bank = streamed.store, streamed.store.bank
+    ids = _prompt(150, seed=7)
+    for mode in ("layer-major", "chunked"):
+        ref_logits, ref_stats, ref_kv = _raw_prefill(streamed, ids, mode)
+        life0, taken0 = store.lifetime.snapshot(), store.primes_taken
+        assert store.prime(0) and not store.prime(0)
+        assert store.lifetime.minus(life0).h2d_bytes == 0  # held back until taken or dropped
+        logits, stats, kv = _raw_prefill(streamed, ids, mode)
+        assert torch.equal(logits, ref_logits) and all(torch.equal(a, b) for a, b in zip(kv, ref_kv, strict=True))
+        assert stats.primed and not ref_stats.primed and store.primes_taken == taken0 + 1, mode
+        assert (stats.h2d_bytes, stats.expert_copies) == (ref_stats.h2d_bytes, ref_stats.expert_copies), mode
+        assert store.lifetime.minus(life0).h2d_bytes == ref_stats.h2d_bytes, mode
+    ref_logits, ref_stats, _ = _raw_prefill(streamed, ids, "demand")
+    dropped0 = store.primes_dropped
+    assert store.prime(0)
+    logits, stats, _ = _raw_prefill(streamed, ids, "demand")
+    assert torch.equal(logits, ref_logits) and not stats.primed and store.primes_dropped == dropped0 + 1
+    assert stats.h2d_bytes == ref_stats.h2d_bytes + bank.layer_bytes  # the prime's copy, for nothing
+    assert not resident.store.prime(0)
+
+
 def _serve(engine: Engine, prompts: list[list[int]], mode: str, max_tokens: int = 5):
     """Serve prompts in order from a flushed engine; per request: (ids, logprobs, stats, KV)."""
     engine.reset()

@@ -347,6 +347,25 @@ def test_metrics_parse_and_move(tiny):
         pytest.approx(ab["measured_h2d_gbps"] * 1e9)
 
 
+def test_a_request_at_an_idle_engine_finds_its_first_layer_primed(tiny):
+    """The server asks the idle engine to start the first layer's copy as a completion arrives, before the body
+    is read (``EngineService.prime``): the prefill takes it (``first_layer_primed``) and still reports one bank
+    per chunk. A request refused before its prefill leaves no prime behind for a later one."""
+    client, engine = tiny
+    store = engine.store
+    client.post("/reset")
+    taken0 = store.primes_taken
+    r = client.post("/v1/completions", json=greedy(PROMPT_IDS, max_tokens=2))
+    ab = r.json()["abbench"]
+    assert ab["first_layer_primed"] is True and store.primes_taken == taken0 + 1
+    assert ab["prefill_h2d_bytes"] == ab["n_chunks"] * ab["bank_bytes"]
+    assert client.post("/v1/completions", json=greedy(PROMPT_IDS, max_tokens=0)).status_code == 400
+    deadline = time.monotonic() + 10  # the engine thread drops it (or, when the refusal came first, never made it)
+    while store._prime is not None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert store._prime is None
+
+
 def test_reset_flushes_the_prefix_cache(tiny):
     client, engine = tiny
     prompt = (PROMPT_IDS * 5)[:48]

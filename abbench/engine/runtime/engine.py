@@ -384,6 +384,23 @@ class Engine:
         finally:
             self._lock.release()
 
+    def prime_prefill(self) -> bool:
+        """A request has arrived at an idle engine and is being parsed and tokenized: start copying the first
+        layer's bank, which every layer-major and chunked prefill streams first (``ExpertStore.prime``), so the
+        copy overlaps that work. Only where the engine's prefill mode streams banks,
+        ``EngineConfig.prime_first_layer`` and no sequence runs (queued ones have not started: the engine thread
+        that calls this starts them); returns whether a copy started."""
+        cfg = self.config
+        if not cfg.prime_first_layer or cfg.prefill_mode not in ("layer-major", "chunked") or self.scheduler.running:
+            return False
+        with self._on_device():
+            return self.store.prime(0)
+
+    def drop_prime(self) -> None:
+        """The request a prime was for will not prefill (refused, failed): forget it (``ExpertStore.drop_prime``)."""
+        if not self.scheduler.running:
+            self.store.drop_prime()
+
     def reset_peak(self) -> None:
         """Start a new peak of torch's allocated device memory (CUDA)."""
         if self.device.type == "cuda":

@@ -7,6 +7,11 @@ Contract:
     of ``order`` while the copy of the next one runs on a separate CUDA stream (events order copy after
     the compute that last read the buffer, and compute after its copy); on CPU the same code copies
     synchronously.
+  * ``prime(layer)``: the first layer's copy started before its prefill asks for it (a request has arrived and
+    is being parsed and tokenized, the engine idle): ``stream_layers`` whose first layer it is takes it instead
+    of copying again. Anything else that writes the first buffer (demand loading, a stream starting elsewhere,
+    the bandwidth probe) or ``drop_prime`` drops it. Its traffic is counted when it is taken, as the taking
+    prefill's first copy, or when it is dropped (``primes_taken``, ``primes_dropped``).
   * ``load_experts(layer, ids)``: demand loading of some experts into a layer buffer at their index.
   * a decode slot cache (``SlotCache``) of ``slots_per_layer`` slots for every layer, one block per layer,
     LRU within the layer: ``decode_experts(layer, ids)`` makes the routed experts resident and returns their
@@ -276,6 +281,8 @@ class ExpertStore:
         self.slot_lifetime, self.slot_request = SlotStats(), SlotStats()
         self.prefetched = 0  # experts the decode prefetch copied in (``collect_decode_counts``), lifetime
         self._stalls: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # (before, after) each streamed wait
+        self._prime: tuple[int, Traffic] | None = None  # (layer, its traffic, not yet counted) in buffer 0
+        self.primes_taken = self.primes_dropped = 0  # lifetime
         self.startup_h2d_bytes = 0
         e, i, h = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
         dt = bank.compute_dtype
@@ -359,6 +366,8 @@ class ExpertStore:
     def _copy_experts(self, buf: int, layer: int, experts: Sequence[int]) -> None:
         """Copy ``experts`` (sorted, distinct) of ``layer`` into buffer ``buf`` at their expert index, on the
         current stream: from the slot cache (device-to-device) when allowed, else from the host in runs."""
+        if buf == 0:
+            self.drop_prime()  # whatever is about to be written over it
         bank, gu, dn = self.bank, self.buf_gate_up[buf], self.buf_down[buf]
         cached = self.slots.layer_slots(layer) if (self.d2d_from_slot_cache and self.slots) else {}
         if len(experts) == bank.cfg.num_experts and not cached:  # the whole layer: two large transfers
@@ -387,6 +396,40 @@ class ExpertStore:
             elif e >= 0:
                 run = [e]
 
+    # -- the first layer ahead of its prefill ---------------------------------------------------------------
+    def prime(self, layer: int) -> bool:
+        """Start copying ``layer`` into buffer 0, for the next ``stream_layers`` to take (module docstring);
+        False (nothing done) with resident experts or a prime already there. Its traffic is held back from the
+        counters until the prime is taken or dropped."""
+        if self.resident is not None or self._prime is not None:
+            return False
+        before = self.lifetime.snapshot()
+        self._issue_layer(0, layer)
+        moved = self.lifetime.minus(before)
+        self._count(-moved.h2d_bytes, -moved.d2d_bytes, -moved.expert_copies)
+        self._prime = (layer, moved)
+        return True
+
+    def drop_prime(self) -> None:
+        """Forget the prime, if any: its copy happened, so its traffic counts now (for nothing)."""
+        if self._prime is None:
+            return
+        _, moved = self._prime
+        self._prime = None
+        self._count(moved.h2d_bytes, moved.d2d_bytes, moved.expert_copies)
+        self.primes_dropped += 1
+
+    def _take_prime(self, layer: int) -> bool:
+        """Whether buffer 0 holds (or is receiving) ``layer`` from a prime; if so it is taken and counted now."""
+        if self._prime is None or self._prime[0] != layer:
+            self.drop_prime()
+            return False
+        _, moved = self._prime
+        self._prime = None
+        self._count(moved.h2d_bytes, moved.d2d_bytes, moved.expert_copies)
+        self.primes_taken += 1
+        return True
+
     def _issue_layer(self, buf: int, layer: int) -> None:
         """Start copying a whole layer into ``buf``; on CUDA on the copy stream, after the compute enqueued so
         far (which includes the last reader of ``buf``)."""
@@ -411,7 +454,8 @@ class ExpertStore:
         order = list(order)
         if not order:
             return
-        self._issue_layer(0, order[0])
+        if not self._take_prime(order[0]):
+            self._issue_layer(0, order[0])
         for i, layer in enumerate(order):
             buf = i % 2
             if before_next is not None:
@@ -537,6 +581,7 @@ class ExpertStore:
 
     def forget_traffic(self) -> None:
         """Zero the lifetime and request counters (after start-up work that is not a request's)."""
+        self.drop_prime()
         self.lifetime, self.request = Traffic(), Traffic()
         self.slot_lifetime, self.slot_request = SlotStats(), SlotStats()
         if self.slots is not None and self.slots.table is not None:
@@ -551,6 +596,7 @@ class ExpertStore:
         because a busy host only ever makes a run slower). Not counted as traffic. NaN when probe_bytes is 0."""
         if probe_bytes <= 0:
             return float("nan")
+        self.drop_prime()  # the probe copies into buffer 0
         bank, n_layers = self.bank, self.bank.cfg.num_hidden_layers
 
         def copy(layer: int) -> None:

@@ -60,6 +60,7 @@ class PrefillStats:
     attention_fallbacks: dict[str, int] | None = None  # groups that ran one call per chunk, by reason
     auto: dict | None = None  # set by the engine when prefill_mode auto picked the path (engine.policy)
     batch_prompts: int = 1  # prompts prefilled together (prefill_batch): the bytes and windows are the batch's
+    primed: bool = False  # its first layer's copy had started before it (ExpertStore.prime), and it took that copy
 
 
 @dataclass(frozen=True)
@@ -283,7 +284,7 @@ def prefill(model: Model | LayerSteps, store: ExpertStore, kv: KVCache, ids: tor
     chunks = plan_chunks(start, start + n, chunk_tokens)
     path, reason = choose_path(mode, chunks, chunk_tokens, window_tokens, demand_max_tokens)
     kv.write_tokens(start, ids)  # kept by models that read token ids inside layers (Qwen4-Exp's PLE)
-    before, replays = store.request.snapshot(), steps.replays
+    before, replays, primes = store.request.snapshot(), steps.replays, store.primes_taken
     batch_stats = BatchingStats()
     with attention_backends():
         x, n_windows = _run(steps, store, kv, ids, start, chunks, path, window_tokens // chunk_tokens,
@@ -296,7 +297,8 @@ def prefill(model: Model | LayerSteps, store: ExpertStore, kv: KVCache, ids: tor
                          d2d_bytes=moved.d2d_bytes, expert_copies=moved.expert_copies,
                          graph_replays=steps.replays - replays, attention_batch=batching.k,
                          attention_batched=batch_stats.batched,
-                         attention_fallbacks=dict(batch_stats.fallbacks) if batched else None)
+                         attention_fallbacks=dict(batch_stats.fallbacks) if batched else None,
+                         primed=store.primes_taken > primes)
     return logits, stats
 
 
@@ -324,7 +326,7 @@ def prefill_batch(steps: LayerSteps, store: ExpertStore, parts: list[Part], *, c
                 for part in parts]
     for part in parts:
         part.kv.write_tokens(part.start, part.ids)
-    before, replays = store.request.snapshot(), steps.replays
+    before, replays, primes = store.request.snapshot(), steps.replays, store.primes_taken
     batch_stats = BatchingStats()
     windows = plan_windows(chunks, window_tokens // chunk_tokens)
     n_layers = model.cfg.num_hidden_layers
@@ -350,6 +352,6 @@ def prefill_batch(steps: LayerSteps, store: ExpertStore, parts: list[Part], *, c
                              graph_replays=steps.replays - replays, attention_batch=batching.k,
                              attention_batched=batch_stats.batched,
                              attention_fallbacks=dict(batch_stats.fallbacks) if batching.k > 1 else None,
-                             batch_prompts=len(parts))
+                             batch_prompts=len(parts), primed=store.primes_taken > primes)
         out.append((logits[p], stats))
     return out

@@ -455,7 +455,7 @@ class Scheduler:
             alloc_retries=None if retries is None else retries - seq.retries0, copy_wait_s=seq.copy_wait_s,
             prefill_graph_replays=p.graph_replays, attention_batch=p.attention_batch,
             attention_batched=p.attention_batched, attention_fallbacks=p.attention_fallbacks, auto=p.auto,
-            layer_trace=seq.trace, prefill_batch=p.batch_prompts,
+            layer_trace=seq.trace, prefill_batch=p.batch_prompts, first_layer_primed=p.primed,
             queue_s=round(seq.admitted - seq.submitted, 6))
 
     # -- leaving --------------------------------------------------------------------------------------------------

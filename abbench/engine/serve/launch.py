@@ -123,6 +123,9 @@ def _engine_options(e: argparse._ArgumentGroup) -> None:
     e.add_argument("--no-prefill-graphs", dest="prefill_graphs", action="store_false", default=None,
                    help="CUDA, hybrid models: run every prefill layer step eagerly instead of replaying CUDA graphs "
                    "of full chunks' fixed-shape steps")
+    e.add_argument("--no-prime-first-layer", dest="prime_first_layer", action="store_false", default=None,
+                   help="layer-major and chunked: do not start copying the first layer's experts as a request "
+                   "arrives at an idle engine (by default the copy overlaps the request's parsing and tokenization)")
     e.add_argument("--decode-experts", choices=DECODE_EXPERTS, default=None,
                    help="decode's routed experts: grouped (torch._grouped_mm over every expert, as prefill) or "
                    "triton (the router's softmax/top-k in one kernel and a GEMV over the k routed experts only; "
@@ -292,7 +295,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         kwargs["warm_every_misses_way"] = True
     for field in ("dtype", "expert_dtype", "slot_dtype", "layer_major_window_tokens", "demand_max_tokens", "gpu_memory_budget_gib",
                   "expert_slots_per_layer", "host_memory_check", "decode_graphs", "warm_decode_graphs",
-                  "warm_prefill", "prefill_graphs", "attention_batch", "attention_batch_max_context", "router_skew",
+                  "warm_prefill", "prefill_graphs", "prime_first_layer", "attention_batch", "attention_batch_max_context", "router_skew",
                   "auto_demand_max_tokens", "auto_calibration", "decode_experts", "decode_attention",
                   "decode_misses", "decode_prefetch", "d2d_from_slot_cache",
                   "max_context", "max_num_seqs", "max_prefill_batch_tokens", "deterministic"):

@@ -184,6 +184,13 @@ class ReferenceEngine:
             raise RuntimeError("reset() while a request is running")
         self._lock.release()
 
+    def prime_prefill(self) -> bool:
+        """Nothing streams: nothing to start ahead of a request."""
+        return False
+
+    def drop_prime(self) -> None:
+        """Nothing was started ahead."""
+
     # -- internals --------------------------------------------------------------------------------------
     @torch.inference_mode()
     def _forward(self, ids: list[int], cache: Any) -> tuple[torch.Tensor, Any]:

@@ -24,6 +24,11 @@ Endpoints
 * ``POST /reset`` flushes the prefix cache and the decode slot cache. ``GET /health``, ``GET /v1/models``,
   ``GET /metrics`` (Prometheus text from a private registry).
 
+Priming: a completion (either route) that reaches an idle engine first asks the engine thread to start what
+every streamed prefill needs first (``EngineService.prime``, ``Backend.prime_prefill``: the first layer's bank
+copy), before its body is read, so the copy overlaps reading, parsing and tokenizing it; a request that fails
+before its prefill takes it back (``unprime``).
+
 Authentication: with ``api_key`` (the launcher's ``--api-key``) every route except ``GET /health`` needs
 ``Authorization: Bearer KEY``; anything else is a 401 in OpenAI's shape (``code: invalid_api_key``) before the
 body is read, and the key is never logged. The launcher refuses to bind beyond loopback without a key.
@@ -160,8 +165,13 @@ async def reset(request: Request) -> dict[str, str]:
 async def completions(request: Request) -> Response:
     st = _state(request)
     received = request.scope.get("abbench_received", time.perf_counter())
-    req = decode_request(await _body(request, st.max_body_bytes))
-    return await _serve(st, request, req, received, CompletionFormat(st.tokenizer))
+    st.service.prime()  # the first layer's copy overlaps reading, parsing and tokenizing the request
+    try:
+        req = decode_request(await _body(request, st.max_body_bytes))
+        return await _serve(st, request, req, received, CompletionFormat(st.tokenizer))
+    except BaseException:
+        st.service.unprime()
+        raise
 
 
 @router.post("/v1/chat/completions")
@@ -170,8 +180,13 @@ async def chat_completions(request: Request) -> Response:
     (:mod:`abbench.engine.serve.chat`)."""
     st = _state(request)
     received = request.scope.get("abbench_received", time.perf_counter())
-    req, _chat = decode_chat(await _body(request, st.max_body_bytes), st.tokenizer)
-    return await _serve(st, request, req, received, ChatFormat(st.tokenizer))
+    st.service.prime()
+    try:
+        req, _chat = decode_chat(await _body(request, st.max_body_bytes), st.tokenizer)
+        return await _serve(st, request, req, received, ChatFormat(st.tokenizer))
+    except BaseException:
+        st.service.unprime()
+        raise
 
 
 async def _serve(st: ServerState, request: Request, req: CompletionRequest, received: float,

@@ -109,6 +109,7 @@ class EngineService:
         self.cancel_checks_set = 0
         self._jobs: set[Job] = set()
         self._controls: deque[tuple[Any, asyncio.Future, asyncio.AbstractEventLoop]] = deque()
+        self._ask: str | None = None  # "prime" or "drop" for the engine thread (prime, unprime)
         self._wake = threading.Condition()
         self._stop = False
         self._thread = threading.Thread(target=self._loop, name="abbench-engine", daemon=True)
@@ -142,6 +143,23 @@ class EngineService:
             self._wake.notify()
         return job
 
+    def prime(self) -> None:
+        """A completion request has arrived (called before its body is read): if nothing runs or waits, the engine
+        thread starts what every streamed prefill needs first (``Backend.prime_prefill``), so that it overlaps the
+        parsing and tokenization. Never waits."""
+        if self.scheduler.running:
+            return
+        with self._wake:
+            self._ask = "prime"
+            self._wake.notify()
+
+    def unprime(self) -> None:
+        """The request a prime was for failed before its prefill: the engine thread forgets the prime, if it is
+        still there and the engine idle (``Backend.drop_prime``)."""
+        with self._wake:
+            self._ask = "drop"
+            self._wake.notify()
+
     def withdraw(self, job: Job) -> bool:
         """Take ``job`` out of the engine's queue if it has not started (its client left); True if it was queued."""
         return job.handle is not None and self.scheduler.withdraw(job.handle)
@@ -149,13 +167,23 @@ class EngineService:
     def _loop(self) -> None:  # the engine thread
         while True:
             with self._wake:
-                while not (self._stop or self.scheduler.busy or self._controls):
+                while not (self._stop or self.scheduler.busy or self._controls or self._ask):
                     self._wake.wait()
                 if self._stop:
                     return
                 control = self._controls.popleft() if self._controls and not self.scheduler.busy else None
+                ask, self._ask = self._ask, None
+            if ask is not None and not self.scheduler.running:
+                fn = getattr(self.engine, "prime_prefill" if ask == "prime" else "drop_prime", None)
+                try:
+                    if fn is not None:  # a backend without it streams nothing ahead
+                        fn()
+                except Exception:  # noqa: BLE001 - an optimisation: the request copies for itself
+                    log.exception("engine %s failed", ask)
             if control is not None:
                 self._control(*control)
+                continue
+            if not self.scheduler.busy:
                 continue
             try:
                 self.scheduler.step()
