@@ -45,7 +45,8 @@ from abbench.engine.shapes import (
 )
 
 __all__ = [
-    "ATTENTION_BATCH_MAX_CONTEXT", "DECODE_ATTENTION", "DECODE_EXPERTS", "DECODE_MISSES", "DTYPES", "EXPERT_DTYPES", "SLOT_DTYPES",
+    "ATTENTION_BATCH_MAX_CONTEXT", "DECODE_ATTENTION", "DECODE_EXPERTS", "DECODE_MISSES", "DTYPES", "EXPERT_DTYPES", "FP8_DEQUANT",
+    "SLOT_DTYPES",
     "GDN_BLOCK",
     "HYBRID_MODEL_TYPES", "ITEMSIZE", "LAYER_TYPES", "MAX_ATTENTION_BATCH", "MAX_GROUPED_MM_GROUPS", "PREFILL_MODES", "PREFILL_PATHS", "PRESETS",
     "QWEN4_MODEL_TYPES", "EngineConfig", "HybridConfig", "ModelConfig", "Qwen4Config", "check_hybrid_chunk",
@@ -64,6 +65,9 @@ EXPERT_DTYPES = ("model", "fp8")
 # values and row scales (half the bytes: about twice the slots), dequantized by decode's Triton kernels as read;
 # "auto": fp8 where the bank is FP8 with row scales and decode's experts are Triton's (abbench.engine.runtime.memory)
 SLOT_DTYPES = ("auto", "model", "fp8")
+# where an FP8 bank's streamed layers are dequantized (EngineConfig.fp8_dequant): "compute" on the compute stream
+# at the layer's turn, "copy" on the copy stream right after the copy, beside the compute (runtime.experts)
+FP8_DEQUANT = ("compute", "copy")
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 MAX_GROUPED_MM_GROUPS = 1023
 GDN_BLOCK = 64  # the gated delta rule's internal block length (fla's chunk size)
@@ -195,6 +199,9 @@ class EngineConfig:
     # and dequantized by decode's Triton experts: twice the slots in a budget), "auto": fp8 on CUDA where the bank
     # is FP8 with per-row scales and decode's experts are Triton's (runtime.memory.fp8_slots), else model
     slot_dtype: str = "auto"
+    # an FP8 bank's streamed prefill layers: dequantized on the compute stream at their turn ("compute"), or on the
+    # copy stream right after their copy ("copy": its kernels run beside the compute and slowed it on the H200)
+    fp8_dequant: str = "compute"
     prefill_mode: str = "chunked"  # chunked | layer-major | demand | resident (the default of requests)
     chunk_tokens: int = 2048  # prefill chunk length, the same in every mode
     layer_major_window_tokens: int = 65536  # parked-activation budget of one layer-major window, in tokens
@@ -277,6 +284,8 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.expert_dtype not in EXPERT_DTYPES:
             raise ValueError(f"expert_dtype must be one of {EXPERT_DTYPES}, got {self.expert_dtype!r}")
+        if self.fp8_dequant not in FP8_DEQUANT:
+            raise ValueError(f"fp8_dequant must be one of {FP8_DEQUANT}, got {self.fp8_dequant!r}")
         if self.slot_dtype not in SLOT_DTYPES:
             raise ValueError(f"slot_dtype must be one of {SLOT_DTYPES}, got {self.slot_dtype!r}")
         if self.slot_dtype == "fp8" and self.expert_dtype != "fp8":

@@ -98,6 +98,25 @@ def test_every_prefill_mode_gives_the_same_ids_and_logprobs_within_fp8(fp8, n) -
         assert got[0] == ref[0] and got[1] == ref[1], mode
 
 
+def test_where_the_dequantization_runs_changes_no_bit_nor_byte(fp8, fp8_slots) -> None:
+    """``EngineConfig.fp8_dequant``: a streamed layer dequantized on the compute stream at its turn (the default:
+    its copy fills the stage only) or on the copy stream right after its copy gives the same ids, logprobs and
+    bytes in every streamed mode, and a primed first layer (staged, dequantized when taken) changes nothing."""
+    copy = _engine(prefill_mode="resident", expert_dtype="fp8", fp8_dequant="copy")
+    assert fp8.store.dequant_on_compute and not copy.store.dequant_on_compute
+    ids = _prompt(150, seed=4)
+    for mode in ("chunked", "layer-major", "demand"):
+        a, b = _run(fp8, ids, mode), _run(copy, ids, mode)
+        assert (a[0], a[1], a[2].prefill_h2d_bytes) == (b[0], b[1], b[2].prefill_h2d_bytes), mode
+    ref = _run(fp8_slots, ids, "layer-major")
+    assert fp8_slots.store.prime(0)
+    got = _run(fp8_slots, ids, "layer-major")
+    assert got[2].first_layer_primed and not ref[2].first_layer_primed
+    assert (got[0], got[1], got[2].prefill_h2d_bytes) == (ref[0], ref[1], ref[2].prefill_h2d_bytes)
+    with pytest.raises(ValueError, match="fp8_dequant"):
+        EngineConfig(model=MINI, fp8_dequant="host").resolved()
+
+
 def test_copies_move_the_fp8_bytes_scales_included(fp8) -> None:
     bank = fp8.store.bank
     n = 150  # five 32-token chunks, three 64-token layer-major windows

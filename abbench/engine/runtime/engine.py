@@ -108,7 +108,7 @@ class Engine:
                 cfg.expert_slots_per_layer or mc.num_experts)
             resident = cfg.prefill_mode == "resident"
             self.store = ExpertStore(bank, self.device, self.slots_per_layer, resident, cfg.d2d_from_slot_cache,
-                                     fp8_slots=self.fp8_slots)
+                                     fp8_slots=self.fp8_slots, dequant_on_compute=cfg.fp8_dequant == "compute")
             self.scheduler = Scheduler(self, self.caches)
             self.decoder = Decoder(self.model, self.store, self.caches, graphs=cfg.decode_graphs,
                                    experts=cfg.decode_experts, attention=cfg.decode_attention,

@@ -29,7 +29,12 @@ Contract:
   * an FP8 bank (``ExpertBank.fp8``): every copy from the host moves the FP8 values and their scales (into a
     staging area of one layer on CUDA; on CPU the bank is read in place) and is dequantized into the buffer or
     slot on the same stream (``bank.dequantize_into``), so the device computes in its own dtype and every path
-    sees the same values. The staging area is shared by the copy stream and the compute stream's copies, which
+    sees the same values. With ``dequant_on_compute`` (``EngineConfig.fp8_dequant = "compute"``, the default)
+    a streamed layer that comes whole from the host is the exception: its copy fills the stage only, and
+    ``stream_layers`` dequantizes it into its buffer on the compute stream when the layer's turn comes (after
+    waiting for the copy), then issues the next layer's copy into the stage, so the dequantization's kernels
+    never run beside the compute (there, on the H200, they had slowed it: docs/fp8.md). The stage then exists
+    on every device. The staging area is shared by the copy stream and the compute stream's copies, which
     already wait for the copy stream (``load_experts`` here, ``Decoder.step_batch`` before its slot writes). On CUDA
     the dequantization is one Triton kernel (``decode_kernels.dequantize_fp8``, the same bits). Decode's
     device-side fetch reads a per-row-scaled FP8 bank's misses as FP8 and dequantizes them in its kernels
@@ -273,7 +278,7 @@ class ExpertStore:
     """Device side of the expert offload; see the module docstring."""
 
     def __init__(self, bank: ExpertBank, device: torch.device, slots_per_layer: int, resident: bool,
-                 d2d_from_slot_cache: bool, fp8_slots: bool = False):
+                 d2d_from_slot_cache: bool, fp8_slots: bool = False, dequant_on_compute: bool = False):
         cfg = bank.cfg
         self.bank, self.device, self.d2d_from_slot_cache = bank, device, d2d_from_slot_cache
         self.cuda = device.type == "cuda"
@@ -296,7 +301,11 @@ class ExpertStore:
         # one Triton kernel per dequantization on CUDA (the same bits as the torch composition, a fifth of its
         # memory traffic: a streamed layer's dequantization overlaps the compute, and shares the copy stream)
         self.fused_dequant = bank.fp8 and self.cuda and decode_kernels.have_triton()
-        if bank.fp8 and self.cuda:
+        # an FP8 bank's streamed layers dequantized on the compute stream, at the layer's turn, not on the copy
+        # stream beside the compute (``stream_layers``); the stage is then needed on every device
+        self.dequant_on_compute = bank.fp8 and dequant_on_compute
+        self._staged: list[int | None] = [None, None]  # per layer buffer: the layer waiting in the stage for it
+        if bank.fp8 and (self.cuda or self.dequant_on_compute):
             self.stage = (torch.empty((e, 2 * i, h), device=device, dtype=FP8),
                           torch.empty((e, h, i), device=device, dtype=FP8),
                           torch.empty(bank.gate_up_scale[0].shape, device=device, dtype=torch.float32),
@@ -368,6 +377,7 @@ class ExpertStore:
         current stream: from the slot cache (device-to-device) when allowed, else from the host in runs."""
         if buf == 0:
             self.drop_prime()  # whatever is about to be written over it
+        self._staged[buf] = None
         bank, gu, dn = self.bank, self.buf_gate_up[buf], self.buf_down[buf]
         cached = self.slots.layer_slots(layer) if (self.d2d_from_slot_cache and self.slots) else {}
         if len(experts) == bank.cfg.num_experts and not cached:  # the whole layer: two large transfers
@@ -416,6 +426,7 @@ class ExpertStore:
             return
         _, moved = self._prime
         self._prime = None
+        self._staged[0] = None
         self._count(moved.h2d_bytes, moved.d2d_bytes, moved.expert_copies)
         self.primes_dropped += 1
 
@@ -432,16 +443,50 @@ class ExpertStore:
 
     def _issue_layer(self, buf: int, layer: int) -> None:
         """Start copying a whole layer into ``buf``; on CUDA on the copy stream, after the compute enqueued so
-        far (which includes the last reader of ``buf``)."""
+        far (which includes the last reader of ``buf``, and of the stage). With ``dequant_on_compute`` a layer
+        that comes whole from the host goes into the stage only, as it is; ``_dequantize_staged`` writes it into
+        ``buf`` on the compute stream when its turn comes."""
         everything = range(self.bank.cfg.num_experts)
+        staged = self.dequant_on_compute and not (self.d2d_from_slot_cache and self.slots
+                                                  and self.slots.layer_slots(layer))
+        if buf == 0:
+            self.drop_prime()
+        self._staged[buf] = layer if staged else None
+
+        def copy() -> None:
+            if staged:
+                self._stage_layer(layer)
+            else:
+                self._copy_experts(buf, layer, everything)
+
         if not self.cuda:
-            self._copy_experts(buf, layer, everything)
+            copy()
             return
         compute = torch.cuda.current_stream(self.device)
         self.copy_stream.wait_event(compute.record_event())
         with torch.cuda.stream(self.copy_stream):
-            self._copy_experts(buf, layer, everything)
+            copy()
             self.ready[buf].record(self.copy_stream)
+
+    def _stage_layer(self, layer: int) -> None:
+        """A whole FP8 layer's values and scales from the host into the stage, on the current stream, counted."""
+        bank, stage = self.bank, self.stage
+        assert stage is not None
+        src = (bank.gate_up[layer], bank.down[layer], bank.gate_up_scale[layer], bank.down_scale[layer])
+        for st, x in zip(stage, src):
+            st.copy_(x, non_blocking=True)
+        n = bank.cfg.num_experts
+        self._count(h2d=n * bank.expert_bytes, experts=n)
+
+    def _dequantize_staged(self, buf: int) -> None:
+        """The staged layer for ``buf`` into it, on the current (compute) stream; nothing if none waits."""
+        if self._staged[buf] is None:
+            return
+        self._staged[buf] = None
+        stage, block = self.stage, self.bank.block
+        dequant = decode_kernels.dequantize_fp8 if self.fused_dequant else dequantize_into
+        dequant(self.buf_gate_up[buf], stage[0], stage[2], block)
+        dequant(self.buf_down[buf], stage[1], stage[3], block)
 
     def stream_layers(self, order: Sequence[int], before_next: Callable[[int], None] | None = None,
                       ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
@@ -450,7 +495,8 @@ class ExpertStore:
         overlaps item i's compute. The consumer must enqueue its compute before asking for the next item.
         ``before_next(i)`` runs when item i's copy is queued and item i+1's is not yet: what it enqueues on
         the compute stream (host-to-device uploads item i's compute needs) reaches the link ahead of item
-        i+1's copy, which orders after it."""
+        i+1's copy, which orders after it. A staged item (``dequant_on_compute``) is dequantized on the compute
+        stream once its copy has landed, and item i+1's copy into the stage is issued after that."""
         order = list(order)
         if not order:
             return
@@ -460,7 +506,9 @@ class ExpertStore:
             buf = i % 2
             if before_next is not None:
                 before_next(i)
-            if i + 1 < len(order):
+            # a layer waiting in the stage holds it until it is dequantized: the next copy is issued after that
+            early = self._staged[buf] is None
+            if early and i + 1 < len(order):
                 self._issue_layer(1 - buf, order[i + 1])
             if self.cuda:  # the compute stream waits for the copy; timing events either side measure the stall
                 cur = torch.cuda.current_stream(self.device)
@@ -469,6 +517,9 @@ class ExpertStore:
                 cur.wait_event(self.ready[buf])
                 after.record(cur)
                 self._stalls.append((before, after))
+            self._dequantize_staged(buf)
+            if not early and i + 1 < len(order):
+                self._issue_layer(1 - buf, order[i + 1])
             yield layer, self.buf_gate_up[buf], self.buf_down[buf]
 
     def load_experts(self, layer: int, experts: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -35,7 +35,8 @@ import sys
 from typing import Any
 
 from abbench.engine.config import (
-    DECODE_ATTENTION, DECODE_EXPERTS, DECODE_MISSES, DTYPES, EXPERT_DTYPES, PREFILL_MODES, SLOT_DTYPES, PRESETS, EngineConfig,
+    DECODE_ATTENTION, DECODE_EXPERTS, DECODE_MISSES, DTYPES, EXPERT_DTYPES, FP8_DEQUANT, PREFILL_MODES, SLOT_DTYPES,
+    PRESETS, EngineConfig,
 )
 
 __all__ = ["API_KEY_ENV", "BACKENDS", "api_key_or_refuse", "build_arg_parser", "is_loopback", "main"]
@@ -96,6 +97,9 @@ def _engine_options(e: argparse._ArgumentGroup) -> None:
                    "row scales, dequantized by decode's Triton experts as they read them: about twice the slots in "
                    "a budget); default auto: fp8 on CUDA for an fp8 bank with per-row scales decoded by Triton's "
                    "experts, else model")
+    e.add_argument("--fp8-dequant", default=None, choices=FP8_DEQUANT,
+                   help="an fp8 bank's streamed prefill layers: dequantized on the compute stream at their turn "
+                   "(compute, the default) or on the copy stream right after their copy, beside the compute (copy)")
     e.add_argument("--prefill-mode", default="chunked", choices=PREFILL_MODES)
     e.add_argument("--chunk-tokens", type=int, default=2048)
     e.add_argument("--layer-major-window-tokens", type=int, default=None)
@@ -293,7 +297,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
                                   prefill_mode=args.prefill_mode, chunk_tokens=args.chunk_tokens)
     if getattr(args, "allow_request_overrides", False):  # a request may choose who handles the misses: warm both
         kwargs["warm_every_misses_way"] = True
-    for field in ("dtype", "expert_dtype", "slot_dtype", "layer_major_window_tokens", "demand_max_tokens", "gpu_memory_budget_gib",
+    for field in ("dtype", "expert_dtype", "slot_dtype", "fp8_dequant", "layer_major_window_tokens", "demand_max_tokens", "gpu_memory_budget_gib",
                   "expert_slots_per_layer", "host_memory_check", "decode_graphs", "warm_decode_graphs",
                   "warm_prefill", "prefill_graphs", "prime_first_layer", "attention_batch", "attention_batch_max_context", "router_skew",
                   "auto_demand_max_tokens", "auto_calibration", "decode_experts", "decode_attention",
