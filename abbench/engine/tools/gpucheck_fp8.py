@@ -30,7 +30,10 @@ layers the FP8 bank's prefill was no slower than resident's (results/20261205e-h
 service's budget and caches, to see whether those make the difference. With them (48 layers, 16 GiB) the
 excess appeared in one process on an H100 (results/20261205i). Each row's ``compute_stream`` (``stream_gaps``)
 then says where the compute stream sat idle: with the host late to launch, or queued behind something on the
-device; ``--trace-dir`` keeps the Chrome traces.
+device; ``--trace-dir`` keeps the Chrome traces. The profiled prefill is host-bound (the GPU then has gaps), so
+each engine also times ``--timed`` unprofiled prefills (``timed ms``): on the H200 the FP8 bank was at resident's
+profiled and over it unprofiled (results/20261205j). ``--engines fp8,fp8:copy-dequant,resident`` compares where
+the FP8 bank's layers are dequantized, in one process.
 """
 
 from __future__ import annotations
@@ -223,9 +226,11 @@ def stream_gaps(events: list[dict], top: int = 8) -> dict:
     return out
 
 
-def profile_prefill(engine, prompt: list[int], top: int = 8, trace: Path | None = None) -> dict:
+def profile_prefill(engine, prompt: list[int], top: int = 8, trace: Path | None = None, timed: int = 3) -> dict:
     """One prefill of ``prompt`` (after an unprofiled one, whose prefill time is ``first_prefill_s``: the
-    engine's first sighting of the length, lazy set-up included) on ``engine``: its wall time, and on CUDA, from
+    engine's first sighting of the length, lazy set-up included; and ``timed`` more, unprofiled, whose median is
+    ``timed_prefill_s``: the profiler slows the host until the GPU has gaps, which can hide what only a saturated
+    GPU shows) on ``engine``: its wall time, and on CUDA, from
     the profiler's device activity, the seconds of compute kernels (union over streams), copies (union), FP8
     dequantization kernels (sum), the compute stream's wait for copies (``copy_wait_s``) and the ``top`` kernels
     by total time. The keys are there on CPU too, None where the profiler has no device."""
@@ -236,8 +241,14 @@ def profile_prefill(engine, prompt: list[int], top: int = 8, trace: Path | None 
     engine.reset()
     _, first = engine.run(prompt, 1, ignore_eos=True)  # unprofiled: lazy set-up, graphs captured
     engine.reset()
+    times = []
+    for _ in range(timed):
+        _, st = engine.run(prompt, 1, ignore_eos=True)
+        engine.reset()
+        times.append(st.prefill_end - st.prefill_start)
     out: dict = {"compute_busy_s": None, "copy_busy_s": None, "dequant_s": None, "top_kernels": None,
-                 "compute_stream": None, "first_prefill_s": first.prefill_end - first.prefill_start}
+                 "compute_stream": None, "first_prefill_s": first.prefill_end - first.prefill_start,
+                 "timed_prefill_s": statistics.median(times) if times else None}
     if not cuda:
         _, stats = engine.run(prompt, 1, ignore_eos=True)
     else:
@@ -271,19 +282,23 @@ def profile_prefill(engine, prompt: list[int], top: int = 8, trace: Path | None 
 
 
 ENGINES = ("resident", "model-dtype", "fp8")  # prefill_profiles' engines, by their short names
+VARIANTS = {"eager": (", no prefill graphs", {"prefill_graphs": False}),  # NAME:VARIANT in --engines
+            "copy-dequant": (", dequantized on the copy stream", {"fp8_dequant": "copy"})}
 
 
 def prefill_profiles(model: str, layers: int | None, tokens: int, chunk: int, device: torch.device,
                      dtype: torch.dtype, budget_gib: float | None = None, max_context: int | None = None,
-                     trace_dir: Path | None = None, engines: tuple[str, ...] = ENGINES) -> list[dict]:
+                     trace_dir: Path | None = None, engines: tuple[str, ...] = ENGINES, timed: int = 3) -> list[dict]:
     """``profile_prefill`` on the three engines of the module docstring (each built, profiled and dropped in
     turn; the whole prompt one layer-major window: each bank streamed once), each row named by its ``engine``.
     ``budget_gib`` and ``max_context``: the two streaming engines' ``--gpu-memory-budget`` and caches as a
     service has them (default: no budget, caches of the prompt's length). ``trace_dir``: each profiled prefill's
     Chrome trace there, gzipped (``resident.json.gz``, ``model-dtype.json.gz``, ``fp8.json.gz``). ``engines``:
     which of them (``ENGINES``' short names), in that order: one process's later engines run after the earlier
-    ones' set-up and profiles, so the order is a variable of its own; a name with ``:eager`` runs that engine
-    without prefill graphs (``--no-prefill-graphs``), to measure them in the same process."""
+    ones' set-up and profiles, so the order is a variable of its own. A name may add variants (``VARIANTS``):
+    ``:eager`` runs that engine without prefill graphs (``--no-prefill-graphs``), ``:copy-dequant`` dequantizes
+    an FP8 bank's layers on the copy stream (``--fp8-dequant copy``), to measure either in the same process.
+    ``timed``: unprofiled prefills per engine (``profile_prefill``)."""
     import dataclasses
 
     from abbench.engine.config import EngineConfig
@@ -303,13 +318,15 @@ def prefill_profiles(model: str, layers: int | None, tokens: int, chunk: int, de
              "model-dtype": ("layer-major, model-dtype bank", streaming),
              "fp8": ("layer-major, fp8 bank", dict(streaming, expert_dtype="fp8"))}
     for short in engines:
-        kind, eager = short.removesuffix(":eager"), short.endswith(":eager")
+        kind, *variants = short.split(":")
         name, extra = kinds[kind]
-        engine = Engine(EngineConfig(**{**base, **extra, **({"prefill_graphs": False} if eager else {})}))
+        for v in variants:
+            name, extra = name + VARIANTS[v][0], {**extra, **VARIANTS[v][1]}
+        engine = Engine(EngineConfig(**{**base, **extra}))
         with torch.no_grad():
             trace = None if trace_dir is None else trace_dir / f"{short.replace(':', '-')}.json.gz"
-            rows.append({"engine": name + (", no prefill graphs" if eager else ""), "prefill_graphs":
-                         engine.prefill_graphs_mode, **profile_prefill(engine, prompt, trace=trace)})
+            rows.append({"engine": name, "prefill_graphs": engine.prefill_graphs_mode,
+                         **profile_prefill(engine, prompt, trace=trace, timed=timed)})
         del engine
         release(device.type == "cuda")
     return rows
@@ -318,10 +335,11 @@ def prefill_profiles(model: str, layers: int | None, tokens: int, chunk: int, de
 def _print_profiles(rows: list[dict]) -> None:
     ms = lambda v: "-" if v is None else f"{v * 1e3:.1f}"  # noqa: E731
     print(f"{'engine':<30} {'prefill ms':>10} {'compute':>9} {'copies':>9} {'dequant':>9} {'copy wait':>9} "
-          f"{'first ms':>9}")
+          f"{'first ms':>9} {'timed ms':>9}")
     for r in rows:
         print(f"{r['engine']:<30} {ms(r['prefill_s']):>10} {ms(r['compute_busy_s']):>9} {ms(r['copy_busy_s']):>9} "
-              f"{ms(r['dequant_s']):>9} {ms(r['copy_wait_s']):>9} {ms(r['first_prefill_s']):>9}")
+              f"{ms(r['dequant_s']):>9} {ms(r['copy_wait_s']):>9} {ms(r['first_prefill_s']):>9} "
+              f"{ms(r['timed_prefill_s']):>9}")
     for r in rows:
         for name, sec in r["top_kernels"] or []:
             print(f"  {r['engine']:<28} {sec * 1e3:9.1f} ms  {name}")
@@ -355,7 +373,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="--prefill-tokens: the streaming engines' --gpu-memory-budget (GiB), as a service's")
     p.add_argument("--engines", default=",".join(ENGINES),
                    help=f"--prefill-tokens: which engines, in this order (of {', '.join(ENGINES)}; NAME:eager "
-                        "without prefill graphs)")
+                        "without prefill graphs, NAME:copy-dequant with FP8 layers dequantized on the copy stream)")
+    p.add_argument("--timed", type=int, default=3,
+                   help="--prefill-tokens: unprofiled prefills per engine, timed (their median: 'timed ms')")
     p.add_argument("--trace-dir", type=Path, default=None,
                    help="--prefill-tokens: keep each profiled prefill's Chrome trace there (gzipped)")
     p.add_argument("--max-context", type=int, default=None,
@@ -367,13 +387,14 @@ def main(argv: list[str] | None = None) -> int:
     tokens = args.tokens or (2048 if cuda else 64)
     dtype = torch.bfloat16 if cuda else torch.float32
     engines = tuple(args.engines.split(","))
-    if not {e.removesuffix(":eager") for e in engines} <= set(ENGINES) or not engines:
-        p.error(f"--engines: a comma-separated list of {', '.join(ENGINES)} (each maybe NAME:eager), "
+    if not engines or not all(e.split(":")[0] in ENGINES and set(e.split(":")[1:]) <= set(VARIANTS) for e in engines):
+        p.error(f"--engines: a comma-separated list of {', '.join(ENGINES)} (each maybe NAME:eager, "
+                f"NAME:copy-dequant or both), "
                 f"got {args.engines!r}")
     if args.prefill_tokens:
         layers = args.layers if args.layers is not None else (8 if cuda else None)
         rows = prefill_profiles(model, layers, args.prefill_tokens, tokens, device, dtype, args.budget,
-                                args.max_context, args.trace_dir, engines)
+                                args.max_context, args.trace_dir, engines, args.timed)
         print(f"{model} ({layers or 'all'} layers), {device}, {dtype}, {args.prefill_tokens}-token prefill in "
               f"{tokens}-token chunks")
         _print_profiles(rows)
