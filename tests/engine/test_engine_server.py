@@ -359,6 +359,9 @@ def test_a_request_at_an_idle_engine_finds_its_first_layer_primed(tiny):
     ab = r.json()["abbench"]
     assert ab["first_layer_primed"] is True and store.primes_taken == taken0 + 1
     assert ab["prefill_h2d_bytes"] == ab["n_chunks"] * ab["bank_bytes"]
+    primes = {s.labels["outcome"]: s.value for fam in text_string_to_metric_families(client.get("/metrics").text)
+              for s in fam.samples if s.name == "abbench_engine_first_layer_primes_total"}
+    assert primes["taken"] == store.primes_taken and primes["dropped"] == store.primes_dropped
     assert client.post("/v1/completions", json=greedy(PROMPT_IDS, max_tokens=0)).status_code == 400
     deadline = time.monotonic() + 10  # the engine thread drops it (or, when the refusal came first, never made it)
     while store._prime is not None and time.monotonic() < deadline:

@@ -268,6 +268,16 @@ class _EngineCollector:
             for path, n in sorted(dict(counters.get(key, {})).items()):
                 family.add_metric([str(path)], n)
             yield family
+        store = getattr(engine, "store", None)
+        if store is not None and hasattr(store, "primes_taken"):
+            family = CounterMetricFamily(
+                "abbench_engine_first_layer_primes", "First-layer bank copies started as a request reached the idle "
+                "engine, by outcome: taken by its prefill (its bytes are in h2d_bytes), or dropped (the request "
+                "failed first, or a demand prefill wrote over it; one layer's bank each, not in h2d_bytes).",
+                labels=["outcome"])
+            family.add_metric(["taken"], store.primes_taken)
+            family.add_metric(["dropped"], store.primes_dropped)
+            yield family
         yield CounterMetricFamily("abbench_engine_cancel_checks", "Layer steps (prefill and decode) that "
                                   "checked the request's cancel flag.", value=self.service.cancel_checks)
         yield CounterMetricFamily("abbench_engine_cancel_checks_set", "Cancel checks that found the flag set "
