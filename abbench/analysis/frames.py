@@ -201,7 +201,7 @@ SAMPLE_COLUMNS = [
     "gpu_mem_used_peak", "proc_gpu_mem_peak", "host_rss_peak", "slot_hits", "slot_misses", "decode_steps_whole",
     "decode_steps_per_layer", "decode_mode", "decode_kernels", "decode_misses", "slots_per_layer",
     "peak_device_bytes",
-    "start_device_bytes", "copy_wait_s",
+    "start_device_bytes", "copy_wait_s", "first_layer_primed",
     "chunk_tokens", "alloc_retries", "host_cpu_busy", "host_cpu_steal", "service_cpu_s",
 ]
 
@@ -259,6 +259,7 @@ def sample_frame(record: RunRecord, samples: list[Sample]) -> pd.DataFrame:
                 "slots_per_layer": num(d.slots_per_layer),
                 "peak_device_bytes": num(e.peak_device_bytes), "start_device_bytes": num(e.start_device_bytes),
                 "copy_wait_s": num(e.copy_wait_s),
+                "first_layer_primed": e.first_layer_primed,
                 "chunk_tokens": num(e.chunk_tokens), "alloc_retries": num(e.alloc_retries),
             }
         )

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import pandas as pd
 
 from abbench.analysis.frames import (
@@ -31,7 +32,13 @@ from abbench.results import RunRecord
 FLOOR_KINDS = ("fresh", "cold")
 H2D_COLUMNS = ["arm", "kind", "target_tokens", "n", "h2d_bytes", "prefill_h2d_bytes", "decode_h2d_bytes",
                "bank_bytes", "expert_format", "banks", "nvml_bytes", "engine_over_nvml", "n_windows", "measured_h2d_gbps",
-               "floor_s", "ttft_s", "ttft_over_floor", "copy_wait_s", "alloc_retries"]
+               "floor_s", "ttft_s", "ttft_over_floor", "copy_wait_s", "alloc_retries", "primed"]
+
+
+def _primed(flags: pd.Series) -> str | None:
+    """'k/n': k of the n requests that say whether their first layer was primed were; None when none says."""
+    said = [bool(f) for f in flags if isinstance(f, (bool, np.bool_))]
+    return f"{sum(said)}/{len(said)}" if said else None
 
 
 def h2d_table(record: RunRecord) -> pd.DataFrame:
@@ -45,8 +52,9 @@ def h2d_table(record: RunRecord) -> pd.DataFrame:
     waiting for streamed expert copies in prefill (the part of TTFT the copies did not hide);
     ``expert_format``: how the engine's host bank stores the experts (e.g. an FP8 bank), where it says;
     ``alloc_retries``: the most CUDA caching-allocator retries of one request (cache freed, cudaMalloc again:
-    memory pressure that costs time). Rows only where the engine or NVML gave
-    numbers."""
+    memory pressure that costs time); ``primed``: "k/n" requests whose first layer's copy had started as they
+    arrived (the vendored engine's ``first_layer_primed``; their TTFT includes that copy, their bytes too), None
+    where the engine does not say. Rows only where the engine or NVML gave numbers."""
     df = measured_ok_frame(record)
     rows = []
     for (arm, kind, tokens), g in df.groupby(["arm", "kind", "target_tokens"], sort=False, dropna=False):
@@ -71,7 +79,8 @@ def h2d_table(record: RunRecord) -> pd.DataFrame:
              "nvml_bytes": median_of(nvml), "engine_over_nvml": median_of(ratio),
              "n_windows": median_of(g["n_windows"]), "measured_h2d_gbps": median_of(gbps), "floor_s": floor_s,
              "ttft_s": ttft, "ttft_over_floor": ttft / floor_s if ttft and floor_s else None,
-             "copy_wait_s": median_of(g["copy_wait_s"]), "alloc_retries": max_of(g["alloc_retries"])}
+             "copy_wait_s": median_of(g["copy_wait_s"]), "alloc_retries": max_of(g["alloc_retries"]),
+             "primed": _primed(g["first_layer_primed"])}
         )
     out = frame(rows, H2D_COLUMNS, ints=["target_tokens"])
     return sort_rows(out, record, ["arm", "kind", "target_tokens"])

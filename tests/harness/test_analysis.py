@@ -497,6 +497,13 @@ def test_h2d_banks_nvml_and_floor() -> None:
     assert b["floor_s"] == pytest.approx(BANK / 55e9)
     assert b["ttft_over_floor"] == pytest.approx(b["ttft_s"] / b["floor_s"])
     assert an.h2d_table(make_run(engine=False, nvml=False)).empty
+    # the vendored engine's first_layer_primed: k of the n requests that say; None where the engine does not say
+    assert h["primed"].isna().all()
+    b_samples = [x for x in rec.samples if x.arm == "B" and not x.excluded and x.ok]
+    for i, x in enumerate(b_samples):
+        x.engine["first_layer_primed"] = i % 2 == 0
+    h = an.h2d_table(rec).set_index("arm")
+    assert pd.isna(h.loc["A"]["primed"]) and h.loc["B"]["primed"] == f"{(len(b_samples) + 1) // 2}/{len(b_samples)}"
     cont = an.h2d_table(make_run(rounds=1, lengths=(), pairs=True)).set_index(["arm", "kind"])
     assert cont.loc[("A", "cold")]["floor_s"] > 0 and pd.isna(cont.loc[("A", "continuation")]["floor_s"])
 

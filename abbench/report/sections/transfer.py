@@ -39,6 +39,8 @@ def h2d_section(ri: ReportInput) -> list[str]:
     has_nvml = a.h2d["nvml_bytes"].notna().any()
     has_wait = a.h2d["copy_wait_s"].notna().any()  # engines that time their copy stalls (the vendored one on CUDA)
     has_retries = bool((a.h2d["alloc_retries"].fillna(0) > 0).any())  # shown only when the allocator retried
+    # shown only where an engine primed a first layer ("k/n", k > 0)
+    has_primed = any(isinstance(p, str) and not p.startswith("0/") for p in a.h2d["primed"])
     # the bank's format, shown when an arm's is not the compute dtype (an FP8 bank moves about half the bytes)
     has_format = a.h2d["expert_format"].astype(str).str.startswith("fp8").any()
     lines += [
@@ -48,7 +50,10 @@ def h2d_section(ri: ReportInput) -> list[str]:
         + (" Copy wait = GPU time the engine's compute stream waited for streamed expert copies during prefill "
            "(CUDA timing events): the part of the copies that compute did not hide." if has_wait else "")
         + (" Alloc retries = the most CUDA caching-allocator retries in one request (it freed its cache and "
-           "called cudaMalloc again: memory pressure that costs time)." if has_retries else "")), "",
+           "called cudaMalloc again: memory pressure that costs time)." if has_retries else "")
+        + (" Primed = requests whose first layer's copy the engine started as they arrived, while their body was "
+           "read and tokenized: inside their TTFT and their bytes, before their prefill." if has_primed else "")),
+        "",
         table(a.h2d, [*CELL_COLS, Col("h2d_bytes", "Engine H2D", fmt_gb),
                       Col("prefill_h2d_bytes", "Prefill", fmt_gb, descriptive=True),
                       Col("decode_h2d_bytes", "Decode", fmt_gb, descriptive=True),
@@ -61,7 +66,8 @@ def h2d_section(ri: ReportInput) -> list[str]:
                       Col("floor_s", "Floor", fmt_s), Col("ttft_s", "TTFT", fmt_s),
                       Col("ttft_over_floor", "TTFT/floor", fmt_ratio)]
               + ([Col("copy_wait_s", "Copy wait", fmt_s)] if has_wait else [])
-              + ([Col("alloc_retries", "Alloc retries", fmt_int)] if has_retries else [])),
+              + ([Col("alloc_retries", "Alloc retries", fmt_int)] if has_retries else [])
+              + ([Col("primed", "Primed", descriptive=True)] if has_primed else [])),
     ]
     if not has_engine:
         lines += ["", "The engine reported no H2D counters: only NVML's estimate is shown."]
