@@ -144,9 +144,9 @@ class EngineService:
         return job
 
     def prime(self) -> None:
-        """A completion request has arrived (called before its body is read): if nothing runs or waits, the engine
-        thread starts what every streamed prefill needs first (``Backend.prime_prefill``), so that it overlaps the
-        parsing and tokenization. Never waits."""
+        """A completion request has arrived (called before its body is read): unless sequences are running, the
+        engine thread starts what every streamed prefill needs first (``Backend.prime_prefill``), before it starts
+        anything queued, so that the copy overlaps the parsing and tokenization. Never waits."""
         if self.scheduler.running:
             return
         with self._wake:
