@@ -301,6 +301,7 @@ class ExpertStore:
         # one Triton kernel per dequantization on CUDA (the same bits as the torch composition, a fifth of its
         # memory traffic: a streamed layer's dequantization overlaps the compute, and shares the copy stream)
         self.fused_dequant = bank.fp8 and self.cuda and decode_kernels.have_triton()
+        self._dequant = decode_kernels.dequantize_fp8 if self.fused_dequant else dequantize_into
         # an FP8 bank's streamed layers dequantized on the compute stream, at the layer's turn, not on the copy
         # stream beside the compute (``stream_layers``); the stage is then needed on every device
         self.dequant_on_compute = bank.fp8 and dequant_on_compute
@@ -359,18 +360,24 @@ class ExpertStore:
             gate_up.copy_(bank.gate_up[layer][a:b], non_blocking=True)
             down.copy_(bank.down[layer][a:b], non_blocking=True)
         else:
-            src = (bank.gate_up[layer][a:b], bank.down[layer][a:b], bank.gate_up_scale[layer][a:b],
-                   bank.down_scale[layer][a:b])
-            if self.stage is not None:
-                staged = tuple(st[:b - a] for st in self.stage)
-                for st, x in zip(staged, src):
-                    st.copy_(x, non_blocking=True)
-                src = staged
-            dequant = decode_kernels.dequantize_fp8 if self.fused_dequant else dequantize_into
-            dequant(gate_up, src[0], src[2], bank.block)
-            dequant(down, src[1], src[3], bank.block)
+            src = self._stage(layer, a, b)
+            self._dequant(gate_up, src[0], src[2], bank.block)
+            self._dequant(down, src[1], src[3], bank.block)
         if count:
             self._count(h2d=(b - a) * bank.expert_bytes, experts=b - a)
+
+    def _stage(self, layer: int, a: int, b: int) -> tuple[torch.Tensor, ...]:
+        """An FP8 bank's experts [a, b) of ``layer`` as they are (gate_up, down values; their scales): copied into
+        the staging area on the current stream where there is one, else the host bank's own tensors."""
+        bank = self.bank
+        src = (bank.gate_up[layer][a:b], bank.down[layer][a:b], bank.gate_up_scale[layer][a:b],
+               bank.down_scale[layer][a:b])
+        if self.stage is None:
+            return src
+        staged = tuple(st[:b - a] for st in self.stage)
+        for st, x in zip(staged, src):
+            st.copy_(x, non_blocking=True)
+        return staged
 
     def _copy_experts(self, buf: int, layer: int, experts: Sequence[int]) -> None:
         """Copy ``experts`` (sorted, distinct) of ``layer`` into buffer ``buf`` at their expert index, on the
@@ -395,9 +402,8 @@ class ExpertStore:
             if e >= 0 and e in cached:
                 s, c = cached[e], self.slots
                 if c.fp8:  # dequantized on the way, as a copy from the FP8 bank is
-                    dequant = decode_kernels.dequantize_fp8 if self.fused_dequant else dequantize_into
-                    dequant(gu[e:e + 1], c.gate_up[layer][s:s + 1], c.gate_up_scale[layer][s:s + 1], None)
-                    dequant(dn[e:e + 1], c.down[layer][s:s + 1], c.down_scale[layer][s:s + 1], None)
+                    self._dequant(gu[e:e + 1], c.gate_up[layer][s:s + 1], c.gate_up_scale[layer][s:s + 1], None)
+                    self._dequant(dn[e:e + 1], c.down[layer][s:s + 1], c.down_scale[layer][s:s + 1], None)
                     self._count(d2d=bank.expert_bytes, experts=1)
                 else:
                     gu[e].copy_(c.gate_up[layer][s], non_blocking=True)
@@ -420,24 +426,25 @@ class ExpertStore:
         self._prime = (layer, moved)
         return True
 
-    def drop_prime(self) -> None:
-        """Forget the prime, if any: its copy happened, so its traffic counts now (for nothing)."""
-        if self._prime is None:
-            return
+    def _end_prime(self) -> None:
+        """The prime's copy happened: its traffic counts now, and no prime is held."""
         _, moved = self._prime
         self._prime = None
-        self._staged[0] = None
         self._count(moved.h2d_bytes, moved.d2d_bytes, moved.expert_copies)
-        self.primes_dropped += 1
+
+    def drop_prime(self) -> None:
+        """Forget the prime, if any (its traffic counts, for nothing)."""
+        if self._prime is not None:
+            self._end_prime()
+            self._staged[0] = None
+            self.primes_dropped += 1
 
     def _take_prime(self, layer: int) -> bool:
         """Whether buffer 0 holds (or is receiving) ``layer`` from a prime; if so it is taken and counted now."""
         if self._prime is None or self._prime[0] != layer:
             self.drop_prime()
             return False
-        _, moved = self._prime
-        self._prime = None
-        self._count(moved.h2d_bytes, moved.d2d_bytes, moved.expert_copies)
+        self._end_prime()
         self.primes_taken += 1
         return True
 
@@ -470,13 +477,9 @@ class ExpertStore:
 
     def _stage_layer(self, layer: int) -> None:
         """A whole FP8 layer's values and scales from the host into the stage, on the current stream, counted."""
-        bank, stage = self.bank, self.stage
-        assert stage is not None
-        src = (bank.gate_up[layer], bank.down[layer], bank.gate_up_scale[layer], bank.down_scale[layer])
-        for st, x in zip(stage, src):
-            st.copy_(x, non_blocking=True)
-        n = bank.cfg.num_experts
-        self._count(h2d=n * bank.expert_bytes, experts=n)
+        n = self.bank.cfg.num_experts
+        self._stage(layer, 0, n)
+        self._count(h2d=n * self.bank.expert_bytes, experts=n)
 
     def _dequantize_staged(self, buf: int) -> None:
         """The staged layer for ``buf`` into it, on the current (compute) stream; nothing if none waits."""
@@ -484,9 +487,8 @@ class ExpertStore:
             return
         self._staged[buf] = None
         stage, block = self.stage, self.bank.block
-        dequant = decode_kernels.dequantize_fp8 if self.fused_dequant else dequantize_into
-        dequant(self.buf_gate_up[buf], stage[0], stage[2], block)
-        dequant(self.buf_down[buf], stage[1], stage[3], block)
+        self._dequant(self.buf_gate_up[buf], stage[0], stage[2], block)
+        self._dequant(self.buf_down[buf], stage[1], stage[3], block)
 
     def stream_layers(self, order: Sequence[int], before_next: Callable[[int], None] | None = None,
                       ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
