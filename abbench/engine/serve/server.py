@@ -165,13 +165,11 @@ async def reset(request: Request) -> dict[str, str]:
 async def completions(request: Request) -> Response:
     st = _state(request)
     received = request.scope.get("abbench_received", time.perf_counter())
-    st.service.prime()  # the first layer's copy overlaps reading, parsing and tokenizing the request
-    try:
+
+    async def serve() -> Response:
         req = decode_request(await _body(request, st.max_body_bytes))
         return await _serve(st, request, req, received, CompletionFormat(st.tokenizer))
-    except BaseException:
-        st.service.unprime()
-        raise
+    return await _primed(st, serve)
 
 
 @router.post("/v1/chat/completions")
@@ -180,10 +178,19 @@ async def chat_completions(request: Request) -> Response:
     (:mod:`abbench.engine.serve.chat`)."""
     st = _state(request)
     received = request.scope.get("abbench_received", time.perf_counter())
-    st.service.prime()
-    try:
+
+    async def serve() -> Response:
         req, _chat = decode_chat(await _body(request, st.max_body_bytes), st.tokenizer)
         return await _serve(st, request, req, received, ChatFormat(st.tokenizer))
+    return await _primed(st, serve)
+
+
+async def _primed(st: ServerState, serve: Any) -> Response:
+    """``await serve()`` with the engine primed first (``EngineService.prime``: the first layer's copy overlaps
+    reading, parsing and tokenizing the request), and the prime taken back if the request fails first."""
+    st.service.prime()
+    try:
+        return await serve()
     except BaseException:
         st.service.unprime()
         raise
