@@ -19,7 +19,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from abbench.engine import PRESETS, EngineConfig, ModelConfig  # noqa: E402
-from abbench.engine.runtime.prefill import prefill  # noqa: E402
+from abbench.engine.runtime.prefill import plan_chunks, prefill  # noqa: E402
+from abbench.engine.runtime.steps import LayerSteps  # noqa: E402
 from abbench.engine.contract import Cancelled, GenerateRequest  # noqa: E402
 from abbench.engine.runtime.engine import Engine  # noqa: E402
 
@@ -90,6 +91,28 @@ def test_qwen3_moe_prefill_runs_eagerly_on_every_device(resident):
     results/20261205k): the engine says so, on CUDA as on CPU, and its steps hold no graph cache."""
     assert not MINI.prefill_graph_moe
     assert resident.prefill_graphs_mode == "eager" and resident.steps.graphs is None
+
+
+def test_only_a_prompts_last_chunk_runs_the_last_layers_moe_half(resident):
+    """Nothing reads the last layer's output of a chunk that is not its prompt's last (the cache is written in
+    the first half), so every mode leaves those MoE halves out: the logits and KV of running every step whole,
+    bit for bit, with ``moe_skipped`` = chunks - 1. Layer-major runs a window's last first halves before asking
+    for that layer's bank."""
+    steps, dev, n_layers = LayerSteps(resident.model), resident.device, MINI.num_hidden_layers
+    for n in (128, 150):  # 4 and 5 chunks of 32 tokens; 64-token windows
+        ids = _prompt(n, seed=20 + n)
+        resident.reset()
+        for a, b in plan_chunks(0, n, 32):  # every step whole, through the module API
+            x = resident.model.embed(torch.tensor(ids[a:b], device=dev))
+            for layer in range(n_layers):
+                steps.layer(layer, x, resident.kv, a, *resident.store.resident[layer])
+        full_logits, full_kv = resident.model.logits(x[-1:]).clone(), _kv(resident, n)
+        for mode in MODES:
+            logits, stats, kv = _raw_prefill(resident, ids, mode)
+            assert torch.equal(logits, full_logits), (n, mode)
+            assert all(torch.equal(a, b) for a, b in zip(kv, full_kv, strict=True)), (n, mode)
+            assert stats.moe_skipped == stats.n_chunks - 1, (n, mode)
+    resident.reset()
 
 
 def test_a_primed_first_layer_is_taken_once_and_changes_no_bit(streamed, resident):

@@ -4,7 +4,10 @@
 the tokens ``ids`` [T] at positions [start, start+T) (``start`` > 0 after a prefix-cache hit), writing the
 KV cache, in chunks of ``chunk_tokens`` that start at ``start``. Every mode runs the same chunk shapes
 through the same ``Model.attn_block``/``Model.moe_block`` calls; only the loop order and where the experts
-come from differ, so logits and KV are bitwise equal across modes on one device:
+come from differ, so logits and KV are bitwise equal across modes on one device. In every mode the last
+layer's MoE half runs for the prompt's last chunk only (``skips_last_moe``): the other chunks' last-layer
+output is read by nothing (their first half writes the cache), so leaving it out changes no logit and no
+cache entry (``PrefillStats.moe_skipped``; chunked still streams that layer's bank for each of them):
 
 - ``chunked``: chunk-major; every chunk runs through every layer, and every layer visit streams that layer's
   whole bank (double buffer, next layer prefetched): n_chunks x bank_bytes.
@@ -60,6 +63,7 @@ class PrefillStats:
     attention_fallbacks: dict[str, int] | None = None  # groups that ran one call per chunk, by reason
     auto: dict | None = None  # set by the engine when prefill_mode auto picked the path (engine.policy)
     batch_prompts: int = 1  # prompts prefilled together (prefill_batch): the bytes and windows are the batch's
+    moe_skipped: int = 0  # chunks whose last layer's MoE half was left out (not their prompt's last chunk)
     primed: bool = False  # its first layer's copy had started before it (ExpertStore.prime), and it took that copy
 
 
@@ -117,14 +121,24 @@ def _streamed_chunks(steps: LayerSteps, store: ExpertStore, kv: KVCache, ids: to
     model = steps.model
     n_layers = model.cfg.num_hidden_layers
     stream = _bank_stream(model, store, kv, [([c], layer) for c in chunks for layer in range(n_layers)])
-    x = None
+    end, x = start + int(ids.shape[0]), None
     for a, b in chunks:
         x = model.embed(ids[a - start:b - start])  # [T, H]
         for layer in range(n_layers):
             check_cancel(cancel)
-            _, gate_up, down = next(stream)
-            steps.layer(layer, x, kv, a, gate_up, down)  # x [T, H] in place
+            _, gate_up, down = next(stream)  # streamed whatever the step: chunked's bytes stay n_chunks x bank
+            _layer_step(steps, layer, x, kv, a, b == end, gate_up, down)  # x [T, H] in place
     return x
+
+
+def _layer_step(steps: LayerSteps, layer: int, x: torch.Tensor, kv: KVCache, a: int, final: bool,
+                gate_up: torch.Tensor, down: torch.Tensor) -> None:
+    """A chunk-major step of chunk x at [a, ...): the whole layer, or on the last layer of a chunk that is not
+    its prompt's last (``final``), the first half alone (``skips_last_moe``)."""
+    if layer == steps.model.cfg.num_hidden_layers - 1 and not final and skips_last_moe(steps.model):
+        steps.attn_only(layer, x, kv, a)
+    else:
+        steps.layer(layer, x, kv, a, gate_up, down)
 
 
 @dataclass
@@ -155,13 +169,18 @@ def layer_major_loop(steps: LayerSteps | Model, weights: Iterator[tuple[torch.Te
 
 def layer_major_parts(steps: LayerSteps | Model, weights: Iterator[tuple[torch.Tensor, torch.Tensor]],
                       parts: list[Part], windows: list[list[tuple[int, int, int]]], cancel: CancelLike = None,
-                      batching: Batching = Batching(), batch_stats: BatchingStats | None = None) -> list[torch.Tensor]:
+                      batching: Batching = Batching(), batch_stats: BatchingStats | None = None,
+                      ) -> list[torch.Tensor]:
     """Layer-major over a batch of prompts: ``windows`` hold (part, a, b) chunks, each prompt's chunks in order
     (a window may span prompts); per (window, layer) one bank from ``weights`` serves every chunk of the window,
     each chunk running through the layer with its own prompt's cache, so every chunk makes the calls it makes
     alone, in the same shapes, after the same chunks of its own prompt: bitwise what each prompt gives alone.
-    Attention groups (``batching``) form within one prompt's run of chunks. Returns each part's last chunk's
-    hidden states."""
+    Attention groups (``batching``) form within one prompt's run of chunks.
+
+    Every window's last layer (``_last_layer``) runs every chunk's first half (it writes the cache) but the MoE
+    half only for each prompt's last chunk: nothing reads the other chunks' last-layer output. Its first halves
+    come before it asks for the layer's bank, so in a copy-bound prefill the GPU computes them while the bank is
+    still arriving and only one chunk's MoE half follows it. Returns each part's last chunk's hidden states."""
     steps = steps if isinstance(steps, LayerSteps) else LayerSteps(steps)
     model = steps.model
     n_layers = model.cfg.num_hidden_layers
@@ -178,8 +197,11 @@ def layer_major_parts(steps: LayerSteps | Model, weights: Iterator[tuple[torch.T
         runs = _runs_by_part(window)
         for layer in range(n_layers):
             check_cancel(cancel)
-            gate_up, down = next(weights)
             k = batching.k if batching.k > 1 and model.cfg.layer_types[layer] == "full_attention" else 1
+            if layer == n_layers - 1 and k == 1 and skips_last_moe(model):
+                _last_layer(steps, layer, weights, acts, runs, parts, cancel)
+                continue
+            gate_up, down = next(weights)
             for p, first, spans in runs:  # prompt by prompt, each prompt's chunks in order
                 kv = parts[p].kv
                 groups = plan_attention_groups(spans, k, chunk_tokens, batching.max_context, batching.exact,
@@ -199,6 +221,37 @@ def layer_major_parts(steps: LayerSteps | Model, weights: Iterator[tuple[torch.T
     return [x for x in last if x is not None]
 
 
+def skips_last_moe(model: Model) -> bool:
+    """Whether prefill leaves out the last layer's MoE half for every chunk but a prompt's last: its output is
+    read by nothing (the cache is written in the first half). Not Qwen4-Exp, whose halves hand over pending
+    work."""
+    return not model.cfg.is_qwen4
+
+
+def _last_layer(steps: LayerSteps, layer: int, weights: Iterator[tuple[torch.Tensor, torch.Tensor]],
+                acts: list[torch.Tensor], runs: list[tuple[int, int, list[tuple[int, int]]]], parts: list[Part],
+                cancel: CancelLike) -> None:
+    """A layer-major window's last layer (``layer_major_parts``): every chunk's first half in order, then the
+    layer's bank, then the MoE half of each prompt's last chunk in the window. A first half that later first
+    halves would overwrite waits in a copy (prompts of a batch that end before the window's last chunk)."""
+    needed: list[tuple[int, tuple[torch.Tensor, ...] | None]] = []  # (acts index, held first half or current)
+    for p, first, spans in runs:
+        kv = parts[p].kv
+        for c, (a, b) in enumerate(spans):
+            if c or first:
+                check_cancel(cancel)
+            if b != parts[p].end:
+                steps.attn_only(layer, acts[first + c], kv, a)
+                continue
+            steps.attn(layer, acts[first + c], kv, a)
+            needed.append((first + c, None if first + c == len(acts) - 1 else steps.hold_mid()))
+    gate_up, down = next(weights)
+    for i, mid in sorted(needed, key=lambda e: e[1] is not None):  # the current first half before any held one
+        if mid is not None:
+            steps.resume(acts[i], mid)
+        steps.moe(acts[i], gate_up, down)
+
+
 def _runs_by_part(window: list[tuple[int, int, int]]) -> list[tuple[int, int, list[tuple[int, int]]]]:
     """A window's chunks as runs of one prompt: (part, index of its first chunk in the window, its spans)."""
     runs: list[tuple[int, int, list[tuple[int, int]]]] = []
@@ -211,9 +264,13 @@ def _runs_by_part(window: list[tuple[int, int, int]]) -> list[tuple[int, int, li
 
 
 def _demand_chunk(steps: LayerSteps, store: ExpertStore, kv: KVCache, x: torch.Tensor, a: int,
-                  cancel: CancelLike) -> torch.Tensor:
-    for layer in range(steps.model.cfg.num_hidden_layers):
+                  cancel: CancelLike, final: bool) -> torch.Tensor:
+    n_layers = steps.model.cfg.num_hidden_layers
+    for layer in range(n_layers):
         check_cancel(cancel)
+        if layer == n_layers - 1 and not final and skips_last_moe(steps.model):
+            steps.attn_only(layer, x, kv, a)  # nothing loaded: nothing reads the output
+            break
         top_ids = steps.attn(layer, x, kv, a)  # [T, k]
         gate_up, down = store.load_experts(layer, torch.unique(top_ids).tolist())  # host sync: which experts
         steps.moe(x, gate_up, down)  # x [T, H] in place
@@ -224,13 +281,13 @@ def _resident_chunks(steps: LayerSteps, store: ExpertStore, kv: KVCache, ids: to
                      chunks: list[tuple[int, int]], cancel: CancelLike) -> torch.Tensor:
     assert store.resident is not None
     model = steps.model
-    x = None
+    end, x = start + int(ids.shape[0]), None
     for a, b in chunks:
         x = model.embed(ids[a - start:b - start])  # [T, H]
         for layer in range(model.cfg.num_hidden_layers):
             check_cancel(cancel)
             gate_up, down = store.resident[layer]
-            steps.layer(layer, x, kv, a, gate_up, down)  # x [T, H] in place
+            _layer_step(steps, layer, x, kv, a, b == end, gate_up, down)  # x [T, H] in place
     return x
 
 
@@ -245,8 +302,8 @@ def _run(steps: LayerSteps, store: ExpertStore, kv: KVCache, ids: torch.Tensor, 
         return _resident_chunks(steps, store, kv, ids, start, chunks, cancel), 0
     if path == "layer-major":
         windows = plan_windows(chunks, chunks_per_window)
-        stream = _bank_stream(model, store, kv, [(window, layer) for window in windows
-                                                 for layer in range(model.cfg.num_hidden_layers)])
+        visits = [(window, layer) for window in windows for layer in range(model.cfg.num_hidden_layers)]
+        stream = _bank_stream(model, store, kv, visits)
         weights = ((gate_up, down) for _, gate_up, down in stream)
         return layer_major_loop(steps, weights, kv, ids, start, windows, cancel, batching,
                                 batch_stats), len(windows)
@@ -255,7 +312,8 @@ def _run(steps: LayerSteps, store: ExpertStore, kv: KVCache, ids: torch.Tensor, 
     while i < len(chunks):
         a, b = chunks[i]
         if b - a <= demand_max_tokens:
-            x = _demand_chunk(steps, store, kv, model.embed(ids[a - start:b - start]), a, cancel)
+            x = _demand_chunk(steps, store, kv, model.embed(ids[a - start:b - start]), a, cancel,
+                              b == start + int(ids.shape[0]))
             i += 1
             continue
         j = i
@@ -285,6 +343,7 @@ def prefill(model: Model | LayerSteps, store: ExpertStore, kv: KVCache, ids: tor
     path, reason = choose_path(mode, chunks, chunk_tokens, window_tokens, demand_max_tokens)
     kv.write_tokens(start, ids)  # kept by models that read token ids inside layers (Qwen4-Exp's PLE)
     before, replays, primes = store.request.snapshot(), steps.replays, store.primes_taken
+    skipped = steps.moe_skipped
     batch_stats = BatchingStats()
     with attention_backends():
         x, n_windows = _run(steps, store, kv, ids, start, chunks, path, window_tokens // chunk_tokens,
@@ -298,7 +357,7 @@ def prefill(model: Model | LayerSteps, store: ExpertStore, kv: KVCache, ids: tor
                          graph_replays=steps.replays - replays, attention_batch=batching.k,
                          attention_batched=batch_stats.batched,
                          attention_fallbacks=dict(batch_stats.fallbacks) if batched else None,
-                         primed=store.primes_taken > primes)
+                         primed=store.primes_taken > primes, moe_skipped=steps.moe_skipped - skipped)
     return logits, stats
 
 
@@ -327,6 +386,7 @@ def prefill_batch(steps: LayerSteps, store: ExpertStore, parts: list[Part], *, c
     for part in parts:
         part.kv.write_tokens(part.start, part.ids)
     before, replays, primes = store.request.snapshot(), steps.replays, store.primes_taken
+    skipped = steps.moe_skipped
     batch_stats = BatchingStats()
     windows = plan_windows(chunks, window_tokens // chunk_tokens)
     n_layers = model.cfg.num_hidden_layers
@@ -352,6 +412,7 @@ def prefill_batch(steps: LayerSteps, store: ExpertStore, parts: list[Part], *, c
                              graph_replays=steps.replays - replays, attention_batch=batching.k,
                              attention_batched=batch_stats.batched,
                              attention_fallbacks=dict(batch_stats.fallbacks) if batching.k > 1 else None,
-                             batch_prompts=len(parts), primed=store.primes_taken > primes)
+                             batch_prompts=len(parts), primed=store.primes_taken > primes,
+                             moe_skipped=steps.moe_skipped - skipped)
         out.append((logits[p], stats))
     return out

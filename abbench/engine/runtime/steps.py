@@ -4,7 +4,9 @@ Contract:
 - ``LayerSteps(model, graphs, graph_tokens)`` runs one chunk through one layer in two halves, the calls every
   prefill mode makes: ``attn(layer, x, kv, start)`` (the model's ``attn_block``; returns the router's expert
   ids [T, k], which demand loading reads back) and ``moe(x, gate_up, down)`` (``moe_block`` over the experts
-  the caller passes), which writes the layer's output into ``x`` in place. ``layer(...)`` is both.
+  the caller passes), which writes the layer's output into ``x`` in place. ``layer(...)`` is both;
+  ``attn_only`` the first half of a step whose output nothing reads (counted in ``moe_skipped``);
+  ``hold_mid``/``resume`` keep a first half aside for a later MoE half.
 - CUDA graphs (``graphs`` a :class:`~abbench.engine.runtime.graphs.GraphCache`): a chunk of exactly ``graph_tokens``
   tokens runs the half-steps whose shapes and addresses are fixed from static buffers: the first half of
   every layer in ``model.prefill_graph_layers`` (the hybrid's Gated DeltaNet layers: norms, projections, conv,
@@ -90,6 +92,7 @@ class LayerSteps:
         # routing counts [L, E] int64 on the device, when the engine tracks them (prefill mode auto): every
         # chunk's routed expert ids are added after its first half, without a host sync
         self.route_counts: torch.Tensor | None = None
+        self.moe_skipped = 0  # chunks whose MoE half was left out (``attn_only``), lifetime
         if graphs is not None:
             cfg, dev, dt = model.cfg, model.device, model.dtype
             T, W, H, k = graph_tokens, cfg.stream_width, cfg.hidden_size, cfg.num_experts_per_tok
@@ -147,6 +150,28 @@ class LayerSteps:
         else:
             self._mid = mid
         self._count(layer)
+
+    def attn_only(self, layer: int, x: torch.Tensor, kv, start: int) -> None:
+        """The first half of ``layer`` for x without its MoE half (it writes the cache; nothing reads the layer's
+        output: the last layer of a chunk that is not its prompt's last), counted in ``moe_skipped``."""
+        self.attn(layer, x, kv, start)
+        self._mid = None
+        self.moe_skipped += 1
+
+    def hold_mid(self) -> tuple[torch.Tensor, ...]:
+        """A copy of the first half just computed (``attn``), to be taken up later by ``resume``: a graphed chunk's
+        half lives in the static buffers, which the next chunk's first half overwrites."""
+        held = tuple(t.clone() for t in self._mid)
+        self._mid = None
+        return held
+
+    def resume(self, x: torch.Tensor, mid: tuple[torch.Tensor, ...]) -> None:
+        """Take up chunk x's first half held by ``hold_mid`` (its routing was counted when it was computed)."""
+        if self._graphed(x):
+            self._store_mid(mid)
+            self._mid = self.static_mid
+        else:
+            self._mid = mid
 
     def moe(self, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> None:
         """The MoE half over ``gate_up`` [G, 2I, H], ``down`` [G, H, I]; the layer's output goes into x."""
