@@ -50,17 +50,24 @@ def _windows(engine: Engine, n: int, chunk: int, window: int, mode: str = "layer
         calls.extend((layer, int(a), int(x.shape[0])) for x, a in zip(xs, starts))
         return real_group(layer, xs, kv, starts)
 
+    def cache_spy(layer, x, kv, start):  # a last layer's chunk whose output nothing reads: its cache entries alone
+        done = real_cache(layer, x, kv, start)
+        if done:
+            calls.append((layer, int(start), int(x.shape[0])))
+        return done
+
     real_group = getattr(model, "attn_block_group", None)
+    real_cache = model.cache_only
     engine.reset()
     engine.store.begin_request()
-    model.attn_block = spy
+    model.attn_block, model.cache_only = spy, cache_spy
     if real_group is not None:
         model.attn_block_group = group_spy
     try:
         logits, stats = prefill(model, engine.store, engine.kv, ids, 0, mode, chunk_tokens=chunk,
                                 window_tokens=window, demand_max_tokens=chunk)
     finally:
-        del model.attn_block  # the instance attributes: back to the class's methods
+        del model.attn_block, model.cache_only  # the instance attributes: back to the class's methods
         if real_group is not None:
             del model.attn_block_group
         engine.reset()

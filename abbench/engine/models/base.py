@@ -82,6 +82,12 @@ class MoEModel:
     def prepare_decode(self, cache: Any, token_id: int, pos: int) -> None:
         """Host-side work before the decode step of ``token_id`` at ``pos`` (outside any CUDA graph)."""
 
+    def cache_only(self, layer: int, x: torch.Tensor, cache: Any, start: int) -> bool:
+        """Write only what ``attn_block`` would write into the cache for x at [start, ...), by the same calls,
+        where that is less than the whole first half (a prefill chunk whose layer output nothing reads); True
+        when done, False (nothing done) where the model has no such shortcut for this layer."""
+        return False
+
     def prepare_layer_window(self, layer: int, cache: Any, spans: list[tuple[int, int]]) -> None:
         """Upload what ``layer``'s visit of the chunks ``spans`` needs from the host, ahead of its bank copy."""
 

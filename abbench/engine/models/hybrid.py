@@ -333,6 +333,16 @@ class HybridModel(MoEModel):
             self.trace(layer, "attention", a)
         return self._post_mixer(layer, x)
 
+    def cache_only(self, layer: int, x: torch.Tensor, cache: HybridCache, start: int) -> bool:
+        """What ``attn_block`` writes into the cache for x [T, H] at [start, start+T), and nothing else, where that
+        is less than the whole first half: a full-attention layer's K and V (the same calls as ``attn_block``'s).
+        False, with nothing done, for a DeltaNet layer (its states need the whole mixer)."""
+        cfg, lw = self.cfg, self.w.layers[layer]
+        if cfg.layer_types[layer] != "full_attention":
+            return False
+        self.attention_qkv(layer, zc_rms_norm(x, lw.input_norm, cfg.rms_norm_eps), cache, start)
+        return True
+
     def attn_block_group(self, layer: int, xs: list[torch.Tensor], cache: HybridCache,
                          starts: list[int]) -> list[tuple[torch.Tensor, ...]]:
         """``attn_block`` of a full-attention layer for adjacent chunks xs [T_c, H] at ``starts`` (each chunk

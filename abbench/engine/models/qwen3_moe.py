@@ -122,21 +122,29 @@ class Model(MoEModel):
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, self.w.embed)  # [T, H]
 
+    def write_kv(self, layer: int, x: torch.Tensor, kv: KVCache, start: int) -> None:
+        """The keys and values of x [T, H] (already normed) at positions [start, start+T) into the KV cache."""
+        cfg, lw = self.cfg, self.w.layers[layer]
+        T, hkv, d = x.shape[0], cfg.num_key_value_heads, cfg.head_dim
+        end = start + T
+        k = F.linear(x, lw.k_proj).view(T, hkv, d)  # [T, Hkv, D]
+        v = F.linear(x, lw.v_proj).view(T, hkv, d)  # [T, Hkv, D]
+        k = rms_norm(k, lw.k_norm, cfg.rms_norm_eps).transpose(0, 1)  # [Hkv, T, D]
+        cos, sin = self.cos[start:end], self.sin[start:end]  # [T, D]
+        k = k * cos + rotate_half(k) * sin  # [Hkv, T, D]
+        kv.k[layer][:, start:end] = k
+        kv.v[layer][:, start:end] = v.transpose(0, 1)
+
     def attention(self, layer: int, x: torch.Tensor, kv: KVCache, start: int) -> torch.Tensor:
         """Self-attention of x [T, H] (already normed) at positions [start, start+T); writes the KV cache."""
         cfg, lw = self.cfg, self.w.layers[layer]
         T, hq, hkv, d = x.shape[0], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         end = start + T
         q = F.linear(x, lw.q_proj).view(T, hq, d)  # [T, Hq, D]
-        k = F.linear(x, lw.k_proj).view(T, hkv, d)  # [T, Hkv, D]
-        v = F.linear(x, lw.v_proj).view(T, hkv, d)  # [T, Hkv, D]
         q = rms_norm(q, lw.q_norm, cfg.rms_norm_eps).transpose(0, 1)  # [Hq, T, D]
-        k = rms_norm(k, lw.k_norm, cfg.rms_norm_eps).transpose(0, 1)  # [Hkv, T, D]
         cos, sin = self.cos[start:end], self.sin[start:end]  # [T, D]
         q = q * cos + rotate_half(q) * sin  # [Hq, T, D]
-        k = k * cos + rotate_half(k) * sin  # [Hkv, T, D]
-        kv.k[layer][:, start:end] = k
-        kv.v[layer][:, start:end] = v.transpose(0, 1)
+        self.write_kv(layer, x, kv, start)
         keys = kv.k[layer][None, :, :end]  # [1, Hkv, end, D]
         values = kv.v[layer][None, :, :end]  # [1, Hkv, end, D]
         gqa = hq != hkv
@@ -257,6 +265,12 @@ class Model(MoEModel):
         top_w, top_ids = decode_route(self.decode_router_kernel, h, lw.router, cfg.num_experts_per_tok,
                                       cfg.norm_topk_prob, self.bias_of(layer), lookup)  # [1, k] x2
         return x, h, top_w, top_ids
+
+    def cache_only(self, layer: int, x: torch.Tensor, kv: KVCache, start: int) -> bool:
+        """What ``attn_block`` writes into the cache for x [T, H] at [start, start+T), and nothing else: the
+        layer's keys and values, by the same calls. True: done."""
+        self.write_kv(layer, rms_norm(x, self.w.layers[layer].input_norm, self.cfg.rms_norm_eps), kv, start)
+        return True
 
     def attn_block(self, layer: int, x: torch.Tensor, kv: KVCache, start: int):
         """First half of a layer: x [T, H] -> (x after attention residual [T, H], MoE input h [T, H],

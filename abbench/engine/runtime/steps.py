@@ -152,9 +152,13 @@ class LayerSteps:
         self._count(layer)
 
     def attn_only(self, layer: int, x: torch.Tensor, kv, start: int) -> None:
-        """The first half of ``layer`` for x without its MoE half (it writes the cache; nothing reads the layer's
-        output: the last layer of a chunk that is not its prompt's last), counted in ``moe_skipped``."""
-        self.attn(layer, x, kv, start)
+        """What ``layer`` writes into the cache for x, where nothing reads the layer's output (the last layer of a
+        chunk that is not its prompt's last): the model's ``cache_only`` (a full-attention layer's keys and
+        values, by the calls the first half makes: no queries, attention, output, shared expert or router), or
+        else the whole first half; never the MoE half. Counted in ``moe_skipped``; where the router does not run,
+        its routing is not counted in ``route_counts``."""
+        if not self.model.cache_only(layer, x, kv, start):
+            self.attn(layer, x, kv, start)
         self._mid = None
         self.moe_skipped += 1
 
