@@ -135,7 +135,7 @@ def _layer_step(steps: LayerSteps, layer: int, x: torch.Tensor, kv: KVCache, a: 
                 gate_up: torch.Tensor, down: torch.Tensor) -> None:
     """A chunk-major step of chunk x at [a, ...): the whole layer, or on the last layer of a chunk that is not
     its prompt's last (``final``), the first half alone (``skips_last_moe``)."""
-    if layer == steps.model.cfg.num_hidden_layers - 1 and not final and skips_last_moe(steps.model):
+    if _output_unread(steps, layer, final):
         steps.attn_only(layer, x, kv, a)
     else:
         steps.layer(layer, x, kv, a, gate_up, down)
@@ -228,6 +228,12 @@ def skips_last_moe(model: Model) -> bool:
     return not model.cfg.is_qwen4
 
 
+def _output_unread(steps: LayerSteps, layer: int, final: bool) -> bool:
+    """Whether nothing reads ``layer``'s output for a chunk (``final``: its prompt's last): the last layer of any
+    other chunk, where ``skips_last_moe``."""
+    return layer == steps.model.cfg.num_hidden_layers - 1 and not final and skips_last_moe(steps.model)
+
+
 def _last_layer(steps: LayerSteps, layer: int, weights: Iterator[tuple[torch.Tensor, torch.Tensor]],
                 acts: list[torch.Tensor], runs: list[tuple[int, int, list[tuple[int, int]]]], parts: list[Part],
                 cancel: CancelLike) -> None:
@@ -265,10 +271,9 @@ def _runs_by_part(window: list[tuple[int, int, int]]) -> list[tuple[int, int, li
 
 def _demand_chunk(steps: LayerSteps, store: ExpertStore, kv: KVCache, x: torch.Tensor, a: int,
                   cancel: CancelLike, final: bool) -> torch.Tensor:
-    n_layers = steps.model.cfg.num_hidden_layers
-    for layer in range(n_layers):
+    for layer in range(steps.model.cfg.num_hidden_layers):
         check_cancel(cancel)
-        if layer == n_layers - 1 and not final and skips_last_moe(steps.model):
+        if _output_unread(steps, layer, final):
             steps.attn_only(layer, x, kv, a)  # nothing loaded: nothing reads the output
             break
         top_ids = steps.attn(layer, x, kv, a)  # [T, k]
