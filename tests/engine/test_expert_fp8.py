@@ -151,24 +151,46 @@ def test_decode_misses_dequantize_into_the_slots_bitwise_as_resident_experts(fp8
         assert d.slot_misses > 0 and d.decode_h2d_bytes == d.slot_misses * fp8_slots.store.bank.expert_bytes, misses
 
 
+def _rounded_through_fp8(engine: Engine) -> Engine:
+    """``engine`` (resident, a compute-dtype bank) with every expert's values rounded through FP8 in place."""
+    bank = engine.store.bank
+    for layer in range(engine.model_config.num_hidden_layers):
+        for t in (bank.gate_up[layer], bank.down[layer]):
+            t.copy_(dequantize(*quantize_rows(t), t.dtype))
+    if engine.store.cuda:  # the resident copies were taken at start: overwrite them in place (the CUDA graphs
+        # captured at start read these very tensors; new tensors would leave the graphs on the unrounded weights)
+        for (g, d), gb, db in zip(engine.store.resident, bank.gate_up, bank.down):
+            g.copy_(gb)
+            d.copy_(db)
+    return engine
+
+
 def test_the_fp8_engine_computes_with_exactly_the_dequantized_weights(fp8) -> None:
     """The same model with a compute-dtype bank whose values were rounded through FP8 beforehand: bitwise the same
     outputs, so dequantizing on the device changes nothing but the bytes that cross."""
-    ref = _engine(prefill_mode="resident")
-    bank = ref.store.bank
-    for layer in range(MINI.num_hidden_layers):
-        for t in (bank.gate_up[layer], bank.down[layer]):
-            t.copy_(dequantize(*quantize_rows(t), t.dtype))
-    if ref.store.cuda:  # the resident copies were taken at start: overwrite them in place (the CUDA graphs
-        # captured at start read these very tensors; new tensors would leave the graphs on the unrounded weights)
-        for (g, d), gb, db in zip(ref.store.resident, bank.gate_up, bank.down):
-            g.copy_(gb)
-            d.copy_(db)
+    ref = _rounded_through_fp8(_engine(prefill_mode="resident"))
     ids = _prompt(90, seed=5)
     for mode in ("resident", "layer-major"):
         assert _run(ref, ids, mode, max_tokens=8)[:2] == _run(fp8, ids, mode, max_tokens=8)[:2], mode
     unrounded = _engine(prefill_mode="resident")
     assert _run(unrounded, ids, "resident", max_tokens=8)[1] != _run(fp8, ids, "resident", max_tokens=8)[1]
+
+
+def test_the_hybrids_fp8_engine_computes_with_exactly_the_dequantized_weights() -> None:
+    """The hybrid (DeltaNet and full-attention layers, a shared expert) likewise: its FP8 engine, streamed or
+    resident, is bitwise the bf16 engine over the FP8-rounded values. So where a full-scale run finds the FP8 arm's
+    top tokens far from bf16's (random weights give a nearly flat distribution), the rounding moved the model,
+    not the machinery."""
+    from tests.engine.test_engine_hybrid import MINI as HYBRID
+
+    knobs = dict(chunk_tokens=64, layer_major_window_tokens=128, demand_max_tokens=64, max_context=1024)
+    ref = _rounded_through_fp8(_engine(HYBRID, prefill_mode="resident", **knobs))
+    fp8 = _engine(HYBRID, prefill_mode="resident", expert_dtype="fp8", **knobs)
+    ids = _prompt(130, seed=6)  # three chunks, two layer-major windows
+    for mode in ("resident", "layer-major"):
+        assert _run(ref, ids, mode, max_tokens=4)[:2] == _run(fp8, ids, mode, max_tokens=4)[:2], mode
+    unrounded = _engine(HYBRID, prefill_mode="resident", **knobs)
+    assert _run(unrounded, ids, "resident", max_tokens=4)[1] != _run(fp8, ids, "resident", max_tokens=4)[1]
 
 
 def test_a_hybrid_model_streams_fp8_experts_with_the_modes_equal() -> None:
