@@ -63,6 +63,7 @@ import pandas as pd
 from abbench.analysis.declared import DeclaredCheck, bind, declared_exprs, describe_cell, fmt_value, judge, overall
 from abbench.analysis.frames import (
     Completeness,
+    arm_parity_references,
     arm_tolerances,
     completeness,
     expected_paths,
@@ -226,6 +227,9 @@ def check_reference(g: GateInput) -> CheckResult:
     refs = [(g.reference, "reference arm", "")]
     if g.parity_reference not in (None, g.reference):
         refs.append((g.parity_reference, "parity reference", " (parity reference)"))
+    for arm, own in arm_parity_references(g.record).items():
+        if own not in (r for r, _, _ in refs):
+            refs.append((own, f"arm {arm}'s parity reference", f" ({arm}'s parity reference)"))
     details, failures = [], []
     for ref, what, suffix in refs:
         n = sum(1 for s in g.ok_samples if s.arm == ref)
@@ -311,7 +315,7 @@ def check_parity(g: GateInput) -> CheckResult:
 
 
 def check_reference_stable(g: GateInput) -> CheckResult:
-    """The reference's first K ids are equal across rounds."""
+    """Each parity reference's first K ids (the run's, and any arm's own) are equal across rounds."""
     return _parity_rows(g, "stability", "reference-stable")
 
 

@@ -68,6 +68,12 @@ def parity_reference_arm(record: RunRecord) -> str | None:
     return str(ref) if ref else reference_arm(record)
 
 
+def arm_parity_references(record: RunRecord) -> dict[str, str]:
+    """The arms that name their own ``parity_reference`` (the arm their ids must equal): name -> that arm."""
+    return {str(a["name"]): str(a["parity_reference"]) for a in record.profile.get("arms") or []
+            if isinstance(a, dict) and a.get("parity_reference")}
+
+
 def arm_tolerances(record: RunRecord) -> dict[str, float]:
     """The arms that set their own ``accept_near_ties``: name -> nats."""
     return {str(a["name"]): float(a["accept_near_ties"]) for a in record.profile.get("arms") or []

@@ -49,6 +49,8 @@ import pandas as pd
 from abbench.analysis.frames import frame, measured_ok, num, parity_reference_arm, prompt_targets, sort_rows
 from abbench.analysis.parity import parity_frame
 from abbench.analysis.timing import BOOTSTRAP_RESAMPLES, BOOTSTRAP_SEED, CONFIDENCE
+from abbench.checkexpr import NUMERICS, parse_checks
+from abbench.errors import ConfigError
 from abbench.results import RunRecord, Sample
 
 NUMERICS_METRICS = ("kl_mean", "kl_p99", "same_top", "delta_p_rms")
@@ -62,9 +64,24 @@ POSITION_COLUMNS = ["arm", "prompt_id", "kind", "target_tokens", "round", "again
 
 
 def numerics_arms(record: RunRecord) -> list[str]:
-    """The arms whose profile entry declares ``parity = "numerics"``, in profile order."""
+    """The arms whose profile entry declares ``parity = "numerics"`` (judged by numerics checks instead of
+    bitwise ids), in profile order."""
     return [str(a["name"]) for a in record.profile.get("arms") or []
             if isinstance(a, dict) and a.get("name") and a.get("parity") == "numerics"]
+
+
+def compared_arms(record: RunRecord) -> list[str]:
+    """The arms whose numerics the report shows, in profile order: :func:`numerics_arms` and every arm a declared
+    numerics check names (an arm whose ids are judged against its own ``parity_reference`` can still be measured
+    against the run's parity reference)."""
+    try:
+        named = {c.arm for c in parse_checks(list((record.profile.get("gate") or {}).get("checks") or []))
+                 if c.metric in NUMERICS}
+    except ConfigError:
+        named = set()
+    judged = set(numerics_arms(record))
+    return [str(a["name"]) for a in record.profile.get("arms") or []
+            if isinstance(a, dict) and a.get("name") and (a["name"] in judged or a["name"] in named)]
 
 
 def _dist(top: Any) -> dict[int, float]:
@@ -109,15 +126,16 @@ def _positions(s: Sample, r: Sample, first: int | None) -> list[tuple[int, tuple
 
 
 def numerics_positions(record: RunRecord, arms: list[str] | None = None) -> pd.DataFrame:
-    """One row per compared position (module docstring) of each ``arms`` sample (default: the numerics arms)
-    against the parity reference; ``pair`` numbers the (sample, reference sample) pairs."""
-    arms = numerics_arms(record) if arms is None else arms
+    """One row per compared position (module docstring) of each ``arms`` sample (default:
+    :func:`compared_arms`) against the run's parity reference (not an arm's own ``parity_reference``: that one
+    judges its ids); ``pair`` numbers the (sample, reference sample) pairs."""
+    arms = compared_arms(record) if arms is None else arms
     ref = parity_reference_arm(record)
     by_step = {s.step: s for s in measured_ok(record)}
     ref_of = {(s.prompt_id, s.round): s for s in sorted(measured_ok(record), key=lambda s: s.step) if s.arm == ref}
     targets = prompt_targets(record)
     rows: list[dict[str, Any]] = []
-    p = parity_frame(record)
+    p = parity_frame(record, own_references=False)
     p = p[(p["check"] == "parity") & p["arm"].isin(arms) & p["match"].notna()]
     for pair, row in enumerate(p.itertuples()):
         s, r = by_step.get(int(row.step)), ref_of.get((row.prompt_id, int(row.against_round)))

@@ -43,6 +43,7 @@ from abbench.analysis.frames import (
     max_tokens,
     measured_ok,
     num,
+    arm_parity_references,
     arm_tolerances,
     parity_reference_arm,
     prompt_targets,
@@ -182,9 +183,11 @@ def parity_tokens_of(record: RunRecord, parity_tokens: int | None = None) -> int
 
 
 def parity_frame(record: RunRecord, *, parity_tokens: int | None = None,
-                 near_tie_nats: float = NEAR_TIE_NATS, tolerance: float | None = None) -> pd.DataFrame:
-    """Parity rows: ``check`` 'parity' (a sample vs the parity reference, :func:`parity_reference_arm`) and
-    'stability' (a reference sample of a later round vs its lowest round). ``match`` is None when the row
+                 near_tie_nats: float = NEAR_TIE_NATS, tolerance: float | None = None,
+                 own_references: bool = True) -> pd.DataFrame:
+    """Parity rows: ``check`` 'parity' (a sample vs its parity reference: its arm's own ``parity_reference``,
+    else the run's, :func:`parity_reference_arm`; with ``own_references`` False, the run's for every arm) and
+    'stability' (a sample of a reference arm of a later round vs its lowest round). ``match`` is None when the row
     could not be checked (``note`` says why); ``classification``: identical / near-tie / divergence / margin
     unknown / unchecked; ``verdict`` (module docstring) with the row's ``tolerance``: the arm's own
     ``accept_near_ties``, else ``tolerance`` (the gate's, default :func:`near_tie_tolerance`); ``accepts``:
@@ -196,16 +199,19 @@ def parity_frame(record: RunRecord, *, parity_tokens: int | None = None,
     gate_accepts = tolerance is not None or gate_spec(record).accept_near_ties is not None
     own_tol = arm_tolerances(record)
     ref = parity_reference_arm(record)
+    own_ref = arm_parity_references(record) if own_references else {}
+    refs = {ref, *own_ref.values()}
     n_max = max_tokens(record)
     targets = prompt_targets(record)
     samples = sorted(measured_ok(record), key=lambda s: s.step)
-    ref_by: dict[str, dict[int, Sample]] = {}
+    ref_by: dict[tuple[str | None, str], dict[int, Sample]] = {}
     for s in samples:
-        if s.arm == ref and s.ids_source != "none":
-            ref_by.setdefault(s.prompt_id, {})[s.round] = s  # the last usable one per round
+        if s.arm in refs and s.ids_source != "none":
+            ref_by.setdefault((s.arm, s.prompt_id), {})[s.round] = s  # the last usable one per round
     rows: list[dict[str, Any]] = []
 
-    def row(check: str, s: Sample, r: Sample | None, other_round: bool, note: list[str]) -> None:
+    def row(check: str, s: Sample, r: Sample | None, other_round: bool, note: list[str],
+            against: str | None) -> None:
         tol = own_tol.get(s.arm, gate_tol) if check == "parity" else gate_tol
         accepts = check == "parity" and (s.arm in own_tol or gate_accepts)
         base = {
@@ -219,7 +225,7 @@ def parity_frame(record: RunRecord, *, parity_tokens: int | None = None,
         if r is None or s.ids_source == "none":
             if s.ids_source == "none":
                 note.append("engine returned no token ids")
-            rows.append({**base, "against_arm": ref, "match": None, "classification": "unchecked",
+            rows.append({**base, "against_arm": against, "match": None, "classification": "unchecked",
                          "verdict": "unchecked", "tolerance": tol, "accepts": accepts, "other_round": other_round,
                          "note": "; ".join(note)})
             return
@@ -249,23 +255,24 @@ def parity_frame(record: RunRecord, *, parity_tokens: int | None = None,
     for s in samples:
         if s.arm == ref:
             continue
-        by_round = ref_by.get(s.prompt_id, {})
+        against = own_ref.get(s.arm, ref)
+        by_round = ref_by.get((against, s.prompt_id), {})
         if s.round in by_round:
-            row("parity", s, by_round[s.round], False, [])
+            row("parity", s, by_round[s.round], False, [], against)
         elif by_round:
             other = min(by_round, key=lambda rr: (abs(rr - s.round), rr))
             row("parity", s, by_round[other], True,
-                [f"reference round {s.round} missing or failed; compared with its round {other}"])
+                [f"reference round {s.round} missing or failed; compared with its round {other}"], against)
         else:
-            row("parity", s, None, False, [f"no usable {ref} sample of this prompt in any round"])
+            row("parity", s, None, False, [f"no usable {against} sample of this prompt in any round"], against)
     for by_round in ref_by.values():
         base_round = min(by_round)
         for rnd, s in sorted(by_round.items()):
             if rnd != base_round:
-                row("stability", s, by_round[base_round], False, [])
+                row("stability", s, by_round[base_round], False, [], s.arm)
     for s in samples:  # reference samples without ids: unchecked stability rows, so nothing hides
-        if s.arm == ref and s.ids_source == "none":
-            row("stability", s, None, False, [])
+        if s.arm in refs and s.ids_source == "none":
+            row("stability", s, None, False, [], s.arm)
     out = frame(rows, PARITY_COLUMNS, ints=["target_tokens", "against_round", "first_diverging", "agree",
                                              "n_ids_against", "id", "id_against", "lp_positions"],
                  bools=["match", "other_round", "accepts"])

@@ -19,7 +19,7 @@ from abbench.analysis.frames import (
     reference_arm,
     samples_frame,
 )
-from abbench.analysis.numerics import numerics_arms, numerics_positions, numerics_table
+from abbench.analysis.numerics import compared_arms, numerics_positions, numerics_table
 from abbench.analysis.parity import NEAR_TIE_NATS, parity_frame, parity_tokens_of
 from abbench.analysis.paths import active_path_samples, active_path_summary, attention_batching_table
 from abbench.analysis.sweep import SweepPair, analyze_sweep
@@ -64,7 +64,8 @@ class Analysis:
     load_parity: pd.DataFrame | None = None
     """Its parity under load per cell (:func:`abbench.analysis.load.parity_under_load`)."""
     numerics_positions: pd.DataFrame = field(default_factory=pd.DataFrame)
-    """Per compared position of each ``parity = "numerics"`` arm (:mod:`~abbench.analysis.numerics`)."""
+    """Per compared position of each ``parity = "numerics"`` arm and each arm a numerics check names
+    (:mod:`~abbench.analysis.numerics`)."""
     numerics: pd.DataFrame = field(default_factory=pd.DataFrame)
     """Per numerics arm: KL, same-top rate and delta-p over its compared positions."""
 
@@ -80,7 +81,7 @@ def analyze(record: RunRecord, *, parity_tokens: int | None = None, near_tie_nat
     path_samples = active_path_samples(record)
     path_summary = active_path_summary(record, path_samples)
     comp = completeness(record)
-    positions = numerics_positions(record) if numerics_arms(record) else pd.DataFrame()
+    positions = numerics_positions(record) if compared_arms(record) else pd.DataFrame()
     return Analysis(
         reference=reference_arm(record), parity_reference=parity_reference_arm(record), arms=arm_names(record),
         parity_tokens=k,

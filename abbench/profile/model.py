@@ -167,8 +167,20 @@ class Profile(_Model):
 
     def _check_numerics(self) -> None:
         """An arm with ``parity = "numerics"`` is judged by numerics checks instead of bitwise ids: it needs one,
-        and it cannot be the yardstick of ids itself."""
+        and it cannot be the yardstick of ids itself. An arm's own ``parity_reference`` is another arm, and its
+        ids are judged against it: not an arm judged by numerics instead."""
         checked = {c.arm for c in parse_checks(self.gate.checks) if c.metric in NUMERICS}
+        names = [a.name for a in self.arms]
+        for arm in self.arms:
+            if arm.parity_reference is not None:
+                if arm.parity_reference not in names:
+                    raise ValueError(f"arm {arm.name!r}: parity_reference {arm.parity_reference!r} is not an arm; "
+                                     f"arms are {', '.join(names)}")
+                if arm.parity_reference == arm.name:
+                    raise ValueError(f"arm {arm.name!r}: parity_reference names the arm itself")
+                if arm.parity == "numerics":
+                    raise ValueError(f"arm {arm.name!r} has parity = \"numerics\" (its ids are not judged) and a "
+                                     f"parity_reference (its ids must equal {arm.parity_reference!r}'s): choose one")
         for arm in self.arms:
             if arm.parity != "numerics":
                 continue

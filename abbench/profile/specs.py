@@ -193,6 +193,14 @@ class ArmSpec(_AdapterPaths):
         "checks judge it (kl_mean, kl_p99, same_top, delta_p_rms; at least one is required). Ask for top-k "
         "logprobs (request.logprobs, up to 20): the KL is computed from them.",
     )
+    parity_reference: str | None = Field(
+        None,
+        description="The arm whose ids this arm's must equal, instead of the run's parity reference "
+        "(gate.parity_reference, else run.reference): an arm that changes arithmetic on purpose can be the "
+        "yardstick of its own kind. E.g. an FP8 layer-major arm against a resident FP8 arm (bitwise: the "
+        "streaming changes nothing), while its declared numerics checks still compare it with the run's "
+        "parity reference (how far FP8 moves the model). That arm is checked for stability across rounds too.",
+    )
     accept_near_ties: float | None = Field(
         None, gt=0,
         description="This arm's own parity tolerance (nats), replacing gate.accept_near_ties for its rows: a "

@@ -147,6 +147,66 @@ def test_a_numerics_arm_needs_a_check_and_cannot_be_the_reference() -> None:
                            "arms": [{"name": "a", "parity": "bitwise"}]})
 
 
+def own_reference_run(*, f_breaks_at: int | None = None):
+    """Arms A (the run's reference, bf16), Q (parity = "numerics": a resident FP8 arm) and F (an FP8 streaming arm
+    whose parity_reference is Q). Q and F move 0.05 of probability and diverge from A at position 3; F's ids are
+    Q's, except one id at ``f_breaks_at``."""
+    rec = make_run(arms=("A", "Q", "F"), rounds=2, gate={"checks": ["kl_mean[Q] <= 0.01", "kl_mean[F] <= 0.01"]})
+    for a in rec.profile["arms"]:
+        if a["name"] == "Q":
+            a["parity"] = "numerics"
+        if a["name"] == "F":
+            a["parity_reference"] = "Q"
+    for s in rec.samples:
+        if s.kind in ("warmup", "jit"):
+            continue
+        shift = 0.0 if s.arm == "A" else 0.05
+        s.logprobs = [lp([(t, 0.5 - shift), (t + 1, 0.3 + shift), (t + 2, 0.1)]) for t in s.output_ids]
+        if s.arm != "A":
+            s.output_ids = [*s.output_ids[:3], s.output_ids[3] + 1, *s.output_ids[4:]]
+        if s.arm == "F" and f_breaks_at is not None:
+            s.output_ids[f_breaks_at] += 7
+    return rec
+
+
+def test_an_arm_judged_against_its_own_parity_reference() -> None:
+    """An FP8 streaming arm's ids against a resident FP8 arm (bitwise), its numerics against the run's bf16
+    reference: the pairing of each is the one it names."""
+    rec = own_reference_run()
+    verdict = an.gate(rec)
+    assert verdict.passed, verdict.failures
+    p = an.parity_frame(rec)
+    f_rows = p[(p["check"] == "parity") & (p["arm"] == "F")]
+    assert set(f_rows["against_arm"]) == {"Q"} and f_rows["match"].all() and (f_rows["classification"] ==
+                                                                                "identical").all()
+    assert set(p[(p["check"] == "parity") & (p["arm"] == "Q")]["against_arm"]) == {"A"}
+    assert set(p[p["check"] == "stability"]["arm"]) == {"A", "Q"}  # both yardsticks across rounds
+    pos = numerics_positions(rec)  # F against A, not against Q (where every KL would be 0)
+    assert set(pos["arm"]) == {"Q", "F"} and (pos[pos["arm"] == "F"]["kl"] > 0).all()
+    assert set(pos.groupby("pair")["position"].max()) == {3}
+    assert list(numerics_table(rec)["arm"]) == ["Q", "F"]
+    # one id of F off Q's: parity fails, naming Q
+    broken = an.gate(own_reference_run(f_breaks_at=2))
+    parity = {c.name: c for c in broken.checks}["parity"]
+    assert not parity.passed and any(f.startswith("parity: ") and "from Q round" in f for f in broken.failures), \
+        broken.failures
+    # and F without its own reference is judged against A's ids, which it does not have
+    rec = own_reference_run()
+    for a in rec.profile["arms"]:
+        a.pop("parity_reference", None)
+    assert not {c.name: c for c in an.gate(rec).checks}["parity"].passed
+
+
+def test_an_own_parity_reference_is_another_arm_and_not_a_numerics_arms() -> None:
+    """cpu-tiny-numerics has float32 (the reference) and bfloat16 (parity = "numerics")."""
+    for arm, ref, match in (("bfloat16", "nope", "is not an arm"), ("float32", "float32", "names the arm itself"),
+                            ("bfloat16", "float32", "choose one")):
+        d = load_profile("cpu-tiny-numerics").model_dump()
+        next(a for a in d["arms"] if a["name"] == arm)["parity_reference"] = ref
+        with pytest.raises(ConfigError, match=match):
+            profile_from_dict(d)
+
+
 # ------------------------------------------------------------------------------------------ committed run
 
 

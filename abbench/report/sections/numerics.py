@@ -10,6 +10,8 @@ from typing import Any
 
 import pandas as pd
 
+from abbench import analysis as an
+from abbench.analysis.numerics import compared_arms
 from abbench.report.format import DASH, Col, fmt_int, fmt_num, fmt_pct, is_na, table
 from abbench.report.sections.base import ReportInput, plot_link
 from abbench.results import RunRecord
@@ -52,7 +54,7 @@ def numerics_section(ri: ReportInput) -> list[str]:
         "KL(reference || arm) is taken over the ids both lists hold plus one bucket for the rest of the vocabulary, "
         "a lower bound of the full-vocabulary KL (more logprobs tighten it); same top: both sides' most likely token "
         "agrees; Δp: p_arm − p_reference of the reference's most likely token. Intervals: 95%, resampling whole "
-        "pairs.", "",
+        "pairs." + _own_references(ri), "",
         table(rows, [Col("arm", "Arm", right=False), Col("pairs", "Pairs", fmt_int),
                      Col("positions", "Positions", fmt_int), Col("diverged", "Pairs that diverged", fmt_int),
                      Col("kl_mean", "Mean KL (nats)", _nats), Col("kl_ci", "95% CI"),
@@ -66,3 +68,14 @@ def numerics_section(ri: ReportInput) -> list[str]:
                       "pairing, the statistics), not a trained model's quality."]
     lines += plot_link(ri.plots, "numerics", "Per-position KL divergence from the parity reference")
     return lines
+
+
+def _own_references(ri: ReportInput) -> str:
+    """A sentence for the arms whose ids are judged against their own parity reference (empty when none)."""
+    own = {arm: ref for arm, ref in an.arm_parity_references(ri.record).items()
+           if arm in compared_arms(ri.record)}
+    if not own:
+        return ""
+    return (" Shown too: " + "; ".join(f"{arm}, whose ids are judged against {ref} (its own parity_reference)"
+                                       for arm, ref in own.items())
+            + ", measured here against the run's parity reference and judged by its declared numerics checks.")

@@ -94,8 +94,14 @@ def parity_section(ri: ReportInput) -> list[str]:
         accepts = "The gate accepts no mismatch (gate.accept_near_ties is not set)."
     against = (f"the parity reference ({a.parity_reference}, gate.parity_reference)"
                if a.parity_reference != a.reference else f"the reference ({a.reference})")
+    own_refs = an.arm_parity_references(ri.record)
+    stability = "the reference with its own lowest round"
+    if own_refs:
+        against = against[:-1] + "; " + "; ".join(f"arm {arm}'s against {ref}, its own parity_reference"
+                                                  for arm, ref in own_refs.items()) + ")"
+        stability = "each arm that is a parity reference with its own lowest round"
     lines += [(f"Each measured sample's first {k} greedy ids against {against} in the same "
-              "round; 'stability' rows compare the reference with its own lowest round. Margin = top-2 "
+              f"round; 'stability' rows compare {stability}. Margin = top-2 "
               f"logprob gap (nats) at the first divergence; below {an.NEAR_TIE_NATS} in either arm: near-tie. "
               f"Verdict over the first {k} ids: equal; near-tie flip (on each side its own choice is its best "
               "and the other's choice is among its top logprobs, less than the row's tolerance below: with "
