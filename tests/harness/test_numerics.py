@@ -241,3 +241,18 @@ def test_the_committed_fp8_run_is_judged_by_numerics_and_bytes_and_names_each_ba
     assert set(t[t["arm"] == "bf16"]["expert_format"]) == {"bfloat16"}
     ratio = (t[t["arm"] == "fp8"]["bank_bytes"].iloc[0] / t[t["arm"] == "bf16"]["bank_bytes"].iloc[0])
     assert ratio == pytest.approx((3 * h * i + 4 * (2 * i + h)) / (6 * h * i), rel=1e-12)
+
+
+OWN_REF_RUN = REPO / "results" / "20261205r-cpu-tiny-fp8"
+
+
+@pytest.mark.skipif(not OWN_REF_RUN.is_dir(), reason="the committed cpu-tiny-fp8 run with fp8-resident")
+def test_the_committed_fp8_run_holds_streamed_fp8_to_resident_fp8s_ids() -> None:
+    record, _ = load_run(OWN_REF_RUN)
+    verdict = an.gate(record)
+    assert verdict.passed, verdict.failures
+    p = an.parity_frame(record)
+    fp8 = p[(p["check"] == "parity") & (p["arm"] == "fp8")]
+    assert len(fp8) == 8 and set(fp8["against_arm"]) == {"fp8-resident"} and fp8["match"].all()
+    t = numerics_table(record).set_index("arm")
+    assert list(t.index) == ["fp8-resident", "fp8"] and t.loc["fp8", "kl_mean"] == t.loc["fp8-resident", "kl_mean"]
