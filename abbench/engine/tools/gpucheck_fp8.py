@@ -33,12 +33,18 @@ then says where the compute stream sat idle: with the host late to launch, or qu
 device; ``--trace-dir`` keeps the Chrome traces. The profiled prefill is host-bound (the GPU then has gaps), so
 each engine also times ``--timed`` unprofiled prefills (``timed ms``): on the H200 the FP8 bank was at resident's
 profiled and over it unprofiled (results/20261205j). ``--engines fp8,fp8:copy-dequant,resident`` compares where
-the FP8 bank's layers are dequantized, in one process.
+the FP8 bank's layers are dequantized, in one process (results/20261205n: the same there; the service chose the
+compute stream, 20261205p). ``--engines model-dtype,resident,resident:beside-copies`` puts resident's compute
+beside a bank's worth of host-to-device copies: what is left of a streaming prefill's excess once its copies
+are hidden (the report's "rest", 2-3% at 32K on both models) is either the DMA's effect on the kernels beside it
+(then resident slows beside the copies too) or the streaming engine's own. ``--model qwen3.5-35b-a3b`` runs the
+hybrid.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gzip
 import json
 import statistics
@@ -226,14 +232,47 @@ def stream_gaps(events: list[dict], top: int = 8) -> dict:
     return out
 
 
-def profile_prefill(engine, prompt: list[int], top: int = 8, trace: Path | None = None, timed: int = 3) -> dict:
+class BesideCopies:
+    """A bank's worth of host-to-device copies on a stream of their own, issued just before a prefill: what a
+    streaming engine's link does, beside an engine that streams nothing (resident). One layer's bank (pinned)
+    is copied into one device buffer ``layers`` times, back to back, from the start of the prefill, so the
+    prefill's kernels run beside DMA into device memory for as long as a whole bank takes. On CPU the copies are
+    host to host, in line (the plumbing only)."""
+
+    def __init__(self, engine):
+        cfg = engine.model_config
+        self.cuda = engine.device.type == "cuda"
+        self.layers = cfg.num_hidden_layers
+        elems = cfg.num_experts * 3 * cfg.hidden_size * cfg.moe_intermediate_size  # one layer: gate, up, down
+        self.host = torch.empty(elems, dtype=engine.dtype, pin_memory=self.cuda)
+        self.dev = torch.empty(elems, dtype=engine.dtype, device=engine.device)
+        self.stream = torch.cuda.Stream(engine.device) if self.cuda else None
+        self.bytes = 0
+
+    def issue(self) -> None:
+        if self.cuda:
+            self.stream.wait_stream(torch.cuda.current_stream(self.dev.device))
+        with torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext():
+            for _ in range(self.layers):
+                self.dev.copy_(self.host, non_blocking=self.cuda)
+        self.bytes += self.layers * self.host.numel() * self.host.element_size()
+
+    def wait(self) -> None:
+        if self.cuda:
+            torch.cuda.current_stream(self.dev.device).wait_stream(self.stream)
+
+
+def profile_prefill(engine, prompt: list[int], top: int = 8, trace: Path | None = None, timed: int = 3,
+                    beside: BesideCopies | None = None) -> dict:
     """One prefill of ``prompt`` (after an unprofiled one, whose prefill time is ``first_prefill_s``: the
     engine's first sighting of the length, lazy set-up included; and ``timed`` more, unprofiled, whose median is
     ``timed_prefill_s``: the profiler slows the host until the GPU has gaps, which can hide what only a saturated
     GPU shows) on ``engine``: its wall time, and on CUDA, from
     the profiler's device activity, the seconds of compute kernels (union over streams), copies (union), FP8
     dequantization kernels (sum), the compute stream's wait for copies (``copy_wait_s``) and the ``top`` kernels
-    by total time. The keys are there on CPU too, None where the profiler has no device."""
+    by total time. The keys are there on CPU too, None where the profiler has no device. ``beside``: each timed
+    and the profiled prefill start with a bank's worth of copies on another stream (``BesideCopies``), whose
+    bytes are ``beside_bytes``."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -242,19 +281,27 @@ def profile_prefill(engine, prompt: list[int], top: int = 8, trace: Path | None 
     _, first = engine.run(prompt, 1, ignore_eos=True)  # unprofiled: lazy set-up, graphs captured
     engine.reset()
     times = []
-    for _ in range(timed):
+    def run():
+        if beside is not None:
+            beside.issue()
         _, st = engine.run(prompt, 1, ignore_eos=True)
+        if beside is not None:
+            beside.wait()
+        return st
+
+    for _ in range(timed):
+        st = run()
         engine.reset()
         times.append(st.prefill_end - st.prefill_start)
     out: dict = {"compute_busy_s": None, "copy_busy_s": None, "dequant_s": None, "top_kernels": None,
                  "compute_stream": None, "first_prefill_s": first.prefill_end - first.prefill_start,
                  "timed_prefill_s": statistics.median(times) if times else None}
     if not cuda:
-        _, stats = engine.run(prompt, 1, ignore_eos=True)
+        stats = run()
     else:
         torch.cuda.synchronize(engine.device)
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            _, stats = engine.run(prompt, 1, ignore_eos=True)
+            stats = run()
             torch.cuda.synchronize(engine.device)
         spans: dict[str, list[tuple[float, float]]] = {"copy": [], "dequant": [], "compute": [], "set": []}
         by_name: dict[str, float] = {}
@@ -276,6 +323,8 @@ def profile_prefill(engine, prompt: list[int], top: int = 8, trace: Path | None 
         out.update(compute_busy_s=union_seconds(spans["compute"]), copy_busy_s=union_seconds(spans["copy"]),
                    dequant_s=sum(b - a for a, b in spans["dequant"]) / 1e6,
                    top_kernels=sorted(by_name.items(), key=lambda kv: -kv[1])[:top])
+    if beside is not None:
+        out["beside_bytes"] = beside.bytes // (timed + 1)
     out.update(prefill_s=stats.prefill_end - stats.prefill_start, copy_wait_s=stats.copy_wait_s,
                prefill_h2d_bytes=stats.prefill_h2d_bytes, path=stats.prefill_path, windows=stats.n_windows)
     return out
@@ -283,7 +332,8 @@ def profile_prefill(engine, prompt: list[int], top: int = 8, trace: Path | None 
 
 ENGINES = ("resident", "model-dtype", "fp8")  # prefill_profiles' engines, by their short names
 VARIANTS = {"eager": (", no prefill graphs", {"prefill_graphs": False}),  # NAME:VARIANT in --engines
-            "copy-dequant": (", dequantized on the copy stream", {"fp8_dequant": "copy"})}
+            "copy-dequant": (", dequantized on the copy stream", {"fp8_dequant": "copy"}),
+            "beside-copies": (", beside a bank's copies", {})}  # BesideCopies: the run, not the engine
 
 
 def prefill_profiles(model: str, layers: int | None, tokens: int, chunk: int, device: torch.device,
@@ -297,7 +347,10 @@ def prefill_profiles(model: str, layers: int | None, tokens: int, chunk: int, de
     which of them (``ENGINES``' short names), in that order: one process's later engines run after the earlier
     ones' set-up and profiles, so the order is a variable of its own. A name may add variants (``VARIANTS``):
     ``:eager`` runs that engine without prefill graphs (``--no-prefill-graphs``), ``:copy-dequant`` dequantizes
-    an FP8 bank's layers on the copy stream (``--fp8-dequant copy``), to measure either in the same process.
+    an FP8 bank's layers on the copy stream (``--fp8-dequant copy``), to measure either in the same process;
+    ``:beside-copies`` runs each prefill beside a bank's worth of host-to-device copies on another stream
+    (``BesideCopies``: ``resident:beside-copies`` is resident's compute beside the link's traffic of a streaming
+    engine, which says whether DMA into device memory slows the kernels: the "rest" of the report's breakdown).
     ``timed``: unprofiled prefills per engine (``profile_prefill``)."""
     import dataclasses
 
@@ -323,11 +376,12 @@ def prefill_profiles(model: str, layers: int | None, tokens: int, chunk: int, de
         for v in variants:
             name, extra = name + VARIANTS[v][0], {**extra, **VARIANTS[v][1]}
         engine = Engine(EngineConfig(**{**base, **extra}))
+        beside = BesideCopies(engine) if "beside-copies" in variants else None
         with torch.no_grad():
             trace = None if trace_dir is None else trace_dir / f"{short.replace(':', '-')}.json.gz"
             rows.append({"engine": name, "prefill_graphs": engine.prefill_graphs_mode,
-                         **profile_prefill(engine, prompt, trace=trace, timed=timed)})
-        del engine
+                         **profile_prefill(engine, prompt, trace=trace, timed=timed, beside=beside)})
+        del engine, beside
         release(device.type == "cuda")
     return rows
 
@@ -373,7 +427,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="--prefill-tokens: the streaming engines' --gpu-memory-budget (GiB), as a service's")
     p.add_argument("--engines", default=",".join(ENGINES),
                    help=f"--prefill-tokens: which engines, in this order (of {', '.join(ENGINES)}; NAME:eager "
-                        "without prefill graphs, NAME:copy-dequant with FP8 layers dequantized on the copy stream)")
+                        "without prefill graphs, NAME:copy-dequant with FP8 layers dequantized on the copy stream, "
+                        "NAME:beside-copies with a bank's worth of host-to-device copies beside each prefill)")
     p.add_argument("--timed", type=int, default=3,
                    help="--prefill-tokens: unprofiled prefills per engine, timed (their median: 'timed ms')")
     p.add_argument("--trace-dir", type=Path, default=None,
@@ -388,9 +443,8 @@ def main(argv: list[str] | None = None) -> int:
     dtype = torch.bfloat16 if cuda else torch.float32
     engines = tuple(args.engines.split(","))
     if not engines or not all(e.split(":")[0] in ENGINES and set(e.split(":")[1:]) <= set(VARIANTS) for e in engines):
-        p.error(f"--engines: a comma-separated list of {', '.join(ENGINES)} (each maybe NAME:eager, "
-                f"NAME:copy-dequant or both), "
-                f"got {args.engines!r}")
+        p.error(f"--engines: a comma-separated list of {', '.join(ENGINES)}, each maybe with variants "
+                f"(NAME:{', NAME:'.join(VARIANTS)}), got {args.engines!r}")
     if args.prefill_tokens:
         layers = args.layers if args.layers is not None else (8 if cuda else None)
         rows = prefill_profiles(model, layers, args.prefill_tokens, tokens, device, dtype, args.budget,
