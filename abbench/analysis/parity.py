@@ -4,10 +4,11 @@ Parity
 ------
 Each measured ok sample of another arm is compared with the parity reference's sample of the same prompt
 (``gate.parity_reference``, else ``run.reference``: one arm can be the yardstick of speed and another that
-of ids) in the same round (the nearest other round when that one is missing, failed or carries no ids; the
-row says so). The first K ids (``gate.parity_tokens``) must be equal. Rows also give the first diverging
-position over the whole output, the agreeing prefix out of ``request.max_tokens``, and at the divergence
-the top-2 logprob margin of both sides: "near-tie" when either margin is below :data:`NEAR_TIE_NATS`,
+of ids; an arm that names its own ``parity_reference`` is compared with that arm instead, which is then checked
+for stability as the run's reference is) in the same round (the nearest other round when that one is missing,
+failed or carries no ids; the row says so). The first K ids (``gate.parity_tokens``) must be equal. Rows also
+give the first diverging position over the whole output, the agreeing prefix out of ``request.max_tokens``, and
+at the divergence the top-2 logprob margin of both sides: "near-tie" when either margin is below :data:`NEAR_TIE_NATS`,
 "divergence" when both are clear, "margin unknown" without logprobs. The reference arm is checked against
 itself across rounds (its lowest round is the baseline): a reference that is not deterministic makes
 parity meaningless. ``ids_source`` 'retokenized' is flagged; 'none' cannot be checked.
