@@ -471,3 +471,26 @@ def test_the_slot_cache_hands_over_between_host_and_device_and_a_flush_empties_b
     assert cache.layer_slots(1) == {} and cache.host_ahead
     cache.sync_device()  # the next device-side step starts from the empty cache
     assert not cache.host_ahead and (table.slot_of == -1).all() and (table.expert_of == -1).all()
+
+
+@pytest.mark.skipif(not _triton_runs_here(), reason="Triton runs on CUDA, or on CPU under TRITON_INTERPRET=1")
+@pytest.mark.parametrize("config", dk.GROUPED_FP8_CONFIGS)
+@pytest.mark.parametrize("counts", [[5, 0, 70, 1, 0, 130], [0, 0, 0, 3], [64, 64]])
+def test_the_fp8_grouped_gemm_multiplies_by_the_dequantized_weights(counts, config):
+    """``grouped_mm_fp8`` over an FP8 layer equals the grouped GEMM over the layer ``dequantize_fp8`` writes:
+    groups empty, shorter than a tile and over several, columns and a reduction not a multiple of the tile."""
+    from abbench.engine.models.bank import dequantize, quantize_rows
+
+    dtype = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32
+    gen = torch.Generator().manual_seed(len(counts))
+    g, n, k = len(counts), 200, 96
+    w = (torch.randn(g, n, k, generator=gen) * k ** -0.5).to(DEVICE, dtype)
+    q, scale = quantize_rows(w)
+    x = torch.randn(sum(counts), k, generator=gen).to(DEVICE, dtype)
+    offs = torch.tensor(counts, device=DEVICE).cumsum(0).to(torch.int32)
+    got = dk.grouped_mm_fp8(x, q, scale, offs, config)
+    want = looped_mm(x, dequantize(q, scale, dtype), offs)
+    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+    assert got.shape == want.shape and torch.allclose(got.float(), want.float(), **tol)
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        dk.grouped_mm_fp8(x, w, scale, offs)

@@ -543,6 +543,78 @@ def check_slot_table(k: int, s: int) -> int:
 DEQUANT_PROGRAMS: int | None = None  # dequantize_fp8's default grid: None, a program per 8 rows (see there)
 
 
+if triton is not None:
+    @triton.jit
+    def _grouped_mm_fp8(x_ptr, q_ptr, s_ptr, offs_ptr, tiles_ptr, y_ptr, N, K, G: tl.constexpr,
+                        G_POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        # program (m, n): the m-th row tile over all groups (group g owns tiles [tiles[g-1], tiles[g])), the n-th
+        # column tile; programs past the last tile return
+        pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+        gi = tl.arange(0, G_POW2)
+        tile_end = tl.load(tiles_ptr + gi, mask=gi < G, other=2147483647)  # [G_POW2] cumulative tiles
+        g = tl.sum((tile_end <= pid_m).to(tl.int32), axis=0)  # the group whose tiles hold pid_m
+        if g < G:
+            first_tile = tl.load(tiles_ptr + g - 1, mask=g > 0, other=0)
+            row0 = tl.load(offs_ptr + g - 1, mask=g > 0, other=0)
+            row_end = tl.load(offs_ptr + g)
+            rows = row0 + (pid_m - first_tile) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
+            cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] output channels: rows of the expert's weight
+            live_r, live_c = rows < row_end, cols < N
+            w_base = q_ptr + g.to(tl.int64) * N * K
+            scale = tl.load(s_ptr + g.to(tl.int64) * N + cols, mask=live_c, other=0.0)  # [BN] float32
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                ks = k0 + tl.arange(0, BLOCK_K)
+                live_k = ks < K
+                a = tl.load(x_ptr + rows.to(tl.int64)[:, None] * K + ks[None, :],
+                            mask=live_r[:, None] & live_k[None, :], other=0.0)  # [BM, BK]
+                w = tl.load(w_base + cols.to(tl.int64)[None, :] * K + ks[:, None],
+                            mask=live_c[None, :] & live_k[:, None], other=0.0)  # [BK, BN] float8
+                # the weight as dequantize_fp8 writes it: float32 times its row's scale, rounded once
+                w = (w.to(tl.float32) * scale[None, :]).to(x_ptr.dtype.element_ty)
+                acc = tl.dot(a, w, acc)
+            tl.store(y_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :], acc.to(y_ptr.dtype.element_ty),
+                     mask=live_r[:, None] & live_c[None, :])
+
+
+GROUPED_FP8_CONFIG = (64, 128, 64, 4, 3)
+"""``grouped_mm_fp8``'s default launch: tile rows, output channels, reduction; warps; pipeline stages."""
+GROUPED_FP8_CONFIGS = ((64, 128, 64, 4, 3), (128, 128, 64, 8, 3), (64, 128, 128, 4, 3), (128, 256, 64, 8, 3),
+                       (64, 64, 64, 4, 4), (128, 128, 128, 8, 3))
+"""The launches ``tools.gpucheck_fp8`` times (untuned: none has run on a GPU yet)."""
+
+
+def grouped_mm_fp8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, offs: torch.Tensor,
+                   config: tuple[int, int, int, int, int] = GROUPED_FP8_CONFIG) -> torch.Tensor:
+    """``moe.grouped_mm`` over FP8 weights, dequantized in the GEMM's inner loop: x [M, K] (rows grouped by
+    expert, ``offs`` [G] int32 the end row of each group), q [G, N, K] float8 e4m3 with row scales ``scale``
+    [G, N] float32 (an FP8 bank's layout). Each weight tile is computed as ``dequantize_fp8`` writes it (float32
+    times its scale, rounded once to x's dtype) and multiplied in x's dtype with float32 accumulation, so the
+    weights are those of the dequantized layer; the sums' order is this kernel's own (not cuBLAS's bits). What it
+    saves is the dequantization's pass over the layer (the FP8 values read and the bf16 weights written and read
+    again). No host synchronisation: the row tiles of each group come from ``offs`` on the device. Returns
+    [M, N] in x's dtype. Not used by the engine yet: ``tools.gpucheck_fp8`` times it against dequantization plus
+    the grouped GEMM."""
+    if triton is None:
+        raise RuntimeError("grouped_mm_fp8 needs Triton")
+    (m, k), (g, n, k2) = x.shape, q.shape
+    if k2 != k or scale.shape != (g, n) or offs.shape != (g,) or q.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"grouped_mm_fp8: x [M, K], q [G, N, K] float8_e4m3fn, scale [G, N], offs [G]; got "
+                         f"{list(x.shape)}, {list(q.shape)} {q.dtype}, {list(scale.shape)}, {list(offs.shape)}")
+    if not (x.is_contiguous() and q.is_contiguous() and scale.is_contiguous()):
+        raise ValueError("grouped_mm_fp8: x, q and scale contiguous")
+    bm, bn, bk, warps, stages = config
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0 or g == 0:
+        return y
+    counts = torch.diff(offs.to(torch.int64), prepend=offs.new_zeros(1, dtype=torch.int64))  # [G]
+    tiles = torch.cumsum((counts + bm - 1) // bm, 0).to(torch.int32)  # [G] cumulative row tiles
+    grid = (triton.cdiv(m, bm) + g, triton.cdiv(n, bn))  # at most one partial tile a group: enough programs
+    _grouped_mm_fp8[grid](x, q, scale, offs, tiles, y, n, k, G=g, G_POW2=next_pow2(g), BLOCK_M=bm, BLOCK_N=bn,
+                          BLOCK_K=bk, num_warps=warps, num_stages=stages)
+    return y
+
+
 def dequantize_fp8(out: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
                    block: tuple[int, int] | None = None, programs: int | None = None) -> torch.Tensor:
     """``bank.dequantize_into(out, q, scale, block)`` as one kernel: float8 e4m3 q [N, R, C] times its float32

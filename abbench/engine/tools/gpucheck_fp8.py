@@ -11,11 +11,17 @@ For one layer of the preset's routed experts (random bf16 weights, quantized per
   ``bank.dequantize_into``;
 - the layer's grouped GEMM over ``--tokens`` routed tokens alone (``moe.moe_experts``, what a prefill chunk
   runs), and then the same GEMM with each dequantization launched beside it on a second stream: how much the GEMM
-  slows down (the SMs the dequantization takes) and when the dequantization ends.
+  slows down (the SMs the dequantization takes) and when the dequantization ends;
+- ``kernels.grouped_mm_fp8``, a grouped GEMM that reads the FP8 values and row scales in its inner loop, over
+  the same chunk (and whether it agrees with the GEMM over the dequantized layer): its time over the grouped
+  GEMM's against one dequantization pass. Layer-major dequantizes a layer once and runs the GEMM once per chunk,
+  so the kernel wins where a layer's chunks are fewer than ``break_even_chunks`` (8 at 16K, 16 at 32K in
+  2,048-token chunks). The pass, in series on a saturated GPU, is what keeps an FP8 bank's 16K prefill over
+  its floor (docs/fp8.md). Under ``TRITON_INTERPRET=1`` on CPU too (times meaningless).
 
-Prints a table; writes JSON with ``--out``; exits 1 when a dequantization disagrees. ``programs`` 0 is the
-full grid (``DEQUANT_PROGRAMS`` None). On CPU it runs the torch composition at the tiny preset, for the tests:
-its times mean nothing.
+Prints a table; writes JSON with ``--out``; exits 1 when a dequantization or ``grouped_mm_fp8`` disagrees.
+``programs`` 0 is the full grid (``DEQUANT_PROGRAMS`` None). On CPU it runs the torch composition at the tiny
+preset, for the tests: its times mean nothing.
 
 ``--prefill-tokens N`` instead profiles one whole prefill of N tokens, the model's first ``--layers`` layers
 (8 on CUDA), on three engines: every expert resident (the floor), layer-major streaming a bank in the compute
@@ -47,11 +53,13 @@ import argparse
 import contextlib
 import gzip
 import json
+import os
 import statistics
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -177,7 +185,43 @@ def run(model: str, device: torch.device, dtype: torch.dtype, tokens: int, progr
         for name, fn in candidates:
             g, d = _beside(gemm, fn, device, repeats)
             row("GEMM + dequantize", name, g, gemm_slowdown=g / alone, dequant_ms=d)
+    if dk.have_triton() and (cuda or os.environ.get("TRITON_INTERPRET") == "1"):  # no dequantization pass:
+        # the GEMM reads FP8 values and their scales (grouped_mm_fp8)
+        (gq, gs), (dq, ds) = parts
+
+        def one_pass() -> None:
+            for o, (q, sc) in zip(outs, parts):
+                dk.dequantize_fp8(o, q, sc)
+
+        pass_ms = _ms(one_pass, device, repeats)
+        ref = moe_experts(h, top_w, top_ids, want[0], want[1], mm=mm).float()
+        for config in dk.GROUPED_FP8_CONFIGS if cuda else dk.GROUPED_FP8_CONFIGS[:1]:
+            def fp8_mm(x: torch.Tensor, w: Fp8Weights, offs: torch.Tensor, config=config) -> torch.Tensor:
+                return dk.grouped_mm_fp8(x, w.q, w.scale, offs, config)
+
+            def fused_gemm(fp8_mm=fp8_mm) -> torch.Tensor:
+                return moe_experts(h, top_w, top_ids, Fp8Weights(gq, gs), Fp8Weights(dq, ds), mm=fp8_mm)
+
+            close = bool(torch.allclose(fused_gemm().float(), ref, rtol=5e-2, atol=5e-2))
+            ok &= close
+            # layer-major dequantizes a layer once and runs the GEMM once per chunk; grouped_mm_fp8 has no pass
+            # but its own GEMM per chunk: it wins where a layer has fewer chunks than pass / (its GEMM - the GEMM)
+            fused = _ms(fused_gemm, device, repeats)
+            row("FP8 layer's experts", f"grouped_mm_fp8 {'x'.join(map(str, config[:3]))}, {config[3]} warps, "
+                f"{config[4]} stages", fused, agrees=close, config=list(config), over_gemm_ms=fused - alone,
+                pass_ms=pass_ms, break_even_chunks=pass_ms / (fused - alone) if fused > alone else None)
     return ok, rows
+
+
+class Fp8Weights(NamedTuple):
+    """An FP8 layer's values and row scales where ``moe_experts`` expects a weight: it reads only ``shape``."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
 
 
 def stream_gaps(events: list[dict], top: int = 8) -> dict:
