@@ -368,3 +368,13 @@ def test_the_start_up_prefill_warm_up_leaves_no_trace(preset, mode):
     assert [(e.token_id, e.top_logprobs) for e in a_events] == [(e.token_id, e.top_logprobs) for e in b_events]
     assert b.cached_prompt_tokens == 0
     assert (a.prefill_h2d_bytes, a.slot_hits, a.slot_misses) == (b.prefill_h2d_bytes, b.slot_hits, b.slot_misses)
+
+
+def test_the_build_says_where_its_time_went() -> None:
+    """``Engine.startup_phases``: each step of the build in order (the launch log prints them), the warm-ups
+    where they run, together the build's time."""
+    engine = _engine(warm_prefill=True)
+    phases = engine.startup_phases
+    assert list(phases)[:5] == ["plan", "host bank", "weights", "device experts, decoder, steps", "bandwidth probe"]
+    assert "prefill warm-up" in phases and "auto's costs" not in phases
+    assert all(v >= 0 for v in phases.values()) and sum(phases.values()) <= engine.startup_s + 0.01

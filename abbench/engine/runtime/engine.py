@@ -92,21 +92,34 @@ class Engine:
             torch.use_deterministic_algorithms(True, warn_only=True)
         mc = self.model_config
         self._lock = threading.Lock()
+        self.startup_phases: dict[str, float] = {}  # seconds of each step of the build, in order
+        last = [t0]
+
+        def mark(phase: str) -> None:  # the GPU's queued work counts in the phase that queued it
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            now = time.perf_counter()
+            self.startup_phases[phase] = round(now - last[0], 3)
+            last[0] = now
+
         with self._on_device():
             fp8 = cfg.expert_dtype == "fp8"  # an FP8 checkpoint's experts then keep their block scales
             block = fp8_block_size(cfg.weights) if fp8 and not cfg.weights.startswith("random:") else None
             # decode's slots hold the FP8 bank's own values and row scales where Triton's experts read them
             self.fp8_slots = fp8_slots(cfg, block, triton=decode_kernels.have_triton())
             self.memory_plan = self._plan_memory()
+            mark("plan")
             bank = ExpertBank(mc, self.dtype, pin=self.device.type == "cuda", check_memory=cfg.host_memory_check,
                               dense_bytes=dense_params(mc) * self.dtype.itemsize, fp8=fp8, block=block)
             # one cache per sequence the engine may run at once (the first is ``kv``, which tools drive directly)
+            mark("host bank")
             self.model, self.caches = build_model(mc, cfg.weights, bank, cfg.max_context, self.device, self.dtype,
                                                   router_skew=cfg.router_skew, caches=cfg.max_num_seqs)
             self.kv = self.caches[0]
             self.slots_per_layer = self.memory_plan.slots_per_layer if self.memory_plan else (
                 cfg.expert_slots_per_layer or mc.num_experts)
             resident = cfg.prefill_mode == "resident"
+            mark("weights")
             self.store = ExpertStore(bank, self.device, self.slots_per_layer, resident, cfg.d2d_from_slot_cache,
                                      fp8_slots=self.fp8_slots, dequant_on_compute=cfg.fp8_dequant == "compute")
             self.scheduler = Scheduler(self, self.caches)
@@ -117,10 +130,13 @@ class Engine:
             self._batch_exact: dict[tuple[int, int], bool] = {}
             if cfg.attention_batch > 1:  # probe the configured chunk length now, not in the first request
                 self._batching(cfg.attention_batch, cfg.chunk_tokens)
+            mark("device experts, decoder, steps")
             self.measured_h2d_gbps = self.store.measure_h2d_gbps(cfg.bandwidth_probe_bytes)
+            mark("bandwidth probe")
             self.decode_warmup: dict | None = None
             if cfg.warm_decode_graphs and self.decoder.graphs is not None:
                 self._warm_decode()
+                mark("decode graphs")
             self.policy: CostModel | None = None
             self.calibration: Calibration | None = None
             # demand prefills not yet compared with the model: (chunks, experts copied)
@@ -128,11 +144,13 @@ class Engine:
             self.prefill_warmup: dict | None = None
             if cfg.warm_prefill or (cfg.warm_prefill is None and self.device.type == "cuda"):
                 self._warm_prefill()
+                mark("prefill warm-up")
             if cfg.prefill_mode == "auto":  # the cost model's inputs, and routing counts from now on
                 self.policy = self._measure_costs()
                 self.steps.track_routing()
                 if cfg.auto_calibration:
                     self.calibration = Calibration(cfg.auto_calibration)
+                mark("auto's costs")
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
         self.bank_bytes = bank.bank_bytes

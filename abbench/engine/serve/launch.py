@@ -333,8 +333,9 @@ def _build_engine(args: argparse.Namespace) -> tuple[Any, str]:
 
     fault = armed()  # tests only: ABBENCH_ENGINE_FAULT (ValueError for an unknown one, before the slow build)
     engine = Engine(_engine_config(args))
-    log.info("engine built in %.2fs (bank %d bytes, %s, measured H2D %.2f GB/s)", engine.startup_s,
-             engine.bank_bytes, engine.expert_format, engine.measured_h2d_gbps)
+    log.info("engine built in %.2fs (bank %d bytes, %s, measured H2D %.2f GB/s): %s", engine.startup_s,
+             engine.bank_bytes, engine.expert_format, engine.measured_h2d_gbps,
+             ", ".join(f"{k} {v:.2f}s" for k, v in engine.startup_phases.items()))
     if engine.memory_plan is not None:
         log.info("device memory plan: %s", engine.memory_plan.describe())
     log.info("decode: %s, kernels %s, misses %s", engine.decoder.mode, engine.decoder.kernels,
