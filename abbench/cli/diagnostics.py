@@ -160,7 +160,9 @@ def _probe_layers(record, run: Path | None, prompt: str, arm: str, *, position: 
     try:
         from abbench.profile import profile_from_dict
 
-        ref = profile_from_dict(record.profile, where=f"run {record.run_id} profile").parity_reference_arm
+        profile = profile_from_dict(record.profile, where=f"run {record.run_id} profile")
+        known = arm in {a.name for a in profile.arms}
+        ref = (known and profile.arm(arm).parity_reference) or profile.parity_reference_arm  # its own, else the run's
         console.print(f"layer probe: arm {arm} against {ref} on prompt {prompt} (launching what has no URL)")
         urls = {k: v for k, v in ((arm, base_url), (ref, ref_base_url)) if v}
         result = probe_layers(record, prompt, arm, position=position, round=round_, base_urls=urls)

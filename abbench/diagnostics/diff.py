@@ -16,6 +16,9 @@ Contract
 * :class:`ProbeResult` is what a forced-continuation probe found (:func:`abbench.diagnostics.probe.probe_prompt`,
   which launches services) and :func:`format_probe` renders it. This module reads results only.
 
+"The reference" is the run's parity reference, except for an arm that names its own ``parity_reference``
+(an FP8 streaming arm against a resident FP8 arm): there, that arm, as the gate judges it; ``probe`` too.
+
 Errors are :class:`~abbench.errors.ConfigError` (unknown prompt, arm, round; nothing to compare) or the
 service/request errors of the layers below.
 """
@@ -123,10 +126,11 @@ class Divergence:
 
 def first_divergence(record: RunRecord, *, prompt_id: str | None = None, arm: str | None = None,
                      round: int | None = None) -> Divergence | None:
-    """The earliest divergence of a measured sample from the parity reference's sample of its prompt and round
-    (restricted to ``prompt_id``, ``arm`` and ``round`` when given); None when every output equals the
-    reference's."""
+    """The earliest divergence of a measured sample from its parity reference's sample of its prompt and round
+    (its arm's own ``parity_reference``, else the run's; restricted to ``prompt_id``, ``arm`` and ``round`` when
+    given); None when every output equals its reference's."""
     ref = an.parity_reference_arm(record)
+    own = an.arm_parity_references(record)
     prompt_rank = {p.id: i for i, p in enumerate(record.prompts)}
     arm_rank = {a: i for i, a in enumerate(an.arm_names(record))}
     latest: dict[tuple[str, str, int], Sample] = {}
@@ -138,7 +142,7 @@ def first_divergence(record: RunRecord, *, prompt_id: str | None = None, arm: st
         if a == ref or (arm is not None and a != arm) or (prompt_id is not None and p != prompt_id) or (
                 round is not None and r != round):
             continue
-        r_s = latest.get((str(ref), p, r))
+        r_s = latest.get((own.get(a, str(ref)), p, r))
         if r_s is None:
             continue
         _, first, _ = an.compare_ids(s.output_ids, r_s.output_ids, 1)
@@ -166,14 +170,17 @@ def diff_prompt(record: RunRecord, prompt_id: str, *, arm: str | None = None, ro
     if arm == ref:
         raise ConfigError(f"--arm {arm} is the reference arm; name another arm to compare with it")
     of_prompt = [s for s in record.samples if s.prompt_id == prompt_id and usable(s)]
-    ref_by = pick_round([s for s in of_prompt if s.arm == ref], round)
-    if not ref_by:
+    own = an.arm_parity_references(record)  # an arm's own parity reference replaces the run's for it
+    refs_by = {r: pick_round([s for s in of_prompt if s.arm == r], round) for r in {ref, *own.values()}}
+    ref_by = refs_by[ref]
+    if not ref_by and (arm is None or arm not in own):
         where = f" in round {round}" if round is not None else ""
         raise ConfigError(f"the reference arm {ref} has no ok sample with token ids of prompt {prompt_id}{where}")
     candidates = [arm] if arm is not None else [a for a in arms if a != ref]
     best: tuple[int, str, int] | None = None  # (diverges? 0 first, arm order, round)
     for rank, a in enumerate(candidates):
         arm_by = pick_round([s for s in of_prompt if s.arm == a], round)
+        ref_by = refs_by[own.get(a, ref)]
         for r in sorted(set(arm_by) & set(ref_by)):
             _, first, _ = an.compare_ids(arm_by[r].output_ids, ref_by[r].output_ids, 1)
             key = (0 if first is not None else 1, rank, r)
@@ -185,7 +192,8 @@ def diff_prompt(record: RunRecord, prompt_id: str, *, arm: str | None = None, ro
         raise ConfigError(f"{which} no ok sample with token ids of prompt {prompt_id}{where}")
     other = candidates[best[1]]
     r = best[2]
-    s_ref = ref_by[r]
+    ref = own.get(other, ref)
+    s_ref = refs_by[ref][r]
     s_arm = pick_round([s for s in of_prompt if s.arm == other], r)[r]
     _, first, agree = an.compare_ids(s_arm.output_ids, s_ref.output_ids, 1)
     positions = []

@@ -52,15 +52,14 @@ def serving(profile: Profile, arm: str, client: EngineClient, base_url: str | No
         svc.stop()
 
 
-def _history(record: RunRecord, profile: Profile, prompt_id: str, position: int, round_no: int | None
-             ) -> list[int]:
+def _history(record: RunRecord, profile: Profile, prompt_id: str, position: int, round_no: int | None,
+             ref: str) -> list[int]:
     if prompt_id not in {p.id for p in record.prompts}:
         raise ConfigError(f"--prompt: run {record.run_id} has no prompt {prompt_id!r}; its prompts are "
                           f"{', '.join(p.id for p in record.prompts)}")
     ids = recorded_prompt_ids(record, profile, prompt_id)
     if position == 0:
         return ids
-    ref = profile.parity_reference_arm
     samples = pick_round([s for s in record.samples if s.prompt_id == prompt_id and s.arm == ref and usable(s)],
                          round_no)
     if not samples:
@@ -79,7 +78,7 @@ def probe_layers(record: RunRecord, prompt_id: str, arm: str, *, position: int =
     names = [a.name for a in profile.arms]
     if arm not in names:
         raise ConfigError(f"--arm: run {record.run_id} has no arm {arm!r}; its arms are {', '.join(names)}")
-    ref = profile.parity_reference_arm
+    ref = profile.arm(arm).parity_reference or profile.parity_reference_arm  # its own, else the run's
     if arm == ref:
         raise ConfigError(f"--arm {arm} is the reference arm; probe another arm against it")
     for name in (ref, arm):
@@ -87,7 +86,7 @@ def probe_layers(record: RunRecord, prompt_id: str, arm: str, *, position: int =
             raise ConfigError(f"--layers: arm {name} uses adapter {profile.arm_engine(name).adapter!r}; layer traces "
                               "come from the vendored engine or the transformers reference (adapter openai). Use "
                               "the token-level probe (without --layers)")
-    history = _history(record, profile, prompt_id, position, round)
+    history = _history(record, profile, prompt_id, position, round, ref)
     request = RequestSpec(max_tokens=1, temperature=0.0, ignore_eos=True, logprobs=2, stream=False,
                           timeout_s=profile.request.timeout_s, extra=dict(profile.request.extra))
     got: dict[str, tuple[list, int, list | None]] = {}

@@ -73,7 +73,7 @@ def probe_prompt(
     names = [a.name for a in profile.arms]
     if arm not in names:
         raise ConfigError(f"--arm: run {record.run_id} has no arm {arm!r}; its arms are {', '.join(names)}")
-    ref = profile.parity_reference_arm
+    ref = profile.arm(arm).parity_reference or profile.parity_reference_arm  # its own, else the run's
     ref_samples = pick_round([s for s in record.samples if s.prompt_id == prompt_id and s.arm == ref and usable(s)],
                         round)
     if prompt_id not in {p.id for p in record.prompts}:

@@ -256,3 +256,17 @@ def test_the_committed_fp8_run_holds_streamed_fp8_to_resident_fp8s_ids() -> None
     assert len(fp8) == 8 and set(fp8["against_arm"]) == {"fp8-resident"} and fp8["match"].all()
     t = numerics_table(record).set_index("arm")
     assert list(t.index) == ["fp8-resident", "fp8"] and t.loc["fp8", "kl_mean"] == t.loc["fp8-resident", "kl_mean"]
+
+
+def test_diff_compares_an_arm_with_its_own_parity_reference() -> None:
+    """``abbench diff``: F (ids of Q's but one at position 5) against Q, its own reference, not against A (from
+    which Q and F differ at position 3)."""
+    from abbench.diagnostics.diff import diff_prompt, first_divergence
+
+    rec = own_reference_run(f_breaks_at=5)
+    d = first_divergence(rec, arm="F")
+    assert d is not None and d.position == 5
+    pd_ = diff_prompt(rec, d.prompt_id, arm="F", round=d.round)
+    assert (pd_.reference, pd_.arm, pd_.first_diverging) == ("Q", "F", 5)
+    q = diff_prompt(rec, d.prompt_id, arm="Q", round=d.round)
+    assert (q.reference, q.first_diverging) == ("A", 3)
