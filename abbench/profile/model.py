@@ -344,6 +344,12 @@ class Profile(_Model):
                 data["gate"]["parity_reference"] = None
             data["gate"]["allow_fallback"] = [a for a in data["gate"]["allow_fallback"] if a in arms]
             data["gate"]["checks"] = checks_within(data["gate"]["checks"], arms, data["run"]["reference"] or arms[0])
+            numerics = {c.arm for c in parse_checks(data["gate"]["checks"]) if c.metric in NUMERICS}
+            for a in data["arms"]:  # an arm whose own yardstick of ids is left out: its numerics judge it, if any
+                if a.get("parity_reference") is not None and a["parity_reference"] not in arms:
+                    a["parity_reference"] = None
+                    if a["name"] in numerics:
+                        a["parity"] = "numerics"
             if data.get("sweep"):
                 data["sweep"]["crossovers"] = [p for p in data["sweep"]["crossovers"] if set(p) <= set(arms)]
         if rounds == "auto":

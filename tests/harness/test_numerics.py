@@ -270,3 +270,13 @@ def test_diff_compares_an_arm_with_its_own_parity_reference() -> None:
     assert (pd_.reference, pd_.arm, pd_.first_diverging) == ("Q", "F", 5)
     q = diff_prompt(rec, d.prompt_id, arm="Q", round=d.round)
     assert (q.reference, q.first_diverging) == ("A", 3)
+
+
+def test_arms_that_leave_out_an_arms_own_reference_leave_it_to_its_numerics() -> None:
+    """``--arms`` without the arm an FP8 arm's ids are held to: that arm is judged by its numerics checks (against
+    the run's reference), not by ids it cannot have; with it, nothing changes."""
+    prof = load_profile("h200-fp8-16g")
+    cut = {a.name: a for a in prof.with_overrides(arms=["resident", "bf16", "fp8"]).arms}
+    assert (cut["fp8"].parity_reference, cut["fp8"].parity) == (None, "numerics")
+    whole = {a.name: a for a in prof.with_overrides(arms=["resident", "resident-fp8", "fp8"]).arms}
+    assert (whole["fp8"].parity_reference, whole["fp8"].parity) == ("resident-fp8", "ids")
