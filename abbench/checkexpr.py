@@ -354,6 +354,11 @@ def parse_checks(exprs: list[str]) -> list[DeclaredCheck]:
     return [parse_check(e) for e in exprs]
 
 
+def numerics_checked(exprs: list[str]) -> set[str]:
+    """The arms that declared checks ``exprs`` judge by a numerics metric (``kl_mean[fp8] <= 0.01``)."""
+    return {c.arm for c in parse_checks(exprs) if c.metric in NUMERICS}
+
+
 def check_arms(checks: list[DeclaredCheck], arms: list[str], reference: str | None, where: str) -> None:
     """:class:`ConfigError` when a check names an arm that is not there, or compares an arm with itself."""
     for c in checks:

@@ -49,7 +49,7 @@ import pandas as pd
 from abbench.analysis.frames import frame, measured_ok, num, parity_reference_arm, prompt_targets, sort_rows
 from abbench.analysis.parity import parity_frame
 from abbench.analysis.timing import BOOTSTRAP_RESAMPLES, BOOTSTRAP_SEED, CONFIDENCE
-from abbench.checkexpr import NUMERICS, parse_checks
+from abbench.checkexpr import numerics_checked
 from abbench.errors import ConfigError
 from abbench.results import RunRecord, Sample
 
@@ -75,8 +75,7 @@ def compared_arms(record: RunRecord) -> list[str]:
     numerics check names (an arm whose ids are judged against its own ``parity_reference`` can still be measured
     against the run's parity reference)."""
     try:
-        named = {c.arm for c in parse_checks(list((record.profile.get("gate") or {}).get("checks") or []))
-                 if c.metric in NUMERICS}
+        named = numerics_checked(list((record.profile.get("gate") or {}).get("checks") or []))
     except ConfigError:
         named = set()
     judged = set(numerics_arms(record))

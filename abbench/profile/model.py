@@ -14,7 +14,7 @@ from typing import Any
 
 from pydantic import Field, ValidationError, model_validator
 
-from abbench.checkexpr import NUMERICS, check_arms, checks_within, level_label, parse_checks
+from abbench.checkexpr import NUMERICS, check_arms, checks_within, level_label, numerics_checked, parse_checks
 from abbench.errors import ConfigError
 from abbench.profile.load import LoadSpec
 from abbench.profile.specs import (
@@ -169,7 +169,7 @@ class Profile(_Model):
         """An arm with ``parity = "numerics"`` is judged by numerics checks instead of bitwise ids: it needs one,
         and it cannot be the yardstick of ids itself. An arm's own ``parity_reference`` is another arm, and its
         ids are judged against it: not an arm judged by numerics instead."""
-        checked = {c.arm for c in parse_checks(self.gate.checks) if c.metric in NUMERICS}
+        checked = numerics_checked(self.gate.checks)
         names = [a.name for a in self.arms]
         for arm in self.arms:
             if arm.parity_reference is not None:
@@ -344,7 +344,7 @@ class Profile(_Model):
                 data["gate"]["parity_reference"] = None
             data["gate"]["allow_fallback"] = [a for a in data["gate"]["allow_fallback"] if a in arms]
             data["gate"]["checks"] = checks_within(data["gate"]["checks"], arms, data["run"]["reference"] or arms[0])
-            numerics = {c.arm for c in parse_checks(data["gate"]["checks"]) if c.metric in NUMERICS}
+            numerics = numerics_checked(data["gate"]["checks"])
             for a in data["arms"]:  # an arm whose own yardstick of ids is left out: its numerics judge it, if any
                 if a.get("parity_reference") is not None and a["parity_reference"] not in arms:
                     a["parity_reference"] = None
