@@ -12,6 +12,7 @@ import pandas as pd
 
 from abbench.analysis.frames import (
     arm_adapters,
+    arm_parity_references,
     expected_paths,
     frame,
     int_or_none,
@@ -102,7 +103,9 @@ def floor_table(record: RunRecord) -> pd.DataFrame:
     cache): max(compute floor, copy floor) per arm, where the compute floor is the fastest median TTFT among the arms
     whose expected path is ``resident`` (nothing streamed; a profile may run resident arms at several chunk
     sizes, e.g. its own and one chunk as long as the prompt, and the fastest sets the floor:
-    ``compute_floor_arm`` names it) and the copy floor is one bank over the measured H2D bandwidth (the arm's own
+    ``compute_floor_arm`` names it), except for an arm whose own ``parity_reference`` is a resident arm: that
+    arm is its compute floor (the same arithmetic with every expert on the device, e.g. resident FP8 for a
+    streamed FP8 arm, where another arithmetic may run faster or slower), and the copy floor is one bank over the measured H2D bandwidth (the arm's own
     bank where the arms' banks differ in size, e.g. an FP8 bank beside a bf16 one). Each
     arm's median TTFT over that floor says how close it gets (1.0 = at the floor). Empty when the run has
     neither a resident arm nor engine bank/bandwidth numbers."""
@@ -111,6 +114,7 @@ def floor_table(record: RunRecord) -> pd.DataFrame:
         return frame([], FLOOR_COLUMNS)
     df = df[df["kind"].isin(FLOOR_KINDS)]
     resident_arms = {a for a, p in expected_paths(record).items() if p == "resident"}
+    own = {a: r for a, r in arm_parity_references(record).items() if r in resident_arms}
     rows = []
     for (kind, tokens), g in df.groupby(["kind", "target_tokens"], sort=False, dropna=False):
         gbps = g["measured_h2d_gbps"]
@@ -120,11 +124,12 @@ def floor_table(record: RunRecord) -> pd.DataFrame:
         copy_by_bank = {bank: median_of(copy[g.loc[copy.index, "bank_bytes"] == bank])
                         for bank in g.loc[copy.index, "bank_bytes"].unique()}
         res = _resident_medians(g, resident_arms)
-        set_by = min(res, key=lambda a: res[a][0]) if res else None
-        compute_s = res[set_by][0] if set_by else None
-        if not copy_by_bank and compute_s is None:
+        fastest = min(res, key=lambda a: res[a][0]) if res else None
+        if not copy_by_bank and fastest is None:
             continue
         for arm, ga in g.groupby("arm", sort=False):
+            set_by = own[arm] if own.get(arm) in res else fastest
+            compute_s = res[set_by][0] if set_by else None
             bank = median_of(ga["bank_bytes"])
             copy_s = copy_by_bank.get(bank) if len(copy_by_bank) > 1 else median_of(copy)
             known = [v for v in (copy_s, compute_s) if v is not None]
@@ -156,13 +161,15 @@ def gap_table(record: RunRecord) -> pd.DataFrame:
     device: ``resident_arm``; the fastest resident arm when none ran at that length) + ``gap_s``, and the gap
     = the median copy wait (GPU time compute stalled on streamed experts: the copies not hidden) + ``rest_s``
     (everything else streaming cost: host work, allocator pressure, kernels slowed beside the copies);
-    ``rest_share`` = rest / gap. Rows only for arms whose engine timed its copy waits (``copy_wait_s``) and
+    ``rest_share`` = rest / gap. An arm whose own ``parity_reference`` is a resident arm is set against that
+    arm (the same arithmetic), as in ``floor_table``. Rows only for arms whose engine timed its copy waits (``copy_wait_s``) and
     kinds/lengths with a resident arm."""
     df = measured_ok_frame(record)
     if df.empty:
         return frame([], GAP_COLUMNS)
     df = df[df["kind"].isin(FLOOR_KINDS)]
     resident_arms = {a for a, p in expected_paths(record).items() if p == "resident"}
+    own = arm_parity_references(record)
     rows = []
     for (kind, tokens), g in df.groupby(["kind", "target_tokens"], sort=False, dropna=False):
         res = _resident_medians(g, resident_arms)
@@ -173,7 +180,7 @@ def gap_table(record: RunRecord) -> pd.DataFrame:
             if wait is None or ttft is None:
                 continue
             same = [a for a, (_, c) in res.items() if chunk is not None and c == chunk]
-            ref = min(same or res, key=lambda a: res[a][0])
+            ref = own[arm] if own.get(arm) in res else min(same or res, key=lambda a: res[a][0])
             gap = ttft - res[ref][0]
             rest = gap - wait
             rows.append({"arm": arm, "kind": kind, "target_tokens": int_or_none(tokens), "n": len(ga),

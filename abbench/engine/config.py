@@ -66,8 +66,9 @@ EXPERT_DTYPES = ("model", "fp8")
 # "auto": fp8 where the bank is FP8 with row scales and decode's experts are Triton's (abbench.engine.runtime.memory)
 SLOT_DTYPES = ("auto", "model", "fp8")
 # where an FP8 bank's streamed layers are dequantized (EngineConfig.fp8_dequant): "compute" on the compute stream
-# at the layer's turn, "copy" on the copy stream right after the copy, beside the compute (runtime.experts)
-FP8_DEQUANT = ("compute", "copy")
+# at the layer's turn, "copy" on the copy stream right after the copy, beside the compute (runtime.experts);
+# "gemm": never as a pass, the prefill's grouped GEMM reads the FP8 values and row scales (ops.moe.Fp8Experts)
+FP8_DEQUANT = ("compute", "copy", "gemm")
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 MAX_GROUPED_MM_GROUPS = 1023
 GDN_BLOCK = 64  # the gated delta rule's internal block length (fla's chunk size)
@@ -200,7 +201,10 @@ class EngineConfig:
     # is FP8 with per-row scales and decode's experts are Triton's (runtime.memory.fp8_slots), else model
     slot_dtype: str = "auto"
     # an FP8 bank's streamed prefill layers: dequantized on the compute stream at their turn ("compute"), or on the
-    # copy stream right after their copy ("copy": its kernels run beside the compute and slowed it on the H200)
+    # copy stream right after their copy ("copy": its kernels run beside the compute and slowed it on the H200), or
+    # in the prefill's grouped GEMM ("gemm": the device keeps the FP8 values and row scales, buffers and resident
+    # experts alike, and no pass writes a dequantized layer; other bits than "compute"/"copy", the same in every
+    # prefill mode)
     fp8_dequant: str = "compute"
     prefill_mode: str = "chunked"  # chunked | layer-major | demand | resident (the default of requests)
     chunk_tokens: int = 2048  # prefill chunk length, the same in every mode
@@ -286,6 +290,9 @@ class EngineConfig:
             raise ValueError(f"expert_dtype must be one of {EXPERT_DTYPES}, got {self.expert_dtype!r}")
         if self.fp8_dequant not in FP8_DEQUANT:
             raise ValueError(f"fp8_dequant must be one of {FP8_DEQUANT}, got {self.fp8_dequant!r}")
+        if self.fp8_dequant == "gemm" and self.expert_dtype != "fp8":
+            raise ValueError("fp8_dequant 'gemm' multiplies an FP8 bank's values in the grouped GEMM: it needs "
+                             "expert_dtype 'fp8'")
         if self.slot_dtype not in SLOT_DTYPES:
             raise ValueError(f"slot_dtype must be one of {SLOT_DTYPES}, got {self.slot_dtype!r}")
         if self.slot_dtype == "fp8" and self.expert_dtype != "fp8":

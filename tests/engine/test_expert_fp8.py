@@ -117,6 +117,65 @@ def test_where_the_dequantization_runs_changes_no_bit_nor_byte(fp8, fp8_slots) -
         EngineConfig(model=MINI, fp8_dequant="host").resolved()
 
 
+@pytest.fixture(scope="module")
+def fp8_gemm():
+    """FP8 multiplied in the grouped GEMM (``fp8_dequant`` "gemm"), started resident: every mode per request."""
+    return _engine(prefill_mode="resident", expert_dtype="fp8", fp8_dequant="gemm")
+
+
+def test_fp8_in_the_gemm_keeps_the_banks_values_on_the_device_and_the_modes_equal(fp8, fp8_gemm) -> None:
+    """``fp8_dequant`` "gemm": the resident experts and both prefill buffers hold the bank's float8 values and row
+    scales as they are (nothing dequantized into them, no stage), the copies move the same bytes, and every
+    prefill mode gives the same ids and logprobs. Off CUDA the GEMM dequantizes a temporary, so it is bitwise the
+    default engine; on CUDA it is Triton's kernel (another summation order): its logprobs stay close."""
+    from abbench.engine.ops.moe import Fp8Experts
+
+    store, bank = fp8_gemm.store, fp8_gemm.store.bank
+    assert store.stage is None and not store.dequant_on_compute
+    for gu, dn in [*store.resident, *zip(store.buf_gate_up, store.buf_down)]:
+        assert isinstance(gu, Fp8Experts) and isinstance(dn, Fp8Experts) and gu.values.dtype == FP8
+    for layer in range(MINI.num_hidden_layers):
+        gu, dn = store.resident[layer]
+        assert torch.equal(gu.values.cpu().view(torch.uint8), bank.gate_up[layer].view(torch.uint8))
+        assert torch.equal(dn.scales.cpu(), bank.down_scale[layer])
+    ids = _prompt(150, seed=11)  # five chunks, three layer-major windows
+    ref = _run(fp8_gemm, ids, "chunked")
+    for mode in MODES[1:]:
+        got = _run(fp8_gemm, ids, mode)
+        assert got[:2] == ref[:2], mode
+        if mode != "resident":
+            assert got[2].prefill_h2d_bytes == _run(fp8, ids, mode)[2].prefill_h2d_bytes, mode
+    default = _run(fp8, ids, "layer-major")
+    if DEVICE == "cpu":
+        assert default[:2] == ref[:2]
+    else:
+        first, want = ref[1][0], default[1][0]
+        assert max(abs(first[t] - want[t]) for t in set(first) & set(want)) < 0.1
+
+
+def test_fp8_in_the_gemm_decodes_from_fp8_slots_as_from_its_resident_experts(fp8_gemm) -> None:
+    """A streamed engine multiplying FP8 in the GEMM, its decode slots as small as legal (misses all the time):
+    the same ids and logprobs as the resident one, prefill and decode, and a primed first layer (its FP8 values
+    copied as they are) changes nothing."""
+    streamed = _engine(expert_dtype="fp8", fp8_dequant="gemm", expert_slots_per_layer=MINI.num_experts_per_tok)
+    ids = _prompt(70, seed=12)
+    want = _run(fp8_gemm, ids, "resident", max_tokens=12)
+    for mode in ("layer-major", "chunked", "demand"):
+        got = _run(streamed, ids, mode, max_tokens=12)
+        assert got[:2] == want[:2], mode
+        assert got[2].slot_misses > 0
+    assert streamed.store.prime(0)
+    got = _run(streamed, ids, "layer-major", max_tokens=12)
+    assert got[2].first_layer_primed and got[:2] == want[:2]
+
+
+def test_fp8_in_the_gemm_is_refused_where_there_is_no_fp8_bank_with_row_scales(fp8_checkpoint) -> None:
+    with pytest.raises(ValueError, match="needs expert_dtype 'fp8'"):
+        EngineConfig(model=MINI, fp8_dequant="gemm")
+    with pytest.raises(ValueError, match="block scales"):
+        _ckpt_engine(fp8_checkpoint[0], expert_dtype="fp8", fp8_dequant="gemm")
+
+
 def test_copies_move_the_fp8_bytes_scales_included(fp8) -> None:
     bank = fp8.store.bank
     n = 150  # five 32-token chunks, three 64-token layer-major windows
@@ -248,6 +307,13 @@ def test_the_memory_plan_counts_the_staging_area() -> None:
     assert slots8.slots_per_layer >= 2 * fp8.slots_per_layer - 1 and slots8.total_bytes <= 16 * 2**30
     cpu = EngineConfig(**{**cfg, "device": "cpu"}, expert_dtype="fp8").resolved()  # CPU: torch's experts
     assert plan_device_memory(cpu, 16 * 2**30).slot_dtype == "bfloat16"
+    # multiplied in the GEMM: the buffers hold FP8 values and row scales, nothing is staged
+    gemm = plan_device_memory(EngineConfig(**cfg, expert_dtype="fp8", fp8_dequant="gemm").resolved(), 16 * 2**30)
+    assert gemm.staging_bytes == 0 and gemm.prefill_buffer_bytes == 2 * e * (3 * h * i + 4 * (2 * i + h))
+    assert gemm.slots_per_layer > slots8.slots_per_layer and gemm.total_bytes <= 16 * 2**30
+    resident = dict(cfg, prefill_mode="resident", expert_dtype="fp8")
+    assert (plan_device_memory(EngineConfig(**resident, fp8_dequant="gemm").resolved(), 80 * 2**30).resident_bytes
+            == mc.num_hidden_layers * e * (3 * h * i + 4 * (2 * i + h)))
 
 
 def test_fp8_slots_are_refused_where_nothing_reads_them() -> None:

@@ -581,6 +581,35 @@ def test_the_fastest_resident_arm_sets_the_compute_floor_per_length() -> None:
     assert floor.loc[("R", 16384)]["over_floor"] == pytest.approx(16.384 * 0.30 / 4.096)  # R is 1.2x the floor
 
 
+def test_an_arm_whose_parity_reference_is_resident_takes_it_as_its_compute_floor() -> None:
+    """F computes another arithmetic (e.g. FP8 in its GEMM) and names the resident arm Q of that arithmetic as its
+    parity_reference: Q is F's compute floor and the gap table's resident arm, even where R (the run's own
+    arithmetic, resident) is faster; B keeps the fastest resident arm."""
+    from abbench.analysis.declared import VALUES
+
+    def ttft(arm: str, prompt: PromptRecord, rnd: int) -> float:
+        return {"B": 9.0, "F": 8.0, "R": 4.0, "Q": 5.0}[arm]
+
+    rec = make_run(arms=("R", "B", "Q", "F"), lengths=(16384,), ttft=ttft,
+                   expect_path={"R": "resident", "Q": "resident"}, paths={"R": "resident", "Q": "resident"})
+    for a in rec.profile["arms"]:
+        if a["name"] == "F":
+            a["parity_reference"] = "Q"
+    floor = an.floor_table(rec).set_index(["arm", "target_tokens"])
+    assert floor.loc[("F", 16384)]["compute_floor_arm"] == "Q" and floor.loc[("F", 16384)]["floor_s"] == 5.0
+    assert floor.loc[("B", 16384)]["compute_floor_arm"] == "R" and floor.loc[("B", 16384)]["floor_s"] == 4.0
+    x = VALUES["x_floor"](rec)
+    assert set(x[x["arm"] == "F"]["value"].round(9)) == {round(8.0 / 5.0, 9)}
+    for s in rec.samples:
+        if s.engine:
+            s.engine["copy_wait_s"] = 0.5
+    from abbench.analysis.transfer import gap_table
+
+    gaps = gap_table(rec).set_index("arm")
+    assert gaps.loc["F", "resident_arm"] == "Q" and gaps.loc["F", "gap_s"] == pytest.approx(3.0)
+    assert gaps.loc["B", "resident_arm"] == "R"
+
+
 def test_an_arm_with_a_smaller_bank_gets_its_own_copy_floor() -> None:
     """An FP8 bank beside a bf16 one: B's bank is half of A's (and R is resident), so at 1,024 tokens B's copy
     floor is half of A's and B is judged against it; x_floor divides by each arm's own floor."""

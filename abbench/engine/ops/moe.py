@@ -10,11 +10,16 @@ that say whether ``torch._grouped_mm`` runs (and captures in a CUDA graph) on a 
   the k slots) instead of atomics. ``looped_mm`` computes the same with one matmul per group (a host sync),
   where the grouped GEMM fails (``expert_kernel`` says which). At most ``MAX_GROUPED_MM_GROUPS`` groups, on
   every device (``TooManyGroups``), so CPU tests see CUDA's limit.
+- ``Fp8Experts``: a layer's (or a slice's) experts as an FP8 bank keeps them, float8 e4m3 values and float32
+  row scales, which ``moe_experts`` multiplies without a dequantized copy (``--fp8-gemm fused``): on CUDA through
+  ``kernels.grouped_mm_fp8`` (the values and scales read in the GEMM's inner loop), elsewhere by dequantizing
+  into a temporary (the same weights, bit for bit) and the grouped GEMM.
 - ``router_skew_bias``: per layer a logit bias that concentrates random weights' routing as a trained router's.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import warnings
 
@@ -22,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from abbench.engine.config import MAX_GROUPED_MM_GROUPS
+from abbench.engine.ops import kernels
 from abbench.engine.ops.kernels import route_topk
 
 
@@ -98,10 +104,57 @@ def looped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Ten
     return out
 
 
-def moe_experts(h: torch.Tensor, top_w: torch.Tensor, top_ids: torch.Tensor, gate_up: torch.Tensor,
-                down: torch.Tensor, mm=grouped_mm) -> torch.Tensor:
+@dataclasses.dataclass(frozen=True)
+class Fp8Experts:
+    """Experts as an FP8 bank keeps them: ``values`` [G, N, K] float8 e4m3 and their row scales ``scales``
+    [G, N] float32; the weight is ``values * scales`` computed in float32 and rounded once to the compute
+    dtype (``bank.dequantize_into``'s per-row rule). ``moe_experts`` takes them where it takes [G, N, K]
+    weights. A slice (``[a:b]``) views both."""
+
+    values: torch.Tensor
+    scales: torch.Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.values.shape
+
+    def data_ptr(self) -> int:  # what keys a captured graph's weights (the scales live beside the values)
+        return self.values.data_ptr()
+
+    def __getitem__(self, index) -> Fp8Experts:
+        return Fp8Experts(self.values[index], self.scales[index])
+
+    def copy_(self, other: Fp8Experts, non_blocking: bool = False) -> Fp8Experts:
+        self.values.copy_(other.values, non_blocking=non_blocking)
+        self.scales.copy_(other.scales, non_blocking=non_blocking)
+        return self
+
+    @staticmethod
+    def empty(groups: int, n: int, k: int, device: torch.device | str) -> Fp8Experts:
+        return Fp8Experts(torch.empty((groups, n, k), device=device, dtype=torch.float8_e4m3fn),
+                          torch.empty((groups, n), device=device, dtype=torch.float32))
+
+
+def fp8_grouped_mm(x: torch.Tensor, w: Fp8Experts, offs: torch.Tensor, mm=grouped_mm) -> torch.Tensor:
+    """``mm(x, w, offs)`` over FP8 experts -> [M, N] in x's dtype. On CUDA ``kernels.grouped_mm_fp8``: the tile
+    dequantized in registers, its own summation order (so every prefill mode of an engine that uses it must,
+    to share bits). Elsewhere the weights dequantized into a temporary and ``mm``: bitwise the grouped GEMM over
+    a dequantized layer."""
+    check_groups(w.values)
+    if x.is_cuda:
+        return kernels.grouped_mm_fp8(x, w.values, w.scales, offs)
+    dense = (w.values.to(torch.float32) * w.scales.unsqueeze(-1)).to(x.dtype)  # [G, N, K]
+    return mm(x, dense, offs)
+
+
+def moe_experts(h: torch.Tensor, top_w: torch.Tensor, top_ids: torch.Tensor, gate_up: torch.Tensor | Fp8Experts,
+                down: torch.Tensor | Fp8Experts, mm=grouped_mm) -> torch.Tensor:
     """SwiGLU experts for h [T, H] routed to ``top_ids`` [T, k] (indices into the first dim of the weights)
-    with ``top_w`` [T, k]. ``gate_up`` [G, 2I, H] (gate rows first), ``down`` [G, H, I]. Returns [T, H]."""
+    with ``top_w`` [T, k]. ``gate_up`` [G, 2I, H] (gate rows first), ``down`` [G, H, I], each a tensor or
+    ``Fp8Experts``. Returns [T, H]."""
+    if isinstance(gate_up, Fp8Experts):
+        plain = mm
+        mm = lambda x, w, offs: fp8_grouped_mm(x, w, offs, plain)  # noqa: E731
     T, k = top_ids.shape
     G, two_i, _ = gate_up.shape
     flat = top_ids.reshape(-1)  # [T*k]

@@ -255,6 +255,8 @@ class Decoder:
         if store.slots is not None and store.slots.fp8 and experts != "triton":
             raise ValueError(f"FP8 slots are read by decode's Triton experts (decode_experts 'triton'); this engine "
                              f"decodes with {experts!r} (slot_dtype 'model' keeps the slots in the compute dtype)")
+        # resident FP8 experts (fp8_dequant 'gemm'): Triton's experts read their values and scales as FP8 slots'
+        store.decode_reads_fp8 = experts == "triton"
         attention = self._auto(attention, "torch", decode_kernels.attention_applies(model.cfg.head_dim))
         self.moe = self._moe_function(experts)
         model.decode_attention_kernel = self._attention_kernel(attention)

@@ -42,12 +42,15 @@ Contract:
     the decode slots keep the bank's float8 values and row scales as they are (half the bytes of a slot in the
     compute dtype), and decode's Triton experts dequantize what they read (``decode_slot_scales``); a prefill
     copy from such a slot (``d2d_from_slot_cache``) is dequantized on the way.
+  * ``fp8_in_gemm`` (``EngineConfig.fp8_dequant = "gemm"``, an FP8 bank with per-row scales): nothing is
+    dequantized into a buffer. The prefill buffers and resident experts hold the bank's float8 values and row
+    scales as they are (``ops.moe.Fp8Experts``, about half the bytes), copies move them unchanged, and the
+    prefill's grouped GEMM reads them (``moe.fp8_grouped_mm``); no stage. Decode reads resident experts the way
+    it reads FP8 slots. A copy from slots in the compute dtype cannot fill such a buffer: it comes from the host.
 - Accounting: every expert copy adds to ``lifetime`` and ``request`` (``Traffic``): host->device bytes,
   device->device bytes, and the number of experts copied. ``bank_bytes`` is one full pass over all layers.
   ``measure_h2d_gbps`` times host->device copies of layer banks (not counted as traffic).
 """
-
-from __future__ import annotations
 
 from __future__ import annotations
 
@@ -61,6 +64,7 @@ import torch
 from abbench.engine.config import ModelConfig
 from abbench.engine.models.bank import FP8, ExpertBank, dequantize_into
 from abbench.engine.ops import kernels as decode_kernels
+from abbench.engine.ops.moe import Fp8Experts
 
 
 @dataclass
@@ -278,7 +282,8 @@ class ExpertStore:
     """Device side of the expert offload; see the module docstring."""
 
     def __init__(self, bank: ExpertBank, device: torch.device, slots_per_layer: int, resident: bool,
-                 d2d_from_slot_cache: bool, fp8_slots: bool = False, dequant_on_compute: bool = False):
+                 d2d_from_slot_cache: bool, fp8_slots: bool = False, dequant_on_compute: bool = False,
+                 fp8_in_gemm: bool = False):
         cfg = bank.cfg
         self.bank, self.device, self.d2d_from_slot_cache = bank, device, d2d_from_slot_cache
         self.cuda = device.type == "cuda"
@@ -291,8 +296,18 @@ class ExpertStore:
         self.startup_h2d_bytes = 0
         e, i, h = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
         dt = bank.compute_dtype
-        self.buf_gate_up = [torch.zeros((e, 2 * i, h), device=device, dtype=dt) for _ in range(2)]
-        self.buf_down = [torch.zeros((e, h, i), device=device, dtype=dt) for _ in range(2)]
+        if fp8_in_gemm and not (bank.fp8 and bank.block is None):
+            raise ValueError("fp8_dequant 'gemm' reads an FP8 bank's values and per-row scales in the grouped GEMM: "
+                             "the bank is not one (an FP8 checkpoint's block scales are dequantized by a pass)")
+        self.fp8_in_gemm = fp8_in_gemm
+        self.decode_reads_fp8 = False  # set by a Decoder whose Triton experts read FP8 values and scales
+        if fp8_in_gemm:
+            self.buf_gate_up = [Fp8Experts.empty(e, 2 * i, h, device) for _ in range(2)]
+            self.buf_down = [Fp8Experts.empty(e, h, i, device) for _ in range(2)]
+            dequant_on_compute = False
+        else:
+            self.buf_gate_up = [torch.zeros((e, 2 * i, h), device=device, dtype=dt) for _ in range(2)]
+            self.buf_down = [torch.zeros((e, h, i), device=device, dtype=dt) for _ in range(2)]
         if self.cuda:
             self.copy_stream = torch.cuda.Stream(device)
             self.ready = [torch.cuda.Event(), torch.cuda.Event()]
@@ -306,7 +321,7 @@ class ExpertStore:
         # stream beside the compute (``stream_layers``); the stage is then needed on every device
         self.dequant_on_compute = bank.fp8 and dequant_on_compute
         self._staged: list[int | None] = [None, None]  # per layer buffer: the layer waiting in the stage for it
-        if bank.fp8 and (self.cuda or self.dequant_on_compute):
+        if bank.fp8 and (self.cuda or self.dequant_on_compute) and not fp8_in_gemm:
             self.stage = (torch.empty((e, 2 * i, h), device=device, dtype=FP8),
                           torch.empty((e, h, i), device=device, dtype=FP8),
                           torch.empty(bank.gate_up_scale[0].shape, device=device, dtype=torch.float32),
@@ -317,8 +332,11 @@ class ExpertStore:
             if self.cuda or bank.fp8:  # all experts on the device in its dtype, copied (and dequantized) once
                 self.resident = []
                 for l in range(cfg.num_hidden_layers):
-                    gu = torch.empty((e, 2 * i, h), device=device, dtype=dt)
-                    dn = torch.empty((e, h, i), device=device, dtype=dt)
+                    if fp8_in_gemm:  # as the bank keeps them
+                        gu, dn = Fp8Experts.empty(e, 2 * i, h, device), Fp8Experts.empty(e, h, i, device)
+                    else:
+                        gu = torch.empty((e, 2 * i, h), device=device, dtype=dt)
+                        dn = torch.empty((e, h, i), device=device, dtype=dt)
                     self._h2d(gu, dn, l, 0, e, count=False)
                     self.resident.append((gu, dn))
                 self.startup_h2d_bytes = bank.bank_bytes if self.cuda else 0
@@ -354,9 +372,13 @@ class ExpertStore:
              count: bool = True) -> None:
         """Experts [a, b) of ``layer`` from the host bank into ``gate_up`` / ``down`` ([b - a, ...] on the device,
         the compute dtype), on the current stream, counted as b - a experts' bytes: a copy, or for FP8 a copy of
-        the values and scales (into the staging area on CUDA) and their dequantization."""
+        the values and scales (into the staging area on CUDA) and their dequantization; into ``Fp8Experts``
+        (``fp8_in_gemm``) the values and scales as they are."""
         bank = self.bank
-        if not bank.fp8:
+        if isinstance(gate_up, Fp8Experts):
+            gate_up.copy_(Fp8Experts(bank.gate_up[layer][a:b], bank.gate_up_scale[layer][a:b]), non_blocking=True)
+            down.copy_(Fp8Experts(bank.down[layer][a:b], bank.down_scale[layer][a:b]), non_blocking=True)
+        elif not bank.fp8:
             gate_up.copy_(bank.gate_up[layer][a:b], non_blocking=True)
             down.copy_(bank.down[layer][a:b], non_blocking=True)
         else:
@@ -386,7 +408,9 @@ class ExpertStore:
             self.drop_prime()  # whatever is about to be written over it
         self._staged[buf] = None
         bank, gu, dn = self.bank, self.buf_gate_up[buf], self.buf_down[buf]
-        cached = self.slots.layer_slots(layer) if (self.d2d_from_slot_cache and self.slots) else {}
+        # (buffers of FP8 values take a slot's only where the slots hold them too)
+        from_slots = self.d2d_from_slot_cache and self.slots and (self.slots.fp8 or not self.fp8_in_gemm)
+        cached = self.slots.layer_slots(layer) if from_slots else {}
         if len(experts) == bank.cfg.num_experts and not cached:  # the whole layer: two large transfers
             self._h2d(gu, dn, layer, 0, len(experts))
             return
@@ -401,7 +425,13 @@ class ExpertStore:
                 run = []
             if e >= 0 and e in cached:
                 s, c = cached[e], self.slots
-                if c.fp8:  # dequantized on the way, as a copy from the FP8 bank is
+                if isinstance(gu, Fp8Experts):  # as they are
+                    gu[e:e + 1].copy_(Fp8Experts(c.gate_up[layer][s:s + 1], c.gate_up_scale[layer][s:s + 1]),
+                                      non_blocking=True)
+                    dn[e:e + 1].copy_(Fp8Experts(c.down[layer][s:s + 1], c.down_scale[layer][s:s + 1]),
+                                      non_blocking=True)
+                    self._count(d2d=bank.expert_bytes, experts=1)
+                elif c.fp8:  # dequantized on the way, as a copy from the FP8 bank is
                     self._dequant(gu[e:e + 1], c.gate_up[layer][s:s + 1], c.gate_up_scale[layer][s:s + 1], None)
                     self._dequant(dn[e:e + 1], c.down[layer][s:s + 1], c.down_scale[layer][s:s + 1], None)
                     self._count(d2d=bank.expert_bytes, experts=1)
@@ -535,9 +565,14 @@ class ExpertStore:
 
     def decode_weights(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The tensors decode's grouped GEMM reads for ``layer``: resident experts [E, 2I, H], [E, H, I] or the
-        layer's slot block [S, 2I, H], [S, H, I]."""
+        layer's slot block [S, 2I, H], [S, H, I]. Resident FP8 experts (``fp8_in_gemm``): as ``Fp8Experts``, or
+        for a decoder whose Triton experts read FP8 (``decode_reads_fp8``) their values, the scales coming from
+        ``decode_slot_scales`` as FP8 slots' do."""
         if self.resident is not None:
-            return self.resident[layer]
+            gu, dn = self.resident[layer]
+            if isinstance(gu, Fp8Experts) and self.decode_reads_fp8:
+                return gu.values, dn.values
+            return gu, dn
         assert self.slots is not None
         return self.slots.gate_up[layer], self.slots.down[layer]
 
@@ -594,6 +629,9 @@ class ExpertStore:
     def decode_slot_scales(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """FP8 slots' row scales of ``layer`` (gate_up [S, 2I], down [S, H] float32: ``decode_kernels.moe_tokens``'
         ``slot_scales``); None where the slots hold the compute dtype (or the experts are resident)."""
+        if self.resident is not None and self.fp8_in_gemm and self.decode_reads_fp8:  # resident FP8 experts
+            gu, dn = self.resident[layer]
+            return gu.scales, dn.scales
         c = self.slots
         return (c.gate_up_scale[layer], c.down_scale[layer]) if c is not None and c.fp8 else None
 

@@ -8,7 +8,8 @@ Contract:
   every term named.
 - An FP8 bank (``EngineConfig.expert_dtype`` "fp8") keeps experts in the compute dtype on the device (buffers,
   resident experts) and adds a staging area of one layer's FP8 values and scales plus the dequantization's
-  float32 temporary (``staging_bytes``). Its decode slots hold its float8 values and row scales where decode's
+  float32 temporary (``staging_bytes``); with ``fp8_dequant`` "gemm" the buffers and resident experts hold its
+  FP8 values and row scales instead, and there is no stage. Its decode slots hold its float8 values and row scales where decode's
   Triton experts read them (``fp8_slots``: ``EngineConfig.slot_dtype``), about half a slot's bytes, so about
   twice the slots fit a budget; otherwise the compute dtype.
 - ``RUNTIME_RESERVE_BYTES``: what a budget sets aside beyond the engine's own tensors (CUDA context,
@@ -165,6 +166,10 @@ def plan_device_memory(config: EngineConfig, budget_bytes: int, slots_fp8: bool 
     slots_fp8 = fp8_slots(config) if slots_fp8 is None else slots_fp8
     expert = mc.expert_params * item
     layer_bank = mc.num_experts * expert
+    # an FP8 bank multiplied in the grouped GEMM (fp8_dequant 'gemm'): buffers and resident experts hold its values
+    # and row scales as they are, and nothing is staged
+    in_gemm = config.expert_dtype == "fp8" and config.fp8_dequant == "gemm"
+    device_layer = mc.num_experts * fp8_expert_bytes(mc) if in_gemm else layer_bank
     chunk = min(config.chunk_tokens, config.max_context)
     k, i, h = mc.num_experts_per_tok, mc.moe_intermediate_size, mc.hidden_size
     # one chunk: hidden states, q/k/v/attention output, and the MoE's [T*k, H] rows, [T*k, 2I] and [T*k, I]
@@ -192,11 +197,11 @@ def plan_device_memory(config: EngineConfig, budget_bytes: int, slots_fp8: bool 
     plan = dict(
         budget_bytes=int(budget_bytes), dense_bytes=dense_params(mc) * item,
         kv_bytes=config.max_num_seqs * kv_cache_bytes(mc, config.max_context, item), seqs=config.max_num_seqs,
-        prefill_buffer_bytes=2 * layer_bank, resident_bytes=mc.num_hidden_layers * layer_bank if resident else 0,
+        prefill_buffer_bytes=2 * device_layer, resident_bytes=mc.num_hidden_layers * device_layer if resident else 0,
         workspace_bytes=chunk_ws + parked + 2 * mc.vocab_size * 4, reserve_bytes=RUNTIME_RESERVE_BYTES,
         slot_bytes=mc.num_hidden_layers * (fp8_expert_bytes(mc) if slots_fp8 else expert), slots_per_layer=0,
         slot_dtype="fp8" if slots_fp8 else config.dtype,
-        staging_bytes=fp8_staging_bytes(mc) if config.expert_dtype == "fp8" else 0)
+        staging_bytes=fp8_staging_bytes(mc) if config.expert_dtype == "fp8" and not in_gemm else 0)
     fixed = MemoryPlan(**plan).fixed_bytes
     if resident:
         p = MemoryPlan(**plan)

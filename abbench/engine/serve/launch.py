@@ -99,7 +99,10 @@ def _engine_options(e: argparse._ArgumentGroup) -> None:
                    "experts, else model")
     e.add_argument("--fp8-dequant", default=None, choices=FP8_DEQUANT,
                    help="an fp8 bank's streamed prefill layers: dequantized on the compute stream at their turn "
-                   "(compute, the default) or on the copy stream right after their copy, beside the compute (copy)")
+                   "(compute, the default), on the copy stream right after their copy, beside the compute (copy), "
+                   "or never as a pass: the prefill's grouped GEMM reads the FP8 values and row scales (gemm; on "
+                   "CUDA a Triton kernel, in every prefill mode, resident included, so other bits than compute's; "
+                   "per-row scales only)")
     e.add_argument("--prefill-mode", default="chunked", choices=PREFILL_MODES)
     e.add_argument("--chunk-tokens", type=int, default=2048)
     e.add_argument("--layer-major-window-tokens", type=int, default=None)

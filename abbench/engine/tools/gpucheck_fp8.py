@@ -374,9 +374,11 @@ def profile_prefill(engine, prompt: list[int], top: int = 8, trace: Path | None 
     return out
 
 
-ENGINES = ("resident", "model-dtype", "fp8")  # prefill_profiles' engines, by their short names
+ENGINES = ("resident", "model-dtype", "fp8")  # prefill_profiles' default engines, by their short names
+KINDS = (*ENGINES, "resident-fp8")  # and the others --engines may name
 VARIANTS = {"eager": (", no prefill graphs", {"prefill_graphs": False}),  # NAME:VARIANT in --engines
             "copy-dequant": (", dequantized on the copy stream", {"fp8_dequant": "copy"}),
+            "gemm": (", FP8 in the GEMM", {"fp8_dequant": "gemm"}),
             "beside-copies": (", beside a bank's copies", {})}  # BesideCopies: the run, not the engine
 
 
@@ -391,7 +393,9 @@ def prefill_profiles(model: str, layers: int | None, tokens: int, chunk: int, de
     which of them (``ENGINES``' short names), in that order: one process's later engines run after the earlier
     ones' set-up and profiles, so the order is a variable of its own. A name may add variants (``VARIANTS``):
     ``:eager`` runs that engine without prefill graphs (``--no-prefill-graphs``), ``:copy-dequant`` dequantizes
-    an FP8 bank's layers on the copy stream (``--fp8-dequant copy``), to measure either in the same process;
+    an FP8 bank's layers on the copy stream (``--fp8-dequant copy``), ``:gemm`` multiplies its values and
+    scales in the grouped GEMM (``--fp8-dequant gemm``; with ``resident-fp8``, every expert resident in FP8, the
+    floor of that arithmetic), to measure either in the same process;
     ``:beside-copies`` runs each prefill beside a bank's worth of host-to-device copies on another stream
     (``BesideCopies``: ``resident:beside-copies`` is resident's compute beside the link's traffic of a streaming
     engine, which says whether DMA into device memory slows the kernels: the "rest" of the report's breakdown).
@@ -413,7 +417,8 @@ def prefill_profiles(model: str, layers: int | None, tokens: int, chunk: int, de
     rows = []
     kinds = {"resident": ("resident", dict(prefill_mode="resident")),
              "model-dtype": ("layer-major, model-dtype bank", streaming),
-             "fp8": ("layer-major, fp8 bank", dict(streaming, expert_dtype="fp8"))}
+             "fp8": ("layer-major, fp8 bank", dict(streaming, expert_dtype="fp8")),
+             "resident-fp8": ("resident, fp8 bank", dict(prefill_mode="resident", expert_dtype="fp8"))}
     for short in engines:
         kind, *variants = short.split(":")
         name, extra = kinds[kind]
@@ -470,9 +475,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget", type=float, default=None,
                    help="--prefill-tokens: the streaming engines' --gpu-memory-budget (GiB), as a service's")
     p.add_argument("--engines", default=",".join(ENGINES),
-                   help=f"--prefill-tokens: which engines, in this order (of {', '.join(ENGINES)}; NAME:eager "
-                        "without prefill graphs, NAME:copy-dequant with FP8 layers dequantized on the copy stream, "
-                        "NAME:beside-copies with a bank's worth of host-to-device copies beside each prefill)")
+                   help=f"--prefill-tokens: which engines, in this order (of {', '.join(KINDS)}; "
+                        "NAME:eager without prefill graphs, NAME:copy-dequant with FP8 layers dequantized on the copy "
+                        "stream, NAME:gemm with FP8 multiplied in the grouped GEMM, NAME:beside-copies with a bank's "
+                        "worth of host-to-device copies beside each prefill)")
     p.add_argument("--timed", type=int, default=3,
                    help="--prefill-tokens: unprofiled prefills per engine, timed (their median: 'timed ms')")
     p.add_argument("--trace-dir", type=Path, default=None,
@@ -486,8 +492,8 @@ def main(argv: list[str] | None = None) -> int:
     tokens = args.tokens or (2048 if cuda else 64)
     dtype = torch.bfloat16 if cuda else torch.float32
     engines = tuple(args.engines.split(","))
-    if not engines or not all(e.split(":")[0] in ENGINES and set(e.split(":")[1:]) <= set(VARIANTS) for e in engines):
-        p.error(f"--engines: a comma-separated list of {', '.join(ENGINES)}, each maybe with variants "
+    if not engines or not all(e.split(":")[0] in KINDS and set(e.split(":")[1:]) <= set(VARIANTS) for e in engines):
+        p.error(f"--engines: a comma-separated list of {', '.join(KINDS)}, each maybe with variants "
                 f"(NAME:{', NAME:'.join(VARIANTS)}), got {args.engines!r}")
     if args.prefill_tokens:
         layers = args.layers if args.layers is not None else (8 if cuda else None)
