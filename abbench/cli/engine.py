@@ -49,6 +49,10 @@ def memory_plan_cmd(
     slot_dtype: Annotated[str, typer.Option(help="The engine's --slot-dtype: auto (an fp8 bank's slots hold its "
                                                  "float8 values and row scales, as on CUDA with Triton's decode "
                                                  "experts), model or fp8.")] = "auto",
+    fp8_dequant: Annotated[str, typer.Option(help="The engine's --fp8-dequant for an fp8 bank: compute or copy "
+                                                  "(layers dequantized into buffers in --dtype, through the "
+                                                  "staging area) or gemm (buffers and resident experts hold the "
+                                                  "FP8 values and row scales, no staging area).")] = "compute",
 ) -> None:
     """What the vendored engine keeps on the GPU at each prefill chunk length, and the decode slot cache a
     budget leaves (the plan `--gpu-memory-budget` applies at start-up; no GPU needed). A longer chunk runs
@@ -82,7 +86,8 @@ def memory_plan_cmd(
                   + (f", {max_num_seqs} sequences" if max_num_seqs > 1 else "")
                   + (f", budget {budget:g} GiB" if budget is not None else "") + (", resident" if resident else "")
                   + (f", {expert_dtype} expert bank" if expert_dtype != "model" else "")
-                  + (f", {slot_dtype} slots" if slot_dtype != "auto" else ""))
+                  + (f", {slot_dtype} slots" if slot_dtype != "auto" else "")
+                  + (f", fp8 dequantized in the {fp8_dequant}" if fp8_dequant == "gemm" else ""))
     for col in ("chunk tokens", "KV (GiB)", "workspace (GiB)", "fixed (GiB)", "slots/layer", "slot cache (GiB)", "total (GiB)",
                 "note"):
         table.add_column(col, justify="left" if col == "note" else "right")
@@ -92,7 +97,8 @@ def memory_plan_cmd(
         try:
             cfg = EngineConfig(model=model, device="cuda", dtype=dtype, chunk_tokens=chunk, max_context=max_context,
                                prefill_mode="resident" if resident else "chunked", max_num_seqs=max_num_seqs,
-                               expert_dtype=expert_dtype, slot_dtype=slot_dtype, **knobs).resolved()
+                               expert_dtype=expert_dtype, slot_dtype=slot_dtype, fp8_dequant=fp8_dequant,
+                               **knobs).resolved()
         except (ValueError, AbbenchError) as e:
             _fail(e if isinstance(e, AbbenchError) else ConfigError(str(e)))
             return
