@@ -149,8 +149,8 @@ def test_fp8_in_the_gemm_keeps_the_banks_values_on_the_device_and_the_modes_equa
     if DEVICE == "cpu":
         assert default[:2] == ref[:2]
     else:
-        first, want = ref[1][0], default[1][0]
-        assert max(abs(first[t] - want[t]) for t in set(first) & set(want)) < 0.1
+        first, want = dict(ref[1][0]), dict(default[1][0])  # the first token's top-5: (id, logprob) pairs
+        assert first.keys() & want.keys() and max(abs(first[t] - want[t]) for t in first.keys() & want.keys()) < 0.1
 
 
 def test_fp8_in_the_gemm_decodes_from_fp8_slots_as_from_its_resident_experts(fp8_gemm) -> None:
