@@ -628,7 +628,8 @@ class ExpertStore:
 
     def decode_slot_scales(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """FP8 slots' row scales of ``layer`` (gate_up [S, 2I], down [S, H] float32: ``decode_kernels.moe_tokens``'
-        ``slot_scales``); None where the slots hold the compute dtype (or the experts are resident)."""
+        ``slot_scales``); resident FP8 experts' (``fp8_in_gemm``) for a decoder whose Triton experts read FP8; None
+        where the slots or resident experts hold the compute dtype, or the decoder's experts are torch's."""
         if self.resident is not None and self.fp8_in_gemm and self.decode_reads_fp8:  # resident FP8 experts
             gu, dn = self.resident[layer]
             return gu.scales, dn.scales
