@@ -51,8 +51,8 @@ def memory_plan_cmd(
                                                  "experts), model or fp8.")] = "auto",
     fp8_dequant: Annotated[str, typer.Option(help="The engine's --fp8-dequant for an fp8 bank: compute or copy "
                                                   "(layers dequantized into buffers in --dtype, through the "
-                                                  "staging area) or gemm (buffers and resident experts hold the "
-                                                  "FP8 values and row scales, no staging area).")] = "compute",
+                                                  "staging area) or gemm / w8a8 (buffers and resident experts "
+                                                  "hold the FP8 values and row scales, no staging area).")] = "compute",
 ) -> None:
     """What the vendored engine keeps on the GPU at each prefill chunk length, and the decode slot cache a
     budget leaves (the plan `--gpu-memory-budget` applies at start-up; no GPU needed). A longer chunk runs
@@ -87,7 +87,7 @@ def memory_plan_cmd(
                   + (f", budget {budget:g} GiB" if budget is not None else "") + (", resident" if resident else "")
                   + (f", {expert_dtype} expert bank" if expert_dtype != "model" else "")
                   + (f", {slot_dtype} slots" if slot_dtype != "auto" else "")
-                  + (f", fp8 dequantized in the {fp8_dequant}" if fp8_dequant == "gemm" else ""))
+                  + (f", fp8_dequant {fp8_dequant}" if fp8_dequant != "compute" else ""))
     for col in ("chunk tokens", "KV (GiB)", "workspace (GiB)", "fixed (GiB)", "slots/layer", "slot cache (GiB)", "total (GiB)",
                 "note"):
         table.add_column(col, justify="left" if col == "note" else "right")

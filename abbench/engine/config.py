@@ -45,7 +45,7 @@ from abbench.engine.shapes import (
 )
 
 __all__ = [
-    "ATTENTION_BATCH_MAX_CONTEXT", "DECODE_ATTENTION", "DECODE_EXPERTS", "DECODE_MISSES", "DTYPES", "EXPERT_DTYPES", "FP8_DEQUANT",
+    "ATTENTION_BATCH_MAX_CONTEXT", "DECODE_ATTENTION", "DECODE_EXPERTS", "DECODE_MISSES", "DTYPES", "EXPERT_DTYPES", "FP8_DEQUANT", "FP8_GEMM_MATH",
     "SLOT_DTYPES",
     "GDN_BLOCK",
     "HYBRID_MODEL_TYPES", "ITEMSIZE", "LAYER_TYPES", "MAX_ATTENTION_BATCH", "MAX_GROUPED_MM_GROUPS", "PREFILL_MODES", "PREFILL_PATHS", "PRESETS",
@@ -67,8 +67,11 @@ EXPERT_DTYPES = ("model", "fp8")
 SLOT_DTYPES = ("auto", "model", "fp8")
 # where an FP8 bank's streamed layers are dequantized (EngineConfig.fp8_dequant): "compute" on the compute stream
 # at the layer's turn, "copy" on the copy stream right after the copy, beside the compute (runtime.experts);
-# "gemm": never as a pass, the prefill's grouped GEMM reads the FP8 values and row scales (ops.moe.Fp8Experts)
-FP8_DEQUANT = ("compute", "copy", "gemm")
+# "gemm": never as a pass, the prefill's grouped GEMM reads the FP8 values and row scales (ops.moe.Fp8Experts);
+# "w8a8": likewise, and the activations are quantized per row too, the GEMM multiplying FP8 by FP8
+FP8_DEQUANT = ("compute", "copy", "gemm", "w8a8")
+# the prefill GEMM's arithmetic (ops.kernels.GROUPED_FP8_MATHS) where it reads an FP8 bank as it is
+FP8_GEMM_MATH = {"gemm": "bf16", "w8a8": "fp8"}
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 MAX_GROUPED_MM_GROUPS = 1023
 GDN_BLOCK = 64  # the gated delta rule's internal block length (fla's chunk size)
@@ -204,7 +207,8 @@ class EngineConfig:
     # copy stream right after their copy ("copy": its kernels run beside the compute and slowed it on the H200), or
     # in the prefill's grouped GEMM ("gemm": the device keeps the FP8 values and row scales, buffers and resident
     # experts alike, and no pass writes a dequantized layer; other bits than "compute"/"copy", the same in every
-    # prefill mode)
+    # prefill mode), and "w8a8" the same with the activations quantized per row to FP8 too and
+    # the GEMM in FP8 math (other numbers, judged as FP8's are: a numerics verdict)
     fp8_dequant: str = "compute"
     prefill_mode: str = "chunked"  # chunked | layer-major | demand | resident (the default of requests)
     chunk_tokens: int = 2048  # prefill chunk length, the same in every mode
@@ -290,9 +294,9 @@ class EngineConfig:
             raise ValueError(f"expert_dtype must be one of {EXPERT_DTYPES}, got {self.expert_dtype!r}")
         if self.fp8_dequant not in FP8_DEQUANT:
             raise ValueError(f"fp8_dequant must be one of {FP8_DEQUANT}, got {self.fp8_dequant!r}")
-        if self.fp8_dequant == "gemm" and self.expert_dtype != "fp8":
-            raise ValueError("fp8_dequant 'gemm' multiplies an FP8 bank's values in the grouped GEMM: it needs "
-                             "expert_dtype 'fp8'")
+        if self.fp8_dequant in FP8_GEMM_MATH and self.expert_dtype != "fp8":
+            raise ValueError(f"fp8_dequant {self.fp8_dequant!r} multiplies an FP8 bank's values in the grouped GEMM: "
+                             "it needs expert_dtype 'fp8'")
         if self.slot_dtype not in SLOT_DTYPES:
             raise ValueError(f"slot_dtype must be one of {SLOT_DTYPES}, got {self.slot_dtype!r}")
         if self.slot_dtype == "fp8" and self.expert_dtype != "fp8":

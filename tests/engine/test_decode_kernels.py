@@ -494,3 +494,34 @@ def test_the_fp8_grouped_gemm_multiplies_by_the_dequantized_weights(counts, conf
     assert got.shape == want.shape and torch.allclose(got.float(), want.float(), **tol)
     with pytest.raises(ValueError, match="float8_e4m3fn"):
         dk.grouped_mm_fp8(x, w, scale, offs)
+
+
+@pytest.mark.skipif(not _triton_runs_here(), reason="Triton runs on CUDA, or on CPU under TRITON_INTERPRET=1")
+@pytest.mark.parametrize("config", dk.GROUPED_FP8_CONFIGS[:2])
+@pytest.mark.parametrize("counts", [[5, 0, 70, 1, 0, 130], [64, 64]])
+def test_the_w8a8_grouped_gemm_is_the_fp8_products_scaled(counts, config):
+    """``grouped_mm_fp8(math="fp8")``: x quantized per row by ``quantize_rows_fp8`` (the bank's rule and torch's
+    bits: an all-zero row gets scale 1), the FP8 products summed in float32 and scaled by the row's and the
+    channel's scales, as ``moe.w8a8_reference`` computes; and within FP8's error of the bf16 GEMM over the dequantized weights."""
+    from abbench.engine.models.bank import dequantize, quantize_rows
+    from abbench.engine.ops.moe import Fp8Experts, quantize_rows_torch, w8a8_reference
+
+    dtype = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32
+    gen = torch.Generator().manual_seed(len(counts) + 7)
+    g, n, k = len(counts), 200, 96
+    w = (torch.randn(g, n, k, generator=gen) * k ** -0.5).to(DEVICE, dtype)
+    q, scale = quantize_rows(w)
+    x = torch.randn(sum(counts), k, generator=gen).to(DEVICE, dtype)
+    x[3] = 0
+    xq, xs = dk.quantize_rows_fp8(x)
+    tq, ts = quantize_rows_torch(x)
+    assert torch.equal(xs, ts) and xs[3] == 1 and torch.equal(xq.view(torch.uint8), tq.view(torch.uint8))
+    offs = torch.tensor(counts, device=DEVICE).cumsum(0).to(torch.int32)
+    got = dk.grouped_mm_fp8(x, q, scale, offs, config, math="fp8")
+    want = w8a8_reference(x, Fp8Experts(q, scale, "fp8"), offs, looped_mm)
+    assert got.shape == want.shape and torch.allclose(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+    assert (got[3] == 0).all()
+    bf16 = looped_mm(x, dequantize(q, scale, dtype), offs).float()
+    assert (got.float() - bf16).abs().max() <= 0.1 * bf16.abs().max()  # e4m3's 3 mantissa bits on x
+    with pytest.raises(ValueError, match="math"):
+        dk.grouped_mm_fp8(x, q, scale, offs, math="int8")

@@ -169,9 +169,30 @@ def test_fp8_in_the_gemm_decodes_from_fp8_slots_as_from_its_resident_experts(fp8
     assert got[2].first_layer_primed and got[:2] == want[:2]
 
 
+def test_w8a8_quantizes_the_activations_too_and_keeps_the_modes_equal(fp8) -> None:
+    """``fp8_dequant`` "w8a8": the same FP8 buffers and resident experts, the GEMM's activations quantized per row
+    and multiplied FP8 by FP8. Every prefill mode gives the same ids and logprobs, and the same bytes as the
+    default; the numbers move by the activations' rounding only, so the first token's logprobs stay near the
+    default's, and differ from them."""
+    w8a8 = _engine(prefill_mode="resident", expert_dtype="fp8", fp8_dequant="w8a8")
+    assert {gu.math for gu, _ in w8a8.store.resident} == {"fp8"} and w8a8.store.buf_down[1].math == "fp8"
+    ids = _prompt(150, seed=13)
+    ref = _run(w8a8, ids, "chunked")
+    for mode in MODES[1:]:
+        got = _run(w8a8, ids, mode)
+        assert got[:2] == ref[:2], mode
+        if mode != "resident":
+            assert got[2].prefill_h2d_bytes == _run(fp8, ids, mode)[2].prefill_h2d_bytes, mode
+    default = _run(fp8, ids, "layer-major")
+    first, want = dict(ref[1][0]), dict(default[1][0])
+    common = first.keys() & want.keys()
+    assert common and max(abs(first[t] - want[t]) for t in common) < 0.2 and ref[1] != default[1]
+
+
 def test_fp8_in_the_gemm_is_refused_where_there_is_no_fp8_bank_with_row_scales(fp8_checkpoint) -> None:
-    with pytest.raises(ValueError, match="needs expert_dtype 'fp8'"):
-        EngineConfig(model=MINI, fp8_dequant="gemm")
+    for way in ("gemm", "w8a8"):
+        with pytest.raises(ValueError, match="needs expert_dtype 'fp8'"):
+            EngineConfig(model=MINI, fp8_dequant=way)
     with pytest.raises(ValueError, match="block scales"):
         _ckpt_engine(fp8_checkpoint[0], expert_dtype="fp8", fp8_dequant="gemm")
 

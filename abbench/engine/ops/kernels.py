@@ -545,8 +545,9 @@ DEQUANT_PROGRAMS: int | None = None  # dequantize_fp8's default grid: None, a pr
 
 if triton is not None:
     @triton.jit
-    def _grouped_mm_fp8(x_ptr, q_ptr, s_ptr, offs_ptr, tiles_ptr, y_ptr, N, K, G: tl.constexpr,
-                        G_POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _grouped_mm_fp8(x_ptr, xs_ptr, q_ptr, s_ptr, offs_ptr, tiles_ptr, y_ptr, N, K, G: tl.constexpr,
+                        G_POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        FP8_MATH: tl.constexpr):
         # program (m, n): the m-th row tile over all groups (group g owns tiles [tiles[g-1], tiles[g])), the n-th
         # column tile; programs past the last tile return
         pid_m, pid_n = tl.program_id(0), tl.program_id(1)
@@ -570,11 +571,47 @@ if triton is not None:
                             mask=live_r[:, None] & live_k[None, :], other=0.0)  # [BM, BK]
                 w = tl.load(w_base + cols.to(tl.int64)[None, :] * K + ks[:, None],
                             mask=live_c[None, :] & live_k[:, None], other=0.0)  # [BK, BN] float8
-                # the weight as dequantize_fp8 writes it: float32 times its row's scale, rounded once
-                w = (w.to(tl.float32) * scale[None, :]).to(x_ptr.dtype.element_ty)
-                acc = tl.dot(a, w, acc)
+                if not FP8_MATH:  # the weight as dequantize_fp8 writes it: float32 times its row's scale, rounded once
+                    w = (w.to(tl.float32) * scale[None, :]).to(x_ptr.dtype.element_ty)
+                acc = tl.dot(a, w, acc)  # FP8_MATH: float8 x float8 (the tensor cores' FP8 math), float32 sums
+            if FP8_MATH:  # both scales after the sums: the row's activation scale and the channel's weight scale
+                xs = tl.load(xs_ptr + rows, mask=live_r, other=0.0)  # [BM] float32
+                acc = acc * xs[:, None] * scale[None, :]
             tl.store(y_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :], acc.to(y_ptr.dtype.element_ty),
                      mask=live_r[:, None] & live_c[None, :])
+
+    @triton.jit
+    def _round_e4m3(v):
+        # v (float32, |v| <= 448) rounded to the nearest float8 e4m3 value, ties to even, in float32 arithmetic,
+        # so the conversion after it is exact (Triton's interpreter loses the carry where rounding up reaches the
+        # next power of two: 125.3 became 64): torch's .to(float8_e4m3fn) bits, the sign of a zero included
+        e = ((v.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127  # the exponent of |v|
+        e = tl.maximum(e, -6) - 3  # e4m3's step at that magnitude: 2^(e - 3), subnormals 2^-9
+        step = ((e + 127) << 23).to(tl.float32, bitcast=True)
+        big = 12582912.0  # 1.5 * 2^23: adding and subtracting it rounds to an integer, ties to even
+        r = tl.abs(((v / step + big) - big) * step)
+        sign = v.to(tl.int32, bitcast=True) & -2147483648
+        return (r.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _quantize_rows_fp8(x_ptr, q_ptr, s_ptr, K, BLOCK_K: tl.constexpr):
+        # program r: row r of x [M, K] as float8 e4m3 with one float32 scale (its largest magnitude / 448, 1 for
+        # an all-zero row), the values divided by it (IEEE division, as torch's): bank.quantize_rows' rule and
+        # bits
+        r = tl.program_id(0).to(tl.int64)
+        amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            v = tl.load(x_ptr + r * K + ks, mask=ks < K, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(v))
+        scale = tl.div_rn(tl.max(amax, axis=0), 448.0)
+        scale = tl.where(scale > 0, scale, 1.0)
+        tl.store(s_ptr + r, scale)
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            v = tl.load(x_ptr + r * K + ks, mask=ks < K, other=0.0).to(tl.float32)
+            q = tl.minimum(tl.maximum(tl.div_rn(v, scale), -448.0), 448.0)
+            tl.store(q_ptr + r * K + ks, _round_e4m3(q).to(tl.float8e4nv), mask=ks < K)
 
 
 GROUPED_FP8_CONFIG = (128, 128, 64, 8, 3)
@@ -586,8 +623,28 @@ GROUPED_FP8_CONFIGS = ((64, 128, 64, 4, 3), (128, 128, 64, 8, 3), (64, 128, 128,
 """The launches ``tools.gpucheck_fp8`` times (1.195-1.390 ms for that chunk on the H200)."""
 
 
+def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (contiguous, any float dtype) as float8 e4m3 with one float32 scale per row: (q [M, K], scale
+    [M]), ``bank.quantize_rows``' rule and bits (``moe.quantize_rows_torch``) in one Triton kernel, a program per
+    row."""
+    if triton is None:
+        raise RuntimeError("quantize_rows_fp8 needs Triton")
+    m, k = x.shape
+    q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty(m, dtype=torch.float32, device=x.device)
+    if m:
+        _quantize_rows_fp8[(m,)](x, q, scale, k, BLOCK_K=min(1024, next_pow2(k)), num_warps=4)
+    return q, scale
+
+
+GROUPED_FP8_MATHS = ("bf16", "fp8")
+"""``grouped_mm_fp8``'s arithmetic: "bf16", weight-only (each weight tile dequantized as ``dequantize_fp8`` writes
+it, multiplied with x in x's dtype); "fp8", W8A8 (x quantized per row to e4m3 too, ``quantize_rows_fp8``, and
+multiplied by the FP8 weights in the tensor cores' FP8 math, both scales applied to the float32 sums)."""
+
+
 def grouped_mm_fp8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, offs: torch.Tensor,
-                   config: tuple[int, int, int, int, int] = GROUPED_FP8_CONFIG) -> torch.Tensor:
+                   config: tuple[int, int, int, int, int] = GROUPED_FP8_CONFIG, math: str = "bf16") -> torch.Tensor:
     """``moe.grouped_mm`` over FP8 weights, dequantized in the GEMM's inner loop: x [M, K] (rows grouped by
     expert, ``offs`` [G] int32 the end row of each group), q [G, N, K] float8 e4m3 with row scales ``scale``
     [G, N] float32 (an FP8 bank's layout). Each weight tile is computed as ``dequantize_fp8`` writes it (float32
@@ -595,7 +652,9 @@ def grouped_mm_fp8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, offs: 
     weights are those of the dequantized layer; the sums' order is this kernel's own (not cuBLAS's bits). What it
     saves is the dequantization's pass over the layer (the FP8 values read and the bf16 weights written and read
     again). No host synchronisation: the row tiles of each group come from ``offs`` on the device. Returns
-    [M, N] in x's dtype. The engine's prefill runs it with ``--fp8-dequant gemm`` (``moe.fp8_grouped_mm``);
+    [M, N] in x's dtype. ``math`` "fp8" (``GROUPED_FP8_MATHS``) quantizes x per row and multiplies FP8 by FP8
+    instead: other numbers (the activations rounded to e4m3), twice the tensor cores' bf16 rate on Hopper.
+    The engine's prefill runs it with ``--fp8-dequant gemm`` / ``w8a8`` (``moe.fp8_grouped_mm``);
     ``tools.gpucheck_fp8`` times it against dequantization plus the grouped GEMM: on the H200 it is slower than
     torch's grouped GEMM by more than one pass saves once a layer has more than about 4 chunks
     (results/20261205s-h200-fp8-gemm)."""
@@ -607,15 +666,18 @@ def grouped_mm_fp8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, offs: 
                          f"{list(x.shape)}, {list(q.shape)} {q.dtype}, {list(scale.shape)}, {list(offs.shape)}")
     if not (x.is_contiguous() and q.is_contiguous() and scale.is_contiguous()):
         raise ValueError("grouped_mm_fp8: x, q and scale contiguous")
+    if math not in GROUPED_FP8_MATHS:
+        raise ValueError(f"grouped_mm_fp8: math must be one of {GROUPED_FP8_MATHS}, got {math!r}")
     bm, bn, bk, warps, stages = config
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0 or g == 0:
         return y
+    xq, xs = quantize_rows_fp8(x) if math == "fp8" else (x, scale)  # (xs unread for bf16)
     counts = torch.diff(offs.to(torch.int64), prepend=offs.new_zeros(1, dtype=torch.int64))  # [G]
     tiles = torch.cumsum((counts + bm - 1) // bm, 0).to(torch.int32)  # [G] cumulative row tiles
     grid = (triton.cdiv(m, bm) + g, triton.cdiv(n, bn))  # at most one partial tile a group: enough programs
-    _grouped_mm_fp8[grid](x, q, scale, offs, tiles, y, n, k, G=g, G_POW2=next_pow2(g), BLOCK_M=bm, BLOCK_N=bn,
-                          BLOCK_K=bk, num_warps=warps, num_stages=stages)
+    _grouped_mm_fp8[grid](xq, xs, q, scale, offs, tiles, y, n, k, G=g, G_POW2=next_pow2(g), BLOCK_M=bm,
+                          BLOCK_N=bn, BLOCK_K=bk, FP8_MATH=math == "fp8", num_warps=warps, num_stages=stages)
     return y
 
 

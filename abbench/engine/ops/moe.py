@@ -11,9 +11,11 @@ that say whether ``torch._grouped_mm`` runs (and captures in a CUDA graph) on a 
   where the grouped GEMM fails (``expert_kernel`` says which). At most ``MAX_GROUPED_MM_GROUPS`` groups, on
   every device (``TooManyGroups``), so CPU tests see CUDA's limit.
 - ``Fp8Experts``: a layer's (or a slice's) experts as an FP8 bank keeps them, float8 e4m3 values and float32
-  row scales, which ``moe_experts`` multiplies without a dequantized copy (``--fp8-gemm fused``): on CUDA through
-  ``kernels.grouped_mm_fp8`` (the values and scales read in the GEMM's inner loop), elsewhere by dequantizing
-  into a temporary (the same weights, bit for bit) and the grouped GEMM.
+  row scales, which ``moe_experts`` multiplies without a dequantized copy (``--fp8-dequant gemm``, ``w8a8``): on
+  CUDA through ``kernels.grouped_mm_fp8`` (the values and scales read in the GEMM's inner loop; with ``math``
+  "fp8" the activations quantized per row and FP8 multiplied by FP8), elsewhere in torch: the weights
+  dequantized into a temporary (the same weights, bit for bit) and the grouped GEMM, or for "fp8" the
+  activations quantized as ``bank.quantize_rows`` does and the FP8 values multiplied in float32.
 - ``router_skew_bias``: per layer a logit bias that concentrates random weights' routing as a trained router's.
 """
 
@@ -109,10 +111,12 @@ class Fp8Experts:
     """Experts as an FP8 bank keeps them: ``values`` [G, N, K] float8 e4m3 and their row scales ``scales``
     [G, N] float32; the weight is ``values * scales`` computed in float32 and rounded once to the compute
     dtype (``bank.dequantize_into``'s per-row rule). ``moe_experts`` takes them where it takes [G, N, K]
-    weights. A slice (``[a:b]``) views both."""
+    weights, multiplying them in ``math`` (``kernels.GROUPED_FP8_MATHS``: "bf16" weight-only, "fp8" W8A8). A
+    slice (``[a:b]``) views both."""
 
     values: torch.Tensor
     scales: torch.Tensor
+    math: str = "bf16"
 
     @property
     def shape(self) -> torch.Size:
@@ -122,7 +126,7 @@ class Fp8Experts:
         return self.values.data_ptr()
 
     def __getitem__(self, index) -> Fp8Experts:
-        return Fp8Experts(self.values[index], self.scales[index])
+        return Fp8Experts(self.values[index], self.scales[index], self.math)
 
     def copy_(self, other: Fp8Experts, non_blocking: bool = False) -> Fp8Experts:
         self.values.copy_(other.values, non_blocking=non_blocking)
@@ -130,21 +134,44 @@ class Fp8Experts:
         return self
 
     @staticmethod
-    def empty(groups: int, n: int, k: int, device: torch.device | str) -> Fp8Experts:
+    def empty(groups: int, n: int, k: int, device: torch.device | str, math: str = "bf16") -> Fp8Experts:
         return Fp8Experts(torch.empty((groups, n, k), device=device, dtype=torch.float8_e4m3fn),
-                          torch.empty((groups, n), device=device, dtype=torch.float32))
+                          torch.empty((groups, n), device=device, dtype=torch.float32), math)
 
 
 def fp8_grouped_mm(x: torch.Tensor, w: Fp8Experts, offs: torch.Tensor, mm=grouped_mm) -> torch.Tensor:
-    """``mm(x, w, offs)`` over FP8 experts -> [M, N] in x's dtype. On CUDA ``kernels.grouped_mm_fp8``: the tile
-    dequantized in registers, its own summation order (so every prefill mode of an engine that uses it must,
-    to share bits). Elsewhere the weights dequantized into a temporary and ``mm``: bitwise the grouped GEMM over
-    a dequantized layer."""
+    """``mm(x, w, offs)`` over FP8 experts in ``w.math`` -> [M, N] in x's dtype. On CUDA
+    ``kernels.grouped_mm_fp8``: its own summation order (so every prefill mode of an engine that uses it must, to
+    share bits). Elsewhere, "bf16": the weights dequantized into a temporary and ``mm``, bitwise the grouped GEMM
+    over a dequantized layer; "fp8": ``w8a8_reference``."""
     check_groups(w.values)
     if x.is_cuda:
-        return kernels.grouped_mm_fp8(x, w.values, w.scales, offs)
+        return kernels.grouped_mm_fp8(x, w.values, w.scales, offs, math=w.math)
+    if w.math == "fp8":
+        return w8a8_reference(x, w, offs, mm)
     dense = (w.values.to(torch.float32) * w.scales.unsqueeze(-1)).to(x.dtype)  # [G, N, K]
     return mm(x, dense, offs)
+
+
+def quantize_rows_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] as float8 e4m3 and one float32 scale per row, ``bank.quantize_rows``' rule (largest magnitude /
+    448, 1 for an all-zero row, the values divided by a tensor of scales)."""
+    x32 = x.to(torch.float32)
+    amax = x32.abs().amax(dim=-1)
+    scale = amax / torch.full_like(amax, 448.0)
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    return (x32 / scale.unsqueeze(-1)).clamp_(-448.0, 448.0).to(torch.float8_e4m3fn), scale
+
+
+def w8a8_reference(x: torch.Tensor, w: Fp8Experts, offs: torch.Tensor, mm=grouped_mm) -> torch.Tensor:
+    """The W8A8 grouped GEMM in torch: x quantized per row (``quantize_rows_torch``), its FP8 values times the
+    weights' FP8 values summed in float32 (``mm``), then times the row's and the channel's scales -> [M, N] in
+    x's dtype. What ``kernels.grouped_mm_fp8(math="fp8")`` computes, in another summation order."""
+    xq, xs = quantize_rows_torch(x)
+    acc = mm(xq.to(torch.float32), w.values.to(torch.float32), offs)  # [M, N]
+    counts = torch.diff(offs.to(torch.int64), prepend=offs.new_zeros(1, dtype=torch.int64))  # [G]
+    group = torch.repeat_interleave(torch.arange(len(counts), device=x.device), counts)  # [M] each row's expert
+    return (acc * xs.unsqueeze(-1) * w.scales[group]).to(x.dtype)
 
 
 def moe_experts(h: torch.Tensor, top_w: torch.Tensor, top_ids: torch.Tensor, gate_up: torch.Tensor | Fp8Experts,

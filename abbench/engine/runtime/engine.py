@@ -44,7 +44,7 @@ from collections.abc import Iterator
 import torch
 
 from abbench.engine.config import (
-    MAX_ATTENTION_BATCH, PREFILL_MODES, PREFILL_PATHS, EngineConfig, ModelConfig, check_hybrid_chunk,
+    FP8_GEMM_MATH, MAX_ATTENTION_BATCH, PREFILL_MODES, PREFILL_PATHS, EngineConfig, ModelConfig, check_hybrid_chunk,
 )
 from abbench.engine.runtime.memory import GIB, MemoryPlan, dense_params, fp8_slots, plan_device_memory
 from abbench.engine.contract import (
@@ -105,11 +105,13 @@ class Engine:
         with self._on_device():
             fp8 = cfg.expert_dtype == "fp8"  # an FP8 checkpoint's experts then keep their block scales
             block = fp8_block_size(cfg.weights) if fp8 and not cfg.weights.startswith("random:") else None
-            if cfg.fp8_dequant == "gemm" and block is not None:
-                raise ValueError(f"fp8_dequant 'gemm' reads per-row scales in the grouped GEMM; {cfg.weights} has "
-                                 f"{block[0]}x{block[1]} block scales (use fp8_dequant 'compute')")
-            if cfg.fp8_dequant == "gemm" and self.device.type == "cuda" and not decode_kernels.have_triton():
-                raise ValueError("fp8_dequant 'gemm' runs Triton's grouped GEMM over FP8 on CUDA: install Triton")
+            gemm_math = FP8_GEMM_MATH.get(cfg.fp8_dequant) if fp8 else None  # the prefill GEMM reads FP8
+            if gemm_math and block is not None:
+                raise ValueError(f"fp8_dequant {cfg.fp8_dequant!r} reads per-row scales in the grouped GEMM; "
+                                 f"{cfg.weights} has {block[0]}x{block[1]} block scales (use fp8_dequant 'compute')")
+            if gemm_math and self.device.type == "cuda" and not decode_kernels.have_triton():
+                raise ValueError(f"fp8_dequant {cfg.fp8_dequant!r} runs Triton's grouped GEMM over FP8 on CUDA: "
+                                 "install Triton")
             # decode's slots hold the FP8 bank's own values and row scales where Triton's experts read them
             self.fp8_slots = fp8_slots(cfg, block, triton=decode_kernels.have_triton())
             self.memory_plan = self._plan_memory()
@@ -127,7 +129,7 @@ class Engine:
             mark("weights")
             self.store = ExpertStore(bank, self.device, self.slots_per_layer, resident, cfg.d2d_from_slot_cache,
                                      fp8_slots=self.fp8_slots, dequant_on_compute=cfg.fp8_dequant == "compute",
-                                     fp8_in_gemm=cfg.fp8_dequant == "gemm")
+                                     fp8_gemm_math=gemm_math)
             self.scheduler = Scheduler(self, self.caches)
             self.decoder = Decoder(self.model, self.store, self.caches, graphs=cfg.decode_graphs,
                                    experts=cfg.decode_experts, attention=cfg.decode_attention,

@@ -42,11 +42,11 @@ Contract:
     the decode slots keep the bank's float8 values and row scales as they are (half the bytes of a slot in the
     compute dtype), and decode's Triton experts dequantize what they read (``decode_slot_scales``); a prefill
     copy from such a slot (``d2d_from_slot_cache``) is dequantized on the way.
-  * ``fp8_in_gemm`` (``EngineConfig.fp8_dequant = "gemm"``, an FP8 bank with per-row scales): nothing is
-    dequantized into a buffer. The prefill buffers and resident experts hold the bank's float8 values and row
+  * ``fp8_gemm_math`` (``EngineConfig.fp8_dequant`` "gemm" or "w8a8", an FP8 bank with per-row scales): nothing
+    is dequantized into a buffer. The prefill buffers and resident experts hold the bank's float8 values and row
     scales as they are (``ops.moe.Fp8Experts``, about half the bytes), copies move them unchanged, and the
-    prefill's grouped GEMM reads them (``moe.fp8_grouped_mm``); no stage. Decode reads resident experts the way
-    it reads FP8 slots. A copy from slots in the compute dtype cannot fill such a buffer: it comes from the host.
+    prefill's grouped GEMM reads them in that math (``moe.fp8_grouped_mm``); no stage. Decode reads resident
+    experts the way it reads FP8 slots. A copy from slots in the compute dtype cannot fill such a buffer: it comes from the host.
 - Accounting: every expert copy adds to ``lifetime`` and ``request`` (``Traffic``): host->device bytes,
   device->device bytes, and the number of experts copied. ``bank_bytes`` is one full pass over all layers.
   ``measure_h2d_gbps`` times host->device copies of layer banks (not counted as traffic).
@@ -283,7 +283,7 @@ class ExpertStore:
 
     def __init__(self, bank: ExpertBank, device: torch.device, slots_per_layer: int, resident: bool,
                  d2d_from_slot_cache: bool, fp8_slots: bool = False, dequant_on_compute: bool = False,
-                 fp8_in_gemm: bool = False):
+                 fp8_gemm_math: str | None = None):
         cfg = bank.cfg
         self.bank, self.device, self.d2d_from_slot_cache = bank, device, d2d_from_slot_cache
         self.cuda = device.type == "cuda"
@@ -296,14 +296,18 @@ class ExpertStore:
         self.startup_h2d_bytes = 0
         e, i, h = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
         dt = bank.compute_dtype
-        if fp8_in_gemm and not (bank.fp8 and bank.block is None):
-            raise ValueError("fp8_dequant 'gemm' reads an FP8 bank's values and per-row scales in the grouped GEMM: "
-                             "the bank is not one (an FP8 checkpoint's block scales are dequantized by a pass)")
-        self.fp8_in_gemm = fp8_in_gemm
+        if fp8_gemm_math and not (bank.fp8 and bank.block is None):
+            raise ValueError("a grouped GEMM over FP8 (fp8_dequant 'gemm', 'w8a8') reads an FP8 bank's values and "
+                             "per-row scales: the bank is not one (an FP8 checkpoint's block scales are dequantized "
+                             "by a pass)")
+        # the prefill's grouped GEMM reads the FP8 values and scales, in this math ("bf16", "fp8"); None: it reads
+        # weights dequantized into the compute dtype
+        self.fp8_gemm_math = fp8_gemm_math
+        fp8_in_gemm = fp8_gemm_math is not None
         self.decode_reads_fp8 = False  # set by a Decoder whose Triton experts read FP8 values and scales
         if fp8_in_gemm:
-            self.buf_gate_up = [Fp8Experts.empty(e, 2 * i, h, device) for _ in range(2)]
-            self.buf_down = [Fp8Experts.empty(e, h, i, device) for _ in range(2)]
+            self.buf_gate_up = [Fp8Experts.empty(e, 2 * i, h, device, fp8_gemm_math) for _ in range(2)]
+            self.buf_down = [Fp8Experts.empty(e, h, i, device, fp8_gemm_math) for _ in range(2)]
             dequant_on_compute = False
         else:
             self.buf_gate_up = [torch.zeros((e, 2 * i, h), device=device, dtype=dt) for _ in range(2)]
@@ -333,7 +337,8 @@ class ExpertStore:
                 self.resident = []
                 for l in range(cfg.num_hidden_layers):
                     if fp8_in_gemm:  # as the bank keeps them
-                        gu, dn = Fp8Experts.empty(e, 2 * i, h, device), Fp8Experts.empty(e, h, i, device)
+                        gu = Fp8Experts.empty(e, 2 * i, h, device, fp8_gemm_math)
+                        dn = Fp8Experts.empty(e, h, i, device, fp8_gemm_math)
                     else:
                         gu = torch.empty((e, 2 * i, h), device=device, dtype=dt)
                         dn = torch.empty((e, h, i), device=device, dtype=dt)
@@ -373,7 +378,7 @@ class ExpertStore:
         """Experts [a, b) of ``layer`` from the host bank into ``gate_up`` / ``down`` ([b - a, ...] on the device,
         the compute dtype), on the current stream, counted as b - a experts' bytes: a copy, or for FP8 a copy of
         the values and scales (into the staging area on CUDA) and their dequantization; into ``Fp8Experts``
-        (``fp8_in_gemm``) the values and scales as they are."""
+        (``fp8_gemm_math``) the values and scales as they are."""
         bank = self.bank
         if isinstance(gate_up, Fp8Experts):
             gate_up.copy_(Fp8Experts(bank.gate_up[layer][a:b], bank.gate_up_scale[layer][a:b]), non_blocking=True)
@@ -409,7 +414,7 @@ class ExpertStore:
         self._staged[buf] = None
         bank, gu, dn = self.bank, self.buf_gate_up[buf], self.buf_down[buf]
         # (buffers of FP8 values take a slot's only where the slots hold them too)
-        from_slots = self.d2d_from_slot_cache and self.slots and (self.slots.fp8 or not self.fp8_in_gemm)
+        from_slots = self.d2d_from_slot_cache and self.slots and (self.slots.fp8 or not self.fp8_gemm_math)
         cached = self.slots.layer_slots(layer) if from_slots else {}
         if len(experts) == bank.cfg.num_experts and not cached:  # the whole layer: two large transfers
             self._h2d(gu, dn, layer, 0, len(experts))
@@ -565,7 +570,7 @@ class ExpertStore:
 
     def decode_weights(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The tensors decode's grouped GEMM reads for ``layer``: resident experts [E, 2I, H], [E, H, I] or the
-        layer's slot block [S, 2I, H], [S, H, I]. Resident FP8 experts (``fp8_in_gemm``): as ``Fp8Experts``, or
+        layer's slot block [S, 2I, H], [S, H, I]. Resident FP8 experts (``fp8_gemm_math``): as ``Fp8Experts``, or
         for a decoder whose Triton experts read FP8 (``decode_reads_fp8``) their values, the scales coming from
         ``decode_slot_scales`` as FP8 slots' do."""
         if self.resident is not None:
@@ -628,9 +633,9 @@ class ExpertStore:
 
     def decode_slot_scales(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """FP8 slots' row scales of ``layer`` (gate_up [S, 2I], down [S, H] float32: ``decode_kernels.moe_tokens``'
-        ``slot_scales``); resident FP8 experts' (``fp8_in_gemm``) for a decoder whose Triton experts read FP8; None
+        ``slot_scales``); resident FP8 experts' (``fp8_gemm_math``) for a decoder whose Triton experts read FP8; None
         where the slots or resident experts hold the compute dtype, or the decoder's experts are torch's."""
-        if self.resident is not None and self.fp8_in_gemm and self.decode_reads_fp8:  # resident FP8 experts
+        if self.resident is not None and self.fp8_gemm_math and self.decode_reads_fp8:  # resident FP8 experts
             gu, dn = self.resident[layer]
             return gu.scales, dn.scales
         c = self.slots

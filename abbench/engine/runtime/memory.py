@@ -8,9 +8,9 @@ Contract:
   every term named.
 - An FP8 bank (``EngineConfig.expert_dtype`` "fp8") keeps experts in the compute dtype on the device (buffers,
   resident experts) and adds a staging area of one layer's FP8 values and scales plus the dequantization's
-  float32 temporary (``staging_bytes``); with ``fp8_dequant`` "gemm" the buffers and resident experts hold its
-  FP8 values and row scales instead, and there is no stage. Its decode slots hold its float8 values and row scales where decode's
-  Triton experts read them (``fp8_slots``: ``EngineConfig.slot_dtype``), about half a slot's bytes, so about
+  float32 temporary (``staging_bytes``); with ``fp8_dequant`` "gemm" or "w8a8" the buffers and resident
+  experts hold its FP8 values and row scales instead, and there is no stage. Its decode slots hold its float8
+  values and row scales where decode's Triton experts read them (``fp8_slots``: ``EngineConfig.slot_dtype``), about half a slot's bytes, so about
   twice the slots fit a budget; otherwise the compute dtype.
 - ``RUNTIME_RESERVE_BYTES``: what a budget sets aside beyond the engine's own tensors (CUDA context,
   cuBLAS/CUTLASS workspaces, Triton's and the graphs' pools, allocator slack), so that the process as the driver
@@ -28,7 +28,7 @@ from __future__ import annotations
 import importlib.util
 from dataclasses import dataclass
 
-from abbench.engine.config import ITEMSIZE, EngineConfig, HybridConfig, ModelConfig, Qwen4Config
+from abbench.engine.config import FP8_GEMM_MATH, ITEMSIZE, EngineConfig, HybridConfig, ModelConfig, Qwen4Config
 
 GIB = 2**30
 RUNTIME_RESERVE_BYTES = 2 * GIB
@@ -168,7 +168,7 @@ def plan_device_memory(config: EngineConfig, budget_bytes: int, slots_fp8: bool 
     layer_bank = mc.num_experts * expert
     # an FP8 bank multiplied in the grouped GEMM (fp8_dequant 'gemm'): buffers and resident experts hold its values
     # and row scales as they are, and nothing is staged
-    in_gemm = config.expert_dtype == "fp8" and config.fp8_dequant == "gemm"
+    in_gemm = config.expert_dtype == "fp8" and config.fp8_dequant in FP8_GEMM_MATH
     device_layer = mc.num_experts * fp8_expert_bytes(mc) if in_gemm else layer_bank
     chunk = min(config.chunk_tokens, config.max_context)
     k, i, h = mc.num_experts_per_tok, mc.moe_intermediate_size, mc.hidden_size

@@ -102,7 +102,8 @@ def _engine_options(e: argparse._ArgumentGroup) -> None:
                    "(compute, the default), on the copy stream right after their copy, beside the compute (copy), "
                    "or never as a pass: the prefill's grouped GEMM reads the FP8 values and row scales (gemm; on "
                    "CUDA a Triton kernel, in every prefill mode, resident included, so other bits than compute's; "
-                   "per-row scales only)")
+                   "per-row scales only); w8a8: as gemm, with the activations quantized per row to FP8 too and "
+                   "the GEMM in FP8 math (other numbers: judge such an arm by numerics)")
     e.add_argument("--prefill-mode", default="chunked", choices=PREFILL_MODES)
     e.add_argument("--chunk-tokens", type=int, default=2048)
     e.add_argument("--layer-major-window-tokens", type=int, default=None)

@@ -16,7 +16,8 @@ For one layer of the preset's routed experts (random bf16 weights, quantized per
   the same chunk (and whether it agrees with the GEMM over the dequantized layer): its time over the grouped
   GEMM's against one dequantization pass. Layer-major dequantizes a layer once and runs the GEMM once per chunk,
   so the kernel wins where a layer's chunks are fewer than ``break_even_chunks`` (8 at 16K, 16 at 32K in
-  2,048-token chunks). The pass, in series on a saturated GPU, is what keeps an FP8 bank's 16K prefill over
+  2,048-token chunks). The same launches in W8A8 (``math="fp8"``: the activations quantized per row, FP8 by FP8
+  in the tensor cores), against ``moe.w8a8_reference``. The pass, in series on a saturated GPU, is what keeps an FP8 bank's 16K prefill over
   its floor (docs/fp8.md). Under ``TRITON_INTERPRET=1`` on CPU too (times meaningless).
 
 Prints a table; writes JSON with ``--out``; exits 1 when a dequantization or ``grouped_mm_fp8`` disagrees.
@@ -66,7 +67,7 @@ import torch
 from abbench.engine.config import PRESETS
 from abbench.engine.models.bank import dequantize_into, quantize_rows
 from abbench.engine.ops import kernels as dk
-from abbench.engine.ops.moe import grouped_mm, looped_mm, moe_experts, probe_grouped_mm
+from abbench.engine.ops.moe import Fp8Experts, grouped_mm, looped_mm, moe_experts, probe_grouped_mm, w8a8_reference
 from abbench.engine.tools import release
 from abbench.engine.tools.gpucheck_hybrid import union_seconds
 
@@ -195,20 +196,28 @@ def run(model: str, device: torch.device, dtype: torch.dtype, tokens: int, progr
 
         pass_ms = _ms(one_pass, device, repeats)
         ref = moe_experts(h, top_w, top_ids, want[0], want[1], mm=mm).float()
-        for config in dk.GROUPED_FP8_CONFIGS if cuda else dk.GROUPED_FP8_CONFIGS[:1]:
-            def fp8_mm(x: torch.Tensor, w: Fp8Weights, offs: torch.Tensor, config=config) -> torch.Tensor:
-                return dk.grouped_mm_fp8(x, w.q, w.scale, offs, config)
+        # W8A8's reference: torch's quantization of the activations and float32 sums of the FP8 products
+        w8a8_ref = moe_experts(h, top_w, top_ids, Fp8Weights(gq, gs), Fp8Weights(dq, ds),
+                               mm=lambda x, w, offs: w8a8_reference(x, Fp8Experts(w.q, w.scale, "fp8"), offs,
+                                                                    mm)).float()
+        configs = dk.GROUPED_FP8_CONFIGS if cuda else dk.GROUPED_FP8_CONFIGS[:1]
+        for math, config in [("bf16", c) for c in configs] + [("fp8", c) for c in configs]:
+            def fp8_mm(x: torch.Tensor, w: Fp8Weights, offs: torch.Tensor, config=config, math=math) -> torch.Tensor:
+                return dk.grouped_mm_fp8(x, w.q, w.scale, offs, config, math=math)
 
             def fused_gemm(fp8_mm=fp8_mm) -> torch.Tensor:
                 return moe_experts(h, top_w, top_ids, Fp8Weights(gq, gs), Fp8Weights(dq, ds), mm=fp8_mm)
 
-            close = bool(torch.allclose(fused_gemm().float(), ref, rtol=5e-2, atol=5e-2))
+            close = bool(torch.allclose(fused_gemm().float(), ref if math == "bf16" else w8a8_ref, rtol=5e-2,
+                                        atol=5e-2))
             ok &= close
             # layer-major dequantizes a layer once and runs the GEMM once per chunk; grouped_mm_fp8 has no pass
             # but its own GEMM per chunk: it wins where a layer has fewer chunks than pass / (its GEMM - the GEMM)
+            # (W8A8 also quantizes each chunk's activations, inside its time; its numbers are its own)
             fused = _ms(fused_gemm, device, repeats)
-            row("FP8 layer's experts", f"grouped_mm_fp8 {'x'.join(map(str, config[:3]))}, {config[3]} warps, "
-                f"{config[4]} stages", fused, agrees=close, config=list(config), over_gemm_ms=fused - alone,
+            kind = "FP8 layer's experts" if math == "bf16" else "W8A8 layer's experts"
+            row(kind, f"grouped_mm_fp8 {'x'.join(map(str, config[:3]))}, {config[3]} warps, "
+                f"{config[4]} stages", fused, agrees=close, config=list(config), math=math, over_gemm_ms=fused - alone,
                 pass_ms=pass_ms, break_even_chunks=pass_ms / (fused - alone) if fused > alone else None)
     return ok, rows
 
@@ -379,6 +388,7 @@ KINDS = (*ENGINES, "resident-fp8")  # and the others --engines may name
 VARIANTS = {"eager": (", no prefill graphs", {"prefill_graphs": False}),  # NAME:VARIANT in --engines
             "copy-dequant": (", dequantized on the copy stream", {"fp8_dequant": "copy"}),
             "gemm": (", FP8 in the GEMM", {"fp8_dequant": "gemm"}),
+            "w8a8": (", W8A8 GEMM", {"fp8_dequant": "w8a8"}),
             "beside-copies": (", beside a bank's copies", {})}  # BesideCopies: the run, not the engine
 
 
@@ -394,8 +404,9 @@ def prefill_profiles(model: str, layers: int | None, tokens: int, chunk: int, de
     ones' set-up and profiles, so the order is a variable of its own. A name may add variants (``VARIANTS``):
     ``:eager`` runs that engine without prefill graphs (``--no-prefill-graphs``), ``:copy-dequant`` dequantizes
     an FP8 bank's layers on the copy stream (``--fp8-dequant copy``), ``:gemm`` multiplies its values and
-    scales in the grouped GEMM (``--fp8-dequant gemm``; with ``resident-fp8``, every expert resident in FP8, the
-    floor of that arithmetic), to measure either in the same process;
+    scales in the grouped GEMM (``--fp8-dequant gemm``; ``:w8a8`` the same with the activations quantized too
+    and FP8 math; with ``resident-fp8``, every expert resident in FP8, the floor of that arithmetic), to
+    measure either in the same process;
     ``:beside-copies`` runs each prefill beside a bank's worth of host-to-device copies on another stream
     (``BesideCopies``: ``resident:beside-copies`` is resident's compute beside the link's traffic of a streaming
     engine, which says whether DMA into device memory slows the kernels: the "rest" of the report's breakdown).
@@ -477,7 +488,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--engines", default=",".join(ENGINES),
                    help=f"--prefill-tokens: which engines, in this order (of {', '.join(KINDS)}; "
                         "NAME:eager without prefill graphs, NAME:copy-dequant with FP8 layers dequantized on the copy "
-                        "stream, NAME:gemm with FP8 multiplied in the grouped GEMM, NAME:beside-copies with a bank's "
+                        "stream, NAME:gemm with FP8 multiplied in the grouped GEMM, NAME:w8a8 FP8 by FP8, "
+                        "NAME:beside-copies with a bank's "
                         "worth of host-to-device copies beside each prefill)")
     p.add_argument("--timed", type=int, default=3,
                    help="--prefill-tokens: unprofiled prefills per engine, timed (their median: 'timed ms')")
