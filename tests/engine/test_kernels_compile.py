@@ -75,6 +75,15 @@ comp(ba._attn_rows_combine, dict(m_ptr="*fp32", l_ptr="*fp32", acc_ptr="*fp32", 
                                  out_ptr="*bf16"), dict(HQ=32, HKV=4, G=8, D=128, MAX_SPLITS=64),
      "_attn_rows_combine")
 
+for fp8_math in (False, True):  # the prefill's grouped GEMM over an FP8 layer: weight-only, and FP8 by FP8
+    for bm, bn, bk, _, _ in dk.GROUPED_FP8_CONFIGS[:2]:
+        comp(dk._grouped_mm_fp8, dict(x_ptr="*fp8e4nv" if fp8_math else "*bf16", xs_ptr="*fp32", q_ptr="*fp8e4nv",
+                                      s_ptr="*fp32", offs_ptr="*i32", tiles_ptr="*i32", y_ptr="*bf16", N="i32",
+                                      K="i32"),
+             dict(G=E, G_POW2=E, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, FP8_MATH=fp8_math),
+             f"_grouped_mm_fp8 fp8_math={fp8_math} {bm}x{bn}x{bk}")
+comp(dk._quantize_rows_fp8, dict(x_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32", K="i32"), dict(BLOCK_K=1024),
+     "_quantize_rows_fp8")
 
 @pytest.mark.parametrize("label,fn,sig,consts", CASES, ids=[c[0] for c in CASES])
 def test_the_kernel_compiles_for_sm90(label, fn, sig, consts):
