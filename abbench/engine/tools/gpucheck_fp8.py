@@ -57,6 +57,7 @@ import json
 import os
 import statistics
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -315,8 +316,49 @@ class BesideCopies:
             torch.cuda.current_stream(self.dev.device).wait_stream(self.stream)
 
 
+class BesideHostTraffic:
+    """Host-memory traffic without the link: ``threads`` threads copying one layer's bank between two host
+    buffers, back to back, from just before a prefill until it ends. Beside a resident prefill it says whether
+    host-memory contention alone (what a bank's copy also causes: the DMA reads host memory) slows the prefill's
+    host side or its kernels, where ``BesideCopies`` loads the link and host memory together. torch's copies
+    release the GIL, so the engine's thread runs beside them. ``bytes``: bytes read by the copies."""
+
+    def __init__(self, engine, threads: int = 2):
+        cfg = engine.model_config
+        elems = cfg.num_experts * 3 * cfg.hidden_size * cfg.moe_intermediate_size  # one layer: gate, up, down
+        self.pairs = [(torch.empty(elems, dtype=engine.dtype), torch.empty(elems, dtype=engine.dtype))
+                      for _ in range(threads)]
+        for a, b in self.pairs:
+            a.zero_()
+            b.zero_()
+        self.bytes = 0
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._copied = [0] * threads
+
+    def _loop(self, i: int) -> None:
+        src, dst = self.pairs[i]
+        while True:  # at least one copy, however short the prefill
+            dst.copy_(src)
+            self._copied[i] += src.numel() * src.element_size()
+            if self._stop.is_set():
+                return
+
+    def issue(self) -> None:
+        self._stop.clear()
+        self._threads = [threading.Thread(target=self._loop, args=(i,), daemon=True) for i in range(len(self.pairs))]
+        for t in self._threads:
+            t.start()
+
+    def wait(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join()
+        self.bytes, self._copied = self.bytes + sum(self._copied), [0] * len(self.pairs)
+
+
 def profile_prefill(engine, prompt: list[int], top: int = 8, trace: Path | None = None, timed: int = 3,
-                    beside: BesideCopies | None = None) -> dict:
+                    beside: BesideCopies | BesideHostTraffic | None = None) -> dict:
     """One prefill of ``prompt`` (after an unprofiled one, whose prefill time is ``first_prefill_s``: the
     engine's first sighting of the length, lazy set-up included; and ``timed`` more, unprofiled, whose median is
     ``timed_prefill_s``: the profiler slows the host until the GPU has gaps, which can hide what only a saturated
@@ -389,7 +431,8 @@ VARIANTS = {"eager": (", no prefill graphs", {"prefill_graphs": False}),  # NAME
             "copy-dequant": (", dequantized on the copy stream", {"fp8_dequant": "copy"}),
             "gemm": (", FP8 in the GEMM", {"fp8_dequant": "gemm"}),
             "w8a8": (", W8A8 GEMM", {"fp8_dequant": "w8a8"}),
-            "beside-copies": (", beside a bank's copies", {})}  # BesideCopies: the run, not the engine
+            "beside-copies": (", beside a bank's copies", {}),  # BesideCopies: the run, not the engine
+            "beside-host": (", beside host-memory traffic", {})}  # BesideHostTraffic
 
 
 def prefill_profiles(model: str, layers: int | None, tokens: int, chunk: int, device: torch.device,
@@ -409,7 +452,9 @@ def prefill_profiles(model: str, layers: int | None, tokens: int, chunk: int, de
     measure either in the same process;
     ``:beside-copies`` runs each prefill beside a bank's worth of host-to-device copies on another stream
     (``BesideCopies``: ``resident:beside-copies`` is resident's compute beside the link's traffic of a streaming
-    engine, which says whether DMA into device memory slows the kernels: the "rest" of the report's breakdown).
+    engine, which says whether DMA into device memory slows the kernels: the "rest" of the report's breakdown);
+    ``:beside-host`` runs it beside host-memory traffic alone (``BesideHostTraffic``: two threads copying a layer's
+    bank between host buffers), which tells host-memory contention from the link's.
     ``timed``: unprofiled prefills per engine (``profile_prefill``)."""
     import dataclasses
 
@@ -436,7 +481,8 @@ def prefill_profiles(model: str, layers: int | None, tokens: int, chunk: int, de
         for v in variants:
             name, extra = name + VARIANTS[v][0], {**extra, **VARIANTS[v][1]}
         engine = Engine(EngineConfig(**{**base, **extra}))
-        beside = BesideCopies(engine) if "beside-copies" in variants else None
+        beside = (BesideCopies(engine) if "beside-copies" in variants
+                  else BesideHostTraffic(engine) if "beside-host" in variants else None)
         with torch.no_grad():
             trace = None if trace_dir is None else trace_dir / f"{short.replace(':', '-')}.json.gz"
             rows.append({"engine": name, "prefill_graphs": engine.prefill_graphs_mode,
@@ -489,8 +535,8 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"--prefill-tokens: which engines, in this order (of {', '.join(KINDS)}; "
                         "NAME:eager without prefill graphs, NAME:copy-dequant with FP8 layers dequantized on the copy "
                         "stream, NAME:gemm with FP8 multiplied in the grouped GEMM, NAME:w8a8 FP8 by FP8, "
-                        "NAME:beside-copies with a bank's "
-                        "worth of host-to-device copies beside each prefill)")
+                        "NAME:beside-copies with a bank's worth of host-to-device copies beside each prefill, "
+                        "NAME:beside-host with host-memory traffic beside it)")
     p.add_argument("--timed", type=int, default=3,
                    help="--prefill-tokens: unprofiled prefills per engine, timed (their median: 'timed ms')")
     p.add_argument("--trace-dir", type=Path, default=None,
