@@ -153,13 +153,16 @@ def test_fp8_in_the_gemm_keeps_the_banks_values_on_the_device_and_the_modes_equa
         assert first.keys() & want.keys() and max(abs(first[t] - want[t]) for t in first.keys() & want.keys()) < 0.1
 
 
-def test_fp8_in_the_gemm_decodes_from_fp8_slots_as_from_its_resident_experts(fp8_gemm) -> None:
-    """A streamed engine multiplying FP8 in the GEMM, its decode slots as small as legal (misses all the time):
-    the same ids and logprobs as the resident one, prefill and decode, and a primed first layer (its FP8 values
-    copied as they are) changes nothing."""
-    streamed = _engine(expert_dtype="fp8", fp8_dequant="gemm", expert_slots_per_layer=MINI.num_experts_per_tok)
+@pytest.mark.parametrize("way", ["gemm", "w8a8"])
+def test_fp8_in_the_gemm_decodes_from_fp8_slots_as_from_its_resident_experts(way) -> None:
+    """A streamed engine multiplying FP8 in the GEMM (weight-only, or W8A8), its decode slots as small as legal
+    (misses all the time): the same ids and logprobs as the resident one, prefill and decode (weight-only in
+    both, from the slots or from the resident experts), and a primed first layer (its FP8 values copied as they
+    are) changes nothing."""
+    resident = _engine(prefill_mode="resident", expert_dtype="fp8", fp8_dequant=way)
+    streamed = _engine(expert_dtype="fp8", fp8_dequant=way, expert_slots_per_layer=MINI.num_experts_per_tok)
     ids = _prompt(70, seed=12)
-    want = _run(fp8_gemm, ids, "resident", max_tokens=12)
+    want = _run(resident, ids, "resident", max_tokens=12)
     for mode in ("layer-major", "chunked", "demand"):
         got = _run(streamed, ids, mode, max_tokens=12)
         assert got[:2] == want[:2], mode

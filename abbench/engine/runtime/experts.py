@@ -570,13 +570,16 @@ class ExpertStore:
 
     def decode_weights(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The tensors decode's grouped GEMM reads for ``layer``: resident experts [E, 2I, H], [E, H, I] or the
-        layer's slot block [S, 2I, H], [S, H, I]. Resident FP8 experts (``fp8_gemm_math``): as ``Fp8Experts``, or
+        layer's slot block [S, 2I, H], [S, H, I]. Resident FP8 experts (``fp8_gemm_math``): as weight-only
+        ``Fp8Experts`` (a decode step reads its experts in the compute dtype, W8A8 prefill or not), or
         for a decoder whose Triton experts read FP8 (``decode_reads_fp8``) their values, the scales coming from
         ``decode_slot_scales`` as FP8 slots' do."""
         if self.resident is not None:
             gu, dn = self.resident[layer]
             if isinstance(gu, Fp8Experts) and self.decode_reads_fp8:
                 return gu.values, dn.values
+            if isinstance(gu, Fp8Experts):  # decode is weight-only whatever prefill's math, as from its slots
+                return (Fp8Experts(gu.values, gu.scales, "bf16"), Fp8Experts(dn.values, dn.scales, "bf16"))
             return gu, dn
         assert self.slots is not None
         return self.slots.gate_up[layer], self.slots.down[layer]
