@@ -276,10 +276,12 @@ def test_the_hybrids_fp8_engine_computes_with_exactly_the_dequantized_weights() 
     assert _run(unrounded, ids, "resident", max_tokens=4)[1] != _run(fp8, ids, "resident", max_tokens=4)[1]
 
 
-def test_a_hybrid_model_streams_fp8_experts_with_the_modes_equal() -> None:
+@pytest.mark.parametrize("way", ["compute", "w8a8"])
+def test_a_hybrid_model_streams_fp8_experts_with_the_modes_equal(way) -> None:
+    """The hybrid's FP8 experts, dequantized by a pass or multiplied in a W8A8 GEMM: every mode the same bits."""
     from tests.engine.test_engine_hybrid import MINI as HYBRID
 
-    engine = _engine(HYBRID, prefill_mode="resident", expert_dtype="fp8", chunk_tokens=64,
+    engine = _engine(HYBRID, prefill_mode="resident", expert_dtype="fp8", fp8_dequant=way, chunk_tokens=64,
                      layer_major_window_tokens=128, demand_max_tokens=64, max_context=1024)
     ids = _prompt(130, seed=6)  # three chunks, two layer-major windows
     ref = _run(engine, ids, "chunked", max_tokens=3)
