@@ -504,7 +504,7 @@ def test_the_w8a8_grouped_gemm_is_the_fp8_products_scaled(counts, config):
     bits: an all-zero row gets scale 1), the FP8 products summed in float32 and scaled by the row's and the
     channel's scales, as ``moe.w8a8_reference`` computes; and within FP8's error of the bf16 GEMM over the dequantized weights."""
     from abbench.engine.models.bank import dequantize, quantize_rows
-    from abbench.engine.ops.moe import Fp8Experts, quantize_rows_torch, w8a8_reference
+    from abbench.engine.ops.moe import Fp8Experts, w8a8_reference
 
     dtype = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32
     gen = torch.Generator().manual_seed(len(counts) + 7)
@@ -514,7 +514,7 @@ def test_the_w8a8_grouped_gemm_is_the_fp8_products_scaled(counts, config):
     x = torch.randn(sum(counts), k, generator=gen).to(DEVICE, dtype)
     x[3] = 0
     xq, xs = dk.quantize_rows_fp8(x)
-    tq, ts = quantize_rows_torch(x)
+    tq, ts = quantize_rows(x)
     assert torch.equal(xs, ts) and xs[3] == 1 and torch.equal(xq.view(torch.uint8), tq.view(torch.uint8))
     offs = torch.tensor(counts, device=DEVICE).cumsum(0).to(torch.int32)
     got = dk.grouped_mm_fp8(x, q, scale, offs, config, math="fp8")

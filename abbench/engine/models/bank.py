@@ -31,6 +31,7 @@ import weakref
 import torch
 
 from abbench.engine.config import ModelConfig
+from abbench.engine.ops.fp8 import FP8, FP8_MAX, quantize_rows  # noqa: F401 (the bank's format, re-exported)
 
 
 _PAGE = 4096
@@ -85,22 +86,7 @@ def check_host_memory(bank_bytes: int, available: int | None, dense_bytes: int =
                          "--no-host-memory-check if the host grows its memory on demand")
 
 
-FP8 = torch.float8_e4m3fn
-FP8_MAX = 448.0  # e4m3's largest finite value
 DEQUANT_PIECE = 2**24  # elements dequantized at a time: bounds the float32 temporary (64 MiB)
-
-
-def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``w`` [..., R, C] in any float dtype as float8 e4m3 with one float32 scale per row (the last dimension's
-    largest magnitude / 448; 1 for an all-zero row): (q [..., R, C], scale [..., R]), on ``w``'s device."""
-    w32 = w.to(torch.float32)
-    amax = w32.abs().amax(dim=-1)
-    # a tensor divisor, not the number: CUDA divides by a number as a multiplication by its reciprocal (another
-    # rounding than the CPU's division), so the same weights would quantize differently on the two devices
-    scale = amax / torch.full_like(amax, FP8_MAX)
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = (w32 / scale.unsqueeze(-1)).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
-    return q, scale
 
 
 def expand_scale(scale: torch.Tensor, rows: int, cols: int, block: tuple[int, int] | None) -> torch.Tensor:

@@ -596,7 +596,7 @@ if triton is not None:
     @triton.jit
     def _quantize_rows_fp8(x_ptr, q_ptr, s_ptr, K, BLOCK_K: tl.constexpr):
         # program r: row r of x [M, K] as float8 e4m3 with one float32 scale (its largest magnitude / 448, 1 for
-        # an all-zero row), the values divided by it (IEEE division, as torch's): bank.quantize_rows' rule and
+        # an all-zero row), the values divided by it (IEEE division, as torch's): fp8.quantize_rows' rule and
         # bits
         r = tl.program_id(0).to(tl.int64)
         amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
@@ -625,8 +625,7 @@ GROUPED_FP8_CONFIGS = ((64, 128, 64, 4, 3), (128, 128, 64, 8, 3), (64, 128, 128,
 
 def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] (contiguous, any float dtype) as float8 e4m3 with one float32 scale per row: (q [M, K], scale
-    [M]), ``bank.quantize_rows``' rule and bits (``moe.quantize_rows_torch``) in one Triton kernel, a program per
-    row."""
+    [M]), ``fp8.quantize_rows``' rule and bits in one Triton kernel, a program per row."""
     if triton is None:
         raise RuntimeError("quantize_rows_fp8 needs Triton")
     m, k = x.shape

@@ -15,7 +15,7 @@ that say whether ``torch._grouped_mm`` runs (and captures in a CUDA graph) on a 
   CUDA through ``kernels.grouped_mm_fp8`` (the values and scales read in the GEMM's inner loop; with ``math``
   "fp8" the activations quantized per row and FP8 multiplied by FP8), elsewhere in torch: the weights
   dequantized into a temporary (the same weights, bit for bit) and the grouped GEMM, or for "fp8" the
-  activations quantized as ``bank.quantize_rows`` does and the FP8 values multiplied in float32.
+  activations quantized as ``fp8.quantize_rows`` does and the FP8 values multiplied in float32.
 - ``router_skew_bias``: per layer a logit bias that concentrates random weights' routing as a trained router's.
 """
 
@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from abbench.engine.config import MAX_GROUPED_MM_GROUPS
 from abbench.engine.ops import kernels
+from abbench.engine.ops.fp8 import quantize_rows
 from abbench.engine.ops.kernels import route_topk
 
 
@@ -153,21 +154,11 @@ def fp8_grouped_mm(x: torch.Tensor, w: Fp8Experts, offs: torch.Tensor, mm=groupe
     return mm(x, dense, offs)
 
 
-def quantize_rows_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] as float8 e4m3 and one float32 scale per row, ``bank.quantize_rows``' rule (largest magnitude /
-    448, 1 for an all-zero row, the values divided by a tensor of scales)."""
-    x32 = x.to(torch.float32)
-    amax = x32.abs().amax(dim=-1)
-    scale = amax / torch.full_like(amax, 448.0)
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    return (x32 / scale.unsqueeze(-1)).clamp_(-448.0, 448.0).to(torch.float8_e4m3fn), scale
-
-
 def w8a8_reference(x: torch.Tensor, w: Fp8Experts, offs: torch.Tensor, mm=grouped_mm) -> torch.Tensor:
-    """The W8A8 grouped GEMM in torch: x quantized per row (``quantize_rows_torch``), its FP8 values times the
+    """The W8A8 grouped GEMM in torch: x quantized per row (``fp8.quantize_rows``), its FP8 values times the
     weights' FP8 values summed in float32 (``mm``), then times the row's and the channel's scales -> [M, N] in
     x's dtype. What ``kernels.grouped_mm_fp8(math="fp8")`` computes, in another summation order."""
-    xq, xs = quantize_rows_torch(x)
+    xq, xs = quantize_rows(x)
     acc = mm(xq.to(torch.float32), w.values.to(torch.float32), offs)  # [M, N]
     counts = torch.diff(offs.to(torch.int64), prepend=offs.new_zeros(1, dtype=torch.int64))  # [G]
     group = torch.repeat_interleave(torch.arange(len(counts), device=x.device), counts)  # [M] each row's expert
