@@ -280,3 +280,24 @@ def test_arms_that_leave_out_an_arms_own_reference_leave_it_to_its_numerics() ->
     assert (cut["fp8"].parity_reference, cut["fp8"].parity) == (None, "numerics")
     whole = {a.name: a for a in prof.with_overrides(arms=["resident", "resident-fp8", "fp8"]).arms}
     assert (whole["fp8"].parity_reference, whole["fp8"].parity) == ("resident-fp8", "ids")
+
+
+def test_the_bootstraps_array_statistics_are_the_frame_statistics_bit_for_bit() -> None:
+    """``ARRAY_STATISTICS`` (the resamples' arrays) give exactly ``STATISTICS`` (the frame), missing values
+    included: the intervals do not move when the bootstrap stops building a frame per resample."""
+    import numpy as np
+    import pandas as pd
+
+    from abbench.analysis.numerics import ARRAY_STATISTICS, STATISTIC_COLUMN, STATISTICS
+
+    rng = np.random.default_rng(3)
+    for n in (1, 7, 300, 4099):
+        kl = rng.exponential(1e-4, n) * rng.choice([1.0, 1e-3, 10.0], n)
+        kl[rng.random(n) < 0.05] = np.nan
+        delta = rng.normal(0, 0.01, n)
+        delta[rng.random(n) < 0.2] = np.nan
+        g = pd.DataFrame({"kl": kl, "same_top": pd.array(rng.integers(0, 2, n), dtype="Int64"), "delta_p": delta})
+        for metric, stat in STATISTICS.items():
+            col = g[STATISTIC_COLUMN[metric]].to_numpy(dtype=float, na_value=np.nan)
+            want, got = stat(g), ARRAY_STATISTICS[metric](col)
+            assert (want == got) or (np.isnan(want) and np.isnan(got)), (metric, n, want, got)
