@@ -123,6 +123,19 @@ def fp8_gemm():
     return _engine(prefill_mode="resident", expert_dtype="fp8", fp8_dequant="gemm")
 
 
+def _modes_equal_moving_the_defaults_bytes(engine: Engine, default: Engine, ids: list[int]):
+    """Every prefill mode of ``engine`` gives chunked's ids and logprobs, each streamed mode moving the bytes
+    ``default`` moves in it (150 tokens: five chunks, three layer-major windows); returns (chunked's run,
+    ``default``'s layer-major run)."""
+    ref = _run(engine, ids, "chunked")
+    for mode in MODES[1:]:
+        got = _run(engine, ids, mode)
+        assert got[:2] == ref[:2], mode
+        if mode != "resident":
+            assert got[2].prefill_h2d_bytes == _run(default, ids, mode)[2].prefill_h2d_bytes, mode
+    return ref, _run(default, ids, "layer-major")
+
+
 def test_fp8_in_the_gemm_keeps_the_banks_values_on_the_device_and_the_modes_equal(fp8, fp8_gemm) -> None:
     """``fp8_dequant`` "gemm": the resident experts and both prefill buffers hold the bank's float8 values and row
     scales as they are (nothing dequantized into them, no stage), the copies move the same bytes, and every
@@ -138,14 +151,7 @@ def test_fp8_in_the_gemm_keeps_the_banks_values_on_the_device_and_the_modes_equa
         gu, dn = store.resident[layer]
         assert torch.equal(gu.values.cpu().view(torch.uint8), bank.gate_up[layer].view(torch.uint8))
         assert torch.equal(dn.scales.cpu(), bank.down_scale[layer])
-    ids = _prompt(150, seed=11)  # five chunks, three layer-major windows
-    ref = _run(fp8_gemm, ids, "chunked")
-    for mode in MODES[1:]:
-        got = _run(fp8_gemm, ids, mode)
-        assert got[:2] == ref[:2], mode
-        if mode != "resident":
-            assert got[2].prefill_h2d_bytes == _run(fp8, ids, mode)[2].prefill_h2d_bytes, mode
-    default = _run(fp8, ids, "layer-major")
+    ref, default = _modes_equal_moving_the_defaults_bytes(fp8_gemm, fp8, _prompt(150, seed=11))
     if DEVICE == "cpu":
         assert default[:2] == ref[:2]
     else:
@@ -179,14 +185,7 @@ def test_w8a8_quantizes_the_activations_too_and_keeps_the_modes_equal(fp8) -> No
     default's, and differ from them."""
     w8a8 = _engine(prefill_mode="resident", expert_dtype="fp8", fp8_dequant="w8a8")
     assert {gu.math for gu, _ in w8a8.store.resident} == {"fp8"} and w8a8.store.buf_down[1].math == "fp8"
-    ids = _prompt(150, seed=13)
-    ref = _run(w8a8, ids, "chunked")
-    for mode in MODES[1:]:
-        got = _run(w8a8, ids, mode)
-        assert got[:2] == ref[:2], mode
-        if mode != "resident":
-            assert got[2].prefill_h2d_bytes == _run(fp8, ids, mode)[2].prefill_h2d_bytes, mode
-    default = _run(fp8, ids, "layer-major")
+    ref, default = _modes_equal_moving_the_defaults_bytes(w8a8, fp8, _prompt(150, seed=13))
     first, want = dict(ref[1][0]), dict(default[1][0])
     common = first.keys() & want.keys()
     assert common and max(abs(first[t] - want[t]) for t in common) < 0.2 and ref[1] != default[1]
