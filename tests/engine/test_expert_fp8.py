@@ -373,7 +373,7 @@ def test_fp8_slots_take_the_banks_bytes_and_scales_as_they_are() -> None:
     store = ExpertStore(bank, torch.device("cpu"), 3, resident=False, d2d_from_slot_cache=True, fp8_slots=True)
     slots = store.slots
     assert slots.fp8 and slots.gate_up[1].dtype == torch.float8_e4m3fn
-    assert store.decode_slot_scales(1) == (slots.gate_up_scale[1], slots.down_scale[1])
+    assert store.decode_weights(1)[2] == (slots.gate_up_scale[1], slots.down_scale[1])
     got = store.decode_experts(1, [7, 2])
     for expert, s in zip([7, 2], got):
         assert torch.equal(slots.gate_up[1][s].view(torch.uint8), bank.gate_up[1][expert].view(torch.uint8))

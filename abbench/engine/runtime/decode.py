@@ -255,8 +255,9 @@ class Decoder:
         if store.slots is not None and store.slots.fp8 and experts != "triton":
             raise ValueError(f"FP8 slots are read by decode's Triton experts (decode_experts 'triton'); this engine "
                              f"decodes with {experts!r} (slot_dtype 'model' keeps the slots in the compute dtype)")
-        # resident FP8 experts (fp8_dequant 'gemm'): Triton's experts read their values and scales as FP8 slots'
-        store.decode_reads_fp8 = experts == "triton"
+        # resident FP8 experts (fp8_dequant 'gemm', 'w8a8'): Triton's experts read their values and scales as FP8
+        # slots'; torch's read them dequantized (ExpertStore.decode_weights)
+        self.reads_fp8 = experts == "triton"
         attention = self._auto(attention, "torch", decode_kernels.attention_applies(model.cfg.head_dim))
         self.moe = self._moe_function(experts)
         model.decode_attention_kernel = self._attention_kernel(attention)
@@ -421,11 +422,11 @@ class Decoder:
             table.next_tick(prefetch)
         x = m.embed(b.token)  # [1, W]
         for layer in range(self.n_layers):
-            gate_up, down = self.store.decode_weights(layer)  # resident or identity slots: expert e in row e
+            # resident or identity slots: expert e in row e
+            gate_up, down, scales = self.store.decode_weights(layer, self.reads_fp8)
             x, h, top_w, top_ids = m.decode_attn_block(layer, x, kv, b.pos, kv_len)  # [1, H] x2, [1, k] x2
             if prefetch:
                 self._prefetch(layer, x, 1, None)
-            scales = self.store.decode_slot_scales(layer)
             if table is None:
                 x = self.moe(x, h, top_w, top_ids, gate_up, down,
                              **({} if scales is None else {"slot_scales": scales}))  # [1, H]
@@ -452,10 +453,10 @@ class Decoder:
         ids.copy_(self.model.predict_experts(nxt, x))
 
         def run() -> None:
-            gate_up, down = self.store.decode_weights(nxt)
+            gate_up, down, scales = self.store.decode_weights(nxt, self.reads_fp8)
             decode_kernels.prefetch_experts(ids, self.table.prefetch_layer(nxt), self.store.decode_host(nxt), gate_up,
                                             down, self.pf_bufs[nxt], self.max_tokens, token_counts=token_counts,
-                                            slot_scales=self.store.decode_slot_scales(nxt))
+                                            slot_scales=scales)
 
         if side is None:
             run()
@@ -475,8 +476,7 @@ class Decoder:
     def _moe(self, c: int, layer: int, kv_len: int) -> None:
         b = self.bufs[c]
         x, h, top_w, _ = self.mid[c, layer, kv_len]
-        gate_up, down = self.store.decode_weights(layer)  # [S, 2I, H], [S, H, I]
-        scales = self.store.decode_slot_scales(layer)
+        gate_up, down, scales = self.store.decode_weights(layer, self.reads_fp8)  # [S, 2I, H], [S, H, I]
         b.x[layer + 1].copy_(self.moe(x, h, top_w, b.slot_ids[layer], gate_up, down,
                                       **({} if scales is None else {"slot_scales": scales})))
 
@@ -637,11 +637,10 @@ class Decoder:
         pos, index, plan = bb.pos[:n], bb.index[:n], bb.plan[:n]
         x = m.embed(bb.token[:n])  # [B, H]
         for layer in range(self.n_layers):
-            gate_up, down = self.store.decode_weights(layer)
+            gate_up, down, scales = self.store.decode_weights(layer, self.reads_fp8)
             x, h, top_w, top_ids = m.decode_attn_rows(layer, x, pool_k[layer], pool_v[layer], pos, index, plan)
             if prefetch:
                 self._prefetch(layer, x, n, bb.pf_token_counts)
-            scales = self.store.decode_slot_scales(layer)
             if table is None:
                 x = self.moe(x, h, top_w, top_ids, gate_up, down, slot_scales=scales)  # [B, H]
             else:
@@ -727,8 +726,7 @@ class Decoder:
         next layer's inputs."""
         rows, table = self.rows, (self.table if on_device else None)
         idx = rows.index[:n]
-        gate_up, down = self.store.decode_weights(layer)
-        scales = self.store.decode_slot_scales(layer)
+        gate_up, down, scales = self.store.decode_weights(layer, self.reads_fp8)
         x, h = rows.mid.index_select(0, idx), rows.h.index_select(0, idx)
         top_w, top_ids = rows.top_w.index_select(0, idx), rows.top_ids.index_select(0, idx)
         if table is None:

@@ -15,7 +15,7 @@ Contract:
   * ``load_experts(layer, ids)``: demand loading of some experts into a layer buffer at their index.
   * a decode slot cache (``SlotCache``) of ``slots_per_layer`` slots for every layer, one block per layer,
     LRU within the layer: ``decode_experts(layer, ids)`` makes the routed experts resident and returns their
-    slot indices; ``decode_weights(layer)`` is what decode's grouped GEMM reads (that layer's block, or the
+    slot indices; ``decode_weights(layer)`` is what decode's experts read (that layer's block, or the
     resident experts), so no grouped call ever sees more than num_experts groups. Hits and misses are
     counted per request and for the engine's lifetime (``SlotStats``).
   * or the slot cache's bookkeeping on the device (``DeviceSlotTable``, ``SlotCache.attach_table``): decode's
@@ -40,7 +40,7 @@ Contract:
     device-side fetch reads a per-row-scaled FP8 bank's misses as FP8 and dequantizes them in its kernels
     (``decode_host``); a block-scaled bank's misses are the host's. With ``fp8_slots`` (``EngineConfig.slot_dtype``)
     the decode slots keep the bank's float8 values and row scales as they are (half the bytes of a slot in the
-    compute dtype), and decode's Triton experts dequantize what they read (``decode_slot_scales``); a prefill
+    compute dtype), and decode's Triton experts dequantize what they read (``decode_weights``' scales); a prefill
     copy from such a slot (``d2d_from_slot_cache``) is dequantized on the way.
   * ``fp8_gemm_math`` (``EngineConfig.fp8_dequant`` "gemm" or "w8a8", an FP8 bank with per-row scales): nothing
     is dequantized into a buffer. The prefill buffers and resident experts hold the bank's float8 values and row
@@ -304,7 +304,6 @@ class ExpertStore:
         # weights dequantized into the compute dtype
         self.fp8_gemm_math = fp8_gemm_math
         fp8_in_gemm = fp8_gemm_math is not None
-        self.decode_reads_fp8 = False  # set by a Decoder whose Triton experts read FP8 values and scales
         if fp8_in_gemm:
             self.buf_gate_up = [Fp8Experts.empty(e, 2 * i, h, device, fp8_gemm_math) for _ in range(2)]
             self.buf_down = [Fp8Experts.empty(e, h, i, device, fp8_gemm_math) for _ in range(2)]
@@ -568,21 +567,26 @@ class ExpertStore:
         self._copy_experts(0, layer, sorted(set(experts)))
         return self.buf_gate_up[0], self.buf_down[0]
 
-    def decode_weights(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The tensors decode's grouped GEMM reads for ``layer``: resident experts [E, 2I, H], [E, H, I] or the
-        layer's slot block [S, 2I, H], [S, H, I]. Resident FP8 experts (``fp8_gemm_math``): as weight-only
-        ``Fp8Experts`` (a decode step reads its experts in the compute dtype, W8A8 prefill or not), or
-        for a decoder whose Triton experts read FP8 (``decode_reads_fp8``) their values, the scales coming from
-        ``decode_slot_scales`` as FP8 slots' do."""
+    def decode_weights(self, layer: int, reads_fp8: bool = False,
+                       ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+        """What decode's experts read for ``layer``: (gate_up, down, scales). The weights are the resident experts
+        [E, 2I, H], [E, H, I] or the layer's slot block [S, 2I, H], [S, H, I]; ``scales`` are FP8 slots' row
+        scales (gate_up [S, 2I], down [S, H] float32: ``decode_kernels.moe_tokens``' ``slot_scales``), None where
+        the weights are in the compute dtype. Resident FP8 experts (``fp8_gemm_math``) go to a decoder whose
+        Triton experts read FP8 (``reads_fp8``, the decoder's choice) as their values and scales, as FP8 slots
+        do; to any other decoder as weight-only ``Fp8Experts`` (a decode step reads its experts in the compute
+        dtype, W8A8 prefill or not)."""
         if self.resident is not None:
             gu, dn = self.resident[layer]
-            if isinstance(gu, Fp8Experts) and self.decode_reads_fp8:
-                return gu.values, dn.values
+            if isinstance(gu, Fp8Experts) and reads_fp8:
+                return gu.values, dn.values, (gu.scales, dn.scales)
             if isinstance(gu, Fp8Experts):  # decode is weight-only whatever prefill's math, as from its slots
-                return (Fp8Experts(gu.values, gu.scales, "bf16"), Fp8Experts(dn.values, dn.scales, "bf16"))
-            return gu, dn
-        assert self.slots is not None
-        return self.slots.gate_up[layer], self.slots.down[layer]
+                return Fp8Experts(gu.values, gu.scales, "bf16"), Fp8Experts(dn.values, dn.scales, "bf16"), None
+            return gu, dn, None
+        c = self.slots
+        assert c is not None
+        scales = (c.gate_up_scale[layer], c.down_scale[layer]) if c.fp8 else None
+        return c.gate_up[layer], c.down[layer], scales
 
     def decode_experts(self, layer: int, ids: Sequence[int]) -> list[int]:
         """Make ``ids`` (the routed expert ids of ``layer``, any order, repeats allowed) resident in the layer's
@@ -633,16 +637,6 @@ class ExpertStore:
         c.gate_up_scale[layer][slot].copy_(bank.gate_up_scale[layer][e], non_blocking=True)
         c.down_scale[layer][slot].copy_(bank.down_scale[layer][e], non_blocking=True)
         self._count(h2d=bank.expert_bytes, experts=1)
-
-    def decode_slot_scales(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """FP8 slots' row scales of ``layer`` (gate_up [S, 2I], down [S, H] float32: ``decode_kernels.moe_tokens``'
-        ``slot_scales``); resident FP8 experts' (``fp8_gemm_math``) for a decoder whose Triton experts read FP8; None
-        where the slots or resident experts hold the compute dtype, or the decoder's experts are torch's."""
-        if self.resident is not None and self.fp8_gemm_math and self.decode_reads_fp8:  # resident FP8 experts
-            gu, dn = self.resident[layer]
-            return gu.scales, dn.scales
-        c = self.slots
-        return (c.gate_up_scale[layer], c.down_scale[layer]) if c is not None and c.fp8 else None
 
     def _count_lookups(self, hits: int, misses: int) -> None:
         for st in (self.slot_lifetime, self.slot_request):
