@@ -574,14 +574,15 @@ def test_the_fp8_gpucheck_profiles_a_whole_prefill_on_three_engines(tmp_path) ->
     # the engines asked for, in the order asked (a process's later engines run after the earlier ones)
     assert main(["--device", "cpu", "--tokens", "64", "--prefill-tokens", "150", "--engines",
                  "fp8,resident:eager,fp8:copy-dequant,resident:beside-copies,resident:beside-host,"
-                 "resident-fp8:gemm", "--timed", "2", "--out", str(tmp_path / "o.json")]) == 0
+                 "resident-fp8:gemm,resident:moe-graphs", "--timed", "2", "--out", str(tmp_path / "o.json")]) == 0
     got = json.loads((tmp_path / "o.json").read_text())["rows"]
     assert [(r["engine"], r["prefill_h2d_bytes"], r["prefill_graphs"]) for r in got] == [
         ("layer-major, fp8 bank", fp8, "eager"), ("resident, no prefill graphs", 0, "eager"),  # no graphs on CPU
         ("layer-major, fp8 bank, dequantized on the copy stream", fp8, "eager"),
         ("resident, beside a bank's copies", 0, "eager"),  # the engine moves nothing; the copies beside it do
-        ("resident, beside host-memory traffic", 0, "eager"), ("resident, fp8 bank, FP8 in the GEMM", 0, "eager")]
-    assert got[3]["beside_bytes"] == f32 and all("beside_bytes" not in r for r in (*got[:3], got[5]))  # a bank
+        ("resident, beside host-memory traffic", 0, "eager"), ("resident, fp8 bank, FP8 in the GEMM", 0, "eager"),
+        ("resident, MoE halves from CUDA graphs", 0, "eager")]  # (on CUDA "cuda-graphs")
+    assert got[3]["beside_bytes"] == f32 and all("beside_bytes" not in r for r in (*got[:3], *got[5:]))  # a bank
     assert got[4]["beside_bytes"] > 0  # the host copies ran while the prefills did
     assert all(r["timed_prefill_s"] > 0 for r in got)
     for bad in ("fp8,bf16", "fp8:fast"):

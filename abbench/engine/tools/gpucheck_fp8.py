@@ -432,7 +432,8 @@ VARIANTS = {"eager": (", no prefill graphs", {"prefill_graphs": False}),  # NAME
             "gemm": (", FP8 in the GEMM", {"fp8_dequant": "gemm"}),
             "w8a8": (", W8A8 GEMM", {"fp8_dequant": "w8a8"}),
             "beside-copies": (", beside a bank's copies", {}),  # BesideCopies: the run, not the engine
-            "beside-host": (", beside host-memory traffic", {})}  # BesideHostTraffic
+            "beside-host": (", beside host-memory traffic", {}),  # BesideHostTraffic
+            "moe-graphs": (", MoE halves from CUDA graphs", {})}  # Qwen3-MoE: the hybrid's MoE-half graphs
 
 
 def prefill_profiles(model: str, layers: int | None, tokens: int, chunk: int, device: torch.device,
@@ -454,7 +455,10 @@ def prefill_profiles(model: str, layers: int | None, tokens: int, chunk: int, de
     (``BesideCopies``: ``resident:beside-copies`` is resident's compute beside the link's traffic of a streaming
     engine, which says whether DMA into device memory slows the kernels: the "rest" of the report's breakdown);
     ``:beside-host`` runs it beside host-memory traffic alone (``BesideHostTraffic``: two threads copying a layer's
-    bank between host buffers), which tells host-memory contention from the link's.
+    bank between host buffers), which tells host-memory contention from the link's. ``:moe-graphs`` replays
+    every full chunk's MoE half from CUDA graphs where the model does not (Qwen3-MoE; ``steps.LayerSteps``, as
+    the hybrid does): about half of a chunk step's launches leave the host, so a prefill paced by the host's
+    launches (the "rest" if the copies slow the host) would show it. Not counted by the memory plan: a check.
     ``timed``: unprofiled prefills per engine (``profile_prefill``)."""
     import dataclasses
 
@@ -481,6 +485,9 @@ def prefill_profiles(model: str, layers: int | None, tokens: int, chunk: int, de
         for v in variants:
             name, extra = name + VARIANTS[v][0], {**extra, **VARIANTS[v][1]}
         engine = Engine(EngineConfig(**{**base, **extra}))
+        if "moe-graphs" in variants and engine.device.type == "cuda" and engine.steps.graphs is None:
+            engine.model.prefill_graph_moe = True
+            engine.steps = engine._layer_steps()
         beside = (BesideCopies(engine) if "beside-copies" in variants
                   else BesideHostTraffic(engine) if "beside-host" in variants else None)
         with torch.no_grad():
@@ -536,7 +543,8 @@ def main(argv: list[str] | None = None) -> int:
                         "NAME:eager without prefill graphs, NAME:copy-dequant with FP8 layers dequantized on the copy "
                         "stream, NAME:gemm with FP8 multiplied in the grouped GEMM, NAME:w8a8 FP8 by FP8, "
                         "NAME:beside-copies with a bank's worth of host-to-device copies beside each prefill, "
-                        "NAME:beside-host with host-memory traffic beside it)")
+                        "NAME:beside-host with host-memory traffic beside it, NAME:moe-graphs with the MoE halves "
+                        "replayed from CUDA graphs where the model has none)")
     p.add_argument("--timed", type=int, default=3,
                    help="--prefill-tokens: unprofiled prefills per engine, timed (their median: 'timed ms')")
     p.add_argument("--trace-dir", type=Path, default=None,
