@@ -115,6 +115,37 @@ def test_only_a_prompts_last_chunk_runs_the_last_layers_moe_half(resident):
     resident.reset()
 
 
+def test_streaming_adds_host_work_per_layer_never_per_chunk(resident):
+    """What each chunk of a prompt asks of the host is the same in layer-major as in resident: the torch calls
+    per added chunk are equal, so the streaming loop's own work (bank copies, parked activations, the copy
+    stream's events) is per prompt or per layer, never per chunk and layer. A prefill paced by the host's
+    launches (Qwen3-MoE's eager prefill on the H200, docs/fp8.md) would otherwise pay it once per chunk step.
+    Chunked, which copies a bank per chunk and layer, shows that the count sees such work."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Calls(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Calls.n += 1
+            return func(*args, **(kwargs or {}))
+
+    def calls(mode: str, n: int) -> int:
+        ids = torch.tensor(_prompt(n, seed=3), device=resident.device)
+        resident.reset()
+        resident.store.begin_request()
+        before = Calls.n
+        with torch.no_grad(), Calls():  # one window: each bank streamed once
+            prefill(resident.model, resident.store, resident.kv, ids, 0, mode, chunk_tokens=32, window_tokens=512,
+                    demand_max_tokens=0)
+        resident.reset()
+        return Calls.n - before
+
+    per_chunk = {m: (calls(m, 256) - calls(m, 128)) // 4 for m in ("resident", "layer-major", "chunked")}
+    assert per_chunk["layer-major"] == per_chunk["resident"] > 0
+    assert per_chunk["chunked"] > per_chunk["resident"]
+
+
 def test_a_primed_first_layer_is_taken_once_and_changes_no_bit(streamed, resident):
     """``ExpertStore.prime`` (a request arriving at an idle engine): the first layer's copy starts ahead, and a
     streamed prefill whose first layer it is takes it instead of copying again. Same logits and KV, the same
