@@ -114,17 +114,19 @@ if triton is not None:
             base = w_ptr + e * stride_we
             hq = host_ptr + tl.maximum(hx, 0) * stride_we
             if FP8:  # the host expert's row scales (float32, one per output row of gate and of up)
-                sm = rmask & (code != -1)
+                # (a row mask and the scalar code are combined by tl.where, not &: the same mask compiled, and
+                # Triton's interpreter refuses the & of a block and a scalar as a mask)
+                sm = tl.where(code != -1, rmask, False)
                 at = tl.maximum(hx, 0) * 2 * I + rows
                 sg = tl.load(scale_ptr + at, mask=sm, other=1.0)
                 su = tl.load(scale_ptr + at + I, mask=sm, other=1.0)
             if SLOT_FP8:  # FP8 slots: the slot's row scales (a miss leaves the bank's there)
                 wat = e * 2 * I + rows
-                ssg = tl.load(wscale_ptr + wat, mask=rmask & (code == -1), other=1.0)
-                ssu = tl.load(wscale_ptr + wat + I, mask=rmask & (code == -1), other=1.0)
+                ssg = tl.load(wscale_ptr + wat, mask=tl.where(code == -1, rmask, False), other=1.0)
+                ssu = tl.load(wscale_ptr + wat + I, mask=tl.where(code == -1, rmask, False), other=1.0)
                 if FETCH:  # (a fetch into FP8 slots reads an FP8 bank: FP8 holds)
-                    tl.store(wscale_ptr + wat, sg, mask=rmask & (code >= 0))
-                    tl.store(wscale_ptr + wat + I, su, mask=rmask & (code >= 0))
+                    tl.store(wscale_ptr + wat, sg, mask=tl.where(code >= 0, rmask, False))
+                    tl.store(wscale_ptr + wat + I, su, mask=tl.where(code >= 0, rmask, False))
                     ssg = tl.where(code == -1, ssg, sg)
                     ssu = tl.where(code == -1, ssu, su)
             dt = h_ptr.dtype.element_ty  # the compute dtype
@@ -146,8 +148,8 @@ if triton is not None:
                     qg = tl.load(src_w + g_off, mask=m, other=0.0)
                     qu = tl.load(src_w + u_off, mask=m, other=0.0)
                     if FETCH:
-                        tl.store(base + g_off, qg, mask=m & (code >= 0))
-                        tl.store(base + u_off, qu, mask=m & (code >= 0))
+                        tl.store(base + g_off, qg, mask=tl.where(code >= 0, m, False))
+                        tl.store(base + u_off, qu, mask=tl.where(code >= 0, m, False))
                     wg = (qg.to(tl.float32) * ssg[:, None]).to(dt)
                     wu = (qu.to(tl.float32) * ssu[:, None]).to(dt)
                 elif FETCH:
@@ -159,8 +161,8 @@ if triton is not None:
                         else:
                             wg = tl.load(hq + g_off, mask=m, other=0.0)
                             wu = tl.load(hq + u_off, mask=m, other=0.0)
-                        tl.store(base + g_off, wg, mask=m & (code >= 0))
-                        tl.store(base + u_off, wu, mask=m & (code >= 0))
+                        tl.store(base + g_off, wg, mask=tl.where(code >= 0, m, False))
+                        tl.store(base + u_off, wu, mask=tl.where(code >= 0, m, False))
                     else:
                         wg = tl.load(base + g_off, mask=m, other=0.0)
                         wu = tl.load(base + u_off, mask=m, other=0.0)
@@ -195,11 +197,12 @@ if triton is not None:
             base = w_ptr + e * stride_we
             hq = host_ptr + tl.maximum(hx, 0) * stride_we
             if FP8:
-                sd = tl.load(scale_ptr + tl.maximum(hx, 0) * H + rows, mask=rmask & (code != -1), other=1.0)
+                sd = tl.load(scale_ptr + tl.maximum(hx, 0) * H + rows, mask=tl.where(code != -1, rmask, False),
+                             other=1.0)
             if SLOT_FP8:
-                ssd = tl.load(wscale_ptr + e * H + rows, mask=rmask & (code == -1), other=1.0)
+                ssd = tl.load(wscale_ptr + e * H + rows, mask=tl.where(code == -1, rmask, False), other=1.0)
                 if FETCH:
-                    tl.store(wscale_ptr + e * H + rows, sd, mask=rmask & (code >= 0))
+                    tl.store(wscale_ptr + e * H + rows, sd, mask=tl.where(code >= 0, rmask, False))
                     ssd = tl.where(code == -1, ssd, sd)
             dt = h_ptr.dtype.element_ty  # the compute dtype
             acc = tl.zeros([M, BLOCK_N], dtype=tl.float32)
@@ -215,7 +218,7 @@ if triton is not None:
                         src_w = base
                     q = tl.load(src_w + off, mask=m, other=0.0)
                     if FETCH:
-                        tl.store(base + off, q, mask=m & (code >= 0))
+                        tl.store(base + off, q, mask=tl.where(code >= 0, m, False))
                     w = (q.to(tl.float32) * ssd[:, None]).to(dt)
                 elif FETCH:
                     if code != -1:
@@ -223,7 +226,7 @@ if triton is not None:
                             w = (tl.load(hq + off, mask=m, other=0.0).to(tl.float32) * sd[:, None]).to(dt)
                         else:
                             w = tl.load(hq + off, mask=m, other=0.0)
-                        tl.store(base + off, w, mask=m & (code >= 0))
+                        tl.store(base + off, w, mask=tl.where(code >= 0, m, False))
                     else:
                         w = tl.load(base + off, mask=m, other=0.0)
                 else:
