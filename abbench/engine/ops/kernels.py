@@ -114,8 +114,8 @@ if triton is not None:
             base = w_ptr + e * stride_we
             hq = host_ptr + tl.maximum(hx, 0) * stride_we
             if FP8:  # the host expert's row scales (float32, one per output row of gate and of up)
-                # (a row mask and the scalar code are combined by tl.where, not &: the same mask compiled, and
-                # Triton's interpreter refuses the & of a block and a scalar as a mask)
+                # (a row mask and the scalar code are combined by tl.where, not &: the same mask, and Triton's
+                # interpreter refuses the & of a block and a scalar as a mask)
                 sm = tl.where(code != -1, rmask, False)
                 at = tl.maximum(hx, 0) * 2 * I + rows
                 sg = tl.load(scale_ptr + at, mask=sm, other=1.0)

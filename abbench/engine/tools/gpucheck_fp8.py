@@ -457,8 +457,8 @@ def prefill_profiles(model: str, layers: int | None, tokens: int, chunk: int, de
     ``:beside-host`` runs it beside host-memory traffic alone (``BesideHostTraffic``: two threads copying a layer's
     bank between host buffers), which tells host-memory contention from the link's. ``:moe-graphs`` replays
     every full chunk's MoE half from CUDA graphs where the model does not (Qwen3-MoE; ``steps.LayerSteps``, as
-    the hybrid does): about half of a chunk step's launches leave the host, so a prefill paced by the host's
-    launches (the "rest" if the copies slow the host) would show it. Not counted by the memory plan: a check.
+    the hybrid does): the MoE half's launches leave the host, so a prefill paced by the host's launches (the
+    "rest" if the copies slow the host) would show it. Not counted by the memory plan: a check.
     ``timed``: unprofiled prefills per engine (``profile_prefill``)."""
     import dataclasses
 
