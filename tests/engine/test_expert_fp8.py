@@ -275,9 +275,10 @@ def test_the_hybrids_fp8_engine_computes_with_exactly_the_dequantized_weights() 
     assert _run(unrounded, ids, "resident", max_tokens=4)[1] != _run(fp8, ids, "resident", max_tokens=4)[1]
 
 
-@pytest.mark.parametrize("way", ["compute", "w8a8"])
+@pytest.mark.parametrize("way", ["compute", "gemm", "w8a8"])
 def test_a_hybrid_model_streams_fp8_experts_with_the_modes_equal(way) -> None:
-    """The hybrid's FP8 experts, dequantized by a pass or multiplied in a W8A8 GEMM: every mode the same bits."""
+    """The hybrid's FP8 experts, dequantized by a pass, read by the grouped GEMM (weight-only) or multiplied in a
+    W8A8 GEMM: every mode the same bits."""
     from tests.engine.test_engine_hybrid import MINI as HYBRID
 
     engine = _engine(HYBRID, prefill_mode="resident", expert_dtype="fp8", fp8_dequant=way, chunk_tokens=64,
