@@ -30,8 +30,8 @@ The chain, in order (each step's output in its own log, each step's exit status 
    output in ``gpucheck/NAME.log``; a leading ``python3`` is the chain's interpreter. An ``--early-step`` is
    the same, started right after step 3 and running beside the tests and gpuchecks (a peer's build on the
    CPUs while the GPU tests run); the first step, run or after-gpucheck that follows them waits for it;
-7. each ``--run PROFILE``: ``python3 -m abbench run -p PROFILE --out WORK/runs/PROFILE --no-report -q`` plus
-   ``--run-args``, its output in ``gpucheck/run-PROFILE.log``;
+7. each ``--run "PROFILE [ARGS]"``: ``python3 -m abbench run -p PROFILE --out WORK/runs/PROFILE --no-report -q``
+   plus ``--run-args`` (every run's) and ARGS (this run's), its output in ``gpucheck/run-PROFILE.log``;
 8. each ``--after-gpucheck`` like 5, after the runs.
 
 A failed install, test, gpucheck or step before the runs stops the chain (``--keep-going``: it does not);
@@ -164,7 +164,10 @@ def build_plan(args: argparse.Namespace, repo: Path) -> dict:
         raise DeviceRunError("a step's NAME is given twice: one log gpucheck/NAME.log each")
     if len(args.run) > MAX_RUNS:
         raise DeviceRunError(f"{len(args.run)} runs: at most {MAX_RUNS} a chain ($OUT brings back 8 files)")
-    if len(set(args.run)) != len(args.run):
+    profiles = [(shlex.split(spec) or [""])[0] for spec in args.run]
+    if not all(profiles):
+        raise DeviceRunError("a --run names no profile")
+    if len({Path(p).stem for p in profiles}) != len(profiles):
         raise DeviceRunError("a profile is named twice in --run: one run directory each")
     work = Path(args.work).resolve()
     gdir, site = work / "gpucheck", Path(args.site)
@@ -202,10 +205,11 @@ def build_plan(args: argparse.Namespace, repo: Path) -> dict:
     for spec in args.step:
         steps.append(_named_step(spec, "--step", gdir, args.step_timeout))
     extra = shlex.split(args.run_args) if args.run_args else []
-    for profile in args.run:
+    for spec in args.run:
+        profile, *own = shlex.split(spec) or [""]
         steps.append({"name": f"run-{profile}", "phase": "run", "profile": profile,
                       "argv": ["{python}", "-m", "abbench", "run", "-p", profile, "--out",
-                               str(work / "runs" / Path(profile).stem), "--no-report", "-q", *extra],
+                               str(work / "runs" / Path(profile).stem), "--no-report", "-q", *extra, *own],
                       "log": str(gdir / f"run-{Path(profile).stem}.log"), "timeout": args.run_timeout,
                       "stops": False})
     for spec in args.after_gpucheck:
@@ -486,7 +490,9 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--early-step", action="append", default=[], help='"NAME: COMMAND": a --step started with the '
                    'chain, beside its tests and gpuchecks (repeatable), e.g. a peer\'s build; the first --step, '
                    '--run or --after-gpucheck waits for it')
-    s.add_argument("--run", action="append", default=[], help="a profile to run (repeatable, in order)")
+    s.add_argument("--run", action="append", default=[],
+                   help='a profile to run (repeatable, in order), with its own arguments after the name: '
+                        '"h200-fp8-16g --arms resident-fp8,fp8" (after --run-args\'s)')
     s.add_argument("--run-args", default="", help='more arguments for every `abbench run`, e.g. "--rounds 1"')
     s.add_argument("--commit", default=None, help="ABBENCH_GIT_COMMIT (default .dev/commit.txt, else git)")
     s.add_argument("--dirty", action="store_true", help="ABBENCH_GIT_DIRTY=1: the tree is not the commit")

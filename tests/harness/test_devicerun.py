@@ -68,7 +68,7 @@ def test_dry_run_prints_the_chain_in_order() -> None:
     r = devicerun("start", "--tests", "tests/engine/test_decode_kernels.py", "--tests",
                   "tests/engine/test_engine_decode.py", "--gpucheck", "--preset qwen3-30b-a3b-half --layers 8",
                   "--step", "gguf: python3 -m abbench export-gguf --model tiny", "--run", "h200-decode-offload-4k",
-                  "--run", "h200-hybrid-decode-offload-4k", "--after-gpucheck",
+                  "--run", "h200-hybrid-decode-offload-4k --rounds 1", "--after-gpucheck",
                   "-m abbench.engine.tools.gpucheck_hybrid --model qwen3.5-35b-a3b --layers 8 --out {json}",
                   "--commit", "abc1234", "--work", "/tmp/w", "--out", "/tmp/o", "--dry-run")
     assert r.returncode == 0, r.stderr
@@ -76,7 +76,7 @@ def test_dry_run_prints_the_chain_in_order() -> None:
     assert lines[0] == ("# python3 -m abbench.devicerun start --tests tests/engine/test_decode_kernels.py --tests "
                         "tests/engine/test_engine_decode.py --gpucheck '--preset qwen3-30b-a3b-half --layers 8' --step "
                         "'gguf: python3 -m abbench export-gguf --model tiny' --run "
-                        "h200-decode-offload-4k --run h200-hybrid-decode-offload-4k --after-gpucheck "
+                        "h200-decode-offload-4k --run 'h200-hybrid-decode-offload-4k --rounds 1' --after-gpucheck "
                         "'-m abbench.engine.tools.gpucheck_hybrid --model qwen3.5-35b-a3b --layers 8 --out {json}' "
                         "--commit abc1234 --work /tmp/w --dry-run")  # --out: where it goes, not what is made
     assert "export ABBENCH_GIT_COMMIT=abc1234" in lines and "export ABBENCH_GIT_DIRTY=0" in lines
@@ -95,6 +95,8 @@ def test_dry_run_prints_the_chain_in_order() -> None:
             in text)
     assert ("-m abbench run -p h200-decode-offload-4k --out /tmp/w/runs/h200-decode-offload-4k --no-report -q > "
             "/tmp/w/gpucheck/run-h200-decode-offload-4k.log 2>&1   #" in text)  # a failed run: the next runs
+    assert ("-m abbench run -p h200-hybrid-decode-offload-4k --out /tmp/w/runs/h200-hybrid-decode-offload-4k "
+            "--no-report -q --rounds 1 > /tmp/w/gpucheck/run-h200-hybrid-decode-offload-4k.log" in text)  # its own
     assert (f"timeout 1800 {sys.executable} -m abbench export-gguf --model tiny > /tmp/w/gpucheck/gguf.log 2>&1 "
             "|| exit 1" in text)
     assert "--model qwen3.5-35b-a3b --layers 8 --out /tmp/w/gpucheck/gpucheck_hybrid-qwen3.5-35b-a3b.json >" in text
@@ -106,6 +108,8 @@ def test_dry_run_prints_the_chain_in_order() -> None:
 @pytest.mark.parametrize("argv, message", [
     ([], "nothing to do"),
     (["--run", "cpu-tiny", "--run", "cpu-tiny"], "named twice"),
+    (["--run", "cpu-tiny", "--run", "cpu-tiny --rounds 1"], "named twice"),
+    (["--run", " "], "names no profile"),
     ([f"--run=p{i}" for i in range(7)], "at most 6"),
     (["--gpucheck=-m"], "-m needs a module"),
     (["--step", "python3 -m abbench export-gguf"], "give NAME: COMMAND"),
