@@ -287,11 +287,14 @@ def stream_gaps(events: list[dict], top: int = 8) -> dict:
 
 
 class BesideCopies:
-    """A bank's worth of host-to-device copies on a stream of their own, issued just before a prefill: what a
+    """A bank's worth of host-to-device copies on a stream of their own, from just before a prefill: what a
     streaming engine's link does, beside an engine that streams nothing (resident). One layer's bank (pinned)
-    is copied into one device buffer ``layers`` times, back to back, from the start of the prefill, so the
-    prefill's kernels run beside DMA into device memory for as long as a whole bank takes. On CPU the copies are
-    host to host, in line (the plumbing only)."""
+    is copied into one device buffer ``layers`` times, one copy at a time, each waited for before the next is
+    issued (a thread of its own), as a streaming engine issues its layers, so that the prefill's own small
+    host-to-device copies wait behind one layer's copy at most. Issued all at once (until 20261206a), the copies
+    and the prefill ran one after the other: 1,987 ms against resident's 944 on an H100, with one stream
+    synchronize of 1,039 ms on the host before the compute began. On CPU the copies are host to host, in line
+    (the plumbing only)."""
 
     def __init__(self, engine):
         cfg = engine.model_config
@@ -302,16 +305,35 @@ class BesideCopies:
         self.dev = torch.empty(elems, dtype=engine.dtype, device=engine.device)
         self.stream = torch.cuda.Stream(engine.device) if self.cuda else None
         self.bytes = 0
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def _copy_layers(self) -> None:
+        try:
+            with torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext():
+                for _ in range(self.layers):
+                    self.dev.copy_(self.host, non_blocking=self.cuda)
+                    if self.cuda:
+                        self.stream.synchronize()  # the next layer's copy after this one: one in the queue
+        except BaseException as e:  # noqa: BLE001 - raised again by wait(), in the caller's thread
+            self._error = e
 
     def issue(self) -> None:
         if self.cuda:
             self.stream.wait_stream(torch.cuda.current_stream(self.dev.device))
-        with torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext():
-            for _ in range(self.layers):
-                self.dev.copy_(self.host, non_blocking=self.cuda)
+            self._thread = threading.Thread(target=self._copy_layers, daemon=True)
+            self._thread.start()
+        else:
+            self._copy_layers()
         self.bytes += self.layers * self.host.numel() * self.host.element_size()
 
     def wait(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
         if self.cuda:
             torch.cuda.current_stream(self.dev.device).wait_stream(self.stream)
 
