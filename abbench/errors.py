@@ -7,7 +7,8 @@ nothing else in the harness prints to the terminal or exits.
     ├── ConfigError                   bad profile, flag or tokenizer path (names the field and the fix)
     ├── PromptError                   an exact-length prompt cannot be built or checked
     ├── ServiceError                  an engine service failed to start, died or could not be reached
-    │   └── HealthTimeout             never became healthy; carries the tail of its log
+    │   ├── HealthTimeout             never became healthy; carries the tail of its log
+    │   └── PortTaken                 another process took a launched service's port as it started
     ├── RequestError                  one request failed; ``kind`` says how (http, sse, timeout, usage, ...)
     ├── AuthError                     the server refused the API key (401/403) or the key's variable is unset
     ├── ResultsError                  a results directory is missing, corrupt or of another schema
@@ -46,6 +47,11 @@ class ServiceError(AbbenchError):
 
 class HealthTimeout(ServiceError):
     """The service did not report healthy within its timeout."""
+
+
+class PortTaken(ServiceError):
+    """Another process, running before the service was launched, listened on its port and answered its health
+    check, and the service itself could not bind the port (it exited)."""
 
 
 class RequestError(AbbenchError):

@@ -13,7 +13,7 @@ import psutil
 
 from abbench.errors import ConfigError
 
-__all__ = ["free_port", "port_in_use", "port_owner", "unreachable", "url_host"]
+__all__ = ["free_port", "listening_pids", "port_in_use", "port_owner", "unreachable", "url_host"]
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -61,6 +61,16 @@ def port_in_use(host: str, port: int) -> bool:
         except OSError as e:
             return e.errno in (errno.EADDRINUSE, errno.EACCES)
     return False
+
+
+def listening_pids(port: int) -> set[int] | None:
+    """The pids of the processes listening on TCP ``port`` (any address) that psutil may see (on Linux, the
+    user's own); None when it may not list sockets at all."""
+    try:
+        return {c.pid for c in psutil.net_connections(kind="inet")
+                if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port and c.pid}
+    except (psutil.Error, OSError):
+        return None
 
 
 def port_owner(port: int) -> str | None:

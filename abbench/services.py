@@ -15,6 +15,10 @@ Contract
   ``health_check(base_url) -> bool``, until healthy or ``health_timeout_s``:
 
   - the process exits first -> :class:`ServiceError` with its exit code and the tail of its log;
+  - the answer comes from another process on the port, one running before the launch and outside the
+    service's process tree (:meth:`Service._stranger_on_port`, where psutil can see listeners): it does not
+    count; if the service then exits (it could not bind), that is :class:`PortTaken`, and a port abbench picked
+    is picked again, up to :data:`PORT_ATTEMPTS` launches in all;
   - the timeout passes -> the whole process tree is killed, then :class:`HealthTimeout` with the log tail;
   - the command does not exist / is not executable -> :class:`ServiceError` ("command not found: X; check
     engine.command in the profile").
@@ -36,9 +40,10 @@ Contract
   services run in their own session and would survive it.
 
 Known limits: :func:`free_port` is the usual bind-to-0 trick, so another process may take the port between
-the check and the service's bind (the service then fails to bind and exits, which is reported). A service
-whose listener is not in its own process tree (``docker run -p``) works, but the port check can only see
-the host side.
+the check and the service's bind. The service then fails to bind and exits, but the other process may answer
+the health check first: that answer is refused where psutil can see the listener (on Linux, a process of the
+same user), and the service is launched again on another port. A service whose listener is not in its own
+process tree (``docker run -p``) works, but the port check can only see the host side.
 """
 
 from __future__ import annotations
@@ -56,14 +61,15 @@ from typing import Callable
 
 import psutil
 
-from abbench.errors import AbbenchError, ConfigError, HealthTimeout, ServiceError
-from abbench.ports import free_port, port_in_use, port_owner, unreachable, url_host
+from abbench.errors import AbbenchError, ConfigError, HealthTimeout, PortTaken, ServiceError
+from abbench.ports import free_port, listening_pids, port_in_use, port_owner, unreachable, url_host
 from abbench.results import ServiceRecord
 
 log = logging.getLogger(__name__)
 
 POLL_FIRST_S = 0.1
 POLL_MAX_S = 0.25
+PORT_ATTEMPTS = 3  # launches on a port abbench picked, when another process takes it as the service starts
 HEALTH_REQUEST_TIMEOUT_S = 1.0
 LOG_TAIL_BYTES = 64 * 1024
 _REAP_GRACE_S = 5.0
@@ -215,6 +221,8 @@ class Service:
         self._t0: float | None = None
         self._proc: subprocess.Popen[bytes] | None = None
         self._ps: psutil.Process | None = None  # the root, pinned by create time (safe against pid reuse)
+        self._port: int | None = None  # the port a launched service was given
+        self._stranger: str | None = None  # another process that answered on that port (_stranger_on_port)
         self._stopped = False
         self._stop_lock = threading.RLock()
 
@@ -247,35 +255,44 @@ class Service:
         own bind failure)."""
         if not argv:
             raise ServiceError(f"service {key}: empty command; set engine.command (or the arm's command)")
-        if port is None:
-            port = free_port(host)
-        argv = expand_command(list(argv), port=port, profile_dir=profile_dir)
-        base_url = f"http://{url_host(host)}:{port}"
-        if check_port and port_in_use(host, port):
-            owner = port_owner(port)
-            raise ServiceError(
-                f"service {key}: port {port} on {host} is already in use"
-                + (f" by {owner}" if owner else " by another process")
-                + "; stop that process or let abbench pick a free port ({port} placeholder)"
+        picked = port is None
+        for attempt in range(1, PORT_ATTEMPTS + 1):
+            p = free_port(host) if picked else port
+            assert p is not None
+            base_url = f"http://{url_host(host)}:{p}"
+            if check_port and port_in_use(host, p):
+                owner = port_owner(p)
+                raise ServiceError(
+                    f"service {key}: port {p} on {host} is already in use"
+                    + (f" by {owner}" if owner else " by another process")
+                    + "; stop that process or let abbench pick a free port ({port} placeholder)"
+                )
+            svc = cls(
+                key,
+                base_url=base_url,
+                argv=expand_command(list(argv), port=p, profile_dir=profile_dir),
+                profile_env=env,
+                log_path=Path(log_path),
+                stop_timeout_s=stop_timeout_s,
+                arms=arms or [],
+                round=round,
             )
-        svc = cls(
-            key,
-            base_url=base_url,
-            argv=argv,
-            profile_env=env,
-            log_path=Path(log_path),
-            stop_timeout_s=stop_timeout_s,
-            arms=arms or [],
-            round=round,
-        )
-        svc._start(env)
-        check = health_check or _http_health_check(base_url + health_path)
-        try:
-            svc._wait_healthy(check, health_timeout_s, what=f"GET {health_path}")
-        except BaseException:  # KeyboardInterrupt while waiting too: leave nothing running
-            svc.stop()
-            raise
-        return svc
+            svc._port = p
+            svc._start(env)
+            check = health_check or _http_health_check(base_url + health_path)
+            try:
+                svc._wait_healthy(check, health_timeout_s, what=f"GET {health_path}")
+            except PortTaken as e:
+                svc.stop()
+                if not picked or attempt == PORT_ATTEMPTS:
+                    raise
+                log.warning("service %s: %s; launching it again on another port", key, str(e).splitlines()[0])
+                continue
+            except BaseException:  # KeyboardInterrupt while waiting too: leave nothing running
+                svc.stop()
+                raise
+            return svc
+        raise AssertionError("unreachable")  # every attempt returns or raises
 
     @classmethod
     def attach(
@@ -368,6 +385,12 @@ class Service:
         while True:
             if self._proc is not None:
                 rc = self._proc.poll()
+                if rc is not None and self._stranger is not None:
+                    self.stop()
+                    self.error = (f"port {self._port} was taken by {self._stranger}, which answered the health "
+                                  f"check, and the service exited with code {rc}")
+                    raise PortTaken(f"service {self.key}: {self.error} ({self.base_url}); see {self.log_path}",
+                                    log_tail=self.log_tail())
                 if rc is not None:
                     self.stop()
                     self.error = f"exited with code {rc} before becoming healthy"
@@ -383,16 +406,24 @@ class Service:
             except Exception as e:  # noqa: BLE001 - a custom check that raises means "not yet"
                 log.debug("service %s: health check raised %r", self.key, e)
                 healthy = False
-            if healthy:
+            if healthy and self._proc is not None:
                 # The answer must come from our process, not from one that just died (or a stranger).
-                if self._proc is not None and self._proc.poll() is not None:
+                if self._proc.poll() is not None:
                     continue  # loop again: the exit branch reports it
+                stranger = self._stranger_on_port()
+                if stranger is not None:  # not ours: wait for ours to bind, or to exit (PortTaken)
+                    if self._stranger is None:
+                        log.warning("service %s: %s answers on port %s, not the service", self.key, stranger,
+                                    self._port)
+                    self._stranger, healthy = stranger, False
+            if healthy:
                 self._ready_s = time.perf_counter() - (self._t0 if self._t0 is not None else t0)
                 log.info("service %s: healthy after %.2f s", self.key, self._ready_s)
                 return
             now = time.perf_counter()
             if now >= deadline:
-                self.error = f"not healthy after {timeout_s:g} s ({what} at {self.base_url})"
+                self.error = f"not healthy after {timeout_s:g} s ({what} at {self.base_url})" + (
+                    f"; {self._stranger} answered on its port instead" if self._stranger else "")
                 if self._proc is not None:
                     self.stop()
                     raise HealthTimeout(
@@ -402,6 +433,29 @@ class Service:
                 raise HealthTimeout(f"service {self.key}: {self.error}")
             time.sleep(min(delay, max(0.0, deadline - now)))
             delay = min(delay * 1.5, POLL_MAX_S)
+
+    def _stranger_on_port(self) -> str | None:
+        """'pid N (name)' of a process listening on this launched service's port that is not in its process
+        tree and was running before the service was launched: someone else's server, which answered for it.
+        None when there is none or psutil cannot tell. A listener started after the launch outside the tree
+        (``docker run -p``'s proxy) is taken for the service's own."""
+        if self._port is None or self._ps is None or self.started_at is None:
+            return None
+        pids = listening_pids(self._port)
+        if not pids:
+            return None
+        try:
+            ours = {self._ps.pid} | {c.pid for c in self._ps.children(recursive=True)}
+        except psutil.Error:
+            return None
+        for pid in sorted(pids - ours):
+            try:
+                proc = psutil.Process(pid)
+                if proc.create_time() < self.started_at:
+                    return f"pid {pid} ({proc.name()})"
+            except psutil.Error:
+                continue
+        return None
 
     # -- properties ---------------------------------------------------------------------------------
 

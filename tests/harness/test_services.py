@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import http.server
 import os
 import socket
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -13,7 +15,7 @@ import psutil
 import pytest
 
 from abbench import services
-from abbench.errors import ConfigError, HealthTimeout, ServiceError
+from abbench.errors import ConfigError, HealthTimeout, PortTaken, ServiceError
 from abbench.services import Service, expand_command, free_port, port_in_use, stop_all
 
 HELPER = str(Path(__file__).resolve().parents[1] / "support" / "svc_helper.py")
@@ -190,6 +192,53 @@ def test_port_in_use_service_own_failure_detected(tmp_path: Path) -> None:
             launch(tmp_path, port=port, check_port=False)
     assert "exited with code 1" in str(ei.value)
     assert "Address already in use" in (ei.value.log_tail or "")
+
+
+class _Stranger(http.server.BaseHTTPRequestHandler):
+    """Someone else's server: healthy, and nothing more."""
+
+    def do_GET(self) -> None:  # noqa: N802
+        body = b"ok\n" if self.path == "/health" else b"not here\n"
+        self.send_response(200 if self.path == "/health" else 404)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def stranger():
+    """A server in this process (running before any launch) on a port of its own: the port another process
+    takes between abbench's pick and the service's bind."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Stranger)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield server.server_address[1]
+    server.shutdown()
+    server.server_close()
+
+
+def test_a_stranger_on_a_picked_port_does_not_answer_for_the_service(tmp_path: Path, stranger: int,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """The race of free_port: the port abbench picked is taken by a server that answers /health before the
+    service (still starting) binds it. That answer is not the service's; the service exits (address in use) and
+    is launched again on another port, where it answers itself."""
+    picks = iter([stranger])
+    monkeypatch.setattr(services, "free_port", lambda host="127.0.0.1": next(picks, None) or free_port(host))
+    monkeypatch.setattr(services, "port_in_use", lambda host, port: False)  # taken after the check
+    svc = launch(tmp_path, "--delay", "0.5")
+    assert not svc.base_url.endswith(f":{stranger}")
+    assert "helper_requests_total" in httpx.get(svc.base_url + "/metrics").text  # the service itself
+    log = (tmp_path / "logs" / "svc.log").read_text()
+    assert log.count("=== abbench: service svc launched") == 2 and "Address already in use" in log
+    svc.stop()
+
+
+def test_a_stranger_on_a_given_port_is_port_taken_not_healthy(tmp_path: Path, stranger: int) -> None:
+    """On a port the profile fixed (no pick to repeat), the same race is PortTaken, naming the other process."""
+    with pytest.raises(PortTaken, match=rf"port {stranger} was taken by pid {os.getpid()} .*exited with code 1"):
+        launch(tmp_path, "--delay", "0.5", port=stranger, check_port=False)
 
 
 def test_stop_kills_whole_tree_including_setsid_grandchild(tmp_path: Path) -> None:
