@@ -13,7 +13,7 @@ import psutil
 
 from abbench.errors import ConfigError
 
-__all__ = ["free_port", "listening_pids", "port_in_use", "port_owner", "unreachable", "url_host"]
+__all__ = ["describe_pid", "free_port", "listening_pids", "port_in_use", "port_owner", "unreachable", "url_host"]
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -73,18 +73,18 @@ def listening_pids(port: int) -> set[int] | None:
         return None
 
 
+def describe_pid(pid: int) -> str:
+    """'pid N (name)', or 'pid N' where the name cannot be read."""
+    try:
+        return f"pid {pid} ({psutil.Process(pid).name()})"
+    except psutil.Error:
+        return f"pid {pid}"
+
+
 def port_owner(port: int) -> str | None:
     """'pid N (name)' of the process listening on ``port``, when psutil may see it (often needs root)."""
-    try:
-        for c in psutil.net_connections(kind="inet"):
-            if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port and c.pid:
-                try:
-                    return f"pid {c.pid} ({psutil.Process(c.pid).name()})"
-                except psutil.Error:
-                    return f"pid {c.pid}"
-    except (psutil.Error, OSError):
-        return None
-    return None
+    pids = listening_pids(port)
+    return describe_pid(min(pids)) if pids else None
 
 
 def _host_port(base_url: str) -> tuple[str, int]:

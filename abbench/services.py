@@ -62,7 +62,7 @@ from typing import Callable
 import psutil
 
 from abbench.errors import AbbenchError, ConfigError, HealthTimeout, PortTaken, ServiceError
-from abbench.ports import free_port, listening_pids, port_in_use, port_owner, unreachable, url_host
+from abbench.ports import describe_pid, free_port, listening_pids, port_in_use, port_owner, unreachable, url_host
 from abbench.results import ServiceRecord
 
 log = logging.getLogger(__name__)
@@ -450,9 +450,8 @@ class Service:
             return None
         for pid in sorted(pids - ours):
             try:
-                proc = psutil.Process(pid)
-                if proc.create_time() < self.started_at:
-                    return f"pid {pid} ({proc.name()})"
+                if psutil.Process(pid).create_time() < self.started_at:
+                    return describe_pid(pid)
             except psutil.Error:
                 continue
         return None
