@@ -5,6 +5,7 @@ options pass through), ``memory-plan`` (the device-memory plan a budget leaves, 
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -53,6 +54,10 @@ def memory_plan_cmd(
                                                   "(layers dequantized into buffers in --dtype, through the "
                                                   "staging area) or gemm / w8a8 (buffers and resident experts "
                                                   "hold the FP8 values and row scales, no staging area).")] = "compute",
+    slots_share_buffers: Annotated[str, typer.Option(help="The engine's --slots-share-buffers: auto (the slot "
+                                                          "cache in the prefill buffers' memory where the budget "
+                                                          "leaves too few slots beside them, one sequence), on or "
+                                                          "off.")] = "auto",
 ) -> None:
     """What the vendored engine keeps on the GPU at each prefill chunk length, and the decode slot cache a
     budget leaves (the plan `--gpu-memory-budget` applies at start-up; no GPU needed). A longer chunk runs
@@ -66,6 +71,7 @@ def memory_plan_cmd(
       abbench memory-plan --model qwen3.5-35b-a3b --chunk-tokens 2048,8192 --max-context 131072
       abbench memory-plan --model qwen3-30b-a3b --budget 24 --max-context 8192 --max-num-seqs 8
       abbench memory-plan --model qwen3-30b-a3b --budget 16 --max-context 32768 --expert-dtype fp8
+      abbench memory-plan --model qwen3.5-35b-a3b --budget 16 --max-context 262144 --window-tokens 65536
     """
     from abbench.engine.config import EngineConfig
     from abbench.engine.runtime.memory import GIB, plan_device_memory
@@ -98,7 +104,7 @@ def memory_plan_cmd(
             cfg = EngineConfig(model=model, device="cuda", dtype=dtype, chunk_tokens=chunk, max_context=max_context,
                                prefill_mode="resident" if resident else "chunked", max_num_seqs=max_num_seqs,
                                expert_dtype=expert_dtype, slot_dtype=slot_dtype, fp8_dequant=fp8_dequant,
-                               **knobs).resolved()
+                               slots_share_buffers=slots_share_buffers, **knobs).resolved()
         except (ValueError, AbbenchError) as e:
             _fail(e if isinstance(e, AbbenchError) else ConfigError(str(e)))
             return
@@ -106,15 +112,23 @@ def memory_plan_cmd(
             if budget is None:  # the least decode can run with: one token's experts in every layer
                 k = 0 if resident else cfg.model.num_experts_per_tok
                 unbounded = plan_device_memory(cfg, 1 << 62)
-                plan = plan_device_memory(cfg, unbounded.fixed_bytes + k * unbounded.slot_bytes)
-                note = f"needs at least {plan.total_bytes / GIB:.2f} GiB" + ("" if resident else f" ({k} slots per layer)")
+                least = unbounded.fixed_bytes + unbounded.pool_bytes(k)
+                if not resident and cfg.slots_share_buffers == "auto" and cfg.max_num_seqs == 1:  # less, shared?
+                    shared = plan_device_memory(dataclasses.replace(cfg, slots_share_buffers="on"), 1 << 62)
+                    least = min(least, shared.fixed_bytes + shared.pool_bytes(k))
+                plan = plan_device_memory(cfg, least)
+                note = f"needs at least {plan.total_bytes / GIB:.2f} GiB" + ("" if resident else f" ({plan.slots_per_layer} slots per layer)")
             else:
                 plan, note = plan_device_memory(cfg, int(budget * GIB)), ""
+            if plan.slots_share_buffers:
+                note = (note + "; " if note else "") + (
+                    f"slots in the prefill buffers' memory ({gb(plan.prefill_buffer_bytes)} GiB): cold after each "
+                    "prefill")
         except ValueError as e:
             table.add_row(f"{chunk:,}", "", "", "", "", "", "", f"[red]does not fit[/]: {str(e).split(';')[0]}")
             continue
         table.add_row(f"{chunk:,}", gb(plan.kv_bytes), gb(plan.workspace_bytes), gb(plan.fixed_bytes), str(plan.slots_per_layer),
-                      gb(plan.slots_per_layer * plan.slot_bytes), gb(plan.total_bytes), note)
+                      gb(plan.pool_bytes(plan.slots_per_layer)), gb(plan.total_bytes), note)
     out.print(table)
 
 

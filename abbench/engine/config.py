@@ -47,6 +47,7 @@ from abbench.engine.shapes import (
 __all__ = [
     "ATTENTION_BATCH_MAX_CONTEXT", "DECODE_ATTENTION", "DECODE_EXPERTS", "DECODE_MISSES", "DTYPES", "EXPERT_DTYPES", "FP8_DEQUANT", "FP8_GEMM_MATH",
     "SLOT_DTYPES",
+    "SLOTS_SHARE_BUFFERS",
     "GDN_BLOCK",
     "HYBRID_MODEL_TYPES", "ITEMSIZE", "LAYER_TYPES", "MAX_ATTENTION_BATCH", "MAX_GROUPED_MM_GROUPS", "PREFILL_MODES", "PREFILL_PATHS", "PRESETS",
     "QWEN4_MODEL_TYPES", "EngineConfig", "HybridConfig", "ModelConfig", "Qwen4Config", "check_hybrid_chunk",
@@ -65,6 +66,7 @@ EXPERT_DTYPES = ("model", "fp8")
 # values and row scales (half the bytes: about twice the slots), dequantized by decode's Triton kernels as read;
 # "auto": fp8 where the bank is FP8 with row scales and decode's experts are Triton's (abbench.engine.runtime.memory)
 SLOT_DTYPES = ("auto", "model", "fp8")
+SLOTS_SHARE_BUFFERS = ("auto", "on", "off")
 # where an FP8 bank's streamed layers are dequantized (EngineConfig.fp8_dequant): "compute" on the compute stream
 # at the layer's turn, "copy" on the copy stream right after the copy, beside the compute (runtime.experts);
 # "gemm": never as a pass, the prefill's grouped GEMM reads the FP8 values and row scales (ops.moe.Fp8Experts);
@@ -203,6 +205,12 @@ class EngineConfig:
     # and dequantized by decode's Triton experts: twice the slots in a budget), "auto": fp8 on CUDA where the bank
     # is FP8 with per-row scales and decode's experts are Triton's (runtime.memory.fp8_slots), else model
     slot_dtype: str = "auto"
+    # decode's slot cache and the prefill's two layer buffers in one device allocation ("on"): a prefill overwrites
+    # slots (the engine forgets them, so decode starts cold after each prefill) and the budget holds the larger of
+    # the two instead of both, so a budget that leaves too few slots beside the buffers can still decode; one
+    # sequence at a time (max_num_seqs 1), streamed prefill, no d2d_from_slot_cache. "auto": on where the budget
+    # holds fewer than num_experts_per_tok slots beside the buffers and those hold (runtime.memory), else off
+    slots_share_buffers: str = "auto"
     # an FP8 bank's streamed prefill layers: dequantized on the compute stream at their turn ("compute"), or on the
     # copy stream right after their copy ("copy": its kernels run beside the compute and slowed it on the H200), or
     # in the prefill's grouped GEMM ("gemm": the device keeps the FP8 values and row scales, buffers and resident
@@ -299,6 +307,8 @@ class EngineConfig:
                              "it needs expert_dtype 'fp8'")
         if self.slot_dtype not in SLOT_DTYPES:
             raise ValueError(f"slot_dtype must be one of {SLOT_DTYPES}, got {self.slot_dtype!r}")
+        if self.slots_share_buffers not in SLOTS_SHARE_BUFFERS:
+            raise ValueError(f"slots_share_buffers must be one of {SLOTS_SHARE_BUFFERS}, got {self.slots_share_buffers!r}")
         if self.slot_dtype == "fp8" and self.expert_dtype != "fp8":
             raise ValueError("slot_dtype 'fp8' keeps an FP8 bank's values in the slots: it needs expert_dtype 'fp8'")
         dev = self.device
@@ -376,4 +386,14 @@ class EngineConfig:
                                  f"(num_experts_per_tok={mc.num_experts_per_tok})")
         check_hybrid_chunk(mc, self.chunk_tokens)
         seqs = self.max_num_seqs or (1 if self.gpu_memory_budget_gib is not None else DEFAULT_NUM_SEQS)
+        if self.slots_share_buffers == "on":
+            if seqs != 1:
+                raise ValueError(f"slots_share_buffers 'on' needs max_num_seqs 1, got {seqs}: another sequence's "
+                                 "decode would write the slots while a prefill's buffers hold a layer")
+            if self.prefill_mode == "resident":
+                raise ValueError("slots_share_buffers 'on' needs a streamed prefill mode: resident experts have no "
+                                 "slots and no buffers")
+            if self.d2d_from_slot_cache:
+                raise ValueError("slots_share_buffers 'on' and d2d_from_slot_cache: a copy from a slot into a "
+                                 "buffer would write over slots")
         return dataclasses.replace(self, model=mc, dtype=dtype, max_context=max_context, max_num_seqs=seqs)

@@ -316,3 +316,36 @@ def test_the_server_warms_both_ways_of_misses_only_where_requests_may_choose_one
     assert launch._engine_config(parse(["--device", "cpu", "--allow-request-overrides"])).warm_every_misses_way
     assert launch._engine_config(parse(["--device", "cpu"])).warm_prefill is None  # the default: on CUDA only
     assert launch._engine_config(parse(["--device", "cpu", "--no-warm-prefill"])).warm_prefill is False
+
+
+def test_slots_share_the_buffers_where_a_budget_leaves_too_few_beside_them():
+    """Qwen3.5/3.6 at 262,144 tokens under 16 GiB: beside the two prefill buffers the budget holds 1 slot a
+    layer where decode needs 8, so "auto" puts the slots in the buffers' memory (the larger of the two counted
+    once) and the plan fits; "off" refuses, naming the budget sharing would need; a budget that holds the slots
+    beside the buffers, or more than one sequence, keeps them apart."""
+    def cfg(**kw) -> EngineConfig:
+        return EngineConfig(**{"model": "qwen3.5-35b-a3b", "device": "cuda", "max_context": 262_144,
+                               "layer_major_window_tokens": 65_536, "max_num_seqs": 1, **kw}).resolved()
+
+    plan = plan_device_memory(cfg(), 16 * GIB)
+    apart = plan_device_memory(cfg(), 10**12)
+    assert plan.slots_share_buffers and plan.slots_per_layer >= 8 and plan.total_bytes <= 16 * GIB
+    assert plan.fixed_bytes == apart.fixed_bytes - apart.prefill_buffer_bytes
+    assert plan.total_bytes == plan.fixed_bytes + max(plan.slots_per_layer * plan.slot_bytes,
+                                                      plan.prefill_buffer_bytes)
+    assert plan.total_bytes + plan.slot_bytes > 16 * GIB  # one more slot a layer would not fit
+    assert "in one allocation" in plan.describe() and "prefill buffers 3.00 GiB +" not in plan.describe()
+    with pytest.raises(ValueError, match="holds 1 expert slots per layer but decode needs 8") as e:
+        plan_device_memory(cfg(slots_share_buffers="off"), 16 * GIB)
+    assert f"at least {(apart.fixed_bytes + 8 * apart.slot_bytes) / GIB:.2f} GiB," in str(e.value)
+    with pytest.raises(ValueError, match=f"at least {(plan.fixed_bytes + plan.prefill_buffer_bytes) / GIB:.2f} "
+                                         r"GiB \(the slots in the prefill buffers' memory\)"):
+        plan_device_memory(cfg(), 15 * GIB)  # too small either way: the least is shared's
+    assert not plan_device_memory(cfg(), 24 * GIB).slots_share_buffers  # 24 GiB holds them apart
+    assert plan_device_memory(cfg(slots_share_buffers="on"), 24 * GIB).slots_share_buffers
+    with pytest.raises(ValueError, match="holds 0 expert slots"):  # two caches: no sharing, and no room
+        plan_device_memory(cfg(max_num_seqs=2), 16 * GIB)
+    for bad, why in ((dict(max_num_seqs=2), "max_num_seqs 1, got 2"), (dict(prefill_mode="resident"), "streamed"),
+                     (dict(d2d_from_slot_cache=True), "d2d_from_slot_cache")):
+        with pytest.raises(ValueError, match=why):
+            cfg(slots_share_buffers="on", **bad)

@@ -23,6 +23,7 @@ from abbench.engine.runtime.prefill import plan_chunks, prefill  # noqa: E402
 from abbench.engine.runtime.steps import LayerSteps  # noqa: E402
 from abbench.engine.contract import Cancelled, GenerateRequest  # noqa: E402
 from abbench.engine.runtime.engine import Engine  # noqa: E402
+from abbench.engine.ops.moe import Fp8Experts  # noqa: E402
 
 MINI = ModelConfig(vocab_size=1024, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
                    head_dim=16, moe_intermediate_size=32, num_experts=16, num_experts_per_tok=2,
@@ -409,3 +410,29 @@ def test_the_build_says_where_its_time_went() -> None:
     assert list(phases)[:5] == ["plan", "host bank", "weights", "device experts, decoder, steps", "bandwidth probe"]
     assert "prefill warm-up" in phases and "auto's costs" not in phases
     assert all(v >= 0 for v in phases.values()) and sum(phases.values()) <= engine.startup_s + 0.01
+
+
+@pytest.mark.parametrize("mode,bank", [("chunked", {}), ("layer-major", {}), ("demand", {}),
+                                       ("layer-major", dict(expert_dtype="fp8", fp8_dequant="gemm"))])
+def test_slots_sharing_the_buffers_memory_are_forgotten_at_each_prefill(resident, mode, bank):
+    """``slots_share_buffers``: the decode slots are views of the prefill buffers' memory, so every prefill
+    writes over slots that decode filled, and the engine must forget them (decode starts cold). Requests in a row,
+    without a reset, give the ids, logprobs and KV of the resident engine; a slot still believed to hold an
+    expert after a prefill wrote over it would decode through other weights. An FP8 bank's buffers of FP8 values
+    and row scales (``fp8_dequant`` "gemm") share the slots' memory the same way."""
+    if bank:
+        resident = _engine(prefill_mode="resident", **bank)
+    engine = _engine(prefill_mode=mode, slots_share_buffers="on", expert_slots_per_layer=4, max_num_seqs=1, **bank)
+    store = engine.store
+    buffers = [t.values if isinstance(t, Fp8Experts) else t for t in store.buf_gate_up + store.buf_down]
+    pool = buffers[0].untyped_storage().data_ptr()
+    assert all(t.untyped_storage().data_ptr() == pool for t in buffers + store.slots.gate_up + store.slots.down)
+    prompts = [_prompt(70, seed=40), _prompt(45, seed=41, lo=1), _prompt(99, seed=42, lo=2)]
+    got = _serve(engine, prompts, mode, max_tokens=6)
+    want = _serve(resident, prompts, mode, max_tokens=6)
+    for (ids, lps, stats, kv), (rids, rlps, _, rkv) in zip(got, want, strict=True):
+        assert ids == rids and lps == rlps
+        assert all(torch.equal(a, b) for a, b in zip(kv, rkv, strict=True))
+        assert stats.slot_misses > 0  # cold after its prefill
+    assert store.slot_flushes >= len(prompts) - 1  # each prefill after the first found decode's experts there
+    assert engine.memory_plan is None or engine.memory_plan.slots_share_buffers

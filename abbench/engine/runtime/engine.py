@@ -126,10 +126,13 @@ class Engine:
             self.slots_per_layer = self.memory_plan.slots_per_layer if self.memory_plan else (
                 cfg.expert_slots_per_layer or mc.num_experts)
             resident = cfg.prefill_mode == "resident"
+            # the slots in the prefill buffers' memory: where the plan chose it, or asked for without a plan
+            share = (self.memory_plan.slots_share_buffers if self.memory_plan is not None
+                     else cfg.slots_share_buffers == "on")
             mark("weights")
             self.store = ExpertStore(bank, self.device, self.slots_per_layer, resident, cfg.d2d_from_slot_cache,
                                      fp8_slots=self.fp8_slots, dequant_on_compute=cfg.fp8_dequant == "compute",
-                                     fp8_gemm_math=gemm_math)
+                                     fp8_gemm_math=gemm_math, share_buffers=share)
             self.scheduler = Scheduler(self, self.caches)
             self.decoder = Decoder(self.model, self.store, self.caches, graphs=cfg.decode_graphs,
                                    experts=cfg.decode_experts, attention=cfg.decode_attention,

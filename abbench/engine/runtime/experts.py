@@ -23,6 +23,11 @@ Contract:
     misses read from the registered host bank over PCIe by the kernel), so a step never waits for the host.
     The host's view (``lru``, ``free``, ``loaded``) is pulled from the table when the host next needs it, and
     the table's hit/miss counts are folded into the accounting by ``collect_decode_counts``.
+  * ``share_buffers`` (``EngineConfig.slots_share_buffers``): the two layer buffers and the slot cache are views of
+    one allocation, the larger of the two layouts. Whatever writes a buffer (a streamed layer, a prime, demand
+    loading, the bandwidth probe) first makes the slot cache forget what it holds (``slot_flushes``), so decode
+    after a prefill starts cold; the writes are ordered after the compute queued so far, which includes the last
+    decode step that read the slots. One sequence at a time: no decode runs while a buffer holds a layer.
   * resident mode: every layer's experts on the device from the start (on CPU the bank itself).
   * optional ``d2d_from_slot_cache``: experts already in the slot cache reach a layer buffer by a
     device-to-device copy instead of from the host.
@@ -54,6 +59,7 @@ Contract:
 
 from __future__ import annotations
 
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
@@ -93,7 +99,7 @@ class SlotCache:
     (``complete``) no step needs the host any more."""
 
     def __init__(self, cfg: ModelConfig, slots_per_layer: int, device: torch.device, dtype: torch.dtype,
-                 fp8: bool = False):
+                 fp8: bool = False, alloc: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None):
         e_i, h, n_layers = cfg.moe_intermediate_size, cfg.hidden_size, cfg.num_hidden_layers
         if not cfg.num_experts_per_tok <= slots_per_layer <= cfg.num_experts:
             raise ValueError(f"slots_per_layer must be in [{cfg.num_experts_per_tok}, {cfg.num_experts}], "
@@ -102,15 +108,17 @@ class SlotCache:
         self.identity = slots_per_layer == cfg.num_experts
         self.fp8 = fp8  # the slots hold an FP8 bank's float8 values, with its row scales beside them
         dtype = FP8 if fp8 else dtype
-        self.gate_up = [torch.zeros((slots_per_layer, 2 * e_i, h), device=device, dtype=dtype)
-                        for _ in range(n_layers)]  # [S, 2I, H] each
-        self.down = [torch.zeros((slots_per_layer, h, e_i), device=device, dtype=dtype)
-                     for _ in range(n_layers)]  # [S, H, I] each
-        self.gate_up_scale = [torch.zeros((slots_per_layer, 2 * e_i), device=device) for _ in range(n_layers)
+        # (``alloc``: where the tensors come from, e.g. views of memory the prefill buffers share; what a slot
+        # holds before its expert is copied in is never read)
+        new = alloc or (lambda shape, dt: torch.zeros(shape, device=device, dtype=dt))
+        S = slots_per_layer
+        self.gate_up = [new((S, 2 * e_i, h), dtype) for _ in range(n_layers)]  # [S, 2I, H] each
+        self.down = [new((S, h, e_i), dtype) for _ in range(n_layers)]  # [S, H, I] each
+        self.gate_up_scale = [new((S, 2 * e_i), torch.float32) for _ in range(n_layers)
                               ] if fp8 else None  # [S, 2I] float32 each
-        self.down_scale = [torch.zeros((slots_per_layer, h), device=device) for _ in range(n_layers)
-                           ] if fp8 else None  # [S, H]
+        self.down_scale = [new((S, h), torch.float32) for _ in range(n_layers)] if fp8 else None  # [S, H]
         self.n_layers = n_layers
+        self.table = None
         self.flush()
 
     @property
@@ -270,6 +278,24 @@ class DeviceSlotTable:
             torch.sub(self.tick, 1, out=self.pf_tick)
 
 
+class _Pool:
+    """Tensors carved one after another out of one byte allocation (``storage``), each at an ``ALIGN``-byte offset;
+    without ``storage`` a dry run: meta tensors, and ``offset`` the bytes the layout needs."""
+
+    ALIGN = 256
+
+    def __init__(self, storage: torch.Tensor | None = None):
+        self.storage, self.offset = storage, 0
+
+    def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        start = -(-self.offset // self.ALIGN) * self.ALIGN
+        n = math.prod(shape) * dtype.itemsize
+        self.offset = start + n
+        if self.storage is None:
+            return torch.empty(shape, dtype=dtype, device="meta")
+        return self.storage[start:start + n].view(dtype).view(shape)
+
+
 @dataclass
 class SlotStats:
     """Decode slot-cache lookups: routed (layer, expert) pairs found in the cache, and those copied in."""
@@ -283,7 +309,7 @@ class ExpertStore:
 
     def __init__(self, bank: ExpertBank, device: torch.device, slots_per_layer: int, resident: bool,
                  d2d_from_slot_cache: bool, fp8_slots: bool = False, dequant_on_compute: bool = False,
-                 fp8_gemm_math: str | None = None):
+                 fp8_gemm_math: str | None = None, share_buffers: bool = False):
         cfg = bank.cfg
         self.bank, self.device, self.d2d_from_slot_cache = bank, device, d2d_from_slot_cache
         self.cuda = device.type == "cuda"
@@ -293,6 +319,7 @@ class ExpertStore:
         self._stalls: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # (before, after) each streamed wait
         self._prime: tuple[int, Traffic] | None = None  # (layer, its traffic, not yet counted) in buffer 0
         self.primes_taken = self.primes_dropped = 0  # lifetime
+        self.slot_flushes = 0  # lifetime: the slots forgotten because a buffer sharing their memory was written
         self.startup_h2d_bytes = 0
         e, i, h = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
         dt = bank.compute_dtype
@@ -304,13 +331,39 @@ class ExpertStore:
         # weights dequantized into the compute dtype
         self.fp8_gemm_math = fp8_gemm_math
         fp8_in_gemm = fp8_gemm_math is not None
-        if fp8_in_gemm:
-            self.buf_gate_up = [Fp8Experts.empty(e, 2 * i, h, device, fp8_gemm_math) for _ in range(2)]
-            self.buf_down = [Fp8Experts.empty(e, h, i, device, fp8_gemm_math) for _ in range(2)]
-            dequant_on_compute = False
+        if share_buffers and (resident or d2d_from_slot_cache):
+            raise ValueError("the slots share the prefill buffers' memory only with a slot cache (not resident) and "
+                             "no copies from the slots into the buffers (d2d_from_slot_cache)")
+        # the buffers and the slots in one allocation (``share_buffers``): views of one pool, else their own
+
+        def buffers(new: Callable[[tuple[int, ...], torch.dtype], torch.Tensor]) -> tuple[list, list]:
+            if fp8_in_gemm:
+                return ([Fp8Experts(new((e, 2 * i, h), FP8), new((e, 2 * i), torch.float32), fp8_gemm_math)
+                         for _ in range(2)],
+                        [Fp8Experts(new((e, h, i), FP8), new((e, h), torch.float32), fp8_gemm_math) for _ in range(2)])
+            return [new((e, 2 * i, h), dt) for _ in range(2)], [new((e, h, i), dt) for _ in range(2)]
+
+        def slot_cache(new: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None) -> SlotCache:
+            return SlotCache(cfg, slots_per_layer, device, dt, fp8=fp8_slots, alloc=new)
+
+        self.share_buffers = share_buffers
+        pool: torch.Tensor | None = None
+        if share_buffers:
+            if resident or d2d_from_slot_cache:
+                raise ValueError("the slots share the prefill buffers' memory only with a slot cache (not resident) "
+                                 "and no copies from the slots into the buffers (d2d_from_slot_cache)")
+            sizes = []
+            for layout in (buffers, slot_cache):  # a dry run of each, then one allocation of the larger
+                dry = _Pool()
+                layout(dry.take)
+                sizes.append(dry.offset)
+            pool = torch.empty(max(sizes), dtype=torch.uint8, device=device)
+            self.buf_gate_up, self.buf_down = buffers(_Pool(pool).take)
         else:
-            self.buf_gate_up = [torch.zeros((e, 2 * i, h), device=device, dtype=dt) for _ in range(2)]
-            self.buf_down = [torch.zeros((e, h, i), device=device, dtype=dt) for _ in range(2)]
+            self.buf_gate_up, self.buf_down = buffers(  # (FP8 values and their scales: never read before written)
+                lambda shape, dtype: (torch.zeros if dtype == dt else torch.empty)(shape, device=device, dtype=dtype))
+        if fp8_in_gemm:
+            dequant_on_compute = False
         if self.cuda:
             self.copy_stream = torch.cuda.Stream(device)
             self.ready = [torch.cuda.Event(), torch.cuda.Event()]
@@ -349,7 +402,7 @@ class ExpertStore:
         else:
             if fp8_slots and not (bank.fp8 and bank.block is None):
                 raise ValueError("FP8 slots hold an FP8 bank's values and per-row scales: the bank is not one")
-            self.slots = SlotCache(cfg, slots_per_layer, device, dt, fp8=fp8_slots)
+            self.slots = slot_cache(_Pool(pool).take if pool is not None else None)  # (the same memory's start)
 
     # -- accounting -----------------------------------------------------------------------------------
     def _count(self, h2d: int = 0, d2d: int = 0, experts: int = 0) -> None:
@@ -410,6 +463,7 @@ class ExpertStore:
         current stream: from the slot cache (device-to-device) when allowed, else from the host in runs."""
         if buf == 0:
             self.drop_prime()  # whatever is about to be written over it
+        self._buffers_written()
         self._staged[buf] = None
         bank, gu, dn = self.bank, self.buf_gate_up[buf], self.buf_down[buf]
         # (buffers of FP8 values take a slot's only where the slots hold them too)
@@ -445,6 +499,15 @@ class ExpertStore:
                     self._count(d2d=bank.device_expert_bytes, experts=1)
             elif e >= 0:
                 run = [e]
+
+    def _buffers_written(self) -> None:
+        """A prefill buffer is about to be written (on the current stream or the copy stream, after the compute
+        queued so far): where the slots share the buffers' memory (``share_buffers``), the slot cache forgets
+        what it holds, on the host and, at the next device-side step, on the device (``SlotCache.flush``)."""
+        c = self.slots
+        if self.share_buffers and c is not None and (c.loaded or (c.table is not None and c.table.ahead)):
+            c.flush()
+            self.slot_flushes += 1
 
     # -- the first layer ahead of its prefill ---------------------------------------------------------------
     def prime(self, layer: int) -> bool:
@@ -492,6 +555,7 @@ class ExpertStore:
                                                   and self.slots.layer_slots(layer))
         if buf == 0:
             self.drop_prime()
+        self._buffers_written()
         self._staged[buf] = layer if staged else None
 
         def copy() -> None:
@@ -520,6 +584,7 @@ class ExpertStore:
         if self._staged[buf] is None:
             return
         self._staged[buf] = None
+        self._buffers_written()
         stage, block = self.stage, self.bank.block
         self._dequant(self.buf_gate_up[buf], stage[0], stage[2], block)
         self._dequant(self.buf_down[buf], stage[1], stage[3], block)
@@ -691,6 +756,7 @@ class ExpertStore:
         if probe_bytes <= 0:
             return float("nan")
         self.drop_prime()  # the probe copies into buffer 0
+        self._buffers_written()
         bank, n_layers = self.bank, self.bank.cfg.num_hidden_layers
 
         def copy(layer: int) -> None:

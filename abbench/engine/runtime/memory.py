@@ -12,6 +12,11 @@ Contract:
   experts hold its FP8 values and row scales instead, and there is no stage. Its decode slots hold its float8
   values and row scales where decode's Triton experts read them (``fp8_slots``: ``EngineConfig.slot_dtype``), about half a slot's bytes, so about
   twice the slots fit a budget; otherwise the compute dtype.
+- Slots sharing the buffers (``EngineConfig.slots_share_buffers``): the slot cache and the two prefill buffers in one
+  allocation of the larger of the two, so the buffers' bytes count once (``MemoryPlan.pool_bytes``). "auto" takes it
+  where the budget holds fewer slots than decode needs beside the buffers, for one sequence at a time (a prefill
+  overwrites the slots: decode starts cold after each prefill), a streamed prefill, no ``d2d_from_slot_cache``;
+  Qwen3.5/3.6 at 262,144 tokens under 16 GiB holds 1 bf16 slot a layer beside the buffers and 14 in their memory.
 - ``RUNTIME_RESERVE_BYTES``: what a budget sets aside beyond the engine's own tensors (CUDA context,
   cuBLAS/CUTLASS workspaces, Triton's and the graphs' pools, allocator slack), so that the process as the driver
   sees it fits the budget: a budget is in GiB, as cards are sized, and ``--gpu-memory-budget 16`` means "the
@@ -50,26 +55,38 @@ class MemoryPlan:
     seqs: int = 1  # sequences at once (EngineConfig.max_num_seqs), one cache each
     staging_bytes: int = 0  # FP8 bank: one layer's FP8 values and scales, and the dequantization's temporary
     slot_dtype: str = ""  # what a slot holds: the compute dtype, or "fp8" (an FP8 bank's values and row scales)
+    slots_share_buffers: bool = False  # the slot cache and the prefill buffers in one allocation (``pool_bytes``)
 
     @property
     def fixed_bytes(self) -> int:
-        return (self.dense_bytes + self.kv_bytes + self.prefill_buffer_bytes + self.resident_bytes
+        """Everything but the slot cache (and, where they share it, the buffers: ``pool_bytes``)."""
+        buffers = 0 if self.slots_share_buffers else self.prefill_buffer_bytes
+        return (self.dense_bytes + self.kv_bytes + buffers + self.resident_bytes
                 + self.workspace_bytes + self.reserve_bytes + self.staging_bytes)
+
+    def pool_bytes(self, slots: int) -> int:
+        """The slot cache of ``slots`` per layer, or where the buffers share its memory the larger of the two."""
+        if self.slots_share_buffers:
+            return max(slots * self.slot_bytes, self.prefill_buffer_bytes)
+        return slots * self.slot_bytes
 
     @property
     def total_bytes(self) -> int:
-        return self.fixed_bytes + self.slots_per_layer * self.slot_bytes
+        return self.fixed_bytes + self.pool_bytes(self.slots_per_layer)
 
     def describe(self) -> str:
         gb = lambda b: f"{b / GIB:.2f} GiB"  # noqa: E731
         kv = f"KV {gb(self.kv_bytes)}" + (f" ({self.seqs} sequences)" if self.seqs > 1 else "")
         staging = f"FP8 staging {gb(self.staging_bytes)} + " if self.staging_bytes else ""
-        return (f"budget {gb(self.budget_bytes)}: dense {gb(self.dense_bytes)} + {kv} + prefill "
-                f"buffers {gb(self.prefill_buffer_bytes)} + resident experts {gb(self.resident_bytes)} + {staging}"
+        buffers = ("" if self.slots_share_buffers else f"prefill buffers {gb(self.prefill_buffer_bytes)} + ")
+        shared = (f", in one allocation of {gb(self.pool_bytes(self.slots_per_layer))} with the prefill buffers "
+                  f"({gb(self.prefill_buffer_bytes)})" if self.slots_share_buffers else "")
+        return (f"budget {gb(self.budget_bytes)}: dense {gb(self.dense_bytes)} + {kv} + {buffers}"
+                f"resident experts {gb(self.resident_bytes)} + {staging}"
                 f"workspace {gb(self.workspace_bytes)} + runtime reserve {gb(self.reserve_bytes)} = "
                 f"{gb(self.fixed_bytes)} fixed; {self.slots_per_layer} expert slots per layer"
                 f"{' (FP8)' if self.slot_dtype == 'fp8' else ''} x "
-                f"{gb(self.slot_bytes)} = {gb(self.slots_per_layer * self.slot_bytes)}")
+                f"{gb(self.slot_bytes)} = {gb(self.slots_per_layer * self.slot_bytes)}{shared}")
 
 
 def dense_params(mc: ModelConfig) -> int:
@@ -208,14 +225,31 @@ def plan_device_memory(config: EngineConfig, budget_bytes: int, slots_fp8: bool 
         if fixed > budget_bytes:
             raise ValueError(f"resident experts do not fit the device-memory budget: {p.describe()}")
         return p
-    fit = max(0, (int(budget_bytes) - fixed) // plan["slot_bytes"])
-    slots = config.expert_slots_per_layer or min(mc.num_experts, fit)
-    p = MemoryPlan(**{**plan, "slots_per_layer": slots})
+
+    def sized(shared: bool) -> tuple[MemoryPlan, int]:  # the plan, and the slots per layer its budget holds
+        p = MemoryPlan(**{**plan, "slots_share_buffers": shared})
+        room = int(budget_bytes) - p.fixed_bytes
+        fit = max(0, room // p.slot_bytes) if room >= p.pool_bytes(0) else 0
+        return MemoryPlan(**{**plan, "slots_share_buffers": shared,
+                             "slots_per_layer": config.expert_slots_per_layer or min(mc.num_experts, fit)}), fit
+
+    share = config.slots_share_buffers
+    p, fit = sized(share == "on")
+    need = max(p.slots_per_layer, k)
+    least, how = p.fixed_bytes + p.pool_bytes(need), ""  # the smallest budget that would do, and how
+    if (share == "auto" and fit < k and config.max_num_seqs == 1
+            and not config.d2d_from_slot_cache):  # (the config refuses "on" where these do not hold)
+        shared, shared_fit = sized(True)
+        if k <= shared.slots_per_layer <= shared_fit:
+            return shared
+        least = min(least, shared.fixed_bytes + shared.pool_bytes(need))
+        how = (" (the slots in the prefill buffers' memory)"
+               if least < p.fixed_bytes + p.pool_bytes(need) else "")
+    slots = p.slots_per_layer
     if slots < k or slots > fit:
-        need = max(slots, k)
         raise ValueError(
             f"the device-memory budget holds {fit} expert slots per layer but decode needs "
             f"{need} (num_experts_per_tok={k}{'' if slots <= k else ', as requested'}); {p.describe()}. Raise "
-            f"--gpu-memory-budget to at least {(fixed + need * plan['slot_bytes']) / GIB:.2f} GiB, lower "
+            f"--gpu-memory-budget to at least {least / GIB:.2f} GiB{how}, lower "
             "--max-context or --max-num-seqs, or set fewer --expert-slots-per-layer")
     return p

@@ -35,8 +35,8 @@ import sys
 from typing import Any
 
 from abbench.engine.config import (
-    DECODE_ATTENTION, DECODE_EXPERTS, DECODE_MISSES, DTYPES, EXPERT_DTYPES, FP8_DEQUANT, PREFILL_MODES, SLOT_DTYPES,
-    PRESETS, EngineConfig,
+    DECODE_ATTENTION, DECODE_EXPERTS, DECODE_MISSES, DTYPES, EXPERT_DTYPES, FP8_DEQUANT, PREFILL_MODES, PRESETS,
+    SLOT_DTYPES, SLOTS_SHARE_BUFFERS, EngineConfig,
 )
 
 __all__ = ["API_KEY_ENV", "BACKENDS", "api_key_or_refuse", "build_arg_parser", "is_loopback", "main"]
@@ -173,6 +173,11 @@ def _engine_options(e: argparse._ArgumentGroup) -> None:
                    help="the longest context a batched attention group may end at (default 16384: on the H200 the "
                    "joint call was faster below ~6K tokens, even at 16K-64K and slower at 128K)")
     e.add_argument("--d2d-from-slot-cache", action="store_true", default=None)
+    e.add_argument("--slots-share-buffers", choices=SLOTS_SHARE_BUFFERS, default=None,
+                   help="decode's slot cache in the memory of the prefill's two layer buffers: the budget holds the "
+                   "larger of the two instead of both, and each prefill overwrites the slots (decode starts cold "
+                   "after it); one sequence at a time, streamed prefill. Default auto: on where the budget leaves "
+                   "fewer slots than a token's experts beside the buffers (a long context on a small card), else off")
     e.add_argument("--max-context", type=int, default=None)
     e.add_argument("--max-num-seqs", type=int, default=None, metavar="N",
                    help="sequences the engine runs at once (continuous batching: requests join and leave between "
@@ -305,7 +310,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
                   "expert_slots_per_layer", "host_memory_check", "decode_graphs", "warm_decode_graphs",
                   "warm_prefill", "prefill_graphs", "prime_first_layer", "attention_batch", "attention_batch_max_context", "router_skew",
                   "auto_demand_max_tokens", "auto_calibration", "decode_experts", "decode_attention",
-                  "decode_misses", "decode_prefetch", "d2d_from_slot_cache",
+                  "decode_misses", "decode_prefetch", "d2d_from_slot_cache", "slots_share_buffers",
                   "max_context", "max_num_seqs", "max_prefill_batch_tokens", "deterministic"):
         if getattr(args, field) is not None:  # leave the engine's defaults alone
             kwargs[field] = getattr(args, field)
