@@ -497,7 +497,7 @@ def test_the_fp8_grouped_gemm_multiplies_by_the_dequantized_weights(counts, conf
 
 
 @pytest.mark.skipif(not _triton_runs_here(), reason="Triton runs on CUDA, or on CPU under TRITON_INTERPRET=1")
-@pytest.mark.parametrize("config", dk.GROUPED_FP8_CONFIGS[:2])
+@pytest.mark.parametrize("config", dk.GROUPED_FP8_CONFIGS[:2] + (None,))  # None: W8A8's default launch
 @pytest.mark.parametrize("counts", [[5, 0, 70, 1, 0, 130], [64, 64]])
 def test_the_w8a8_grouped_gemm_is_the_fp8_products_scaled(counts, config):
     """``grouped_mm_fp8(math="fp8")``: x quantized per row by ``quantize_rows_fp8`` (the bank's rule and torch's

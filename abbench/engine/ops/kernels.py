@@ -618,9 +618,13 @@ if triton is not None:
 
 
 GROUPED_FP8_CONFIG = (128, 128, 64, 8, 3)
-"""``grouped_mm_fp8``'s default launch: tile rows, output channels, reduction; warps; pipeline stages. The
-fastest of ``GROUPED_FP8_CONFIGS`` on an H200 (results/20261205s-h200-fp8-gemm: 1.195 ms for a 2,048-token chunk
-of Qwen3-30B-A3B's layer, against 1.048 ms for torch's grouped GEMM over bf16 weights)."""
+"""``grouped_mm_fp8``'s default launch for weight-only math ("bf16"): tile rows, output channels, reduction; warps;
+pipeline stages. The fastest of ``GROUPED_FP8_CONFIGS`` on an H200 (results/20261205s-h200-fp8-gemm: 1.195 ms for a
+2,048-token chunk of Qwen3-30B-A3B's layer, against 1.048 ms for torch's grouped GEMM over bf16 weights)."""
+GROUPED_FP8_W8A8_CONFIG = (128, 256, 64, 8, 3)
+"""The default launch for W8A8 math ("fp8"): the fastest of ``GROUPED_FP8_CONFIGS`` for it on an H100
+(results/20261206a-h100-engine-checks: 1.303 ms for that chunk, against 1.518 ms at ``GROUPED_FP8_CONFIG`` and
+1.376 ms for torch's grouped GEMM over bf16 weights there). The reduction tile is the same, so is each sum's order."""
 GROUPED_FP8_CONFIGS = ((64, 128, 64, 4, 3), (128, 128, 64, 8, 3), (64, 128, 128, 4, 3), (128, 256, 64, 8, 3),
                        (64, 64, 64, 4, 4), (128, 128, 128, 8, 3))
 """The launches ``tools.gpucheck_fp8`` times (1.195-1.390 ms for that chunk on the H200)."""
@@ -646,7 +650,7 @@ multiplied by the FP8 weights in the tensor cores' FP8 math, both scales applied
 
 
 def grouped_mm_fp8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, offs: torch.Tensor,
-                   config: tuple[int, int, int, int, int] = GROUPED_FP8_CONFIG, math: str = "bf16") -> torch.Tensor:
+                   config: tuple[int, int, int, int, int] | None = None, math: str = "bf16") -> torch.Tensor:
     """``moe.grouped_mm`` over FP8 weights, dequantized in the GEMM's inner loop: x [M, K] (rows grouped by
     expert, ``offs`` [G] int32 the end row of each group), q [G, N, K] float8 e4m3 with row scales ``scale``
     [G, N] float32 (an FP8 bank's layout). Each weight tile is computed as ``dequantize_fp8`` writes it (float32
@@ -656,6 +660,7 @@ def grouped_mm_fp8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, offs: 
     again). No host synchronisation: the row tiles of each group come from ``offs`` on the device. Returns
     [M, N] in x's dtype. ``math`` "fp8" (``GROUPED_FP8_MATHS``) quantizes x per row and multiplies FP8 by FP8
     instead: other numbers (the activations rounded to e4m3), twice the tensor cores' bf16 rate on Hopper.
+    ``config``: the launch (None: ``GROUPED_FP8_CONFIG``, or ``GROUPED_FP8_W8A8_CONFIG`` for "fp8").
     The engine's prefill runs it with ``--fp8-dequant gemm`` / ``w8a8`` (``moe.fp8_grouped_mm``);
     ``tools.gpucheck_fp8`` times it against dequantization plus the grouped GEMM: on the H200 it is slower than
     torch's grouped GEMM by more than one pass saves once a layer has more than about 4 chunks
@@ -670,7 +675,7 @@ def grouped_mm_fp8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, offs: 
         raise ValueError("grouped_mm_fp8: x, q and scale contiguous")
     if math not in GROUPED_FP8_MATHS:
         raise ValueError(f"grouped_mm_fp8: math must be one of {GROUPED_FP8_MATHS}, got {math!r}")
-    bm, bn, bk, warps, stages = config
+    bm, bn, bk, warps, stages = config or (GROUPED_FP8_W8A8_CONFIG if math == "fp8" else GROUPED_FP8_CONFIG)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0 or g == 0:
         return y
