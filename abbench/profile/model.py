@@ -338,6 +338,12 @@ class Profile(_Model):
             if len(set(arms)) != len(arms):
                 raise ConfigError(f"{where}: an arm is named twice")
             data["arms"] = [known[a] for a in arms]
+            reference = data["run"]["reference"]
+            if reference is not None and reference not in arms and known[arms[0]].get("parity") == "numerics":
+                raise ConfigError(
+                    f"{where}: leaves out the run's reference {reference!r}, and its first arm {arms[0]!r} would take "
+                    f"its place, but {arms[0]!r} has parity = \"numerics\": its numerics are judged against the "
+                    f"reference's outputs. Add the reference: --arms {','.join([reference, *arms])}")
             if data["run"]["reference"] not in arms:
                 data["run"]["reference"] = None
             if data["gate"]["parity_reference"] not in arms:

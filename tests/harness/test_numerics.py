@@ -282,6 +282,17 @@ def test_arms_that_leave_out_an_arms_own_reference_leave_it_to_its_numerics() ->
     assert (whole["fp8"].parity_reference, whole["fp8"].parity) == ("resident-fp8", "ids")
 
 
+def test_arms_that_would_make_a_numerics_arm_the_reference_are_refused_with_the_selection_to_use() -> None:
+    """``--arms resident-fp8-w8a8,fp8-w8a8`` leaves out the run's reference, and the first arm that would take its
+    place is judged by numerics against the reference: refused, naming the selection that works."""
+    from abbench.errors import ConfigError
+
+    prof = load_profile("h200-fp8-16g")
+    with pytest.raises(ConfigError, match=r"--arms resident,resident-fp8-w8a8,fp8-w8a8$"):
+        prof.with_overrides(arms=["resident-fp8-w8a8", "fp8-w8a8"])
+    assert [a.name for a in prof.with_overrides(arms=["fp8-w8a8", "resident-fp8-w8a8"]).arms][0] == "fp8-w8a8"
+
+
 def test_the_bootstraps_array_statistics_are_the_frame_statistics_bit_for_bit() -> None:
     """``ARRAY_STATISTICS`` (the resamples' arrays) give exactly ``STATISTICS`` (the frame), missing values
     included: the intervals do not move when the bootstrap stops building a frame per resample."""
