@@ -112,3 +112,18 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     recorded = {k: v for k, v in file_costs().items() if (REPO / k).is_file()}
     recorded.update({k: round(v, 1) for k, v in _seconds.items()})
     DURATIONS.write_text(json.dumps(dict(sorted(recorded.items())), indent=1) + "\n")
+
+
+@pytest.fixture(autouse=True)
+def _signal_handlers_kept():
+    """A test leaves SIGINT's and SIGTERM's handlers as it found them: a handler left behind (an interrupted
+    run's, a test's own) changes what a later test in the same worker sees of a signal (asyncio's runner, for one,
+    takes SIGINT only where Python's default handler is in place)."""
+    import signal
+
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    yield
+    left = {s.name: h for s, h in ((s, signal.getsignal(s)) for s in before) if h is not before[s]}
+    for s, h in before.items():
+        signal.signal(s, h)
+    assert not left, f"the test left signal handlers behind: {left}"

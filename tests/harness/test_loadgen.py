@@ -257,15 +257,30 @@ def test_an_interrupt_keeps_what_finished() -> None:
     import os
     import signal
     import threading
+    import time
 
+    # asyncio's runner takes SIGINT only over Python's default handler, and a process started in the background
+    # by a shell inherits SIGINT ignored: the test puts the default in place, and back what was there
+    inherited = signal.signal(signal.SIGINT, signal.default_int_handler)
     with FastServer(first_delay_s=0.15) as srv:
-        timer = threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGINT))
-        timer.start()
+        done = threading.Event()
+
+        def interrupt() -> None:  # once two requests have ended for the client (not at a fixed time: a loaded
+            # machine is slow): the server has answered a fourth, so each connection sent a request after one ended
+            while not done.is_set() and srv.completions < 4:
+                time.sleep(0.01)
+            if not done.is_set():
+                os.kill(os.getpid(), signal.SIGINT)
+
+        sender = threading.Thread(target=interrupt, daemon=True)
+        sender.start()
         try:
             rec = run_level(Level("concurrency", 2, requests=40), Target(srv.base_url, RequestSpec(max_tokens=4)),
                             _prompts(out=4))
         finally:
-            timer.cancel()
+            done.set()
+            sender.join(5)
+            signal.signal(signal.SIGINT, inherited)
     assert rec.stopped and rec.stopped.startswith("interrupted")
     kinds = [r.error_kind for r in rec.requests]
     assert 2 <= sum(r.ok for r in rec.requests) < 40 and "interrupted" in kinds
