@@ -118,7 +118,6 @@ class SlotCache:
                               ] if fp8 else None  # [S, 2I] float32 each
         self.down_scale = [new((S, h), torch.float32) for _ in range(n_layers)] if fp8 else None  # [S, H]
         self.n_layers = n_layers
-        self.table = None
         self.flush()
 
     @property
@@ -349,9 +348,6 @@ class ExpertStore:
         self.share_buffers = share_buffers
         pool: torch.Tensor | None = None
         if share_buffers:
-            if resident or d2d_from_slot_cache:
-                raise ValueError("the slots share the prefill buffers' memory only with a slot cache (not resident) "
-                                 "and no copies from the slots into the buffers (d2d_from_slot_cache)")
             sizes = []
             for layout in (buffers, slot_cache):  # a dry run of each, then one allocation of the larger
                 dry = _Pool()
