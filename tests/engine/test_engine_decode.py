@@ -349,3 +349,26 @@ def test_slots_share_the_buffers_where_a_budget_leaves_too_few_beside_them():
                      (dict(d2d_from_slot_cache=True), "d2d_from_slot_cache")):
         with pytest.raises(ValueError, match=why):
             cfg(slots_share_buffers="on", **bad)
+
+
+def test_a_budget_that_leaves_too_few_slots_beside_the_buffers_puts_them_in_their_memory(resident_ids):
+    """The path a user with a small card runs: ``--gpu-memory-budget`` alone (slots_share_buffers "auto"). A
+    budget that holds the two layer buffers (1,024 of this model's experts) and nothing beside them leaves 0 slots
+    apart and 341 (1,024 / 3 layers) in the buffers' memory; the engine plans that, and requests in a row (no
+    reset between them) decode the resident engine's ids."""
+    prompts, want = resident_ids
+    base = EngineConfig(**KNOBS, prefill_mode="chunked", max_num_seqs=1).resolved()
+    apart = plan_device_memory(base, 10**12)
+    budget = apart.fixed_bytes + apart.slot_bytes // 2  # the buffers and everything else, half a slot beside
+    with pytest.raises(ValueError, match="holds 0 expert slots"):
+        plan_device_memory(dataclasses.replace(base, slots_share_buffers="off"), budget)
+    engine = Engine(EngineConfig(**KNOBS, prefill_mode="chunked", gpu_memory_budget_gib=budget / GIB))
+    plan = engine.memory_plan
+    assert plan.slots_share_buffers and engine.slots_per_layer == 2 * WIDE.num_experts // 3
+    assert plan.total_bytes <= budget
+    engine.reset()
+    got = []
+    for p in prompts:
+        events, stats = engine.run(p, 12, ignore_eos=True)
+        got.append([e.token_id for e in events])
+    assert got == want and engine.store.slot_flushes == len(prompts) - 1
