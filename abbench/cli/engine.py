@@ -5,7 +5,6 @@ options pass through), ``memory-plan`` (the device-memory plan a budget leaves, 
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -74,7 +73,7 @@ def memory_plan_cmd(
       abbench memory-plan --model qwen3.5-35b-a3b --budget 16 --max-context 262144 --window-tokens 65536
     """
     from abbench.engine.config import EngineConfig
-    from abbench.engine.runtime.memory import GIB, plan_device_memory
+    from abbench.engine.runtime.memory import GIB, least_budget, plan_device_memory
 
     try:
         chunks = [int(c) for c in (_parse_csv(chunk_tokens, "--chunk-tokens") or [])]
@@ -111,12 +110,7 @@ def memory_plan_cmd(
         try:
             if budget is None:  # the least decode can run with: one token's experts in every layer
                 k = 0 if resident else cfg.model.num_experts_per_tok
-                unbounded = plan_device_memory(cfg, 1 << 62)
-                least = unbounded.fixed_bytes + unbounded.pool_bytes(k)
-                if not resident and cfg.slots_share_buffers == "auto" and cfg.max_num_seqs == 1:  # less, shared?
-                    shared = plan_device_memory(dataclasses.replace(cfg, slots_share_buffers="on"), 1 << 62)
-                    least = min(least, shared.fixed_bytes + shared.pool_bytes(k))
-                plan = plan_device_memory(cfg, least)
+                plan = plan_device_memory(cfg, least_budget(cfg, k)[0])
                 note = f"needs at least {plan.total_bytes / GIB:.2f} GiB" + ("" if resident else f" ({plan.slots_per_layer} slots per layer)")
             else:
                 plan, note = plan_device_memory(cfg, int(budget * GIB)), ""

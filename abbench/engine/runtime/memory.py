@@ -30,6 +30,7 @@ Like :mod:`abbench.engine.config`, it imports no torch.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 from dataclasses import dataclass
 
@@ -235,21 +236,36 @@ def plan_device_memory(config: EngineConfig, budget_bytes: int, slots_fp8: bool 
 
     share = config.slots_share_buffers
     p, fit = sized(share == "on")
-    need = max(p.slots_per_layer, k)
-    least, how = p.fixed_bytes + p.pool_bytes(need), ""  # the smallest budget that would do, and how
-    if (share == "auto" and fit < k and config.max_num_seqs == 1
-            and not config.d2d_from_slot_cache):  # (the config refuses "on" where these do not hold)
+    if share == "auto" and fit < k and may_share_buffers(config):
         shared, shared_fit = sized(True)
         if k <= shared.slots_per_layer <= shared_fit:
             return shared
-        least = min(least, shared.fixed_bytes + shared.pool_bytes(need))
-        how = (" (the slots in the prefill buffers' memory)"
-               if least < p.fixed_bytes + p.pool_bytes(need) else "")
     slots = p.slots_per_layer
     if slots < k or slots > fit:
+        need = max(slots, k)
+        least, in_buffers = least_budget(config, need, slots_fp8)
+        how = " (the slots in the prefill buffers' memory)" if in_buffers else ""
         raise ValueError(
             f"the device-memory budget holds {fit} expert slots per layer but decode needs "
             f"{need} (num_experts_per_tok={k}{'' if slots <= k else ', as requested'}); {p.describe()}. Raise "
             f"--gpu-memory-budget to at least {least / GIB:.2f} GiB{how}, lower "
             "--max-context or --max-num-seqs, or set fewer --expert-slots-per-layer")
     return p
+
+
+def may_share_buffers(config: EngineConfig) -> bool:
+    """Whether "auto" may put the slots in the prefill buffers' memory (the config refuses "on" elsewhere): one
+    sequence at a time, a streamed prefill, no ``d2d_from_slot_cache``."""
+    return config.max_num_seqs == 1 and config.prefill_mode != "resident" and not config.d2d_from_slot_cache
+
+
+def least_budget(config: EngineConfig, slots: int, slots_fp8: bool | None = None) -> tuple[int, bool]:
+    """The smallest budget, in bytes, whose plan of a resolved ``config`` holds ``slots`` expert slots per layer
+    (resident: 0, every expert on the device), and whether the slots are then in the prefill buffers' memory:
+    with "auto", the smaller of the two layouts where the slots may share it (``may_share_buffers``)."""
+    apart = plan_device_memory(config, 1 << 62, slots_fp8)
+    least = (apart.fixed_bytes + apart.pool_bytes(slots), apart.slots_share_buffers)
+    if config.slots_share_buffers == "auto" and may_share_buffers(config):
+        shared = plan_device_memory(dataclasses.replace(config, slots_share_buffers="on"), 1 << 62, slots_fp8)
+        least = min(least, (shared.fixed_bytes + shared.pool_bytes(slots), True))
+    return least
