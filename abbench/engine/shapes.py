@@ -54,6 +54,17 @@ class ModelConfig:
         if isinstance(self.eos_token_id, list):
             object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
 
+    def first_layers(self, n: int, name: str | None = None) -> ModelConfig:
+        """The same shape cut to its first ``n`` layers (at most all of them), for checks that run part of a
+        model at full width: a hybrid's layer kinds and Qwen4-Exp's (one-indexed) PLE layers are cut with it."""
+        n = min(n, self.num_hidden_layers)
+        cut: dict = {"num_hidden_layers": n, "name": name or f"{self.name}[:{n}]"}
+        if self.is_hybrid:
+            cut["layer_types"] = self.layer_types[:n]
+        if self.is_qwen4:
+            cut["ple_layer_ids"] = tuple(i for i in self.ple_layer_ids if i <= n)
+        return dataclasses.replace(self, **cut)
+
     @property
     def is_hybrid(self) -> bool:
         """Whether some layers are linear attention (a ``HybridConfig``)."""

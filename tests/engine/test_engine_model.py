@@ -95,6 +95,17 @@ def test_presets_match_the_models_they_name():
     assert tiny.vocab_size == 151936 and tiny.eos_ids == {151645}  # the Qwen3 tokenizer's vocabulary and eos
 
 
+def test_first_layers_cuts_every_per_layer_field():
+    """The checks that run part of a model at full width cut it here; a hybrid's layer kinds and Qwen4-Exp's PLE
+    layers go with the depth (gpucheck_fp8 once cut the depth alone, and the hybrid refused to build)."""
+    hybrid = PRESETS["qwen3.5-35b-a3b"].first_layers(20)
+    assert hybrid.num_hidden_layers == 20 and hybrid.layer_types == PRESETS["qwen3.5-35b-a3b"].layer_types[:20]
+    assert hybrid.bank_bytes(2) * 2 == PRESETS["qwen3.5-35b-a3b"].bank_bytes(2)
+    qwen4 = PRESETS["qwen4-exp"].first_layers(1, name="one")
+    assert (qwen4.name, qwen4.num_hidden_layers, qwen4.ple_layer_ids) == ("one", 1, (1,))
+    assert PRESETS["tiny"].first_layers(99) == PRESETS["tiny"].first_layers(4)  # at most every layer
+    assert PRESETS["tiny"].first_layers(2).name == "tiny[:2]"
+
 def test_engine_config_defaults_depend_on_device():
     r = EngineConfig(model="tiny").resolved()
     assert r.dtype == "float32" and r.max_context == 40960 and r.expert_slots_per_layer is None

@@ -23,7 +23,6 @@ It prints one table and writes every figure to ``--out`` (JSON). Exit status 1 w
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 import json
 import sys
@@ -230,11 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     engine = functools.partial(_engine, device=args.device, decode_experts=args.decode_experts,
                                decode_attention=args.decode_attention)  # every engine built here
-    full = PRESETS[args.preset]
-    extra = {"layer_types": full.layer_types[:args.layers]} if full.is_hybrid else {}
-    if full.is_qwen4:  # PLE only on the layers kept
-        extra["ple_layer_ids"] = tuple(i for i in full.ple_layer_ids if i <= args.layers)
-    model = dataclasses.replace(full, num_hidden_layers=args.layers, name=f"{args.preset}-{args.layers}l", **extra)
+    model = PRESETS[args.preset].first_layers(args.layers, name=f"{args.preset}-{args.layers}l")
     ctx = args.prompt_tokens + 64
     prompt = torch.randint(0, model.vocab_size, (args.prompt_tokens,), generator=torch.Generator().manual_seed(1)).tolist()
     name = torch.cuda.get_device_name() if args.device != "cpu" else "cpu"
@@ -286,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     report["decode_equal"], report["prefill"] = decode, prefill
     ok = ok and all(decode.values()) and prefill.get("equal", False)
     report["ok"] = ok
-    depth = full.num_hidden_layers
+    depth = PRESETS[args.preset].num_hidden_layers
     scale = depth / args.layers
     report["decode_kernels"] = resident.decoder.kernels  # as resolved ("auto": Triton's on CUDA where they apply)
     print(f"gpucheck on {report['device']} (torch {report['torch']}), {args.layers} full-width layers, "

@@ -482,14 +482,13 @@ def prefill_profiles(model: str, layers: int | None, tokens: int, chunk: int, de
     the hybrid does): the MoE half's launches leave the host, so a prefill paced by the host's launches (the
     "rest" if the copies slow the host) would show it. Not counted by the memory plan: a check.
     ``timed``: unprofiled prefills per engine (``profile_prefill``)."""
-    import dataclasses
 
     from abbench.engine.config import EngineConfig
     from abbench.engine.runtime.engine import Engine
 
     mc = PRESETS[model]
     if layers:
-        mc = dataclasses.replace(mc, num_hidden_layers=layers, name=f"{mc.name}-{layers}l")
+        mc = mc.first_layers(layers, name=f"{mc.name}-{layers}l")
     prompt = torch.randint(10, mc.vocab_size - 10, (tokens,), generator=torch.Generator().manual_seed(0)).tolist()
     base = dict(model=mc, weights="random:0", device=str(device), dtype=str(dtype).removeprefix("torch."),
                 chunk_tokens=chunk, max_context=tokens + 8, layer_major_window_tokens=-(-tokens // chunk) * chunk,

@@ -26,7 +26,6 @@ torch path) and the expert kernel.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 import time
 
@@ -165,9 +164,7 @@ def _build(args, p: argparse.ArgumentParser):
     if args.window_chunks < 2:
         p.error("--window-chunks must be at least 2 (one chunk per window is the chunked path)")
     window = args.window_chunks * chunk
-    extra = {"ple_layer_ids": tuple(i for i in preset.ple_layer_ids if i <= n_layers)} if preset.is_qwen4 else {}
-    mc = dataclasses.replace(preset, num_hidden_layers=n_layers, layer_types=preset.layer_types[:n_layers],
-                             name=f"{preset.name}[:{n_layers}]", **extra)
+    mc = preset.first_layers(n_layers)
     knobs = {} if args.attention_batch_max_context is None else {
         "attention_batch_max_context": args.attention_batch_max_context}
     engine = Engine(EngineConfig(model=mc, weights="random:0", device=args.device, prefill_mode="resident",

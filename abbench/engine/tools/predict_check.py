@@ -28,7 +28,6 @@ routing.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import sys
@@ -53,11 +52,8 @@ def check(model: str, layers: int, tokens: int, batch: int, router_skew: float, 
     except ValueError as exc:
         raise SystemExit(f"predict_check: {exc}") from None
     layers = min(layers, mc.num_hidden_layers)
-    cut = {"num_hidden_layers": layers}
-    if getattr(mc, "layer_types", ()):  # a hybrid's layer kinds, the first ``layers``
-        cut["layer_types"] = mc.layer_types[:layers]
     try:
-        mc = dataclasses.replace(mc, **cut)
+        mc = mc.first_layers(layers, name=mc.name)
         engine = Engine(EngineConfig(model=mc, weights="random:0", device=device, dtype=dtype,
                                      prefill_mode="chunked", chunk_tokens=tokens, max_context=tokens + 8,
                                      bandwidth_probe_bytes=0, router_skew=router_skew, warm_prefill=False,
