@@ -8,6 +8,7 @@ Imports nothing from the command modules.
 from __future__ import annotations
 
 import os
+import shlex
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -58,6 +59,19 @@ def _parse_csv(value: Optional[str], flag: str) -> Optional[list[str]]:
     items = [v.strip() for v in value.split(",") if v.strip()]
     if not items:
         raise ConfigError(f"{flag}: give a comma-separated list")
+    return items
+
+
+def _parse_engine_args(value: Optional[str]) -> Optional[list[str]]:
+    """``--engine-args``: one string split like a shell line (``'--chunk-tokens 4096'``)."""
+    if value is None:
+        return None
+    try:
+        items = shlex.split(value)
+    except ValueError as e:
+        raise ConfigError(f"--engine-args: {e} in {value!r}") from None
+    if not items:
+        raise ConfigError("--engine-args: give the arguments, e.g. --engine-args '--chunk-tokens 4096'")
     return items
 
 

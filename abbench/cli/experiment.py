@@ -12,7 +12,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from abbench.cli.common import RESULTS_ROOT, ProfileOpt, _fail, _parse_csv, _parse_lengths, _parse_rounds, console
+from abbench.cli.common import (RESULTS_ROOT, ProfileOpt, _fail, _parse_csv, _parse_engine_args, _parse_lengths,
+                                _parse_rounds, console)
 from abbench.cli.progress import finish, run_with_progress
 from abbench.errors import AbbenchError, ConfigError
 
@@ -34,6 +35,10 @@ def run(
         metavar="R,R,...", help="Run load levels: open loop, requests/s arriving on a seeded Poisson schedule "
         "(the profile's [load] arrival and burstiness), sent on time however slow the server is, e.g. 2,8,inf "
         "(inf: every request at once). Replaces the profile's [load] levels as --concurrency does.")] = None,
+    engine_args: Annotated[Optional[str], typer.Option(
+        metavar="ARGS", help="Arguments added at the end of every arm's launch command, split like a shell line, "
+        "e.g. --engine-args '--chunk-tokens 4096': one setting changed for every arm without editing the profile "
+        "(the run records the commands it launched). Not for arms that attach to a running server.")] = None,
     out_dir: Annotated[Optional[Path], typer.Option("--out", help="The run directory to write (it must not hold a run). Default: results/<run-id>.")] = None,
     resume: Annotated[Optional[Path], typer.Option(
         help="Finish a partial run in this directory: the steps without a sample, and those whose sample failed.")] = None,
@@ -66,7 +71,7 @@ def run(
 
     try:
         if resume is not None:
-            if any(v is not None for v in (profile, arms, rounds, lengths, out_dir, concurrency, rate)):
+            if any(v is not None for v in (profile, arms, rounds, lengths, out_dir, concurrency, rate, engine_args)):
                 raise ConfigError("--resume continues a run with its recorded profile; drop the other options")
             prof = None
             run_dir = resume
@@ -75,7 +80,8 @@ def run(
                 raise ConfigError("--keep-failed applies to a resumed run; give it with --resume DIR")
             levels = {k: parse_levels(v, k) for k, v in (("concurrency", concurrency), ("rate", rate)) if v is not None}
             prof = load_profile(profile).with_overrides(arms=_parse_csv(arms, "--arms"), rounds=_parse_rounds(rounds),
-                                                        lengths=_parse_lengths(lengths), **levels)
+                                                        lengths=_parse_lengths(lengths),
+                                                        engine_args=_parse_engine_args(engine_args), **levels)
             run_dir = out_dir or RESULTS_ROOT / runner.new_run_id(prof)
             runner.check_run_dir_free(run_dir)
         t0 = time.perf_counter()

@@ -308,15 +308,24 @@ class Profile(_Model):
 
     def with_overrides(
         self, *, arms: list[str] | None = None, rounds: int | str | None = None, lengths: list[int] | None = None,
-        concurrency: list[float] | None = None, rate: list[float] | None = None,
+        concurrency: list[float] | None = None, rate: list[float] | None = None, engine_args: list[str] | None = None,
     ) -> Profile:
         """The profile with ``abbench run`` flag overrides applied (validated again). ``rounds`` is a count, or
         "auto" with the profile's rule (its ``target_halfwidth`` and ``max_rounds``, else
         :data:`AUTO_DEFAULTS`). ``concurrency``/``rate`` (``--concurrency 1,4,16``, ``--rate 2,8,inf``: read by
         :func:`abbench.profile.load.parse_levels`) replace the ``[load]`` levels, and the other kind's when only
         one is given (declared checks on a level no longer run are left out); a profile without ``[load]`` gets
-        one with its defaults."""
+        one with its defaults. ``engine_args`` go at the end of every arm's launch command (``--engine-args``: one
+        flag set for every arm, e.g. a chunk size, without editing the profile); an arm that attaches to a running
+        server (``base_url``) cannot take them, and that is a ``ConfigError``."""
         data = self.model_dump()
+        if engine_args:
+            for a in data["arms"]:
+                if self.launch_spec(a["name"]).base_url:
+                    raise ConfigError(f"--engine-args: arm {a['name']!r} attaches to a running server (base_url), "
+                                      "so abbench does not launch it and cannot add arguments; leave it out with --arms")
+                key = "command" if a.get("command") else "args"
+                a[key] = [*a[key], *engine_args]
         if concurrency is not None or rate is not None:
             load = dict(data.get("load") or {})
             load["concurrency"] = [int(c) for c in concurrency or []]

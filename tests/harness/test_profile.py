@@ -86,6 +86,46 @@ def test_overrides(tmp_path: Path) -> None:
         prof.with_overrides(lengths=[5, 5])
 
 
+def test_engine_args_go_at_the_end_of_every_launch_command(tmp_path: Path) -> None:
+    """``--engine-args``: after each arm's own args, or its own command; refused for an arm that attaches to a
+    running server (abbench does not launch it); arms of one shared service stay launched the same way."""
+    prof = load_profile(str(write(tmp_path, MINIMAL.replace('name = "b"', 'name = "b"\nargs = ["--chunk-tokens", "64"]')
+                                  + '[[arms]]\nname = "c"\ncommand = ["{python}", "srv.py", "--port", "{port}"]\n')))
+    o = prof.with_overrides(engine_args=["--chunk-tokens", "128"])
+    argv = {a.name: o.launch_spec(a.name).argv for a in o.arms}
+    assert argv["a"][-2:] == argv["b"][-2:] == argv["c"][-2:] == ["--chunk-tokens", "128"]
+    assert argv["b"][-4:-2] == ["--chunk-tokens", "64"] and argv["c"][1:3] == ["srv.py", "--port"]
+    assert prof.with_overrides(engine_args=[]) == prof
+    attached = load_profile(str(write(tmp_path, MINIMAL + 'base_url = "http://127.0.0.1:9"\n')))
+    with pytest.raises(ConfigError, match="arm 'b' attaches to a running server"):
+        attached.with_overrides(engine_args=["--x"])
+    assert attached.with_overrides(arms=["a"]).with_overrides(engine_args=["--x"]).launch_spec("a").argv[-1] == "--x"
+    shared = load_profile(str(write(tmp_path, MINIMAL.replace("[engine]", "[engine]\nshared_service = true"))))
+    assert shared.with_overrides(engine_args=["--x"]).launch_spec("b").argv[-1] == "--x"
+
+
+def test_engine_args_reach_the_launched_services_and_the_record(tmp_path: Path) -> None:
+    """``abbench run --engine-args``, end to end on the fake server: every service is launched with them, the run
+    records those commands, and arguments that do not split are a usage error before anything starts."""
+    import json
+
+    from tests.support import cli
+    from tests.support import faultkit as fk
+
+    mark = fk.new_mark()
+    toml = fk.write_profile(tmp_path / "p.toml", fk.fake_profile(mark, arms=[{"name": "a"}, {"name": "b"}]))
+    res = cli.abbench("run", "-p", str(toml), "--out", str(tmp_path / "run"), "-q", "--no-report",
+                      "--engine-args", "--token-delay 0.001", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    record = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert {s["arms"][0] for s in record["services"]} == {"a", "b"}
+    assert all(s["command"][-2:] == ["--token-delay", "0.001"] for s in record["services"])
+    res = cli.abbench("run", "-p", str(toml), "--out", str(tmp_path / "bad"), "-q", "--engine-args", "'--x",
+                      cwd=tmp_path)
+    assert res.returncode == 2 and "--engine-args: No closing quotation" in fk.flat(res.stderr), res.stderr
+    assert not (tmp_path / "bad").exists() and not fk.marked_processes(mark)
+
+
 def test_the_profile_reference_is_a_valid_profile() -> None:
     """The annotated example in the profile reference (docs/profiles.md) is what users copy: it must validate
     as it stands."""
