@@ -56,6 +56,7 @@ __all__ = [
 PREFILL_PATHS = ("chunked", "layer-major", "demand", "resident")  # what a prefill runs
 DECODE_EXPERTS = ("auto", "grouped", "triton")  # decode's routed experts (EngineConfig.decode_experts)
 DECODE_ATTENTION = ("auto", "torch", "triton")  # decode's attention (EngineConfig.decode_attention)
+PREFILL_KERNELS = ("torch", "triton")  # the prefill attention half's small ops (EngineConfig.prefill_kernels)
 DECODE_MISSES = ("auto", "host", "device")  # who copies decode's slot-cache misses (EngineConfig.decode_misses)
 PREFILL_MODES = PREFILL_PATHS + ("auto",)  # what a request may ask for: auto picks a path (abbench.engine.runtime.policy)
 DTYPES = ("float32", "bfloat16", "float16")
@@ -251,6 +252,14 @@ class EngineConfig:
     # decoding up to the position; for Qwen3-MoE also fused norms, rope and cache write; Qwen3-MoE and the
     # hybrid, needs Triton); "auto": triton on CUDA where it applies and Triton is installed, else torch
     decode_attention: str = "auto"
+    # prefill's attention half, Qwen3-MoE: "torch" (each norm, the rope, the cache write and the router's softmax
+    # and top-k as torch ops: about 58 kernels a chunk and layer) or "triton" (the input norm, the q/k norms with
+    # the rope and the cache write, the residual add with the next norm, and the router's softmax and top-k: one
+    # kernel each, about 11 in all; decode's kernels, abbench.engine.ops.kernels; needs Triton). Every prefill
+    # mode runs the same kernels either way, so the modes stay bitwise equal; the two settings differ in the last
+    # bits (sums in another order). A bank's copies lengthen the gaps between the kernels beside them
+    # (results/20261206e), so fewer kernels leave less to lengthen. Default torch: not yet measured on a GPU
+    prefill_kernels: str = "torch"
     # offloaded decode, who looks up the slot cache and copies its misses: "host" (per layer the router's choice
     # is read back, the host copies the misses, then the experts run: one host round trip a layer) or "device"
     # (the lookup and the miss copies are kernels of the step, the misses read from the registered host bank
@@ -330,6 +339,8 @@ class EngineConfig:
             raise ValueError(f"decode_misses must be one of {DECODE_MISSES}, got {self.decode_misses!r}")
         if self.decode_attention not in DECODE_ATTENTION:
             raise ValueError(f"decode_attention must be one of {DECODE_ATTENTION}, got {self.decode_attention!r}")
+        if self.prefill_kernels not in PREFILL_KERNELS:
+            raise ValueError(f"prefill_kernels must be one of {PREFILL_KERNELS}, got {self.prefill_kernels!r}")
         if int(self.auto_calibration) < 0:
             raise ValueError(f"auto_calibration must be >= 0, got {self.auto_calibration}")
         if not 1 <= int(self.attention_batch) <= MAX_ATTENTION_BATCH:

@@ -87,6 +87,58 @@ def test_all_modes_give_bitwise_identical_logits_and_kv(resident, n):
         assert _raw_prefill(resident, ids, "layer-major")[1].n_windows == 3
 
 
+def _triton_runs_here() -> bool:
+    from abbench.engine.ops import kernels
+
+    return kernels.have_triton() and (KNOBS["device"] == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")
+
+
+@pytest.mark.skipif(not _triton_runs_here(), reason="Triton runs on CUDA, or on CPU under TRITON_INTERPRET=1")
+def test_prefill_kernels_triton_keep_every_mode_bitwise_and_stay_near_torchs(resident):
+    """``prefill_kernels`` "triton" (decode's fused kernels for the attention half's norms, rope, cache write and
+    router top-k): every mode still gives the same bits (logits and every layer's KV, the last layer's written by
+    ``cache_only`` for the chunks before the last), within float rounding of the torch ops', and the same greedy
+    tokens end to end, decode included."""
+    fused = _engine(prefill_mode="resident", prefill_kernels="triton")
+    assert fused.model.prefill_kernel == "triton"
+    ids = _prompt(80, seed=5)  # 3 chunks (the last short), 2 layer-major windows
+    ref_logits, _, ref_kv = _raw_prefill(fused, ids, "chunked")
+    for mode in ("layer-major", "demand", "resident"):
+        logits, stats, kv = _raw_prefill(fused, ids, mode)
+        assert stats.path == mode
+        assert torch.equal(logits, ref_logits) and all(torch.equal(a, b) for a, b in zip(kv, ref_kv)), mode
+    steps = LayerSteps(fused.model)  # every step whole: the last layer's cache written by attention, not cache_only
+    for a, b in plan_chunks(0, len(ids), 32):
+        x = fused.model.embed(torch.tensor(ids[a:b], device=fused.device))
+        for layer in range(MINI.num_hidden_layers):
+            steps.layer(layer, x, fused.kv, a, *fused.store.resident[layer])
+    assert torch.equal(fused.model.logits(x[-1:]), ref_logits)
+    assert all(torch.equal(a, b) for a, b in zip(_kv(fused, len(ids)), ref_kv))
+    fused.reset()
+    torch_logits, _, torch_kv = _raw_prefill(resident, ids, "chunked")
+    tol = dict(rtol=2e-2, atol=2e-2) if fused.dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(ref_logits, torch_logits, **tol)
+    for a, b in zip(ref_kv, torch_kv):
+        torch.testing.assert_close(a, b, **tol)
+    fused_ids = [e.token_id for e in fused.run(ids, 4)[0]]
+    assert fused_ids == [e.token_id for e in resident.run(ids, 4)[0]]
+    resident.reset()
+
+
+def test_prefill_kernels_are_refused_where_they_do_not_apply():
+    """Triton's prefill kernels are Qwen3-MoE's attention half: the hybrid is refused by name, and without Triton
+    (the CPU build of torch) so is Qwen3-MoE, each with the reason."""
+    from abbench.engine.ops import kernels
+
+    with pytest.raises(ValueError, match="applies to Qwen3-MoE's attention half; qwen3.5-tiny has its own"):
+        Engine(EngineConfig(model="qwen3.5-tiny", weights="random:0", device=KNOBS["device"], prefill_kernels="triton"))
+    with pytest.raises(ValueError, match="prefill_kernels must be one of"):
+        EngineConfig(model=MINI, prefill_kernels="fused")
+    if not kernels.have_triton():
+        with pytest.raises(ValueError, match="prefill_kernels 'triton' needs Triton"):
+            _engine(prefill_kernels="triton")
+
+
 def test_qwen3_moe_prefill_runs_eagerly_on_every_device(resident):
     """Qwen3-MoE replays no prefill step from CUDA graphs (``ModelConfig.prefill_graph_moe``: measured on the H200,
     results/20261205k): the engine says so, on CUDA as on CPU, and its steps hold no graph cache."""

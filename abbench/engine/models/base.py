@@ -56,6 +56,10 @@ class MoEModel:
     # attention (EngineConfig.decode_attention), and for the router's softmax and top-k (decode_experts)
     decode_attention_kernel = "torch"
     decode_router_kernel = "torch"
+    # prefill's attention half: "triton" runs its norms, rope, cache write and router top-k as decode's fused kernels
+    # (EngineConfig.prefill_kernels; Qwen3-MoE, ``prefill_kernels_apply``), set by the engine
+    prefill_kernel = "torch"
+    prefill_kernels_apply = False
     triton_decode = False  # decode's Triton kernels apply: the MoE block is the routed experts alone
     attention_batching = False  # attn_block_group: adjacent chunks share one attention call (layer-major)
     prefill_graph_layers: frozenset[int] = frozenset()  # layers whose first half replays from a prefill graph

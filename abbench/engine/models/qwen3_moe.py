@@ -105,6 +105,7 @@ class Model(MoEModel):
     """Dense weights, RoPE tables and the layer functions. Stateless between calls except for ``kv``."""
 
     triton_decode = True  # decode's Triton kernels apply: the MoE block is the routed experts alone
+    prefill_kernels_apply = True  # prefill's attention half may run decode's fused kernels (prefill_kernel)
 
     def __init__(self, cfg: ModelConfig, weights: DenseWeights, max_context: int, device: torch.device,
                  dtype: torch.dtype):
@@ -116,6 +117,7 @@ class Model(MoEModel):
         self.max_split = split_plan(max_context)[1]  # the longest split range any decode bucket uses
         self._plans: dict[int, torch.Tensor] = {}
         self._no_index = torch.zeros(1, dtype=torch.long, device=device)  # a one-cache view's index
+        self._positions: torch.Tensor | None = None  # [max_context] int64 on the device (prefill_kernel "triton")
         # prefill CUDA graphs (steps.LayerSteps): none (ModelConfig.prefill_graph_moe says why)
         self.prefill_graph_moe = cfg.prefill_graph_moe
 
@@ -125,6 +127,9 @@ class Model(MoEModel):
     def write_kv(self, layer: int, x: torch.Tensor, kv: KVCache, start: int) -> None:
         """The keys and values of x [T, H] (already normed) at positions [start, start+T) into the KV cache."""
         cfg, lw = self.cfg, self.w.layers[layer]
+        if self.prefill_kernel == "triton":  # the kernel that writes them in ``attention``, its q left unread
+            self._qk_rope_store(layer, x, kv, start)
+            return
         T, hkv, d = x.shape[0], cfg.num_key_value_heads, cfg.head_dim
         end = start + T
         k = F.linear(x, lw.k_proj).view(T, hkv, d)  # [T, Hkv, D]
@@ -135,16 +140,32 @@ class Model(MoEModel):
         kv.k[layer][:, start:end] = k
         kv.v[layer][:, start:end] = v.transpose(0, 1)
 
+    def _qk_rope_store(self, layer: int, x: torch.Tensor, kv: KVCache, start: int) -> torch.Tensor:
+        """``prefill_kernel`` "triton": the projections of x [T, H] (normed), then one kernel for the q/k norms,
+        the rope at positions [start, start+T) and the K/V cache write (decode's, a token a row) -> q [Hq, T, D]."""
+        lw, T = self.w.layers[layer], x.shape[0]
+        if self._positions is None:
+            self._positions = torch.arange(self.max_context, device=self.device)
+            self._one_cache = torch.zeros(self.max_context, dtype=torch.long, device=self.device)
+        q = qk_norm_rope_store_rows(F.linear(x, lw.q_proj), F.linear(x, lw.k_proj), F.linear(x, lw.v_proj),
+                                    lw.q_norm, lw.k_norm, self.cos, self.sin, self._positions[start:start + T],
+                                    self._one_cache[:T], kv.k[layer][None], kv.v[layer][None],
+                                    self.cfg.rms_norm_eps)  # [T, Hq, D]
+        return q.transpose(0, 1)  # [Hq, T, D]
+
     def attention(self, layer: int, x: torch.Tensor, kv: KVCache, start: int) -> torch.Tensor:
         """Self-attention of x [T, H] (already normed) at positions [start, start+T); writes the KV cache."""
         cfg, lw = self.cfg, self.w.layers[layer]
         T, hq, hkv, d = x.shape[0], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         end = start + T
-        q = F.linear(x, lw.q_proj).view(T, hq, d)  # [T, Hq, D]
-        q = rms_norm(q, lw.q_norm, cfg.rms_norm_eps).transpose(0, 1)  # [Hq, T, D]
-        cos, sin = self.cos[start:end], self.sin[start:end]  # [T, D]
-        q = q * cos + rotate_half(q) * sin  # [Hq, T, D]
-        self.write_kv(layer, x, kv, start)
+        if self.prefill_kernel == "triton":
+            q = self._qk_rope_store(layer, x, kv, start)  # [Hq, T, D]
+        else:
+            q = F.linear(x, lw.q_proj).view(T, hq, d)  # [T, Hq, D]
+            q = rms_norm(q, lw.q_norm, cfg.rms_norm_eps).transpose(0, 1)  # [Hq, T, D]
+            cos, sin = self.cos[start:end], self.sin[start:end]  # [T, D]
+            q = q * cos + rotate_half(q) * sin  # [Hq, T, D]
+            self.write_kv(layer, x, kv, start)
         keys = kv.k[layer][None, :, :end]  # [1, Hkv, end, D]
         values = kv.v[layer][None, :, :end]  # [1, Hkv, end, D]
         gqa = hq != hkv
@@ -269,17 +290,29 @@ class Model(MoEModel):
     def cache_only(self, layer: int, x: torch.Tensor, kv: KVCache, start: int) -> bool:
         """What ``attn_block`` writes into the cache for x [T, H] at [start, start+T), and nothing else: the
         layer's keys and values, by the same calls. True: done."""
-        self.write_kv(layer, rms_norm(x, self.w.layers[layer].input_norm, self.cfg.rms_norm_eps), kv, start)
+        self.write_kv(layer, self._input_norm(layer, x), kv, start)
         return True
+
+    def _input_norm(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        """A prefill chunk's first norm, x [T, H] -> [T, H]: torch's ops or, with ``prefill_kernel`` "triton", one
+        kernel."""
+        norm = fused_rms_norm if self.prefill_kernel == "triton" else rms_norm
+        return norm(x, self.w.layers[layer].input_norm, self.cfg.rms_norm_eps)
 
     def attn_block(self, layer: int, x: torch.Tensor, kv: KVCache, start: int):
         """First half of a layer: x [T, H] -> (x after attention residual [T, H], MoE input h [T, H],
         router weights [T, k], router expert ids [T, k])."""
         cfg, lw = self.cfg, self.w.layers[layer]
-        a = self.attention(layer, rms_norm(x, lw.input_norm, cfg.rms_norm_eps), kv, start)  # [T, H]
-        x = x + a  # [T, H]
-        h = rms_norm(x, lw.post_norm, cfg.rms_norm_eps)  # [T, H]
-        top_w, top_ids = route(h, lw.router, cfg.num_experts_per_tok, cfg.norm_topk_prob, self.bias_of(layer))  # [T, k] x2
+        a = self.attention(layer, self._input_norm(layer, x), kv, start)  # [T, H]
+        if self.prefill_kernel == "triton":  # the residual add and the norm one kernel, the router's top-k another
+            x, h = fused_rms_norm(a, lw.post_norm, cfg.rms_norm_eps, residual=x)  # [T, H] x2
+            top_w, top_ids = route_topk(F.linear(h, lw.router), cfg.num_experts_per_tok, cfg.norm_topk_prob, h.dtype,
+                                        self.bias_of(layer))  # [T, k] x2
+        else:
+            x = x + a  # [T, H]
+            h = rms_norm(x, lw.post_norm, cfg.rms_norm_eps)  # [T, H]
+            top_w, top_ids = route(h, lw.router, cfg.num_experts_per_tok, cfg.norm_topk_prob,
+                                   self.bias_of(layer))  # [T, k] x2
         if self.trace is not None:
             self._trace_layer = layer
             self.trace(layer, "attention", a)

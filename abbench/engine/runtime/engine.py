@@ -123,6 +123,7 @@ class Engine:
             self.model, self.caches = build_model(mc, cfg.weights, bank, cfg.max_context, self.device, self.dtype,
                                                   router_skew=cfg.router_skew, caches=cfg.max_num_seqs)
             self.kv = self.caches[0]
+            self.model.prefill_kernel = self._prefill_kernel(cfg.prefill_kernels)
             self.slots_per_layer = self.memory_plan.slots_per_layer if self.memory_plan else (
                 cfg.expert_slots_per_layer or mc.num_experts)
             resident = cfg.prefill_mode == "resident"
@@ -217,6 +218,19 @@ class Engine:
         self.reset()
         self.store.forget_traffic()
         self.prefill_warmup = {"tokens": n, "mode": mode, "seconds": round(time.perf_counter() - t0, 3)}
+
+    def _prefill_kernel(self, kernels: str) -> str:
+        """``EngineConfig.prefill_kernels`` for this model: ValueError where Triton's kernels do not apply."""
+        if kernels == "triton":
+            name = self.model.cfg.name
+            if not self.model.prefill_kernels_apply:
+                raise ValueError(f"prefill_kernels 'triton' applies to Qwen3-MoE's attention half; {name} has its own")
+            if not decode_kernels.have_triton():
+                raise ValueError("prefill_kernels 'triton' needs Triton (a CUDA build of torch ships it)")
+            if not decode_kernels.attention_applies(self.model.cfg.head_dim):
+                raise ValueError(f"prefill_kernels 'triton' needs a power-of-two head dimension of at least 16; "
+                                 f"{name} has {self.model.cfg.head_dim}")
+        return kernels
 
     def _layer_steps(self) -> LayerSteps:
         """The prefill layer steps: CUDA graphs of full chunks' fixed-shape half-steps where the model has them

@@ -35,8 +35,8 @@ import sys
 from typing import Any
 
 from abbench.engine.config import (
-    DECODE_ATTENTION, DECODE_EXPERTS, DECODE_MISSES, DTYPES, EXPERT_DTYPES, FP8_DEQUANT, PREFILL_MODES, PRESETS,
-    SLOT_DTYPES, SLOTS_SHARE_BUFFERS, EngineConfig,
+    DECODE_ATTENTION, DECODE_EXPERTS, DECODE_MISSES, DTYPES, EXPERT_DTYPES, FP8_DEQUANT, PREFILL_KERNELS,
+    PREFILL_MODES, PRESETS, SLOT_DTYPES, SLOTS_SHARE_BUFFERS, EngineConfig,
 )
 
 __all__ = ["API_KEY_ENV", "BACKENDS", "api_key_or_refuse", "build_arg_parser", "is_loopback", "main"]
@@ -144,6 +144,11 @@ def _engine_options(e: argparse._ArgumentGroup) -> None:
                    "(split-KV flash decoding that reads only the filled positions, and for Qwen3-MoE the norms, "
                    "rope and cache write fused; Qwen3-MoE and Qwen3.5/3.6, needs Triton); default auto: triton "
                    "on CUDA where it applies, else torch")
+    e.add_argument("--prefill-kernels", choices=PREFILL_KERNELS, default=None,
+                   help="prefill's attention half (Qwen3-MoE): torch (each norm, the rope, the cache write and the "
+                   "router's top-k as torch ops, about 58 kernels a chunk and layer) or triton (decode's fused "
+                   "kernels: about 11; needs Triton). Every prefill mode runs the same kernels either way (default "
+                   "torch: triton is not yet measured on a GPU)")
     e.add_argument("--decode-misses", choices=DECODE_MISSES, default=None,
                    help="offloaded decode, who looks up the slot cache and copies its misses: host (per layer the "
                    "router's choice is read back and the host copies the misses: one round trip a layer) or device "
@@ -309,7 +314,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
     for field in ("dtype", "expert_dtype", "slot_dtype", "fp8_dequant", "layer_major_window_tokens", "demand_max_tokens", "gpu_memory_budget_gib",
                   "expert_slots_per_layer", "host_memory_check", "decode_graphs", "warm_decode_graphs",
                   "warm_prefill", "prefill_graphs", "prime_first_layer", "attention_batch", "attention_batch_max_context", "router_skew",
-                  "auto_demand_max_tokens", "auto_calibration", "decode_experts", "decode_attention",
+                  "auto_demand_max_tokens", "auto_calibration", "decode_experts", "decode_attention", "prefill_kernels",
                   "decode_misses", "decode_prefetch", "d2d_from_slot_cache", "slots_share_buffers",
                   "max_context", "max_num_seqs", "max_prefill_batch_tokens", "deterministic"):
         if getattr(args, field) is not None:  # leave the engine's defaults alone
@@ -349,6 +354,7 @@ def _build_engine(args: argparse.Namespace) -> tuple[Any, str]:
         log.info("device memory plan: %s", engine.memory_plan.describe())
     log.info("decode: %s, kernels %s, misses %s", engine.decoder.mode, engine.decoder.kernels,
              engine.decoder.misses or "none (resident)")
+    log.info("prefill: attention half's kernels %s", engine.model.prefill_kernel)
     if engine.decode_warmup is not None:
         log.info("decode graphs captured for KV lengths %s in %.2fs",
                  ", ".join(map(str, engine.decode_warmup["kv_buckets"])), engine.decode_warmup["seconds"])

@@ -455,7 +455,8 @@ VARIANTS = {"eager": (", no prefill graphs", {"prefill_graphs": False}),  # NAME
             "w8a8": (", W8A8 GEMM", {"fp8_dequant": "w8a8"}),
             "beside-copies": (", beside a bank's copies", {}),  # BesideCopies: the run, not the engine
             "beside-host": (", beside host-memory traffic", {}),  # BesideHostTraffic
-            "moe-graphs": (", MoE halves from CUDA graphs", {})}  # Qwen3-MoE: the hybrid's MoE-half graphs
+            "moe-graphs": (", MoE halves from CUDA graphs", {}),  # Qwen3-MoE: the hybrid's MoE-half graphs
+            "prefill-triton": (", Triton's prefill kernels", {"prefill_kernels": "triton"})}  # Qwen3-MoE
 
 
 def prefill_profiles(model: str, layers: int | None, tokens: int, chunk: int, device: torch.device,
@@ -481,6 +482,8 @@ def prefill_profiles(model: str, layers: int | None, tokens: int, chunk: int, de
     every full chunk's MoE half from CUDA graphs where the model does not (Qwen3-MoE; ``steps.LayerSteps``, as
     the hybrid does): the MoE half's launches leave the host, so a prefill paced by the host's launches (the
     "rest" if the copies slow the host) would show it. Not counted by the memory plan: a check.
+    ``:prefill-triton`` runs Qwen3-MoE's attention half with Triton's fused kernels (``--prefill-kernels triton``:
+    about 11 kernels a chunk and layer instead of 58): whether fewer kernels leave the copies less to lengthen.
     ``timed``: unprofiled prefills per engine (``profile_prefill``)."""
 
     from abbench.engine.config import EngineConfig
@@ -565,7 +568,8 @@ def main(argv: list[str] | None = None) -> int:
                         "stream, NAME:gemm with FP8 multiplied in the grouped GEMM, NAME:w8a8 FP8 by FP8, "
                         "NAME:beside-copies with a bank's worth of host-to-device copies beside each prefill, "
                         "NAME:beside-host with host-memory traffic beside it, NAME:moe-graphs with the MoE halves "
-                        "replayed from CUDA graphs where the model has none)")
+                        "replayed from CUDA graphs where the model has none, NAME:prefill-triton with the attention "
+                        "half's norms, rope, cache write and router top-k as Triton's fused kernels, Qwen3-MoE)")
     p.add_argument("--timed", type=int, default=3,
                    help="--prefill-tokens: unprofiled prefills per engine, timed (their median: 'timed ms')")
     p.add_argument("--trace-dir", type=Path, default=None,
