@@ -253,12 +253,13 @@ class EngineConfig:
     # hybrid, needs Triton); "auto": triton on CUDA where it applies and Triton is installed, else torch
     decode_attention: str = "auto"
     # prefill's attention half, Qwen3-MoE: "torch" (each norm, the rope, the cache write and the router's softmax
-    # and top-k as torch ops: about 58 kernels a chunk and layer) or "triton" (the input norm, the q/k norms with
-    # the rope and the cache write, the residual add with the next norm, and the router's softmax and top-k: one
-    # kernel each, about 11 in all; decode's kernels, abbench.engine.ops.kernels; needs Triton). Every prefill
-    # mode runs the same kernels either way, so the modes stay bitwise equal; the two settings differ in the last
-    # bits (sums in another order). A bank's copies lengthen the gaps between the kernels beside them
-    # (results/20261206e), so fewer kernels leave less to lengthen. Default torch: not yet measured on a GPU
+    # and top-k as torch ops: 52 ops a chunk and layer, counted on CPU) or "triton" (the input norm, the q/k norms
+    # with the rope and the cache write, the residual add with the next norm, and the router's softmax and top-k:
+    # one kernel each, 10 ops in all with the projections and the attention; decode's kernels,
+    # abbench.engine.ops.kernels; needs Triton). Every prefill mode runs the same kernels either way, so the modes
+    # stay bitwise equal; the two settings differ in the last bits (sums in another order). A bank's copies
+    # lengthen the gaps between the kernels beside them (results/20261206e), so fewer kernels leave less to
+    # lengthen. Default torch: not yet measured on a GPU
     prefill_kernels: str = "torch"
     # offloaded decode, who looks up the slot cache and copies its misses: "host" (per layer the router's choice
     # is read back, the host copies the misses, then the experts run: one host round trip a layer) or "device"

@@ -323,7 +323,8 @@ class Profile(_Model):
             for a in data["arms"]:
                 if self.launch_spec(a["name"]).base_url:
                     raise ConfigError(f"--engine-args: arm {a['name']!r} attaches to a running server (base_url), "
-                                      "so abbench does not launch it and cannot add arguments; leave it out with --arms")
+                                      "so abbench does not launch it and cannot add arguments; leave it out with "
+                                      "--arms")
                 key = "command" if a.get("command") else "args"
                 a[key] = [*a[key], *engine_args]
         if concurrency is not None or rate is not None:

@@ -146,8 +146,8 @@ def _engine_options(e: argparse._ArgumentGroup) -> None:
                    "on CUDA where it applies, else torch")
     e.add_argument("--prefill-kernels", choices=PREFILL_KERNELS, default=None,
                    help="prefill's attention half (Qwen3-MoE): torch (each norm, the rope, the cache write and the "
-                   "router's top-k as torch ops, about 58 kernels a chunk and layer) or triton (decode's fused "
-                   "kernels: about 11; needs Triton). Every prefill mode runs the same kernels either way (default "
+                   "router's top-k as torch ops, 52 a chunk and layer) or triton (decode's fused kernels: 10 "
+                   "ops in all; needs Triton). Every prefill mode runs the same kernels either way (default "
                    "torch: triton is not yet measured on a GPU)")
     e.add_argument("--decode-misses", choices=DECODE_MISSES, default=None,
                    help="offloaded decode, who looks up the slot cache and copies its misses: host (per layer the "
