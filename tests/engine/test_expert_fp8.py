@@ -631,3 +631,30 @@ def test_stream_gaps_splits_the_compute_streams_idle_time_between_a_late_host_an
     # the host: 2 + 3 + 2 + 1 + 150 us in calls over [-5, 200), the rest between them; launches' median 2 us
     assert abs(got["host_calls_s"] - 158e-6) < 1e-12 and abs(got["host_between_s"] - 47e-6) < 1e-12
     assert got["launch_median_us"] == 2
+    # k1's gap [10, 15) lies inside stream 9's copy [0, 30); k2's [25, 40) a third: queued beside / apart from it
+    assert got["beside_copies"][0] == 1 and abs(got["beside_copies"][1] - 3e-6) < 1e-12
+    assert got["apart_from_copies"][0] == 1 and abs(got["apart_from_copies"][1] - 15e-6) < 1e-12
+    assert list(got["queued_by_launch"]) == ["cudaLaunchKernel"] and got["queued_by_launch"]["cudaLaunchKernel"][0] == 2
+
+
+def test_stream_gaps_tells_gaps_beside_a_bank_copy_and_graph_launches_apart() -> None:
+    """The queued time split by the link's state (host-to-device copies on other streams, merged where they
+    overlap; a device-to-device copy does not count) and by what launched the next kernel."""
+    from abbench.engine.tools.gpucheck_fp8 import stream_gaps
+
+    def dev(name, ts, dur, stream, corr, cat="kernel"):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur,
+                "args": {"stream": stream, "correlation": corr}}
+
+    def call(name, ts, corr):
+        return {"ph": "X", "cat": "cuda_runtime", "name": name, "ts": ts, "dur": 1, "args": {"correlation": corr}}
+
+    kernels = [dev(f"k{i}", 20 * i, 10, 7, i) for i in range(5)]  # gaps [10, 20), [30, 40), [50, 60), [70, 80)
+    launch = [call("cudaGraphLaunch" if i % 2 else "cudaLaunchKernel", -10 + i, i) for i in range(5)]
+    link = [dev("Memcpy HtoD (Pinned -> Device)", 5, 20, 9, 10, "gpu_memcpy"),  # [5, 25) and [22, 36): [5, 36)
+            dev("Memcpy HtoD (Pinned -> Device)", 22, 14, 8, 11, "gpu_memcpy"),
+            dev("Memcpy DtoD (Device -> Device)", 50, 30, 9, 12, "gpu_memcpy")]
+    got = stream_gaps(kernels + launch + link)
+    assert got["gaps"] == 4 and abs(got["queued_s"] - 40e-6) < 1e-12
+    assert got["beside_copies"] == (2, 20e-6) and got["apart_from_copies"] == (2, 20e-6)
+    assert got["queued_by_launch"] == {"cudaGraphLaunch": (2, 20e-6), "cudaLaunchKernel": (2, 20e-6)}

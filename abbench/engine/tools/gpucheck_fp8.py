@@ -51,6 +51,7 @@ hybrid.
 from __future__ import annotations
 
 import argparse
+import bisect
 import contextlib
 import gzip
 import json
@@ -244,7 +245,14 @@ def stream_gaps(events: list[dict], top: int = 8) -> dict:
     and waited on the device: an event from another stream, the copy stream's work). Also the host's runtime calls
     of 100 us or more, by name (``slow_calls``: count, seconds), the ``top`` gaps, and the host thread's own
     pace: ``host_calls_s`` (time inside runtime and driver calls), ``host_between_s`` (between them: Python, torch's
-    dispatch) and ``launch_median_us`` (the median ``cudaLaunchKernel``). Times in seconds."""
+    dispatch) and ``launch_median_us`` (the median ``cudaLaunchKernel``). Times in seconds.
+
+    Where a bank streams, the queued part is also split by what the link was doing: ``beside_copies`` and
+    ``apart_from_copies`` hold (gaps, queued seconds) of the gaps that a host-to-device copy on another stream
+    overlapped for more / not more than half their length, so the queued time per gap in each says whether the
+    copies lengthen the gaps between kernels (results/20261206e: the same queued total in resident beside a bank's
+    copies as in layer-major). ``queued_by_launch`` holds (gaps, queued seconds) by the host call that launched
+    the operation after the gap (``cudaGraphLaunch``: a kernel of a CUDA graph; ``cudaLaunchKernel``: eager)."""
     dev = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
     calls = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") in ("cuda_runtime", "cuda_driver")),
                    key=lambda e: e["ts"])
@@ -253,7 +261,8 @@ def stream_gaps(events: list[dict], top: int = 8) -> dict:
     for e in dev:
         by_stream.setdefault(e["args"].get("stream"), []).append(e)
     out: dict = {"stream": None, "span_s": 0.0, "busy_s": 0.0, "host_late_s": 0.0, "queued_s": 0.0, "gaps": 0,
-                 "top_gaps": [], "slow_calls": {}}
+                 "top_gaps": [], "slow_calls": {}, "beside_copies": (0, 0.0), "apart_from_copies": (0, 0.0),
+                 "queued_by_launch": {}}
     inside = sum(e["dur"] for e in calls)
     out.update(host_calls_s=inside / 1e6, host_between_s=0.0, launch_median_us=None)
     if calls:
@@ -270,6 +279,8 @@ def stream_gaps(events: list[dict], top: int = 8) -> dict:
     ops = sorted(by_stream[stream], key=lambda e: e["ts"])
     out.update(stream=stream, span_s=(max(e["ts"] + e["dur"] for e in ops) - ops[0]["ts"]) / 1e6,
                busy_s=union_seconds([(e["ts"], e["ts"] + e["dur"]) for e in ops]))
+    copies = _merged([(e["ts"], e["ts"] + e["dur"]) for s, es in by_stream.items() if s != stream for e in es
+                      if e["cat"] == "gpu_memcpy" and "HtoD" in e["name"]])
     gaps = []
     end = ops[0]["ts"] + ops[0]["dur"]
     for e in ops[1:]:
@@ -281,9 +292,37 @@ def stream_gaps(events: list[dict], top: int = 8) -> dict:
             out["queued_s"] += (gap - late) / 1e6
             out["gaps"] += 1
             gaps.append((gap / 1e6, late / 1e6, e["name"][:60], None if call is None else call["name"]))
+            side = "beside_copies" if 2 * _overlap(copies, end, e["ts"]) > gap else "apart_from_copies"
+            n, sec = out[side]
+            out[side] = (n + 1, sec + (gap - late) / 1e6)
+            name = "?" if call is None else call["name"]
+            n, sec = out["queued_by_launch"].get(name, (0, 0.0))
+            out["queued_by_launch"][name] = (n + 1, sec + (gap - late) / 1e6)
         end = max(end, e["ts"] + e["dur"])
     out["top_gaps"] = sorted(gaps, reverse=True)[:top]
     return out
+
+
+def _merged(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Intervals (start, end) merged where they overlap, in order."""
+    out: list[tuple[float, float]] = []
+    for a, b in sorted(spans):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def _overlap(spans: list[tuple[float, float]], a: float, b: float) -> float:
+    """How much of [a, b) the merged, ordered ``spans`` cover."""
+    i = bisect.bisect_right(spans, (a, float("inf"))) - 1
+    got = 0.0
+    for s, e in spans[max(i, 0):]:
+        if s >= b:
+            break
+        got += max(0.0, min(e, b) - max(s, a))
+    return got
 
 
 class BesideCopies:
@@ -542,6 +581,12 @@ def _print_profiles(rows: list[dict]) -> None:
               f"{g['gaps']} gaps: {g['host_late_s'] * 1e3:.1f} ms with the host late, {g['queued_s'] * 1e3:.1f} ms "
               f"queued; host {g['host_calls_s'] * 1e3:.1f} ms in CUDA calls, {g['host_between_s'] * 1e3:.1f} ms "
               f"between them, median launch {g['launch_median_us'] or 0:.1f} us")
+        for side, what in (("beside_copies", "beside a copy"), ("apart_from_copies", "apart from copies")):
+            n, sec = g[side]
+            if n:
+                print(f"    queued {what}: {n} gaps, {sec * 1e3:.1f} ms, {sec / n * 1e6:.2f} us a gap")
+        for name, (n, sec) in sorted(g["queued_by_launch"].items(), key=lambda kv: -kv[1][1]):
+            print(f"    queued before what {name} launched: {n} gaps, {sec * 1e3:.1f} ms, {sec / n * 1e6:.2f} us a gap")
         for gap, late, name, call in g["top_gaps"]:
             print(f"    gap {gap * 1e3:7.3f} ms (host late {late * 1e3:7.3f}) before {name} ({call})")
         for name, (n, sec) in sorted(g["slow_calls"].items(), key=lambda kv: -kv[1][1])[:6]:
