@@ -117,7 +117,9 @@ class Model(MoEModel):
         self.max_split = split_plan(max_context)[1]  # the longest split range any decode bucket uses
         self._plans: dict[int, torch.Tensor] = {}
         self._no_index = torch.zeros(1, dtype=torch.long, device=device)  # a one-cache view's index
-        self._positions: torch.Tensor | None = None  # [max_context] int64 on the device (prefill_kernel "triton")
+        # prefill_kernel "triton": positions [max_context] and cache indices (all 0: one cache) int64 on the device
+        self._positions: torch.Tensor | None = None
+        self._one_cache: torch.Tensor | None = None
         # prefill CUDA graphs (steps.LayerSteps): none (ModelConfig.prefill_graph_moe says why)
         self.prefill_graph_moe = cfg.prefill_graph_moe
 
