@@ -253,7 +253,7 @@ class EngineConfig:
     # hybrid, needs Triton); "auto": triton on CUDA where it applies and Triton is installed, else torch
     decode_attention: str = "auto"
     # prefill's attention half, Qwen3-MoE: "torch" (each norm, the rope, the cache write and the router's softmax
-    # and top-k as torch ops: 52 ops a chunk and layer, counted on CPU) or "triton" (the input norm, the q/k norms
+    # and top-k as torch ops: 55 ops a chunk and layer in bf16 on CUDA) or "triton" (the input norm, the q/k norms
     # with the rope and the cache write, the residual add with the next norm, and the router's softmax and top-k:
     # one kernel each, 10 ops in all with the projections and the attention; decode's kernels,
     # abbench.engine.ops.kernels; needs Triton). Every prefill mode runs the same kernels either way, so the modes

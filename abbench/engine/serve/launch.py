@@ -146,7 +146,7 @@ def _engine_options(e: argparse._ArgumentGroup) -> None:
                    "on CUDA where it applies, else torch")
     e.add_argument("--prefill-kernels", choices=PREFILL_KERNELS, default=None,
                    help="prefill's attention half (Qwen3-MoE): torch (each norm, the rope, the cache write and the "
-                   "router's top-k as torch ops, 52 a chunk and layer) or triton (decode's fused kernels: 10 "
+                   "router's top-k as torch ops, 55 a chunk and layer in bf16) or triton (decode's fused kernels: 10 "
                    "ops in all; needs Triton). Every prefill mode runs the same kernels either way (default "
                    "torch: triton is not yet measured on a GPU)")
     e.add_argument("--decode-misses", choices=DECODE_MISSES, default=None,

@@ -522,7 +522,7 @@ def prefill_profiles(model: str, layers: int | None, tokens: int, chunk: int, de
     the hybrid does): the MoE half's launches leave the host, so a prefill paced by the host's launches (the
     "rest" if the copies slow the host) would show it. Not counted by the memory plan: a check.
     ``:prefill-triton`` runs Qwen3-MoE's attention half with Triton's fused kernels (``--prefill-kernels triton``:
-    10 ops a chunk and layer instead of 52): whether fewer kernels leave the copies less to lengthen.
+    10 ops a chunk and layer instead of 55): whether fewer kernels leave the copies less to lengthen.
     ``timed``: unprofiled prefills per engine (``profile_prefill``)."""
 
     from abbench.engine.config import EngineConfig
