@@ -259,7 +259,8 @@ class EngineConfig:
     # abbench.engine.ops.kernels; needs Triton). Every prefill mode runs the same kernels either way, so the modes
     # stay bitwise equal; the two settings differ in the last bits (sums in another order). A bank's copies
     # lengthen the gaps between the kernels beside them (results/20261206e), so fewer kernels leave less to
-    # lengthen. Default torch: not yet measured on a GPU
+    # lengthen. The Qwen3.5/3.6 hybrid takes the norms and the router's top-k (its attention and DeltaNet mixers stay
+    # torch's); Qwen4-Exp is refused. Default torch: not yet measured on a GPU
     prefill_kernels: str = "torch"
     # offloaded decode, who looks up the slot cache and copies its misses: "host" (per layer the router's choice
     # is read back, the host copies the misses, then the experts run: one host round trip a layer) or "device"

@@ -234,6 +234,37 @@ def test_all_modes_give_bitwise_identical_logits_kv_and_states(resident, n):
             assert stats.n_windows == -(-6 // (window // 64))
 
 
+def _triton_runs_here() -> bool:
+    from abbench.engine.ops import kernels
+
+    return kernels.have_triton() and (not CPU or os.environ.get("TRITON_INTERPRET") == "1")
+
+
+@pytest.mark.skipif(not _triton_runs_here(), reason="Triton runs on CUDA, or on CPU under TRITON_INTERPRET=1")
+def test_prefill_kernels_triton_keep_every_mode_bitwise_and_stay_near_torchs(resident):
+    """``prefill_kernels`` "triton" on the hybrid: the input norm, the residual add with the post norm and the
+    router's top-k as decode's fused kernels, in DeltaNet and attention layers, whole chunks and a short last one
+    (on CUDA inside the prefill graphs too): every mode still gives the same bits (logits, KV, every linear
+    layer's states), within float rounding of torch's ops, and the same greedy tokens end to end."""
+    fused = _engine(prefill_mode="resident", prefill_kernels="triton")
+    ids = _prompt(200, seed=7)  # 4 chunks (the last short), 2 layer-major windows
+    fused.reset()
+    ref_logits, _, ref_cache = _raw_prefill(fused, ids, "chunked")
+    for mode in MODES[1:]:
+        fused.reset()
+        logits, stats, cache = _raw_prefill(fused, ids, mode)
+        assert stats.path == mode and torch.equal(logits, ref_logits) and _same(cache, ref_cache), mode
+    resident.reset()
+    torch_logits, _, torch_cache = _raw_prefill(resident, ids, "chunked")
+    tol = dict(rtol=2e-2, atol=2e-2) if fused.dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(ref_logits, torch_logits, **tol)
+    for a, b in zip(ref_cache, torch_cache, strict=True):
+        torch.testing.assert_close(a, b, **tol)
+    for engine in (fused, resident):
+        engine.reset()
+    assert _serve(fused, [ids], "layer-major")[0][0] == _serve(resident, [ids], "layer-major")[0][0]
+
+
 def test_prefill_graphs_replay_bitwise_what_eager_steps_compute():
     """CUDA: an engine that replays full chunks' fixed-shape layer steps as CUDA graphs gives, in every mode and
     across requests (eager first sighting, capture, replays), exactly the logits, KV and states of an engine

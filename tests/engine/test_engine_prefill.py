@@ -126,12 +126,13 @@ def test_prefill_kernels_triton_keep_every_mode_bitwise_and_stay_near_torchs(res
 
 
 def test_prefill_kernels_are_refused_where_they_do_not_apply():
-    """Triton's prefill kernels are Qwen3-MoE's attention half: the hybrid is refused by name, and without Triton
+    """Triton's prefill kernels are Qwen3-MoE's and the hybrid's: Qwen4-Exp is refused by name, and without Triton
     (the CPU build of torch) so is Qwen3-MoE, each with the reason."""
     from abbench.engine.ops import kernels
 
-    with pytest.raises(ValueError, match="applies to Qwen3-MoE's attention half; qwen3.5-tiny has its own"):
-        Engine(EngineConfig(model="qwen3.5-tiny", weights="random:0", device=KNOBS["device"], prefill_kernels="triton"))
+    with pytest.raises(ValueError, match="Qwen3.5/3.6 hybrid; qwen4-exp-tiny norms and routes its own way"):
+        Engine(EngineConfig(model="qwen4-exp-tiny", weights="random:0", device=KNOBS["device"],
+                            prefill_kernels="triton"))
     with pytest.raises(ValueError, match="prefill_kernels must be one of"):
         EngineConfig(model=MINI, prefill_kernels="fused")
     if not kernels.have_triton():

@@ -196,6 +196,7 @@ class HybridModel(MoEModel):
     # layers' attention, and for the router's softmax and top-k; they apply: the MoE block is the routed experts
     triton_decode = True
     attention_batching = True  # attn_block_group: adjacent chunks share one attention call (layer-major)
+    prefill_kernels_apply = True  # prefill's norms and router top-k may run decode's fused kernels (prefill_kernel)
 
     def __init__(self, cfg: HybridConfig, weights: HybridWeights, max_context: int, device: torch.device,
                  dtype: torch.dtype):
@@ -302,12 +303,13 @@ class HybridModel(MoEModel):
         the decode kernels the Decoder chose (the residual add and the norm in one kernel, the router's top-k in
         another, for "triton"; ``lookup``: ``decode_route``'s)."""
         cfg, lw = self.cfg, self.w.layers[layer]
-        if decode and mixed is not None and self.decode_attention_kernel == "triton":
+        fused = (self.decode_attention_kernel if decode else self.prefill_kernel) == "triton"
+        if fused and mixed is not None:
             x, h = fused_rms_norm(mixed, lw.post_norm, cfg.rms_norm_eps, residual=x, plus_one=True)  # [T, H] x2
         else:
             x = x if mixed is None else x + mixed  # [T, H]
             h = zc_rms_norm(x, lw.post_norm, cfg.rms_norm_eps)  # [T, H]
-        top_w, top_ids = decode_route(self.decode_router_kernel if decode else "torch", h, lw.router,
+        top_w, top_ids = decode_route(self.decode_router_kernel if decode else self.prefill_kernel, h, lw.router,
                                       cfg.num_experts_per_tok, True, self.bias_of(layer), lookup)  # [T, k] x2
         gu = F.linear(h, lw.shared_gate_up)  # [T, 2Is]
         i_s = gu.shape[-1] // 2
@@ -318,29 +320,39 @@ class HybridModel(MoEModel):
             self.trace(layer, "shared_expert", shared)
         return x + shared, h, top_w, top_ids
 
+    def _input_norm(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        """A prefill chunk's first norm, x [T, H] -> [T, H]: torch's ops or, with ``prefill_kernel`` "triton", one
+        kernel."""
+        if self.prefill_kernel == "triton":
+            return fused_rms_norm(x, self.w.layers[layer].input_norm, self.cfg.rms_norm_eps, plus_one=True)
+        return zc_rms_norm(x, self.w.layers[layer].input_norm, self.cfg.rms_norm_eps)
+
+    def _after_mixer(self, layer: int, x: torch.Tensor, a: torch.Tensor):
+        """``_post_mixer`` of a prefill chunk x [T, H] with its mixer's output a [T, H]: the residual add apart, or
+        (``prefill_kernel`` "triton") in the norm's kernel."""
+        return self._post_mixer(layer, x, a) if self.prefill_kernel == "triton" else self._post_mixer(layer, x + a)
+
     def attn_block(self, layer: int, x: torch.Tensor, cache: HybridCache, start: int):
         """First half of a layer: x [T, H] at positions [start, start+T) -> (x + mixer + shared expert [T, H],
         MoE input h [T, H], router weights [T, k], router expert ids [T, k])."""
-        cfg, lw = self.cfg, self.w.layers[layer]
-        hn = zc_rms_norm(x, lw.input_norm, cfg.rms_norm_eps)  # [T, H]
+        cfg = self.cfg
+        hn = self._input_norm(layer, x)  # [T, H]
         if cfg.layer_types[layer] == "full_attention":
             a = self.attention(layer, hn, cache, start)  # [T, H]
         else:
             a = self.linear_attention(layer, hn, cache, start)  # [T, H]
-        x = x + a  # [T, H]
         if self.trace is not None:
             self._trace_layer = layer
             self.trace(layer, "attention", a)
-        return self._post_mixer(layer, x)
+        return self._after_mixer(layer, x, a)
 
     def cache_only(self, layer: int, x: torch.Tensor, cache: HybridCache, start: int) -> bool:
         """What ``attn_block`` writes into the cache for x [T, H] at [start, start+T), and nothing else, where that
         is less than the whole first half: a full-attention layer's K and V (the same calls as ``attn_block``'s).
         False, with nothing done, for a DeltaNet layer (its states need the whole mixer)."""
-        cfg, lw = self.cfg, self.w.layers[layer]
-        if cfg.layer_types[layer] != "full_attention":
+        if self.cfg.layer_types[layer] != "full_attention":
             return False
-        self.attention_qkv(layer, zc_rms_norm(x, lw.input_norm, cfg.rms_norm_eps), cache, start)
+        self.attention_qkv(layer, self._input_norm(layer, x), cache, start)
         return True
 
     def attn_block_group(self, layer: int, xs: list[torch.Tensor], cache: HybridCache,
@@ -352,7 +364,7 @@ class HybridModel(MoEModel):
         every query row of the joint call as it does in the chunk's own call (``attention_batching_exact``)."""
         cfg, lw = self.cfg, self.w.layers[layer]
         assert cfg.layer_types[layer] == "full_attention", "attention batching is for full-attention layers"
-        qg = [self.attention_qkv(layer, zc_rms_norm(x, lw.input_norm, cfg.rms_norm_eps), cache, s)
+        qg = [self.attention_qkv(layer, self._input_norm(layer, x), cache, s)
               for x, s in zip(xs, starts, strict=True)]  # (q [Hq, T_c, D], gate [T_c, Hq*D]) per chunk
         out = self.attention_core(layer, torch.cat([q for q, _ in qg], dim=1), cache, starts[0])  # [1, Hq, sum T, D]
         results, o = [], 0
@@ -363,7 +375,7 @@ class HybridModel(MoEModel):
             if self.trace is not None:
                 self._trace_layer = layer
                 self.trace(layer, "attention", a)
-            results.append(self._post_mixer(layer, x + a))
+            results.append(self._after_mixer(layer, x, a))
         return results
 
     guesses_experts = True

@@ -280,6 +280,7 @@ class Qwen4Model(HybridModel):
         self.prefill_graph_layers = frozenset()  # and cfg.prefill_graph_moe is False
 
     attention_batching = False  # indexed attention has no joint call
+    prefill_kernels_apply = False  # its halves hand pending work over (their own norms and routing)
 
     def new_cache(self, max_context: int | None = None) -> Qwen4Cache:
         return Qwen4Cache(self.cfg, max_context or self.max_context, self.device, self.dtype)

@@ -224,7 +224,8 @@ class Engine:
         if kernels == "triton":
             name = self.model.cfg.name
             if not self.model.prefill_kernels_apply:
-                raise ValueError(f"prefill_kernels 'triton' applies to Qwen3-MoE's attention half; {name} has its own")
+                raise ValueError(f"prefill_kernels 'triton' applies to Qwen3-MoE and the Qwen3.5/3.6 hybrid; {name} "
+                                 "norms and routes its own way")
             if not decode_kernels.have_triton():
                 raise ValueError("prefill_kernels 'triton' needs Triton (a CUDA build of torch ships it)")
             if not decode_kernels.attention_applies(self.model.cfg.head_dim):

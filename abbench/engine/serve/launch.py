@@ -145,10 +145,10 @@ def _engine_options(e: argparse._ArgumentGroup) -> None:
                    "rope and cache write fused; Qwen3-MoE and Qwen3.5/3.6, needs Triton); default auto: triton "
                    "on CUDA where it applies, else torch")
     e.add_argument("--prefill-kernels", choices=PREFILL_KERNELS, default=None,
-                   help="prefill's attention half (Qwen3-MoE): torch (each norm, the rope, the cache write and the "
+                   help="prefill's attention half (Qwen3-MoE and the hybrid): torch (each norm, the rope, the cache write and the "
                    "router's top-k as torch ops, 55 a chunk and layer in bf16) or triton (decode's fused kernels: 10 "
-                   "ops in all; needs Triton). Every prefill mode runs the same kernels either way (default "
-                   "torch: triton is not yet measured on a GPU)")
+                   "ops in all; needs Triton); the Qwen3.5/3.6 hybrid takes the norms and the router. Every prefill "
+                   "mode runs the same kernels either way (default torch: triton is not yet measured on a GPU)")
     e.add_argument("--decode-misses", choices=DECODE_MISSES, default=None,
                    help="offloaded decode, who looks up the slot cache and copies its misses: host (per layer the "
                    "router's choice is read back and the host copies the misses: one round trip a layer) or device "

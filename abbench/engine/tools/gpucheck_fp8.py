@@ -521,7 +521,7 @@ def prefill_profiles(model: str, layers: int | None, tokens: int, chunk: int, de
     every full chunk's MoE half from CUDA graphs where the model does not (Qwen3-MoE; ``steps.LayerSteps``, as
     the hybrid does): the MoE half's launches leave the host, so a prefill paced by the host's launches (the
     "rest" if the copies slow the host) would show it. Not counted by the memory plan: a check.
-    ``:prefill-triton`` runs Qwen3-MoE's attention half with Triton's fused kernels (``--prefill-kernels triton``:
+    ``:prefill-triton`` runs the attention half with Triton's fused kernels (``--prefill-kernels triton``; on Qwen3-MoE
     10 ops a chunk and layer instead of 55): whether fewer kernels leave the copies less to lengthen.
     ``timed``: unprofiled prefills per engine (``profile_prefill``)."""
 
@@ -614,7 +614,7 @@ def main(argv: list[str] | None = None) -> int:
                         "NAME:beside-copies with a bank's worth of host-to-device copies beside each prefill, "
                         "NAME:beside-host with host-memory traffic beside it, NAME:moe-graphs with the MoE halves "
                         "replayed from CUDA graphs where the model has none, NAME:prefill-triton with the attention "
-                        "half's norms, rope, cache write and router top-k as Triton's fused kernels, Qwen3-MoE)")
+                        "half's norms, rope, cache write and router top-k as Triton's fused kernels)")
     p.add_argument("--timed", type=int, default=3,
                    help="--prefill-tokens: unprofiled prefills per engine, timed (their median: 'timed ms')")
     p.add_argument("--trace-dir", type=Path, default=None,
