@@ -428,6 +428,16 @@ def attention_applies(head_dim: int) -> bool:
     return head_dim >= 16 and head_dim & (head_dim - 1) == 0
 
 
+def require_attention_kernels(setting: str, model_name: str, head_dim: int) -> None:
+    """ValueError naming ``setting`` (an engine option set to "triton") where Triton's attention-half kernels
+    cannot run: no Triton, or a head dimension ``attention_applies`` does not take."""
+    if not have_triton():
+        raise ValueError(f"{setting} 'triton' needs Triton (a CUDA build of torch ships it)")
+    if not attention_applies(head_dim):
+        raise ValueError(f"{setting} 'triton' needs a power-of-two head dimension of at least 16; "
+                         f"{model_name} has {head_dim}")
+
+
 def attention_split_kv(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos: torch.Tensor, scale: float,
                        block_l: int = 64, max_splits: int = 64) -> torch.Tensor:
     """``model.decode_gqa``'s contract as a flash-decoding kernel (module docstring): q [Hq, 1, D] over keys,

@@ -372,11 +372,7 @@ class Decoder:
             if not self.model.triton_decode:
                 raise ValueError(f"decode_attention 'triton' needs full attention over the cache (Qwen3-MoE, "
                                  f"Qwen3.5/3.6); {self.model.cfg.name} attends its own way")
-            if not decode_kernels.have_triton():
-                raise ValueError("decode_attention 'triton' needs Triton (a CUDA build of torch ships it)")
-            if not decode_kernels.attention_applies(self.model.cfg.head_dim):
-                raise ValueError(f"decode_attention 'triton' needs a power-of-two head dimension of at least 16; "
-                                 f"{self.model.cfg.name} has {self.model.cfg.head_dim}")
+            decode_kernels.require_attention_kernels("decode_attention", self.model.cfg.name, self.model.cfg.head_dim)
         return attention
 
     @property

@@ -226,11 +226,7 @@ class Engine:
             if not self.model.prefill_kernels_apply:
                 raise ValueError(f"prefill_kernels 'triton' applies to Qwen3-MoE and the Qwen3.5/3.6 hybrid; {name} "
                                  "norms and routes its own way")
-            if not decode_kernels.have_triton():
-                raise ValueError("prefill_kernels 'triton' needs Triton (a CUDA build of torch ships it)")
-            if not decode_kernels.attention_applies(self.model.cfg.head_dim):
-                raise ValueError(f"prefill_kernels 'triton' needs a power-of-two head dimension of at least 16; "
-                                 f"{name} has {self.model.cfg.head_dim}")
+            decode_kernels.require_attention_kernels("prefill_kernels", name, self.model.cfg.head_dim)
         return kernels
 
     def _layer_steps(self) -> LayerSteps:

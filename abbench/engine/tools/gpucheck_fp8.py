@@ -71,7 +71,7 @@ from abbench.engine.models.bank import dequantize_into, quantize_rows
 from abbench.engine.ops import kernels as dk
 from abbench.engine.ops.moe import Fp8Experts, grouped_mm, looped_mm, moe_experts, probe_grouped_mm, w8a8_reference
 from abbench.engine.tools import release
-from abbench.engine.tools.gpucheck_hybrid import union_seconds
+from abbench.engine.tools.gpucheck_hybrid import merge_spans, union_seconds
 
 
 def _ms(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
@@ -279,7 +279,7 @@ def stream_gaps(events: list[dict], top: int = 8) -> dict:
     ops = sorted(by_stream[stream], key=lambda e: e["ts"])
     out.update(stream=stream, span_s=(max(e["ts"] + e["dur"] for e in ops) - ops[0]["ts"]) / 1e6,
                busy_s=union_seconds([(e["ts"], e["ts"] + e["dur"]) for e in ops]))
-    copies = _merged([(e["ts"], e["ts"] + e["dur"]) for s, es in by_stream.items() if s != stream for e in es
+    copies = merge_spans([(e["ts"], e["ts"] + e["dur"]) for s, es in by_stream.items() if s != stream for e in es
                       if e["cat"] == "gpu_memcpy" and "HtoD" in e["name"]])
     gaps = []
     end = ops[0]["ts"] + ops[0]["dur"]
@@ -300,17 +300,6 @@ def stream_gaps(events: list[dict], top: int = 8) -> dict:
             out["queued_by_launch"][name] = (n + 1, sec + (gap - late) / 1e6)
         end = max(end, e["ts"] + e["dur"])
     out["top_gaps"] = sorted(gaps, reverse=True)[:top]
-    return out
-
-
-def _merged(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    """Intervals (start, end) merged where they overlap, in order."""
-    out: list[tuple[float, float]] = []
-    for a, b in sorted(spans):
-        if out and a <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], b))
-        else:
-            out.append((a, b))
     return out
 
 
