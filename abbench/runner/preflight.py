@@ -14,7 +14,11 @@ once for all its arms), in the order the profile names the arms:
   is not consulted.
 * **A launched command**: its placeholders expand (``{profile_dir}`` needs a profile file) and its program
   exists and is executable (looked up on the ``PATH`` the service will get). Nothing is started: the rest
-  (health, reset) is checked when the service starts, before its first request.
+  (health, reset) is checked when the service starts, before its first request. One exception: the vendored
+  engine (``-m abbench.engine``) on a GPU or with ``--gpu-memory-budget`` runs once with ``--check-plan``
+  (:func:`check_engine_plan`): its configuration and device-memory plan, as the service would check them at
+  start, in seconds and without weights. So an arm whose experts cannot fit the card fails the run before the
+  other arms' rounds, not when its turn comes minutes later.
 
 Lengths against the server's context (:func:`check_context`): where a server lists its models with a
 ``max_model_len`` (vLLM, the vendored engine), the longest prompt an arm will send plus ``request.max_tokens``
@@ -33,6 +37,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
 from collections.abc import Callable
 from typing import Any
 
@@ -87,6 +92,60 @@ def check_command(spec: LaunchSpec) -> str | None:
     if shutil.which(program, path=path) is None:
         return f"command not found: {program} (not on the PATH); check {field} in the profile"
     return None
+
+
+ENGINE_MODULE = "abbench.engine"
+PLAN_CHECK_TIMEOUT_S = 300.0
+"""How long ``--check-plan`` may take (importing torch and starting CUDA) before the check is given up, with a
+warning: it cannot judge then, and the service's own start still will."""
+
+
+def _last_value(argv: list[str], flag: str) -> str | None:
+    """The value of the last ``flag VALUE`` or ``flag=VALUE`` in ``argv`` (argparse's last one wins); None when
+    absent."""
+    value = None
+    for i, a in enumerate(argv):
+        if a == flag and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif a.startswith(flag + "="):
+            value = a.split("=", 1)[1]
+    return value
+
+
+def engine_plan_argv(argv: list[str]) -> list[str] | None:
+    """``argv`` with ``--check-plan`` where it runs the vendored engine (``-m abbench.engine``, its engine
+    backend) on a device other than the CPU or with ``--gpu-memory-budget``: a plan worth checking before the
+    run. None for any other command (the CPU engine without a budget has no plan and starts in seconds)."""
+    runs_engine = any(a == "-m" and argv[i + 1:i + 2] == [ENGINE_MODULE] for i, a in enumerate(argv))
+    if not runs_engine or (_last_value(argv, "--backend") or "engine") != "engine":
+        return None
+    if (_last_value(argv, "--device") or "cpu") == "cpu" and _last_value(argv, "--gpu-memory-budget") is None:
+        return None
+    return [*argv, "--check-plan"]
+
+
+def check_engine_plan(spec: LaunchSpec, warn: Warn) -> str | None:
+    """Why the vendored engine ``spec`` launches cannot start (its ``--check-plan`` failed: the engine's own
+    message, such as a budget that cannot hold one token's experts); None when it can, when the command is not
+    such an engine (:func:`engine_plan_argv`), or when the check could not finish (a warning then)."""
+    assert spec.argv is not None
+    argv = engine_plan_argv(expand_command(list(spec.argv), port=0, profile_dir=spec.profile_dir))
+    if argv is None:
+        return None
+    try:
+        done = subprocess.run(argv, env={**os.environ, **{k: str(v) for k, v in spec.env.items()}},
+                              stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                              timeout=PLAN_CHECK_TIMEOUT_S, check=False)
+    except subprocess.TimeoutExpired:
+        warn(f"the engine's --check-plan took over {PLAN_CHECK_TIMEOUT_S:.0f} s; not judged before the run")
+        return None
+    except OSError as e:
+        return f"cannot run {argv[0]}: {e}"
+    if done.returncode == 0:
+        return None
+    lines = [ln for ln in (done.stderr or done.stdout or "").splitlines() if ln.strip()]
+    return (f"its --check-plan failed (exit {done.returncode}): " + (lines[-1] if lines else "no message")
+            + "; the service would fail the same way at start")
 
 
 def _model_list(client: EngineClient, base_url: str, headers: dict[str, str]) -> list[dict[str, Any]] | None:
@@ -178,7 +237,7 @@ def check_services(profile: Profile, client: EngineClient, credentials: Credenti
             if spec.base_url is not None:
                 _check_attached(profile, client, credentials, service_arms, spec)
             else:
-                why = check_command(spec)
+                why = check_command(spec) or check_engine_plan(spec, warn)
                 if why is not None:
                     raise ServiceError(f"{_who(service_arms, ' '.join(map(str, spec.argv or [])))}: {why}")
         except ServiceError as e:

@@ -21,7 +21,7 @@ from abbench.auth import Credentials
 from abbench.client import EngineClient
 from abbench.errors import ConfigError, ServiceError
 from abbench.profile import profile_from_dict
-from abbench.runner.preflight import check_command, check_services
+from abbench.runner.preflight import check_command, check_engine_plan, check_services, engine_plan_argv
 from abbench.runner.run import ProgressEvent
 
 from tests.support import fake_engines
@@ -102,6 +102,47 @@ def test_a_program_that_is_there_passes(tmp_path: Path) -> None:
     assert check_command(bad) == f"command not executable: {script}; check engine.command in the profile"
     script.chmod(0o755)
     assert check_command(bad) is None
+
+
+@pytest.mark.parametrize(("argv", "checked"), [
+    (["py", "-m", "abbench.engine", "--device", "cuda", "--port", "0"], True),
+    (["py", "-m", "abbench.engine", "--device=cuda:1"], True),
+    (["py", "-m", "abbench.engine", "--gpu-memory-budget", "16"], True),  # a budget on the CPU too
+    (["py", "-m", "abbench.engine", "--device", "cuda", "--device", "cpu"], False),  # argparse's last wins
+    (["py", "-m", "abbench.engine", "--port", "0"], False),  # the CPU without a budget: no plan
+    (["py", "-m", "abbench.engine", "--backend", "transformers", "--device", "cuda"], False),
+    (["vllm", "serve", "m", "--device", "cuda"], False),
+    (["py", "-m", "abbench.engine.tools.gpucheck", "--device", "cuda"], False),
+])
+def test_which_commands_get_the_engines_plan_check(argv: list[str], checked: bool) -> None:
+    assert engine_plan_argv(argv) == ([*argv, "--check-plan"] if checked else None)
+
+
+def _engine_arm(name: str, budget_gib: str) -> dict:
+    return {"name": name, "command": ["{python}", "-m", "abbench.engine", "--port", "{port}", "--gpu-memory-budget",
+                                      budget_gib]}
+
+
+def test_an_engine_whose_budget_cannot_hold_its_experts_fails_before_any_service_launches(tmp_path: Path) -> None:
+    """The vendored engine (tiny model, on the CPU) under a budget below its fixed part: the run stops at the
+    check with the engine's own reason and remedy, before arm a's service (the fake server) is launched."""
+    mark = fk.new_mark()
+    prof = fk.fake_profile(mark, arms=[{"name": "a"}, _engine_arm("b", "0.5")])
+    out = tmp_path / "run"
+    events, err, _ = _execute(prof, out)
+    assert isinstance(err, ServiceError), err
+    first = str(err).splitlines()[0]
+    assert first.startswith("arm b (") and "--check-plan failed (exit 1)" in first, first
+    assert "the device-memory budget holds 0 expert slots per layer" in first and "Raise --gpu-memory-budget" in first
+    assert "before this run sent any request" in first
+    assert not [e for e in events if e.message.startswith("starting")] and not out.exists()
+    fk.assert_no_leftovers(mark)
+
+
+def test_an_engine_whose_plan_fits_passes_the_check() -> None:
+    warned: list[str] = []
+    spec = profile_from_dict(fk.fake_profile("x", arms=[_engine_arm("b", "3")])).launch_spec("b")
+    assert check_engine_plan(spec, warned.append) is None and warned == []
 
 
 def test_skip_arm_warns_up_front_and_runs_the_other_arm(tmp_path: Path) -> None:

@@ -79,6 +79,49 @@ def _resolve_device(name: str) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device() if dev.index is None else dev.index)
 
 
+def _expert_layout(cfg: EngineConfig, device: torch.device) -> tuple[tuple[int, int] | None, str | None, bool]:
+    """How a resolved ``cfg`` holds its experts on ``device``: an FP8 checkpoint's block size (None: per-row
+    scales, or not FP8), the math of a prefill GEMM that reads FP8 (None: it reads the model dtype), and whether
+    decode's slots hold FP8 values; ValueError for a combination that cannot run."""
+    fp8 = cfg.expert_dtype == "fp8"  # an FP8 checkpoint's experts then keep their block scales
+    block = fp8_block_size(cfg.weights) if fp8 and not cfg.weights.startswith("random:") else None
+    gemm_math = FP8_GEMM_MATH.get(cfg.fp8_dequant) if fp8 else None  # the prefill GEMM reads FP8
+    if gemm_math and block is not None:
+        raise ValueError(f"fp8_dequant {cfg.fp8_dequant!r} reads per-row scales in the grouped GEMM; "
+                         f"{cfg.weights} has {block[0]}x{block[1]} block scales (use fp8_dequant 'compute')")
+    if gemm_math and device.type == "cuda" and not decode_kernels.have_triton():
+        raise ValueError(f"fp8_dequant {cfg.fp8_dequant!r} runs Triton's grouped GEMM over FP8 on CUDA: "
+                         "install Triton")
+    # decode's slots hold the FP8 bank's own values and row scales where Triton's experts read them
+    return block, gemm_math, fp8_slots(cfg, block, triton=decode_kernels.have_triton())
+
+
+def _plan_memory(cfg: EngineConfig, device: torch.device, slots_fp8: bool) -> MemoryPlan | None:
+    """The device-memory plan of a resolved ``cfg`` (slots per layer from the budget; ValueError when it cannot
+    fit); None on CPU without a budget, where the slot cache holds every expert unless expert_slots_per_layer
+    says otherwise. Without a budget on CUDA the budget is the device's free memory now."""
+    budget = cfg.gpu_memory_budget_gib
+    if budget is None and device.type != "cuda":
+        return None
+    if budget is None:
+        free, _total = torch.cuda.mem_get_info(device)
+        budget_bytes = int(free)
+    else:
+        budget_bytes = int(budget * GIB)
+    return plan_device_memory(cfg, budget_bytes, slots_fp8=slots_fp8)
+
+
+def check_plan(config: EngineConfig) -> MemoryPlan | None:
+    """What ``Engine(config)`` checks before it loads anything: the configuration against the model, the device,
+    the expert layout and the device-memory plan; returns the plan (None: CPU without a budget) or raises
+    ValueError/RuntimeError with the reason the engine would give. Loads no weights: seconds, at any scale."""
+    cfg = config.resolved()
+    device = _resolve_device(cfg.device)
+    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+        _block, _gemm_math, slots_fp8 = _expert_layout(cfg, device)
+        return _plan_memory(cfg, device, slots_fp8)
+
+
 class Engine:
     def __init__(self, config: EngineConfig):
         t0 = time.perf_counter()
@@ -104,17 +147,8 @@ class Engine:
 
         with self._on_device():
             fp8 = cfg.expert_dtype == "fp8"  # an FP8 checkpoint's experts then keep their block scales
-            block = fp8_block_size(cfg.weights) if fp8 and not cfg.weights.startswith("random:") else None
-            gemm_math = FP8_GEMM_MATH.get(cfg.fp8_dequant) if fp8 else None  # the prefill GEMM reads FP8
-            if gemm_math and block is not None:
-                raise ValueError(f"fp8_dequant {cfg.fp8_dequant!r} reads per-row scales in the grouped GEMM; "
-                                 f"{cfg.weights} has {block[0]}x{block[1]} block scales (use fp8_dequant 'compute')")
-            if gemm_math and self.device.type == "cuda" and not decode_kernels.have_triton():
-                raise ValueError(f"fp8_dequant {cfg.fp8_dequant!r} runs Triton's grouped GEMM over FP8 on CUDA: "
-                                 "install Triton")
-            # decode's slots hold the FP8 bank's own values and row scales where Triton's experts read them
-            self.fp8_slots = fp8_slots(cfg, block, triton=decode_kernels.have_triton())
-            self.memory_plan = self._plan_memory()
+            block, gemm_math, self.fp8_slots = _expert_layout(cfg, self.device)
+            self.memory_plan = _plan_memory(cfg, self.device, self.fp8_slots)
             mark("plan")
             bank = ExpertBank(mc, self.dtype, pin=self.device.type == "cuda", check_memory=cfg.host_memory_check,
                               dense_bytes=dense_params(mc) * self.dtype.itemsize, fp8=fp8, block=block)
@@ -322,20 +356,6 @@ class Engine:
             info["calibration"] = {"demand_copies_factor": round(self.calibration.factor, 4),
                                    "demand_prefills": self.calibration.seen}
         return path, info
-
-    def _plan_memory(self) -> MemoryPlan | None:
-        """The device-memory plan (slots per layer from the budget); None on CPU without a budget, where the
-        slot cache holds every expert unless expert_slots_per_layer says otherwise."""
-        cfg = self.config
-        budget = cfg.gpu_memory_budget_gib
-        if budget is None and self.device.type != "cuda":
-            return None
-        if budget is None:
-            free, _total = torch.cuda.mem_get_info(self.device)
-            budget_bytes = int(free)
-        else:
-            budget_bytes = int(budget * GIB)
-        return plan_device_memory(cfg, budget_bytes, slots_fp8=self.fp8_slots)
 
     def _on_device(self):
         return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()

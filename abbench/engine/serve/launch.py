@@ -105,6 +105,11 @@ def _engine_options(e: argparse._ArgumentGroup) -> None:
                    "per-row scales only); w8a8: as gemm, with the activations quantized per row to FP8 too and "
                    "the GEMM in FP8 math (other numbers: judge such an arm by numerics)")
     e.add_argument("--prefill-mode", default="chunked", choices=PREFILL_MODES)
+    e.add_argument("--check-plan", action="store_true",
+                   help="check this command's configuration and device-memory plan as the engine would at start "
+                   "(the device's free memory without --gpu-memory-budget), print the plan and exit: 0 when it "
+                   "fits, 1 with the reason when not. Loads no weights and binds no port: seconds at any scale "
+                   "(abbench run does this for every arm on a GPU or with a budget before its first request)")
     e.add_argument("--chunk-tokens", type=int, default=2048)
     e.add_argument("--layer-major-window-tokens", type=int, default=None)
     e.add_argument("--demand-max-tokens", type=int, default=None)
@@ -365,6 +370,21 @@ def _build_engine(args: argparse.Namespace) -> tuple[Any, str]:
     return (engine if fault is None else InjectFaults(engine, fault)), described
 
 
+def _check_plan(args: argparse.Namespace) -> int:
+    """``--check-plan``: what the engine checks before it loads anything (:func:`abbench.engine.runtime.engine.
+    check_plan`), printed; 0 when it fits, 1 (the service's own message on stderr) when not."""
+    from abbench.engine.runtime.engine import check_plan
+
+    try:
+        plan = check_plan(_engine_config(args))
+    except _BUILD_ERRORS["engine"] as exc:
+        print(f"{_LABEL['engine'][0]}: {_LABEL['engine'][1]}: {exc}", file=sys.stderr, flush=True)
+        return 1
+    what = plan.describe() if plan is not None else "none: on the CPU without a budget every expert is in memory"
+    print(f"{_LABEL['engine'][0]}: device-memory plan: {what}", flush=True)
+    return 0
+
+
 def _build_reference(args: argparse.Namespace) -> tuple[Any, str]:
     """The transformers reference and the ready line's description of it."""
     from abbench.engine.serve.reference import ReferenceEngine
@@ -403,6 +423,9 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if not args.model:
             parser.error("--model DIR is required")
+    if backend == "engine" and args.check_plan:  # nothing is bound or served: no key to guard
+        _engine_tokenizer_spec(args)
+        return _check_plan(args)
     api_key = api_key_or_refuse(args, parser)  # before anything is loaded or written
 
     from abbench.engine.serve.server import create_app
