@@ -72,7 +72,7 @@ def memory_plan_cmd(
       abbench memory-plan --model qwen3-30b-a3b --budget 16 --max-context 32768 --expert-dtype fp8
       abbench memory-plan --model qwen3.5-35b-a3b --budget 16 --max-context 262144 --window-tokens 65536
     """
-    from abbench.engine.config import EngineConfig
+    from abbench.engine.config import AUTO_CHUNK_TOKENS, EngineConfig
     from abbench.engine.runtime.memory import GIB, least_budget, plan_device_memory
 
     try:
@@ -97,13 +97,29 @@ def memory_plan_cmd(
                 "note"):
         table.add_column(col, justify="left" if col == "note" else "right")
     gb = lambda b: f"{b / GIB:.2f}"  # noqa: E731
-    for chunk in chunks:
-        knobs = dict(layer_major_window_tokens=window_tokens) if window_tokens else {}
+    knobs = dict(layer_major_window_tokens=window_tokens) if window_tokens else {}
+
+    def config(chunk: int) -> EngineConfig:
+        return EngineConfig(model=model, device="cuda", dtype=dtype, chunk_tokens=chunk, max_context=max_context,
+                            prefill_mode="resident" if resident else "chunked", max_num_seqs=max_num_seqs,
+                            expert_dtype=expert_dtype, slot_dtype=slot_dtype, fp8_dequant=fp8_dequant,
+                            slots_share_buffers=slots_share_buffers, **knobs).resolved()
+
+    auto = None  # the chunk length --chunk-tokens auto takes under this budget (the engine's own rule)
+    for chunk in AUTO_CHUNK_TOKENS if budget is not None else ():
         try:
-            cfg = EngineConfig(model=model, device="cuda", dtype=dtype, chunk_tokens=chunk, max_context=max_context,
-                               prefill_mode="resident" if resident else "chunked", max_num_seqs=max_num_seqs,
-                               expert_dtype=expert_dtype, slot_dtype=slot_dtype, fp8_dequant=fp8_dequant,
-                               slots_share_buffers=slots_share_buffers, **knobs).resolved()
+            plan_device_memory(config(chunk), int(budget * GIB))
+        except ValueError:
+            continue
+        auto = chunk
+        break
+    if budget is not None:
+        auto = auto or AUTO_CHUNK_TOKENS[-1]
+        if auto not in chunks:
+            table.caption = f"--chunk-tokens auto takes {auto:,} tokens under this budget"
+    for chunk in chunks:
+        try:
+            cfg = config(chunk)
         except (ValueError, AbbenchError) as e:
             _fail(e if isinstance(e, AbbenchError) else ConfigError(str(e)))
             return
@@ -121,6 +137,8 @@ def memory_plan_cmd(
         except ValueError as e:
             table.add_row(f"{chunk:,}", "", "", "", "", "", "", f"[red]does not fit[/]: {str(e).split(';')[0]}")
             continue
+        if chunk == auto:
+            note = (note + "; " if note else "") + "--chunk-tokens auto takes this"
         table.add_row(f"{chunk:,}", gb(plan.kv_bytes), gb(plan.workspace_bytes), gb(plan.fixed_bytes), str(plan.slots_per_layer),
                       gb(plan.pool_bytes(plan.slots_per_layer)), gb(plan.total_bytes), note)
     out.print(table)

@@ -47,7 +47,7 @@ from abbench.engine.shapes import (
 __all__ = [
     "ATTENTION_BATCH_MAX_CONTEXT", "DECODE_ATTENTION", "DECODE_EXPERTS", "DECODE_MISSES", "DTYPES", "EXPERT_DTYPES", "FP8_DEQUANT", "FP8_GEMM_MATH",
     "SLOT_DTYPES",
-    "SLOTS_SHARE_BUFFERS",
+    "SLOTS_SHARE_BUFFERS", "CHUNK_AUTO", "AUTO_CHUNK_TOKENS",
     "GDN_BLOCK",
     "HYBRID_MODEL_TYPES", "ITEMSIZE", "LAYER_TYPES", "MAX_ATTENTION_BATCH", "MAX_GROUPED_MM_GROUPS", "PREFILL_MODES", "PREFILL_PATHS", "PRESETS",
     "QWEN4_MODEL_TYPES", "EngineConfig", "HybridConfig", "ModelConfig", "Qwen4Config", "check_hybrid_chunk",
@@ -68,6 +68,12 @@ EXPERT_DTYPES = ("model", "fp8")
 # "auto": fp8 where the bank is FP8 with row scales and decode's experts are Triton's (abbench.engine.runtime.memory)
 SLOT_DTYPES = ("auto", "model", "fp8")
 SLOTS_SHARE_BUFFERS = ("auto", "on", "off")
+CHUNK_AUTO = "auto"
+AUTO_CHUNK_TOKENS = (4096, 2048)
+"""``chunk_tokens`` "auto": the first of these whose device-memory plan fits (the engine's start, with a plan: a GPU
+or a budget); the last without a plan or when none fits (then the plan's own refusal). On an H100 the hybrid's
+4096-token chunks made its resident and layer-major prefills 9-13% faster at 32K-128K and halved layer-major's
+distance to its floor at 32K (results/20261206h, 20261206k); at 256K under 16 GiB they leave no decode slot."""
 # where an FP8 bank's streamed layers are dequantized (EngineConfig.fp8_dequant): "compute" on the compute stream
 # at the layer's turn, "copy" on the copy stream right after the copy, beside the compute (runtime.experts);
 # "gemm": never as a pass, the prefill's grouped GEMM reads the FP8 values and row scales (ops.moe.Fp8Experts);
@@ -220,7 +226,9 @@ class EngineConfig:
     # the GEMM in FP8 math (other numbers, judged as FP8's are: a numerics verdict)
     fp8_dequant: str = "compute"
     prefill_mode: str = "chunked"  # chunked | layer-major | demand | resident (the default of requests)
-    chunk_tokens: int = 2048  # prefill chunk length, the same in every mode
+    # prefill chunk length, the same in every mode; "auto" (CHUNK_AUTO): the largest of AUTO_CHUNK_TOKENS whose
+    # device-memory plan fits, chosen when the engine starts (Engine.config holds the number)
+    chunk_tokens: int | str = 2048
     layer_major_window_tokens: int = 65536  # parked-activation budget of one layer-major window, in tokens
     demand_max_tokens: int = 256  # chunks of at most this many tokens load only their routed experts
     # Decode slot cache: this many expert slots for every layer (LRU within the layer; each layer's slots are
@@ -347,8 +355,11 @@ class EngineConfig:
             raise ValueError(f"auto_calibration must be >= 0, got {self.auto_calibration}")
         if not 1 <= int(self.attention_batch) <= MAX_ATTENTION_BATCH:
             raise ValueError(f"attention_batch must be in [1, {MAX_ATTENTION_BATCH}], got {self.attention_batch}")
+        if isinstance(self.chunk_tokens, str) and self.chunk_tokens != CHUNK_AUTO:
+            raise ValueError(f"chunk_tokens must be a positive number of tokens or {CHUNK_AUTO!r}, got "
+                             f"{self.chunk_tokens!r}")
         for name in ("chunk_tokens", "layer_major_window_tokens", "demand_max_tokens", "attention_batch_max_context"):
-            if int(getattr(self, name)) <= 0:
+            if getattr(self, name) != CHUNK_AUTO and int(getattr(self, name)) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.expert_slots_per_layer is not None and self.expert_slots_per_layer <= 0:
             raise ValueError(f"expert_slots_per_layer must be positive, got {self.expert_slots_per_layer}")
@@ -397,7 +408,8 @@ class EngineConfig:
             if slots < mc.num_experts_per_tok:
                 raise ValueError(f"expert_slots_per_layer ({slots}) must hold at least one token's experts "
                                  f"(num_experts_per_tok={mc.num_experts_per_tok})")
-        check_hybrid_chunk(mc, self.chunk_tokens)
+        if self.chunk_tokens != CHUNK_AUTO:  # "auto" chooses among multiples of the delta rule's block
+            check_hybrid_chunk(mc, int(self.chunk_tokens))
         seqs = self.max_num_seqs or (1 if self.gpu_memory_budget_gib is not None else DEFAULT_NUM_SEQS)
         if self.slots_share_buffers == "on":
             if seqs != 1:

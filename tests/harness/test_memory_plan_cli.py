@@ -101,3 +101,15 @@ def test_the_defaults_plan_the_model_at_its_own_context_as_the_engine_does() -> 
     res = CliRunner().invoke(app, ["memory-plan"])
     assert res.exit_code == 0, res.output
     assert "max context 40,960" in res.output  # tiny's max_position_embeddings, the engine's default
+
+
+def test_it_marks_the_chunk_length_the_engines_auto_takes() -> None:
+    """The hybrid at 16 GiB: 4096 where its plan holds decode's slots (33K context), 2048 at 256K where 4096 leaves
+    none, and a caption when that length is not among the rows."""
+    runner = CliRunner()
+    base = ["memory-plan", "--model", "qwen3.5-35b-a3b", "--budget", "16"]
+    short = _rows(runner.invoke(app, [*base, "--max-context", "33024", "--window-tokens", "32768",
+                                      "--chunk-tokens", "2048,4096"]).output)
+    assert "auto takes this" in short[4096][7] and "auto" not in " ".join(short[2048])
+    res = runner.invoke(app, [*base, "--max-context", "262144", "--window-tokens", "65536", "--chunk-tokens", "4096"])
+    assert "does not fit" in _rows(res.output)[4096][7] and "--chunk-tokens auto takes 2,048 tokens" in res.output

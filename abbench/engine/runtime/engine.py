@@ -44,7 +44,7 @@ from collections.abc import Iterator
 import torch
 
 from abbench.engine.config import (
-    FP8_GEMM_MATH, MAX_ATTENTION_BATCH, PREFILL_MODES, PREFILL_PATHS, EngineConfig, ModelConfig, check_hybrid_chunk,
+    AUTO_CHUNK_TOKENS, CHUNK_AUTO, FP8_GEMM_MATH, MAX_ATTENTION_BATCH, PREFILL_MODES, PREFILL_PATHS, EngineConfig, ModelConfig, check_hybrid_chunk,
 )
 from abbench.engine.runtime.memory import GIB, MemoryPlan, dense_params, fp8_slots, plan_device_memory
 from abbench.engine.contract import (
@@ -111,15 +111,33 @@ def _plan_memory(cfg: EngineConfig, device: torch.device, slots_fp8: bool) -> Me
     return plan_device_memory(cfg, budget_bytes, slots_fp8=slots_fp8)
 
 
-def check_plan(config: EngineConfig) -> MemoryPlan | None:
+def _chunk_chosen(cfg: EngineConfig, device: torch.device, slots_fp8: bool) -> EngineConfig:
+    """``cfg`` with ``chunk_tokens`` "auto" made a number: the first of AUTO_CHUNK_TOKENS whose device-memory plan
+    fits, the last without a plan (the CPU without a budget) or when none fits (its plan then refuses with the
+    reason); any other ``cfg`` as it is."""
+    if cfg.chunk_tokens != CHUNK_AUTO:
+        return cfg
+    for chunk in AUTO_CHUNK_TOKENS[:-1]:
+        trial = dataclasses.replace(cfg, chunk_tokens=chunk)
+        try:
+            if _plan_memory(trial, device, slots_fp8) is not None:
+                return trial
+        except ValueError:  # too little room beside this chunk's buffers: a smaller one
+            continue
+    return dataclasses.replace(cfg, chunk_tokens=AUTO_CHUNK_TOKENS[-1])
+
+
+def check_plan(config: EngineConfig) -> tuple[EngineConfig, MemoryPlan | None]:
     """What ``Engine(config)`` checks before it loads anything: the configuration against the model, the device,
-    the expert layout and the device-memory plan; returns the plan (None: CPU without a budget) or raises
+    the expert layout and the device-memory plan; returns the configuration as the engine would run it (every
+    default filled in, an "auto" chunk length chosen) and its plan (None: CPU without a budget), or raises
     ValueError/RuntimeError with the reason the engine would give. Loads no weights: seconds, at any scale."""
     cfg = config.resolved()
     device = _resolve_device(cfg.device)
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
         _block, _gemm_math, slots_fp8 = _expert_layout(cfg, device)
-        return _plan_memory(cfg, device, slots_fp8)
+        cfg = _chunk_chosen(cfg, device, slots_fp8)
+        return cfg, _plan_memory(cfg, device, slots_fp8)
 
 
 class Engine:
@@ -148,6 +166,7 @@ class Engine:
         with self._on_device():
             fp8 = cfg.expert_dtype == "fp8"  # an FP8 checkpoint's experts then keep their block scales
             block, gemm_math, self.fp8_slots = _expert_layout(cfg, self.device)
+            self.config = cfg = _chunk_chosen(cfg, self.device, self.fp8_slots)
             self.memory_plan = _plan_memory(cfg, self.device, self.fp8_slots)
             mark("plan")
             bank = ExpertBank(mc, self.dtype, pin=self.device.type == "cuda", check_memory=cfg.host_memory_check,

@@ -35,7 +35,7 @@ import sys
 from typing import Any
 
 from abbench.engine.config import (
-    DECODE_ATTENTION, DECODE_EXPERTS, DECODE_MISSES, DTYPES, EXPERT_DTYPES, FP8_DEQUANT, PREFILL_KERNELS,
+    AUTO_CHUNK_TOKENS, CHUNK_AUTO, DECODE_ATTENTION, DECODE_EXPERTS, DECODE_MISSES, DTYPES, EXPERT_DTYPES, FP8_DEQUANT, PREFILL_KERNELS,
     PREFILL_MODES, PRESETS, SLOT_DTYPES, SLOTS_SHARE_BUFFERS, EngineConfig,
 )
 
@@ -77,6 +77,19 @@ def is_loopback(host: str) -> bool:
 # ----------------------------------------------------------------------------------------------- the parser
 
 
+def _chunk_tokens(value: str) -> int | str:
+    """``--chunk-tokens``: a positive number of tokens, or "auto"."""
+    if value == CHUNK_AUTO:
+        return value
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of tokens or {CHUNK_AUTO!r}, got {value!r}") from None
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {n}")
+    return n
+
+
 def _engine_options(e: argparse._ArgumentGroup) -> None:
     e.add_argument("--model", default=None, help=f"preset ({', '.join(PRESETS)}) or a local HF model directory "
                    "with config.json (default: tiny, or the checkpoint's config when --weights is a directory)")
@@ -110,7 +123,11 @@ def _engine_options(e: argparse._ArgumentGroup) -> None:
                    "(the device's free memory without --gpu-memory-budget), print the plan and exit: 0 when it "
                    "fits, 1 with the reason when not. Loads no weights and binds no port: seconds at any scale "
                    "(abbench run does this for every arm on a GPU or with a budget before its first request)")
-    e.add_argument("--chunk-tokens", type=int, default=2048)
+    e.add_argument("--chunk-tokens", type=_chunk_tokens, default=2048, metavar="N|auto",
+                   help="prefill chunk length in tokens, the same in every prefill mode (default 2048). auto: the "
+                   f"largest of {', '.join(map(str, AUTO_CHUNK_TOKENS))} whose device-memory plan fits (on a GPU "
+                   "or with --gpu-memory-budget; else 2048): larger chunks launch fewer kernels but take "
+                   "workspace from decode's slots. The chosen length is logged at start")
     e.add_argument("--layer-major-window-tokens", type=int, default=None)
     e.add_argument("--demand-max-tokens", type=int, default=None)
     e.add_argument("--gpu-memory-budget", dest="gpu_memory_budget_gib", type=float, default=None, metavar="GIB",
@@ -359,7 +376,8 @@ def _build_engine(args: argparse.Namespace) -> tuple[Any, str]:
         log.info("device memory plan: %s", engine.memory_plan.describe())
     log.info("decode: %s, kernels %s, misses %s", engine.decoder.mode, engine.decoder.kernels,
              engine.decoder.misses or "none (resident)")
-    log.info("prefill: attention half's kernels %s", engine.model.prefill_kernel)
+    log.info("prefill: %d-token chunks%s, attention half's kernels %s", engine.config.chunk_tokens,
+             " (--chunk-tokens auto)" if args.chunk_tokens == CHUNK_AUTO else "", engine.model.prefill_kernel)
     if engine.decode_warmup is not None:
         log.info("decode graphs captured for KV lengths %s in %.2fs",
                  ", ".join(map(str, engine.decode_warmup["kv_buckets"])), engine.decode_warmup["seconds"])
@@ -376,12 +394,12 @@ def _check_plan(args: argparse.Namespace) -> int:
     from abbench.engine.runtime.engine import check_plan
 
     try:
-        plan = check_plan(_engine_config(args))
+        cfg, plan = check_plan(_engine_config(args))
     except _BUILD_ERRORS["engine"] as exc:
         print(f"{_LABEL['engine'][0]}: {_LABEL['engine'][1]}: {exc}", file=sys.stderr, flush=True)
         return 1
     what = plan.describe() if plan is not None else "none: on the CPU without a budget every expert is in memory"
-    print(f"{_LABEL['engine'][0]}: device-memory plan: {what}", flush=True)
+    print(f"{_LABEL['engine'][0]}: {cfg.chunk_tokens}-token prefill chunks; device-memory plan: {what}", flush=True)
     return 0
 
 
