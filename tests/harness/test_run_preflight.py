@@ -111,6 +111,9 @@ def test_a_program_that_is_there_passes(tmp_path: Path) -> None:
     (["py", "-m", "abbench.engine", "--device", "cuda", "--device", "cpu"], False),  # argparse's last wins
     (["py", "-m", "abbench.engine", "--port", "0"], False),  # the CPU without a budget: no plan
     (["py", "-m", "abbench.engine", "--backend", "transformers", "--device", "cuda"], False),
+    (["/venv/bin/abbench", "serve", "--device", "cuda"], True),
+    (["py", "-m", "abbench", "serve", "--gpu-memory-budget=24"], True),
+    (["py", "-m", "abbench", "run", "--device", "cuda"], False),
     (["vllm", "serve", "m", "--device", "cuda"], False),
     (["py", "-m", "abbench.engine.tools.gpucheck", "--device", "cuda"], False),
 ])
