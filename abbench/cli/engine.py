@@ -73,7 +73,7 @@ def memory_plan_cmd(
       abbench memory-plan --model qwen3.5-35b-a3b --budget 16 --max-context 262144 --window-tokens 65536
     """
     from abbench.engine.config import AUTO_CHUNK_TOKENS, EngineConfig
-    from abbench.engine.runtime.memory import GIB, least_budget, plan_device_memory
+    from abbench.engine.runtime.memory import GIB, auto_chunk_tokens, least_budget, plan_device_memory
 
     try:
         chunks = [int(c) for c in (_parse_csv(chunk_tokens, "--chunk-tokens") or [])]
@@ -106,15 +106,12 @@ def memory_plan_cmd(
                             slots_share_buffers=slots_share_buffers, **knobs).resolved()
 
     auto = None  # the chunk length --chunk-tokens auto takes under this budget (the engine's own rule)
-    for chunk in AUTO_CHUNK_TOKENS if budget is not None else ():
-        try:
-            plan_device_memory(config(chunk), int(budget * GIB))
-        except ValueError:
-            continue
-        auto = chunk
-        break
     if budget is not None:
-        auto = auto or AUTO_CHUNK_TOKENS[-1]
+        try:
+            auto = auto_chunk_tokens(config(AUTO_CHUNK_TOKENS[-1]), int(budget * GIB))
+        except (ValueError, AbbenchError) as e:
+            _fail(e if isinstance(e, AbbenchError) else ConfigError(str(e)))
+            return
         if auto not in chunks:
             table.caption = f"--chunk-tokens auto takes {auto:,} tokens under this budget"
     for chunk in chunks:

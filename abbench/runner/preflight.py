@@ -17,8 +17,8 @@ once for all its arms), in the order the profile names the arms:
   (health, reset) is checked when the service starts, before its first request. One exception: the vendored
   engine (``-m abbench.engine``, ``abbench serve``) on a GPU or with ``--gpu-memory-budget`` runs once with
   ``--check-plan`` (:func:`check_engine_plan`): its configuration and device-memory plan, as the service would
-  check them at start, in seconds and without weights. So an arm whose experts cannot fit the card fails the run before the
-  other arms' rounds, not when its turn comes minutes later.
+  check them at start, in seconds and without weights. So an arm whose experts cannot fit the card fails the run
+  before the other arms' rounds, not when its turn comes minutes later.
 
 Lengths against the server's context (:func:`check_context`): where a server lists its models with a
 ``max_model_len`` (vLLM, the vendored engine), the longest prompt an arm will send plus ``request.max_tokens``
@@ -115,7 +115,8 @@ def _last_value(argv: list[str], flag: str) -> str | None:
 def engine_plan_argv(argv: list[str]) -> list[str] | None:
     """``argv`` with ``--check-plan`` where it runs the vendored engine (``-m abbench.engine`` or ``abbench serve``,
     its engine backend) on a device other than the CPU or with ``--gpu-memory-budget``: a plan worth checking
-    before the run. None for any other command (the CPU engine without a budget has no plan and starts in seconds)."""
+    before the run. None for any other command (the CPU engine without a budget has no plan and starts in
+    seconds)."""
     runs_engine = any((a == "-m" and argv[i + 1:i + 2] == [ENGINE_MODULE])  # python -m abbench.engine ...
                       or (os.path.basename(a) == "abbench" or (a == "-m" and argv[i + 1:i + 2] == ["abbench"]))
                       and "serve" in argv[i + 1:i + 3]  # abbench serve ..., python -m abbench serve ...

@@ -44,9 +44,12 @@ from collections.abc import Iterator
 import torch
 
 from abbench.engine.config import (
-    AUTO_CHUNK_TOKENS, CHUNK_AUTO, FP8_GEMM_MATH, MAX_ATTENTION_BATCH, PREFILL_MODES, PREFILL_PATHS, EngineConfig, ModelConfig, check_hybrid_chunk,
+    AUTO_CHUNK_TOKENS, CHUNK_AUTO, FP8_GEMM_MATH, MAX_ATTENTION_BATCH, PREFILL_MODES, PREFILL_PATHS, EngineConfig,
+    ModelConfig, check_hybrid_chunk,
 )
-from abbench.engine.runtime.memory import GIB, MemoryPlan, dense_params, fp8_slots, plan_device_memory
+from abbench.engine.runtime.memory import (
+    GIB, MemoryPlan, auto_chunk_tokens, dense_params, fp8_slots, plan_device_memory,
+)
 from abbench.engine.contract import (
     BackendInfo, CancelLike, Finished, GenerateRequest, RequestStats, TokenEvent, check_request, drain,
 )
@@ -96,35 +99,34 @@ def _expert_layout(cfg: EngineConfig, device: torch.device) -> tuple[tuple[int, 
     return block, gemm_math, fp8_slots(cfg, block, triton=decode_kernels.have_triton())
 
 
+def _budget_bytes(cfg: EngineConfig, device: torch.device) -> int | None:
+    """The device-memory budget the plan of a resolved ``cfg`` sizes from: ``gpu_memory_budget_gib``, else on CUDA
+    the device's free memory now; None on CPU without a budget (no plan: the slot cache holds every expert unless
+    expert_slots_per_layer says otherwise)."""
+    budget = cfg.gpu_memory_budget_gib
+    if budget is not None:
+        return int(budget * GIB)
+    if device.type != "cuda":
+        return None
+    free, _total = torch.cuda.mem_get_info(device)
+    return int(free)
+
+
 def _plan_memory(cfg: EngineConfig, device: torch.device, slots_fp8: bool) -> MemoryPlan | None:
     """The device-memory plan of a resolved ``cfg`` (slots per layer from the budget; ValueError when it cannot
-    fit); None on CPU without a budget, where the slot cache holds every expert unless expert_slots_per_layer
-    says otherwise. Without a budget on CUDA the budget is the device's free memory now."""
-    budget = cfg.gpu_memory_budget_gib
-    if budget is None and device.type != "cuda":
-        return None
-    if budget is None:
-        free, _total = torch.cuda.mem_get_info(device)
-        budget_bytes = int(free)
-    else:
-        budget_bytes = int(budget * GIB)
-    return plan_device_memory(cfg, budget_bytes, slots_fp8=slots_fp8)
+    fit); None where there is no budget to plan (:func:`_budget_bytes`)."""
+    budget_bytes = _budget_bytes(cfg, device)
+    return None if budget_bytes is None else plan_device_memory(cfg, budget_bytes, slots_fp8=slots_fp8)
 
 
 def _chunk_chosen(cfg: EngineConfig, device: torch.device, slots_fp8: bool) -> EngineConfig:
-    """``cfg`` with ``chunk_tokens`` "auto" made a number: the first of AUTO_CHUNK_TOKENS whose device-memory plan
-    fits, the last without a plan (the CPU without a budget) or when none fits (its plan then refuses with the
-    reason); any other ``cfg`` as it is."""
+    """``cfg`` with ``chunk_tokens`` "auto" made a number (:func:`abbench.engine.runtime.memory.auto_chunk_tokens`
+    under the plan's budget; the last of AUTO_CHUNK_TOKENS where there is no plan); any other ``cfg`` as it is."""
     if cfg.chunk_tokens != CHUNK_AUTO:
         return cfg
-    for chunk in AUTO_CHUNK_TOKENS[:-1]:
-        trial = dataclasses.replace(cfg, chunk_tokens=chunk)
-        try:
-            if _plan_memory(trial, device, slots_fp8) is not None:
-                return trial
-        except ValueError:  # too little room beside this chunk's buffers: a smaller one
-            continue
-    return dataclasses.replace(cfg, chunk_tokens=AUTO_CHUNK_TOKENS[-1])
+    budget_bytes = _budget_bytes(cfg, device)
+    chunk = AUTO_CHUNK_TOKENS[-1] if budget_bytes is None else auto_chunk_tokens(cfg, budget_bytes, slots_fp8)
+    return dataclasses.replace(cfg, chunk_tokens=chunk)
 
 
 def check_plan(config: EngineConfig) -> tuple[EngineConfig, MemoryPlan | None]:

@@ -34,7 +34,9 @@ import dataclasses
 import importlib.util
 from dataclasses import dataclass
 
-from abbench.engine.config import FP8_GEMM_MATH, ITEMSIZE, EngineConfig, HybridConfig, ModelConfig, Qwen4Config
+from abbench.engine.config import (
+    AUTO_CHUNK_TOKENS, FP8_GEMM_MATH, ITEMSIZE, EngineConfig, HybridConfig, ModelConfig, Qwen4Config,
+)
 
 GIB = 2**30
 RUNTIME_RESERVE_BYTES = 2 * GIB
@@ -251,6 +253,19 @@ def plan_device_memory(config: EngineConfig, budget_bytes: int, slots_fp8: bool 
             f"--gpu-memory-budget to at least {least / GIB:.2f} GiB{how}, lower "
             "--max-context or --max-num-seqs, or set fewer --expert-slots-per-layer")
     return p
+
+
+def auto_chunk_tokens(config: EngineConfig, budget_bytes: int, slots_fp8: bool | None = None) -> int:
+    """The chunk length ``chunk_tokens`` "auto" takes for a resolved ``config`` under ``budget_bytes``: the first
+    of AUTO_CHUNK_TOKENS whose plan fits (holds decode's slots), the last when none does (its plan then refuses
+    with the reason)."""
+    for chunk in AUTO_CHUNK_TOKENS[:-1]:
+        try:
+            plan_device_memory(dataclasses.replace(config, chunk_tokens=chunk), budget_bytes, slots_fp8)
+        except ValueError:  # too little room beside this chunk's workspace: a smaller one
+            continue
+        return chunk
+    return AUTO_CHUNK_TOKENS[-1]
 
 
 def may_share_buffers(config: EngineConfig) -> bool:
