@@ -64,6 +64,7 @@ import psutil
 from abbench.errors import AbbenchError, ConfigError, HealthTimeout, PortTaken, ServiceError
 from abbench.ports import describe_pid, free_port, listening_pids, port_in_use, port_owner, unreachable, url_host
 from abbench.results import ServiceRecord
+from abbench.signals import signals_held
 
 log = logging.getLogger(__name__)
 
@@ -345,7 +346,9 @@ class Service:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **{k: str(v) for k, v in profile_env.items()}}
         self.started_at = time.time()
         self._t0 = time.perf_counter()
-        with open(self.log_path, "ab", buffering=0) as logf:
+        # a SIGINT/SIGTERM between the fork and the registration would leave a process no teardown knows of:
+        # held over both, and raised as KeyboardInterrupt once the service is registered (stop_all finds it)
+        with signals_held(), open(self.log_path, "ab", buffering=0) as logf:
             stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(self.started_at))
             logf.write(f"=== abbench: service {self.key} launched {stamp}: {self.argv!r}\n".encode())
             try:
@@ -370,8 +373,8 @@ class Service:
                 msg = f"cannot start {self.argv[0]}: {e}"
                 logf.write(f"=== abbench: {msg}\n".encode())
                 raise ServiceError(f"service {self.key}: {msg}") from None
-        with _registry_lock:
-            _live[id(self)] = self
+            with _registry_lock:
+                _live[id(self)] = self
         try:
             self._ps = psutil.Process(self._proc.pid)
         except psutil.Error:

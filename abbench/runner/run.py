@@ -74,7 +74,8 @@ from abbench.prometheus import parse_prometheus
 from abbench.prompts import BuiltPrompt, build_prompts
 from abbench.loadrecords import LoadLevel
 from abbench.results import RunRecord, Sample, SampleLog, Step, Telemetry, save_run
-from abbench.runner.lock import RunLock, signals_as_interrupt, signals_deferred, signals_held
+from abbench.runner.lock import RunLock
+from abbench.signals import signals_as_interrupt, signals_deferred, signals_held
 from abbench.runner.preflight import check_context, check_services
 from abbench.runner.resume import check_resumable, drop_failed, mark_resumed, rewrite_log
 from abbench.runner.rundir import discard_unmeasured, load_for_resume, open_log, resume_hint

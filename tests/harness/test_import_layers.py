@@ -22,7 +22,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[2] / "abbench"
 
 FLOORS: list[tuple[str, tuple[str, ...]]] = [
-    ("base", ("abbench", "abbench.errors")),
+    ("base", ("abbench", "abbench.errors", "abbench.signals")),
     # the recipe for a GPU run: the standard library alone (it runs before the carried wheels are installed)
     ("device recipe", ("abbench.devicerun",)),
     # the vendored engine, in wings (ENGINE_WINGS): imports nothing of the harness (see also the tests below).

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import http.server
 import os
+import signal
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -17,6 +19,7 @@ import pytest
 from abbench import services
 from abbench.errors import ConfigError, HealthTimeout, PortTaken, ServiceError
 from abbench.services import Service, expand_command, free_port, port_in_use, stop_all
+from abbench.signals import signals_as_interrupt
 
 HELPER = str(Path(__file__).resolve().parents[1] / "support" / "svc_helper.py")
 
@@ -271,6 +274,35 @@ def test_stop_all_tears_down_every_live_service(tmp_path: Path) -> None:
     assert stop_all() == ["b", "a"]
     assert not a.alive() and not b.alive()
     assert services.live_services() == []
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_as_the_process_starts_leaves_it_registered_for_teardown(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch,
+                                                                          sig: int) -> None:
+    """A signal that arrives while the service's process is being started (here: the moment Popen returns) is
+    raised only once the service is registered, so the run's teardown (stop_all) finds the process and stops it
+    instead of leaving it running."""
+    started: list[subprocess.Popen] = []
+    real = subprocess.Popen
+
+    def popen_then_signal(*args, **kwargs):
+        started.append(real(*args, **kwargs))
+        os.kill(os.getpid(), sig)  # Python runs the handler at its next check: inside this call, unless held
+        return started[-1]
+
+    monkeypatch.setattr(services.subprocess, "Popen", popen_then_signal)
+    try:
+        with signals_as_interrupt(), pytest.raises(KeyboardInterrupt):
+            launch(tmp_path)
+        (proc,) = started
+        assert [s.pid for s in services.live_services()] == [proc.pid]
+        stop_all()
+        assert_all_gone([proc.pid])
+    finally:  # a process the service lost is not left to the next test
+        for p in started:
+            p.kill()
+            p.wait()
 
 
 def test_attach_existing_server(tmp_path: Path) -> None:
