@@ -128,28 +128,44 @@ def engine_plan_argv(argv: list[str]) -> list[str] | None:
     return [*argv, "--check-plan"]
 
 
-def check_engine_plan(spec: LaunchSpec, warn: Warn) -> str | None:
-    """Why the vendored engine ``spec`` launches cannot start (its ``--check-plan`` failed: the engine's own
-    message, such as a budget that cannot hold one token's experts); None when it can, when the command is not
-    such an engine (:func:`engine_plan_argv`), or when the check could not finish (a warning then)."""
+def start_engine_plan_check(spec: LaunchSpec) -> subprocess.Popen | str | None:
+    """The vendored engine's ``--check-plan`` for the command ``spec`` launches, started and not waited for (so
+    that a run's checks overlap: each imports torch and, on a GPU, starts CUDA); None when the command is not such
+    an engine (:func:`engine_plan_argv`), a string when it cannot be started (why)."""
     assert spec.argv is not None
     argv = engine_plan_argv(expand_command(list(spec.argv), port=0, profile_dir=spec.profile_dir))
     if argv is None:
         return None
     try:
-        done = subprocess.run(argv, env={**os.environ, **{k: str(v) for k, v in spec.env.items()}},
-                              stdin=subprocess.DEVNULL, capture_output=True, text=True,
-                              timeout=PLAN_CHECK_TIMEOUT_S, check=False)
-    except subprocess.TimeoutExpired:
-        warn(f"the engine's --check-plan took over {PLAN_CHECK_TIMEOUT_S:.0f} s; not judged before the run")
-        return None
+        return subprocess.Popen(argv, env={**os.environ, **{k: str(v) for k, v in spec.env.items()}},
+                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     except OSError as e:
         return f"cannot run {argv[0]}: {e}"
-    if done.returncode == 0:
+
+
+def engine_plan_verdict(check: subprocess.Popen | str | None, warn: Warn) -> str | None:
+    """Why the engine whose ``--check-plan`` is ``check`` (:func:`start_engine_plan_check`) cannot start: the
+    engine's own message, such as a budget that cannot hold one token's experts. None when it can, when there was
+    nothing to check, or when the check did not finish in :data:`PLAN_CHECK_TIMEOUT_S` (a warning then)."""
+    if not isinstance(check, subprocess.Popen):
+        return check
+    try:
+        out, err = check.communicate(timeout=PLAN_CHECK_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        check.kill()
+        check.communicate()
+        warn(f"the engine's --check-plan took over {PLAN_CHECK_TIMEOUT_S:.0f} s; not judged before the run")
         return None
-    lines = [ln for ln in (done.stderr or done.stdout or "").splitlines() if ln.strip()]
-    return (f"its --check-plan failed (exit {done.returncode}): " + (lines[-1] if lines else "no message")
+    if check.returncode == 0:
+        return None
+    lines = [ln for ln in (err or out or "").splitlines() if ln.strip()]
+    return (f"its --check-plan failed (exit {check.returncode}): " + (lines[-1] if lines else "no message")
             + "; the service would fail the same way at start")
+
+
+def check_engine_plan(spec: LaunchSpec, warn: Warn) -> str | None:
+    """:func:`start_engine_plan_check` and :func:`engine_plan_verdict` for one command."""
+    return engine_plan_verdict(start_engine_plan_check(spec), warn)
 
 
 def _model_list(client: EngineClient, base_url: str, headers: dict[str, str]) -> list[dict[str, Any]] | None:
@@ -236,16 +252,26 @@ def check_services(profile: Profile, client: EngineClient, credentials: Credenti
                    warn: Warn) -> None:
     """Check every service of ``arms`` (module docstring); raise at the first that cannot serve its arms."""
     skip = profile.run.on_service_failure == "skip-arm" and not profile.engine.shared_service
-    for service_arms, spec in _services(profile, arms):
-        try:
-            if spec.base_url is not None:
-                _check_attached(profile, client, credentials, service_arms, spec)
-            else:
-                why = check_command(spec) or check_engine_plan(spec, warn)
-                if why is not None:
-                    raise ServiceError(f"{_who(service_arms, ' '.join(map(str, spec.argv or [])))}: {why}")
-        except ServiceError as e:
-            if not skip:
-                raise type(e)(f"{e} (checked before this run sent any request)") from None
-            warn(f"{str(e).splitlines()[0]}; the arm is skipped when its turn comes (run.on_service_failure = "
-                 "skip-arm)")
+    todo = _services(profile, arms)
+    missing = [check_command(spec) if spec.base_url is None else None for _, spec in todo]
+    plans = [start_engine_plan_check(spec) if spec.base_url is None and why is None else None
+             for (_, spec), why in zip(todo, missing)]  # all started now: they run side by side
+    try:
+        for (service_arms, spec), why, plan in zip(todo, missing, plans):
+            try:
+                if spec.base_url is not None:
+                    _check_attached(profile, client, credentials, service_arms, spec)
+                else:
+                    why = why or engine_plan_verdict(plan, warn)
+                    if why is not None:
+                        raise ServiceError(f"{_who(service_arms, ' '.join(map(str, spec.argv or [])))}: {why}")
+            except ServiceError as e:
+                if not skip:
+                    raise type(e)(f"{e} (checked before this run sent any request)") from None
+                warn(f"{str(e).splitlines()[0]}; the arm is skipped when its turn comes (run.on_service_failure = "
+                     "skip-arm)")
+    finally:  # a check not waited for (an earlier service failed) is not left running
+        for plan in plans:
+            if isinstance(plan, subprocess.Popen) and plan.poll() is None:
+                plan.kill()
+                plan.communicate()

@@ -128,9 +128,10 @@ def _engine_arm(name: str, budget_gib: str) -> dict:
 
 def test_an_engine_whose_budget_cannot_hold_its_experts_fails_before_any_service_launches(tmp_path: Path) -> None:
     """The vendored engine (tiny model, on the CPU) under a budget below its fixed part: the run stops at the
-    check with the engine's own reason and remedy, before arm a's service (the fake server) is launched."""
+    check with the engine's own reason and remedy, before arm a's service (the fake server) is launched. Arm c's
+    check, started beside b's, is not left running."""
     mark = fk.new_mark()
-    prof = fk.fake_profile(mark, arms=[{"name": "a"}, _engine_arm("b", "0.5")])
+    prof = fk.fake_profile(mark, arms=[{"name": "a"}, _engine_arm("b", "0.5"), _engine_arm("c", "3")])
     out = tmp_path / "run"
     events, err, _ = _execute(prof, out)
     assert isinstance(err, ServiceError), err
