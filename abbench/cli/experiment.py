@@ -6,6 +6,7 @@ results error, or a run stopped before it is complete (the ``--resume`` command 
 
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 from typing import Annotated, Optional
@@ -13,7 +14,7 @@ from typing import Annotated, Optional
 import typer
 
 from abbench.cli.common import (RESULTS_ROOT, ProfileOpt, _fail, _parse_csv, _parse_engine_args, _parse_lengths,
-                                _parse_rounds, console)
+                                _parse_rounds, console, out)
 from abbench.cli.progress import finish, run_with_progress
 from abbench.errors import AbbenchError, ConfigError
 
@@ -46,6 +47,12 @@ def run(
         "--keep-failed", help="With --resume: keep the failed samples instead of running their steps again.")] = False,
     report: Annotated[bool, typer.Option(help="Render the Markdown report when the run ends.")] = True,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress display.")] = False,
+    dry_run: Annotated[bool, typer.Option(
+        "--dry-run", help="Check the profile on this machine and stop: build its prompts and plan, and check every "
+        "arm's service as a run does before its first request (the program on the PATH; an attached server's "
+        "health, cache reset, model and context; the vendored engine's device-memory plan on a GPU or under a "
+        "budget). Launches no service, sends no measured request, writes no run. Exit 0 when all pass, 2 with "
+        "the first failure.")] = False,
 ) -> None:
     """Run an A/B experiment: build exact prompts, drive every arm in ABBA rounds, record every sample as it
     finishes (results/<run-id>/), render the report, and end with the gate's verdict line (gate: PASS or FAIL,
@@ -61,6 +68,7 @@ def run(
       abbench run    # the default profile, cpu-tiny: three arms, two rounds, about a minute on 2 cores
       abbench run -p cpu-tiny-load                   # load levels: 1, 2 and 4 in flight, ABBA at each level
       abbench run -p cpu-tiny-load --concurrency 1,8 --rate 4,inf
+      abbench run -p cpu-tiny-load --dry-run         # will every arm's service start here? nothing is launched
 
     A profile with a [load] table (or --concurrency/--rate) runs load levels only: per round, every prompt
     alone on each arm (the parity reference), then each level with the arms in the round's ABBA order; each
@@ -73,6 +81,8 @@ def run(
         if resume is not None:
             if any(v is not None for v in (profile, arms, rounds, lengths, out_dir, concurrency, rate, engine_args)):
                 raise ConfigError("--resume continues a run with its recorded profile; drop the other options")
+            if dry_run:
+                raise ConfigError("--dry-run checks a profile before a run; give it without --resume")
             prof = None
             run_dir = resume
         else:
@@ -82,6 +92,9 @@ def run(
             prof = load_profile(profile).with_overrides(arms=_parse_csv(arms, "--arms"), rounds=_parse_rounds(rounds),
                                                         lengths=_parse_lengths(lengths),
                                                         engine_args=_parse_engine_args(engine_args), **levels)
+            if dry_run:
+                _dry_run(runner, prof, quiet=quiet)
+                return
             run_dir = out_dir or RESULTS_ROOT / runner.new_run_id(prof)
             runner.check_run_dir_free(run_dir)
         t0 = time.perf_counter()
@@ -93,3 +106,19 @@ def run(
     except KeyboardInterrupt:  # outside the runner (it maps its own): loading the profile, the report
         console.print("[bold red]error:[/] interrupted", highlight=False)
         raise typer.Exit(130) from None
+
+
+def _dry_run(runner, prof, *, quiet: bool) -> None:  # type: ignore[no-untyped-def]
+    """``abbench run --dry-run``: the run's preflight in a scratch directory, removed again; one line per arm."""
+    import tempfile
+
+    def observe(ev) -> None:  # type: ignore[no-untyped-def]
+        if ev.kind == "warning" or not quiet:
+            console.print(f"[yellow]warning:[/] {ev.message}" if ev.kind == "warning" else ev.message,
+                          highlight=False, markup=ev.kind == "warning")
+
+    with tempfile.TemporaryDirectory(prefix="abbench-dry-run-") as scratch:
+        runner.execute(prof, Path(scratch) / "run", observer=observe, check_only=True, argv=sys.argv[:])
+    arms = ", ".join(a.name for a in prof.arms)
+    out.print(f"dry run: {prof.name}: every arm's service passed the run's checks ({arms}); nothing was launched or "
+              "measured", highlight=False)

@@ -157,15 +157,21 @@ def execute(
     observer: Observer | None = None,
     cache_dir: Path | None = None,
     argv: list[str] | None = None,
+    check_only: bool = False,
 ) -> RunRecord:
     """Run the profile into ``run_dir`` (or resume the partial run there: its failed samples are run again
-    unless ``keep_failed``)."""
+    unless ``keep_failed``). ``check_only``: build the prompts and the plan and check every arm's service as the
+    run would before its first request (:meth:`Run.preflight`), then stop: nothing is launched or measured, and
+    ``run_dir`` is removed again."""
     lock = RunLock(run_dir)
     run: Run | None = None
     try:
         with signals_as_interrupt():
             run = Run.open(profile, run_dir, lock, resume=resume, keep_failed=keep_failed, observer=observer,
                            cache_dir=cache_dir, argv=argv)
+            if check_only:
+                run.check()
+                return run.record
             return run.execute()
     except KeyboardInterrupt as e:  # before the first request: nothing ran, nothing to tear down
         what = "the resumed run is unchanged" if resume else "no run was saved"
@@ -174,7 +180,7 @@ def execute(
         lock.release()
         if run is not None and not resume and not run.record.samples and not run.record.load:
             kept = discard_unmeasured(run_dir)
-            if observer is not None:
+            if observer is not None and not check_only:
                 observer(ProgressEvent("warning", f"nothing was measured, so no run was saved in {run_dir}"
                                        + (f" (the service logs stay in {kept})" if kept else "")))
 
@@ -380,6 +386,14 @@ class Run:
         """What the record holds, for a line: its samples, and its load levels when it has any."""
         n = f"{len(self.record.samples)} samples"
         return n + (f", {len(self.record.load)} load levels" if self.record.load else "")
+
+    def check(self) -> None:
+        """:meth:`preflight` alone: nothing is launched; what :meth:`open` opened is closed again."""
+        try:
+            self.preflight()
+        finally:
+            self.client.close()
+            self.log.close()
 
     def preflight(self) -> None:
         """Check the service of every arm before the first of them starts (a sweep's later stages and the

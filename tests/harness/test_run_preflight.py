@@ -272,3 +272,26 @@ def test_an_attached_servers_context_is_checked_up_front(models_server: tuple[st
     assert isinstance(err, ConfigError) and str(err).startswith(f"arm b ({url}): the server's context is 20")
     assert not [e for e in events if e.message.startswith("starting")]  # before arm a's service even launches
     fk.assert_no_leftovers(mark)
+
+
+def test_a_dry_run_checks_every_arm_and_launches_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``abbench run --dry-run``: the run's preflight alone. A profile whose services can start passes (exit 0)
+    with no service started and no run written; one whose second arm's engine cannot fit its budget fails (exit
+    2) with the engine's reason; --dry-run with --resume is refused."""
+    from typer.testing import CliRunner
+
+    from abbench.cli import app
+
+    monkeypatch.chdir(tmp_path)  # a run would be written under ./results
+    mark = fk.new_mark()
+    good = fk.write_profile(tmp_path / "good.toml", fk.fake_profile(mark, arms=[{"name": "a"}, {"name": "b"}]))
+    res = CliRunner().invoke(app, ["run", "-p", str(good), "--dry-run"])
+    assert res.exit_code == 0, res.output
+    assert "every arm's service passed the run's checks (a, b)" in res.output and "starting" not in res.output
+    assert not (tmp_path / "results").exists() and not fk.marked_processes(mark)
+    bad = fk.write_profile(tmp_path / "bad.toml", fk.fake_profile(mark, arms=[{"name": "a"}, _engine_arm("b", "0.5")]))
+    res = CliRunner().invoke(app, ["run", "-p", str(bad), "--dry-run", "-q"])
+    assert res.exit_code == 2 and "arm b (" in res.output and "holds 0 expert slots per layer" in res.output
+    res = CliRunner().invoke(app, ["run", "--resume", str(tmp_path), "--dry-run"])
+    assert res.exit_code == 2 and "--dry-run checks a profile before a run" in res.output
+    fk.assert_no_leftovers(mark)
