@@ -109,13 +109,17 @@ def run(
 
 
 def _dry_run(runner, prof, *, quiet: bool) -> None:  # type: ignore[no-untyped-def]
-    """``abbench run --dry-run``: the run's preflight in a scratch directory, removed again; one line per arm."""
+    """``abbench run --dry-run``: the run's preflight in a scratch directory, removed again; its progress lines
+    (quiet: the warnings alone), then one line saying it passed."""
     import tempfile
 
+    from rich.markup import escape
+
     def observe(ev) -> None:  # type: ignore[no-untyped-def]
-        if ev.kind == "warning" or not quiet:
-            console.print(f"[yellow]warning:[/] {ev.message}" if ev.kind == "warning" else ev.message,
-                          highlight=False, markup=ev.kind == "warning")
+        if ev.kind == "warning":
+            console.print(f"[yellow]warning:[/] {escape(ev.message)}", highlight=False)
+        elif not quiet:
+            console.print(ev.message, highlight=False, markup=False)
 
     with tempfile.TemporaryDirectory(prefix="abbench-dry-run-") as scratch:
         runner.execute(prof, Path(scratch) / "run", observer=observe, check_only=True, argv=sys.argv[:])
