@@ -17,7 +17,9 @@ The chain, in order (each step's output in its own log, each step's exit status 
    ``git rev-parse HEAD``), ``ABBENCH_GIT_DIRTY`` (1 with ``--dirty``, else 0), ``PYTHONPATH=SITE:REPO`` and
    ``ABBENCH_CACHE_DIR=WORK/cache``;
 3. ``gpucheck/versions.txt`` (torch, triton, transformers, ``nvidia-smi --query-gpu``, ``free -g``, ``nproc``)
-   and ``gpucheck/nvidia-smi.txt``; a tool that is missing is written down there, never fatal;
+   and ``gpucheck/nvidia-smi.txt``; a tool that is missing is written down there, never fatal; then, for each
+   ``--run``, ``abbench run ... --dry-run`` into ``gpucheck/dry-run-PROFILE.log``: every arm's service checked on
+   this machine (the vendored engine's memory plan on its card included), in seconds, before the tests;
 4. the engine tests (``--tests``, pytest arguments, repeatable) with ``ABBENCH_ENGINE_TEST_DEVICE`` set to
    ``--test-device`` (default ``cuda``): ``python3 -m pytest -o addopts="" -p no:cacheprovider -q ...`` into
    ``gpucheck/pytest-cuda.log``;
@@ -34,7 +36,7 @@ The chain, in order (each step's output in its own log, each step's exit status 
    plus ``--run-args`` (every run's) and ARGS (this run's), its output in ``gpucheck/run-PROFILE.log``;
 8. each ``--after-gpucheck`` like 5, after the runs.
 
-A failed install, test, gpucheck or step before the runs stops the chain (``--keep-going``: it does not);
+A failed install, dry run, test, gpucheck or step before the runs stops the chain (``--keep-going``: it does not);
 a failed run does not stop the next; every step that did not run is marked ``skipped``. Every step has a
 time limit (``--tests-timeout``, ``--gpucheck-timeout``, ``--step-timeout``, ``--run-timeout``): one past it
 is killed with its process group and reads exit status 124. ``poll`` (and ``start``, once it has waited)
@@ -192,6 +194,12 @@ def build_plan(args: argparse.Namespace, repo: Path) -> dict:
                       "timeout": 120, "stops": False, "notes": True})
     steps.append({"name": "nvidia-smi", "phase": "setup", "argv": ["nvidia-smi"],
                   "log": str(gdir / "nvidia-smi.txt"), "timeout": 60, "stops": False, "notes": True})
+    extra = shlex.split(args.run_args) if args.run_args else []
+    for spec in args.run:  # each run's own checks first (abbench run --dry-run): seconds, before minutes of tests
+        profile, *own = shlex.split(spec)
+        steps.append({"name": f"dry-run-{profile}", "phase": "setup", "stops": True, "timeout": 600,
+                      "argv": ["{python}", "-m", "abbench", "run", "-p", profile, "--dry-run", "-q", *extra, *own],
+                      "log": str(gdir / f"dry-run-{Path(profile).stem}.log")})
     for spec in args.early_step:  # started here, waited for before the first step, run or after-gpucheck
         steps.append({**_named_step(spec, "--early-step", gdir, args.step_timeout), "early": True})
     if args.tests:
@@ -204,9 +212,8 @@ def build_plan(args: argparse.Namespace, repo: Path) -> dict:
         steps.append(_gpucheck_step(spec, args.gpucheck_module, gdir, taken, args.gpucheck_timeout, "gpucheck"))
     for spec in args.step:
         steps.append(_named_step(spec, "--step", gdir, args.step_timeout))
-    extra = shlex.split(args.run_args) if args.run_args else []
     for spec in args.run:
-        profile, *own = shlex.split(spec) or [""]
+        profile, *own = shlex.split(spec)
         steps.append({"name": f"run-{profile}", "phase": "run", "profile": profile,
                       "argv": ["{python}", "-m", "abbench", "run", "-p", profile, "--out",
                                str(work / "runs" / Path(profile).stem), "--no-report", "-q", *extra, *own],

@@ -83,7 +83,8 @@ def test_dry_run_prints_the_chain_in_order() -> None:
     assert f"export PYTHONPATH=/tmp/site:{REPO}" in lines and "export ABBENCH_CACHE_DIR=/tmp/w/cache" in lines
     steps = [line.rpartition("   # ")[2] for line in lines if "   # " in line]
     carried = ["install"] if any((REPO / ".whl").glob("*.whl")) else []  # a checkout that holds wheels to carry
-    assert steps == [*carried, "versions-python", "versions-gpu", "versions-memory", "versions-cpus", "nvidia-smi", "tests",
+    assert steps == [*carried, "versions-python", "versions-gpu", "versions-memory", "versions-cpus", "nvidia-smi",
+                     "dry-run-h200-decode-offload-4k", "dry-run-h200-hybrid-decode-offload-4k", "tests",
                      "gpucheck-qwen3-30b-a3b-half", "gguf", "run-h200-decode-offload-4k",
                      "run-h200-hybrid-decode-offload-4k", "gpucheck_hybrid-qwen3.5-35b-a3b"]
     text = r.stdout
@@ -93,6 +94,8 @@ def test_dry_run_prints_the_chain_in_order() -> None:
     assert ("-m abbench.engine.tools.gpucheck --preset qwen3-30b-a3b-half --layers 8 --out "
             "/tmp/w/gpucheck/gpucheck-qwen3-30b-a3b-half.json > /tmp/w/gpucheck/gpucheck-qwen3-30b-a3b-half.log"
             in text)
+    assert ("-m abbench run -p h200-hybrid-decode-offload-4k --dry-run -q --rounds 1 > "
+            "/tmp/w/gpucheck/dry-run-h200-hybrid-decode-offload-4k.log 2>&1 || exit 1" in text)  # before the tests
     assert ("-m abbench run -p h200-decode-offload-4k --out /tmp/w/runs/h200-decode-offload-4k --no-report -q > "
             "/tmp/w/gpucheck/run-h200-decode-offload-4k.log 2>&1   #" in text)  # a failed run: the next runs
     assert ("-m abbench run -p h200-hybrid-decode-offload-4k --out /tmp/w/runs/h200-hybrid-decode-offload-4k "
@@ -137,7 +140,8 @@ def test_the_chain_on_cpu_comes_back_as_a_result_directory(tmp_path: Path) -> No
     states = {s["name"]: s["state"] for s in status["steps"]}
     assert states.pop("versions-python") in ("passed", "noted")  # triton: absent on some CPU machines
     assert states == {"versions-gpu": "noted", "versions-memory": "passed", "versions-cpus": "passed",
-                      "nvidia-smi": "noted", "tests": "passed", "gpucheck-tiny": "passed", "run-cpu-tiny": "passed"}
+                      "nvidia-smi": "noted", "dry-run-cpu-tiny": "passed", "tests": "passed", "gpucheck-tiny": "passed",
+                      "run-cpu-tiny": "passed"}
     assert sorted(p.name for p in out.iterdir()) == ["chain.log", "cpu-tiny.tgz", "status.json"]
     with tarfile.open(out / "cpu-tiny.tgz") as tar:
         tar.extractall(tmp_path / "results", filter="data")
@@ -167,7 +171,7 @@ def test_a_failing_step_is_reported_and_stops_the_chain_before_the_runs(tmp_path
     work, out = tmp_path / "work", tmp_path / "out"
     r = devicerun("start", "--work", str(work), "--out", str(out), "--test-device", "cpu", "--gpucheck",
                   "-m abbench.no_such_check --preset tiny", "--run", "cpu-tiny", "--after-gpucheck",
-                  "-m abbench.no_such_check_either", "--commit", "abc", "--wait", "300",
+                  "-m abbench.no_such_check_either", "--commit", "abc1234", "--wait", "300",
                   path=no_nvidia_smi_path(tmp_path))
     assert r.returncode == 1, r.stdout + r.stderr
     assert "FAILED: no_such_check-tiny (exit 1)" in r.stdout and "No module named abbench.no_such_check" in r.stdout
@@ -204,10 +208,23 @@ def test_an_early_step_runs_beside_the_checks_and_the_steps_wait_for_it(tmp_path
     states = {s["name"]: s["state"] for s in json.loads((out / "status.json").read_text())["steps"]}
     assert (states["bg"], states["zipfile"], states["after"]) == ("passed", "passed", "passed")
     failing = devicerun("start", "--work", str(tmp_path / "w2"), "--out", str(tmp_path / "o2"), "--early-step",
-                        "bad: python3 -c 'raise SystemExit(3)'", "--run", "cpu-tiny", "--commit", "abc", "--wait",
+                        "bad: python3 -c 'raise SystemExit(3)'", "--run", "cpu-tiny", "--commit", "abc1234", "--wait",
                         "120", path=path)
     assert failing.returncode == 1 and "CHAIN STOPPED after bad" in failing.stdout
     assert not (tmp_path / "w2" / "runs").exists()
+
+
+def test_a_run_that_cannot_start_stops_the_chain_before_the_tests(tmp_path: Path) -> None:
+    """Each --run's dry run comes right after the set-up: a run whose services cannot start here (the engine's
+    memory plan under a budget it cannot hold) stops the chain in seconds, its tests and the run skipped."""
+    work, out = tmp_path / "work", tmp_path / "out"
+    r = devicerun("start", "--work", str(work), "--out", str(out), "--test-device", "cpu", "--tests", FAST_TEST,
+                  "--run", "cpu-tiny --arms layer-major --engine-args '--gpu-memory-budget 0.5'", "--commit",
+                  "abc1234", "--wait", "300", *NO_WHEELS, path=no_nvidia_smi_path(tmp_path))
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "CHAIN STOPPED after dry-run-cpu-tiny" in r.stdout and "holds 0 expert slots per layer" in r.stdout
+    states = {s["name"]: s["state"] for s in json.loads((out / "status.json").read_text())["steps"]}
+    assert (states["dry-run-cpu-tiny"], states["tests"], states["run-cpu-tiny"]) == ("failed", "skipped", "skipped")
 
 
 def test_a_step_past_its_limit_is_killed_and_reported(tmp_path: Path) -> None:
