@@ -19,7 +19,8 @@ The chain, in order (each step's output in its own log, each step's exit status 
 3. ``gpucheck/versions.txt`` (torch, triton, transformers, ``nvidia-smi --query-gpu``, ``free -g``, ``nproc``)
    and ``gpucheck/nvidia-smi.txt``; a tool that is missing is written down there, never fatal; then, for each
    ``--run``, ``abbench run ... --dry-run`` into ``gpucheck/dry-run-PROFILE.log``: every arm's service checked on
-   this machine (the vendored engine's memory plan on its card included), in seconds, before the tests;
+   this machine (the vendored engine's memory plan on its card included), in seconds, before the tests
+   (``--no-dry-run``: not);
 4. the engine tests (``--tests``, pytest arguments, repeatable) with ``ABBENCH_ENGINE_TEST_DEVICE`` set to
    ``--test-device`` (default ``cuda``): ``python3 -m pytest -o addopts="" -p no:cacheprovider -q ...`` into
    ``gpucheck/pytest-cuda.log``;
@@ -195,7 +196,7 @@ def build_plan(args: argparse.Namespace, repo: Path) -> dict:
     steps.append({"name": "nvidia-smi", "phase": "setup", "argv": ["nvidia-smi"],
                   "log": str(gdir / "nvidia-smi.txt"), "timeout": 60, "stops": False, "notes": True})
     extra = shlex.split(args.run_args) if args.run_args else []
-    for spec in args.run:  # each run's own checks first (abbench run --dry-run): seconds, before minutes of tests
+    for spec in args.run if args.dry_runs else ():  # each run's checks first (abbench run --dry-run): seconds
         profile, *own = shlex.split(spec)
         steps.append({"name": f"dry-run-{profile}", "phase": "setup", "stops": True, "timeout": 600,
                       "argv": ["{python}", "-m", "abbench", "run", "-p", profile, "--dry-run", "-q", *extra, *own],
@@ -510,6 +511,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--step-timeout", type=float, default=1800, help="seconds, each --step (default 1800)")
     s.add_argument("--run-timeout", type=float, default=7200, help="seconds, each (default 7200)")
     s.add_argument("--keep-going", action="store_true", help="a failed test or gpucheck does not stop the chain")
+    s.add_argument("--no-dry-run", dest="dry_runs", action="store_false",
+                   help="no dry run of each --run before the tests (each run still checks its services first)")
     s.add_argument("--python", default=sys.executable, help="the interpreter of every step (default this one)")
     s.add_argument("--repo", default=".", help="the repository root (default the current folder)")
     s.add_argument("--dry-run", action="store_true", help="print the chain it would run, start nothing")

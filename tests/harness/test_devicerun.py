@@ -171,7 +171,7 @@ def test_a_failing_step_is_reported_and_stops_the_chain_before_the_runs(tmp_path
     work, out = tmp_path / "work", tmp_path / "out"
     r = devicerun("start", "--work", str(work), "--out", str(out), "--test-device", "cpu", "--gpucheck",
                   "-m abbench.no_such_check --preset tiny", "--run", "cpu-tiny", "--after-gpucheck",
-                  "-m abbench.no_such_check_either", "--commit", "abc1234", "--wait", "300",
+                  "-m abbench.no_such_check_either", "--commit", "abc1234", "--wait", "300", "--no-dry-run",
                   path=no_nvidia_smi_path(tmp_path))
     assert r.returncode == 1, r.stdout + r.stderr
     assert "FAILED: no_such_check-tiny (exit 1)" in r.stdout and "No module named abbench.no_such_check" in r.stdout
@@ -208,8 +208,8 @@ def test_an_early_step_runs_beside_the_checks_and_the_steps_wait_for_it(tmp_path
     states = {s["name"]: s["state"] for s in json.loads((out / "status.json").read_text())["steps"]}
     assert (states["bg"], states["zipfile"], states["after"]) == ("passed", "passed", "passed")
     failing = devicerun("start", "--work", str(tmp_path / "w2"), "--out", str(tmp_path / "o2"), "--early-step",
-                        "bad: python3 -c 'raise SystemExit(3)'", "--run", "cpu-tiny", "--commit", "abc1234", "--wait",
-                        "120", path=path)
+                        "bad: python3 -c 'raise SystemExit(3)'", "--run", "cpu-tiny", "--commit", "abc1234",
+                        "--no-dry-run", "--wait", "120", path=path)
     assert failing.returncode == 1 and "CHAIN STOPPED after bad" in failing.stdout
     assert not (tmp_path / "w2" / "runs").exists()
 
