@@ -575,15 +575,18 @@ def test_the_fp8_gpucheck_profiles_a_whole_prefill_on_three_engines(tmp_path) ->
     # the engines asked for, in the order asked (a process's later engines run after the earlier ones)
     assert main(["--device", "cpu", "--tokens", "64", "--prefill-tokens", "150", "--engines",
                  "fp8,resident:eager,fp8:copy-dequant,resident:beside-copies,resident:beside-host,"
-                 "resident-fp8:gemm,resident:moe-graphs", "--timed", "2", "--out", str(tmp_path / "o.json")]) == 0
+                 "resident-fp8:gemm,resident:moe-graphs,resident:beside-d2h", "--timed", "2", "--out",
+                 str(tmp_path / "o.json")]) == 0
     got = json.loads((tmp_path / "o.json").read_text())["rows"]
     assert [(r["engine"], r["prefill_h2d_bytes"], r["prefill_graphs"]) for r in got] == [
         ("layer-major, fp8 bank", fp8, "eager"), ("resident, no prefill graphs", 0, "eager"),  # no graphs on CPU
         ("layer-major, fp8 bank, dequantized on the copy stream", fp8, "eager"),
         ("resident, beside a bank's copies", 0, "eager"),  # the engine moves nothing; the copies beside it do
         ("resident, beside host-memory traffic", 0, "eager"), ("resident, fp8 bank, FP8 in the GEMM", 0, "eager"),
-        ("resident, MoE halves from CUDA graphs", 0, "eager")]  # (on CUDA "cuda-graphs")
-    assert got[3]["beside_bytes"] == f32 and all("beside_bytes" not in r for r in (*got[:3], *got[5:]))  # a bank
+        ("resident, MoE halves from CUDA graphs", 0, "eager"),  # (on CUDA "cuda-graphs")
+        ("resident, beside a bank's copies to the host", 0, "eager")]
+    assert got[3]["beside_bytes"] == got[7]["beside_bytes"] == f32  # a bank, either way
+    assert all("beside_bytes" not in r for r in (*got[:3], *got[5:7]))
     assert got[4]["beside_bytes"] > 0  # the host copies ran while the prefills did
     assert all(r["timed_prefill_s"] > 0 for r in got)
     for bad in ("fp8,bf16", "fp8:fast"):
@@ -638,7 +641,7 @@ def test_stream_gaps_splits_the_compute_streams_idle_time_between_a_late_host_an
 
 
 def test_stream_gaps_tells_gaps_beside_a_bank_copy_and_graph_launches_apart() -> None:
-    """The queued time split by the link's state (host-to-device copies on other streams, merged where they
+    """The queued time split by the link's state (copies over it on other streams, either way, merged where they
     overlap; a device-to-device copy does not count) and by what launched the next kernel."""
     from abbench.engine.tools.gpucheck_fp8 import stream_gaps
 
@@ -657,4 +660,8 @@ def test_stream_gaps_tells_gaps_beside_a_bank_copy_and_graph_launches_apart() ->
     got = stream_gaps(kernels + launch + link)
     assert got["gaps"] == 4 and abs(got["queued_s"] - 40e-6) < 1e-12
     assert got["beside_copies"] == (2, 20e-6) and got["apart_from_copies"] == (2, 20e-6)
+    # a copy to the host (``:beside-d2h``) over [68, 82) loads the link beside the gap [70, 80) too
+    got = stream_gaps(kernels + launch + link + [dev("Memcpy DtoH (Device -> Pinned)", 68, 14, 9, 13, "gpu_memcpy")])
+    assert got["beside_copies"][0] == 3 and abs(got["beside_copies"][1] - 30e-6) < 1e-12
+    assert got["apart_from_copies"] == (1, 10e-6)
     assert got["queued_by_launch"] == {"cudaGraphLaunch": (2, 20e-6), "cudaLaunchKernel": (2, 20e-6)}

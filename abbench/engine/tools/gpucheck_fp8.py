@@ -44,8 +44,10 @@ the FP8 bank's layers are dequantized, in one process (results/20261205n: the sa
 compute stream, 20261205p). ``--engines model-dtype,resident,resident:beside-copies`` puts resident's compute
 beside a bank's worth of host-to-device copies: what is left of a streaming prefill's excess once its copies
 are hidden (the report's "rest", 2-3% at 32K on both models) is either the DMA's effect on the kernels beside it
-(then resident slows beside the copies too) or the streaming engine's own. ``--model qwen3.5-35b-a3b`` runs the
-hybrid.
+(then resident slows beside the copies too) or the streaming engine's own; ``resident:beside-d2h`` beside it
+puts the same copies the link's other way (results/20261206e: the gaps between kernels lengthen beside
+host-to-device copies; whether the direction matters says if the GPU's reads over the loaded link are why).
+``--model qwen3.5-35b-a3b`` runs the hybrid.
 """
 
 from __future__ import annotations
@@ -248,7 +250,8 @@ def stream_gaps(events: list[dict], top: int = 8) -> dict:
     dispatch) and ``launch_median_us`` (the median ``cudaLaunchKernel``). Times in seconds.
 
     Where a bank streams, the queued part is also split by what the link was doing: ``beside_copies`` and
-    ``apart_from_copies`` hold (gaps, queued seconds) of the gaps that a host-to-device copy on another stream
+    ``apart_from_copies`` hold (gaps, queued seconds) of the gaps that a copy over the link (host to device, or
+    device to host for ``:beside-d2h``) on another stream
     overlapped for more / not more than half their length, so the queued time per gap in each says whether the
     copies lengthen the gaps between kernels (results/20261206e: the same queued total in resident beside a bank's
     copies as in layer-major). ``queued_by_launch`` holds (gaps, queued seconds) by the host call that launched
@@ -280,7 +283,7 @@ def stream_gaps(events: list[dict], top: int = 8) -> dict:
     out.update(stream=stream, span_s=(max(e["ts"] + e["dur"] for e in ops) - ops[0]["ts"]) / 1e6,
                busy_s=union_seconds([(e["ts"], e["ts"] + e["dur"]) for e in ops]))
     copies = merge_spans([(e["ts"], e["ts"] + e["dur"]) for s, es in by_stream.items() if s != stream for e in es
-                      if e["cat"] == "gpu_memcpy" and "HtoD" in e["name"]])
+                          if e["cat"] == "gpu_memcpy" and ("HtoD" in e["name"] or "DtoH" in e["name"])])
     gaps = []
     end = ops[0]["ts"] + ops[0]["dur"]
     for e in ops[1:]:
@@ -322,10 +325,14 @@ class BesideCopies:
     host-to-device copies wait behind one layer's copy at most. Issued all at once (until 20261206a), the copies
     and the prefill ran one after the other: 1,987 ms against resident's 944 on an H100, with one stream
     synchronize of 1,039 ms on the host before the compute began. On CPU the copies are host to host, in line
-    (the plumbing only)."""
+    (the plumbing only). ``to_host``: the same copies the other way, device to host (``:beside-d2h``): the same
+    bytes, copy engines and host-memory traffic, the link's other direction. Beside it the GPU still reads its
+    launches' commands from host memory over a link that the copies do not load, so if the gaps between kernels
+    lengthen beside host-to-device copies (results/20261206e) and not beside these, the direction is the cause."""
 
-    def __init__(self, engine):
+    def __init__(self, engine, to_host: bool = False):
         cfg = engine.model_config
+        self.to_host = to_host
         self.cuda = engine.device.type == "cuda"
         self.layers = cfg.num_hidden_layers
         elems = cfg.num_experts * 3 * cfg.hidden_size * cfg.moe_intermediate_size  # one layer: gate, up, down
@@ -340,7 +347,10 @@ class BesideCopies:
         try:
             with torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext():
                 for _ in range(self.layers):
-                    self.dev.copy_(self.host, non_blocking=self.cuda)
+                    if self.to_host:
+                        self.host.copy_(self.dev, non_blocking=self.cuda)
+                    else:
+                        self.dev.copy_(self.host, non_blocking=self.cuda)
                     if self.cuda:
                         self.stream.synchronize()  # the next layer's copy after this one: one in the queue
         except BaseException as e:  # noqa: BLE001 - raised again by wait(), in the caller's thread
@@ -482,6 +492,7 @@ VARIANTS = {"eager": (", no prefill graphs", {"prefill_graphs": False}),  # NAME
             "gemm": (", FP8 in the GEMM", {"fp8_dequant": "gemm"}),
             "w8a8": (", W8A8 GEMM", {"fp8_dequant": "w8a8"}),
             "beside-copies": (", beside a bank's copies", {}),  # BesideCopies: the run, not the engine
+            "beside-d2h": (", beside a bank's copies to the host", {}),  # BesideCopies(to_host=True)
             "beside-host": (", beside host-memory traffic", {}),  # BesideHostTraffic
             "moe-graphs": (", MoE halves from CUDA graphs", {}),  # Qwen3-MoE: the hybrid's MoE-half graphs
             "prefill-triton": (", Triton's prefill kernels", {"prefill_kernels": "triton"})}  # Qwen3-MoE
@@ -505,6 +516,8 @@ def prefill_profiles(model: str, layers: int | None, tokens: int, chunk: int, de
     ``:beside-copies`` runs each prefill beside a bank's worth of host-to-device copies on another stream
     (``BesideCopies``: ``resident:beside-copies`` is resident's compute beside the link's traffic of a streaming
     engine, which says whether DMA into device memory slows the kernels: the "rest" of the report's breakdown);
+    ``:beside-d2h`` beside the same copies from the device to the host (the link's other direction: whether
+    the direction matters, which it would if the kernels' launches wait on commands read over a loaded link);
     ``:beside-host`` runs it beside host-memory traffic alone (``BesideHostTraffic``: two threads copying a layer's
     bank between host buffers), which tells host-memory contention from the link's. ``:moe-graphs`` replays
     every full chunk's MoE half from CUDA graphs where the model does not (Qwen3-MoE; ``steps.LayerSteps``, as
@@ -541,6 +554,7 @@ def prefill_profiles(model: str, layers: int | None, tokens: int, chunk: int, de
             engine.model.prefill_graph_moe = True
             engine.steps = engine._layer_steps()
         beside = (BesideCopies(engine) if "beside-copies" in variants
+                  else BesideCopies(engine, to_host=True) if "beside-d2h" in variants
                   else BesideHostTraffic(engine) if "beside-host" in variants else None)
         with torch.no_grad():
             trace = None if trace_dir is None else trace_dir / f"{short.replace(':', '-')}.json.gz"
@@ -601,6 +615,7 @@ def main(argv: list[str] | None = None) -> int:
                         "NAME:eager without prefill graphs, NAME:copy-dequant with FP8 layers dequantized on the copy "
                         "stream, NAME:gemm with FP8 multiplied in the grouped GEMM, NAME:w8a8 FP8 by FP8, "
                         "NAME:beside-copies with a bank's worth of host-to-device copies beside each prefill, "
+                        "NAME:beside-d2h with the same copies device to host, "
                         "NAME:beside-host with host-memory traffic beside it, NAME:moe-graphs with the MoE halves "
                         "replayed from CUDA graphs where the model has none, NAME:prefill-triton with the attention "
                         "half's norms, rope, cache write and router top-k as Triton's fused kernels)")
