@@ -196,10 +196,11 @@ def build_plan(args: argparse.Namespace, repo: Path) -> dict:
     steps.append({"name": "nvidia-smi", "phase": "setup", "argv": ["nvidia-smi"],
                   "log": str(gdir / "nvidia-smi.txt"), "timeout": 60, "stops": False, "notes": True})
     extra = shlex.split(args.run_args) if args.run_args else []
-    for spec in args.run if args.dry_runs else ():  # each run's checks first (abbench run --dry-run): seconds
+    for spec in args.run if args.dry_runs else ():  # each run's checks first (abbench run --dry-run): seconds;
+        # not quiet, so its log holds each vendored engine's plan (chunk length, fixed part, slots a layer)
         profile, *own = shlex.split(spec)
         steps.append({"name": f"dry-run-{profile}", "phase": "setup", "stops": True, "timeout": 600,
-                      "argv": ["{python}", "-m", "abbench", "run", "-p", profile, "--dry-run", "-q", *extra, *own],
+                      "argv": ["{python}", "-m", "abbench", "run", "-p", profile, "--dry-run", *extra, *own],
                       "log": str(gdir / f"dry-run-{Path(profile).stem}.log")})
     for spec in args.early_step:  # started here, waited for before the first step, run or after-gpucheck
         steps.append({**_named_step(spec, "--early-step", gdir, args.step_timeout), "early": True})

@@ -51,8 +51,8 @@ def run(
         "--dry-run", help="Check the profile on this machine and stop: build its prompts and plan, and check every "
         "arm's service as a run does before its first request (the program on the PATH; an attached server's "
         "health, cache reset, model and context; the vendored engine's device-memory plan on a GPU or under a "
-        "budget). Launches no service, sends no measured request, writes no run. Exit 0 when all pass, 2 with "
-        "the first failure.")] = False,
+        "budget, printed per arm: chunk length, fixed part, expert slots per layer). Launches no service, sends "
+        "no measured request, writes no run. Exit 0 when all pass, 2 with the first failure.")] = False,
 ) -> None:
     """Run an A/B experiment: build exact prompts, drive every arm in ABBA rounds, record every sample as it
     finishes (results/<run-id>/), render the report, and end with the gate's verdict line (gate: PASS or FAIL,

@@ -143,24 +143,32 @@ def start_engine_plan_check(spec: LaunchSpec) -> subprocess.Popen | str | None:
         return f"cannot run {argv[0]}: {e}"
 
 
-def engine_plan_verdict(check: subprocess.Popen | str | None, warn: Warn) -> str | None:
-    """Why the engine whose ``--check-plan`` is ``check`` (:func:`start_engine_plan_check`) cannot start: the
-    engine's own message, such as a budget that cannot hold one token's experts. None when it can, when there was
-    nothing to check, or when the check did not finish in :data:`PLAN_CHECK_TIMEOUT_S` (a warning then)."""
+def engine_plan_result(check: subprocess.Popen | str | None, warn: Warn) -> tuple[str | None, str | None]:
+    """(why, plan) of the engine whose ``--check-plan`` is ``check`` (:func:`start_engine_plan_check`): why it
+    cannot start (the engine's own message, such as a budget that cannot hold one token's experts), else None;
+    and the plan it printed when it can (its chunk length and device-memory plan: fixed part, expert slots per
+    layer, total), else None. Both None when there was nothing to check, or when the check did not finish in
+    :data:`PLAN_CHECK_TIMEOUT_S` (a warning then)."""
     if not isinstance(check, subprocess.Popen):
-        return check
+        return check, None
     try:
         out, err = check.communicate(timeout=PLAN_CHECK_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         check.kill()
         check.communicate()
         warn(f"the engine's --check-plan took over {PLAN_CHECK_TIMEOUT_S:.0f} s; not judged before the run")
-        return None
+        return None, None
     if check.returncode == 0:
-        return None
+        lines = [ln for ln in (out or "").splitlines() if ln.strip()]
+        return None, (lines[-1].split(": ", 1)[-1] if lines else None)  # less the engine's "abbench engine: "
     lines = [ln for ln in (err or out or "").splitlines() if ln.strip()]
     return (f"its --check-plan failed (exit {check.returncode}): " + (lines[-1] if lines else "no message")
-            + "; the service would fail the same way at start")
+            + "; the service would fail the same way at start"), None
+
+
+def engine_plan_verdict(check: subprocess.Popen | str | None, warn: Warn) -> str | None:
+    """Why the engine whose ``--check-plan`` is ``check`` cannot start (:func:`engine_plan_result`), or None."""
+    return engine_plan_result(check, warn)[0]
 
 
 def check_engine_plan(spec: LaunchSpec, warn: Warn) -> str | None:
@@ -249,8 +257,10 @@ def _check_attached(profile: Profile, client: EngineClient, credentials: Credent
 
 
 def check_services(profile: Profile, client: EngineClient, credentials: Credentials, arms: list[str],
-                   warn: Warn) -> None:
-    """Check every service of ``arms`` (module docstring); raise at the first that cannot serve its arms."""
+                   warn: Warn, note: Warn | None = None) -> None:
+    """Check every service of ``arms`` (module docstring); raise at the first that cannot serve its arms.
+    ``note``: told each checked vendored engine's plan ("arm NAME: 2048-token prefill chunks; device-memory plan:
+    ..."), so a run's log and ``abbench run --dry-run`` say what each service will hold on the card."""
     skip = profile.run.on_service_failure == "skip-arm" and not profile.engine.shared_service
     todo = _services(profile, arms)
     missing = [check_command(spec) if spec.base_url is None else None for _, spec in todo]
@@ -262,7 +272,11 @@ def check_services(profile: Profile, client: EngineClient, credentials: Credenti
                 if spec.base_url is not None:
                     _check_attached(profile, client, credentials, service_arms, spec)
                 else:
-                    why = why or engine_plan_verdict(plan, warn)
+                    planned = None
+                    if why is None:
+                        why, planned = engine_plan_result(plan, warn)
+                    if planned is not None and note is not None:
+                        note(f"arm{'s' if len(service_arms) > 1 else ''} {', '.join(service_arms)}: {planned}")
                     if why is not None:
                         raise ServiceError(f"{_who(service_arms, ' '.join(map(str, spec.argv or [])))}: {why}")
             except ServiceError as e:

@@ -400,7 +400,8 @@ class Run:
         rounds auto adds use the same arms): :func:`abbench.runner.preflight.check_services`."""
         arms = [a.name for a in self.profile.arms]
         self.notify("service", "checking the services of " + ", ".join(arms))
-        check_services(self.profile, self.client, self.credentials, arms, lambda m: self.notify("warning", m))
+        check_services(self.profile, self.client, self.credentials, arms, lambda m: self.notify("warning", m),
+                       lambda m: self.notify("service", m))
         for arm in arms:
             url = self.profile.launch_spec(arm).base_url
             if url is not None and arm not in self.skipped_arms:

@@ -94,7 +94,7 @@ def test_dry_run_prints_the_chain_in_order() -> None:
     assert ("-m abbench.engine.tools.gpucheck --preset qwen3-30b-a3b-half --layers 8 --out "
             "/tmp/w/gpucheck/gpucheck-qwen3-30b-a3b-half.json > /tmp/w/gpucheck/gpucheck-qwen3-30b-a3b-half.log"
             in text)
-    assert ("-m abbench run -p h200-hybrid-decode-offload-4k --dry-run -q --rounds 1 > "
+    assert ("-m abbench run -p h200-hybrid-decode-offload-4k --dry-run --rounds 1 > "
             "/tmp/w/gpucheck/dry-run-h200-hybrid-decode-offload-4k.log 2>&1 || exit 1" in text)  # stops the chain
     # (what such a dry run refuses, and how: test_run_preflight.py's tests of --dry-run and the plan check)
     assert ("-m abbench run -p h200-decode-offload-4k --out /tmp/w/runs/h200-decode-offload-4k --no-report -q > "

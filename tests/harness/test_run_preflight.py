@@ -276,18 +276,22 @@ def test_an_attached_servers_context_is_checked_up_front(models_server: tuple[st
 
 def test_a_dry_run_checks_every_arm_and_launches_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``abbench run --dry-run``: the run's preflight alone. A profile whose services can start passes (exit 0)
-    with no service started and no run written; one whose second arm's engine cannot fit its budget fails (exit
-    2) with the engine's reason; --dry-run with --resume is refused."""
+    with no service started and no run written, and prints the plan of each vendored engine it checked; one whose
+    second arm's engine cannot fit its budget fails (exit 2) with the engine's reason; --dry-run with --resume is
+    refused."""
     from typer.testing import CliRunner
 
     from abbench.cli import app
 
     monkeypatch.chdir(tmp_path)  # a run would be written under ./results
     mark = fk.new_mark()
-    good = fk.write_profile(tmp_path / "good.toml", fk.fake_profile(mark, arms=[{"name": "a"}, {"name": "b"}]))
+    good = fk.write_profile(tmp_path / "good.toml", fk.fake_profile(mark, arms=[{"name": "a"}, _engine_arm("b", "3")]))
     res = CliRunner().invoke(app, ["run", "-p", str(good), "--dry-run"])
     assert res.exit_code == 0, res.output
     assert "every arm's service passed the run's checks (a, b)" in res.output and "starting" not in res.output
+    out = " ".join(res.output.split())  # the console wraps long lines
+    assert "arm b: 2048-token prefill chunks; device-memory plan: budget 3.00 GiB" in out and "slots per layer" in out
+    assert "arm a:" not in out  # the fake server has no plan to show
     assert not (tmp_path / "results").exists() and not fk.marked_processes(mark)
     bad = fk.write_profile(tmp_path / "bad.toml", fk.fake_profile(mark, arms=[{"name": "a"}, _engine_arm("b", "0.5")]))
     res = CliRunner().invoke(app, ["run", "-p", str(bad), "--dry-run", "-q"])
