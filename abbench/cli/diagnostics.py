@@ -104,6 +104,11 @@ def probe(
         help="--layers: a running server with the reference arm's configuration.")] = None,
     out: Annotated[Optional[Path], typer.Option(
         help="--layers: also write a Markdown report (and a PNG plot beside it) to this file.")] = None,
+    numerics: Annotated[bool, typer.Option(
+        "--numerics", help="Numerics probe: the arm's KL from the run's parity reference over the whole "
+        "vocabulary at each compared position (up to the first divergence), beside the top-k lower bound a run's "
+        "verdict has (vendored engine or transformers reference; --positions caps it; --ref-base-url: the "
+        "reference's server).")] = False,
 ) -> None:
     """Forced-continuation probe: feed the arm the prompt plus the reference's own ids, one position at a
     time, and compare its logprobs and choices with what the reference captured. With --layers: where in
@@ -115,6 +120,7 @@ def probe(
 
     \b
       abbench probe results/chunk-sizes-bf16 --layers --out layers.md
+      abbench probe results/20261205t-cpu-tiny-fp8 --arm fp8 --numerics --positions 4
     """
     from abbench.diagnostics.diff import format_probe, load_run_tokenizer
     from abbench.diagnostics.probe import probe_prompt
@@ -122,9 +128,16 @@ def probe(
 
     try:
         record, _ = load_run(_run_or_latest(run), RESULTS_ROOT)
-        prompt, arm, found = _first_divergence(record, prompt, arm, round_)
+        if numerics:
+            prompt, arm = _numerics_target(record, prompt, arm)
+        else:
+            prompt, arm, found = _first_divergence(record, prompt, arm, round_)
     except AbbenchError as e:
         _fail(e)
+        return
+    if numerics:
+        _probe_numerics(record, prompt, arm, round_=round_, positions=positions, base_url=base_url,
+                        ref_base_url=ref_base_url)
         return
     if layers:
         if position is None:
@@ -150,6 +163,43 @@ def probe(
         _fail(e)
         return
     sys.stdout.write(format_probe(result, tokenizer=tok))
+
+
+def _numerics_target(record, prompt: str | None, arm: str | None) -> tuple[str, str]:  # type: ignore[no-untyped-def]
+    """--numerics: ``arm`` as given, else the first arm whose numerics the run judges; ``prompt`` as given, else that
+    arm's first measured ok prompt (said on stderr)."""
+    from abbench.analysis.frames import measured_ok
+    from abbench.analysis.numerics import compared_arms
+
+    if arm is None:
+        judged = compared_arms(record)
+        if not judged:
+            raise ConfigError(f"run {record.run_id} judges no arm's numerics (parity = \"numerics\" or a numerics "
+                              "check); name --arm")
+        arm = judged[0]
+    if prompt is None:
+        first = next((s.prompt_id for s in sorted(measured_ok(record), key=lambda s: s.step) if s.arm == arm), None)
+        if first is None:
+            raise ConfigError(f"arm {arm} has no measured ok sample in run {record.run_id}; name --prompt")
+        prompt = first
+        console.print(f"--prompt {prompt}: arm {arm}'s first measured prompt", highlight=False)
+    return prompt, arm
+
+
+def _probe_numerics(record, prompt: str, arm: str, *, round_: int | None,  # type: ignore[no-untyped-def]
+                    positions: int | None, base_url: str | None, ref_base_url: str | None) -> None:
+    from abbench.diagnostics.numerics_probe import format_numerics, probe_numerics
+    from abbench.profile import profile_from_dict
+
+    try:
+        ref = profile_from_dict(record.profile, where=f"run {record.run_id} profile").parity_reference_arm
+        console.print(f"numerics probe: arm {arm} against {ref} on prompt {prompt} (launching what has no URL)")
+        urls = {k: v for k, v in ((arm, base_url), (ref, ref_base_url)) if v}
+        result = probe_numerics(record, prompt, arm, base_urls=urls, round=round_, positions=positions)
+    except AbbenchError as e:
+        _fail(e)
+        return
+    sys.stdout.write(format_numerics(result))
 
 
 def _probe_layers(record, run: Path | None, prompt: str, arm: str, *, position: int,  # type: ignore[no-untyped-def]

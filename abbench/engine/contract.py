@@ -86,6 +86,10 @@ class GenerateRequest:
     trace_layers: bool = override(
         "Return abbench.layer_trace: per layer and sub-block the hash and RMS of the last prompt position's hidden "
         "state (abbench.engine.ops.trace).", "flag", default=False)
+    full_logprobs: bool = override(
+        "Return abbench.full_logprobs: the first output position's log-probabilities over the whole vocabulary, "
+        "base64 float32 little-endian (about 4 bytes a vocabulary entry: for probes, not runs).", "flag",
+        default=False)
 
     @classmethod
     def overrides(cls) -> dict[str, Override]:
@@ -192,6 +196,7 @@ class RequestStats:
     attention_fallbacks: dict | None = None  # groups that ran one call per chunk, by reason (runtime.steps)
     auto: dict | None = None  # prefill_mode auto: the path it picked, why, and its estimates (runtime.policy)
     layer_trace: list | None = None  # trace_layers: per layer and sub-block, the last prompt position (ops.trace)
+    full_logprobs: str | None = None  # full_logprobs: the first output position's log_softmax row (base64 float32)
     prefill_batch: int | None = None  # prompts prefilled together with this one (itself included; layer-major)
     queue_s: float | None = None  # seconds from submission to admission (waiting for a sequence cache)
 

@@ -138,6 +138,10 @@ class AbbenchStats(_Lenient):
         None, description="With trace_layers: per layer and sub-block {layer, block, hash, rms, values} of the last "
         "prompt position (abbench.engine.ops.trace)."
     )
+    full_logprobs: str | None = Field(
+        None, description="With full_logprobs: the first output position's log-probabilities over the whole "
+        "vocabulary, base64 float32 little-endian (abbench.engine.ops.sampling; what `abbench probe --numerics` "
+        "compares exactly).")
 
     @property
     def engine_ttft_s(self) -> float | None:

@@ -23,7 +23,8 @@ def test_the_api_declares_exactly_the_contracts_overrides() -> None:
     """Every override of the request is a field of the body's schema with its description, and nothing else of
     the schema is an engine knob: the schema is built from the contract, not written beside it."""
     overrides = GenerateRequest.overrides()
-    assert list(overrides) == ["prefill_mode", "chunk_tokens", "attention_batch", "decode_misses", "trace_layers"]
+    assert list(overrides) == ["prefill_mode", "chunk_tokens", "attention_batch", "decode_misses", "trace_layers",
+                              "full_logprobs"]
     fields = CompletionRequest.model_fields
     for name, o in overrides.items():
         assert fields[name].default is None and fields[name].description.startswith(o.doc)

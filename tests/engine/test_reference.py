@@ -17,6 +17,7 @@ import tomllib
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -92,6 +93,29 @@ def test_reference_layer_trace_localizes_against_the_engine(engine: Engine, refe
     rows = [r for r in compare_traces(ref, eng) if r.diff_rms is not None]
     assert len(rows) == 6 and all(r.rel < 1e-5 for r in rows)
     assert reference.run(prompt, 1)[1].layer_trace is None and not reference.model._forward_hooks
+
+
+def test_full_logprobs_are_the_distribution_both_backends_choose_from(engine: Engine,
+                                                                        reference: ReferenceEngine) -> None:
+    """``full_logprobs``: the first output position's log_softmax over the whole vocabulary (base64 float32). Its
+    top entries are the top-k logprobs the same request returns, bit for bit; it sums to 1; the greedy id is its
+    argmax; later positions and requests without the flag carry none. The two backends' rows are near each other
+    (float32, different summation orders): the KL between them is tiny where a run's top-k bound could not say."""
+    from abbench.diagnostics.numerics_probe import compare_rows, decode_row
+
+    engine.reset()
+    prompt = list(range(2000, 2030))
+    rows = {}
+    for name, backend in (("engine", engine), ("reference", reference)):
+        events, stats = backend.run(prompt, 3, logprobs=5, full_logprobs=True)
+        row = decode_row(stats.full_logprobs)
+        assert row.size == 151936 and abs(float(np.logaddexp.reduce(row))) < 1e-5, name
+        assert [(i, float(np.float32(row[i]))) for i, _ in events[0].top_logprobs] == events[0].top_logprobs, name
+        assert int(np.argmax(row)) == events[0].token_id, name
+        assert backend.run(prompt, 1)[1].full_logprobs is None, name
+        rows[name] = row
+    kl, bound, same, _ = compare_rows(rows["reference"], rows["engine"], 5)
+    assert same == 1 and 0 <= bound <= kl + 1e-12 and kl < 1e-6
 
 
 def test_reference_validates_and_cancels(reference: ReferenceEngine) -> None:

@@ -355,7 +355,7 @@ class Scheduler:
         if shared and seq.cancelled():  # cancelled while its batch went on (alone it stops in its prefill)
             self._fail(seq, Cancelled("request cancelled"))
             return
-        seq.sampler = Sampler(req.temperature, req.seed, engine.device, req.logprobs)
+        seq.sampler = Sampler(req.temperature, req.seed, engine.device, req.logprobs, full=req.full_logprobs)
         seq.event = engine._sample(seq.sampler, logits)
         seq.times["first_token"] = time.perf_counter()
         seq.n_out, seq.pos = 1, len(prompt)
@@ -455,7 +455,9 @@ class Scheduler:
             alloc_retries=None if retries is None else retries - seq.retries0, copy_wait_s=seq.copy_wait_s,
             prefill_graph_replays=p.graph_replays, attention_batch=p.attention_batch,
             attention_batched=p.attention_batched, attention_fallbacks=p.attention_fallbacks, auto=p.auto,
-            layer_trace=seq.trace, prefill_batch=p.batch_prompts, first_layer_primed=p.primed,
+            layer_trace=seq.trace, full_logprobs=seq.sampler.first_full_b64() if seq.sampler else None,
+            prefill_batch=p.batch_prompts,
+            first_layer_primed=p.primed,
             queue_s=round(seq.admitted - seq.submitted, 6))
 
     # -- leaving --------------------------------------------------------------------------------------------------

@@ -260,7 +260,7 @@ class RequestContext:
 SAME_NAMED = ("prefill_path", "fallback_reason", "h2d_bytes", "d2d_bytes", "prefill_h2d_bytes", "decode_h2d_bytes",
               "bank_bytes", "expert_copies", "cached_prompt_tokens", "n_chunks", "n_windows", "peak_device_bytes",
               "start_device_bytes", "chunk_tokens", "alloc_retries", "prefill_graph_replays", "attention_batch",
-              "attention_batched", "attention_fallbacks", "auto", "layer_trace", "prefill_batch",
+              "attention_batched", "attention_fallbacks", "auto", "layer_trace", "full_logprobs", "prefill_batch",
               "first_layer_primed")
 """The fields of the ``abbench`` object that are the request's stats of the same name, as they are."""
 

@@ -54,8 +54,9 @@ _DESCRIPTION = {
     "transformers": "Serve a model's transformers implementation (greedy reference) over the vendored engine's "
                     "OpenAI-compatible API.",
 }
-_OVERRIDES = {"engine": "prefill_mode, chunk_tokens, attention_batch, decode_misses and trace_layers fields",
-              "transformers": "trace_layers field"}
+_OVERRIDES = {"engine": "prefill_mode, chunk_tokens, attention_batch, decode_misses, trace_layers and full_logprobs "
+                        "fields",
+              "transformers": "trace_layers and full_logprobs fields"}
 
 
 def is_loopback(host: str) -> bool:

@@ -22,8 +22,8 @@ engine's own :class:`abbench.engine.ops.sampling.Sampler` (greedy at temperature
 maxima; the logprobs from ``log_softmax`` in float32), so the two backends' margins compare like for like.
 No prefix cache (every request starts from an empty cache; ``/reset`` has nothing to flush) and no
 offload: the per-request ``abbench`` object reports ``prefill_path = "reference"``, zero host-to-device
-expert bytes and zero cached prompt tokens. Every per-request engine override but ``trace_layers``
-(``GenerateRequest.overrides``: ``prefill_mode``, ``chunk_tokens``, ...) is refused (400).
+expert bytes and zero cached prompt tokens. Every per-request engine override but ``trace_layers`` and
+``full_logprobs`` (``GenerateRequest.overrides``: ``prefill_mode``, ``chunk_tokens``, ...) is refused (400).
 ``trace_layers`` (with ``--allow-request-overrides``) returns the layer trace of :mod:`abbench.engine.ops.trace`
 from forward hooks on the decoder layers (``model.model.layers``): ``attention`` (``self_attn``'s output),
 ``experts`` (``mlp``'s output: every expert, shared ones included) and ``residual`` (the layer's output),
@@ -65,7 +65,7 @@ __all__ = ["ReferenceEngine", "resolve_checkpoint", "save_tiny_qwen3_moe"]
 log = logging.getLogger("abbench.engine.serve.reference")
 
 PATH = "reference"
-SUPPORTED_OVERRIDES = ("trace_layers",)  # of GenerateRequest.overrides(): the rest are the offload engine's
+SUPPORTED_OVERRIDES = ("trace_layers", "full_logprobs")  # of GenerateRequest.overrides(): the rest are the engine's
 
 
 @dataclass(frozen=True)
@@ -169,7 +169,7 @@ class ReferenceEngine:
             raise ValueError(f"the transformers reference runs the model's own forward pass: no {refused[0]} "
                              f"(omit {', '.join(refused)})")
         sampler = Sampler(float(request.temperature), request.seed, self.device,
-                          None if request.logprobs is None else int(request.logprobs))
+                          None if request.logprobs is None else int(request.logprobs), full=request.full_logprobs)
         return self._generate(prompt, int(request.max_tokens), sampler, request.ignore_eos, cancel,
                               request.trace_layers)
 
@@ -266,7 +266,8 @@ class ReferenceEngine:
                 finish_reason="stop" if event.token_id in eos else "length",
                 peak_device_bytes=(int(torch.cuda.max_memory_allocated(self.device))
                                    if self.device.type == "cuda" else None),
-                start_device_bytes=start_bytes, layer_trace=tracer.export() if tracer is not None else None)
+                start_device_bytes=start_bytes, layer_trace=tracer.export() if tracer is not None else None,
+                full_logprobs=sampler.first_full_b64())
         except Cancelled:
             counters["requests_cancelled"] += 1
             raise

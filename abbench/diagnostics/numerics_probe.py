@@ -1,0 +1,185 @@
+"""The numerics probe (``abbench probe RUN --arm A --numerics``): the full-vocabulary KL where a run has a bound.
+
+A run's numerics verdict (:mod:`abbench.analysis.numerics`) computes each position's KL from the top-k logprobs
+both sides returned, with the rest of the vocabulary as one bucket: a lower bound of the KL over the whole
+vocabulary. Engines that can return the whole distribution (the vendored engine and the transformers reference:
+the request field ``full_logprobs``, a server started with ``--allow-request-overrides``) let this probe measure
+the KL itself, and how tight the run's bound was.
+
+:func:`probe_numerics` sends the run's parity reference arm (the one the verdict compares against) and the probed
+arm the same histories: the prompt plus the reference's first ``i`` output ids of the run, for ``i`` = 0 up to
+the first position where the arm's run output diverged from the reference's (every output position when it never
+did), as the verdict compares. Each side's services run one after the other, launched from the recorded profile
+(or given by URL), the cache reset before the first history. At each position it takes both sides' full
+log-softmax rows and computes, in float64: ``kl`` = KL(reference || arm) over the whole vocabulary; ``kl_topk``
+= the verdict's bound (:func:`abbench.analysis.numerics.position_stats`) from the same two rows' top-``k`` lists,
+``k`` the run's ``request.logprobs``; ``same_top``; ``delta_p`` = p_arm(t) - p_ref(t) for the reference's most
+likely token ``t``.
+
+Each history is prefilled in one request (its first ids served from the prefix cache) where the run decoded the
+output ids one at a time, so a row can differ from the run's in its last bits; the comparison between the two
+arms is like for like.
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from abbench.analysis import compare_ids
+from abbench.analysis.numerics import position_stats
+from abbench.client import EngineClient
+from abbench.diagnostics.diff import pick_round, usable
+from abbench.diagnostics.layers import OVERRIDES_FLAG, serving
+from abbench.diagnostics.probe import recorded_prompt_ids
+from abbench.errors import ConfigError
+from abbench.profile import RequestSpec, profile_from_dict
+from abbench.results import RunRecord
+
+
+@dataclass(frozen=True)
+class NumericsStep:
+    """One compared position (module docstring)."""
+
+    position: int
+    ref_id: int  # the reference's id at this position in the run: the next id of the history
+    kl: float  # KL(reference || arm) over the whole vocabulary, nats
+    kl_topk: float  # the run's lower bound, from the same rows' top-k lists
+    same_top: int
+    delta_p: float
+
+
+@dataclass(frozen=True)
+class NumericsProbe:
+    prompt_id: str
+    arm: str
+    reference: str
+    ref_round: int
+    k: int  # the top-k of the run's bound (request.logprobs)
+    vocab: int
+    diverged_at: int | None  # where the arm's run output first left the reference's (None: never)
+    steps: list[NumericsStep]
+
+    @property
+    def kl_mean(self) -> float:
+        return float(np.mean([s.kl for s in self.steps])) if self.steps else math.nan
+
+    @property
+    def kl_topk_mean(self) -> float:
+        return float(np.mean([s.kl_topk for s in self.steps])) if self.steps else math.nan
+
+
+def decode_row(b64: str) -> np.ndarray:
+    """An ``abbench.full_logprobs`` value as a float64 array of log-probabilities."""
+    return np.frombuffer(base64.b64decode(b64), dtype="<f4").astype(np.float64)
+
+
+def _top(row: np.ndarray, k: int) -> list[tuple[int, float]]:
+    """The row's top-``k`` (id, logprob), highest first, the lower id first on ties (as the engine lists them)."""
+    idx = np.lexsort((np.arange(row.size), -row))[:k]
+    return [(int(i), float(row[i])) for i in idx]
+
+
+def compare_rows(ref: np.ndarray, arm: np.ndarray, k: int) -> tuple[float, float, int, float]:
+    """(kl, kl_topk, same_top, delta_p) of two full log-probability rows (module docstring)."""
+    if ref.shape != arm.shape:
+        raise ConfigError(f"the two sides' vocabularies differ ({ref.size} and {arm.size} entries): no KL")
+    p = np.exp(ref)
+    live = p > 0
+    with np.errstate(invalid="ignore"):
+        kl = float(np.sum(p[live] * (ref[live] - arm[live])))  # +inf where the arm gives 0 to a live id
+    bound = position_stats(_top(ref, k), _top(arm, k))
+    t = int(np.argmax(ref))  # the first of equal maxima: the lowest id, as greedy decoding takes it
+    return max(kl, 0.0), (bound[0] if bound is not None else 0.0), int(t == int(np.argmax(arm))), \
+        float(math.exp(arm[t]) - math.exp(ref[t]))
+
+
+def probe_numerics(record: RunRecord, prompt_id: str, arm: str, *, base_urls: dict[str, str] | None = None,
+                   round: int | None = None, positions: int | None = None,
+                   progress: Callable[[str, int, int], None] | None = None) -> NumericsProbe:
+    """The full-vocabulary KL of ``arm`` against the run's parity reference on ``prompt_id`` (module docstring).
+    ``base_urls``: servers already running an arm's configuration (with ``--allow-request-overrides``);
+    ``positions``: at most the first N; ``progress(arm, done, total)`` after each request."""
+    profile = profile_from_dict(record.profile, where=f"run {record.run_id} profile")
+    names = [a.name for a in profile.arms]
+    if arm not in names:
+        raise ConfigError(f"--arm: run {record.run_id} has no arm {arm!r}; its arms are {', '.join(names)}")
+    ref = profile.parity_reference_arm  # the verdict's: numerics are judged against the run's parity reference
+    for name in (ref, arm):
+        if profile.arm_engine(name).adapter != "openai":
+            raise ConfigError(f"--numerics: arm {name} uses adapter {profile.arm_engine(name).adapter!r}; whole "
+                              "distributions come from the vendored engine or the transformers reference (adapter "
+                              "openai)")
+    if prompt_id not in {p.id for p in record.prompts}:
+        raise ConfigError(f"--prompt: run {record.run_id} has no prompt {prompt_id!r}")
+    ref_samples = pick_round([s for s in record.samples if s.prompt_id == prompt_id and s.arm == ref and usable(s)],
+                             round)
+    if not ref_samples:
+        raise ConfigError(f"the reference arm {ref} has no ok sample with token ids of prompt {prompt_id}")
+    r = min(ref_samples)
+    ref_ids = list(ref_samples[r].output_ids)
+    arm_samples = pick_round([s for s in record.samples if s.prompt_id == prompt_id and s.arm == arm and usable(s)],
+                             r)
+    diverged = None
+    if r in arm_samples and arm != ref:
+        _, diverged, _ = compare_ids(arm_samples[r].output_ids, ref_ids, len(ref_ids))
+    n = len(ref_ids) if diverged is None else min(diverged + 1, len(ref_ids))  # positions 0..d, as the verdict
+    n = n if positions is None else min(n, positions)
+    k = max(1, profile.request.logprobs or 1)
+    prompt_ids = recorded_prompt_ids(record, profile, prompt_id)
+    request = RequestSpec(max_tokens=1, temperature=0.0, ignore_eos=True, logprobs=None, stream=False,
+                          timeout_s=profile.request.timeout_s, extra=dict(profile.request.extra))
+    rows: dict[str, list[np.ndarray]] = {}
+    with EngineClient() as client:
+        for name in dict.fromkeys((ref, arm)):  # one service at a time: an arm probed against itself runs once
+            ae = profile.arm_engine(name)
+            got = rows[name] = []
+            with serving(profile, name, client, (base_urls or {}).get(name)) as url:
+                if ae.reset_path:
+                    client.reset(url, ae.reset_path)
+                for i in range(n):
+                    history = prompt_ids + ref_ids[:i]
+                    c = client.complete(url, history, request=request,
+                                        extra={**profile.arm(name).request, "full_logprobs": True},
+                                        target_prompt_tokens=len(history), model=ae.model, adapter=ae.adapter)
+                    b64 = (c.engine or {}).get("full_logprobs")
+                    if not b64:
+                        raise ConfigError(f"arm {name}'s server returned no abbench.full_logprobs: it must be the "
+                                          f"vendored engine or the transformers reference, started with "
+                                          f"{OVERRIDES_FLAG}")
+                    got.append(decode_row(b64))
+                    if progress is not None:
+                        progress(name, i + 1, n)
+    steps = []
+    for i in range(n):
+        kl, bound, same, delta = compare_rows(rows[ref][i], rows[arm][i], k)
+        steps.append(NumericsStep(i, ref_ids[i], kl, bound, same, delta))
+    vocab = int(rows[ref][0].size) if n else 0
+    return NumericsProbe(prompt_id=prompt_id, arm=arm, reference=ref, ref_round=r, k=k, vocab=vocab,
+                         diverged_at=diverged, steps=steps)
+
+
+def format_numerics(result: NumericsProbe) -> str:
+    """The probe as text: one row per position, then the means."""
+    lines = [f"numerics probe: arm {result.arm} against {result.reference} on prompt {result.prompt_id} "
+             f"(reference round {result.ref_round}; the whole vocabulary: {result.vocab:,} ids; the run's bound "
+             f"from the top {result.k})",
+             "the run's output " + ("never left the reference's" if result.diverged_at is None else
+                                    f"first left the reference's at position {result.diverged_at}")
+             + f": positions 0..{len(result.steps) - 1} compared",
+             "",
+             f"{'pos':>4} {'ref id':>8} {'KL (full)':>12} {'KL (top-k)':>12} {'bound/full':>10} {'same top':>8} "
+             f"{'delta p':>10}"]
+    for s in result.steps:
+        share = f"{s.kl_topk / s.kl:.3f}" if s.kl > 0 and math.isfinite(s.kl) else "-"
+        lines.append(f"{s.position:>4} {s.ref_id:>8} {s.kl:>12.4e} {s.kl_topk:>12.4e} {share:>10} {s.same_top:>8} "
+                     f"{s.delta_p:>+10.2e}")
+    if result.steps:
+        same = sum(s.same_top for s in result.steps) / len(result.steps)
+        lines += ["", f"mean KL over the whole vocabulary {result.kl_mean:.4e} nats; the run's top-{result.k} bound "
+                      f"{result.kl_topk_mean:.4e}; same top {same:.1%}"]
+    return "\n".join(lines) + "\n"
