@@ -52,7 +52,8 @@ def numerics_section(ri: ReportInput) -> list[str]:
         "reference's sample of the same prompt and round; a pair is compared at every position up to and including "
         "its first differing token (both sides saw the same context there) where both captured top-k logprobs. "
         "KL(reference || arm) is taken over the ids both lists hold plus one bucket for the rest of the vocabulary, "
-        "a lower bound of the full-vocabulary KL (more logprobs tighten it); same top: both sides' most likely token "
+        "a lower bound of the full-vocabulary KL (more logprobs tighten it; `abbench probe RUN --arm ARM --numerics` "
+        "measures the whole vocabulary's, where the engine can return it); same top: both sides' most likely token "
         "agrees; Δp: p_arm − p_reference of the reference's most likely token. Intervals: 95%, resampling whole "
         "pairs." + _own_references(ri), "",
         table(rows, [Col("arm", "Arm", right=False), Col("pairs", "Pairs", fmt_int),
