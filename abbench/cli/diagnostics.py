@@ -120,7 +120,7 @@ def probe(
 
     \b
       abbench probe results/chunk-sizes-bf16 --layers --out layers.md
-      abbench probe results/20261205t-cpu-tiny-fp8 --arm fp8 --numerics --positions 4
+      abbench probe results/20261205t-cpu-tiny-fp8 --arm fp8 --numerics --positions 2
     """
     from abbench.diagnostics.diff import format_probe, load_run_tokenizer
     from abbench.diagnostics.probe import probe_prompt
