@@ -26,14 +26,16 @@ def abbench(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
 
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """`abbench run`'s own example from its --help (the default profile), into a directory of its own."""
+    """`abbench run`'s own example from its --help (the default profile), into a directory of its own, one round
+    (its properties below hold per round; the default's two rounds run after the suite in .ci/run, as the README's
+    main job, with their gate)."""
     from tests.harness.test_help_examples import examples
 
     (argv, code, _), *load = examples("run")  # the others run the load profile (tests/harness/test_load_run_engine.py)
     assert argv == ["run"] and code == 0 and all("cpu-tiny-load" in a for a, _, _ in load)
     work = tmp_path_factory.mktemp("e2e")
     run_dir = work / "run"
-    res = abbench(*argv, "--out", str(run_dir), "--quiet", "--no-report", cwd=work)
+    res = abbench(*argv, "--rounds", "1", "--out", str(run_dir), "--quiet", "--no-report", cwd=work)
     assert res.returncode == 0, res.stderr[-3000:]
     return run_dir
 
@@ -54,8 +56,8 @@ def test_run_writes_complete_results(tiny_run: Path) -> None:
     for s in samples:
         if s["kind"] == "fresh":
             assert s["engine"]["prefill_path"] == s["arm"]
-    # One log per service (3 arms x 2 rounds).
-    assert len(list((tiny_run / "logs").glob("*.log"))) == 6
+    # One log per service (3 arms x 1 round).
+    assert len(list((tiny_run / "logs").glob("*.log"))) == 3
 
 
 def test_report_and_gate_pass(tiny_run: Path, tmp_path: Path) -> None:
