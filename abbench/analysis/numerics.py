@@ -60,7 +60,7 @@ P99_MIN_POSITIONS = 100
 _EPS = 1e-12
 
 POSITION_COLUMNS = ["arm", "prompt_id", "kind", "target_tokens", "round", "against_round", "pair", "position",
-                    "kl", "same_top", "delta_p", "listed"]
+                    "kl", "same_top", "delta_p", "listed", "ref_mass"]
 
 
 def numerics_arms(record: RunRecord) -> list[str]:
@@ -112,6 +112,13 @@ def position_stats(ref_top: Any, arm_top: Any) -> tuple[float, int, float | None
     return max(kl, 0.0), int(top_p == top_q), delta, len(common)
 
 
+def listed_mass(top: Any) -> float | None:
+    """The probability mass a top-k list holds (the sum of its probabilities); None without a list. Where it is
+    small, the KL over the lists plus a bucket (:func:`position_stats`) can be far below the whole vocabulary's."""
+    p = _dist(top)
+    return float(sum(p.values())) if p else None
+
+
 def _positions(s: Sample, r: Sample, first: int | None) -> list[tuple[int, tuple[float, int, float | None, int]]]:
     last = (min(len(s.output_ids), len(r.output_ids)) - 1) if first is None else first
     out = []
@@ -145,7 +152,7 @@ def numerics_positions(record: RunRecord, arms: list[str] | None = None) -> pd.D
             rows.append({"arm": s.arm, "prompt_id": s.prompt_id, "kind": s.kind,
                          "target_tokens": targets.get(s.prompt_id, s.prompt_tokens), "round": s.round,
                          "against_round": r.round, "pair": pair, "position": pos, "kl": kl, "same_top": same,
-                         "delta_p": delta, "listed": listed})
+                         "delta_p": delta, "listed": listed, "ref_mass": listed_mass(r.logprobs[pos])})
     return frame(rows, POSITION_COLUMNS, ints=["target_tokens", "against_round", "pair", "position", "same_top",
                                                "listed"])
 
@@ -241,12 +248,13 @@ def estimate(g: pd.DataFrame, metric: str, *, seed: int = BOOTSTRAP_SEED,
 
 
 NUMERICS_COLUMNS = ["arm", "pairs", "positions", "diverged", "kl_mean", "kl_mean_low", "kl_mean_high", "kl_p99",
-                    "same_top", "same_top_low", "same_top_high", "delta_p_rms", "listed_median"]
+                    "same_top", "same_top_low", "same_top_high", "delta_p_rms", "listed_median", "ref_mass_median"]
 
 
 def numerics_table(record: RunRecord, positions: pd.DataFrame | None = None) -> pd.DataFrame:
     """Per numerics arm, over all its compared positions: pairs, positions, pairs whose ids diverged, the four
-    statistics (intervals for the mean KL and same-top rate) and the median number of ids both lists held."""
+    statistics (intervals for the mean KL and same-top rate), the median number of ids both lists held and the
+    median probability mass of the reference's lists (how much of the distribution the KL bound saw)."""
     pos = numerics_positions(record) if positions is None else positions
     rows = []
     for arm, g in pos.groupby("arm", sort=False):
@@ -256,6 +264,7 @@ def numerics_table(record: RunRecord, positions: pd.DataFrame | None = None) -> 
                      "kl_mean": kl.value, "kl_mean_low": kl.low, "kl_mean_high": kl.high,
                      "kl_p99": _kl_p99(g) if len(g) >= P99_MIN_POSITIONS else None,
                      "same_top": same.value, "same_top_low": same.low, "same_top_high": same.high,
-                     "delta_p_rms": _delta_p_rms(g), "listed_median": float(g["listed"].median())})
+                     "delta_p_rms": _delta_p_rms(g), "listed_median": float(g["listed"].median()),
+                     "ref_mass_median": float(g["ref_mass"].median())})
     out = frame(rows, NUMERICS_COLUMNS, ints=["pairs", "positions", "diverged"])
     return sort_rows(out, record, ["arm"])

@@ -211,6 +211,24 @@ def test_an_own_parity_reference_is_another_arm_and_not_a_numerics_arms() -> Non
 
 
 @pytest.mark.skipif(not COMMITTED.is_dir(), reason="the committed cpu-tiny-numerics run")
+def test_the_reference_lists_mass_is_shown_and_a_thin_one_is_said(tmp_path: Path) -> None:
+    """The median probability mass of the reference's top-k lists: 0.9 in numerics_run (the KL bound saw most of
+    the distribution, nothing said); the committed float32/bfloat16 run's random-weight model lists 0.4% of it,
+    and the report says the bound can be far below the whole vocabulary's and names the probe."""
+    from abbench.analysis.numerics import listed_mass
+
+    assert listed_mass(lp([(1, 0.5), (2, 0.3)])) == pytest.approx(0.8) and listed_mass(None) is None
+    rec = numerics_run(0.05)
+    assert numerics_table(rec)["ref_mass_median"].tolist() == [pytest.approx(0.9)]
+    text = write_report(rec, [], tmp_path / "a.md", tmp_path / "a", draw_plots=False).read_text()
+    assert "| 90.0% |" in text and "lists held under 50%" not in text
+    record, _ = load_run(COMMITTED)
+    assert numerics_table(record)["ref_mass_median"].iloc[0] < 0.01
+    text = " ".join(write_report(record, [], tmp_path / "b.md", tmp_path / "b", draw_plots=False).read_text().split())
+    assert ("The reference's top-k lists held under 50% of its probability mass at the median position for "
+            "bfloat16") in text and "abbench probe RUN --arm ARM --numerics" in text
+
+
 def test_the_committed_float32_bfloat16_run(tmp_path: Path) -> None:
     record, _ = load_run(COMMITTED)
     verdict = an.gate(record)

@@ -16,6 +16,9 @@ from abbench.report.format import DASH, Col, fmt_int, fmt_num, fmt_pct, is_na, t
 from abbench.report.sections.base import ReportInput, plot_link
 from abbench.results import RunRecord
 
+LISTED_MASS_LOW = 0.5
+"""Below this median mass of the reference's top-k lists the section says the KL bound saw little of the
+distribution."""
 RANDOM_WEIGHTS = ("random:", "tiny-qwen3-moe:")
 """A launch argument starting so names random weights (the vendored engine's presets)."""
 
@@ -61,9 +64,17 @@ def numerics_section(ri: ReportInput) -> list[str]:
                      Col("kl_mean", "Mean KL (nats)", _nats), Col("kl_ci", "95% CI"),
                      Col("kl_p99", "KL p99 (nats)", _nats), Col("same_top", "Same top", lambda v: fmt_pct(v, 1)),
                      Col("same_ci", "95% CI "), Col("delta_p_rms", "RMS Δp", lambda v: fmt_num(v, 4)),
-                     Col("listed_median", "Ids in both lists (median)", lambda v: fmt_num(v, 0))],
+                     Col("listed_median", "Ids in both lists (median)", lambda v: fmt_num(v, 0)),
+                     Col("ref_mass_median", "Reference's listed mass (median)", lambda v: fmt_pct(v, 1))],
               drop_constant=False),
     ]
+    thin = [str(r.arm) for r in t.itertuples()
+            if not is_na(r.ref_mass_median) and float(r.ref_mass_median) < LISTED_MASS_LOW]
+    if thin:
+        lines += ["", f"The reference's top-k lists held under {LISTED_MASS_LOW:.0%} of its probability mass at the "
+                      f"median position for {', '.join(thin)}: the KL above leaves the rest to one bucket and can be "
+                      "far below the whole vocabulary's. `abbench probe RUN --arm ARM --numerics` measures the whole "
+                      "vocabulary's where the engine can return it."]
     if random_weights(ri.record):
         lines += ["", "The services load random weights: these figures check the machinery (the logprobs, the "
                       "pairing, the statistics), not a trained model's quality."]
