@@ -109,6 +109,9 @@ def probe(
         "vocabulary at each compared position (up to the first divergence), beside the top-k lower bound a run's "
         "verdict has (vendored engine or transformers reference; --positions caps it; --ref-base-url: the "
         "reference's server).")] = False,
+    all_prompts: Annotated[bool, typer.Option(
+        "--all-prompts", help="--numerics: every prompt the arm has a measured ok sample of, each side's service "
+        "launched once, then every compared position pooled.")] = False,
 ) -> None:
     """Forced-continuation probe: feed the arm the prompt plus the reference's own ids, one position at a
     time, and compare its logprobs and choices with what the reference captured. With --layers: where in
@@ -126,10 +129,13 @@ def probe(
     from abbench.diagnostics.probe import probe_prompt
     from abbench.results import load_run
 
+    if all_prompts and (not numerics or prompt is not None):
+        _fail(ConfigError("--all-prompts goes with --numerics, in place of --prompt"))
+        return
     try:
         record, _ = load_run(_run_or_latest(run), RESULTS_ROOT)
         if numerics:
-            prompt, arm = _numerics_target(record, prompt, arm)
+            prompt, arm = _numerics_target(record, prompt, arm, quiet=all_prompts)
         else:
             prompt, arm, found = _first_divergence(record, prompt, arm, round_)
     except AbbenchError as e:
@@ -137,7 +143,7 @@ def probe(
         return
     if numerics:
         _probe_numerics(record, prompt, arm, round_=round_, positions=positions, base_url=base_url,
-                        ref_base_url=ref_base_url)
+                        ref_base_url=ref_base_url, all_prompts=all_prompts)
         return
     if layers:
         if position is None:
@@ -165,7 +171,8 @@ def probe(
     sys.stdout.write(format_probe(result, tokenizer=tok))
 
 
-def _numerics_target(record, prompt: str | None, arm: str | None) -> tuple[str, str]:  # type: ignore[no-untyped-def]
+def _numerics_target(record, prompt: str | None, arm: str | None,  # type: ignore[no-untyped-def]
+                     quiet: bool = False) -> tuple[str, str]:
     """--numerics: ``arm`` as given, else the first arm whose numerics the run judges; ``prompt`` as given, else that
     arm's first measured ok prompt (said on stderr)."""
     from abbench.analysis.frames import measured_ok
@@ -182,24 +189,30 @@ def _numerics_target(record, prompt: str | None, arm: str | None) -> tuple[str, 
         if first is None:
             raise ConfigError(f"arm {arm} has no measured ok sample in run {record.run_id}; name --prompt")
         prompt = first
-        console.print(f"--prompt {prompt}: arm {arm}'s first measured prompt", highlight=False)
+        if not quiet:
+            console.print(f"--prompt {prompt}: arm {arm}'s first measured prompt", highlight=False)
     return prompt, arm
 
 
 def _probe_numerics(record, prompt: str, arm: str, *, round_: int | None,  # type: ignore[no-untyped-def]
-                    positions: int | None, base_url: str | None, ref_base_url: str | None) -> None:
-    from abbench.diagnostics.numerics_probe import format_numerics, probe_numerics
+                    positions: int | None, base_url: str | None, ref_base_url: str | None,
+                    all_prompts: bool = False) -> None:
+    from abbench.analysis.frames import measured_ok
+    from abbench.diagnostics.numerics_probe import format_numerics, format_numerics_summary, probe_numerics_prompts
     from abbench.profile import profile_from_dict
 
     try:
         ref = profile_from_dict(record.profile, where=f"run {record.run_id} profile").parity_reference_arm
-        console.print(f"numerics probe: arm {arm} against {ref} on prompt {prompt} (launching what has no URL)")
+        prompts = (list(dict.fromkeys(s.prompt_id for s in sorted(measured_ok(record), key=lambda s: s.step)
+                                      if s.arm == arm)) if all_prompts else [prompt])
+        where = f"{len(prompts)} prompts" if all_prompts else f"prompt {prompt}"
+        console.print(f"numerics probe: arm {arm} against {ref} on {where} (launching what has no URL)")
         urls = {k: v for k, v in ((arm, base_url), (ref, ref_base_url)) if v}
-        result = probe_numerics(record, prompt, arm, base_urls=urls, round=round_, positions=positions)
+        results = probe_numerics_prompts(record, prompts, arm, base_urls=urls, round=round_, positions=positions)
     except AbbenchError as e:
         _fail(e)
         return
-    sys.stdout.write(format_numerics(result))
+    sys.stdout.write(format_numerics_summary(results) if all_prompts else format_numerics(results[0]))
 
 
 def _probe_layers(record, run: Path | None, prompt: str, arm: str, *, position: int,  # type: ignore[no-untyped-def]

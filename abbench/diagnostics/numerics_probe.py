@@ -27,6 +27,7 @@ import base64
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -98,12 +99,19 @@ def compare_rows(ref: np.ndarray, arm: np.ndarray, k: int) -> tuple[float, float
         float(math.exp(arm[t]) - math.exp(ref[t]))
 
 
-def probe_numerics(record: RunRecord, prompt_id: str, arm: str, *, base_urls: dict[str, str] | None = None,
-                   round: int | None = None, positions: int | None = None,
-                   progress: Callable[[str, int, int], None] | None = None) -> NumericsProbe:
-    """The full-vocabulary KL of ``arm`` against the run's parity reference on ``prompt_id`` (module docstring).
+def probe_numerics(record: RunRecord, prompt_id: str, arm: str, **kwargs: Any) -> NumericsProbe:
+    """The full-vocabulary KL of ``arm`` against the run's parity reference on ``prompt_id`` (module docstring);
+    ``kwargs`` as :func:`probe_numerics_prompts`."""
+    return probe_numerics_prompts(record, [prompt_id], arm, **kwargs)[0]
+
+
+def probe_numerics_prompts(record: RunRecord, prompt_ids: list[str], arm: str, *,
+                           base_urls: dict[str, str] | None = None, round: int | None = None,
+                           positions: int | None = None,
+                           progress: Callable[[str, int, int], None] | None = None) -> list[NumericsProbe]:
+    """:func:`probe_numerics` for each of ``prompt_ids``, each side's service launched once for all of them.
     ``base_urls``: servers already running an arm's configuration (with ``--allow-request-overrides``);
-    ``positions``: at most the first N; ``progress(arm, done, total)`` after each request."""
+    ``positions``: at most the first N of each prompt; ``progress(arm, done, total)`` after each request."""
     profile = profile_from_dict(record.profile, where=f"run {record.run_id} profile")
     names = [a.name for a in profile.arms]
     if arm not in names:
@@ -114,53 +122,63 @@ def probe_numerics(record: RunRecord, prompt_id: str, arm: str, *, base_urls: di
             raise ConfigError(f"--numerics: arm {name} uses adapter {profile.arm_engine(name).adapter!r}; whole "
                               "distributions come from the vendored engine or the transformers reference (adapter "
                               "openai)")
-    if prompt_id not in {p.id for p in record.prompts}:
-        raise ConfigError(f"--prompt: run {record.run_id} has no prompt {prompt_id!r}")
-    ref_samples = pick_round([s for s in record.samples if s.prompt_id == prompt_id and s.arm == ref and usable(s)],
-                             round)
-    if not ref_samples:
-        raise ConfigError(f"the reference arm {ref} has no ok sample with token ids of prompt {prompt_id}")
-    r = min(ref_samples)
-    ref_ids = list(ref_samples[r].output_ids)
-    arm_samples = pick_round([s for s in record.samples if s.prompt_id == prompt_id and s.arm == arm and usable(s)],
-                             r)
-    diverged = None
-    if r in arm_samples and arm != ref:
-        _, diverged, _ = compare_ids(arm_samples[r].output_ids, ref_ids, len(ref_ids))
-    n = len(ref_ids) if diverged is None else min(diverged + 1, len(ref_ids))  # positions 0..d, as the verdict
-    n = n if positions is None else min(n, positions)
+    plans = []  # (prompt id, reference round, its output ids, where the arm left them, positions to compare)
+    for prompt_id in prompt_ids:
+        if prompt_id not in {p.id for p in record.prompts}:
+            raise ConfigError(f"--prompt: run {record.run_id} has no prompt {prompt_id!r}")
+        ref_samples = pick_round([s for s in record.samples if s.prompt_id == prompt_id and s.arm == ref
+                                  and usable(s)], round)
+        if not ref_samples:
+            raise ConfigError(f"the reference arm {ref} has no ok sample with token ids of prompt {prompt_id}")
+        r = min(ref_samples)
+        ref_ids = list(ref_samples[r].output_ids)
+        arm_samples = pick_round([s for s in record.samples if s.prompt_id == prompt_id and s.arm == arm
+                                  and usable(s)], r)
+        diverged = None
+        if r in arm_samples and arm != ref:
+            _, diverged, _ = compare_ids(arm_samples[r].output_ids, ref_ids, len(ref_ids))
+        n = len(ref_ids) if diverged is None else min(diverged + 1, len(ref_ids))  # positions 0..d, as the verdict
+        plans.append((prompt_id, r, ref_ids, diverged, n if positions is None else min(n, positions)))
     k = max(1, profile.request.logprobs or 1)
-    prompt_ids = recorded_prompt_ids(record, profile, prompt_id)
     request = RequestSpec(max_tokens=1, temperature=0.0, ignore_eos=True, logprobs=None, stream=False,
                           timeout_s=profile.request.timeout_s, extra=dict(profile.request.extra))
-    rows: dict[str, list[np.ndarray]] = {}
+    histories = [recorded_prompt_ids(record, profile, p[0]) for p in plans]
+    total = sum(p[4] for p in plans)
+    rows: dict[str, list[list[np.ndarray]]] = {}
     with EngineClient() as client:
         for name in dict.fromkeys((ref, arm)):  # one service at a time: an arm probed against itself runs once
             ae = profile.arm_engine(name)
             got = rows[name] = []
+            done = 0
             with serving(profile, name, client, (base_urls or {}).get(name)) as url:
-                if ae.reset_path:
-                    client.reset(url, ae.reset_path)
-                for i in range(n):
-                    history = prompt_ids + ref_ids[:i]
-                    c = client.complete(url, history, request=request,
-                                        extra={**profile.arm(name).request, "full_logprobs": True},
-                                        target_prompt_tokens=len(history), model=ae.model, adapter=ae.adapter)
-                    b64 = (c.engine or {}).get("full_logprobs")
-                    if not b64:
-                        raise ConfigError(f"arm {name}'s server returned no abbench.full_logprobs: it must be the "
-                                          f"vendored engine or the transformers reference, started with "
-                                          f"{OVERRIDES_FLAG}")
-                    got.append(decode_row(b64))
-                    if progress is not None:
-                        progress(name, i + 1, n)
-    steps = []
-    for i in range(n):
-        kl, bound, same, delta = compare_rows(rows[ref][i], rows[arm][i], k)
-        steps.append(NumericsStep(i, ref_ids[i], kl, bound, same, delta))
-    vocab = int(rows[ref][0].size) if n else 0
-    return NumericsProbe(prompt_id=prompt_id, arm=arm, reference=ref, ref_round=r, k=k, vocab=vocab,
-                         diverged_at=diverged, steps=steps)
+                for (_, _, ref_ids, _, n), prompt in zip(plans, histories):
+                    if ae.reset_path:
+                        client.reset(url, ae.reset_path)
+                    got.append([])
+                    for i in range(n):
+                        history = prompt + ref_ids[:i]
+                        c = client.complete(url, history, request=request,
+                                            extra={**profile.arm(name).request, "full_logprobs": True},
+                                            target_prompt_tokens=len(history), model=ae.model, adapter=ae.adapter)
+                        b64 = (c.engine or {}).get("full_logprobs")
+                        if not b64:
+                            raise ConfigError(f"arm {name}'s server returned no abbench.full_logprobs: it must be "
+                                              f"the vendored engine or the transformers reference, started with "
+                                              f"{OVERRIDES_FLAG}")
+                        got[-1].append(decode_row(b64))
+                        done += 1
+                        if progress is not None:
+                            progress(name, done, total)
+    out = []
+    for j, (prompt_id, r, ref_ids, diverged, n) in enumerate(plans):
+        steps = []
+        for i in range(n):
+            kl, bound, same, delta = compare_rows(rows[ref][j][i], rows[arm][j][i], k)
+            steps.append(NumericsStep(i, ref_ids[i], kl, bound, same, delta))
+        vocab = int(rows[ref][j][0].size) if n else 0
+        out.append(NumericsProbe(prompt_id=prompt_id, arm=arm, reference=ref, ref_round=r, k=k, vocab=vocab,
+                                 diverged_at=diverged, steps=steps))
+    return out
 
 
 def format_numerics(result: NumericsProbe) -> str:
@@ -182,4 +200,26 @@ def format_numerics(result: NumericsProbe) -> str:
         same = sum(s.same_top for s in result.steps) / len(result.steps)
         lines += ["", f"mean KL over the whole vocabulary {result.kl_mean:.4e} nats; the run's top-{result.k} bound "
                       f"{result.kl_topk_mean:.4e}; same top {same:.1%}"]
+    return "\n".join(lines) + "\n"
+
+
+def format_numerics_summary(results: list[NumericsProbe]) -> str:
+    """Several prompts' probes as text: one line per prompt, then every compared position pooled."""
+    if not results:
+        return "no prompt compared\n"
+    head = results[0]
+    lines = [f"numerics probe: arm {head.arm} against {head.reference}, {len(results)} prompts (the whole vocabulary: "
+             f"{head.vocab:,} ids; the run's bound from the top {head.k})", "",
+             f"{'prompt':<24} {'round':>5} {'positions':>9} {'KL (full), mean':>16} {'KL (top-k), mean':>17} "
+             f"{'same top':>8}"]
+    for r in results:
+        same = sum(s.same_top for s in r.steps) / len(r.steps) if r.steps else math.nan
+        lines.append(f"{r.prompt_id:<24} {r.ref_round:>5} {len(r.steps):>9} {r.kl_mean:>16.4e} {r.kl_topk_mean:>17.4e} "
+                     f"{same:>8.1%}")
+    steps = [s for r in results for s in r.steps]
+    if steps:
+        kl, bound = float(np.mean([s.kl for s in steps])), float(np.mean([s.kl_topk for s in steps]))
+        lines += ["", f"every compared position ({len(steps)}): mean KL over the whole vocabulary {kl:.4e} nats, "
+                      f"max {max(s.kl for s in steps):.4e}; the run's top-{head.k} bound {bound:.4e}; same top "
+                      f"{sum(s.same_top for s in steps) / len(steps):.1%}"]
     return "\n".join(lines) + "\n"

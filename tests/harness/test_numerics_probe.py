@@ -13,7 +13,11 @@ pytest.importorskip("torch")
 
 from abbench.client import EngineClient  # noqa: E402
 from abbench.diagnostics.layers import serving  # noqa: E402
-from abbench.diagnostics.numerics_probe import probe_numerics  # noqa: E402
+from abbench.diagnostics.numerics_probe import (  # noqa: E402
+    format_numerics_summary,
+    probe_numerics,
+    probe_numerics_prompts,
+)
 from abbench.profile import profile_from_dict  # noqa: E402
 from abbench.results import load_run  # noqa: E402
 
@@ -39,6 +43,11 @@ def test_the_full_kl_is_at_least_the_runs_bound_and_zero_against_itself(monkeypa
             s.output_ids[:3] for s in record.samples if s.arm == "bf16" and s.prompt_id == "fresh-256-0")
         itself = probe_numerics(record, "fresh-256-0", "bf16", base_urls=urls, positions=2)
         assert [(s.kl, s.kl_topk, s.same_top, s.delta_p) for s in itself.steps] == [(0.0, 0.0, 1, 0.0)] * 2
+        # several prompts on the same two services: each prompt's histories from its own reference output
+        both = probe_numerics_prompts(record, ["fresh-256-0", "fresh-512-0"], "fp8", base_urls=urls, positions=2)
+        assert [b.prompt_id for b in both] == ["fresh-256-0", "fresh-512-0"] and both[0].steps[:2] == got.steps[:2]
+        summary = format_numerics_summary(both)
+        assert "2 prompts" in summary and "every compared position (4): mean KL over the whole vocabulary" in summary
         monkeypatch.chdir(tmp_path)
         r = CliRunner().invoke(app, ["probe", str(RUN), "--arm", "fp8", "--numerics", "--positions", "1",
                                      "--base-url", urls["fp8"], "--ref-base-url", urls["bf16"]])
