@@ -17,6 +17,7 @@ import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from abbench.client import EngineClient
 from abbench.diagnostics.diff import pick_round, usable
@@ -50,6 +51,21 @@ def serving(profile: Profile, arm: str, client: EngineClient, base_url: str | No
         yield svc.base_url
     finally:
         svc.stop()
+
+
+def engine_field(client: EngineClient, url: str, profile: Profile, arm: str, history: list[int],
+                 request: RequestSpec, ask: str, field: str) -> tuple[Any, Any]:
+    """Send ``history`` to ``arm``'s server at ``url`` with its request fields and ``ask: true`` (a vendored-engine
+    request field); (the completion, its ``abbench.<field>``), or ConfigError where the server returned none: it
+    must be the vendored engine or the transformers reference, started with :data:`OVERRIDES_FLAG`."""
+    ae = profile.arm_engine(arm)
+    c = client.complete(url, history, request=request, extra={**profile.arm(arm).request, ask: True},
+                        target_prompt_tokens=len(history), model=ae.model, adapter=ae.adapter)
+    value = (c.engine or {}).get(field)
+    if not value:
+        raise ConfigError(f"arm {arm}'s server returned no abbench.{field}: it must be the vendored engine or the "
+                          f"transformers reference, started with {OVERRIDES_FLAG}")
+    return c, value
 
 
 def _history(record: RunRecord, profile: Profile, prompt_id: str, position: int, round_no: int | None,
@@ -96,13 +112,7 @@ def probe_layers(record: RunRecord, prompt_id: str, arm: str, *, position: int =
             with serving(profile, name, client, (base_urls or {}).get(name)) as url:
                 if ae.reset_path:
                     client.reset(url, ae.reset_path)
-                c = client.complete(url, history, request=request,
-                                    extra={**profile.arm(name).request, "trace_layers": True},
-                                    target_prompt_tokens=len(history), model=ae.model, adapter=ae.adapter)
-                trace = (c.engine or {}).get("layer_trace")
-                if not trace:
-                    raise ConfigError(f"arm {name}'s server returned no abbench.layer_trace: it must be the vendored "
-                                      f"engine or the transformers reference, started with {OVERRIDES_FLAG}")
+                c, trace = engine_field(client, url, profile, name, history, request, "trace_layers", "layer_trace")
                 got[name] = (trace, c.output_ids[0], c.logprobs[0] if c.logprobs else None)
     notes = []
     if position:

@@ -35,7 +35,7 @@ from abbench.analysis import compare_ids
 from abbench.analysis.numerics import position_stats
 from abbench.client import EngineClient
 from abbench.diagnostics.diff import pick_round, usable
-from abbench.diagnostics.layers import OVERRIDES_FLAG, serving
+from abbench.diagnostics.layers import engine_field, serving
 from abbench.diagnostics.probe import recorded_prompt_ids
 from abbench.errors import ConfigError
 from abbench.profile import RequestSpec, profile_from_dict
@@ -157,14 +157,8 @@ def probe_numerics_prompts(record: RunRecord, prompt_ids: list[str], arm: str, *
                     got.append([])
                     for i in range(n):
                         history = prompt + ref_ids[:i]
-                        c = client.complete(url, history, request=request,
-                                            extra={**profile.arm(name).request, "full_logprobs": True},
-                                            target_prompt_tokens=len(history), model=ae.model, adapter=ae.adapter)
-                        b64 = (c.engine or {}).get("full_logprobs")
-                        if not b64:
-                            raise ConfigError(f"arm {name}'s server returned no abbench.full_logprobs: it must be "
-                                              f"the vendored engine or the transformers reference, started with "
-                                              f"{OVERRIDES_FLAG}")
+                        _, b64 = engine_field(client, url, profile, name, history, request, "full_logprobs",
+                                              "full_logprobs")
                         got[-1].append(decode_row(b64))
                         done += 1
                         if progress is not None:
