@@ -41,11 +41,14 @@ class Sampler:
         else:
             probs = torch.softmax(logits / self.temperature, dim=-1)  # [V]
             tok = torch.multinomial(probs, 1, generator=self.generator)  # [1]
-        if self.full and self.first_full is None:
-            self.first_full = torch.log_softmax(logits.float(), dim=-1).cpu()  # [V], the same values as below
-        if self.logprobs is None:
+        keep = self.full and self.first_full is None
+        if self.logprobs is None and not keep:
             return int(tok.item()), None, None
         lp = torch.log_softmax(logits.float(), dim=-1)  # [V]
+        if keep:
+            self.first_full = lp.cpu()
+        if self.logprobs is None:
+            return int(tok.item()), None, None
         top_v, top_i = torch.topk(lp, self.logprobs) if self.logprobs else (lp[:0], tok[:0])  # [n], [n]
         packed = torch.cat([tok.to(lp.dtype), lp[tok], top_i.to(lp.dtype), top_v]).tolist()  # one host sync
         n = self.logprobs  # ids travel as float32: exact below 2**24, far above any vocabulary

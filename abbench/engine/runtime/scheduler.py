@@ -456,9 +456,7 @@ class Scheduler:
             prefill_graph_replays=p.graph_replays, attention_batch=p.attention_batch,
             attention_batched=p.attention_batched, attention_fallbacks=p.attention_fallbacks, auto=p.auto,
             layer_trace=seq.trace, full_logprobs=seq.sampler.first_full_b64() if seq.sampler else None,
-            prefill_batch=p.batch_prompts,
-            first_layer_primed=p.primed,
-            queue_s=round(seq.admitted - seq.submitted, 6))
+            prefill_batch=p.batch_prompts, first_layer_primed=p.primed, queue_s=round(seq.admitted - seq.submitted, 6))
 
     # -- leaving --------------------------------------------------------------------------------------------------
     def _leave(self, seq: Sequence) -> None:
