@@ -178,6 +178,8 @@ class OpenAIAdapter(Adapter):
             body["stream_options"] = {"include_usage": True}
         if request.logprobs is not None:
             body["logprobs"] = request.logprobs
+        if getattr(request, "full_logprobs", False):  # the vendored engine's / reference's whole first row
+            body["full_logprobs"] = True
         if model is not None:
             body["model"] = model
         if self.return_token_ids:

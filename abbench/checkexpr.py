@@ -105,6 +105,9 @@ METRICS: dict[str, Metric] = {m.name: m for m in (
            "share of those positions where both sides' most likely token is the same"),
     Metric("delta_p_rms", "", True, False,
            "root mean square of p_arm(t) - p_reference(t), t the reference's most likely token"),
+    Metric("kl_vocab_mean", "nats", True, False,
+           "mean KL(parity reference || arm) over the whole vocabulary at the first output position (needs "
+           "request.full_logprobs: the vendored engine or the transformers reference)"),
 )}
 PAIRED = ("ttft_ratio", "peak_vram_ratio", "decode_ratio", "throughput_ratio", "h2d_ratio")
 """Metrics that divide by another arm's sample of the same prompt and round (``vs ARM``, else the reference)."""
@@ -132,7 +135,7 @@ LOAD_METRIC_SPECS: dict[str, Metric] = {m.name: m for m in (
 )}
 """The metrics of load cells alone (a run with ``[load]``); :data:`ALL_METRICS` holds both."""
 ALL_METRICS: dict[str, Metric] = {**METRICS, **LOAD_METRIC_SPECS}
-NUMERICS = ("kl_mean", "kl_p99", "same_top", "delta_p_rms")
+NUMERICS = ("kl_mean", "kl_p99", "same_top", "delta_p_rms", "kl_vocab_mean")
 """Metrics of an arm's next-token distributions against the parity reference's, from their top-k logprobs: one
 cell over everything the selector picks, judged on a cluster-bootstrap interval (:mod:`abbench.analysis.numerics`)."""
 TWO_ARMS = ("crossover",)

@@ -146,6 +146,17 @@ class MemoryPoint(_Model):
     pcie_tx_bytes_per_s: float | None = None
 
 
+class VocabKL(_Model):
+    """The whole-vocabulary KL at the first output position of one sample against one sample of the parity
+    reference on the same prompt (``request.full_logprobs``: abbench.vocabrows)."""
+
+    step: int = Field(description="The sample's step.")
+    against: int = Field(description="The parity reference's sample's step.")
+    kl: float | None = Field(description="KL(reference || sample) over the whole vocabulary, nats (None: infinite, "
+                             "the sample gives no probability to an id the reference does).")
+    vocab: int = Field(description="Entries of each row.")
+
+
 class RunRecord(_Model):
     schema_version: int = SCHEMA_VERSION
     run_id: str
@@ -171,6 +182,10 @@ class RunRecord(_Model):
     load: list[LoadLevel] = Field(
         default_factory=list, description="With a [load] table: every (arm, level, round) cell as it ran, with "
         "each request's stamps, ids and errors (abbench.loadrecords); empty otherwise.")
+    vocab_kl: list[VocabKL] = Field(
+        default_factory=list, description="With request.full_logprobs: the whole-vocabulary KL at the first output "
+        "position of every measured sample against every measured sample of the parity reference on the same "
+        "prompt (abbench.vocabrows); empty otherwise.")
 
 
 def _atomic_write(path: Path, text: str) -> None:

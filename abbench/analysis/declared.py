@@ -95,7 +95,7 @@ from abbench.analysis.frames import (
 from abbench.analysis.decode import decode_over_expected
 from abbench.analysis.latency import itl_values, min_n, tpot_values, ttft_values
 from abbench.analysis.load import values as load_values
-from abbench.analysis.numerics import estimate, numerics_positions
+from abbench.analysis.numerics import NO_VOCAB_KL, estimate, numerics_positions
 from abbench.analysis.sweep import crossover, judge_crossover, sweep_pairs, sweep_spec
 from abbench.analysis.timing import CONFIDENCE, paired_ratios, quantile_ci
 from abbench.analysis.transfer import FLOOR_KINDS, floor_table
@@ -345,8 +345,9 @@ def _numerics_cells(record: RunRecord, c: DeclaredCheck) -> list[Cell]:
     rounds = int(pos["round"].nunique())
     kind = c.kind or "all"
     if est.low is None or est.high is None:
+        why = est.note if est.note == NO_VOCAB_KL else f"{est.note}; run more rounds or prompts"
         return [Cell(kind, c.tokens if c.tokens_op == "==" else None, est.pairs, rounds, est.value, None, None,
-                     "inconclusive", f"{est.note}; run more rounds or prompts")]
+                     "inconclusive", why)]
     status, why = interval_status(c, est.value, est.low, est.high, est.pairs, rounds)
     return [Cell(kind, c.tokens if c.tokens_op == "==" else None, est.pairs, rounds, est.value, est.low, est.high,
                  status, why or f"{est.positions} positions")]

@@ -21,13 +21,17 @@ where both sides captured logprobs. At each such position:
   per-position agreement rate of greedy decoding (the first diverging position counts as a 0).
 * ``delta_p``: p_arm(t) - p_ref(t) for the reference's most likely token t; a position where the arm's list does
   not hold t gives none.
+* ``kl_vocab``: at the first output position alone, KL(reference || arm) over the **whole vocabulary**, where the
+  run asked for whole rows (``request.full_logprobs``: the vendored engine and the transformers reference) and
+  recorded their KL (``RunRecord.vocab_kl``, :mod:`abbench.vocabrows`); none elsewhere.
 
 Statistics and checks
 ---------------------
 Per (arm, prompt kind, length) the positions of the selected pairs are pooled: ``kl_mean`` (mean KL),
 ``kl_p99`` (99th percentile of KL; at least 100 positions), ``same_top`` (rate) and ``delta_p_rms`` (root mean
-square of delta-p). Intervals are 95% cluster-bootstrap intervals that resample whole pairs (positions of one
-output are not independent), seed 0. A declared numerics check (``kl_mean[fp8] <= 0.01``,
+square of delta-p), and ``kl_vocab_mean`` (the mean whole-vocabulary KL at the first position, one value a
+pair: the KL itself where ``kl_mean`` is a bound). Intervals are 95% cluster-bootstrap intervals that resample
+whole pairs (positions of one output are not independent), seed 0. A declared numerics check (``kl_mean[fp8] <= 0.01``,
 ``same_top[fp8, fresh] >= 0.98``) is judged on the interval over every cell its selector picks, pooled into one
 cell: pass when the whole interval is on the right side of the bound, fail when wholly on the wrong side, else
 inconclusive (which fails). Fewer than two pairs give no interval: inconclusive.
@@ -53,14 +57,16 @@ from abbench.checkexpr import numerics_checked
 from abbench.errors import ConfigError
 from abbench.results import RunRecord, Sample
 
-NUMERICS_METRICS = ("kl_mean", "kl_p99", "same_top", "delta_p_rms")
+NUMERICS_METRICS = ("kl_mean", "kl_p99", "same_top", "delta_p_rms", "kl_vocab_mean")
 """The declared metrics this module computes (their grammar entries are in :mod:`abbench.checkexpr`)."""
 P99_MIN_POSITIONS = 100
 """``kl_p99`` needs at least this many positions."""
 _EPS = 1e-12
+NO_VOCAB_KL = ("no whole-vocabulary KL recorded: the run needs request.full_logprobs = true and engines that return "
+               "whole rows (the vendored engine, the transformers reference)")
 
 POSITION_COLUMNS = ["arm", "prompt_id", "kind", "target_tokens", "round", "against_round", "pair", "position",
-                    "kl", "same_top", "delta_p", "listed", "ref_mass"]
+                    "kl", "same_top", "delta_p", "listed", "ref_mass", "kl_vocab"]
 
 
 def numerics_arms(record: RunRecord) -> list[str]:
@@ -140,6 +146,7 @@ def numerics_positions(record: RunRecord, arms: list[str] | None = None) -> pd.D
     by_step = {s.step: s for s in measured_ok(record)}
     ref_of = {(s.prompt_id, s.round): s for s in sorted(measured_ok(record), key=lambda s: s.step) if s.arm == ref}
     targets = prompt_targets(record)
+    vocab = {(v.step, v.against): (math.inf if v.kl is None else v.kl) for v in record.vocab_kl}
     rows: list[dict[str, Any]] = []
     p = parity_frame(record, own_references=False)
     p = p[(p["check"] == "parity") & p["arm"].isin(arms) & p["match"].notna()]
@@ -152,7 +159,8 @@ def numerics_positions(record: RunRecord, arms: list[str] | None = None) -> pd.D
             rows.append({"arm": s.arm, "prompt_id": s.prompt_id, "kind": s.kind,
                          "target_tokens": targets.get(s.prompt_id, s.prompt_tokens), "round": s.round,
                          "against_round": r.round, "pair": pair, "position": pos, "kl": kl, "same_top": same,
-                         "delta_p": delta, "listed": listed, "ref_mass": listed_mass(r.logprobs[pos])})
+                         "delta_p": delta, "listed": listed, "ref_mass": listed_mass(r.logprobs[pos]),
+                         "kl_vocab": vocab.get((s.step, r.step)) if pos == 0 else None})
     return frame(rows, POSITION_COLUMNS, ints=["target_tokens", "against_round", "pair", "position", "same_top",
                                                "listed"])
 
@@ -177,9 +185,15 @@ def _delta_p_rms(g: pd.DataFrame) -> float:
     return float(np.sqrt(np.mean(d * d))) if d.size else math.nan
 
 
+def _kl_vocab_mean(g: pd.DataFrame) -> float:
+    return float(g["kl_vocab"].mean())
+
+
 STATISTICS: dict[str, Callable[[pd.DataFrame], float]] = {
-    "kl_mean": _kl_mean, "kl_p99": _kl_p99, "same_top": _same_top, "delta_p_rms": _delta_p_rms}
-STATISTIC_COLUMN = {"kl_mean": "kl", "kl_p99": "kl", "same_top": "same_top", "delta_p_rms": "delta_p"}
+    "kl_mean": _kl_mean, "kl_p99": _kl_p99, "same_top": _same_top, "delta_p_rms": _delta_p_rms,
+    "kl_vocab_mean": _kl_vocab_mean}
+STATISTIC_COLUMN = {"kl_mean": "kl", "kl_p99": "kl", "same_top": "same_top", "delta_p_rms": "delta_p",
+                    "kl_vocab_mean": "kl_vocab"}
 """The one column each statistic reads (a resample carries that column alone)."""
 
 
@@ -198,7 +212,7 @@ def _array_rms(a: np.ndarray) -> float:
 
 ARRAY_STATISTICS: dict[str, Callable[[np.ndarray], float]] = {
     "kl_mean": _array_mean, "kl_p99": lambda a: float(np.quantile(a, 0.99)), "same_top": _array_mean,
-    "delta_p_rms": _array_rms}
+    "delta_p_rms": _array_rms, "kl_vocab_mean": _array_mean}
 """``STATISTICS`` over the statistic's column as a float64 array (NaN where missing), for the bootstrap's
 resamples: the same values as on a frame, without a frame per resample (pandas' take was most of a numerics
 report's time)."""
@@ -220,6 +234,10 @@ def estimate(g: pd.DataFrame, metric: str, *, seed: int = BOOTSTRAP_SEED,
              n_resamples: int = BOOTSTRAP_RESAMPLES) -> Estimate:
     """``metric`` over the positions of ``g`` and a percentile interval from resampling its pairs whole."""
     stat = STATISTICS[metric]
+    if metric == "kl_vocab_mean":  # the first position of the pairs with both whole rows
+        g = g[g["kl_vocab"].notna()]
+        if g.empty:
+            return Estimate(math.nan, None, None, 0, 0, NO_VOCAB_KL)
     pairs = sorted(int(x) for x in g["pair"].unique())
     n_pos = len(g) if metric != "delta_p_rms" else int(g["delta_p"].notna().sum())
     value = stat(g) if n_pos else math.nan
@@ -248,7 +266,8 @@ def estimate(g: pd.DataFrame, metric: str, *, seed: int = BOOTSTRAP_SEED,
 
 
 NUMERICS_COLUMNS = ["arm", "pairs", "positions", "diverged", "kl_mean", "kl_mean_low", "kl_mean_high", "kl_p99",
-                    "same_top", "same_top_low", "same_top_high", "delta_p_rms", "listed_median", "ref_mass_median"]
+                    "same_top", "same_top_low", "same_top_high", "delta_p_rms", "listed_median", "ref_mass_median",
+                    "kl_vocab_pairs", "kl_vocab_mean", "kl_vocab_mean_low", "kl_vocab_mean_high"]
 
 
 def numerics_table(record: RunRecord, positions: pd.DataFrame | None = None) -> pd.DataFrame:
@@ -259,12 +278,17 @@ def numerics_table(record: RunRecord, positions: pd.DataFrame | None = None) -> 
     rows = []
     for arm, g in pos.groupby("arm", sort=False):
         kl, same = estimate(g, "kl_mean"), estimate(g, "same_top")
+        whole = estimate(g, "kl_vocab_mean") if g["kl_vocab"].notna().any() else None
         rows.append({"arm": arm, "pairs": kl.pairs, "positions": kl.positions,
                      "diverged": int(g.groupby("pair")["same_top"].min().eq(0).sum()),
                      "kl_mean": kl.value, "kl_mean_low": kl.low, "kl_mean_high": kl.high,
                      "kl_p99": _kl_p99(g) if len(g) >= P99_MIN_POSITIONS else None,
                      "same_top": same.value, "same_top_low": same.low, "same_top_high": same.high,
                      "delta_p_rms": _delta_p_rms(g), "listed_median": float(g["listed"].median()),
-                     "ref_mass_median": float(g["ref_mass"].median())})
-    out = frame(rows, NUMERICS_COLUMNS, ints=["pairs", "positions", "diverged"])
+                     "ref_mass_median": float(g["ref_mass"].median()),
+                     "kl_vocab_pairs": whole.positions if whole else 0,
+                     "kl_vocab_mean": whole.value if whole else None,
+                     "kl_vocab_mean_low": whole.low if whole else None,
+                     "kl_vocab_mean_high": whole.high if whole else None})
+    out = frame(rows, NUMERICS_COLUMNS, ints=["pairs", "positions", "diverged", "kl_vocab_pairs"])
     return sort_rows(out, record, ["arm"])

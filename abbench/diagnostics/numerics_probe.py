@@ -3,8 +3,8 @@
 A run's numerics verdict (:mod:`abbench.analysis.numerics`) computes each position's KL from the top-k logprobs
 both sides returned, with the rest of the vocabulary as one bucket: a lower bound of the KL over the whole
 vocabulary. Engines that can return the whole distribution (the vendored engine and the transformers reference:
-the request field ``full_logprobs``, a server started with ``--allow-request-overrides``) let this probe measure
-the KL itself, and how tight the run's bound was.
+the request field ``full_logprobs``) let this probe measure the KL itself at every compared position, and how
+tight the run's bound was (a run with ``request.full_logprobs`` records it at the first position alone).
 
 :func:`probe_numerics` sends the run's parity reference arm (the one the verdict compares against) and the probed
 arm the same histories: the prompt plus the reference's first ``i`` output ids of the run, for ``i`` = 0 up to
@@ -23,7 +23,6 @@ arms is like for like.
 
 from __future__ import annotations
 
-import base64
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -40,6 +39,7 @@ from abbench.diagnostics.probe import recorded_prompt_ids
 from abbench.errors import ConfigError
 from abbench.profile import RequestSpec, profile_from_dict
 from abbench.results import RunRecord
+from abbench.vocabrows import decode_row, vocab_kl
 
 
 @dataclass(frozen=True)
@@ -74,11 +74,6 @@ class NumericsProbe:
         return float(np.mean([s.kl_topk for s in self.steps])) if self.steps else math.nan
 
 
-def decode_row(b64: str) -> np.ndarray:
-    """An ``abbench.full_logprobs`` value as a float64 array of log-probabilities."""
-    return np.frombuffer(base64.b64decode(b64), dtype="<f4").astype(np.float64)
-
-
 def _top(row: np.ndarray, k: int) -> list[tuple[int, float]]:
     """The row's top-``k`` (id, logprob), highest first, the lower id first on ties (as the engine lists them)."""
     idx = np.lexsort((np.arange(row.size), -row))[:k]
@@ -87,15 +82,13 @@ def _top(row: np.ndarray, k: int) -> list[tuple[int, float]]:
 
 def compare_rows(ref: np.ndarray, arm: np.ndarray, k: int) -> tuple[float, float, int, float]:
     """(kl, kl_topk, same_top, delta_p) of two full log-probability rows (module docstring)."""
-    if ref.shape != arm.shape:
-        raise ConfigError(f"the two sides' vocabularies differ ({ref.size} and {arm.size} entries): no KL")
-    p = np.exp(ref)
-    live = p > 0
-    with np.errstate(invalid="ignore"):
-        kl = float(np.sum(p[live] * (ref[live] - arm[live])))  # +inf where the arm gives 0 to a live id
+    try:
+        kl = vocab_kl(ref, arm)  # +inf where the arm gives 0 to a live id
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     bound = position_stats(_top(ref, k), _top(arm, k))
     t = int(np.argmax(ref))  # the first of equal maxima: the lowest id, as greedy decoding takes it
-    return max(kl, 0.0), (bound[0] if bound is not None else 0.0), int(t == int(np.argmax(arm))), \
+    return kl, (bound[0] if bound is not None else 0.0), int(t == int(np.argmax(arm))), \
         float(math.exp(arm[t]) - math.exp(ref[t]))
 
 

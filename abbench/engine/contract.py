@@ -53,11 +53,13 @@ class Override:
     ge: int | None = None
     le: int | None = None
     choices: tuple[str, ...] = ()
+    gated: bool = True  # the server takes it only with --allow-request-overrides (False: it asks for output alone)
 
 
 def override(doc: str, kind: str, default: Any = None, **limits: Any) -> Any:
     """A :class:`GenerateRequest` field that is a per-request engine knob (:class:`Override`: ``kind`` and its
-    limits); the API's schema and the server's ``--allow-request-overrides`` gate take it from here."""
+    limits); the API's schema and the server's ``--allow-request-overrides`` gate take it from here (an
+    ungated one, ``gated=False``, asks for more output and changes nothing the engine computes: any request may)."""
     return field(default=default, metadata={"override": Override(doc, kind, **limits)})
 
 
@@ -88,8 +90,8 @@ class GenerateRequest:
         "state (abbench.engine.ops.trace).", "flag", default=False)
     full_logprobs: bool = override(
         "Return abbench.full_logprobs: the first output position's log-probabilities over the whole vocabulary, "
-        "base64 float32 little-endian (about 4 bytes a vocabulary entry: for probes, not runs).", "flag",
-        default=False)
+        "base64 float32 little-endian (about 4 bytes a vocabulary entry). Output alone: any request may ask.",
+        "flag", default=False, gated=False)
 
     @classmethod
     def overrides(cls) -> dict[str, Override]:

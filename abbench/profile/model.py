@@ -171,6 +171,19 @@ class Profile(_Model):
         ids are judged against it: not an arm judged by numerics instead."""
         checked = numerics_checked(self.gate.checks)
         names = [a.name for a in self.arms]
+        whole = sorted({c.arm for c in parse_checks(self.gate.checks) if c.metric == "kl_vocab_mean"})
+        if whole and not self.request.full_logprobs:
+            raise ValueError(f"gate.checks judge {', '.join(whole)} by kl_vocab_mean, the KL over the whole "
+                             "vocabulary: set request.full_logprobs = true (the engines return their whole rows)")
+        if self.request.full_logprobs:
+            other = [a.name for a in self.arms if self.arm_engine(a.name).adapter != "openai"]
+            if other:
+                raise ValueError(f"request.full_logprobs asks for the vendored engine's whole first row (the openai "
+                                 f"adapter: the engine or the transformers reference); arms {', '.join(other)} use "
+                                 "another adapter")
+            if self.load is not None:
+                raise ValueError("request.full_logprobs is for runs of single requests: each of a [load] level's "
+                                 "requests would carry a whole row (about 4 bytes a vocabulary entry)")
         for arm in self.arms:
             if arm.parity_reference is not None:
                 if arm.parity_reference not in names:

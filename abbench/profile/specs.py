@@ -84,6 +84,11 @@ class RequestSpec(_Model):
     logprobs: int | None = Field(
         2, ge=0, le=20, description="Top-k logprobs per output token, for divergence margins; null = none."
     )
+    full_logprobs: bool = Field(
+        False, description="Ask for the first output position's whole next-token distribution (the vendored engine "
+        "and the transformers reference: the request field full_logprobs; the openai adapter only). The run keeps "
+        "the rows aside while it runs and records the whole-vocabulary KL of every arm's sample against the parity "
+        "reference's (kl_vocab_mean), then drops them (about 4 bytes a vocabulary entry a request).")
     stream: bool = Field(True, description="Stream (SSE); TTFT needs it.")
     timeout_s: float = Field(300.0, gt=0, description="Per-request timeout (seconds, whole response).")
     extra: dict[str, Any] = Field(default_factory=dict, description="Extra body fields for every request.")

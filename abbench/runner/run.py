@@ -73,6 +73,7 @@ from abbench.profile import Profile, profile_from_dict
 from abbench.prometheus import parse_prometheus
 from abbench.prompts import BuiltPrompt, build_prompts
 from abbench.loadrecords import LoadLevel
+from abbench import vocabrows
 from abbench.results import RunRecord, Sample, SampleLog, Step, Telemetry, save_run
 from abbench.runner.lock import RunLock
 from abbench.signals import signals_as_interrupt, signals_deferred, signals_held
@@ -346,6 +347,7 @@ class Run:
 
     def record_sample(self, sample: Sample) -> None:
         with signals_held():  # requests.jsonl and run.json hold the same samples, whenever a signal comes
+            vocabrows.take_row(self.run_dir, sample)  # a whole first row (request.full_logprobs) goes aside
             self.log.append(sample)  # the durable copy first
             self.record.samples.append(sample)
         self.notify("sample", f"{sample.arm} {sample.prompt_id}", sample)
@@ -598,6 +600,26 @@ class Run:
         except RequestError:
             return False
 
+    def _vocab_kl(self) -> None:
+        """Record the whole-vocabulary KLs of the rows kept aside (:mod:`abbench.vocabrows`), beside those an
+        earlier part of the run recorded; a complete run drops its rows."""
+        if not vocabrows.has_rows(self.run_dir):
+            return
+        record = self.record
+        try:
+            new = vocabrows.vocab_kls(self.run_dir, record, self.profile.parity_reference_arm)
+        except (OSError, ValueError) as e:
+            self.notify("warning", f"the whole-vocabulary KLs were not recorded ({e}); the rows stay in "
+                        f"{self.run_dir / vocabrows.ROWS_DIR}")
+            return
+        steps = {s.step for s in record.samples}
+        done = {(v.step, v.against) for v in new}
+        record.vocab_kl = sorted([v for v in record.vocab_kl if (v.step, v.against) not in done
+                                  and v.step in steps and v.against in steps] + new,
+                                 key=lambda v: (v.step, v.against))
+        if record.status == "complete":
+            vocabrows.drop_rows(self.run_dir)
+
     def finish(self) -> None:
         """Tear every service down and save the record (a second signal meanwhile is ignored)."""
         record = self.record
@@ -610,6 +632,7 @@ class Run:
                 self.log.close()
                 if record.status == "running":
                     self._partial(record.status_reason or "ended unexpectedly")
+                self._vocab_kl()
                 record.finished_at = time.time()
                 save_run(self.run_dir, record)
                 self.notify("done", record.status)

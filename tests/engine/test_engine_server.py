@@ -8,6 +8,7 @@ UTF-8 hold-back of a streamed multi-byte character.
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import re
@@ -20,6 +21,7 @@ import time
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")  # the engine extra: torch, fastapi, uvicorn, prometheus-client
@@ -445,6 +447,11 @@ def test_cli_main_serves_and_refuses_overrides_by_default():
             for field, value in (("prefill_mode", "layer-major"), ("chunk_tokens", 64), ("decode_misses", "host")):
                 refused = client.post("/v1/completions", json=greedy("Hello", max_tokens=2, **{field: value}))
                 assert assert_openai_error(refused, 400, field)["code"] == "override_not_allowed"
+            # output alone (the whole first row): no flag needed
+            whole = client.post("/v1/completions", json=greedy("Hello", max_tokens=2, full_logprobs=True))
+            assert whole.status_code == 200, whole.text
+            row = np.frombuffer(base64.b64decode(whole.json()["abbench"]["full_logprobs"]), dtype="<f4")
+            assert int(np.argmax(row)) == whole.json()["choices"][0]["token_ids"][0]
     finally:
         proc.terminate()
         assert proc.wait(20) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal after a clean shutdown

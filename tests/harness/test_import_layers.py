@@ -41,7 +41,7 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
     # sit here, below the profile that validates with them
     ("formats and records", ("abbench.prometheus", "abbench.nvml", "abbench.sse", "abbench.results",
                              "abbench.tokenizers", "abbench.auth", "abbench.checkexpr", "abbench.schedule",
-                             "abbench.adapters", "abbench.loadrecords")),
+                             "abbench.adapters", "abbench.loadrecords", "abbench.vocabrows")),
     ("peer engines", ("abbench.peers",)),
     ("profile", ("abbench.profile",)),
     ("analysis", ("abbench.analysis",)),  # pure: derived numbers and the gate, from results

@@ -325,8 +325,82 @@ def test_the_bootstraps_array_statistics_are_the_frame_statistics_bit_for_bit() 
         kl[rng.random(n) < 0.05] = np.nan
         delta = rng.normal(0, 0.01, n)
         delta[rng.random(n) < 0.2] = np.nan
-        g = pd.DataFrame({"kl": kl, "same_top": pd.array(rng.integers(0, 2, n), dtype="Int64"), "delta_p": delta})
+        whole = kl * 3.0
+        whole[rng.random(n) < 0.5] = np.nan  # the first positions alone have one
+        g = pd.DataFrame({"kl": kl, "same_top": pd.array(rng.integers(0, 2, n), dtype="Int64"), "delta_p": delta,
+                          "kl_vocab": whole})
         for metric, stat in STATISTICS.items():
             col = g[STATISTIC_COLUMN[metric]].to_numpy(dtype=float, na_value=np.nan)
             want, got = stat(g), ARRAY_STATISTICS[metric](col)
             assert (want == got) or (np.isnan(want) and np.isnan(got)), (metric, n, want, got)
+
+
+# ------------------------------------------------------------------------------------------ whole rows
+
+
+def _b64(row: np.ndarray) -> str:
+    import base64
+
+    return base64.b64encode(np.asarray(row, dtype="<f4").tobytes()).decode()
+
+
+def test_whole_rows_go_aside_and_their_kl_is_recorded_for_every_reference_sample(tmp_path: Path) -> None:
+    """abbench.vocabrows: a measured ok sample's row leaves its ``engine`` object for ``rows/STEP.npy`` (an excluded
+    or failed sample's is dropped); the KL of each sample's row against each reference sample's of its prompt is
+    the float64 sum by hand, 0 against an equal row, None (infinite) where the arm gives an id no probability."""
+    from abbench import vocabrows
+
+    rec = numerics_run(0.05)
+    ref_row = np.log(np.array([0.5, 0.3, 0.2]))
+    arm_row = np.log(np.array([0.4, 0.4, 0.2]))
+    dead = np.array([0.0, 0.0, -np.inf])
+    for s in rec.samples:
+        row = ref_row if s.arm == "A" else (dead if s.prompt_id == rec.samples[-1].prompt_id else arm_row)
+        s.engine = {**(s.engine or {}), "full_logprobs": _b64(row)}
+        vocabrows.take_row(tmp_path, s)
+        assert "full_logprobs" not in s.engine
+    kept = {int(p.stem) for p in (tmp_path / "rows").glob("*.npy")}
+    assert kept == {s.step for s in rec.samples if s.ok and not s.excluded}
+    got = vocabrows.vocab_kls(tmp_path, rec, "A")
+    arm_of = {s.step: s for s in rec.samples}
+    per_prompt = {}
+    for s in rec.samples:
+        if s.arm == "A" and s.step in kept:
+            per_prompt[s.prompt_id] = per_prompt.get(s.prompt_id, 0) + 1
+    want = sum(per_prompt[arm_of[k].prompt_id] - (arm_of[k].arm == "A") for k in kept)
+    assert len(got) == want and all(v.vocab == 3 for v in got)
+    by_hand = float(np.sum(np.exp(ref_row) * (ref_row - arm_row.astype(np.float32).astype(np.float64))))
+    for v in got:
+        s = arm_of[v.step]
+        if s.arm == "A":
+            assert v.kl == 0.0
+        elif s.prompt_id == rec.samples[-1].prompt_id:
+            assert v.kl is None
+        else:
+            assert v.kl == pytest.approx(by_hand, rel=1e-6)
+    vocabrows.drop_rows(tmp_path)
+    assert not vocabrows.has_rows(tmp_path)
+
+
+def test_whole_rows_need_the_openai_adapter_no_load_and_a_kl_vocab_check_needs_them() -> None:
+    base = load_profile("cpu-tiny-fp8").model_dump()
+    assert base["request"]["full_logprobs"] and "kl_vocab_mean[fp8] <= 0.01" in base["gate"]["checks"]
+    base["request"]["full_logprobs"] = False
+    with pytest.raises(ConfigError, match="set request.full_logprobs = true"):
+        profile_from_dict(base)
+    base["request"]["full_logprobs"] = True
+    assert profile_from_dict(base).request.full_logprobs
+    with pytest.raises(ConfigError, match="arms fp8 use another adapter"):
+        profile_from_dict({**base, "arms": [*base["arms"][:2], {**base["arms"][2], "adapter": "vllm"},
+                                            *base["arms"][3:]]})
+    load = load_profile("cpu-tiny-load").model_dump()
+    load["request"]["full_logprobs"] = True
+    with pytest.raises(ConfigError, match="runs of single requests"):
+        profile_from_dict(load)
+
+
+def test_a_kl_vocab_check_without_rows_says_what_is_missing() -> None:
+    rec = numerics_run(0.05)
+    rec.profile["request"] = {**(rec.profile.get("request") or {}), "full_logprobs": True}
+    cells = judge(rec, parse_check("kl_vocab_mean[B] <= 0.01"))
+    assert [c.status for c in cells] == ["inconclusive"] and "request.full_logprobs" in cells[0].why

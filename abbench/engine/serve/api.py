@@ -153,7 +153,8 @@ def override_field(o: Override) -> tuple[Any, Any]:
     (null allowed: the server's own) and its limits and description."""
     kind = {"int": StrictInt, "flag": StrictBool, "choice": Literal[o.choices]}[o.kind]
     limits = {k: v for k, v in (("gt", o.gt), ("ge", o.ge), ("le", o.le)) if v is not None}
-    return kind | None, Field(None, description=f"{o.doc} Needs --allow-request-overrides.", **limits)
+    gate = " Needs --allow-request-overrides." if o.gated else ""
+    return kind | None, Field(None, description=f"{o.doc}{gate}", **limits)
 
 
 def completion_schema(request_type: type[GenerateRequest] = GenerateRequest) -> type[OpenAICompletion]:

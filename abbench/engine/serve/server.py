@@ -202,8 +202,8 @@ async def _serve(st: ServerState, request: Request, req: CompletionRequest, rece
     if req.model is not None and req.model != st.name:
         raise APIError(404, f"the model '{req.model}' does not exist; this server serves '{st.name}'",
                        param="model", code="model_not_found")
-    for field in GenerateRequest.overrides():
-        if getattr(req, field) not in (None, False) and not st.allow_request_overrides:
+    for field, o in GenerateRequest.overrides().items():
+        if o.gated and getattr(req, field) not in (None, False) and not st.allow_request_overrides:
             raise APIError(400, f"per-request {field} needs the server flag --allow-request-overrides",
                            param=field, code="override_not_allowed")
     ids = await _prompt_ids(req, st)

@@ -48,6 +48,11 @@ def numerics_section(ri: ReportInput) -> list[str]:
     rows["kl_ci"] = [_interval(lo, hi, _nats) for lo, hi in zip(rows["kl_mean_low"], rows["kl_mean_high"])]
     rows["same_ci"] = [_interval(lo, hi, lambda v: fmt_pct(v, 1)) for lo, hi in
                        zip(rows["same_top_low"], rows["same_top_high"])]
+    whole = bool((rows["kl_vocab_pairs"].fillna(0) > 0).any())
+    rows["vocab_ci"] = [_interval(lo, hi, _nats) for lo, hi in
+                        zip(rows["kl_vocab_mean_low"], rows["kl_vocab_mean_high"])]
+    vocab_cols = [Col("kl_vocab_mean", "Whole-vocabulary KL, first position (nats)", _nats),
+                  Col("vocab_ci", "95% CI  "), Col("kl_vocab_pairs", "Pairs with whole rows", fmt_int)] if whole else []
     lines = [
         "## Numerics", "",
         f"Arms with `parity = \"numerics\"` change arithmetic on purpose: the gate judges them by their declared "
@@ -58,23 +63,30 @@ def numerics_section(ri: ReportInput) -> list[str]:
         "a lower bound of the full-vocabulary KL (more logprobs tighten it; `abbench probe RUN --arm ARM --numerics` "
         "measures the whole vocabulary's, where the engine can return it); same top: both sides' most likely token "
         "agrees; Δp: p_arm − p_reference of the reference's most likely token. Intervals: 95%, resampling whole "
-        "pairs." + _own_references(ri), "",
+        "pairs." + (" The run asked for whole rows (`request.full_logprobs`): at the first output position the "
+                    "whole-vocabulary KL is the KL itself, one value a pair." if whole else "")
+        + _own_references(ri), "",
         table(rows, [Col("arm", "Arm", right=False), Col("pairs", "Pairs", fmt_int),
                      Col("positions", "Positions", fmt_int), Col("diverged", "Pairs that diverged", fmt_int),
                      Col("kl_mean", "Mean KL (nats)", _nats), Col("kl_ci", "95% CI"),
                      Col("kl_p99", "KL p99 (nats)", _nats), Col("same_top", "Same top", lambda v: fmt_pct(v, 1)),
                      Col("same_ci", "95% CI "), Col("delta_p_rms", "RMS Δp", lambda v: fmt_num(v, 4)),
                      Col("listed_median", "Ids in both lists (median)", lambda v: fmt_num(v, 0)),
-                     Col("ref_mass_median", "Reference's listed mass (median)", lambda v: fmt_pct(v, 1))],
+                     Col("ref_mass_median", "Reference's listed mass (median)", lambda v: fmt_pct(v, 1)),
+                     *vocab_cols],
               drop_constant=False),
     ]
     thin = [str(r.arm) for r in t.itertuples()
             if not is_na(r.ref_mass_median) and float(r.ref_mass_median) < LISTED_MASS_LOW]
     if thin:
         lines += ["", f"The reference's top-k lists held under {LISTED_MASS_LOW:.0%} of its probability mass at the "
-                      f"median position for {', '.join(thin)}: the KL above leaves the rest to one bucket and can be "
-                      "far below the whole vocabulary's. `abbench probe RUN --arm ARM --numerics` measures the whole "
-                      "vocabulary's where the engine can return it."]
+                      f"median position for {', '.join(thin)}: the mean KL above leaves the rest to one bucket and "
+                      "can be far below the whole vocabulary's. " + (
+                          "The whole-vocabulary column is the KL itself at the first position; `abbench probe RUN "
+                          "--arm ARM --numerics` measures it at every compared position." if whole else
+                          "`abbench probe RUN --arm ARM --numerics` measures the whole vocabulary's where the engine "
+                          "can return it; `request.full_logprobs = true` records it at the first position of every "
+                          "request of a run.")]
     if random_weights(ri.record):
         lines += ["", "The services load random weights: these figures check the machinery (the logprobs, the "
                       "pairing, the statistics), not a trained model's quality."]
