@@ -73,7 +73,8 @@ AUTO_CHUNK_TOKENS = (4096, 2048)
 """``chunk_tokens`` "auto": the first of these whose device-memory plan fits (the engine's start, with a plan: a GPU
 or a budget); the last without a plan or when none fits (then the plan's own refusal). On an H100 the hybrid's
 4096-token chunks made its resident and layer-major prefills 9-13% faster at 32K-128K and halved layer-major's
-distance to its floor at 32K (results/20261206h, 20261206k); at 256K under 16 GiB they leave no decode slot."""
+distance to its floor at 32K (results/20261206h, 20261206k; "auto" itself in a service: 20261206p); at 256K under
+16 GiB they leave no decode slot."""
 # where an FP8 bank's streamed layers are dequantized (EngineConfig.fp8_dequant): "compute" on the compute stream
 # at the layer's turn, "copy" on the copy stream right after the copy, beside the compute (runtime.experts);
 # "gemm": never as a pass, the prefill's grouped GEMM reads the FP8 values and row scales (ops.moe.Fp8Experts);
