@@ -608,7 +608,7 @@ class Run:
         record = self.record
         try:
             new = vocabrows.vocab_kls(self.run_dir, record, self.profile.parity_reference_arm)
-        except (OSError, ValueError) as e:
+        except Exception as e:  # noqa: BLE001 - in finish(): the record is saved whatever happens here
             self.notify("warning", f"the whole-vocabulary KLs were not recorded ({e}); the rows stay in "
                         f"{self.run_dir / vocabrows.ROWS_DIR}")
             return
