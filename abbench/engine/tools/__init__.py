@@ -1,7 +1,9 @@
 """Device self-checks and what only they and the tests use: ``gpucheck`` (Qwen3-MoE at full width),
 ``gpucheck_hybrid`` (the hybrids), ``gpucheck_decode_kernels`` (each decode kernel against torch's),
 ``gpucheck_policy`` (auto prefill's crossover), ``gpucheck_batch`` (many sequences at once), ``gpucheck_fp8``
-(FP8 banks). Nothing of the runtime imports them.
+(FP8 banks), ``gpucheck_bits`` (the same bits in every repeat and process; the distance between configurations),
+``gpucheck_memory`` (a budgeted engine's memory as torch and the driver see it). Nothing of the runtime imports
+them.
 
 ``release(cuda)``: what a check does after dropping an engine, before building the next one.
 """
