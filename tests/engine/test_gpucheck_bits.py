@@ -70,3 +70,16 @@ def test_the_memory_check_runs_both_slot_layouts_on_cpu(tmp_path) -> None:
     assert [p["at"] for p in rows[0]["points"]] == ["start", "after a request", "after empty_cache",
                                                    "after a second request"]
     assert all(p["allocated"] is None for r in rows for p in r["points"])
+
+
+def test_depth_continues_the_layer_pattern_and_refuses_qwen4() -> None:
+    from abbench.engine.config import PRESETS
+    from abbench.engine.tools.gpucheck_bits import deepen
+
+    mc = PRESETS["qwen3.5-tiny"]
+    deep = deepen(mc, 10)
+    assert deep.num_hidden_layers == 10 and deep.layer_types == (mc.layer_types * 3)[:10]
+    assert deep.attention_layers == (3, 7) and deep.hidden_size == mc.hidden_size
+    assert deepen(PRESETS["tiny"], 6).num_hidden_layers == 6
+    with pytest.raises(ValueError, match="Qwen4-Exp"):
+        deepen(PRESETS["qwen4-exp-tiny"], 6)

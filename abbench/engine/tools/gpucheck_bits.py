@@ -21,8 +21,11 @@ one fresh ``TRITON_CACHE_DIR`` for all of them; the engine's default, see ``gdn`
 (``TRITON_CACHE_AUTOTUNING=0``); ``TRITON_PRINT_AUTOTUNING=1`` in the environment prints each process's picks.
 The KL between two engines that should agree up to rounding (another chunk length: another summation order) is
 the yardstick of a model's sensitivity: a random-weight model carries a small change further than a trained one.
+``--depth N`` builds the preset with N layers (its layer kinds continued in their pattern) to see how that grows
+with depth: on CPU the tiny hybrid's whole-vocabulary KL of FP8 experts grows with its layers (docs/fp8.md).
 
-Writes every figure to ``--out`` (JSON). Exit status 1 when repeats or processes of one engine disagree, 2 when a process fails.
+Writes every figure to ``--out`` (JSON). Exit status 1 when repeats or processes of one engine disagree, 2 when a
+process fails.
 """
 
 from __future__ import annotations
@@ -68,6 +71,17 @@ def parse_engine(spec: str) -> tuple[str, dict]:
     return name, fields
 
 
+def deepen(mc, n: int):
+    """``mc`` with ``n`` layers, its layer kinds continued in their pattern (random weights have no depth of their
+    own): how far a model carries the same rounding as it gets deeper. ValueError for Qwen4-Exp (its PLE layers)."""
+    import dataclasses
+
+    if mc.is_qwen4:
+        raise ValueError("--depth does not extend Qwen4-Exp (its PLE layers are a list of their own)")
+    extra = {"layer_types": tuple(mc.layer_types[i % len(mc.layer_types)] for i in range(n))} if mc.is_hybrid else {}
+    return dataclasses.replace(mc, num_hidden_layers=n, name=f"{mc.name}-{n}l", **extra)
+
+
 def _row(b64: str) -> np.ndarray:
     return np.frombuffer(base64.b64decode(b64), dtype="<f4").astype(np.float64)
 
@@ -79,8 +93,9 @@ def kl(ref: np.ndarray, other: np.ndarray) -> float:
     return max(float(np.sum(p[live] * (ref[live] - other[live]))), 0.0)
 
 
-def run_process(model: str, layers: int | None, lengths: list[int], engines: list[tuple[str, dict]],
-                repeats: int, max_tokens: int, device: str, rows_dir: Path) -> list[dict]:
+def run_process(model: str, layers: int | None, depth: int | None, lengths: list[int],
+                engines: list[tuple[str, dict]], repeats: int, max_tokens: int, device: str,
+                rows_dir: Path) -> list[dict]:
     """This process's requests (module docstring): one record per engine, length and repeat, each row saved to
     ``rows_dir/NAME-LENGTH-REPEAT.npy``."""
     from abbench.engine.runtime.engine import Engine
@@ -88,6 +103,8 @@ def run_process(model: str, layers: int | None, lengths: list[int], engines: lis
     mc = PRESETS[model]
     if layers:
         mc = mc.first_layers(layers, name=f"{mc.name}-{layers}l")
+    if depth:
+        mc = deepen(mc, depth)
     cuda = device == "cuda"
     base = dict(model=mc, weights="random:0", device=device, dtype="bfloat16" if cuda else "float32",
                 max_context=max(lengths) + max_tokens + 8, layer_major_window_tokens=max(max(lengths), 2048),
@@ -163,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--model", default=None, help="preset (default: qwen3.5-35b-a3b on cuda, qwen3.5-tiny on cpu)")
     p.add_argument("--layers", type=int, default=None, help="the preset's first N layers (default: all)")
+    p.add_argument("--depth", type=int, default=None,
+                   help="instead: the preset with N layers, its layer kinds continued in their pattern")
     p.add_argument("--tokens", default=None, help="prompt lengths, comma-separated (default 4096,32768; 256 on cpu)")
     p.add_argument("--engines", nargs="+", default=["resident:prefill_mode=resident"],
                    help="NAME:field=value,... (EngineConfig fields), in this order; the first is the yardstick")
@@ -184,8 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         p.error(str(exc))
     if args.rows_dir is not None:  # a child: run, write the records, leave the comparing to the parent
-        recs = run_process(model, args.layers, lengths, engines, args.repeats, args.max_tokens, args.device,
-                           args.rows_dir)
+        recs = run_process(model, args.layers, args.depth, lengths, engines, args.repeats, args.max_tokens,
+                           args.device, args.rows_dir)
         (args.rows_dir / "records.json").write_text(json.dumps(recs))
         return 0
     with tempfile.TemporaryDirectory(prefix="gpucheck-bits-") as tmp:
@@ -207,11 +226,12 @@ def main(argv: list[str] | None = None) -> int:
             dirs.append(d)
             processes.append(json.loads((d / "records.json").read_text()))
         lines, ok = compare(processes, dirs)
-    print(f"{model} ({args.layers or 'all'} layers), {args.device}, {args.processes} process(es), "
+    print(f"{model} ({args.depth or args.layers or 'all'} layers), {args.device}, {args.processes} process(es), "
           f"{args.repeats} repeat(s), autotune cache {args.autotune_cache}")
     _print(lines)
     if args.out:
-        args.out.write_text(json.dumps({"model": model, "layers": args.layers, "device": args.device,
+        args.out.write_text(json.dumps({"model": model, "layers": args.layers, "depth": args.depth,
+                                        "device": args.device,
                                         "processes": args.processes, "repeats": args.repeats,
                                         "autotune_cache": args.autotune_cache, "engines": args.engines,
                                         "lines": lines, "self_consistent": ok}, indent=1))
