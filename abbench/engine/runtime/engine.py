@@ -72,6 +72,11 @@ from abbench.engine.runtime.steps import LayerSteps
 __all__ = ["Engine"]
 
 
+ALLOC_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+"""Where the environment configures torch's CUDA allocator: the engine then leaves it as set; otherwise it turns on
+expandable segments (memory that a freed block leaves goes back to the driver instead of staying reserved)."""
+
+
 def _resolve_device(name: str) -> torch.device:
     if name == "cpu":
         return torch.device("cpu")
@@ -153,6 +158,11 @@ class Engine:
             if self.device.type == "cuda":
                 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.use_deterministic_algorithms(True, warn_only=True)
+        if self.device.type == "cuda" and not any(v in os.environ for v in ALLOC_CONF_VARS):
+            # the slot cache and the prefill buffers in one allocation stranded 2.05 GiB of reserved memory that
+            # empty_cache() could not return (a 16 GiB hybrid service's process at 16.0 GiB by NVML); with
+            # expandable segments 0.6 GiB, 14.5 (docs/hybrid-at-the-floor.md). Before the first allocation.
+            torch.cuda.memory._set_allocator_settings("expandable_segments:True")
         mc = self.model_config
         self._lock = threading.Lock()
         self.startup_phases: dict[str, float] = {}  # seconds of each step of the build, in order
