@@ -19,18 +19,17 @@ Contract:
     ``fused_recurrent_gated_delta_rule`` run instead (same arguments, fp32 state in and out); otherwise the
     torch code below, which is the CPU path. ``backend(device)`` says which one a device gets. In one
     process Triton's autotuning settles once per shape, so every mode (same chunk shapes) gets the same
-    kernel configs after a warm-up. Separate processes would each time the candidates and keep their own
-    fastest (another config: other bits), so before fla is first imported the engine turns on Triton's
-    on-disk autotuning cache (``TRITON_CACHE_AUTOTUNING=1``, unless the environment sets it; the cache is
-    ``TRITON_CACHE_DIR``, ``~/.triton/cache`` by default): every process on a machine then runs the configs
-    the first one measured, and two services of one arm give the same bits (``tools.gpucheck_bits``).
+    kernel configs after a warm-up. Across processes fla keeps each choice in Triton's on-disk cache
+    (``FLA_CACHE_RESULTS``, on by default: Triton's ``cache_results``; the cache is ``TRITON_CACHE_DIR``,
+    ``~/.triton/cache`` by default), so every later process on a machine runs the configs the first one
+    measured: on an H100 a second process autotuned nothing and gave the same bits
+    (results/20261206s-h100-bits-memory, ``tools.gpucheck_bits --autotune-cache``).
 - Pure functions: nothing is written in place; the caller stores the returned states.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import torch.nn.functional as F
@@ -113,7 +112,6 @@ def chunk_rule(q, k, v, g, beta, state):
 @functools.cache
 def _fla():
     """fla's (chunk, fused_recurrent) gated delta rule kernels, or None when fla does not import."""
-    os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")  # read when fla builds its autotuners: see above
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
     except Exception:  # noqa: BLE001 - not installed, or no Triton for this device

@@ -161,7 +161,7 @@ class Engine:
         if self.device.type == "cuda" and not any(v in os.environ for v in ALLOC_CONF_VARS):
             # the slot cache and the prefill buffers in one allocation stranded 2.05 GiB of reserved memory that
             # empty_cache() could not return (a 16 GiB hybrid service's process at 16.0 GiB by NVML); with
-            # expandable segments 0.6 GiB, 14.5 (docs/hybrid-at-the-floor.md). Before the first allocation.
+            # expandable segments 0.6 GiB, 14.5 (docs/engine.md, "Torch's allocator"). Before the first allocation.
             torch.cuda.memory._set_allocator_settings("expandable_segments:True")
         mc = self.model_config
         self._lock = threading.Lock()

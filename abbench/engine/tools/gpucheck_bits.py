@@ -14,11 +14,12 @@ and length:
 - against the first engine (process 0, first repeat): the whole-vocabulary KL(first || this) in nats, the
   largest difference of a log-probability, the first id that differs and whether the top id is the same.
 
-Separate processes can differ where one process cannot: Triton's autotuner times its candidate configs in each
+Separate processes can differ where one process cannot: Triton's autotuner times its candidate configs in a
 process and keeps the fastest, and fla's gated delta rule kernels are autotuned (``abbench.engine.ops.gdn``).
-``--autotune-cache on`` runs the processes with Triton's on-disk autotuning cache (``TRITON_CACHE_AUTOTUNING=1``,
-one fresh ``TRITON_CACHE_DIR`` for all of them; the engine's default, see ``gdn``), ``off`` without it
-(``TRITON_CACHE_AUTOTUNING=0``); ``TRITON_PRINT_AUTOTUNING=1`` in the environment prints each process's picks.
+fla keeps the choices in Triton's on-disk cache by default (``FLA_CACHE_RESULTS=1``), so later processes on a
+machine reuse them. ``--autotune-cache on`` runs the processes with that cache (``FLA_CACHE_RESULTS=1``,
+``TRITON_CACHE_AUTOTUNING=1``) in one fresh ``TRITON_CACHE_DIR`` for all of them, ``off`` without it (both 0:
+each process tunes for itself); ``TRITON_PRINT_AUTOTUNING=1`` in the environment prints each process's picks.
 The KL between two engines that should agree up to rounding (another chunk length: another summation order) is
 the yardstick of a model's sensitivity: a random-weight model carries a small change further than a trained one.
 ``--depth N`` builds the preset with N layers (its layer kinds continued in their pattern) to see how that grows
@@ -210,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="gpucheck-bits-") as tmp:
         env = dict(os.environ)
         if args.autotune_cache != "inherit":
-            env["TRITON_CACHE_AUTOTUNING"] = "1" if args.autotune_cache == "on" else "0"
+            env["FLA_CACHE_RESULTS"] = env["TRITON_CACHE_AUTOTUNING"] = "1" if args.autotune_cache == "on" else "0"
             env["TRITON_CACHE_DIR"] = str(Path(tmp) / "triton")
         dirs, processes = [], []
         for i in range(args.processes):
