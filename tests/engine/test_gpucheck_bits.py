@@ -1,6 +1,6 @@
 """``tools.gpucheck_bits``: the same bits every time, in one process and across processes, and the distance
 between two configurations; ``tools.gpucheck_memory``: where a budgeted engine's memory goes (the tiny hybrid on
-CPU; on a GPU they are run by hand or in a device chain)."""
+CPU; on a GPU they are run by hand or in a device chain); and the allocator setting that memory check led to."""
 
 from __future__ import annotations
 
@@ -83,3 +83,15 @@ def test_depth_continues_the_layer_pattern_and_refuses_qwen4() -> None:
     assert deepen(PRESETS["tiny"], 6).num_hidden_layers == 6
     with pytest.raises(ValueError, match="Qwen4-Exp"):
         deepen(PRESETS["qwen4-exp-tiny"], 6)
+
+
+def test_the_engine_turns_on_expandable_segments_on_cuda_unless_the_environment_configures_the_allocator() -> None:
+    import torch
+
+    from abbench.engine.runtime.engine import allocator_settings
+
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert allocator_settings(cuda, {}) == "expandable_segments:True"
+    assert allocator_settings(cuda, {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512"}) is None
+    assert allocator_settings(cuda, {"PYTORCH_ALLOC_CONF": "expandable_segments:False"}) is None
+    assert allocator_settings(cpu, {}) is None

@@ -39,7 +39,7 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 import torch
 
@@ -73,8 +73,19 @@ __all__ = ["Engine"]
 
 
 ALLOC_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
-"""Where the environment configures torch's CUDA allocator: the engine then leaves it as set; otherwise it turns on
-expandable segments (memory that a freed block leaves goes back to the driver instead of staying reserved)."""
+"""Where the environment configures torch's CUDA allocator (:func:`allocator_settings`)."""
+
+
+def allocator_settings(device: torch.device, environ: Mapping[str, str]) -> str | None:
+    """What the engine sets in torch's CUDA caching allocator on ``device``: expandable segments (the memory a
+    freed block leaves can go back to the driver instead of staying reserved) on CUDA, unless ``environ``
+    configures the allocator itself (``ALLOC_CONF_VARS``: then as set); None off CUDA. With the slot cache and
+    the prefill buffers in one allocation, a 16 GiB hybrid engine kept 2.05 GiB reserved beyond its tensors that
+    ``empty_cache()`` could not return (the process at 16.00 GiB by NVML); with expandable segments 0.60 GiB and
+    14.53 (docs/engine.md, "Torch's allocator")."""
+    if device.type != "cuda" or any(v in environ for v in ALLOC_CONF_VARS):
+        return None
+    return "expandable_segments:True"
 
 
 def _resolve_device(name: str) -> torch.device:
@@ -158,11 +169,9 @@ class Engine:
             if self.device.type == "cuda":
                 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.use_deterministic_algorithms(True, warn_only=True)
-        if self.device.type == "cuda" and not any(v in os.environ for v in ALLOC_CONF_VARS):
-            # the slot cache and the prefill buffers in one allocation stranded 2.05 GiB of reserved memory that
-            # empty_cache() could not return (a 16 GiB hybrid service's process at 16.0 GiB by NVML); with
-            # expandable segments 0.6 GiB, 14.5 (docs/engine.md, "Torch's allocator"). Before the first allocation.
-            torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+        settings = allocator_settings(self.device, os.environ)
+        if settings is not None:  # before the first allocation
+            torch.cuda.memory._set_allocator_settings(settings)
         mc = self.model_config
         self._lock = threading.Lock()
         self.startup_phases: dict[str, float] = {}  # seconds of each step of the build, in order
