@@ -83,6 +83,19 @@ def deepen(mc, n: int):
     return dataclasses.replace(mc, num_hidden_layers=n, name=f"{mc.name}-{n}l", **extra)
 
 
+def model_and_engines(p: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[str, list[tuple[str, dict]]]:
+    """A check's ``--model`` (default: the hybrid on CUDA, its tiny preset on CPU) and parsed ``--engines``; the
+    parser's error (exit 2) for an unknown preset or a bad spec."""
+    model = args.model or ("qwen3.5-35b-a3b" if args.device == "cuda" else "qwen3.5-tiny")
+    if model not in PRESETS:
+        p.error(f"--model: one of {', '.join(PRESETS)}, got {model!r}")
+    try:
+        return model, [parse_engine(s) for s in args.engines]
+    except ValueError as exc:
+        p.error(str(exc))
+        raise  # (p.error exits)
+
+
 def _row(b64: str) -> np.ndarray:
     return np.frombuffer(base64.b64decode(b64), dtype="<f4").astype(np.float64)
 
@@ -195,14 +208,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows-dir", type=Path, default=None, help=argparse.SUPPRESS)  # one process's rows (internal)
     args = p.parse_args(argv)
     cuda = args.device == "cuda"
-    model = args.model or ("qwen3.5-35b-a3b" if cuda else "qwen3.5-tiny")
+    model, engines = model_and_engines(p, args)
     lengths = [int(v) for v in (args.tokens or ("4096,32768" if cuda else "256")).split(",")]
-    if model not in PRESETS:
-        p.error(f"--model: one of {', '.join(PRESETS)}, got {model!r}")
-    try:
-        engines = [parse_engine(s) for s in args.engines]
-    except ValueError as exc:
-        p.error(str(exc))
     if args.rows_dir is not None:  # a child: run, write the records, leave the comparing to the parent
         recs = run_process(model, args.layers, args.depth, lengths, engines, args.repeats, args.max_tokens,
                            args.device, args.rows_dir)

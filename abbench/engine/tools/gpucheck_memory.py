@@ -26,7 +26,7 @@ import torch
 
 from abbench.engine.config import PRESETS, EngineConfig
 from abbench.engine.tools import release
-from abbench.engine.tools.gpucheck_bits import parse_engine
+from abbench.engine.tools.gpucheck_bits import model_and_engines
 
 GIB = 2**30
 
@@ -104,13 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=None, help="write every figure as JSON")
     args = p.parse_args(argv)
     cuda = args.device == "cuda"
-    model = args.model or ("qwen3.5-35b-a3b" if cuda else "qwen3.5-tiny")
-    if model not in PRESETS:
-        p.error(f"--model: one of {', '.join(PRESETS)}, got {model!r}")
-    try:
-        engines = [parse_engine(s) for s in args.engines]
-    except ValueError as exc:
-        p.error(str(exc))
+    model, engines = model_and_engines(p, args)
     with torch.no_grad():
         rows = measure(model, args.budget, args.max_context, args.tokens or (4096 if cuda else 256), engines,
                        args.device)
