@@ -110,8 +110,8 @@ def kl(ref: np.ndarray, other: np.ndarray) -> float:
 def run_process(model: str, layers: int | None, depth: int | None, lengths: list[int],
                 engines: list[tuple[str, dict]], repeats: int, max_tokens: int, device: str,
                 rows_dir: Path) -> list[dict]:
-    """This process's requests (module docstring): one record per engine, length and repeat, each row saved to
-    ``rows_dir/NAME-LENGTH-REPEAT.npy``."""
+    """This process's requests (module docstring): one record per engine, length and repeat, each first repeat's
+    row saved to ``rows_dir/NAME-LENGTH-0.npy``."""
     from abbench.engine.runtime.engine import Engine
 
     mc = PRESETS[model]
@@ -132,7 +132,8 @@ def run_process(model: str, layers: int | None, depth: int | None, lengths: list
                 engine.reset()
                 events, stats = engine.run(prompt, max_tokens, full_logprobs=True)
                 row = _row(stats.full_logprobs)
-                np.save(rows_dir / f"{name}-{n}-{r}.npy", row)
+                if r == 0:  # the rows compared (``compare``); the others by their hash
+                    np.save(rows_dir / f"{name}-{n}-{r}.npy", row)
                 out.append({"engine": name, "tokens": n, "repeat": r, "path": stats.prefill_path,
                             "sha": hashlib.sha256(row.tobytes()).hexdigest()[:16],
                             "ids": [e.token_id for e in events]})
