@@ -296,6 +296,47 @@ def test_experts_reading_fp8_misses_equal_dequantizing_them_first(dtype):
         dk.moe_one_token(h, w, slots, gu, dn, fetch=(src, q_gu, q_dn, s_gu[:, :4].contiguous(), s_dn))
 
 
+@pytest.mark.parametrize("n_tok", [1, 3])
+def test_every_way_of_reading_fp8_weights_sums_in_one_order_at_full_width(n_tok):
+    """At the width of the 35B-A3B models' experts (H 2048, I 512) and ``moe_tokens``' own tiles, the float32 sums
+    are bit for bit those of slots holding the same weights dequantized, however the kernels read them: FP8 slots
+    (hits), FP8 slots filled by misses from an FP8 bank, compute-dtype slots filled by them. Compiled Triton lays
+    a tile out by its loads' width, and a float8 tile would hold twice a bfloat16 tile's columns a thread (another
+    summation order). Small tiles have too few columns a thread for that, and an engine's bfloat16 outputs hide a
+    float32 difference at small widths: at full width FP8 slots left the resident FP8 engine's ids
+    (results/20261206t)."""
+    if DEVICE.type != "cuda" or not dk.have_triton():
+        pytest.skip("compiled Triton's tile layouts: CUDA")
+    from abbench.engine.models.bank import dequantize, quantize_rows
+
+    gen = torch.Generator().manual_seed(11)
+    E, H, inter, k = 8, 2048, 512, 4
+    (q_gu, s_gu), (q_dn, s_dn) = (quantize_rows(torch.randn(E, 2 * inter, H, generator=gen) / 8),
+                                  quantize_rows(torch.randn(E, H, inter, generator=gen) / 8))
+    host = tuple(t.pin_memory() for t in (q_gu, q_dn, s_gu, s_dn))  # read zero-copy by the kernels
+    dq_gu, dq_dn = (dequantize(q.to(DEVICE), sc.to(DEVICE), torch.bfloat16)
+                    for q, sc in ((q_gu, s_gu), (q_dn, s_dn)))
+    ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(n_tok)]).to(DEVICE)
+    h = torch.randn(n_tok, H, generator=gen).to(torch.bfloat16).to(DEVICE)
+    w = torch.softmax(torch.randn(n_tok, k, generator=gen), -1).to(DEVICE)
+    src = ids.reshape(-1).to(torch.int32)  # every pair a miss of its expert, into the slot of its number
+    want = dk.moe_tokens(h, w, ids, dq_gu, dq_dn, out_dtype=torch.float32)  # resident, dequantized weights
+    fp8_slots = dk.moe_tokens(h, w, ids, q_gu.to(DEVICE), q_dn.to(DEVICE), out_dtype=torch.float32,
+                              slot_scales=(s_gu.to(DEVICE), s_dn.to(DEVICE)))
+    gu8, dn8 = torch.zeros_like(q_gu, device=DEVICE), torch.zeros_like(q_dn, device=DEVICE)
+    sgu8, sdn8 = torch.ones_like(s_gu, device=DEVICE), torch.ones_like(s_dn, device=DEVICE)
+    fp8_misses = dk.moe_tokens(h, w, ids, gu8, dn8, host=host, src=src, slot_scales=(sgu8, sdn8),
+                               out_dtype=torch.float32)
+    gu, dn = torch.zeros_like(dq_gu), torch.zeros_like(dq_dn)
+    misses = dk.moe_tokens(h, w, ids, gu, dn, host=host, src=src, out_dtype=torch.float32)
+    for name, got in (("FP8 slots", fp8_slots), ("misses into FP8 slots", fp8_misses),
+                      ("misses into bfloat16 slots", misses)):
+        assert torch.equal(got, want), f"{name}: {(got - want).abs().max().item():.3g} off"
+    routed = ids.unique()
+    assert torch.equal(gu8[routed].view(torch.uint8), q_gu.to(DEVICE)[routed].view(torch.uint8))  # the misses
+    assert torch.equal(sgu8[routed], s_gu.to(DEVICE)[routed]) and torch.equal(gu[routed], dq_gu[routed])
+
+
 def test_the_kernel_check_runs_and_every_candidate_agrees(tmp_path, capsys):
     out = tmp_path / "kernels.json"
     assert main(["--device", str(DEVICE), "--contexts", "64,128", "--replays", "3", "--batch", "1,3", "--out",

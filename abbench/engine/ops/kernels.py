@@ -99,7 +99,7 @@ if triton is not None:
     def _gate_up_group(h_ptr, w_ptr, slots_ptr, src_ptr, members_ptr, out_ptr, host_ptr, scale_ptr, wscale_ptr,
                        H: tl.constexpr, I: tl.constexpr, K: tl.constexpr, M: tl.constexpr, stride_we, stride_wn,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FETCH: tl.constexpr, FP8: tl.constexpr,
-                       SLOT_FP8: tl.constexpr):
+                       SLOT_FP8: tl.constexpr, VEC: tl.constexpr):
         p = tl.program_id(0)  # a routed pair; the first pair of each expert does its expert's work
         nb = tl.program_id(1)
         mi = tl.arange(0, M)
@@ -133,7 +133,11 @@ if triton is not None:
             acc_g = tl.zeros([M, BLOCK_N], dtype=tl.float32)  # row j: pair mem[j]
             acc_u = tl.zeros([M, BLOCK_N], dtype=tl.float32)
             for k0 in range(0, H, BLOCK_K):
-                cols = k0 + tl.arange(0, BLOCK_K)
+                # at most VEC columns a thread (16 bytes of the compute dtype): Triton lays a tile out by its
+                # loads' width, and the row sums below follow the layout. float8 loads would otherwise take 16
+                # a thread where the compute dtype's take 8 (bfloat16), and FP8 slots would sum in another order
+                # than slots holding the same weights dequantized (results/20261206t: other ids at full width)
+                cols = tl.max_contiguous(k0 + tl.arange(0, BLOCK_K), VEC)
                 cmask = cols < H
                 m = rmask[:, None] & cmask[None, :]
                 g_off = rows[:, None] * stride_wn + cols[None, :]
@@ -183,7 +187,8 @@ if triton is not None:
     @triton.jit
     def _down_group(a_ptr, w_ptr, slots_ptr, src_ptr, members_ptr, y_ptr, host_ptr, scale_ptr, wscale_ptr, h_ptr,
                     H: tl.constexpr, I: tl.constexpr, M: tl.constexpr, stride_we, stride_wn, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, FETCH: tl.constexpr, FP8: tl.constexpr, SLOT_FP8: tl.constexpr):
+                    BLOCK_K: tl.constexpr, FETCH: tl.constexpr, FP8: tl.constexpr, SLOT_FP8: tl.constexpr,
+                    VEC: tl.constexpr):
         p = tl.program_id(0)  # as _gate_up_group: the expert's first pair does the work, for all its pairs
         nb = tl.program_id(1)
         mi = tl.arange(0, M)
@@ -207,7 +212,7 @@ if triton is not None:
             dt = h_ptr.dtype.element_ty  # the compute dtype
             acc = tl.zeros([M, BLOCK_N], dtype=tl.float32)
             for k0 in range(0, I, BLOCK_K):
-                cols = k0 + tl.arange(0, BLOCK_K)
+                cols = tl.max_contiguous(k0 + tl.arange(0, BLOCK_K), VEC)  # as in _gate_up_group
                 cmask = cols < I
                 m = rmask[:, None] & cmask[None, :]
                 off = rows[:, None] * stride_wn + cols[None, :]
@@ -799,7 +804,8 @@ def moe_tokens(h: torch.Tensor, top_w: torch.Tensor, top_ids: torch.Tensor, gate
                lookup: SlotLookup | None = None, host: tuple[torch.Tensor, ...] | None = None,
                src: torch.Tensor | None = None, max_tokens: int | None = None,
                token_counts: torch.Tensor | None = None,
-               slot_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+               slot_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+               out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """The routed SwiGLU experts of B decode tokens (module docstring), each token's result bitwise the same
     whatever the batch: h [B, H], top_w [B, k], top_ids [B, k] -> [B, H] in h's dtype (with ``residual`` [B, H]:
     residual + experts, rounded as torch's sum). Four kernels:
@@ -832,9 +838,16 @@ def moe_tokens(h: torch.Tensor, top_w: torch.Tensor, top_ids: torch.Tensor, gate
     ``slot_scales`` = (gate_up_scale [G, 2I], down_scale [G, H] float32): FP8 slots. gate_up / down then hold
     float8 e4m3 values, each row with its scale, and the kernels dequantize what they read (q * scale in
     float32, rounded once to h's dtype: the bits of a slot that held the dequantized weights); a miss from an
-    FP8 bank (``host``, which must then be one) is left in its slot as the bank's float8 values and scales."""
+    FP8 bank (``host``, which must then be one) is left in its slot as the bank's float8 values and scales.
+    Every way of reading the weights (resident, slots, misses from the host, FP8 slots or an FP8 bank's misses)
+    sums in one order: a tile's layout is fixed by the compute dtype, not by what is loaded.
+
+    ``out_dtype`` (default h's): float32 returns the experts' weighted sum before it is rounded (no residual
+    then), where two ways of reading the same weights can be compared bit for bit."""
     if triton is None:
         raise RuntimeError("moe_tokens needs Triton")
+    if out_dtype is not None and residual is not None and out_dtype != h.dtype:
+        raise ValueError("moe_tokens: out_dtype other than h's is for the experts' sum alone (no residual)")
     if not (gate_up.stride(-1) == 1 and down.stride(-1) == 1):
         raise ValueError("moe_tokens: row-major expert weights")
     n_tok, H = h.shape
@@ -879,17 +892,18 @@ def moe_tokens(h: torch.Tensor, top_w: torch.Tensor, top_ids: torch.Tensor, gate
                          TOK_COUNTS=token_counts is not None, S=n_slots, SP=next_pow2(n_slots),
                          IDENTITY=t is not None and t.identity, STEP=STAMP_STEP, NEVER=STAMP_NEVER, num_warps=4)
     act = torch.empty(n_pairs, inter, dtype=torch.float32, device=dev)  # [P, I]
+    vec = max(1, 16 // h.element_size())  # the columns a thread reads of a compute-dtype row: the tiles' layout
     _gate_up_group[(n_pairs, triton.cdiv(inter, block_n))](h.contiguous(), gate_up, slots, src_out, members, act,
                                                            host_gu, gu_scale, sgu, H, inter, k, mp,
                                                            gate_up.stride(0), gate_up.stride(1), BLOCK_N=block_n,
                                                            BLOCK_K=block_k, FETCH=host is not None, FP8=fp8,
-                                                           SLOT_FP8=slot_fp8)
+                                                           SLOT_FP8=slot_fp8, VEC=vec)
     ys = torch.empty(n_pairs, H, dtype=torch.float32, device=dev)  # [P, H] each pair's expert output
     _down_group[(n_pairs, triton.cdiv(H, block_n))](act, down, slots, src_out, members, ys, host_dn, dn_scale, sdn,
                                                     h, H, inter, mp, down.stride(0), down.stride(1), BLOCK_N=block_n,
                                                     BLOCK_K=block_k, FETCH=host is not None, FP8=fp8,
-                                                    SLOT_FP8=slot_fp8)
-    out = torch.empty(n_tok, H, dtype=h.dtype, device=dev)
+                                                    SLOT_FP8=slot_fp8, VEC=vec)
+    out = torch.empty(n_tok, H, dtype=out_dtype or h.dtype, device=dev)
     tw = top_w.contiguous()  # [B, k], read as float32 in the kernel
     res = out if residual is None else residual.reshape(n_tok, H).contiguous()
     block = min(1024, next_pow2(H))
