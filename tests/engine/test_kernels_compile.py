@@ -5,6 +5,8 @@ build of torch ships none); run it on a CPU with Triton installed before a GPU s
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 triton = pytest.importorskip("triton")
@@ -16,6 +18,7 @@ from abbench.engine.ops import batch_attention as ba  # noqa: E402
 from abbench.engine.ops import kernels as dk  # noqa: E402
 
 CASES: list[tuple[str, object, dict, dict]] = []
+EXPERTS: dict[tuple[str, bool, bool, bool], tuple[dict, dict]] = {}  # (kernel, fetch, fp8, slot_fp8) -> sig, consts
 
 
 def comp(fn, sig: dict, consts: dict, label: str) -> None:
@@ -31,13 +34,15 @@ for fetch, fp8, slot_fp8 in [(False, False, False), (True, False, False), (True,
     comp(dk._gate_up_group, dict(h_ptr="*bf16", w_ptr=w, slots_ptr="*i64", src_ptr="*i32", members_ptr="*i32",
                                  out_ptr="*fp32", host_ptr=host, scale_ptr="*fp32", wscale_ptr="*fp32",
                                  stride_we="i64", stride_wn="i64"),
-         dict(H=H, I=I, K=K, M=M, BLOCK_N=4, BLOCK_K=1024, FETCH=fetch, FP8=fp8, SLOT_FP8=slot_fp8),
+         dict(H=H, I=I, K=K, M=M, BLOCK_N=4, BLOCK_K=1024, FETCH=fetch, FP8=fp8, SLOT_FP8=slot_fp8, VEC=8),
          f"_gate_up_group fetch={fetch} fp8={fp8} slot_fp8={slot_fp8}")
     comp(dk._down_group, dict(a_ptr="*fp32", w_ptr=w, slots_ptr="*i64", src_ptr="*i32", members_ptr="*i32",
                               y_ptr="*fp32", host_ptr=host, scale_ptr="*fp32", wscale_ptr="*fp32", h_ptr="*bf16",
                               stride_we="i64", stride_wn="i64"),
-         dict(H=H, I=I, M=M, BLOCK_N=4, BLOCK_K=1024, FETCH=fetch, FP8=fp8, SLOT_FP8=slot_fp8),
+         dict(H=H, I=I, M=M, BLOCK_N=4, BLOCK_K=1024, FETCH=fetch, FP8=fp8, SLOT_FP8=slot_fp8, VEC=8),
          f"_down_group fetch={fetch} fp8={fp8} slot_fp8={slot_fp8}")
+    for label, fn, sig, consts in CASES[-2:]:
+        EXPERTS[(fn.__name__, fetch, fp8, slot_fp8)] = sig, consts
 for lookup, identity, pp in [(False, False, PP), (True, False, PP), (True, True, PP), (True, False, K)]:
     # (PP = K: one token's step, the grouping sized to its k pairs while M stays the 8 caches')
     comp(dk._group_experts, dict(ids_ptr="*i64", given_src_ptr="*i32", slots_ptr="*i64", src_ptr="*i32",
@@ -90,3 +95,37 @@ def test_the_kernel_compiles_for_sm90(label, fn, sig, consts):
     signature = {k: ("constexpr" if k in consts else sig[k]) for k in fn.arg_names}
     kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=consts), target=GPUTarget("cuda", 90, 32))
     assert kernel.asm["cubin"]
+
+
+def _ttgir(fn, sig: dict, consts: dict) -> str:
+    """The kernel's TritonGPU IR for sm_90, its pointers 16-byte aligned and its strides multiples of 16, as the
+    launcher specializes them when the engine calls it (the layouts follow from that alignment)."""
+    signature = {k: ("constexpr" if k in consts else sig[k]) for k in fn.arg_names}
+    attrs = {(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k in fn.arg_names
+             if k not in consts and (sig[k].startswith("*") or k.startswith("stride"))}
+    kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=consts, attrs=attrs),
+                            target=GPUTarget("cuda", 90, 32))
+    return kernel.asm["ttgir"]
+
+
+def _tile_layouts(ttgir: str) -> tuple[set[str], set[str]]:
+    """(the layouts of the loads of a [4, 1024] weight tile, the layouts of the float32 products summed along
+    its rows) in a TritonGPU module."""
+    named = dict(re.findall(r"^(#\w+) = (#ttg\.blocked<[^>]*>)", ttgir, re.M))
+    loads = {named[m] for m in re.findall(r"tt\.load .*: tensor<4x1024x!tt\.ptr<\w+>, (#\w+)>", ttgir)}
+    products = {named[m] for m in re.findall(r"arith\.mulf .*: tensor<4x1024xf32, (#\w+)>", ttgir)}
+    return loads, products
+
+
+@pytest.mark.parametrize("kernel", ["_gate_up_group", "_down_group"])
+def test_every_way_of_reading_the_weights_lays_a_tile_out_alike(kernel):
+    """Resident or slot weights in bfloat16, FP8 slots (hits; misses from an FP8 bank), bfloat16 slots filled
+    from an FP8 bank: one layout for every weight tile and every product summed along its rows, the bfloat16
+    tile's (8 columns a thread). A row's sum follows its layout, so this is what keeps the ways of reading the
+    same weights bit for bit alike on a GPU (``test_decode_kernels``' full-width test checks the bits there).
+    Before e12fb6e a float8 tile took 16 columns a thread over 2 x 2 warps, against bfloat16's 8 over 1 x 4."""
+    want = _tile_layouts(_ttgir(dk.__dict__[kernel], *EXPERTS[(kernel, False, False, False)]))
+    assert len(want[0]) == 1 and want[0] == want[1] and "sizePerThread = [1, 8]" in next(iter(want[0]))
+    for (name, fetch, fp8, slot_fp8), (sig, consts) in EXPERTS.items():
+        if name == kernel:
+            assert _tile_layouts(_ttgir(dk.__dict__[kernel], sig, consts)) == want, (fetch, fp8, slot_fp8)

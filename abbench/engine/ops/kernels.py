@@ -133,15 +133,17 @@ if triton is not None:
             acc_g = tl.zeros([M, BLOCK_N], dtype=tl.float32)  # row j: pair mem[j]
             acc_u = tl.zeros([M, BLOCK_N], dtype=tl.float32)
             for k0 in range(0, H, BLOCK_K):
-                # at most VEC columns a thread (16 bytes of the compute dtype): Triton lays a tile out by its
-                # loads' width, and the row sums below follow the layout. float8 loads would otherwise take 16
-                # a thread where the compute dtype's take 8 (bfloat16), and FP8 slots would sum in another order
-                # than slots holding the same weights dequantized (results/20261206t: other ids at full width)
-                cols = tl.max_contiguous(k0 + tl.arange(0, BLOCK_K), VEC)
+                cols = k0 + tl.arange(0, BLOCK_K)
                 cmask = cols < H
                 m = rmask[:, None] & cmask[None, :]
-                g_off = rows[:, None] * stride_wn + cols[None, :]
-                u_off = (rows[:, None] + I) * stride_wn + cols[None, :]
+                # at most VEC columns a thread (16 bytes of the compute dtype): Triton lays a tile out by its
+                # loads' width, and the row sums below follow the layout. float8 loads would otherwise take 16
+                # a thread over 2 x 2 warps where bfloat16's take 8 over 1 x 4, and FP8 slots would sum in another
+                # order than slots holding the same weights dequantized (results/20261206t: other ids at full
+                # width; tests/engine/test_kernels_compile.py compares the layouts). On the offsets, not on cols:
+                # a loop of one block folds k0 + arange into arange, and a hint on cols with it
+                g_off = tl.max_contiguous(rows[:, None] * stride_wn + cols[None, :], [1, VEC])
+                u_off = tl.max_contiguous((rows[:, None] + I) * stride_wn + cols[None, :], [1, VEC])
                 # the tile is read once for every pair of the expert
                 if SLOT_FP8:  # float8 from the slot or the host bank, dequantized as bank.dequantize_into
                     # does (q * scale in float32 rounded once to the compute dtype); a miss's float8 into its slot
@@ -212,10 +214,10 @@ if triton is not None:
             dt = h_ptr.dtype.element_ty  # the compute dtype
             acc = tl.zeros([M, BLOCK_N], dtype=tl.float32)
             for k0 in range(0, I, BLOCK_K):
-                cols = tl.max_contiguous(k0 + tl.arange(0, BLOCK_K), VEC)  # as in _gate_up_group
+                cols = k0 + tl.arange(0, BLOCK_K)
                 cmask = cols < I
                 m = rmask[:, None] & cmask[None, :]
-                off = rows[:, None] * stride_wn + cols[None, :]
+                off = tl.max_contiguous(rows[:, None] * stride_wn + cols[None, :], [1, VEC])  # as in _gate_up_group
                 if SLOT_FP8:  # as in _gate_up_group
                     if FETCH:
                         src_w = tl.where(code == -1, base, hq)
