@@ -1,7 +1,9 @@
 """Every variant of decode's Triton kernels compiles for the H200 (sm_90) where Triton is installed, GPU or not:
 what Triton's interpreter on CPU cannot check (types, branches on compile-time flags, pointer selects, a jitted
-function's tuple return). Qwen3-30B-A3B's shapes, bfloat16, 8 sequence caches. Skipped without Triton (the CPU
-build of torch ships none); run it on a CPU with Triton installed before a GPU session."""
+function's tuple return), and what compiled Triton decides that the interpreter has no notion of: the layouts
+of the experts' weight tiles, one for every way of reading them (a row's sum follows its tile's layout).
+Qwen3-30B-A3B's shapes, bfloat16, 8 sequence caches. Skipped without Triton (the CPU build of torch ships none);
+`.ci/run` installs Triton 3.6.0 (the device's) last and runs this file."""
 
 from __future__ import annotations
 
