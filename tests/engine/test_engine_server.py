@@ -423,11 +423,15 @@ def test_models_and_health(tiny):
 
 @pytest.mark.slow
 def test_cli_main_serves_and_refuses_overrides_by_default():
-    """``python -m abbench.engine`` end to end: the ready line, a completion, refusal of prefill_mode."""
+    """``python -m abbench.engine`` end to end: the ready line, a completion, refusal of prefill_mode; Ctrl-C
+    (SIGINT) ends it with one line and exit 130, not a traceback (uvicorn raises the signal again after its
+    shutdown)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "abbench.engine", "--port", "0", "--max-context", "64",
                              "--log-level", "warning"], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+                            stderr=subprocess.STDOUT, text=True,
+                            # SIGINT as a terminal gives it (a suite started in the background passes it ignored)
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         lines = []
         deadline = time.monotonic() + 90
@@ -453,8 +457,10 @@ def test_cli_main_serves_and_refuses_overrides_by_default():
             row = np.frombuffer(base64.b64decode(whole.json()["abbench"]["full_logprobs"]), dtype="<f4")
             assert int(np.argmax(row)) == whole.json()["choices"][0]["token_ids"][0]
     finally:
-        proc.terminate()
-        assert proc.wait(20) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal after a clean shutdown
+        proc.send_signal(signal.SIGINT)
+        rest, _ = proc.communicate(timeout=20)
+    assert proc.returncode == 130, rest
+    assert "Traceback" not in rest and rest.rstrip().endswith("abbench engine: stopped (SIGINT)"), rest
 
 
 # --------------------------------------------------------------------------------------------------

@@ -16,7 +16,10 @@ What they share is done once, here, for both:
   after, so "port accepts connections" means "ready"; one line ``abbench engine ready: http://HOST:PORT ...``
   is printed (and flushed) when it listens. ``--port 0`` picks a free port; the ready line names it.
 
-Exit codes: 0 after a clean shutdown (SIGINT/SIGTERM); failures raise ``SystemExit``: 2 for usage errors
+Exit codes: SIGINT (Ctrl-C) and SIGTERM shut down gracefully (requests in flight get 5 s). After SIGINT, at
+any point (while the model builds too), the process prints one line and exits 130, the shell's code for Ctrl-C,
+with no traceback; after SIGTERM uvicorn raises the signal again once it has shut down, so a parent sees the
+process ended by SIGTERM (-15 to Python's ``subprocess``). Failures raise ``SystemExit``: 2 for usage errors
 (argparse, a bad tokenizer spec, the guard), 1 when the port cannot be bound or the backend cannot be built,
 each with a one-line message on stderr.
 
@@ -427,7 +430,15 @@ _BUILD_ERRORS = {"engine": (ValueError, TypeError, RuntimeError, OSError),
 
 def main(argv: list[str] | None = None) -> int:
     """Parse ``argv`` (``--backend`` picks the backend), check the key, bind, build the backend, serve until
-    SIGINT/SIGTERM; returns 0 after a clean shutdown (module docstring: exit codes)."""
+    SIGINT/SIGTERM (module docstring: exit codes)."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # Ctrl-C: uvicorn raises it again after its graceful shutdown, or it came mid-build
+        print("abbench engine: stopped (SIGINT)", file=sys.stderr, flush=True)
+        return 130
+
+
+def _main(argv: list[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     backend = _backend_of(argv)
     parser = build_arg_parser(backend)
