@@ -85,6 +85,7 @@ from abbench.analysis.transfer import (
     engine_counter_table,
     floor_table,
     h2d_table,
+    probe_spread,
 )
 
 __all__ = [
@@ -96,6 +97,6 @@ __all__ = [
     "active_path_summary", "analyze", "arm_names", "arm_parity_references", "arm_tolerances", "classify", "compare_ids", "completeness",
     "engine_counter_table", "expected_paths", "floor_table", "gate", "gate_spec", "h2d_table", "max_tokens",
     "measured_ok", "median_ci", "memory_table", "overhead_table", "paired_ratios", "parity_frame",
-    "parity_reference_arm", "parity_tokens_of", "ratio_summary", "reference_arm", "samples_frame", "service_arms", "small_n_notes",
+    "parity_reference_arm", "parity_tokens_of", "probe_spread", "ratio_summary", "reference_arm", "samples_frame", "service_arms", "small_n_notes",
     "ttft_table", "verdict", "where",
 ]

@@ -349,7 +349,10 @@ def check_active_path(g: GateInput) -> CheckResult:
     fallback = (expecting["status"] == "fallback").to_numpy(dtype=bool)
     allowed_fb = expecting[fallback & _flags(expecting["allowed"], True)]
     if not allowed_fb.empty:
-        why = sorted({f"{a}: {r} ({'one-chunk prompt' if is_value(e, False) else 'gate.allow_fallback'})"
+        # the engine's reason may start with the mode it fell back from ("layer-major: prompt fits in one
+        # chunk"): where that is the arm's name too, the arm is not named twice
+        why = sorted({f"{r if str(r).startswith(f'{a}: ') else f'{a}: {r}'} "
+                      f"({'one-chunk prompt' if is_value(e, False) else 'gate.allow_fallback'})"
                       for a, r, e in zip(allowed_fb["arm"], allowed_fb["fallback_reason"], allowed_fb["eligible"])})
         notes.append(f"{len(allowed_fb)} allowed fallback(s): " + ", ".join(why))
     if expecting.empty:

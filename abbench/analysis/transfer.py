@@ -42,6 +42,27 @@ def _primed(flags: pd.Series) -> str | None:
     return f"{sum(said)}/{len(said)}" if said else None
 
 
+PROBE_SPREAD_LIMIT = 3.0
+"""The most the services' measured H2D bandwidths may differ within a run (max / min) for a copy floor to be
+given. A GPU's PCIe link measures alike in every service (committed H100/H200 runs: within 1.6x); a busy CPU host
+does not (its "H2D" is a memory copy timed beside other processes: 0.07 to 88 GB/s in one cpu-tiny run), and a
+floor divided by such a number is noise."""
+
+
+def probe_spread(record: RunRecord) -> tuple[float, float] | None:
+    """(min, max) of the measured H2D bandwidth (GB/s) over the run's measured ok samples, when they differ by
+    more than :data:`PROBE_SPREAD_LIMIT` (the copy floors are then left out); None when they agree or none
+    was measured."""
+    df = measured_ok_frame(record)
+    if df.empty or "measured_h2d_gbps" not in df:
+        return None
+    g = pd.to_numeric(df["measured_h2d_gbps"], errors="coerce")
+    g = g[np.isfinite(g) & (g > 0)]
+    if g.empty or g.max() <= PROBE_SPREAD_LIMIT * g.min():
+        return None
+    return float(g.min()), float(g.max())
+
+
 def h2d_table(record: RunRecord) -> pd.DataFrame:
     """Per arm, kind and length (medians over measured ok samples): the engine's H2D bytes (whole request,
     and its prefill/decode split), the prefill bytes in banks (prefill_h2d / bank_bytes; the whole request's
@@ -55,8 +76,10 @@ def h2d_table(record: RunRecord) -> pd.DataFrame:
     ``alloc_retries``: the most CUDA caching-allocator retries of one request (cache freed, cudaMalloc again:
     memory pressure that costs time); ``primed``: "k/n" requests whose first layer's copy had started as they
     arrived (the vendored engine's ``first_layer_primed``; their TTFT includes that copy, their bytes too), None
-    where the engine does not say. Rows only where the engine or NVML gave numbers."""
+    where the engine does not say. Rows only where the engine or NVML gave numbers. No floor where the services'
+    bandwidth probes disagree (:func:`probe_spread`)."""
     df = measured_ok_frame(record)
+    unstable = probe_spread(record) is not None
     rows = []
     for (arm, kind, tokens), g in df.groupby(["arm", "kind", "target_tokens"], sort=False, dropna=False):
         if g["h2d_bytes"].isna().all() and g["nvml_pcie_rx_bytes"].isna().all():
@@ -66,7 +89,7 @@ def h2d_table(record: RunRecord) -> pd.DataFrame:
         windows = g["n_windows"].fillna(1.0).clip(lower=1.0)
         gbps = g["measured_h2d_gbps"]
         floor = (bank * windows / (gbps.where(gbps > 0) * 1e9)).dropna()
-        if kind not in FLOOR_KINDS:
+        if kind not in FLOOR_KINDS or unstable:
             floor = floor.iloc[0:0]
         prefill = g["prefill_h2d_bytes"].where(g["prefill_h2d_bytes"].notna(), h2d)
         med_h2d, med_bank = median_of(h2d), median_of(bank)
@@ -107,11 +130,13 @@ def floor_table(record: RunRecord) -> pd.DataFrame:
     arm is its compute floor (the same arithmetic with every expert on the device, e.g. resident FP8 for a
     streamed FP8 arm, where another arithmetic may run faster or slower), and the copy floor is one bank over the measured H2D bandwidth (the arm's own
     bank where the arms' banks differ in size, e.g. an FP8 bank beside a bf16 one). Each
-    arm's median TTFT over that floor says how close it gets (1.0 = at the floor). Empty when the run has
-    neither a resident arm nor engine bank/bandwidth numbers."""
+    arm's median TTFT over that floor says how close it gets (1.0 = at the floor). No copy floor where the
+    services' bandwidth probes disagree (:func:`probe_spread`). Empty when the run has neither a resident arm
+    nor engine bank/bandwidth numbers."""
     df = measured_ok_frame(record)
     if df.empty:
         return frame([], FLOOR_COLUMNS)
+    unstable = probe_spread(record) is not None
     df = df[df["kind"].isin(FLOOR_KINDS)]
     resident_arms = {a for a, p in expected_paths(record).items() if p == "resident"}
     own = {a: r for a, r in arm_parity_references(record).items() if r in resident_arms}
@@ -119,6 +144,8 @@ def floor_table(record: RunRecord) -> pd.DataFrame:
     for (kind, tokens), g in df.groupby(["kind", "target_tokens"], sort=False, dropna=False):
         gbps = g["measured_h2d_gbps"]
         copy = (g["bank_bytes"] / (gbps.where(gbps > 0) * 1e9)).dropna()
+        if unstable:
+            copy = copy.iloc[0:0]
         # one copy floor per bank size: arms whose banks differ (an FP8 bank beside a bf16 one) each get their
         # own; arms with the same bank share the median over all their samples
         copy_by_bank = {bank: median_of(copy[g.loc[copy.index, "bank_bytes"] == bank])

@@ -458,7 +458,12 @@ def test_gate_passes_a_fallback_with_reason_on_a_one_chunk_prompt() -> None:
     s.engine = {**(s.engine or {}), "prefill_path": "chunked", "fallback_reason": "single chunk"}
     v = an.gate(rec)
     assert v.passed, v.failures
-    assert any("single chunk (one-chunk prompt)" in n for n in v.notes)
+    assert any("B: single chunk (one-chunk prompt)" in n for n in v.notes)
+    # a reason that starts with the arm's name (the vendored engine's start with the mode, an arm's usual name)
+    # does not name it twice
+    s.engine = {**s.engine, "fallback_reason": "B: prompt fits in one chunk"}
+    v = an.gate(rec)
+    assert v.passed and any("fallback(s): B: prompt fits in one chunk (one-chunk prompt)" in n for n in v.notes)
     # without n_chunks the engine does not show the prompt ineligible: the fallback must be declared
     s.engine = {k: v for k, v in s.engine.items() if k != "n_chunks"}
     v = an.gate(rec)

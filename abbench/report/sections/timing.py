@@ -11,6 +11,7 @@ import pandas as pd
 from abbench import analysis as an
 from abbench.report.format import DASH, Col, fmt_gb, fmt_gib, fmt_int, fmt_num, fmt_pct, fmt_ratio, fmt_s, is_na, table
 from abbench.report.sections.base import CELL_COLS, ReportInput, plot_link
+from abbench.report.sections.transfer import probe_spread_note
 
 
 def ttft_section(ri: ReportInput) -> list[str]:
@@ -141,8 +142,10 @@ def ratios_section(ri: ReportInput) -> list[str]:
 
 def floor_section(ri: ReportInput) -> list[str]:
     a = ri.analysis
-    if a.floor.empty:
-        return []
+    if a.floor.empty:  # said where the floors went when the probes left none (and no resident arm sets one)
+        return (["## Distance to the floor", "", *_spread_lines(ri)[:1],
+                 "", "No resident arm sets a compute floor either: no cell has a floor."]
+                if _spread_lines(ri) else [])
     return [
         "## Distance to the floor", "",
         ("The physical floor of a fresh prompt's TTFT: max(compute floor, copy floor). Compute floor = the "
@@ -157,7 +160,12 @@ def floor_section(ri: ReportInput) -> list[str]:
                         Col("floor_s", "Floor", fmt_s), Col("bound", "Bound by", descriptive=True, right=False),
                         Col("over_floor", "x floor", fmt_ratio)]),
         "",
-    ] + _gap_lines(a)
+    ] + _spread_lines(ri) + _gap_lines(a)
+
+
+def _spread_lines(ri: ReportInput) -> list[str]:
+    spread = an.probe_spread(ri.record)
+    return [] if spread is None else [probe_spread_note(spread), ""]
 
 
 def _gap_lines(a: an.Analysis) -> list[str]:

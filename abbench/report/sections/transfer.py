@@ -69,11 +69,23 @@ def h2d_section(ri: ReportInput) -> list[str]:
               + ([Col("alloc_retries", "Alloc retries", fmt_int)] if has_retries else [])
               + ([Col("primed", "Primed", descriptive=True)] if has_primed else [])),
     ]
+    spread = an.probe_spread(ri.record)
+    if spread is not None:
+        lines += ["", probe_spread_note(spread)]
     if not has_engine:
         lines += ["", "The engine reported no H2D counters: only NVML's estimate is shown."]
     if not has_nvml:
         lines += ["", "NVML gave no PCIe RX estimate: the engine's counters are not cross-checked."]
     return lines + plot_link(plots, "h2d", "H2D bytes per arm and length")
+
+
+def probe_spread_note(spread: tuple[float, float]) -> str:
+    """Why a run's copy floors are left out: its services measured H2D bandwidths too far apart."""
+    lo, hi = spread
+    return (f"No copy floor: the services' H2D bandwidth probes disagree ({lo:.2f} to {hi:.2f} GB/s, more than "
+            f"{an.transfer.PROBE_SPREAD_LIMIT:g}x apart), as on a CPU host, where the probe times a memory copy "
+            "beside whatever else runs, not a PCIe link. The byte columns stand; a floor divided by such a "
+            "bandwidth would be noise.")
 
 
 def engine_counters_section(ri: ReportInput) -> list[str]:
