@@ -660,3 +660,36 @@ def test_hf_directory_tokenizer(tmp_path):
     pieces = [detok.push(i) for i in ids]
     assert "\ufffd" not in "".join(pieces) and FLAMINGO in pieces
     assert "".join(pieces) + detok.flush() == text
+
+
+@pytest.mark.parametrize("backend", ["engine", "transformers"])
+def test_serve_help_explains_every_option_and_its_examples_parse(backend: str) -> None:
+    """`abbench serve --help`: every option has a help text, and each `abbench serve` example in its epilog
+    parses with the engine's own parser (`abbench memory-plan` examples are typer's, checked there)."""
+    import shlex
+
+    from abbench.engine.serve.launch import EXAMPLES, build_arg_parser
+
+    parser = build_arg_parser(backend)
+    assert [a.option_strings for a in parser._actions if not a.help] == []
+    assert parser.format_help().rstrip().endswith(EXAMPLES.rstrip().splitlines()[-1])
+    lines = EXAMPLES.replace("\\\n", " ").splitlines()
+    serves = [shlex.split(line.partition("#")[0])[2:] for line in lines if line.strip().startswith("abbench serve")]
+    assert len(serves) >= 3
+    for argv in serves:
+        chosen = "transformers" if "--backend" in argv and argv[argv.index("--backend") + 1] == "transformers" \
+            else "engine"
+        build_arg_parser(chosen).parse_args(argv)  # SystemExit(2) on an option that does not exist
+
+
+def test_the_memory_plan_example_in_serve_help_runs() -> None:
+    import shlex
+
+    from typer.testing import CliRunner
+
+    from abbench.cli import app
+    from abbench.engine.serve.launch import EXAMPLES
+
+    (line,) = [ln for ln in EXAMPLES.splitlines() if ln.strip().startswith("abbench memory-plan")]
+    r = CliRunner().invoke(app, shlex.split(line.partition("#")[0])[1:], env={"COLUMNS": "200"})
+    assert r.exit_code == 0 and "--chunk-tokens auto takes this" in r.output, r.output

@@ -33,6 +33,7 @@ import argparse
 import ipaddress
 import logging
 import os
+import shutil
 import socket
 import sys
 from typing import Any
@@ -57,6 +58,18 @@ _DESCRIPTION = {
     "transformers": "Serve a model's transformers implementation (greedy reference) over the vendored engine's "
                     "OpenAI-compatible API.",
 }
+EXAMPLES = """\
+Examples:
+  abbench serve --port 8000                    # the tiny preset on CPU, random weights, chunked prefill
+  abbench serve --prefill-mode layer-major --chunk-tokens 128 --port 8001
+  abbench serve --backend transformers --model DIR --port 8002   # the reference: the model's transformers code
+  abbench memory-plan --model qwen3.5-35b-a3b --budget 16 --max-context 65536   # a 16 GB card's plan, no GPU
+  abbench serve --model qwen3.5-35b-a3b --device cuda --gpu-memory-budget 16 --max-context 65536 \\
+      --chunk-tokens auto --prefill-mode layer-major --port 8000   # on the GPU: random weights, real shapes
+Add --check-plan to a GPU command to see its plan and exit. `abbench run` launches these from a profile's
+[engine] command; README.md shows how to A/B two of them."""
+"""What ``--help`` ends with."""
+
 _OVERRIDES = {"engine": "prefill_mode, chunk_tokens, attention_batch, decode_misses, trace_layers and full_logprobs "
                         "fields",
               "transformers": "trace_layers and full_logprobs fields"}
@@ -121,7 +134,13 @@ def _engine_options(e: argparse._ArgumentGroup) -> None:
                    "CUDA a Triton kernel, in every prefill mode, resident included, so other bits than compute's; "
                    "per-row scales only); w8a8: as gemm, with the activations quantized per row to FP8 too and "
                    "the GEMM in FP8 math (other numbers: judge such an arm by numerics)")
-    e.add_argument("--prefill-mode", default="chunked", choices=PREFILL_MODES)
+    e.add_argument("--prefill-mode", default="chunked", choices=PREFILL_MODES,
+                   help="the prefill path of requests that name none: chunked (each chunk runs through every "
+                   "layer, so the expert bank streams once per chunk), layer-major (every chunk runs through a "
+                   "layer before the next: the bank streams once per window), demand (chunks of at most "
+                   "--demand-max-tokens copy only the experts they are routed to), resident (every expert on the "
+                   "device, nothing streamed: the floor the others are judged against), auto (the engine's cost "
+                   "model picks one per request and says why). Default chunked")
     e.add_argument("--check-plan", action="store_true",
                    help="check this command's configuration and device-memory plan as the engine would at start "
                    "(the device's free memory without --gpu-memory-budget), print the plan and exit: 0 when it "
@@ -132,8 +151,14 @@ def _engine_options(e: argparse._ArgumentGroup) -> None:
                    f"largest of {', '.join(map(str, AUTO_CHUNK_TOKENS))} whose device-memory plan fits (on a GPU "
                    "or with --gpu-memory-budget; else 2048): larger chunks launch fewer kernels but take "
                    "workspace from decode's slots. The chosen length is logged at start")
-    e.add_argument("--layer-major-window-tokens", type=int, default=None)
-    e.add_argument("--demand-max-tokens", type=int, default=None)
+    e.add_argument("--layer-major-window-tokens", type=int, default=None, metavar="TOKENS",
+                   help="the most prompt tokens one layer-major window parks between layers (their activations "
+                   "are held on the device): a longer prompt runs in windows, each streaming the bank once. "
+                   "Default 65536")
+    e.add_argument("--demand-max-tokens", type=int, default=None, metavar="TOKENS",
+                   help="demand prefill copies only the routed experts of each chunk of at most this many "
+                   "tokens (a short turn touches few experts); a prompt whose every chunk is longer runs chunked. "
+                   "Default 256")
     e.add_argument("--gpu-memory-budget", dest="gpu_memory_budget_gib", type=float, default=None, metavar="GIB",
                    help="device memory the engine may use, in GiB (2^30 bytes, as cards are sized: a 16 GB card "
                    "holds 16 GiB), CUDA context and the runtime's reserve included, so the process fits a card "
@@ -203,13 +228,18 @@ def _engine_options(e: argparse._ArgumentGroup) -> None:
     e.add_argument("--attention-batch-max-context", type=int, default=None, metavar="TOKENS",
                    help="the longest context a batched attention group may end at (default 16384: on the H200 the "
                    "joint call was faster below ~6K tokens, even at 16K-64K and slower at 128K)")
-    e.add_argument("--d2d-from-slot-cache", action="store_true", default=None)
+    e.add_argument("--d2d-from-slot-cache", action="store_true", default=None,
+                   help="prefill takes an expert that decode's slot cache already holds device-to-device instead "
+                   "of over PCIe (off by default; not with --slots-share-buffers on)")
     e.add_argument("--slots-share-buffers", choices=SLOTS_SHARE_BUFFERS, default=None,
                    help="decode's slot cache in the memory of the prefill's two layer buffers: the budget holds the "
                    "larger of the two instead of both, and each prefill overwrites the slots (decode starts cold "
                    "after it); one sequence at a time, streamed prefill. Default auto: on where the budget leaves "
                    "fewer slots than a token's experts beside the buffers (a long context on a small card), else off")
-    e.add_argument("--max-context", type=int, default=None)
+    e.add_argument("--max-context", type=int, default=None, metavar="TOKENS",
+                   help="the KV cache's length per sequence, prompt and output together (default: the model's "
+                   "own limit, max_position_embeddings); a prompt that does not fit is refused (HTTP 400, "
+                   "context_length_exceeded)")
     e.add_argument("--max-num-seqs", type=int, default=None, metavar="N",
                    help="sequences the engine runs at once (continuous batching: requests join and leave between "
                    "decode steps; queued layer-major prompts are prefilled together, one bank stream for the "
@@ -230,7 +260,9 @@ def _reference_options(r: argparse._ArgumentGroup) -> None:
                    "(default: the model directory)")
     r.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     r.add_argument("--dtype", default=None, choices=DTYPES, help="default: float32 on cpu, bfloat16 on cuda")
-    r.add_argument("--max-context", type=int, default=None)
+    r.add_argument("--max-context", type=int, default=None, metavar="TOKENS",
+                   help="the longest prompt and output together a request may have (default: the model's own "
+                   "limit); a prompt that does not fit is refused (HTTP 400, context_length_exceeded)")
     r.add_argument("--attn-implementation", default=None, help="transformers attn_implementation (eager, sdpa, ...)")
     r.add_argument("--make-tiny-checkpoint", metavar="DIR", default=None,
                    help="write the random tiny Qwen3-MoE checkpoint (profiles/cpu-tiny-reference.toml) to DIR "
@@ -240,7 +272,11 @@ def _reference_options(r: argparse._ArgumentGroup) -> None:
 def build_arg_parser(backend: str = "engine") -> argparse.ArgumentParser:
     """The command line of ``backend``: ``--backend``, the backend's own options, then the server's (the same
     for both)."""
-    p = argparse.ArgumentParser(prog=_PROG[backend], description=_DESCRIPTION[backend])
+    import textwrap
+
+    width = max(40, min(shutil.get_terminal_size().columns, 120) - 2)  # raw text below: wrapped here
+    p = argparse.ArgumentParser(prog=_PROG[backend], description=textwrap.fill(_DESCRIPTION[backend], width),
+                                epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--backend", choices=BACKENDS, default="engine",
                    help="engine: the vendored engine (default); transformers: the model's transformers "
                    "implementation behind the same API (the reference)")
@@ -260,7 +296,8 @@ def build_arg_parser(backend: str = "engine") -> argparse.ArgumentParser:
                    help="allow a non-loopback --host without an API key (anyone who can reach it can use it)")
     s.add_argument("--port", type=int, default=8000, help="port (0 picks a free one; default 8000)")
     s.add_argument("--served-model-name", default=None, help="model name in the API (default: --model)")
-    s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   help="the server's and uvicorn's logging (default info)")
     return p
 
 
