@@ -692,4 +692,4 @@ def test_the_memory_plan_example_in_serve_help_runs() -> None:
 
     (line,) = [ln for ln in EXAMPLES.splitlines() if ln.strip().startswith("abbench memory-plan")]
     r = CliRunner().invoke(app, shlex.split(line.partition("#")[0])[1:], env={"COLUMNS": "200"})
-    assert r.exit_code == 0 and "--chunk-tokens auto takes this" in r.output, r.output
+    assert r.exit_code == 0 and "max context 65,536, budget 16 GiB" in r.output, r.output
