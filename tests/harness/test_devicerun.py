@@ -255,7 +255,7 @@ OLDER_RENDERING = {
     "20261201f-h200-peer-llamacpp", "20261201g-h200-qwen3.5-35b-a3b-long", "20261201j-h200-qwen3-30b-a3b-sweep-skewed",
     "20261201j-h200-qwen3-30b-a3b-sweep", "20261201l-h200-qwen3-30b-a3b-sweep-skewed",
     "20261201l-h200-qwen3-30b-a3b-sweep", "20261201n-h200-decode-kernels", "chunk-sizes-bf16", "cpu-tiny-auto",
-    "cpu-tiny-sweep", "readme-cpu-tiny",
+    "cpu-tiny-sweep",
 }
 
 
