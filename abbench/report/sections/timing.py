@@ -21,7 +21,8 @@ def ttft_section(ri: ReportInput) -> list[str]:
         return lines + ["No measured ok sample with a TTFT: nothing to show."]
     lines += [
         ("Time to first token measured by the harness (from just before the request to the first streamed "
-        "text), measured ok samples only."), "",
+        "text), measured ok samples only. Decode tok/s: the median of each request's (output tokens - 1) / "
+        "(total - TTFT)."), "",
         table(a.ttft, [*CELL_COLS, Col("median_s", "Median", fmt_s),
                        Col("min_s", "Min", fmt_s), Col("max_s", "Max", fmt_s),
                        Col("decode_tok_s", "Decode tok/s", lambda v: fmt_num(v, 1), descriptive=True)]),

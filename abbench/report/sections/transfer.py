@@ -123,7 +123,9 @@ def decode_section(ri: ReportInput) -> list[str]:
     has_added = a.decode["added_device_bytes"].notna().any()  # engines that report memory held at the start
     has_misses = a.decode["decode_misses"].notna().any()  # engines that name who copies the misses
     lines += [
-        ("Medians per request. Step = (total - TTFT) / (output tokens - 1) as the harness saw it; decode H2D per "
+        ("Medians per request. Step = (total - TTFT) / (output tokens - 1) as the harness saw it, and Decode "
+         "tok/s = 1 / Step (the median step: with an even n it can differ from the TTFT table's median of the "
+         "requests' rates); decode H2D per "
          "step = experts copied into the decode slot cache; hit rate = routed (layer, expert) pairs found in "
          "the slot cache. Peak device memory: the engine's own peak allocation during the request (torch), and "
          "NVML's peak for the service's processes."
