@@ -44,9 +44,9 @@ def _primed(flags: pd.Series) -> str | None:
 
 PROBE_SPREAD_LIMIT = 3.0
 """The most the services' measured H2D bandwidths may differ within a run (max / min) for a copy floor to be
-given. A GPU's PCIe link measures alike in every service (committed H100/H200 runs: within 1.6x); a busy CPU host
-does not (its "H2D" is a memory copy timed beside other processes: 0.07 to 88 GB/s in one cpu-tiny run), and a
-floor divided by such a number is noise."""
+given. A GPU's PCIe link measures alike in every service (the 52 committed H100/H200 runs: within 1.46x); a
+busy CPU host does not (its "H2D" is a memory copy timed beside other processes: 0.1 to 88 GB/s in
+results/cpu-tiny-auto), and a floor divided by such a number is noise."""
 
 
 def probe_spread(record: RunRecord) -> tuple[float, float] | None:
