@@ -207,3 +207,26 @@ def test_import_does_not_load_matplotlib() -> None:
     code = "import sys, abbench.report; assert 'matplotlib' not in sys.modules"
     root = Path(__file__).resolve().parents[2]
     subprocess.run([sys.executable, "-c", code], check=True, cwd=root)
+
+
+def test_the_header_says_when_every_arm_ran_on_this_hosts_cpu() -> None:
+    """A run whose host has no GPU and whose servers it launched itself ran on the CPU: the header says so, and
+    that its timings are not a GPU's. A GPU host, or an arm attached by base_url (a server elsewhere), does not
+    get the line."""
+    import copy
+
+    from abbench.report.sections.summary import cpu_only
+    from abbench.results import load_run
+
+    repo = Path(__file__).resolve().parents[2]
+    cpu, _ = load_run(repo / "results" / "readme-cpu-tiny")
+    gpu, _ = load_run(repo / "results" / "20261129b-h200-qwen3-30b-a3b")
+    assert cpu_only(cpu) and not cpu_only(gpu)
+    assert "- **Device:** CPU only" in (repo / "reports" / "readme-cpu-tiny.md").read_text()
+    assert "- **Device:**" not in (repo / "reports" / "20261129b-h200-qwen3-30b-a3b.md").read_text()
+    attached = copy.deepcopy(cpu)
+    attached.profile["arms"][1]["base_url"] = "http://127.0.0.1:8001"
+    assert not cpu_only(attached)
+    older = copy.deepcopy(cpu)
+    older.environment.pop("gpus")  # a run that did not record the host's GPUs
+    assert not cpu_only(older)

@@ -33,7 +33,21 @@ def header_section(ri: ReportInput) -> list[str]:
     cmd = command_of(record.environment)
     if cmd:
         lines.append(f"- **Command:** {code(cmd)}")
+    if cpu_only(record):
+        lines.append("- **Device:** CPU only (this host has no GPU and launched every arm's server): the figures "
+                     "check the harness, the engines' arithmetic and their byte accounting, not a GPU's speed")
     return lines
+
+
+def cpu_only(record: RunRecord) -> bool:
+    """Whether every arm ran on this run's CPU: the harness launched each arm's server (no ``base_url``: a
+    server started elsewhere may have a GPU) on a host where it found no GPU."""
+    env = record.environment or {}
+    if env.get("gpus") != [] or not record.services:
+        return False  # a GPU, or no record of the host's (an older run), or nothing launched
+    prof = record.profile or {}
+    arms = prof.get("arms") or []
+    return not (prof.get("engine") or {}).get("base_url") and not any(a.get("base_url") for a in arms)
 
 
 def _auto_rounds(record: RunRecord) -> str:
