@@ -67,6 +67,7 @@ from abbench.analysis.frames import (
     arm_tolerances,
     completeness,
     expected_paths,
+    frames_cached,
     gate_spec,
     is_missing,
     is_value,
@@ -519,6 +520,12 @@ def gate(record: RunRecord, *, parity_tokens: int | None = None, checks: list[st
     """The gate's verdict on a run (rules in the module docstring). ``parity_tokens`` overrides
     ``gate.parity_tokens`` of the recorded profile, ``accept_near_ties`` its ``gate.accept_near_ties``;
     ``checks`` adds declared checks to the profile's."""
+    with frames_cached():
+        return _gate(record, parity_tokens, checks, accept_near_ties)
+
+
+def _gate(record: RunRecord, parity_tokens: int | None, checks: list[str] | None,
+          accept_near_ties: float | None) -> GateVerdict:
     k = parity_tokens_of(record, parity_tokens)
     if accept_near_ties is None:
         g = GateInput.of(record, k)

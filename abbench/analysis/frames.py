@@ -21,8 +21,10 @@ engine's per-request object read through :class:`abbench.engine.stats.AbbenchSta
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -219,7 +221,33 @@ def samples_frame(record: RunRecord) -> pd.DataFrame:
     return sample_frame(record, record.samples)
 
 
+_FRAMES: contextvars.ContextVar[dict | None] = contextvars.ContextVar("abbench_sample_frames", default=None)
+
+
+@contextlib.contextmanager
+def frames_cached() -> Iterator[None]:
+    """Inside it, :func:`sample_frame` builds each (record, samples) frame once and hands out copies: one
+    analysis or gate computes a dozen tables from the same samples, and building the frame (a pydantic read of
+    every sample's engine stats) was most of their time. Only for code that does not change the record
+    meanwhile (:func:`abbench.analysis.summary.analyze`, :func:`abbench.analysis.checks.gate`)."""
+    token = _FRAMES.set({})
+    try:
+        yield
+    finally:
+        _FRAMES.reset(token)
+
+
 def sample_frame(record: RunRecord, samples: list[Sample]) -> pd.DataFrame:
+    cache = _FRAMES.get()
+    if cache is None:
+        return _sample_frame(record, samples)
+    key = (id(record), tuple(id(s) for s in samples))
+    if key not in cache:
+        cache[key] = _sample_frame(record, samples)
+    return cache[key].copy()
+
+
+def _sample_frame(record: RunRecord, samples: list[Sample]) -> pd.DataFrame:
     targets = prompt_targets(record)
     rows = []
     for s in samples:

@@ -14,6 +14,7 @@ from abbench.analysis.frames import (
     Completeness,
     arm_names,
     completeness,
+    frames_cached,
     memory_table,
     parity_reference_arm,
     reference_arm,
@@ -73,6 +74,12 @@ class Analysis:
 def analyze(record: RunRecord, *, parity_tokens: int | None = None, near_tie_nats: float = NEAR_TIE_NATS,
             checks: list[str] | None = None) -> Analysis:
     """Everything the report shows; ``checks`` adds declared checks to the profile's ``gate.checks``."""
+    with frames_cached():
+        return _analyze(record, parity_tokens=parity_tokens, near_tie_nats=near_tie_nats, checks=checks)
+
+
+def _analyze(record: RunRecord, *, parity_tokens: int | None, near_tie_nats: float,
+             checks: list[str] | None) -> Analysis:
     k = parity_tokens_of(record, parity_tokens)
     ttft = ttft_table(record)
     pairs = paired_ratios(record)
