@@ -144,9 +144,9 @@ def ratios_section(ri: ReportInput) -> list[str]:
 def floor_section(ri: ReportInput) -> list[str]:
     a = ri.analysis
     if a.floor.empty:  # said where the floors went when the probes left none (and no resident arm sets one)
-        return (["## Distance to the floor", "", *_spread_lines(ri)[:1],
-                 "", "No resident arm sets a compute floor either: no cell has a floor."]
-                if _spread_lines(ri) else [])
+        spread = _spread_lines(ri)
+        return (["## Distance to the floor", "", *spread, "No resident arm sets a compute floor either: no cell has "
+                 "a floor."] if spread else [])
     return [
         "## Distance to the floor", "",
         ("The physical floor of a fresh prompt's TTFT: max(compute floor, copy floor). Compute floor = the "
